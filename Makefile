@@ -1,0 +1,50 @@
+# lightning_troll — set-up, tests and lint.
+#
+#   make setup   .venv with torch (a CPU build where no CUDA driver is found) and the project
+#   make test    setup, then the whole test suite
+#   make lint    ruff check + ruff format --check
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_VERSION ?= 2.13.0
+# Where a CPU-only torch comes from when no local wheel of it is on pip's find-links.
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+STAMP := $(VENV)/.installed
+
+.PHONY: setup test lint format clean
+
+setup: $(STAMP)
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+# torch is installed first and on its own: with no torch present, the range in pyproject.toml
+# would pull a CUDA build of several GB even on a machine without a GPU.
+$(STAMP): pyproject.toml | $(PY)
+	@if ! $(PY) -c "import torch" 2>/dev/null; then \
+	  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+	    echo "CUDA driver found: installing torch==$(TORCH_VERSION) (CUDA build)"; \
+	    $(PY) -m pip install "torch==$(TORCH_VERSION)"; \
+	  else \
+	    echo "no CUDA driver: installing a CPU build of torch==$(TORCH_VERSION)"; \
+	    $(PY) -m pip install --no-index "torch==$(TORCH_VERSION)" 2>/dev/null \
+	      || $(PY) -m pip install "torch==$(TORCH_VERSION)" --index-url "$(TORCH_CPU_INDEX)"; \
+	  fi; \
+	fi
+	$(PY) -m pip install -e ".[dev]"
+	@touch $(STAMP)
+
+test: setup
+	$(PY) -m pytest
+
+lint: setup
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+format: setup
+	$(PY) -m ruff check --fix .
+	$(PY) -m ruff format .
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info

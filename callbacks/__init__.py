@@ -1,0 +1,1 @@
+"""Lightning callbacks of lightning_troll (installed as ``lightning_troll.callbacks``)."""

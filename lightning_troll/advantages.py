@@ -1,0 +1,118 @@
+"""Group-relative advantage estimators for G samples per prompt.
+
+Notation: B = P * G rewards, P prompts with G samples each, laid out prompt-major (rows
+``i * G .. i * G + G - 1`` belong to prompt i). Every estimator maps ``(B,)`` rewards to ``(B,)``
+advantages. A group whose rewards are all equal carries no signal: its advantages are exactly 0.
+
+    grpo          (r - mean_g) / std_g                          (GRPO)
+    dr_grpo       r - mean_g                                    (Dr.GRPO: no std division)
+    rloo          r - mean of the other G - 1 rewards           (RLOO)
+    reinforce_pp  (r - mean_g) / std over the whole batch       (REINFORCE++-baseline)
+
+``std`` is the sample standard deviation (Bessel's correction). Register your own with
+:func:`register_advantage_estimator`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "compute_advantages",
+    "dr_grpo",
+    "get_advantage_estimator",
+    "grpo",
+    "register_advantage_estimator",
+    "reinforce_pp",
+    "rloo",
+]
+
+AdvantageEstimator = Callable[[Tensor, int], Tensor]
+ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {}
+
+# A group (or batch) whose reward spread is below this counts as having none.
+_ZERO_STD = 1e-8
+
+
+def register_advantage_estimator(name: str) -> Callable[[AdvantageEstimator], AdvantageEstimator]:
+    """Decorator: adds ``fn(rewards (B,), group_size) -> advantages (B,)`` under ``name``."""
+
+    def add(fn: AdvantageEstimator) -> AdvantageEstimator:
+        if name in ADVANTAGE_ESTIMATORS:
+            raise ValueError(f"an advantage estimator named {name!r} is already registered")
+        ADVANTAGE_ESTIMATORS[name] = fn
+        return fn
+
+    return add
+
+
+def get_advantage_estimator(name: str) -> AdvantageEstimator:
+    if name not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"estimator must be one of {sorted(ADVANTAGE_ESTIMATORS)}; got {name!r}")
+    return ADVANTAGE_ESTIMATORS[name]
+
+
+def compute_advantages(name: str, rewards: Tensor, group_size: int) -> Tensor:
+    """Validates the inputs once, then runs the estimator ``name``."""
+    return get_advantage_estimator(name)(rewards, group_size)
+
+
+def _groups(rewards: Tensor, group_size: int, min_size: int = 1) -> Tensor:
+    """(B,) -> (P, G) in float32 or wider, after checking shape, divisibility and finiteness."""
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be a 1-D tensor (B,); got shape {tuple(rewards.shape)}")
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < min_size:
+        raise ValueError(f"group_size must be an integer >= {min_size}; got {group_size!r}")
+    if rewards.numel() % group_size:
+        raise ValueError(
+            f"group_size={group_size} must divide the number of rewards; got {rewards.numel()} "
+            f"rewards (use a multiple of {group_size})"
+        )
+    if not bool(rewards.isfinite().all()):
+        bad = (~rewards.isfinite()).nonzero().flatten().tolist()
+        raise ValueError(f"rewards must be finite; got NaN or inf at rows {bad[:10]}")
+    dtype = torch.float64 if rewards.dtype == torch.float64 else torch.float32
+    return rewards.to(dtype).view(-1, group_size)
+
+
+def _centred(groups: Tensor) -> Tensor:
+    """r - group mean, exactly 0 in groups without spread."""
+    flat = (groups.amax(-1, keepdim=True) - groups.amin(-1, keepdim=True)) <= _ZERO_STD
+    return torch.where(flat, 0.0, groups - groups.mean(-1, keepdim=True))
+
+
+def _scaled(values: Tensor, std: Tensor) -> Tensor:
+    return torch.where(std > _ZERO_STD, values / std.clamp_min(_ZERO_STD), 0.0)
+
+
+@register_advantage_estimator("grpo")
+def grpo(rewards: Tensor, group_size: int) -> Tensor:
+    """(r - group mean) / group std (sample std); G >= 2."""
+    groups = _groups(rewards, group_size, min_size=2)  # (P, G)
+    return _scaled(_centred(groups), groups.std(-1, keepdim=True)).flatten()
+
+
+@register_advantage_estimator("dr_grpo")
+def dr_grpo(rewards: Tensor, group_size: int) -> Tensor:
+    """r - group mean (Dr.GRPO removes the std division)."""
+    return _centred(_groups(rewards, group_size)).flatten()
+
+
+@register_advantage_estimator("rloo")
+def rloo(rewards: Tensor, group_size: int) -> Tensor:
+    """r - mean of the other G - 1 rewards = G / (G - 1) * (r - group mean); G >= 2."""
+    groups = _groups(rewards, group_size, min_size=2)
+    return (_centred(groups) * (group_size / (group_size - 1))).flatten()
+
+
+@register_advantage_estimator("reinforce_pp")
+def reinforce_pp(rewards: Tensor, group_size: int) -> Tensor:
+    """REINFORCE++-baseline: r - group mean, divided by the std of those over the whole batch."""
+    centred = _centred(_groups(rewards, group_size)).flatten()  # (B,)
+    if centred.numel() < 2:
+        return torch.zeros_like(centred)
+    return _scaled(centred, centred.std())

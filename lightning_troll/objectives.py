@@ -1,0 +1,454 @@
+"""Policy objectives: TROLL (trust-region projection) and PPO-style clipping.
+
+    J_TROLL = agg_t[ pi_proj(o_t) / pi_old(o_t) * A_t ] - alpha * agg_t[ KL(pi_new || sg(pi_proj)) ]
+    J_clip  = agg_t[ min(r_t A_t, clip(r_t, 1 - eps_low, 1 + eps_high) A_t) ]   (+ dual clip c)
+
+Both objectives share the importance level (``token``, or ``sequence`` as in GSPO), the
+aggregation over tokens and sequences, an optional reference-KL penalty and an entropy bonus;
+each returns ``(loss, stats)`` with ``loss = -J`` (+ penalties) and a detached statistics record.
+
+Notation (shape comments below use these letters):
+
+    B   sequences in the (mini)batch        T   response positions, padded
+    V   vocabulary                          N   response tokens, ``mask.sum()``
+
+Per-token inputs are padded ``(B, T)`` tensors with a boolean ``mask`` of response tokens; the
+old policy's sparse distributions hold one row per response token in the row-major order of
+``mask`` (the order of ``logits[mask]``). Nothing here imports Lightning or transformers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from lightning_troll.projection import ProjectionResult, SparseDistribution, TrustRegionProjection
+
+__all__ = [
+    "AGGREGATIONS",
+    "IMPORTANCE_LEVELS",
+    "OBJECTIVES",
+    "REF_KL_ESTIMATORS",
+    "ClipObjective",
+    "ClipStats",
+    "ObjectiveStats",
+    "PolicyObjective",
+    "TrollObjective",
+    "TrollStats",
+    "build_objective",
+    "token_entropy",
+]
+
+# --------------------------------------------------------------------------------------------
+# Aggregation: (B, T) per-token values -> scalar
+# --------------------------------------------------------------------------------------------
+
+
+def token_mean(values: Tensor, mask: Tensor, norm_length: int) -> Tensor:
+    """Mean over every response token of the batch (long sequences weigh more)."""
+    return torch.where(mask, values, 0.0).sum() / mask.sum().clamp_min(1)
+
+
+def seq_mean_token_mean(values: Tensor, mask: Tensor, norm_length: int) -> Tensor:
+    """Mean over sequences of the per-sequence token mean (GRPO); empty sequences are skipped."""
+    lengths = mask.sum(-1)  # (B,)
+    per_seq = torch.where(mask, values, 0.0).sum(-1) / lengths.clamp_min(1)  # (B,)
+    return per_seq.sum() / (lengths > 0).sum().clamp_min(1)
+
+
+def seq_mean_token_sum_norm(values: Tensor, mask: Tensor, norm_length: int) -> Tensor:
+    """Per-sequence token sum divided by a constant length, mean over sequences (Dr.GRPO)."""
+    per_seq = torch.where(mask, values, 0.0).sum(-1) / norm_length  # (B,)
+    return per_seq.mean() if per_seq.numel() else per_seq.sum()
+
+
+AGGREGATIONS: dict[str, Callable[[Tensor, Tensor, int], Tensor]] = {
+    "token_mean": token_mean,
+    "seq_mean_token_mean": seq_mean_token_mean,
+    "seq_mean_token_sum_norm": seq_mean_token_sum_norm,
+}
+
+# --------------------------------------------------------------------------------------------
+# Importance level: (B, T) new and old token log-probs -> (B, T) ratios
+# --------------------------------------------------------------------------------------------
+
+
+def token_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
+    """r_t = pi(o_t) / pi_old(o_t) per token."""
+    return torch.where(mask, logp - old_logp, 0.0).exp()
+
+
+def sequence_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
+    """GSPO: s = exp(mean_t log r_t) per sequence, detached, times pi(o_t) / sg(pi(o_t)).
+
+    Every token of a sequence has the value s; the gradient of a token is s * grad log pi(o_t).
+    """
+    log_r = torch.where(mask, logp - old_logp, 0.0)  # (B, T)
+    seq = (log_r.sum(-1) / mask.sum(-1).clamp_min(1)).detach()  # (B,)
+    return torch.where(mask, seq.unsqueeze(-1) + logp - logp.detach(), 0.0).exp()  # (B, T)
+
+
+IMPORTANCE_LEVELS: dict[str, Callable[[Tensor, Tensor, Tensor], Tensor]] = {
+    "token": token_ratio,
+    "sequence": sequence_ratio,
+}
+
+# --------------------------------------------------------------------------------------------
+# Reference-KL estimators: (B, T) log pi and log pi_ref -> (B, T) per-token KL estimates
+# --------------------------------------------------------------------------------------------
+
+REF_KL_ESTIMATORS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+    # k1 = log pi - log pi_ref (unbiased, high variance, can be negative)
+    "k1": lambda logp, ref: logp - ref,
+    # k3 = exp(d) - d - 1 with d = log pi_ref - log pi (unbiased, never negative)
+    "k3": lambda logp, ref: torch.expm1(ref - logp) - (ref - logp),
+}
+
+
+def _choice(option: str, value: str, allowed: dict) -> str:
+    if value not in allowed:
+        raise ValueError(f"{option} must be one of {sorted(allowed)}; got {value!r}")
+    return value
+
+
+def token_entropy(logits: Tensor) -> Tensor:
+    """Entropy of ``softmax(logits)`` per row, (..., V) -> (...), in float32 or wider."""
+    x = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32)
+    logz = torch.logsumexp(x, dim=-1, keepdim=True)
+    return (logz - (torch.softmax(x, dim=-1) * x).sum(-1, keepdim=True)).squeeze(-1)
+
+
+# --------------------------------------------------------------------------------------------
+# Statistics records (all tensors detached)
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ObjectiveStats:
+    """What every objective reports; scalars are 0-d tensors, per-token tensors are (N,)."""
+
+    loss: Tensor
+    policy_loss: Tensor
+    regression_loss: Tensor
+    ref_kl: Tensor
+    entropy: Tensor
+    ratio_mean: Tensor
+    ratio_min: Tensor
+    ratio_max: Tensor
+    num_tokens: Tensor
+    token_ratio: Tensor
+    """(N,) importance ratio of each response token."""
+
+
+@dataclass(frozen=True)
+class ClipStats(ObjectiveStats):
+    clip_frac_low: Tensor
+    """Fraction of tokens with A < 0 and r < 1 - eps_low (no gradient)."""
+    clip_frac_high: Tensor
+    """Fraction of tokens with A > 0 and r > 1 + eps_high (no gradient)."""
+    dual_clip_frac: Tensor
+    """Fraction of tokens with A < 0 and r > dual_clip (no gradient)."""
+
+    @property
+    def clip_frac(self) -> Tensor:
+        return self.clip_frac_low + self.clip_frac_high + self.dual_clip_frac
+
+
+@dataclass(frozen=True)
+class TrollStats(ObjectiveStats):
+    projection: ProjectionResult
+    """Per-token projection outputs (kl_before, kl_after, eta, coverage, support_size), detached."""
+    active_frac: Tensor
+    """Fraction of tokens whose distribution was projected (eta > 0)."""
+
+
+def _masked_stats(values: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """mean, min, max of a 1-D tensor; zeros when it is empty."""
+    if values.numel() == 0:
+        zero = values.new_zeros(())
+        return zero, zero, zero
+    return values.mean(), values.min(), values.max()
+
+
+# --------------------------------------------------------------------------------------------
+# Objectives
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _TokenTerms:
+    logprob: Tensor  # (N,) log-prob entering the importance ratio
+    new_logprob: Tensor  # (N,) log-prob of the current (unprojected) policy
+    regression: Tensor | None  # (N,) per-token regression loss, or None
+    stats: dict = field(default_factory=dict)  # objective-specific statistics, detached
+
+
+class PolicyObjective(nn.Module):
+    """Shared machinery of the policy objectives.
+
+    Args:
+        importance: ``token`` (PPO/GRPO) or ``sequence`` (GSPO).
+        aggregation: ``token_mean``, ``seq_mean_token_mean`` (GRPO) or
+            ``seq_mean_token_sum_norm`` (Dr.GRPO).
+        norm_length: the constant length of ``seq_mean_token_sum_norm`` (the generation budget);
+            ``None`` uses the padded length T of each batch.
+        ref_kl_coef: weight beta of the reference-KL penalty, >= 0 (0 switches it off).
+        ref_kl_estimator: ``k1`` or ``k3``.
+        entropy_coef: weight of the entropy bonus, >= 0 (0 switches it off).
+    """
+
+    def __init__(
+        self,
+        importance: str = "token",
+        aggregation: str = "token_mean",
+        norm_length: int | None = None,
+        ref_kl_coef: float = 0.0,
+        ref_kl_estimator: str = "k3",
+        entropy_coef: float = 0.0,
+    ) -> None:
+        super().__init__()
+        self.importance = _choice("importance", importance, IMPORTANCE_LEVELS)
+        self.aggregation = _choice("aggregation", aggregation, AGGREGATIONS)
+        self.ref_kl_estimator = _choice("ref_kl_estimator", ref_kl_estimator, REF_KL_ESTIMATORS)
+        if norm_length is not None and (isinstance(norm_length, bool) or norm_length < 1):
+            raise ValueError(f"norm_length must be None or an integer >= 1; got {norm_length!r}")
+        for name, value in (("ref_kl_coef", ref_kl_coef), ("entropy_coef", entropy_coef)):
+            if not value >= 0:
+                raise ValueError(f"{name} must be >= 0; got {value!r}")
+        self.norm_length = norm_length
+        self.ref_kl_coef = float(ref_kl_coef)
+        self.entropy_coef = float(entropy_coef)
+
+    def forward(
+        self,
+        logits: Tensor,
+        tokens: Tensor,
+        mask: Tensor,
+        advantages: Tensor,
+        old_logprobs: Tensor,
+        old: SparseDistribution | None = None,
+        ref_logprobs: Tensor | None = None,
+    ) -> tuple[Tensor, ObjectiveStats]:
+        """Loss ``-J`` (+ penalties) and its statistics.
+
+        Args:
+            logits: ``(B, T, V)`` policy logits at the positions that predict ``tokens``.
+            tokens: ``(B, T)`` sampled response tokens.
+            mask: ``(B, T)`` bool, True at response tokens.
+            advantages: ``(B,)`` per sequence or ``(B, T)`` per token.
+            old_logprobs: ``(B, T)`` log-probs of ``tokens`` under the behaviour policy.
+            old: the behaviour policy's sparse distributions, one row per response token
+                (TROLL needs them; clipping ignores them).
+            ref_logprobs: ``(B, T)`` reference-policy log-probs, needed when ``ref_kl_coef > 0``.
+        """
+        self._check_inputs(logits, tokens, mask, advantages, old_logprobs, ref_logprobs)
+        rows = logits[mask]  # (N, V)
+        terms = self._token_terms(rows, tokens[mask], old)
+
+        def scatter(values: Tensor) -> Tensor:  # (N,) -> (B, T), zeros at padding
+            return values.new_zeros(mask.shape).index_put((mask,), values)
+
+        logp = scatter(terms.logprob)  # (B, T)
+        old_logp = old_logprobs.to(logp.dtype)
+        ratio = IMPORTANCE_LEVELS[self.importance](logp, old_logp, mask)  # (B, T)
+        adv = advantages.to(logp.dtype)
+        adv = adv.unsqueeze(-1).expand_as(ratio) if adv.dim() == 1 else adv  # (B, T)
+        objective, extra = self._surrogate(ratio, adv, mask)  # (B, T)
+
+        norm = self.norm_length or mask.shape[-1]
+
+        def aggregate(values: Tensor) -> Tensor:
+            return AGGREGATIONS[self.aggregation](values, mask, norm)
+
+        policy_loss = -aggregate(objective)
+        loss = policy_loss
+        zero = policy_loss.new_zeros(())
+        regression_loss = (
+            aggregate(scatter(terms.regression)) if terms.regression is not None else zero
+        )
+        loss = loss + self._regression_weight * regression_loss
+
+        ref_kl = zero
+        if self.ref_kl_coef > 0:
+            per_token = REF_KL_ESTIMATORS[self.ref_kl_estimator](
+                scatter(terms.new_logprob), ref_logprobs.to(logp.dtype)
+            )
+            ref_kl = aggregate(per_token)
+            loss = loss + self.ref_kl_coef * ref_kl
+
+        if self.entropy_coef > 0:
+            entropy = aggregate(scatter(token_entropy(rows)))
+            loss = loss - self.entropy_coef * entropy
+        else:
+            with torch.no_grad():
+                entropy = aggregate(scatter(token_entropy(rows)))
+
+        token_ratios = ratio.detach()[mask]  # (N,)
+        r_mean, r_min, r_max = _masked_stats(token_ratios)
+        stats = self._stats_type(
+            loss=loss.detach(),
+            policy_loss=policy_loss.detach(),
+            regression_loss=regression_loss.detach(),
+            ref_kl=ref_kl.detach(),
+            entropy=entropy.detach(),
+            ratio_mean=r_mean,
+            ratio_min=r_min,
+            ratio_max=r_max,
+            num_tokens=mask.sum(),
+            token_ratio=token_ratios,
+            **terms.stats,
+            **extra,
+        )
+        return loss, stats
+
+    # Subclasses define these -----------------------------------------------------------------
+    _stats_type: type[ObjectiveStats] = ObjectiveStats
+    _regression_weight: float = 0.0
+
+    def _token_terms(
+        self, rows: Tensor, tokens: Tensor, old: SparseDistribution | None
+    ) -> _TokenTerms:
+        raise NotImplementedError
+
+    def _surrogate(self, ratio: Tensor, adv: Tensor, mask: Tensor) -> tuple[Tensor, dict]:
+        raise NotImplementedError
+
+    # -----------------------------------------------------------------------------------------
+    def _check_inputs(self, logits, tokens, mask, advantages, old_logprobs, ref_logprobs) -> None:
+        if logits.dim() != 3:
+            raise ValueError(f"logits must be (B, T, V); got shape {tuple(logits.shape)}")
+        bt = logits.shape[:2]
+        for name, t in (("tokens", tokens), ("mask", mask), ("old_logprobs", old_logprobs)):
+            if t.shape != bt:
+                raise ValueError(f"{name} must be (B, T) = {tuple(bt)}; got {tuple(t.shape)}")
+        if mask.dtype != torch.bool:
+            raise ValueError(f"mask must be a bool tensor; got {mask.dtype}")
+        if advantages.shape not in (bt[:1], bt):
+            raise ValueError(
+                f"advantages must be (B,) = ({bt[0]},) or (B, T) = {tuple(bt)}; "
+                f"got {tuple(advantages.shape)}"
+            )
+        if self.ref_kl_coef > 0 and (ref_logprobs is None or ref_logprobs.shape != bt):
+            got = None if ref_logprobs is None else tuple(ref_logprobs.shape)
+            raise ValueError(
+                f"ref_kl_coef={self.ref_kl_coef} needs ref_logprobs of shape (B, T) = "
+                f"{tuple(bt)}; got {got}"
+            )
+
+
+class ClipObjective(PolicyObjective):
+    """PPO-style clipped surrogate (the baseline TROLL replaces).
+
+    Args:
+        eps_low: lower clip range, the ratio is clipped at ``1 - eps_low``; in (0, 1).
+        eps_high: upper clip range, ``1 + eps_high``; > 0. ``None`` uses ``eps_low`` (symmetric).
+        dual_clip: optional constant c > 1 bounding the loss of negative-advantage tokens at
+            ``c * A`` (dual-clip PPO); ``None`` switches it off.
+        **kwargs: see :class:`PolicyObjective`.
+    """
+
+    _stats_type = ClipStats
+
+    def __init__(
+        self,
+        eps_low: float = 0.2,
+        eps_high: float | None = None,
+        dual_clip: float | None = None,
+        **kwargs,
+    ) -> None:
+        super().__init__(**kwargs)
+        eps_high = eps_low if eps_high is None else eps_high
+        if not 0 < eps_low < 1:
+            raise ValueError(f"eps_low must be in (0, 1); got {eps_low!r}")
+        if not eps_high > 0:
+            raise ValueError(f"eps_high must be > 0; got {eps_high!r}")
+        if dual_clip is not None and not dual_clip > 1:
+            raise ValueError(f"dual_clip must be None or > 1; got {dual_clip!r}")
+        self.eps_low, self.eps_high, self.dual_clip = float(eps_low), float(eps_high), dual_clip
+
+    def extra_repr(self) -> str:
+        return f"eps_low={self.eps_low}, eps_high={self.eps_high}, dual_clip={self.dual_clip}"
+
+    def _token_terms(self, rows, tokens, old) -> _TokenTerms:
+        x = rows.to(torch.float64 if rows.dtype == torch.float64 else torch.float32)
+        logp = x.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(x, dim=-1)
+        return _TokenTerms(logprob=logp, new_logprob=logp, regression=None)
+
+    def _surrogate(self, ratio, adv, mask):
+        low, high = 1.0 - self.eps_low, 1.0 + self.eps_high
+        objective = torch.minimum(ratio * adv, ratio.clamp(low, high) * adv)  # (B, T)
+        r = ratio.detach()
+        frac = lambda hit: (hit & mask).sum() / mask.sum().clamp_min(1)  # noqa: E731
+        dual = torch.zeros_like(mask)
+        if self.dual_clip is not None:
+            objective = torch.where(
+                adv < 0, torch.maximum(objective, self.dual_clip * adv), objective
+            )
+            dual = (adv < 0) & (r > self.dual_clip)
+        return objective, {
+            "clip_frac_low": frac((adv < 0) & (r < low)),
+            "clip_frac_high": frac((adv > 0) & (r > high)),
+            "dual_clip_frac": frac(dual),
+        }
+
+
+class TrollObjective(PolicyObjective):
+    """TROLL: the ratio uses the projected policy, plus a regression of pi_new onto pi_proj.
+
+    Args:
+        eps: KL bound per token, > 0.
+        alpha: weight of the regression term KL(pi_new || sg(pi_proj)), >= 0.
+        max_tokens: the most tokens kept per row by probability, >= 1.
+        mass_delta: stop keeping tokens once their mass reaches ``1 - mass_delta``, in [0, 1).
+        **kwargs: see :class:`PolicyObjective`.
+    """
+
+    _stats_type = TrollStats
+
+    def __init__(
+        self,
+        eps: float = 0.05,
+        alpha: float = 1.0,
+        max_tokens: int = 64,
+        mass_delta: float = 1e-5,
+        **kwargs,
+    ) -> None:
+        super().__init__(**kwargs)
+        if not alpha >= 0:
+            raise ValueError(f"alpha must be >= 0; got {alpha!r}")
+        self.alpha = float(alpha)
+        self.projection = TrustRegionProjection(
+            eps=eps, max_tokens=max_tokens, mass_delta=mass_delta
+        )
+
+    @property
+    def _regression_weight(self) -> float:  # type: ignore[override]
+        return self.alpha
+
+    def extra_repr(self) -> str:
+        return f"alpha={self.alpha}"
+
+    def _token_terms(self, rows, tokens, old) -> _TokenTerms:
+        if old is None:
+            raise ValueError("TrollObjective needs old: the behaviour policy's SparseDistribution")
+        result = self.projection(rows, old, tokens)
+        projected = result.eta.detach() > 0  # (N,)
+        stats = {
+            "projection": result.detach(),
+            "active_frac": projected.sum() / max(projected.numel(), 1),
+        }
+        return _TokenTerms(result.logprob, result.new_logprob, result.regression_kl, stats)
+
+    def _surrogate(self, ratio, adv, mask):
+        return ratio * adv, {}
+
+
+OBJECTIVES: dict[str, type[PolicyObjective]] = {"troll": TrollObjective, "clip": ClipObjective}
+
+
+def build_objective(name: str, **kwargs) -> PolicyObjective:
+    """An objective by name (``troll`` or ``clip``) with its keyword arguments."""
+    return OBJECTIVES[_choice("objective", name, OBJECTIVES)](**kwargs)

@@ -1,0 +1,323 @@
+"""Differentiable KL trust-region projection of token distributions (TROLL).
+
+Per response token, with ``a = log pi_new`` (differentiable) and ``b = log pi_old`` (fixed),
+the projection solves
+
+    minimise KL(pi || pi_new)   subject to   KL(pi || pi_old) <= eps
+
+whose solution is the geometric interpolation
+
+    log pi_eta = (a + eta * b) / (1 + eta) - logZ(eta)
+
+with ``eta* = 0`` when ``KL(pi_new || pi_old) <= eps`` (the identity) and otherwise the root of
+``KL(pi_eta || pi_old) = eps``; the KL falls monotonically in ``eta``. The root is found by a
+safeguarded Newton iteration in ``log eta`` and the gradient flows through ``eta*`` by implicit
+differentiation (the exact gradient, not the "eta held fixed" shortcut).
+
+:func:`sparsify` keeps, per row, the most probable tokens of a distribution; the sparse layer
+:class:`TrustRegionProjection` runs the projection on the union of the old and new supports plus
+one lumped "rest" bucket, so its cost is ``O(N * K)`` after one pass over the vocabulary.
+
+Notation (shape comments below use these letters):
+
+    N   rows (response tokens)          V   vocabulary size
+    K   kept tokens per row (old)       k   kept tokens per row (new), <= max_tokens
+    L   union support U = S_old + S_new + {token}, before de-duplication
+    C   categories of a projection problem (V dense, L + 1 sparse)
+    M   rows whose bound is violated (the only rows the root finder sees)
+
+Nothing here imports Lightning or transformers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+from torch import Tensor, nn
+
+from lightning_troll.kl_solver import project_log_probs
+from lightning_troll.sparse import (
+    SparseDistribution,
+    check_sparsity,
+    check_tokens,
+    compute_dtype,
+    prefix_count,
+    sparsify,
+)
+
+__all__ = [
+    "ProjectionResult",
+    "SparseDistribution",
+    "TrustRegionProjection",
+    "kl_projection",
+    "sparsify",
+]
+
+_NEG_INF = float("-inf")
+
+
+@dataclass(frozen=True)
+class ProjectionResult:
+    """Per-row output of :class:`TrustRegionProjection`; masked rows hold zeros."""
+
+    logprob: Tensor
+    """(N,) projected log-probability of the token, differentiable."""
+    new_logprob: Tensor
+    """(N,) unprojected log-probability of the token under the new policy, differentiable."""
+    old_logprob: Tensor
+    """(N,) log-probability of the token under the old (sparse) distribution."""
+    regression_kl: Tensor
+    """(N,) KL(pi_new || stopgrad(pi_proj)) on the support plus rest bucket, differentiable."""
+    kl_before: Tensor
+    """(N,) KL(pi_new || pi_old) before projection."""
+    kl_after: Tensor
+    """(N,) KL(pi_proj || pi_old) after projection (<= eps up to solver tolerance)."""
+    eta: Tensor
+    """(N,) the dual variable eta* (0 where the bound was already met)."""
+    coverage: Tensor
+    """(N,) old-policy mass covered by its kept tokens."""
+    support_size: Tensor
+    """(N,) number of tokens |U| the projection ran on (the rest bucket not counted)."""
+
+    def detach(self) -> ProjectionResult:
+        return ProjectionResult(**{f.name: getattr(self, f.name).detach() for f in fields(self)})
+
+
+def _check_eps(eps: float) -> None:
+    if not (isinstance(eps, (int, float)) and eps > 0):  # also rejects NaN
+        raise ValueError(f"eps must be a number > 0 (the KL bound); got {eps!r}")
+
+
+def kl_projection(new_logits: Tensor, old_logits: Tensor, eps: float | Tensor) -> Tensor:
+    """Exact dense projection of ``softmax(new_logits)`` onto ``KL(. || softmax(old_logits)) <= eps``.
+
+    Args:
+        new_logits: ``(..., V)`` logits of the new policy; the result is differentiable in them,
+            with the exact gradient through eta*.
+        old_logits: ``(..., V)`` logits of the old policy (treated as constant).
+        eps: the KL bound, a float or a tensor broadcastable to ``(...)``, every entry > 0.
+
+    Returns:
+        ``(..., V)`` projected log-probabilities, in float32 (float64 for float64 inputs). Rows
+        with ``KL(new || old) <= eps`` are returned unchanged (the log-softmax of new_logits).
+    """
+    if new_logits.shape != old_logits.shape or new_logits.dim() < 1:
+        raise ValueError(
+            "new_logits and old_logits must have the same shape (..., V); got "
+            f"{tuple(new_logits.shape)} and {tuple(old_logits.shape)}"
+        )
+    if new_logits.device != old_logits.device:
+        raise ValueError(
+            f"new_logits and old_logits must be on one device; got {new_logits.device} and "
+            f"{old_logits.device}"
+        )
+    dtype = compute_dtype(new_logits)
+    compute_dtype(old_logits)
+    batch_shape, vocab = new_logits.shape[:-1], new_logits.shape[-1]
+    eps_t = torch.as_tensor(eps, dtype=dtype, device=new_logits.device)
+    try:
+        eps_t = eps_t.expand(batch_shape).reshape(-1)
+    except RuntimeError:
+        raise ValueError(
+            f"eps must be a float or a tensor broadcastable to {tuple(batch_shape)}; got shape "
+            f"{tuple(eps_t.shape)}"
+        ) from None
+    if not bool((eps_t > 0).all()):
+        raise ValueError(f"eps must be > 0 everywhere; got minimum {eps_t.min().item()!r}")
+    a = torch.log_softmax(new_logits.to(dtype).reshape(-1, vocab), dim=-1)  # (M, V)
+    b = torch.log_softmax(old_logits.detach().to(dtype).reshape(-1, vocab), dim=-1)  # (M, V)
+    logp = project_log_probs(a, b, eps_t)[0]
+    return logp.reshape(new_logits.shape)
+
+
+# --------------------------------------------------------------------------------------------
+# The sparse layer
+# --------------------------------------------------------------------------------------------
+
+
+class _SupportLogProbs(torch.autograd.Function):
+    """log pi_new on a support U and on the rest bucket, with a one-buffer backward.
+
+    The forward receives what was computed without gradient (logZ and the log rest mass, summed
+    from the rest itself) and gathers the support; the backward writes the gradient with respect
+    to the logits in a single (n, V) buffer instead of the several that autograd would keep:
+
+        d a_j / d x_k    = [k = j] - p_k                  (a_j = x_j - logZ, j in U)
+        d rest / d x_k   = [k not in U] p_k / R - p_k      (rest = log R, R = sum_{k not in U} p_k)
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, logz: Tensor, index: Tensor, valid: Tensor, log_rest: Tensor):
+        # x (n, V) logits; logz (n,); index, valid (n, L); log_rest (n,)
+        a = x.gather(-1, index).to(logz.dtype) - logz.unsqueeze(-1)  # (n, L)
+        a = a.masked_fill(~valid, _NEG_INF)
+        ctx.save_for_backward(x, logz, index, valid, log_rest)
+        return a, log_rest.clone()
+
+    @staticmethod
+    def backward(ctx, grad_a: Tensor, grad_rest: Tensor):
+        x, logz, index, valid, log_rest = ctx.saved_tensors
+        grad_a = torch.where(valid, grad_a, 0.0)  # (n, L)
+        rest = log_rest.exp()  # (n,)
+        per_rest = torch.where(rest > 0, grad_rest / rest, 0.0)  # (n,)
+        total = grad_a.sum(-1) + grad_rest  # (n,)
+        grad = (x.to(logz.dtype) - logz.unsqueeze(-1)).exp_()  # (n, V) = p
+        p_u = grad.gather(-1, index)  # (n, L)
+        grad.mul_((per_rest - total).unsqueeze(-1))  # right outside U
+        # Inside U the rest term must not appear: overwrite, then add g_a - p G there.
+        grad.scatter_(-1, index, 0.0)
+        grad.scatter_add_(-1, index, torch.where(valid, grad_a - p_u * total.unsqueeze(-1), 0.0))
+        return grad.to(x.dtype), None, None, None, None
+
+
+class TrustRegionProjection(nn.Module):
+    """Projects each row's new token distribution onto ``KL(. || pi_old) <= eps``, sparsely.
+
+    The projection runs on the support ``U = S_old + S_new + {token}`` plus one rest bucket: S_old
+    is the cached old distribution (:func:`sparsify`), S_new the new policy's most probable tokens
+    chosen with the same ``max_tokens`` / ``mass_delta`` rule. Old mass outside S_old is spread
+    uniformly over the ``V - |S_old|`` tokens it covers; the new rest mass is summed from the
+    logits outside U. With ``max_tokens >= V`` and ``mass_delta = 0`` this equals
+    :func:`kl_projection`.
+
+    Args:
+        eps: the KL bound per token, > 0 (0.05 in the paper).
+        max_tokens: the most tokens kept per row by probability, >= 1 (64 in the paper).
+        mass_delta: stop keeping tokens once their mass reaches ``1 - mass_delta``, in [0, 1).
+    """
+
+    def __init__(self, eps: float = 0.05, max_tokens: int = 64, mass_delta: float = 1e-5) -> None:
+        super().__init__()
+        _check_eps(eps)
+        check_sparsity(max_tokens, mass_delta)
+        self.eps = float(eps)
+        self.max_tokens = max_tokens
+        self.mass_delta = float(mass_delta)
+
+    def extra_repr(self) -> str:
+        return f"eps={self.eps}, max_tokens={self.max_tokens}, mass_delta={self.mass_delta}"
+
+    def forward(
+        self,
+        new_logits: Tensor,
+        old: SparseDistribution,
+        tokens: Tensor,
+        mask: Tensor | None = None,
+    ) -> ProjectionResult:
+        """Projects every row (or every row where ``mask`` is True).
+
+        Args:
+            new_logits: ``(N, V)`` logits of the policy being trained.
+            old: the old policy's sparse distributions, one row per row of ``new_logits``.
+            tokens: ``(N,)`` the sampled token of each row.
+            mask: optional ``(N,)`` bool; rows where it is False are skipped (their results are 0
+                and they get no gradient), so padding never produces NaNs.
+        """
+        self._check_inputs(new_logits, old, tokens, mask)
+        if mask is None:
+            return self._project_rows(new_logits, old, tokens)
+        rows = mask.nonzero().squeeze(-1)  # (n,)
+        part = self._project_rows(new_logits[rows], old.select(rows), tokens[rows])
+        n = new_logits.shape[0]
+        return ProjectionResult(
+            **{
+                f.name: getattr(part, f.name).new_zeros(n).index_put((rows,), getattr(part, f.name))
+                for f in fields(part)
+            }
+        )
+
+    def _check_inputs(
+        self, new_logits: Tensor, old: SparseDistribution, tokens: Tensor, mask: Tensor | None
+    ) -> None:
+        if new_logits.dim() != 2:
+            raise ValueError(f"new_logits must be (N, V); got shape {tuple(new_logits.shape)}")
+        n, vocab = new_logits.shape
+        compute_dtype(new_logits)
+        if old.num_rows != n or old.vocab_size != vocab:
+            raise ValueError(
+                f"old must have one row per row of new_logits and their vocabulary: (N, V) = "
+                f"({n}, {vocab}); got {old.num_rows} rows over a vocabulary of {old.vocab_size}"
+            )
+        if old.indices.device != new_logits.device:
+            raise ValueError(
+                f"old is on {old.indices.device} but new_logits on {new_logits.device}"
+            )
+        check_tokens(tokens, n, vocab, new_logits.device, "tokens")
+        if mask is not None and (mask.shape != (n,) or mask.dtype != torch.bool):
+            raise ValueError(
+                f"mask must be a ({n},) bool tensor; got {tuple(mask.shape)} {mask.dtype}"
+            )
+
+    def _project_rows(self, x: Tensor, old: SparseDistribution, tokens: Tensor) -> ProjectionResult:
+        dtype = compute_dtype(x)
+        n, vocab = x.shape
+        with torch.no_grad():
+            index, valid, old_lp, in_old, token_pos, logz, log_rest = self._support(
+                x, old, tokens, dtype
+            )
+            support = valid.sum(-1)  # (n,) |U|
+            # Old log-probs on U: kept tokens exactly, the others share the tail uniformly.
+            tail = old.tail_logmass.to(dtype)  # (n,)
+            outside = (vocab - old.sizes).to(dtype).clamp_min(1).log()  # log(V - |S_old|)
+            spread = (tail - outside).unsqueeze(-1)  # (n, 1)
+            b_u = torch.where(in_old, old_lp, torch.where(valid, spread, _NEG_INF))  # (n, L)
+            n_rest = (vocab - support).to(dtype)  # tokens in the rest bucket
+            b_rest = torch.where(n_rest > 0, tail + n_rest.log() - outside, _NEG_INF)  # (n,)
+            b = torch.cat([b_u, b_rest.unsqueeze(-1)], dim=-1)  # (n, L+1)
+        a_u, a_rest = _SupportLogProbs.apply(x, logz, index, valid, log_rest)
+        a = torch.cat([a_u, a_rest.unsqueeze(-1)], dim=-1)  # (n, L+1)
+        eps = torch.full((n,), self.eps, dtype=dtype, device=x.device)
+        logp, eta, kl_before, kl_after = project_log_probs(a, b, eps)  # (n, L+1), (n,) x 3
+
+        pos = token_pos.unsqueeze(-1)  # (n, 1)
+        p_new = a.exp()  # (n, L+1)
+        gap = torch.where(p_new > 0, a - logp.detach(), 0.0)  # (n, L+1)
+        return ProjectionResult(
+            logprob=logp.gather(-1, pos).squeeze(-1),
+            new_logprob=a.gather(-1, pos).squeeze(-1),
+            old_logprob=b.gather(-1, pos).squeeze(-1),
+            regression_kl=(p_new * gap).sum(-1),
+            kl_before=kl_before,
+            kl_after=kl_after,
+            eta=eta,
+            coverage=old.coverage.to(dtype),
+            support_size=support.to(dtype),
+        )
+
+    def _support(self, x: Tensor, old: SparseDistribution, tokens: Tensor, dtype: torch.dtype):
+        """U = S_old + S_new + {token}, de-duplicated, and the new rest mass.
+
+        Returns index (n, L) (entries that are not valid repeat a valid index), valid (n, L),
+        old log-prob of entries from S_old (n, L), in_old (n, L), the token's position (n,),
+        logZ (n,) and the log of the new mass outside U (n,).
+        """
+        n, vocab = x.shape
+        xf = x.to(dtype)  # (n, V)
+        shift = xf.amax(-1, keepdim=True).clamp_min(torch.finfo(dtype).min)  # (n, 1)
+        t = (xf - shift).exp_()  # (n, V) one buffer, reused for the rest mass
+        logz = shift.squeeze(-1) + t.sum(-1).log()  # (n,)
+        top_val, top_idx = x.topk(min(self.max_tokens, vocab), dim=-1)  # (n, k)
+        count = prefix_count(top_val.to(dtype) - logz.unsqueeze(-1), self.mass_delta)
+        new_idx = torch.where(
+            torch.arange(top_idx.shape[1], device=x.device) < count.unsqueeze(-1), top_idx, -1
+        )  # (n, k)
+
+        old_idx = old.indices  # (n, K)
+        cand = torch.cat([old_idx, new_idx, tokens.unsqueeze(-1)], dim=-1)  # (n, L)
+        pad = torch.full_like(cand[:, old_idx.shape[1] :], _NEG_INF, dtype=dtype)  # (n, k+1)
+        cand_lp = torch.cat([old.logprobs.to(dtype), pad], dim=-1)  # (n, L)
+        from_old = torch.arange(cand.shape[1], device=x.device) < old_idx.shape[1]  # (L,)
+        # A stable sort puts repeats side by side in concatenation order, so the first of equal
+        # ids comes from S_old whenever S_old holds it; padding sorts last as V.
+        key, order = torch.where(cand >= 0, cand, vocab).sort(dim=-1, stable=True)  # (n, L)
+        first = torch.ones_like(key, dtype=torch.bool)
+        first[:, 1:] = key[:, 1:] != key[:, :-1]
+        valid = first & (key < vocab)  # (n, L)
+        index = torch.where(valid, key, key[:, :1])  # key[:, 0] is the smallest id: valid
+        in_old = valid & from_old[order]
+        old_lp = cand_lp.gather(-1, order)
+        token_pos = ((key == tokens.unsqueeze(-1)) & valid).to(torch.int8).argmax(-1)  # (n,)
+        # New mass outside U, summed from those tokens (exact however small it is).
+        log_rest = t.scatter_(-1, index, 0.0).sum(-1).log() + shift.squeeze(-1) - logz  # (n,)
+        return index, valid, old_lp, in_old, token_pos, logz, log_rest

@@ -1,0 +1,314 @@
+"""TROLL and clip objectives: hand-computed cases, invariants, GSPO, penalties and validation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lightning_troll.objectives import (
+    AGGREGATIONS,
+    ClipObjective,
+    TrollObjective,
+    build_objective,
+)
+from lightning_troll.projection import sparsify
+
+
+def binary_logits(p_new):
+    """(B, T, 2) logits whose token-0 probability is p_new."""
+    p = torch.tensor(p_new, dtype=torch.float64)
+    return torch.stack([p.log(), (1 - p).log()], dim=-1)
+
+
+def rollout(b=4, t=6, vocab=13, shift=0.7, seed=0, dtype=torch.float64):
+    """A random minibatch: new logits, tokens, mask, advantages, old log-probs and sparse old."""
+    g = torch.Generator().manual_seed(seed)
+    old_logits = torch.randn(b, t, vocab, generator=g, dtype=dtype) * 2
+    new = old_logits + torch.randn(b, t, vocab, generator=g, dtype=dtype) * shift
+    tokens = torch.randint(0, vocab, (b, t), generator=g)
+    mask = torch.ones(b, t, dtype=torch.bool)
+    for i in range(b):
+        mask[i, t - i :] = False  # sequences of lengths t, t-1, ...
+    adv = torch.randn(b, generator=g, dtype=dtype)
+    old_lp = torch.log_softmax(old_logits, -1).gather(-1, tokens[..., None]).squeeze(-1)
+    old = sparsify(old_logits[mask], max_tokens=vocab, mass_delta=0.0, keep=tokens[mask])
+    return new, tokens, mask, adv, old_lp, old
+
+
+# --------------------------------------------------------------------------------------------
+# Clip, by hand
+# --------------------------------------------------------------------------------------------
+
+
+def test_clip_hand_computed():
+    """Three tokens, eps = 0.2, old prob 0.4 each:
+    p = 0.6 (r = 1.5), A = +1 -> min(1.5, 1.2)   = 1.2  (clipped high)
+    p = 0.2 (r = 0.5), A = -1 -> min(-0.5, -0.8) = -0.8 (clipped low)
+    p = 0.36 (r = 0.9), A = +1 -> 0.9
+    token_mean loss = -(1.2 - 0.8 + 0.9) / 3.
+    """
+    logits = binary_logits([[0.6, 0.2, 0.36]])
+    tokens = torch.zeros(1, 3, dtype=torch.long)
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    adv = torch.tensor([[1.0, -1.0, 1.0]], dtype=torch.float64)
+    old_lp = torch.full((1, 3), math.log(0.4), dtype=torch.float64)
+    loss, stats = ClipObjective(eps_low=0.2)(logits, tokens, mask, adv, old_lp)
+    assert loss.item() == pytest.approx(-(1.2 - 0.8 + 0.9) / 3, abs=1e-12)
+    assert stats.clip_frac_high.item() == pytest.approx(1 / 3)
+    assert stats.clip_frac_low.item() == pytest.approx(1 / 3)
+    torch.testing.assert_close(
+        stats.token_ratio, torch.tensor([1.5, 0.5, 0.9], dtype=torch.float64)
+    )
+    assert stats.ratio_max.item() == pytest.approx(1.5)
+
+
+def test_clip_asymmetric_and_dual_clip_by_hand():
+    """eps_low = 0.1, eps_high = 0.3, c = 3, old prob 0.1:
+    p = 0.15 (r = 1.5), A = +2 -> min(3.0, 1.3 * 2)       = 2.6
+    p = 0.05 (r = 0.5), A = -1 -> min(-0.5, -0.9)         = -0.9
+    p = 0.5  (r = 5.0), A = -1 -> max(min(-5, -1.3), -3)  = -3 (dual clip)
+    """
+    logits = binary_logits([[0.15, 0.05, 0.5]])
+    tokens = torch.zeros(1, 3, dtype=torch.long)
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    adv = torch.tensor([[2.0, -1.0, -1.0]], dtype=torch.float64)
+    old_lp = torch.full((1, 3), math.log(0.1), dtype=torch.float64)
+    objective = ClipObjective(eps_low=0.1, eps_high=0.3, dual_clip=3.0)
+    loss, stats = objective(logits, tokens, mask, adv, old_lp)
+    assert loss.item() == pytest.approx(-(2.6 - 0.9 - 3.0) / 3, abs=1e-12)
+    assert stats.dual_clip_frac.item() == pytest.approx(1 / 3)
+    assert stats.clip_frac.item() == pytest.approx(1.0)
+    # without the dual clip the third token would contribute -5
+    loss, _ = ClipObjective(eps_low=0.1, eps_high=0.3)(logits, tokens, mask, adv, old_lp)
+    assert loss.item() == pytest.approx(-(2.6 - 0.9 - 5.0) / 3, abs=1e-12)
+
+
+# --------------------------------------------------------------------------------------------
+# Aggregation, by hand
+# --------------------------------------------------------------------------------------------
+
+
+def test_aggregations_by_hand():
+    """values [[1, 2, 3], [4, pad, pad]]:
+    token_mean              = (1 + 2 + 3 + 4) / 4        = 2.5
+    seq_mean_token_mean     = (2 + 4) / 2                = 3.0
+    seq_mean_token_sum_norm = (6 / 5 + 4 / 5) / 2        = 1.0   (norm_length 5)
+    """
+    values = torch.tensor([[1.0, 2.0, 3.0], [4.0, 99.0, float("nan")]])
+    mask = torch.tensor([[True, True, True], [True, False, False]])
+    assert AGGREGATIONS["token_mean"](values, mask, 5).item() == pytest.approx(2.5)
+    assert AGGREGATIONS["seq_mean_token_mean"](values, mask, 5).item() == pytest.approx(3.0)
+    assert AGGREGATIONS["seq_mean_token_sum_norm"](values, mask, 5).item() == pytest.approx(1.0)
+
+
+def test_seq_mean_skips_empty_sequences():
+    values = torch.tensor([[2.0, 4.0], [7.0, 7.0]])
+    mask = torch.tensor([[True, True], [False, False]])
+    assert AGGREGATIONS["seq_mean_token_mean"](values, mask, 2).item() == pytest.approx(3.0)
+
+
+def test_dr_grpo_norm_length_defaults_to_padded_length():
+    new, tokens, mask, adv, old_lp, _ = rollout()
+    objective = ClipObjective(aggregation="seq_mean_token_sum_norm")
+    explicit = ClipObjective(aggregation="seq_mean_token_sum_norm", norm_length=mask.shape[1])
+    doubled = ClipObjective(aggregation="seq_mean_token_sum_norm", norm_length=2 * mask.shape[1])
+    a = objective(new, tokens, mask, adv, old_lp)[0]
+    assert a.item() == pytest.approx(explicit(new, tokens, mask, adv, old_lp)[0].item())
+    assert a.item() == pytest.approx(2 * doubled(new, tokens, mask, adv, old_lp)[0].item())
+
+
+# --------------------------------------------------------------------------------------------
+# TROLL invariants
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("importance", ["token", "sequence"])
+def test_troll_with_huge_eps_is_the_unclipped_policy_gradient(importance):
+    new, tokens, mask, adv, old_lp, old = rollout(shift=1.5)
+    x = new.clone().requires_grad_(True)
+    objective = TrollObjective(eps=1e12, importance=importance, max_tokens=64, mass_delta=0.0)
+    loss, stats = objective(x, tokens, mask, adv, old_lp, old)
+    loss.backward()
+    assert stats.active_frac.item() == 0
+
+    y = new.clone().requires_grad_(True)
+    logp = torch.log_softmax(y, -1).gather(-1, tokens[..., None]).squeeze(-1)
+    log_r = torch.where(mask, logp - old_lp, 0.0)
+    if importance == "sequence":  # GSPO: s = exp(mean log r), one ratio per sequence
+        log_r = (log_r.sum(-1) / mask.sum(-1)).unsqueeze(-1).expand_as(log_r)
+    unclipped = -(log_r.exp() * adv[:, None])[mask].mean()
+    unclipped.backward()
+    assert loss.item() == pytest.approx(unclipped.item(), abs=1e-10)
+    torch.testing.assert_close(x.grad, y.grad, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("name", ["troll", "clip"])
+def test_first_step_on_policy(name):
+    """new == old: every ratio is 1, nothing is projected or clipped."""
+    _, tokens, mask, adv, _, _ = rollout()
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(*mask.shape, 13, generator=g, dtype=torch.float32) * 3
+    old_lp = torch.log_softmax(logits, -1).gather(-1, tokens[..., None]).squeeze(-1)
+    old = sparsify(logits[mask], keep=tokens[mask])
+    loss, stats = build_objective(name)(logits, tokens, mask, adv.float(), old_lp, old)
+    torch.testing.assert_close(
+        stats.token_ratio, torch.ones_like(stats.token_ratio), rtol=0, atol=1e-6
+    )
+    if name == "troll":
+        assert stats.projection.kl_before.abs().max() < 1e-6
+        assert stats.active_frac.item() == 0
+        assert stats.regression_loss.abs().item() < 1e-6
+    else:
+        assert stats.clip_frac.item() == 0
+    # the loss is -mean(A) over tokens: ratio 1 everywhere
+    expected = -(adv.float()[:, None].expand_as(mask)[mask]).mean()
+    assert loss.item() == pytest.approx(expected.item(), abs=1e-5)
+
+
+def test_troll_bound_holds_and_projection_reported():
+    new, tokens, mask, adv, old_lp, old = rollout(shift=2.0, dtype=torch.float32)
+    loss, stats = TrollObjective(eps=0.05)(new, tokens, mask, adv, old_lp, old)
+    p = stats.projection
+    assert p.kl_after.shape == (int(mask.sum()),)
+    assert (p.kl_after <= 0.05 * (1 + 1e-4)).all()
+    assert 0 < stats.active_frac.item() <= 1
+    assert stats.active_frac.item() == pytest.approx((p.kl_before > 0.05).float().mean().item())
+    assert stats.regression_loss.item() > 0  # projected rows differ from pi_new
+    for value in (stats.loss, stats.entropy, p.logprob, p.kl_after):
+        assert not value.requires_grad
+    # the loss is the policy loss plus alpha times the regression
+    assert stats.loss.item() == pytest.approx(
+        stats.policy_loss.item() + stats.regression_loss.item(), abs=1e-6
+    )
+
+
+def test_troll_regression_weight_alpha():
+    new, tokens, mask, adv, old_lp, old = rollout(shift=2.0)
+    zero = TrollObjective(alpha=0.0)(new, tokens, mask, adv, old_lp, old)[1]
+    two = TrollObjective(alpha=2.0)(new, tokens, mask, adv, old_lp, old)[1]
+    assert zero.regression_loss.item() > 0
+    assert zero.loss.item() == pytest.approx(zero.policy_loss.item())
+    assert two.loss.item() == pytest.approx(two.policy_loss.item() + 2 * two.regression_loss.item())
+
+
+def test_gspo_sequence_ratio_against_a_loop():
+    new, tokens, mask, adv, old_lp, old = rollout(shift=0.5)
+    x = new.clone().requires_grad_(True)
+    objective = ClipObjective(
+        eps_low=10.0 / 11, eps_high=10.0, importance="sequence", aggregation="seq_mean_token_mean"
+    )
+    loss, stats = objective(x, tokens, mask, adv, old_lp)
+    loss.backward()
+
+    y = new.clone().requires_grad_(True)
+    logp = torch.log_softmax(y, -1).gather(-1, tokens[..., None]).squeeze(-1)
+    ratios, terms = [], []
+    for i in range(mask.shape[0]):
+        n = int(mask[i].sum())
+        s = torch.exp(sum(logp[i, t] - old_lp[i, t] for t in range(n)) / n)  # GSPO, no stop-grad
+        ratios += [s.item()] * n
+        terms.append(s * adv[i])
+    reference = -torch.stack(terms).mean()
+    reference.backward()
+    torch.testing.assert_close(stats.token_ratio, torch.tensor(ratios, dtype=torch.float64))
+    assert loss.item() == pytest.approx(reference.item(), abs=1e-12)
+    torch.testing.assert_close(x.grad, y.grad, rtol=0, atol=1e-12)
+
+
+# --------------------------------------------------------------------------------------------
+# Penalties
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k3"])
+def test_reference_kl_by_hand(estimator):
+    """p_new = 0.5, p_ref = 0.25: d = log(0.25 / 0.5) = -log 2;
+    k1 = log 2, k3 = exp(d) - d - 1 = 0.5 + log 2 - 1."""
+    logits = binary_logits([[0.5, 0.5]])
+    tokens = torch.zeros(1, 2, dtype=torch.long)
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    old_lp = torch.full((1, 2), math.log(0.5), dtype=torch.float64)
+    ref_lp = torch.full((1, 2), math.log(0.25), dtype=torch.float64)
+    adv = torch.zeros(1, dtype=torch.float64)
+    objective = ClipObjective(ref_kl_coef=0.1, ref_kl_estimator=estimator)
+    loss, stats = objective(logits, tokens, mask, adv, old_lp, ref_logprobs=ref_lp)
+    expected = math.log(2) if estimator == "k1" else 0.5 + math.log(2) - 1
+    assert stats.ref_kl.item() == pytest.approx(expected, abs=1e-12)
+    assert loss.item() == pytest.approx(0.1 * expected, abs=1e-12)
+
+
+def test_entropy_bonus_by_hand():
+    """Uniform logits over V = 8: entropy log 8 per token; the loss falls by coef * log 8."""
+    logits = torch.zeros(2, 3, 8, dtype=torch.float64)
+    tokens = torch.zeros(2, 3, dtype=torch.long)
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    old_lp = torch.full((2, 3), -math.log(8), dtype=torch.float64)
+    adv = torch.tensor([1.0, -1.0], dtype=torch.float64)
+    base, stats = ClipObjective()(logits, tokens, mask, adv, old_lp)
+    bonus, _ = ClipObjective(entropy_coef=0.01)(logits, tokens, mask, adv, old_lp)
+    assert stats.entropy.item() == pytest.approx(math.log(8))
+    assert (base - bonus).item() == pytest.approx(0.01 * math.log(8))
+
+
+def test_empty_batch_gives_zero_loss_with_a_graph():
+    new, tokens, mask, adv, old_lp, _ = rollout()
+    none = torch.zeros_like(mask)
+    old = sparsify(new[none], keep=tokens[none])
+    x = new.clone().requires_grad_(True)
+    for objective in (TrollObjective(), ClipObjective()):
+        loss, stats = objective(x, tokens, none, adv, old_lp, old)
+        loss.backward()
+        assert loss.item() == 0 and stats.num_tokens.item() == 0
+        assert (x.grad == 0).all()
+
+
+# --------------------------------------------------------------------------------------------
+# Validation
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (
+            {"importance": "tokens"},
+            r"importance must be one of \['sequence', 'token'\]; got 'tokens'",
+        ),
+        ({"aggregation": "mean"}, r"aggregation must be one of .*; got 'mean'"),
+        ({"ref_kl_estimator": "k9"}, r"ref_kl_estimator must be one of \['k1', 'k3'\]; got 'k9'"),
+        ({"ref_kl_coef": -1.0}, r"ref_kl_coef must be >= 0; got -1.0"),
+        ({"entropy_coef": float("nan")}, r"entropy_coef must be >= 0; got nan"),
+        ({"norm_length": 0}, r"norm_length must be None or an integer >= 1; got 0"),
+        ({"eps_low": 1.2}, r"eps_low must be in \(0, 1\); got 1.2"),
+        ({"eps_high": 0.0}, r"eps_high must be > 0; got 0.0"),
+        ({"dual_clip": 0.5}, r"dual_clip must be None or > 1; got 0.5"),
+    ],
+)
+def test_clip_validation(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ClipObjective(**kwargs)
+
+
+def test_troll_validation_and_inputs():
+    with pytest.raises(ValueError, match=r"alpha must be >= 0; got -1"):
+        TrollObjective(alpha=-1)
+    with pytest.raises(ValueError, match=r"eps must be a number > 0"):
+        TrollObjective(eps=0.0)
+    with pytest.raises(
+        ValueError, match=r"objective must be one of \['clip', 'troll'\]; got 'ppo'"
+    ):
+        build_objective("ppo")
+    new, tokens, mask, adv, old_lp, old = rollout()
+    objective = TrollObjective()
+    with pytest.raises(ValueError, match=r"needs old"):
+        objective(new, tokens, mask, adv, old_lp)
+    with pytest.raises(ValueError, match=r"advantages must be \(B,\) = \(4,\)"):
+        objective(new, tokens, mask, adv[:3], old_lp, old)
+    with pytest.raises(ValueError, match=r"mask must be \(B, T\)"):
+        objective(new, tokens, mask[:, :2], adv, old_lp, old)
+    with pytest.raises(ValueError, match=r"ref_kl_coef=0.1 needs ref_logprobs"):
+        TrollObjective(ref_kl_coef=0.1)(new, tokens, mask, adv, old_lp, old)
+    with pytest.raises(ValueError, match=r"one row per row of new_logits"):
+        objective(new, tokens, mask, adv, old_lp, old.select(torch.arange(3)))

@@ -1,0 +1,101 @@
+"""The distribution: callbacks/ is installed as lightning_troll.callbacks, editable and wheel."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import sysconfig
+import zipfile
+from pathlib import Path
+
+import pytest
+
+import lightning_troll
+import lightning_troll.callbacks
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_editable_install_maps_callbacks_folder():
+    assert Path(lightning_troll.callbacks.__file__) == ROOT / "callbacks" / "__init__.py"
+    assert Path(lightning_troll.__file__) == ROOT / "lightning_troll" / "__init__.py"
+
+
+def test_maths_modules_do_not_import_lightning_or_transformers():
+    code = (
+        "import sys, lightning_troll.projection, lightning_troll.objectives, "
+        "lightning_troll.advantages; "
+        "bad = [m for m in ('lightning', 'pytorch_lightning', 'transformers') if m in sys.modules]; "
+        "print(bad); sys.exit(1 if bad else 0)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+@pytest.mark.slow
+def test_wheel_installs_into_a_fresh_venv(tmp_path):
+    dist = tmp_path / "dist"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "build",
+            "--wheel",
+            "--no-isolation",
+            "--outdir",
+            str(dist),
+            str(ROOT),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    (wheel,) = dist.glob("lightning_troll-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "lightning_troll/callbacks/__init__.py" in names
+    assert "lightning_troll/projection.py" in names
+    assert not [n for n in names if n.startswith("callbacks/")], "no top-level callbacks package"
+    assert not [n for n in names if n.startswith("tests/")]
+
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(python),
+            "install",
+            "--no-deps",
+            "--no-index",
+            "--quiet",
+            str(wheel),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    # The dependencies (torch, ...) come from this environment's site-packages through a .pth
+    # file, which adds the folder without running its .pth files: the editable finder of the
+    # development install stays inactive, so only the wheel provides lightning_troll.
+    site = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    Path(site, "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    code = (
+        "import importlib.util, lightning_troll, lightning_troll.callbacks as c; "
+        "from lightning_troll.projection import TrustRegionProjection; "
+        "print(lightning_troll.__file__); print(c.__file__); "
+        "print(importlib.util.find_spec('callbacks'))"
+    )
+    done = subprocess.run(
+        [str(python), "-c", code], capture_output=True, text=True, cwd=tmp_path, check=True
+    )
+    package, callbacks, top_level = done.stdout.split()
+    assert package.startswith(site) and callbacks.startswith(site)
+    assert callbacks.endswith("lightning_troll/callbacks/__init__.py")
+    assert top_level == "None"

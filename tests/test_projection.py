@@ -1,0 +1,468 @@
+"""The KL projection: dense and sparse, values, gradients, bounds, edge cases and validation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.autograd import gradcheck
+
+from lightning_troll.projection import (
+    SparseDistribution,
+    TrustRegionProjection,
+    kl_projection,
+    sparsify,
+)
+from tests import reference
+
+
+def generator(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def random_pair(n, vocab, scale=2.0, shift=1.0, dtype=torch.float64, seed=0):
+    """New and old logits that differ by ``shift``-scaled noise."""
+    g = generator(seed)
+    old = torch.randn(n, vocab, generator=g, dtype=dtype) * scale
+    new = old + torch.randn(n, vocab, generator=g, dtype=dtype) * shift
+    return new, old
+
+
+def peaked_logits(n, vocab, seed=0, dtype=torch.float32):
+    """LLM-like rows: a few tokens hold almost all of the mass."""
+    g = generator(seed)
+    logits = torch.randn(n, vocab, generator=g)
+    for i in range(n):
+        top = torch.randperm(vocab, generator=g)[:5]
+        logits[i, top] += torch.linspace(26, 20, 5)
+    return logits.to(dtype)
+
+
+def row_kl(logp, logq):
+    p = logp.exp()
+    return torch.where(p > 0, p * (logp - logq), 0.0).sum(-1)
+
+
+# --------------------------------------------------------------------------------------------
+# Dense projection
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("eps", [0.01, 0.1, 0.5])
+@pytest.mark.parametrize("vocab", [2, 7, 50])
+def test_dense_matches_bisection_reference(eps, vocab):
+    new, old = random_pair(6, vocab)
+    expected = reference.dense_projection(new, old, eps)
+    got = kl_projection(new, old, eps)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-8)
+
+
+@pytest.mark.parametrize("vocab", [3, 9])
+def test_dense_gradcheck(vocab):
+    new, old = random_pair(5, vocab, shift=1.5)
+    eps = torch.tensor([0.05, 0.2, 10.0, 0.01, 0.3], dtype=torch.float64)  # row 3 is inside
+    active = row_kl(torch.log_softmax(new, -1), torch.log_softmax(old, -1)) > eps
+    assert active.any() and not active.all(), "the case must mix projected and identity rows"
+    new.requires_grad_(True)
+    assert gradcheck(lambda x: kl_projection(x, old, eps), (new,), atol=1e-7, rtol=1e-5)
+
+
+def test_dense_gradient_is_not_the_eta_fixed_shortcut():
+    """Holding eta fixed gives a different (biased) gradient; ours differentiates through eta*."""
+    new, old = random_pair(1, 6, shift=2.0)
+    eps = 0.05
+    new.requires_grad_(True)
+    w = torch.arange(6, dtype=torch.float64)
+    (kl_projection(new, old, eps) * w).sum().backward()
+    _, eta = reference.project_row(
+        torch.log_softmax(new.detach()[0], -1), torch.log_softmax(old[0], -1), eps
+    )
+    x = new.detach().clone().requires_grad_(True)
+    fixed = reference.interpolate(torch.log_softmax(x[0], -1), torch.log_softmax(old[0], -1), eta)
+    (fixed * w).sum().backward()
+    assert (new.grad - x.grad).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("scale", [0.5, 3.0, 10.0])
+def test_dense_bound_met_and_tight(dtype, scale):
+    new, old = random_pair(64, 40, scale=scale, shift=scale, dtype=dtype, seed=3)
+    eps = 0.05
+    got = kl_projection(new, old, eps)
+    a, b = torch.log_softmax(new.double(), -1), torch.log_softmax(old.double(), -1)
+    before, after = row_kl(a, b), row_kl(got.double(), b)
+    assert got.dtype == dtype
+    assert (after <= eps * (1 + 1e-4)).all()
+    active = before > eps
+    assert active.sum() > 10
+    # projected rows sit on the boundary, not deep inside it
+    assert (after[active] >= eps * (1 - 1e-3)).all()
+
+
+def test_dense_identity_inside_bound():
+    new, old = random_pair(8, 30, shift=0.1)
+    got = kl_projection(new, old, 1.0)
+    assert torch.equal(got, torch.log_softmax(new, -1))
+
+
+def test_dense_tends_to_old_policy_as_eps_vanishes():
+    new, old = random_pair(4, 12, shift=2.0)
+    b = torch.log_softmax(old, -1)
+    errors = [float((kl_projection(new, old, eps) - b).abs().max()) for eps in (1e-2, 1e-4, 1e-8)]
+    assert errors[0] > errors[1] > errors[2]
+    assert errors[2] < 1e-3
+
+
+def test_dense_eps_tensor_broadcasts_per_row():
+    new, old = random_pair(3, 10, shift=2.0)
+    eps = torch.tensor([0.01, 0.1, 1.0], dtype=torch.float64)
+    got = kl_projection(new, old, eps)
+    for i in range(3):
+        expected = kl_projection(new[i : i + 1], old[i : i + 1], float(eps[i]))
+        torch.testing.assert_close(got[i : i + 1], expected, rtol=0, atol=1e-12)
+
+
+def test_dense_accepts_leading_dimensions():
+    new, old = random_pair(6, 10, shift=2.0)
+    got = kl_projection(new.reshape(2, 3, 10), old.reshape(2, 3, 10), 0.05)
+    torch.testing.assert_close(got.reshape(6, 10), kl_projection(new, old, 0.05))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_dense_extreme_inputs(dtype):
+    vocab = 16
+    one_hot_new = torch.full((1, vocab), -1e4, dtype=dtype)
+    one_hot_new[0, 3] = 1e4
+    one_hot_old = torch.full((1, vocab), -1e4, dtype=dtype)
+    one_hot_old[0, 9] = 1e4
+    mixed = torch.linspace(-1e4, 1e4, vocab, dtype=dtype).reshape(1, vocab)
+    new = torch.cat([one_hot_new, one_hot_new, mixed, mixed.flip(-1)])
+    old = torch.cat([one_hot_old, one_hot_new, mixed.flip(-1), torch.zeros(1, vocab, dtype=dtype)])
+    new.requires_grad_(True)
+    eps = 0.05
+    got = kl_projection(new, old, eps)
+    got[:, 0].sum().backward()
+    assert torch.isfinite(got).all() and torch.isfinite(new.grad).all()
+    b = torch.log_softmax(old.double(), -1)
+    assert (row_kl(got.detach().double(), b) <= eps * (1 + 1e-4)).all()
+    # identical one-hot rows: inside the bound, returned unchanged
+    assert torch.equal(got[1], torch.log_softmax(new[1], -1))
+
+
+def test_dense_identical_inputs_are_identity():
+    new, _ = random_pair(5, 20)
+    got = kl_projection(new, new.clone(), 0.05)
+    assert torch.equal(got, torch.log_softmax(new, -1))
+
+
+def test_dense_validation():
+    new, old = random_pair(2, 5)
+    with pytest.raises(ValueError, match=r"same shape"):
+        kl_projection(new, old[:, :4], 0.1)
+    with pytest.raises(ValueError, match=r"eps must be > 0.*-0\.1"):
+        kl_projection(new, old, -0.1)
+    with pytest.raises(ValueError, match=r"eps must be > 0"):
+        kl_projection(new, old, torch.tensor([0.1, 0.0]))
+    with pytest.raises(ValueError, match=r"broadcastable to \(2,\)"):
+        kl_projection(new, old, torch.ones(3))
+    with pytest.raises(ValueError, match=r"one device"):
+        kl_projection(new, old.to("meta"), 0.1)
+    with pytest.raises(ValueError, match=r"floating-point"):
+        kl_projection(new.long(), old.long(), 0.1)
+
+
+# --------------------------------------------------------------------------------------------
+# sparsify
+# --------------------------------------------------------------------------------------------
+
+
+def logits_of(probs):
+    return torch.tensor(probs, dtype=torch.float64).log().reshape(1, -1)
+
+
+def test_sparsify_mass_criterion_by_hand():
+    """p = [0.05, 0.5, 0.15, 0.3]; delta = 0.1: keep 0.5 (0.5), 0.3 (0.8), 0.15 (0.95 >= 0.9)."""
+    sd = sparsify(logits_of([0.05, 0.5, 0.15, 0.3]), max_tokens=4, mass_delta=0.1)
+    assert sd.indices.tolist() == [[1, 3, 2]]
+    torch.testing.assert_close(
+        sd.logprobs.exp(), torch.tensor([[0.5, 0.3, 0.15]], dtype=torch.float64)
+    )
+    torch.testing.assert_close(sd.tail_logmass, torch.tensor([math.log(0.05)], dtype=torch.float64))
+    torch.testing.assert_close(sd.coverage, torch.tensor([0.95], dtype=torch.float64))
+
+
+def test_sparsify_max_tokens_and_keep():
+    logits = logits_of([0.05, 0.5, 0.15, 0.3])
+    sd = sparsify(logits, max_tokens=2, mass_delta=0.1)
+    assert sd.indices.tolist() == [[1, 3]]
+    torch.testing.assert_close(sd.tail_logmass.exp(), torch.tensor([0.2], dtype=torch.float64))
+    sd = sparsify(logits, max_tokens=2, mass_delta=0.1, keep=torch.tensor([0]))
+    assert sd.indices.tolist() == [[1, 3, 0]]
+    torch.testing.assert_close(sd.tail_logmass.exp(), torch.tensor([0.15], dtype=torch.float64))
+    # a kept token already in the prefix is not repeated
+    sd = sparsify(logits, max_tokens=2, mass_delta=0.1, keep=torch.tensor([3]))
+    assert sd.indices.tolist() == [[1, 3]]
+
+
+def test_sparsify_mass_delta_zero_keeps_max_tokens():
+    sd = sparsify(logits_of([0.001, 0.989, 0.01]), max_tokens=3, mass_delta=0.0)
+    assert sd.indices.tolist() == [[1, 2, 0]]
+    assert sd.tail_logmass.item() == -math.inf
+
+
+def test_sparsify_rows_pad_to_widest():
+    logits = torch.cat([logits_of([0.97, 0.01, 0.01, 0.01]), logits_of([0.25, 0.25, 0.25, 0.25])])
+    sd = sparsify(logits, max_tokens=4, mass_delta=0.05)
+    assert sd.sizes.tolist() == [1, 4]
+    assert sd.indices[0].tolist() == [0, -1, -1, -1]
+    assert sd.logprobs[0, 1:].eq(-math.inf).all()
+
+
+def test_sparsify_tail_is_accurate_when_tiny():
+    """A tail of ~1e-26 relative mass: log(1 - kept) would give log(0) = -inf or noise."""
+    vocab = 1000
+    logits = torch.full((1, vocab), -70.0)
+    logits[0, 0] = 0.0
+    sd = sparsify(logits, max_tokens=1, mass_delta=1e-5)
+    tail = math.log(vocab - 1) - 70.0 - math.log1p((vocab - 1) * math.exp(-70.0))
+    assert sd.tail_logmass.item() == pytest.approx(tail, rel=1e-6)
+
+
+def test_sparsify_validation():
+    logits = torch.zeros(2, 5)
+    with pytest.raises(ValueError, match=r"max_tokens must be an integer >= 1; got 0"):
+        sparsify(logits, max_tokens=0)
+    with pytest.raises(ValueError, match=r"mass_delta .* < 1; got 1"):
+        sparsify(logits, mass_delta=1)
+    with pytest.raises(ValueError, match=r"mass_delta .*; got -0.5"):
+        sparsify(logits, mass_delta=-0.5)
+    with pytest.raises(ValueError, match=r"logits must be \(N, V\)"):
+        sparsify(torch.zeros(5))
+    with pytest.raises(ValueError, match=r"keep must hold token ids in \[0, 5\)"):
+        sparsify(logits, keep=torch.tensor([0, 5]))
+    with pytest.raises(ValueError, match=r"keep must be \(2,\)"):
+        sparsify(logits, keep=torch.tensor([0]))
+
+
+def test_sparse_distribution_validation_and_helpers():
+    with pytest.raises(ValueError, match=r"indices and logprobs"):
+        SparseDistribution(
+            torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 2), torch.zeros(2), 5
+        )
+    with pytest.raises(ValueError, match=r"tail_logmass must be \(N,\)"):
+        SparseDistribution(
+            torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3), torch.zeros(3), 5
+        )
+    a = sparsify(logits_of([0.5, 0.5, 0.0 + 1e-9]), max_tokens=1)
+    b = sparsify(logits_of([0.4, 0.3, 0.3]), max_tokens=3, mass_delta=0)
+    both = SparseDistribution.cat([a, b])
+    assert both.indices.shape == (2, 3) and both.sizes.tolist() == [1, 3]
+    assert both.select(torch.tensor([1])).indices.tolist() == b.indices.tolist()
+
+
+# --------------------------------------------------------------------------------------------
+# The sparse layer
+# --------------------------------------------------------------------------------------------
+
+
+def sparse_case(n=6, vocab=12, max_tokens=3, mass_delta=1e-3, shift=1.5, seed=0):
+    new, old_logits = random_pair(n, vocab, shift=shift, seed=seed)
+    tokens = torch.randint(0, vocab, (n,), generator=generator(seed + 1))
+    old = sparsify(old_logits, max_tokens=max_tokens, mass_delta=mass_delta, keep=tokens)
+    return new, old, tokens
+
+
+@pytest.mark.parametrize("eps", [0.02, 0.2])
+def test_sparse_matches_reference_on_lumped_support(eps):
+    max_tokens, mass_delta = 3, 1e-3
+    new, old, tokens = sparse_case(max_tokens=max_tokens, mass_delta=mass_delta)
+    x = new.clone().requires_grad_(True)
+    result = TrustRegionProjection(eps, max_tokens, mass_delta)(x, old, tokens)
+    result.regression_kl.sum().backward()
+
+    for i in range(new.shape[0]):
+        old_idx = [k for k in old.indices[i].tolist() if k >= 0]
+        old_lp = old.logprobs[i, : len(old_idx)].tolist()
+        new_top = reference.top_tokens(new[i], max_tokens, mass_delta)
+        support = sorted(set(old_idx) | set(new_top) | {int(tokens[i])})
+        xi = new[i].clone().requires_grad_(True)
+        a, b = reference.lumped_row(xi, old_idx, old_lp, float(old.tail_logmass[i]), support)
+        proj, eta = reference.project_row(a.detach(), b, eps)
+        t = support.index(int(tokens[i]))
+        assert result.support_size[i] == len(support)
+        assert result.logprob[i].item() == pytest.approx(proj[t].item(), abs=1e-8)
+        assert result.new_logprob[i].item() == pytest.approx(a[t].item(), abs=1e-12)
+        assert result.old_logprob[i].item() == pytest.approx(b[t].item(), abs=1e-12)
+        assert result.kl_before[i].item() == pytest.approx(reference.kl(a.detach(), b), abs=1e-10)
+        assert result.kl_after[i].item() == pytest.approx(reference.kl(proj, b), abs=1e-8)
+        assert result.eta[i].item() == pytest.approx(eta, rel=1e-6, abs=1e-12)
+        assert result.coverage[i].item() == pytest.approx(sum(math.exp(v) for v in old_lp))
+        # regression: KL(pi_new || pi_proj) with pi_proj held constant
+        regression = (a.exp() * (a - proj)).sum()
+        assert result.regression_kl[i].item() == pytest.approx(regression.item(), abs=1e-8)
+        regression.backward()
+        torch.testing.assert_close(x.grad[i], xi.grad, rtol=0, atol=1e-7)
+
+
+def test_sparse_gradcheck():
+    new, old, tokens = sparse_case(shift=2.0)
+    layer = TrustRegionProjection(0.05, max_tokens=3, mass_delta=1e-3)
+    result = layer(new, old, tokens)
+    assert (result.eta > 0).any(), "the case must project some rows"
+    new.requires_grad_(True)
+    assert gradcheck(lambda x: layer(x, old, tokens).logprob, (new,), atol=1e-7, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_sparse_equals_dense_when_nothing_is_dropped(dtype):
+    vocab = 20
+    new, old_logits = random_pair(8, vocab, shift=2.0, dtype=dtype)
+    tokens = torch.randint(0, vocab, (8,), generator=generator(5))
+    old = sparsify(old_logits, max_tokens=vocab, mass_delta=0.0, keep=tokens)
+    x_sparse = new.clone().requires_grad_(True)
+    x_dense = new.clone().requires_grad_(True)
+    result = TrustRegionProjection(0.05, max_tokens=vocab, mass_delta=0.0)(x_sparse, old, tokens)
+    dense = kl_projection(x_dense, old_logits, 0.05).gather(-1, tokens[:, None]).squeeze(-1)
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    torch.testing.assert_close(result.logprob, dense, rtol=0, atol=tol)
+    assert (result.support_size == vocab).all()
+    result.logprob.sum().backward()
+    dense.sum().backward()
+    torch.testing.assert_close(x_sparse.grad, x_dense.grad, rtol=0, atol=tol * 10)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_sparse_bound_met(dtype):
+    new, old_logits = random_pair(256, 300, scale=3.0, shift=2.0, dtype=dtype, seed=7)
+    tokens = torch.randint(0, 300, (256,), generator=generator(8))
+    old = sparsify(old_logits, keep=tokens)
+    result = TrustRegionProjection(0.05)(new, old, tokens)
+    assert (result.kl_before > 0.05).float().mean() > 0.5
+    assert (result.kl_after <= 0.05 * (1 + 1e-4)).all()
+    assert (result.kl_after[result.eta > 0] >= 0.05 * (1 - 1e-3)).all()
+
+
+def test_sparse_on_policy_is_identity():
+    """new == old: U = S_old, so the lumped distributions agree: no KL, ratio exactly 1."""
+    logits = peaked_logits(16, 500)
+    tokens = torch.randint(0, 500, (16,), generator=generator(2))
+    old = sparsify(logits, keep=tokens)
+    result = TrustRegionProjection(0.05)(logits, old, tokens)
+    assert result.kl_before.abs().max() < 1e-6
+    assert (result.eta == 0).all()
+    torch.testing.assert_close(result.logprob, result.old_logprob, rtol=0, atol=1e-6)
+    assert result.regression_kl.abs().max() < 1e-6
+
+
+def test_sparse_extreme_inputs():
+    vocab = 50
+    new = torch.full((3, vocab), -1e4)
+    new[:, 1] = 1e4
+    old = torch.full((3, vocab), -1e4)
+    old[0, 2] = 1e4  # a different one-hot
+    old[1, 1] = 1e4  # the same one-hot
+    old[2] = torch.linspace(-1e4, 1e4, vocab)
+    tokens = torch.tensor([2, 1, 7])
+    x = new.clone().requires_grad_(True)
+    result = TrustRegionProjection(0.05)(x, sparsify(old, keep=tokens), tokens)
+    (result.logprob.sum() + result.regression_kl.sum()).backward()
+    for name in ("logprob", "regression_kl", "kl_before", "kl_after", "eta"):
+        assert torch.isfinite(getattr(result, name)).all(), name
+    assert torch.isfinite(x.grad).all()
+    assert (result.kl_after <= 0.05 * (1 + 1e-4)).all()
+    assert result.eta[1] == 0 and result.eta[0] > 0
+
+
+def test_sparse_masked_rows_never_produce_nans():
+    new, old, tokens = sparse_case(n=5, shift=2.0)
+    mask = torch.tensor([True, False, True, False, True])
+    new[~mask] = float("nan")  # padding rows may hold anything
+    x = new.clone().requires_grad_(True)
+    result = TrustRegionProjection(0.05, 3, 1e-3)(x, old, tokens, mask=mask)
+    (result.logprob.sum() + result.regression_kl.sum()).backward()
+    for name in ("logprob", "regression_kl", "kl_before", "kl_after", "eta", "coverage"):
+        value = getattr(result, name)
+        assert torch.isfinite(value).all(), name
+        assert (value[~mask] == 0).all(), name
+    assert torch.isfinite(x.grad).all() and (x.grad[~mask] == 0).all()
+    # masked-out rows do not change the others
+    full = TrustRegionProjection(0.05, 3, 1e-3)(new[mask], old.select(mask), tokens[mask])
+    torch.testing.assert_close(result.logprob[mask], full.logprob, rtol=0, atol=0)
+
+
+def test_sparse_all_masked_batch():
+    new, old, tokens = sparse_case(n=3)
+    x = new.clone().requires_grad_(True)
+    mask = torch.zeros(3, dtype=torch.bool)
+    result = TrustRegionProjection()(x, old, tokens, mask=mask)
+    (result.logprob.sum() + result.regression_kl.sum()).backward()
+    assert (result.logprob == 0).all() and (x.grad == 0).all()
+    empty = TrustRegionProjection()(new[:0], old.select(mask), tokens[:0])
+    assert empty.logprob.shape == (0,)
+
+
+def test_sparse_bf16_inputs_are_upcast():
+    vocab = 64
+    new, old_logits = random_pair(6, vocab, shift=2.0, dtype=torch.float32)
+    new_bf16 = new.to(torch.bfloat16).requires_grad_(True)
+    tokens = torch.randint(0, vocab, (6,), generator=generator(3))
+    old = sparsify(old_logits.to(torch.bfloat16), max_tokens=vocab, mass_delta=0, keep=tokens)
+    assert old.logprobs.dtype == torch.float32
+    layer = TrustRegionProjection(0.05, max_tokens=vocab, mass_delta=0)
+    result = layer(new_bf16, old, tokens)
+    assert result.logprob.dtype == torch.float32
+    expected = layer(new_bf16.detach().float(), old, tokens)
+    torch.testing.assert_close(result.logprob, expected.logprob, rtol=0, atol=1e-6)
+    result.logprob.sum().backward()
+    assert new_bf16.grad.dtype == torch.bfloat16 and torch.isfinite(new_bf16.grad).all()
+    # with the default sparsity too
+    result = TrustRegionProjection()(new_bf16, sparsify(old_logits.bfloat16(), keep=tokens), tokens)
+    assert (result.kl_after <= 0.05 * (1 + 1e-4)).all()
+
+
+def test_qwen_sized_vocabulary():
+    vocab, n = 151_936, 8
+    old_logits = peaked_logits(n, vocab, seed=4)
+    new = old_logits + torch.randn(n, vocab, generator=generator(5)) * 0.5
+    new[:, :8] += torch.linspace(0, 6, 8)  # move mass onto other tokens
+    tokens = old_logits.argmax(-1)
+    old = sparsify(old_logits, keep=tokens)
+    assert old.sizes.max() <= 16, "peaked rows need only a handful of tokens"
+    x = new.clone().requires_grad_(True)
+    result = TrustRegionProjection(0.05)(x, old, tokens)
+    (result.logprob.sum() + result.regression_kl.sum()).backward()
+    assert torch.isfinite(x.grad).all()
+    assert (result.kl_after <= 0.05 * (1 + 1e-4)).all()
+    assert (result.eta > 0).any()
+    assert (result.coverage > 1 - 1e-5).all()
+    # close to the exact dense projection: the tokens left out carry < 1e-5 of the mass
+    dense = kl_projection(new, old_logits, 0.05).gather(-1, tokens[:, None]).squeeze(-1)
+    torch.testing.assert_close(result.logprob, dense, rtol=0, atol=1e-3)
+
+
+def test_layer_validation():
+    with pytest.raises(ValueError, match=r"eps must be a number > 0.*got 0"):
+        TrustRegionProjection(eps=0)
+    with pytest.raises(ValueError, match=r"eps must be a number > 0.*nan"):
+        TrustRegionProjection(eps=float("nan"))
+    with pytest.raises(ValueError, match=r"max_tokens must be an integer >= 1; got 2.5"):
+        TrustRegionProjection(max_tokens=2.5)
+    with pytest.raises(ValueError, match=r"mass_delta must be .*; got 1.5"):
+        TrustRegionProjection(mass_delta=1.5)
+    new, old, tokens = sparse_case(n=4)
+    layer = TrustRegionProjection()
+    with pytest.raises(ValueError, match=r"new_logits must be \(N, V\)"):
+        layer(new[0], old, tokens)
+    with pytest.raises(
+        ValueError, match=r"one row per row of new_logits.*got 4 rows over a vocabulary of 12"
+    ):
+        layer(new[:, :10], old, tokens)
+    with pytest.raises(ValueError, match=r"tokens must be \(4,\)"):
+        layer(new, old, tokens[:2])
+    with pytest.raises(ValueError, match=r"tokens must hold token ids in \[0, 12\)"):
+        layer(new, old, tokens + 100)
+    with pytest.raises(ValueError, match=r"mask must be a \(4,\) bool"):
+        layer(new, old, tokens, mask=torch.ones(4))
+    with pytest.raises(ValueError, match=r"old is on cpu but new_logits on meta"):
+        layer(new.to("meta"), old, tokens)
