@@ -3,6 +3,7 @@
 #   make setup   .venv with torch (a CPU build where no CUDA driver is found) and the project
 #   make test    setup, then the whole test suite
 #   make lint    ruff check + ruff format --check
+#   make bench   the projection benchmark at a 151,936-token vocabulary
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -12,7 +13,7 @@ TORCH_VERSION ?= 2.13.0
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test lint format clean
+.PHONY: setup test lint format bench clean
 
 setup: $(STAMP)
 
@@ -45,6 +46,12 @@ lint: setup
 format: setup
 	$(PY) -m ruff check --fix .
 	$(PY) -m ruff format .
+
+# glibc would hand every large buffer back to the system and time page faults too; keep freed
+# memory in the process, as a GPU's caching allocator does.
+bench: setup
+	MALLOC_MMAP_THRESHOLD_=4294967295 MALLOC_TRIM_THRESHOLD_=68719476736 \
+	  $(PY) examples/benchmark_projection.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info

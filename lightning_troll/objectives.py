@@ -29,6 +29,7 @@ from lightning_troll.projection import ProjectionResult, SparseDistribution, Tru
 
 __all__ = [
     "AGGREGATIONS",
+    "AGGREGATION_SIZES",
     "IMPORTANCE_LEVELS",
     "OBJECTIVES",
     "REF_KL_ESTIMATORS",
@@ -70,6 +71,15 @@ AGGREGATIONS: dict[str, Callable[[Tensor, Tensor, int], Tensor]] = {
     "seq_mean_token_mean": seq_mean_token_mean,
     "seq_mean_token_sum_norm": seq_mean_token_sum_norm,
 }
+
+# What each aggregation divides by: weighting the parts of an accumulated batch by
+# ``size(part) / size(batch)`` reproduces the loss and gradient of the whole batch.
+AGGREGATION_SIZES: dict[str, Callable[[Tensor], Tensor]] = {
+    "token_mean": lambda mask: mask.sum(),
+    "seq_mean_token_mean": lambda mask: (mask.sum(-1) > 0).sum(),
+    "seq_mean_token_sum_norm": lambda mask: torch.tensor(mask.shape[0], device=mask.device),
+}
+
 
 # --------------------------------------------------------------------------------------------
 # Importance level: (B, T) new and old token log-probs -> (B, T) ratios

@@ -43,7 +43,9 @@ from lightning_troll.sparse import (
     check_tokens,
     compute_dtype,
     prefix_count,
+    softmax_and_logz,
     sparsify,
+    top_tokens,
 )
 
 __all__ = [
@@ -139,36 +141,34 @@ def kl_projection(new_logits: Tensor, old_logits: Tensor, eps: float | Tensor) -
 class _SupportLogProbs(torch.autograd.Function):
     """log pi_new on a support U and on the rest bucket, with a one-buffer backward.
 
-    The forward receives what was computed without gradient (logZ and the log rest mass, summed
-    from the rest itself) and gathers the support; the backward writes the gradient with respect
-    to the logits in a single (n, V) buffer instead of the several that autograd would keep:
+    The forward receives what was computed without gradient: logZ, the softmax ``p`` (zeroed
+    inside U), ``p`` on U and the rest mass R (summed from the rest itself). It gathers the
+    support; the backward writes the gradient from the saved softmax buffer, so a projection
+    keeps one (n, V) buffer for its backward, as a log-softmax does:
 
         d a_j / d x_k    = [k = j] - p_k                  (a_j = x_j - logZ, j in U)
         d rest / d x_k   = [k not in U] p_k / R - p_k      (rest = log R, R = sum_{k not in U} p_k)
     """
 
     @staticmethod
-    def forward(ctx, x: Tensor, logz: Tensor, index: Tensor, valid: Tensor, log_rest: Tensor):
-        # x (n, V) logits; logz (n,); index, valid (n, L); log_rest (n,)
+    def forward(ctx, x, logz, index, valid, p_outside, p_u, rest):
+        # x (n, V) logits; logz (n,); index, valid (n, L); p_outside (n, V); p_u (n, L); rest (n,)
         a = x.gather(-1, index).to(logz.dtype) - logz.unsqueeze(-1)  # (n, L)
         a = a.masked_fill(~valid, _NEG_INF)
-        ctx.save_for_backward(x, logz, index, valid, log_rest)
-        return a, log_rest.clone()
+        ctx.save_for_backward(index, valid, p_outside, p_u, rest)
+        ctx.x_dtype = x.dtype
+        return a, rest.log()
 
     @staticmethod
     def backward(ctx, grad_a: Tensor, grad_rest: Tensor):
-        x, logz, index, valid, log_rest = ctx.saved_tensors
+        index, valid, p_outside, p_u, rest = ctx.saved_tensors
         grad_a = torch.where(valid, grad_a, 0.0)  # (n, L)
-        rest = log_rest.exp()  # (n,)
         per_rest = torch.where(rest > 0, grad_rest / rest, 0.0)  # (n,)
         total = grad_a.sum(-1) + grad_rest  # (n,)
-        grad = (x.to(logz.dtype) - logz.unsqueeze(-1)).exp_()  # (n, V) = p
-        p_u = grad.gather(-1, index)  # (n, L)
-        grad.mul_((per_rest - total).unsqueeze(-1))  # right outside U
-        # Inside U the rest term must not appear: overwrite, then add g_a - p G there.
-        grad.scatter_(-1, index, 0.0)
-        grad.scatter_add_(-1, index, torch.where(valid, grad_a - p_u * total.unsqueeze(-1), 0.0))
-        return grad.to(x.dtype), None, None, None, None
+        grad = p_outside * (per_rest - total).unsqueeze(-1)  # outside U: p_k (g_R / R - G)
+        inside = torch.where(valid, grad_a - p_u * total.unsqueeze(-1), 0.0)  # g_a - p G
+        grad.scatter_add_(-1, index, inside)  # the buffer is 0 inside U
+        return grad.to(ctx.x_dtype), None, None, None, None, None, None
 
 
 class TrustRegionProjection(nn.Module):
@@ -253,7 +253,7 @@ class TrustRegionProjection(nn.Module):
         dtype = compute_dtype(x)
         n, vocab = x.shape
         with torch.no_grad():
-            index, valid, old_lp, in_old, token_pos, logz, log_rest = self._support(
+            index, valid, old_lp, in_old, token_pos, logz, p, p_u, rest = self._support(
                 x, old, tokens, dtype
             )
             support = valid.sum(-1)  # (n,) |U|
@@ -265,7 +265,7 @@ class TrustRegionProjection(nn.Module):
             n_rest = (vocab - support).to(dtype)  # tokens in the rest bucket
             b_rest = torch.where(n_rest > 0, tail + n_rest.log() - outside, _NEG_INF)  # (n,)
             b = torch.cat([b_u, b_rest.unsqueeze(-1)], dim=-1)  # (n, L+1)
-        a_u, a_rest = _SupportLogProbs.apply(x, logz, index, valid, log_rest)
+        a_u, a_rest = _SupportLogProbs.apply(x, logz, index, valid, p, p_u, rest)
         a = torch.cat([a_u, a_rest.unsqueeze(-1)], dim=-1)  # (n, L+1)
         eps = torch.full((n,), self.eps, dtype=dtype, device=x.device)
         logp, eta, kl_before, kl_after = project_log_probs(a, b, eps)  # (n, L+1), (n,) x 3
@@ -286,18 +286,16 @@ class TrustRegionProjection(nn.Module):
         )
 
     def _support(self, x: Tensor, old: SparseDistribution, tokens: Tensor, dtype: torch.dtype):
-        """U = S_old + S_new + {token}, de-duplicated, and the new rest mass.
+        """U = S_old + S_new + {token}, de-duplicated, and the new policy's mass on and off it.
 
         Returns index (n, L) (entries that are not valid repeat a valid index), valid (n, L),
         old log-prob of entries from S_old (n, L), in_old (n, L), the token's position (n,),
-        logZ (n,) and the log of the new mass outside U (n,).
+        and for :class:`_SupportLogProbs`: logZ (n,), softmax zeroed inside U (n, V), softmax on
+        U (n, L) and the mass outside U (n,).
         """
         n, vocab = x.shape
-        xf = x.to(dtype)  # (n, V)
-        shift = xf.amax(-1, keepdim=True).clamp_min(torch.finfo(dtype).min)  # (n, 1)
-        t = (xf - shift).exp_()  # (n, V) one buffer, reused for the rest mass
-        logz = shift.squeeze(-1) + t.sum(-1).log()  # (n,)
-        top_val, top_idx = x.topk(min(self.max_tokens, vocab), dim=-1)  # (n, k)
+        top_val, top_idx = top_tokens(x, min(self.max_tokens, vocab))  # (n, k)
+        p, logz = softmax_and_logz(x, top_val, top_idx, dtype)  # (n, V), (n,)
         count = prefix_count(top_val.to(dtype) - logz.unsqueeze(-1), self.mass_delta)
         new_idx = torch.where(
             torch.arange(top_idx.shape[1], device=x.device) < count.unsqueeze(-1), top_idx, -1
@@ -319,5 +317,6 @@ class TrustRegionProjection(nn.Module):
         old_lp = cand_lp.gather(-1, order)
         token_pos = ((key == tokens.unsqueeze(-1)) & valid).to(torch.int8).argmax(-1)  # (n,)
         # New mass outside U, summed from those tokens (exact however small it is).
-        log_rest = t.scatter_(-1, index, 0.0).sum(-1).log() + shift.squeeze(-1) - logz  # (n,)
-        return index, valid, old_lp, in_old, token_pos, logz, log_rest
+        p_u = p.gather(-1, index)  # (n, L)
+        rest = p.scatter_(-1, index, 0.0).sum(-1)  # (n,)
+        return index, valid, old_lp, in_old, token_pos, logz, p, p_u, rest

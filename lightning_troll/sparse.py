@@ -12,9 +12,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-__all__ = ["SparseDistribution", "sparsify"]
+__all__ = ["SparseDistribution", "softmax_and_logz", "sparsify", "top_tokens"]
 
 _NEG_INF = float("-inf")
+# Block size of the two-level top-k search (see top_tokens).
+_BLOCK = 128
+# Below this tail mass, linear sums lose precision to underflow: sum in log space instead.
+_LINEAR_TAIL_MIN = 1e-30
 
 
 @dataclass(frozen=True)
@@ -139,6 +143,42 @@ def check_tokens(tokens: Tensor, n: int, vocab: int, device: torch.device, name:
         )
 
 
+def top_tokens(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """The k largest logits of each row, descending: values (N, k) and token ids (N, k).
+
+    A top-k over a whole 150k-token row is slow on CPUs. The k largest entries lie in the k
+    blocks of ``_BLOCK`` tokens with the largest maxima (a block that holds one of them has a
+    maximum at least as large as the k-th value, and at most k blocks do), so one pass of block
+    maxima narrows the search to ``k * _BLOCK`` candidates.
+    """
+    n, vocab = logits.shape
+    blocks = vocab // _BLOCK
+    if blocks <= 4 * k:
+        return logits.topk(k, dim=-1)
+    main = blocks * _BLOCK
+    block_max = logits[:, :main].reshape(n, blocks, _BLOCK).amax(-1)  # (N, blocks)
+    chosen = block_max.topk(k, dim=-1).indices  # (N, k)
+    offsets = torch.arange(_BLOCK, device=logits.device)
+    candidates = (chosen.unsqueeze(-1) * _BLOCK + offsets).flatten(1)  # (N, k * _BLOCK)
+    if main < vocab:  # the last, partial block is always searched
+        rest = torch.arange(main, vocab, device=logits.device).expand(n, -1)
+        candidates = torch.cat([candidates, rest], dim=-1)
+    values, position = logits.gather(-1, candidates).topk(k, dim=-1)  # (N, k)
+    return values, candidates.gather(-1, position)
+
+
+def softmax_and_logz(
+    logits: Tensor, top_val: Tensor, top_idx: Tensor, dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
+    """``softmax(logits)`` in ``dtype`` (one fused kernel, one (N, V) buffer) and logZ (N,).
+
+    logZ comes from the most probable token: logZ = x_top - log p_top, with p_top >= 1 / V.
+    """
+    p = torch.softmax(logits, dim=-1, dtype=dtype)  # (N, V)
+    p_top = p.gather(-1, top_idx[:, :1]).squeeze(-1)  # (N,)
+    return p, top_val[:, 0].to(dtype) - p_top.log()
+
+
 def prefix_count(sorted_logp: Tensor, mass_delta: float) -> Tensor:
     """Per row, how many of the descending log-probs (N, k) to keep: tokens are added while the
     mass kept so far is below 1 - mass_delta (at least one); mass_delta = 0 keeps all k."""
@@ -180,9 +220,8 @@ def sparsify(
         check_tokens(keep, n, vocab, logits.device, "keep")
     k = min(max_tokens, vocab)
 
-    xf = logits.to(dtype)  # (N, V), a copy only for narrower inputs
-    logz = torch.logsumexp(xf, dim=-1)  # (N,)
-    top_val, top_idx = logits.topk(k, dim=-1)  # (N, k), descending
+    top_val, top_idx = top_tokens(logits, k)  # (N, k), descending
+    p, logz = softmax_and_logz(logits, top_val, top_idx, dtype)  # (N, V), (N,)
     top_lp = top_val.to(dtype) - logz.unsqueeze(-1)  # (N, k)
     count = prefix_count(top_lp, mass_delta)  # (N,)
     in_prefix = torch.arange(k, device=logits.device) < count.unsqueeze(-1)  # (N, k)
@@ -200,8 +239,14 @@ def sparsify(
     width = max(int((indices >= 0).sum(-1).max()), 1) if n else 1
     indices, logprobs = indices[:, :width], logprobs[:, :width]  # (N, K)
 
-    # Tail log-mass from the tail itself (never log(1 - kept), which cancels): a log-sum-exp
-    # over the tokens not kept, finite even where their probabilities underflow.
+    # Tail mass summed over the tokens not kept (never 1 - kept, which cancels) ...
     kept = torch.where(indices >= 0, indices, indices[:, :1])  # padding repeats a kept index
-    tail_logmass = torch.logsumexp(xf.scatter(-1, kept, _NEG_INF), dim=-1) - logz  # (N,)
+    tail = p.scatter_(-1, kept, 0.0).sum(-1)  # (N,)
+    tail_logmass = tail.log()
+    # ... and in log space where it is too small for linear sums (extreme logits).
+    tiny = (tail < _LINEAR_TAIL_MIN) & ((indices >= 0).sum(-1) < vocab)
+    if bool(tiny.any()):
+        rows = tiny.nonzero().squeeze(-1)
+        masked = logits[rows].to(dtype).scatter(-1, kept[rows], _NEG_INF)
+        tail_logmass[rows] = torch.logsumexp(masked, dim=-1) - logz[rows]
     return SparseDistribution(indices, logprobs, tail_logmass, vocab)

@@ -466,3 +466,17 @@ def test_layer_validation():
         layer(new, old, tokens, mask=torch.ones(4))
     with pytest.raises(ValueError, match=r"old is on cpu but new_logits on meta"):
         layer(new.to("meta"), old, tokens)
+
+
+@pytest.mark.parametrize("vocab", [151_936, 40_001])
+def test_block_top_k_matches_full_top_k(vocab):
+    from lightning_troll.sparse import top_tokens
+
+    logits = torch.randn(6, vocab, generator=generator(9))
+    logits[0, -1] = 50.0  # the largest value in the partial last block
+    logits[1, :64] = 7.0  # ties
+    values, indices = top_tokens(logits, 64)
+    expected = logits.topk(64, dim=-1).values
+    torch.testing.assert_close(values, expected, rtol=0, atol=0)
+    torch.testing.assert_close(logits.gather(-1, indices), expected, rtol=0, atol=0)
+    assert indices[0, 0] == vocab - 1
