@@ -1,0 +1,357 @@
+"""Prompt data for rollouts: a LightningDataModule that yields batches of P prompts.
+
+Rows come from the built-in TinyMath generator, a local ``.json``/``.jsonl``/``.parquet`` file
+or a hub dataset. ``setup`` formats every row with ``template`` (optionally inside the
+tokenizer's chat template), tokenizes it once and checks it against ``max_prompt_tokens``; the
+dataloaders then yield :class:`PromptBatch` records: the prompt texts, their unpadded token ids
+and the rows, whose gold answer reward functions read from ``row["answer"]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningDataModule
+from lightning.pytorch.utilities import rank_zero_warn
+from torch.utils.data import DataLoader
+from transformers import PreTrainedTokenizerBase
+
+from lightning_troll.prompts import (
+    EpochShuffleSampler,
+    PromptBatch,
+    PromptItem,
+    check_count,
+    check_file,
+    collate_prompts,
+    looks_like_file,
+    read_rows,
+    seeded_generator,
+    template_fields,
+    write_jsonl,
+)
+
+__all__ = [
+    "EpochShuffleSampler",
+    "PromptBatch",
+    "PromptDataModule",
+    "PromptItem",
+    "collate_prompts",
+    "read_rows",
+    "write_jsonl",
+]
+
+
+class PromptDataModule(LightningDataModule):
+    """Prompts for rollouts: batches of ``batch_size`` prompts, shuffled each epoch with ``seed``.
+
+    Args:
+        source: Where the rows come from: ``"tinymath"`` (the built-in arithmetic generator), a
+            local ``.json``/``.jsonl``/``.parquet`` file, or a hub dataset name (read with
+            ``datasets.load_dataset(source, dataset_config, split=...)``; a local dataset folder
+            works too).
+        dataset_config: The hub dataset's configuration name (e.g. ``"main"`` for gsm8k).
+        train_split: Split of the hub dataset (or TinyMath generator) to train on; slices such as
+            ``"train[:1000]"`` work for hub datasets. Ignored for local files.
+        val_split: Split to validate on, like ``train_split``.
+        prompt_field: Row field holding the prompt (or question); ``{prompt}`` in ``template``.
+        answer_field: Row field holding the gold answer; batches carry it as ``row["answer"]``
+            (overwriting a field of that name). None: the rows have no answers.
+        template: Format string giving the prompt text from a row; may use any row field, with
+            ``{prompt}`` standing for the ``prompt_field`` value, e.g. ``"Q: {prompt}\\nA:"``.
+        chat_template: Wrap the formatted prompt as a user message in the tokenizer's chat
+            template, with the assistant's turn opened (``add_generation_prompt=True``).
+        system_prompt: System message placed before the user message; needs ``chat_template``.
+        tokenizer: Tokenizer name or path (``"tinymath"`` is the built-in one), loaded with
+            ``lightning_troll.models.load_tokenizer``; a tokenizer object is used as is.
+        batch_size: Prompts per rollout on each device (G completions are generated per prompt).
+        val_batch_size: Prompts per validation batch.
+        num_train: Training rows: problems generated for ``"tinymath"``; for files and hub
+            datasets the first ``num_train`` rows (None or 0: all of them).
+        num_val: Validation rows: problems generated for ``"tinymath"``; rows held out of a local
+            source file (chosen with ``seed``) when there is no ``val_file``; otherwise the first
+            ``num_val`` rows of the validation split or file (None: all). 0 turns validation off.
+        max_prompt_tokens: Longest prompt allowed, in tokens; a longer one stops ``setup``.
+        seed: Seed of the per-epoch shuffle, the TinyMath problems and the held-out rows.
+        val_file: A local ``.json``/``.jsonl``/``.parquet`` file of validation rows (any source).
+    """
+
+    def __init__(
+        self,
+        source: str = "tinymath",
+        dataset_config: str | None = None,
+        train_split: str = "train",
+        val_split: str = "test",
+        prompt_field: str = "prompt",
+        answer_field: str | None = "answer",
+        template: str = "{prompt}",
+        chat_template: bool = False,
+        system_prompt: str | None = None,
+        tokenizer: str | PreTrainedTokenizerBase = "tinymath",
+        batch_size: int = 8,
+        val_batch_size: int = 64,
+        num_train: int | None = 20000,
+        num_val: int | None = 200,
+        max_prompt_tokens: int = 64,
+        seed: int = 0,
+        val_file: str | None = None,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters(ignore=[] if isinstance(tokenizer, str) else ["tokenizer"])
+        if not isinstance(source, str) or not source:
+            raise ValueError(f"data.source must be a non-empty string; got {source!r}")
+        if source == "tinymath":
+            self._kind = "tinymath"
+            check_count("num_train", num_train, 1, none_ok=False)
+            check_count("num_val", num_val, 0, none_ok=False)
+        else:
+            path = Path(source).expanduser()
+            self._kind = "file" if path.is_file() or looks_like_file(source) else "hub"
+            if self._kind == "file":
+                check_file("data.source", source)
+            check_count("num_train", num_train, 0, none_ok=True)
+            holdout = self._kind == "file" and val_file is None
+            check_count("num_val", num_val, 0, none_ok=not holdout)
+        if val_file is not None:
+            check_file("data.val_file", val_file)
+        for option, value in (("batch_size", batch_size), ("val_batch_size", val_batch_size)):
+            check_count(option, value, 1, none_ok=False)
+        check_count("max_prompt_tokens", max_prompt_tokens, 1, none_ok=False)
+        check_count("seed", seed, 0, none_ok=False)
+        if system_prompt is not None and not chat_template:
+            raise ValueError(
+                f"data.system_prompt={system_prompt[:40]!r} needs data.chat_template=True "
+                "(without a chat template, put the instructions in data.template)"
+            )
+        if not isinstance(tokenizer, (str, PreTrainedTokenizerBase)):
+            raise ValueError(
+                f"data.tokenizer must be a name or path, or a transformers tokenizer; got {tokenizer!r}"
+            )
+        self.template_fields = template_fields(template)
+        self.source, self.dataset_config, self.val_file = source, dataset_config, val_file
+        self.train_split, self.val_split = train_split, val_split
+        self.prompt_field, self.answer_field = prompt_field, answer_field
+        self.template, self.chat_template, self.system_prompt = (
+            template,
+            chat_template,
+            system_prompt,
+        )
+        self.batch_size, self.val_batch_size = batch_size, val_batch_size
+        self.num_train, self.num_val = num_train, num_val
+        self.max_prompt_tokens, self.seed = max_prompt_tokens, seed
+        self._tokenizer_spec = tokenizer
+        self._tokenizer: PreTrainedTokenizerBase | None = None
+        self.train_items: list[PromptItem] | None = None
+        """Prepared training prompts (after ``setup``)."""
+        self.val_items: list[PromptItem] | None = None
+        """Prepared validation prompts (after ``setup``)."""
+
+    # ------------------------------------------------------------------------- loading
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        """The tokenizer, loaded on first use."""
+        if self._tokenizer is None:
+            spec = self._tokenizer_spec
+            if isinstance(spec, str):
+                from lightning_troll.models import load_tokenizer
+
+                spec = load_tokenizer(spec)
+            if self.chat_template and not getattr(spec, "chat_template", None):
+                raise ValueError(
+                    f"data.chat_template=True but the tokenizer {self._tokenizer_spec!r:.80} has "
+                    "no chat template; set data.chat_template=False or use a chat model's tokenizer"
+                )
+            self._tokenizer = spec
+        return self._tokenizer
+
+    def prepare_data(self) -> None:
+        """Downloads a hub dataset once (on global rank 0) so ``setup`` reads it from the cache."""
+        if self._kind == "hub":
+            self._load_hub(self.train_split, None)
+            if self.val_file is None and self.num_val != 0:
+                self._load_hub(self.val_split, None)
+
+    def setup(self, stage: str | None = None) -> None:
+        """Loads, formats, tokenizes and checks the rows (once)."""
+        if self.train_items is None and stage in (None, "fit"):
+            rows = self._train_rows()
+            if len(rows) < self.batch_size:
+                raise ValueError(
+                    f"data.batch_size={self.batch_size} is larger than the {len(rows)} training rows "
+                    f"of {self._describe()}; lower data.batch_size or add rows"
+                )
+            self.train_items = self._prepare(rows, "train")
+        if self.val_items is None:
+            self.val_items = self._prepare(self._val_rows(), "validation")
+
+    def _describe(self, split: str = "train") -> str:
+        if split == "validation" and self.val_file is not None:
+            return repr(self.val_file)
+        return repr(self.source)
+
+    def _train_rows(self) -> list[dict[str, Any]]:
+        if self._kind == "tinymath":
+            from lightning_troll.tinymath import generate_problems
+
+            return generate_problems(self.num_train, seed=self.seed, split=self.train_split)
+        if self._kind == "hub":
+            return self._load_hub(self.train_split, self.num_train)
+        rows = read_rows(self.source)
+        if self.val_file is None:
+            rows = [rows[i] for i in self._holdout(len(rows))[0]]
+        return rows[: self.num_train or None]
+
+    def _val_rows(self) -> list[dict[str, Any]]:
+        if self.num_val == 0:
+            return []
+        if self.val_file is not None:
+            return read_rows(self.val_file)[: self.num_val]
+        if self._kind == "tinymath":
+            from lightning_troll.tinymath import generate_problems
+
+            return generate_problems(self.num_val, seed=self.seed, split=self.val_split)
+        if self._kind == "hub":
+            return self._load_hub(self.val_split, self.num_val)
+        rows = read_rows(self.source)
+        return [rows[i] for i in self._holdout(len(rows))[1]]
+
+    def _holdout(self, size: int) -> tuple[list[int], list[int]]:
+        """(train indices, validation indices) of a local file, both in file order."""
+        if self.num_val >= size:
+            raise ValueError(
+                f"data.num_val={self.num_val} would hold out every row of {self.source!r} "
+                f"({size} rows); lower it, or give data.val_file"
+            )
+        order = torch.randperm(size, generator=seeded_generator(self.seed, "holdout")).tolist()
+        return sorted(order[self.num_val :]), sorted(order[: self.num_val])
+
+    def _load_hub(self, split: str, cap: int | None) -> list[dict[str, Any]]:
+        import datasets
+
+        try:
+            data = datasets.load_dataset(self.source, self.dataset_config, split=split)
+        except Exception as exc:  # not found, offline, bad config or split: say which option
+            raise ValueError(
+                f"data.source={self.source!r} (data.dataset_config={self.dataset_config!r}, "
+                f"split {split!r}): datasets.load_dataset failed: {exc}. Local files need a "
+                ".json, .jsonl or .parquet suffix"
+            ) from exc
+        if cap:
+            data = data.select(range(min(cap, len(data))))
+        return data.to_list()
+
+    # ------------------------------------------------------------------------- preparation
+
+    def _prepare(self, rows: list[dict[str, Any]], split: str) -> list[PromptItem]:
+        """Checks fields, formats, tokenizes and checks the length of every row."""
+        if not rows:
+            return []
+        self._check_fields(rows, split)
+        texts = [self._format(row, i, split) for i, row in enumerate(rows)]
+        bos = self.tokenizer.bos_token
+        # A chat template usually writes BOS itself: do not add a second one.
+        add_special = not (self.chat_template and bos and texts[0].startswith(bos))
+        ids = self.tokenizer(texts, add_special_tokens=add_special)["input_ids"]
+        lengths = [len(seq) for seq in ids]
+        too_long = [i for i, n in enumerate(lengths) if n > self.max_prompt_tokens or n == 0]
+        if too_long:
+            i = too_long[0]
+            raise ValueError(
+                f"data.max_prompt_tokens={self.max_prompt_tokens}: {len(too_long)} of {len(rows)} "
+                f"{split} prompts of {self._describe(split)} have too many tokens (or none); the "
+                f"first is row {i} with {lengths[i]} tokens ({texts[i][:60]!r}); raise "
+                "data.max_prompt_tokens or shorten data.template"
+            )
+        answer = self.answer_field
+        return [
+            PromptItem(text, list(seq), {**row, "answer": row[answer]} if answer else dict(row))
+            for text, seq, row in zip(texts, ids, rows, strict=True)
+        ]
+
+    def _check_fields(self, rows: list[dict[str, Any]], split: str) -> None:
+        needed = {self.prompt_field: "data.prompt_field"}
+        if self.answer_field is not None:
+            needed[self.answer_field] = "data.answer_field"
+        for field in sorted(self.template_fields - {"prompt"}):
+            needed.setdefault(field, "data.template")
+        for field, option in needed.items():
+            i = next((i for i, row in enumerate(rows) if field not in row), None)
+            if i is None:
+                continue
+            value = self.template if option == "data.template" else field
+            where = f"the {split} rows of {self._describe(split)}"
+            if i == 0:
+                raise ValueError(
+                    f"{option}={value!r} needs the field {field!r}, which is not a field of "
+                    f"{where}; fields are {sorted(rows[0])}"
+                )
+            raise ValueError(f"{option}={value!r}: row {i} of {where} has no field {field!r}")
+        bad = next(
+            (i for i, r in enumerate(rows) if not isinstance(r[self.prompt_field], str)), None
+        )
+        if bad is not None:
+            value = rows[bad][self.prompt_field]
+            raise ValueError(
+                f"data.prompt_field={self.prompt_field!r}: row {bad} of the {split} rows holds a "
+                f"{type(value).__name__} ({value!r:.40}), not text"
+            )
+
+    def _format(self, row: Mapping[str, Any], index: int, split: str) -> str:
+        try:
+            text = self.template.format_map({**row, "prompt": row[self.prompt_field]})
+        except (AttributeError, IndexError, KeyError, TypeError, ValueError) as exc:
+            raise ValueError(
+                f"data.template={self.template!r} cannot format {split} row {index} "
+                f"({type(exc).__name__}: {exc})"
+            ) from exc
+        if not self.chat_template:
+            return text
+        messages = [{"role": "user", "content": text}]
+        if self.system_prompt is not None:
+            messages.insert(0, {"role": "system", "content": self.system_prompt})
+        return self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False
+        )
+
+    # ------------------------------------------------------------------------- loaders
+
+    def train_dataloader(self) -> DataLoader:
+        """Batches of ``batch_size`` prompts, reshuffled each epoch; the last partial one dropped."""
+        if self.train_items is None:
+            self.setup("fit")
+        return DataLoader(
+            self.train_items,
+            batch_size=self.batch_size,
+            sampler=EpochShuffleSampler(len(self.train_items), self.seed),
+            drop_last=True,
+            collate_fn=collate_prompts,
+            num_workers=0,
+        )
+
+    def val_dataloader(self) -> DataLoader | list:
+        """Validation batches in order; an empty list (no validation) when there are no rows."""
+        if self.val_items is None:
+            self.setup("validate")
+        if not self.val_items:
+            return []
+        return DataLoader(
+            self.val_items,
+            batch_size=self.val_batch_size,
+            shuffle=False,
+            collate_fn=collate_prompts,
+            num_workers=0,
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """The seed: the shuffle order is a function of (seed, epoch), nothing else is stateful."""
+        return {"seed": self.seed}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if state_dict.get("seed", self.seed) != self.seed:
+            rank_zero_warn(
+                f"data.seed={self.seed} differs from the checkpoint's {state_dict['seed']}: the "
+                "resumed run sees the prompts in a different order"
+            )

@@ -1,0 +1,186 @@
+"""Prompt records, their batching and shuffling, and local prompt files (json, jsonl, parquet).
+
+The pieces of :mod:`lightning_troll.data` that need no DataModule: :class:`PromptBatch` is what a
+training step receives, :class:`EpochShuffleSampler` makes the order depend on (seed, epoch)
+only, and :func:`read_rows` / :func:`write_jsonl` read and write local prompt files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import string
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+from torch.utils.data import Sampler
+
+__all__ = [
+    "FILE_SUFFIXES",
+    "EpochShuffleSampler",
+    "PromptBatch",
+    "PromptItem",
+    "collate_prompts",
+    "read_rows",
+    "write_jsonl",
+]
+
+FILE_SUFFIXES = (".json", ".jsonl", ".parquet")
+# Suffixes that mean "a data file" even though this module cannot read them.
+_OTHER_DATA_SUFFIXES = (".csv", ".tsv", ".txt", ".arrow", ".gz", ".zst", ".xlsx")
+
+
+@dataclass
+class PromptBatch:
+    """The P prompts of one rollout (or one validation batch)."""
+
+    prompts: list[str]
+    """Formatted prompt texts, P of them."""
+    prompt_ids: list[list[int]]
+    """Unpadded token ids of each prompt, as the tokenizer gives them (BOS included if it adds one)."""
+    rows: list[dict[str, Any]]
+    """Copies of the dataset rows, the gold answer under ``"answer"``."""
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+
+class PromptItem(NamedTuple):
+    """One prepared prompt."""
+
+    text: str
+    ids: list[int]
+    row: dict[str, Any]
+
+
+def collate_prompts(items: Sequence[PromptItem]) -> PromptBatch:
+    """Stacks prepared prompts into a :class:`PromptBatch` (lists, no padding; rows copied)."""
+    return PromptBatch(
+        prompts=[item.text for item in items],
+        prompt_ids=[list(item.ids) for item in items],
+        rows=[dict(item.row) for item in items],
+    )
+
+
+def seeded_generator(seed: int, purpose: str) -> torch.Generator:
+    """A generator seeded by a stable hash of ``(seed, purpose)``.
+
+    Hashing, because torch's CPU generator keeps only the low 32 bits of its seed: packing
+    ``(seed, epoch)`` into one integer would make different seeds give the same order.
+    """
+    digest = hashlib.blake2b(f"{seed}-{purpose}".encode(), digest_size=4).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest, "little"))
+
+
+class EpochShuffleSampler(Sampler[int]):
+    """A permutation of ``range(size)`` that depends only on ``(seed, epoch)``.
+
+    Lightning calls ``set_epoch`` before every epoch (through its distributed wrapper too), so
+    epoch k is ordered the same way in every run and after a resume.
+    """
+
+    def __init__(self, size: int, seed: int) -> None:
+        self.size, self.seed, self.epoch = size, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __iter__(self) -> Iterator[int]:
+        generator = seeded_generator(self.seed, f"epoch-{self.epoch}")
+        return iter(torch.randperm(self.size, generator=generator).tolist())
+
+
+def write_jsonl(path: str | Path, rows: Iterable[Mapping[str, Any]]) -> Path:
+    """Writes one JSON object per line (UTF-8), creating parent folders; returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as file:
+        for row in rows:
+            file.write(json.dumps(dict(row), ensure_ascii=False) + "\n")
+    return path
+
+
+def read_rows(path: str | Path) -> list[dict[str, Any]]:
+    """Rows of a local file: ``.jsonl`` (one object a line), ``.json`` (a list of objects, or
+    JSON lines) or ``.parquet``."""
+    path = Path(path).expanduser()
+    if path.suffix.lower() == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist()
+    text = path.read_text(encoding="utf-8")
+    if path.suffix.lower() == ".json":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError:
+            pass  # perhaps JSON lines under a .json name
+        else:
+            if not isinstance(data, list) or not all(isinstance(row, dict) for row in data):
+                raise ValueError(f"{path}: expected a list of objects (or JSON lines)")
+            return data
+    rows = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if line.strip():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}, line {number}: not valid JSON ({exc.msg})") from exc
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}, line {number}: expected an object, got {row!r:.60}")
+            rows.append(row)
+    return rows
+
+
+def looks_like_file(source: str) -> bool:
+    """A file name or path rather than a hub name (``owner/name`` has exactly one ``/``)."""
+    return (
+        source.lower().endswith(FILE_SUFFIXES + _OTHER_DATA_SUFFIXES)
+        or source.startswith(("/", "./", "../", "~"))
+        or "\\" in source
+        or source.count("/") >= 2
+    )
+
+
+def check_file(option: str, value: str) -> None:
+    path = Path(value).expanduser()
+    allowed = "give a .json, .jsonl or .parquet file"
+    if option == "data.source":
+        allowed += ", the built-in 'tinymath', or a hub dataset name"
+    if not path.is_file():
+        raise ValueError(f"{option}: file {value!r} does not exist; {allowed}")
+    if path.suffix.lower() not in FILE_SUFFIXES:
+        raise ValueError(f"{option}: cannot read {path.suffix!r} files ({value!r}); {allowed}")
+
+
+def template_fields(template: str) -> set[str]:
+    """The row fields a format string uses: ``"Q: {question}"`` -> ``{"question"}``."""
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError as exc:
+        raise ValueError(f"data.template={template!r} is not a valid format string: {exc}") from exc
+    fields = set()
+    for _, name, _, _ in parsed:
+        if name is None:
+            continue
+        root = name.split(".")[0].split("[")[0]
+        if not root or root.isdigit():
+            raise ValueError(
+                f"data.template={template!r} has a positional field {{{name}}}; name a row field, "
+                "e.g. 'Question: {question}' ({prompt} is the data.prompt_field value)"
+            )
+        fields.add(root)
+    return fields
+
+
+def check_count(option: str, value: int | None, minimum: int, none_ok: bool) -> None:
+    if value is None and none_ok:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        allowed = f"an integer >= {minimum}" + (" or None" if none_ok else "")
+        raise ValueError(f"data.{option} must be {allowed}; got {value!r}")

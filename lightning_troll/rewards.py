@@ -1,0 +1,370 @@
+"""Reward functions: score one completion of one prompt, and score a rollout with several.
+
+A reward function is any callable ``fn(prompt, completion, row) -> float``: ``prompt`` is the
+formatted prompt text, ``completion`` the generated text (prompt excluded) and ``row`` the
+dataset row the prompt came from (the DataModule stores the gold answer under ``"answer"``).
+Built-ins, registered by name:
+
+    tinymath  1.0 if ``tinymath.answer_of(completion)`` equals ``row["answer"]``
+    gsm8k     the number after the last ``####``, compared numerically with the gold answer
+    boxed     the content of the last ``\\boxed{...}``, compared after normalisation
+
+Add your own with :func:`register_reward`, or name any function by import path
+(``"my_package.my_module:my_reward"``). :class:`RewardScorer` runs a weighted set of them over
+B = P * G completions and returns ``(B,)`` tensors.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import math
+import numbers
+import re
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any, Literal, Protocol
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "REWARD_FUNCTIONS",
+    "RewardError",
+    "RewardFunction",
+    "RewardOutput",
+    "RewardScorer",
+    "RewardWarning",
+    "boxed",
+    "extract_boxed",
+    "gsm8k",
+    "register_reward",
+    "resolve_reward",
+    "tinymath",
+]
+
+
+class RewardFunction(Protocol):
+    """Scores one completion: a finite float (or bool), higher is better."""
+
+    def __call__(self, prompt: str, completion: str, row: Mapping[str, Any]) -> float: ...
+
+
+REWARD_FUNCTIONS: dict[str, RewardFunction] = {}
+
+
+class RewardError(ValueError):
+    """A reward function raised, or returned something that is not a finite number."""
+
+
+class RewardWarning(UserWarning):
+    """Samples were dropped because a reward function failed on them (``on_error="drop"``)."""
+
+
+def register_reward(name: str) -> Callable[[RewardFunction], RewardFunction]:
+    """Decorator: adds ``fn(prompt, completion, row) -> float`` to the registry under ``name``."""
+
+    def add(fn: RewardFunction) -> RewardFunction:
+        if name in REWARD_FUNCTIONS:
+            raise ValueError(f"a reward function named {name!r} is already registered")
+        REWARD_FUNCTIONS[name] = fn
+        return fn
+
+    return add
+
+
+# ----------------------------------------------------------------------------- answer parsing
+
+_NUMBER = re.compile(r"-?(?:\d[\d,]*(?:\.\d*)?|\.\d+)")
+_THOUSANDS = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d*)?")
+_FRAC = re.compile(r"^(-?)\\[dt]?frac\{(-?[\d.]+)\}\{(-?[\d.]+)\}$")
+
+
+def _to_number(text: str) -> Fraction | None:
+    """``"1,234"``, ``"-3.50"``, ``"1/2"``, ``"\\frac{1}{2}"`` -> exact Fraction; else None."""
+    text = text.strip()
+    if _THOUSANDS.fullmatch(text):
+        text = text.replace(",", "")
+    if frac := _FRAC.match(text):
+        sign, num, den = frac.groups()
+        text = f"{sign}{num}/{den}" if "." not in num + den else f"{sign}{float(num) / float(den)}"
+    try:
+        return Fraction(text)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def _after_hashes(text: str) -> str | None:
+    """The text after the last ``####``, or None when there is none."""
+    head, sep, tail = text.rpartition("####")
+    return tail if sep else None
+
+
+def _first_number(text: str) -> Fraction | None:
+    """The first number in ``text`` (commas and ``$`` ignored), e.g. ``" $1,200.50 total"``."""
+    match = _NUMBER.search(text.replace("$", ""))
+    return None if match is None else _to_number(match.group().replace(",", "").rstrip("."))
+
+
+def extract_boxed(text: str) -> str | None:
+    """The content of the last ``\\boxed{...}`` in ``text`` (braces balanced), or None."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, begin = 0, start + len("\\boxed{")
+    for i in range(begin, len(text)):
+        if text[i] == "{":
+            depth += 1
+        elif text[i] == "}":
+            if depth == 0:
+                return text[begin:i]
+            depth -= 1
+    return None  # unclosed: the completion was cut off inside the box
+
+
+def _normalise(answer: str) -> str:
+    """Strip spaces, ``$`` and a trailing full stop: ``" $1/2$. "`` -> ``"1/2"``."""
+    return re.sub(r"\s+", "", str(answer)).replace("$", "").rstrip(".")
+
+
+# ----------------------------------------------------------------------------- built-ins
+
+
+@register_reward("tinymath")
+def tinymath(prompt: str, completion: str, row: Mapping[str, Any]) -> float:
+    """1.0 if the TinyMath answer in ``completion`` equals ``row["answer"]``, else 0.0."""
+    from lightning_troll.tinymath import answer_of
+
+    return float(answer_of(completion) == str(row["answer"]).strip())
+
+
+@register_reward("gsm8k")
+def gsm8k(prompt: str, completion: str, row: Mapping[str, Any]) -> float:
+    """1.0 if the number after the last ``####`` in ``completion`` equals the gold answer.
+
+    The gold answer is ``row["answer"]`` after its last ``####`` (GSM8K's answer field is a worked
+    solution ending in ``#### 42``) or, without ``####``, the whole field. Both are compared as
+    exact numbers, commas and ``$`` removed: ``"#### 1,000"`` matches ``1000`` and ``"1000.0"``.
+    A completion without ``####`` scores 0.0.
+    """
+    given = _after_hashes(completion)
+    if given is None:
+        return 0.0
+    gold_text = str(row["answer"])
+    gold = _first_number(_after_hashes(gold_text) or gold_text)
+    if gold is None:
+        raise ValueError(f"gold answer {gold_text[-80:]!r} holds no number")
+    return float(_first_number(given) == gold)
+
+
+@register_reward("boxed")
+def boxed(prompt: str, completion: str, row: Mapping[str, Any]) -> float:
+    """1.0 if the last ``\\boxed{...}`` in ``completion`` matches ``row["answer"]``, else 0.0.
+
+    Both sides are normalised (spaces, ``$`` and a trailing ``.`` removed); when both parse as
+    numbers (``"0.5"``, ``"1/2"``, ``"\\frac{1}{2}"``, ``"1,000"``) they are compared exactly as
+    numbers, otherwise as strings. A completion without a closed ``\\boxed{`` scores 0.0.
+    """
+    content = extract_boxed(completion)
+    if content is None:
+        return 0.0
+    given, gold = _normalise(content), _normalise(row["answer"])
+    given_num, gold_num = _to_number(given), _to_number(gold)
+    if given_num is not None and gold_num is not None:
+        return float(given_num == gold_num)
+    return float(given == gold)
+
+
+# ----------------------------------------------------------------------------- resolution
+
+
+def resolve_reward(spec: str | Callable[..., Any]) -> RewardFunction:
+    """A reward function from a registry name, an import path, or a callable (returned as is).
+
+    Import paths: ``"package.module:function"`` or ``"package.module.function"``; the part after
+    ``:`` may be dotted (``"package.module:Class.method"``).
+    """
+    if callable(spec) and not isinstance(spec, str):
+        return spec
+    if not isinstance(spec, str) or not spec:
+        raise ValueError(
+            f"a reward must be a registered name, an import path or a callable; got {spec!r}"
+        )
+    if spec in REWARD_FUNCTIONS:
+        return REWARD_FUNCTIONS[spec]
+    if ":" in spec:
+        module_name, _, attr_path = spec.partition(":")
+    elif "." in spec:
+        module_name, _, attr_path = spec.rpartition(".")
+    else:
+        raise ValueError(
+            f"unknown reward {spec!r}; registered rewards are {sorted(REWARD_FUNCTIONS)}, or give "
+            "an import path 'package.module:function' (or 'package.module.function') of a "
+            "function fn(prompt, completion, row) -> float"
+        )
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"reward {spec!r}: cannot import module {module_name!r}: {exc}") from exc
+    for part in attr_path.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"reward {spec!r}: {module_name!r} has no attribute {attr_path!r}")
+        obj = getattr(obj, part)
+    if inspect.isclass(obj) or not callable(obj):
+        what = "a class" if inspect.isclass(obj) else f"a {type(obj).__name__}, not callable"
+        raise ValueError(
+            f"reward {spec!r} is {what}; point at a function (or callable object) "
+            "fn(prompt, completion, row) -> float"
+        )
+    return obj
+
+
+# ----------------------------------------------------------------------------- scoring
+
+
+@dataclass(frozen=True)
+class RewardOutput:
+    """Rewards of B completions; every tensor is (B,) and detached."""
+
+    total: Tensor
+    """(B,) float32 weighted sum over the functions; 0.0 where ``valid`` is False."""
+    per_function: dict[str, Tensor]
+    """name -> (B,) float32 unweighted reward of that function (0.0 where ``valid`` is False)."""
+    valid: Tensor
+    """(B,) bool; False where some function failed and ``on_error="drop"`` dropped the sample."""
+
+
+def _score(
+    fn: RewardFunction, prompt: str, completion: str, row: Mapping[str, Any]
+) -> tuple[float, str | None, BaseException | None]:
+    """(reward, None, None), or (0.0, what went wrong, the exception if one was raised)."""
+    try:
+        value = fn(prompt, completion, row)
+    except Exception as exc:  # a user's function may raise anything
+        return 0.0, f"raised {type(exc).__name__}: {exc}", exc
+    number = _as_float(value)
+    if number is None:
+        problem = f"returned {_short(repr(value))} ({type(value).__name__}); a reward must be a finite number or bool"
+        return 0.0, problem, None
+    return number, None, None
+
+
+def _unique_name(fn: Callable[..., Any], taken: Mapping[str, Any]) -> str:
+    """``fn.__name__``, with ``_2``, ``_3``, ... appended while another function holds it."""
+    base = getattr(fn, "__name__", type(fn).__name__)
+    name, n = base, 1
+    while name in taken and taken[name] is not fn:
+        n += 1
+        name = f"{base}_{n}"
+    return name
+
+
+def _short(text: str, limit: int = 80) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _as_float(value: Any) -> float | None:
+    """A finite float from a bool, real number or one-element tensor; None for anything else."""
+    if isinstance(value, Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, numbers.Real):  # bool is an int: True -> 1.0
+        value = float(value)
+        return value if math.isfinite(value) else None
+    return None
+
+
+class RewardScorer:
+    """Several reward functions with weights: ``total = sum_k weight_k * reward_k``.
+
+    Args:
+        rewards: Reward functions (registry names, import paths or callables) to weights, or a
+            list of them (weight 1 each). Weights must be finite; 0 logs a reward without
+            training on it, a negative weight makes it a penalty.
+        on_error: What a function that raises, or returns None, NaN, inf or a non-number, does:
+            ``"raise"`` (default) raises :class:`RewardError` naming the function, the sample and
+            the problem; ``"drop"`` (opt-in) marks that sample invalid (``valid[i] = False``,
+            total 0.0) and warns once per call with the count.
+    """
+
+    def __init__(
+        self,
+        rewards: Mapping[str, float] | Sequence[str],
+        on_error: Literal["raise", "drop"] = "raise",
+    ) -> None:
+        if on_error not in ("raise", "drop"):
+            raise ValueError(f"on_error must be 'raise' or 'drop'; got {on_error!r}")
+        if isinstance(rewards, str) or callable(rewards):
+            rewards = [rewards]
+        items = (
+            list(rewards.items()) if isinstance(rewards, Mapping) else [(r, 1.0) for r in rewards]
+        )
+        if not items:
+            raise ValueError("rewards must name at least one reward function; got none")
+        self.on_error = on_error
+        self.functions: dict[str, RewardFunction] = {}
+        """name -> reward function; a callable is named by its ``__name__``."""
+        self.weights: dict[str, float] = {}
+        for spec, weight in items:
+            name = spec if isinstance(spec, str) else _unique_name(spec, self.functions)
+            if name in self.functions:
+                raise ValueError(f"rewards lists {name!r} twice; give each function once")
+            if isinstance(weight, bool) or not isinstance(weight, numbers.Real):
+                raise ValueError(f"the weight of reward {name!r} must be a number; got {weight!r}")
+            if not math.isfinite(weight):
+                raise ValueError(f"the weight of reward {name!r} must be finite; got {weight!r}")
+            self.functions[name] = resolve_reward(spec)
+            self.weights[name] = float(weight)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.weights!r}, on_error={self.on_error!r})"
+
+    def __call__(
+        self, prompts: list[str], completions: list[str], rows: list[Mapping[str, Any]]
+    ) -> RewardOutput:
+        """Scores sample i = (prompts[i], completions[i], rows[i]); all three lists have length B."""
+        size = len(completions)
+        if len(prompts) != size or len(rows) != size:
+            raise ValueError(
+                f"prompts, completions and rows must have the same length; got {len(prompts)}, "
+                f"{size} and {len(rows)}"
+            )
+        valid = [True] * size
+        scores: dict[str, list[float]] = {}
+        first_error = ""
+        for name, fn in self.functions.items():
+            scores[name] = column = [0.0] * size
+            for i, (prompt, completion, row) in enumerate(
+                zip(prompts, completions, rows, strict=True)
+            ):
+                value, problem, cause = _score(fn, prompt, completion, row)
+                if problem is None:
+                    column[i] = value
+                    continue
+                message = (
+                    f"reward function {name!r} on sample {i} (prompt {_short(prompt)!r}, "
+                    f"completion {_short(completion)!r}) {problem}"
+                )
+                if self.on_error == "raise":
+                    raise RewardError(message) from cause
+                valid[i] = False
+                first_error = first_error or message
+        dropped = valid.count(False)
+        if dropped:
+            warnings.warn(
+                f"RewardScorer dropped {dropped} of {size} samples whose rewards failed "
+                f"(on_error='drop'); the first: {first_error}",
+                RewardWarning,
+                stacklevel=2,
+            )
+        valid_t = torch.tensor(valid, dtype=torch.bool)  # (B,)
+        per_function = {
+            name: torch.tensor(column, dtype=torch.float32).masked_fill(~valid_t, 0.0)
+            for name, column in scores.items()
+        }  # name -> (B,)
+        total = torch.zeros(size, dtype=torch.float64)  # (B,)
+        for name, column in scores.items():
+            total += self.weights[name] * torch.tensor(column, dtype=torch.float64)
+        total = total.masked_fill(~valid_t, 0.0).to(torch.float32)
+        return RewardOutput(total=total, per_function=per_function, valid=valid_t)
