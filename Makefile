@@ -2,6 +2,7 @@
 #
 #   make setup   .venv with torch (a CPU build where no CUDA driver is found) and the project
 #   make test    setup, then the whole test suite
+#   make demo    setup, then TROLL with GRPO on the shipped TinyMath policy (a few CPU minutes)
 #   make lint    ruff check + ruff format --check
 #   make bench   the projection benchmark at a 151,936-token vocabulary
 
@@ -13,7 +14,7 @@ TORCH_VERSION ?= 2.13.0
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test lint format bench clean
+.PHONY: setup test demo lint format bench clean
 
 setup: $(STAMP)
 
@@ -38,6 +39,9 @@ $(STAMP): pyproject.toml | $(PY)
 
 test: setup
 	$(PY) -m pytest
+
+demo: setup
+	$(VENV)/bin/lightning-troll fit --config configs/tinymath.yaml
 
 lint: setup
 	$(PY) -m ruff check .

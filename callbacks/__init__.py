@@ -1,1 +1,13 @@
-"""Lightning callbacks of lightning_troll (installed as ``lightning_troll.callbacks``)."""
+"""Lightning callbacks of lightning_troll (installed as ``lightning_troll.callbacks``).
+
+- :class:`RolloutGeneration`: samples, scores and caches a rollout before each training step.
+- :class:`OldPolicyRefresh`: copies the policy into the frozen snapshot every N rollouts.
+- :class:`TrustRegionMonitor`: per-token KL before/after projection, eta, clipping statistics.
+- :class:`SparsityCoverageMonitor`: coverage of the sparse supports and their sizes.
+"""
+
+from lightning_troll.callbacks.monitors import SparsityCoverageMonitor, TrustRegionMonitor
+from lightning_troll.callbacks.old_policy import OldPolicyRefresh
+from lightning_troll.callbacks.rollout import RolloutGeneration
+
+__all__ = ["OldPolicyRefresh", "RolloutGeneration", "SparsityCoverageMonitor", "TrustRegionMonitor"]

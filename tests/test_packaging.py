@@ -35,6 +35,10 @@ def test_maths_modules_do_not_import_lightning_or_transformers():
 
 @pytest.mark.slow
 def test_wheel_installs_into_a_fresh_venv(tmp_path):
+    # Build from a copy so that build/ and *.egg-info never land in the working tree.
+    src = tmp_path / "src"
+    skip = shutil.ignore_patterns(".*", "build", "dist", "*.egg-info", "__pycache__", "runs")
+    shutil.copytree(ROOT, src, ignore=skip)
     dist = tmp_path / "dist"
     subprocess.run(
         [
@@ -45,7 +49,7 @@ def test_wheel_installs_into_a_fresh_venv(tmp_path):
             "--no-isolation",
             "--outdir",
             str(dist),
-            str(ROOT),
+            str(src),
         ],
         check=True,
         capture_output=True,
@@ -54,6 +58,8 @@ def test_wheel_installs_into_a_fresh_venv(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     assert "lightning_troll/callbacks/__init__.py" in names
     assert "lightning_troll/projection.py" in names
+    for asset in ("model.safetensors", "config.json", "tokenizer.json", "README.md"):
+        assert f"lightning_troll/assets/tinymath/{asset}" in names, asset
     assert not [n for n in names if n.startswith("callbacks/")], "no top-level callbacks package"
     assert not [n for n in names if n.startswith("tests/")]
 
@@ -89,6 +95,7 @@ def test_wheel_installs_into_a_fresh_venv(tmp_path):
     code = (
         "import importlib.util, lightning_troll, lightning_troll.callbacks as c; "
         "from lightning_troll.projection import TrustRegionProjection; "
+        "from lightning_troll.models import load_policy; load_policy('tinymath'); "
         "print(lightning_troll.__file__); print(c.__file__); "
         "print(importlib.util.find_spec('callbacks'))"
     )

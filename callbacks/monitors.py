@@ -1,0 +1,222 @@
+"""Trust-region and sparsity monitors: per-token KL, projection and coverage statistics.
+
+Both read ``model.last_stats`` (the detached statistics of every optimiser step of the last
+rollout) after each training step, reduce them across processes with torchmetrics, and log them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities import rank_zero_only
+from torch import Tensor
+from torchmetrics import MaxMetric, MeanMetric, Metric, MinMetric
+from typing_extensions import override
+
+from lightning_troll.objectives import ClipStats, TrollStats
+
+__all__ = ["SparsityCoverageMonitor", "TrustRegionMonitor"]
+
+
+class _Reductions(torch.nn.Module):
+    """Named torchmetrics reductions, updated with per-token tensors, synced on compute."""
+
+    def __init__(self, spec: dict[str, type[Metric]]) -> None:
+        super().__init__()
+        self.names = list(spec)
+        self.metrics = torch.nn.ModuleList(metric() for metric in spec.values())
+
+    def compute(self, values: dict[str, Tensor]) -> dict[str, Tensor]:
+        out = {}
+        for name, metric in zip(self.names, self.metrics, strict=True):
+            metric.update(values[name].float())
+            out[name] = metric.compute()
+            metric.reset()
+        return out
+
+
+class TrustRegionMonitor(Callback):
+    """Logs how the trust region behaves, per rollout.
+
+    TROLL runs: ``trust_region/kl_before_{mean,max}``, ``trust_region/kl_after_{mean,max}``,
+    ``trust_region/bound``, ``trust_region/active_frac``, ``trust_region/eta_{mean,max}`` and
+    ``trust_region/max_violation`` (largest kl_after / bound - 1, 0 when the bound holds), plus
+    histograms of per-token KL and a TensorBoard chart of kl_after against the bound. Clip runs:
+    ``clip/active_frac``, ``clip/low_frac``, ``clip/high_frac`` and ``clip/approx_kl`` (the k3
+    estimate of KL(old || new) from the ratios).
+
+    Args:
+        histogram_every_n_rollouts: how often per-token KL histograms are written; 0 = never.
+    """
+
+    def __init__(self, histogram_every_n_rollouts: int = 10) -> None:
+        if histogram_every_n_rollouts < 0:
+            raise ValueError(
+                "TrustRegionMonitor: histogram_every_n_rollouts must be >= 0; got "
+                f"{histogram_every_n_rollouts}"
+            )
+        self.histogram_every_n_rollouts = histogram_every_n_rollouts
+        self.rollouts = 0
+        self.troll = _Reductions(
+            {
+                "trust_region/kl_before_mean": MeanMetric,
+                "trust_region/kl_before_max": MaxMetric,
+                "trust_region/kl_after_mean": MeanMetric,
+                "trust_region/kl_after_max": MaxMetric,
+                "trust_region/active_frac": MeanMetric,
+                "trust_region/eta_mean": MeanMetric,
+                "trust_region/eta_max": MaxMetric,
+            }
+        )
+        self.clip = _Reductions(
+            {
+                "clip/active_frac": MeanMetric,
+                "clip/low_frac": MeanMetric,
+                "clip/high_frac": MeanMetric,
+                "clip/approx_kl": MeanMetric,
+            }
+        )
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self.troll.to(pl_module.device)
+        self.clip.to(pl_module.device)
+
+    @override
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._add_layout(trainer)
+
+    @rank_zero_only
+    def _add_layout(self, trainer: Trainer) -> None:
+        if isinstance(trainer.logger, TensorBoardLogger):
+            trainer.logger.experiment.add_custom_scalars(
+                {
+                    "trust region": {
+                        "KL after projection vs bound": [
+                            "Multiline",
+                            [
+                                "trust_region/kl_after_max",
+                                "trust_region/kl_after_mean",
+                                "trust_region/bound",
+                            ],
+                        ],
+                        "KL before projection": [
+                            "Multiline",
+                            ["trust_region/kl_before_max", "trust_region/kl_before_mean"],
+                        ],
+                    }
+                }
+            )
+
+    @override
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        stats = pl_module.last_stats
+        if not stats:
+            return
+        self.rollouts += 1
+        if isinstance(stats[0], TrollStats):
+            self._log_troll(trainer, pl_module, stats)
+        elif isinstance(stats[0], ClipStats):
+            self._log_clip(pl_module, stats)
+
+    def _log_troll(self, trainer, pl_module, stats: list[TrollStats]) -> None:
+        cat = lambda name: torch.cat([getattr(s.projection, name) for s in stats])  # noqa: E731
+        kl_before, kl_after, eta = cat("kl_before"), cat("kl_after"), cat("eta")
+        values = self.troll.compute(
+            {
+                "trust_region/kl_before_mean": kl_before,
+                "trust_region/kl_before_max": kl_before,
+                "trust_region/kl_after_mean": kl_after,
+                "trust_region/kl_after_max": kl_after,
+                "trust_region/active_frac": (eta > 0).float(),
+                "trust_region/eta_mean": eta,
+                "trust_region/eta_max": eta,
+            }
+        )
+        bound = pl_module.objective.projection.eps
+        values["trust_region/bound"] = torch.tensor(bound)
+        values["trust_region/max_violation"] = (
+            values["trust_region/kl_after_max"] / bound - 1
+        ).clamp_min(0)
+        pl_module.log_dict(values)
+        pl_module.log("kl", values["trust_region/kl_after_mean"], prog_bar=True, logger=False)
+        every = self.histogram_every_n_rollouts
+        if every and (self.rollouts - 1) % every == 0:
+            self._histograms(trainer, {"kl_before": kl_before, "kl_after": kl_after})
+
+    def _log_clip(self, pl_module, stats: list[ClipStats]) -> None:
+        ratios = torch.cat([s.token_ratio for s in stats]).clamp_min(1e-12)
+        per_step = lambda name: torch.stack([getattr(s, name) for s in stats])  # noqa: E731
+        values = self.clip.compute(
+            {
+                "clip/active_frac": per_step("clip_frac"),
+                "clip/low_frac": per_step("clip_frac_low"),
+                "clip/high_frac": per_step("clip_frac_high"),
+                "clip/approx_kl": ratios - 1 - ratios.log(),
+            }
+        )
+        pl_module.log_dict(values)
+        pl_module.log("kl", values["clip/approx_kl"], prog_bar=True, logger=False)
+
+    @rank_zero_only
+    def _histograms(self, trainer: Trainer, values: dict[str, Tensor]) -> None:
+        if isinstance(trainer.logger, TensorBoardLogger) and values["kl_after"].numel():
+            for name, value in values.items():
+                trainer.logger.experiment.add_histogram(
+                    f"trust_region/{name}_per_token", value.float().cpu(), trainer.global_step
+                )
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"rollouts": self.rollouts}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.rollouts = state_dict["rollouts"]
+
+
+class SparsityCoverageMonitor(Callback):
+    """Logs how well the sparse supports cover the distributions (TROLL runs).
+
+    ``sparsity/coverage_{mean,min}``: old-policy mass held by its kept tokens (1 - tail);
+    ``sparsity/support_{mean,max}``: tokens |U| each projection ran on.
+    """
+
+    def __init__(self) -> None:
+        self.reductions = _Reductions(
+            {
+                "sparsity/coverage_mean": MeanMetric,
+                "sparsity/coverage_min": MinMetric,
+                "sparsity/support_mean": MeanMetric,
+                "sparsity/support_max": MaxMetric,
+            }
+        )
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self.reductions.to(pl_module.device)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        stats = pl_module.last_stats
+        if not stats or not isinstance(stats[0], TrollStats):
+            return
+        coverage = torch.cat([s.projection.coverage for s in stats])
+        support = torch.cat([s.projection.support_size for s in stats])
+        values = self.reductions.compute(
+            {
+                "sparsity/coverage_mean": coverage,
+                "sparsity/coverage_min": coverage,
+                "sparsity/support_mean": support,
+                "sparsity/support_max": support,
+            }
+        )
+        pl_module.log_dict(values)
+        pl_module.log("coverage", values["sparsity/coverage_min"], prog_bar=True, logger=False)

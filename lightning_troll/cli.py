@@ -1,0 +1,83 @@
+"""The ``lightning-troll`` command: LightningCLI over TrollModule and PromptDataModule.
+
+    lightning-troll fit --config configs/tinymath.yaml
+    lightning-troll fit --config configs/tinymath.yaml --model.objective clip
+    lightning-troll fit --help
+
+The rollout callback, the snapshot refresh and both monitors are always present; their options
+are the top-level keys ``rollout``, ``old_policy``, ``trust_region_monitor`` and
+``sparsity_monitor``. ``model.model`` also names the tokenizer of ``data``.
+"""
+
+from __future__ import annotations
+
+from jsonargparse import set_parsing_settings
+from lightning.pytorch.cli import LightningCLI
+
+from lightning_troll.callbacks import (
+    OldPolicyRefresh,
+    RolloutGeneration,
+    SparsityCoverageMonitor,
+    TrustRegionMonitor,
+)
+from lightning_troll.data import PromptDataModule
+from lightning_troll.module import TrollModule
+
+__all__ = ["TrollCLI", "main", "run"]
+
+TRAINER_DEFAULTS = {
+    "logger": {
+        "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+        "init_args": {"save_dir": "runs", "name": "lightning_troll"},
+    },
+    "log_every_n_steps": 1,
+    "num_sanity_val_steps": 0,
+}
+
+
+class TrollCLI(LightningCLI):
+    """LightningCLI with the project's callbacks always on and the tokenizer linked."""
+
+    def add_arguments_to_parser(self, parser) -> None:
+        parser.add_lightning_class_args(RolloutGeneration, "rollout")
+        parser.add_lightning_class_args(OldPolicyRefresh, "old_policy")
+        parser.add_lightning_class_args(TrustRegionMonitor, "trust_region_monitor")
+        parser.add_lightning_class_args(SparsityCoverageMonitor, "sparsity_monitor")
+        parser.link_arguments("model.model", "data.tokenizer")
+
+    def after_fit(self) -> None:
+        if not self.trainer.is_global_zero:
+            return
+        metrics = self.trainer.callback_metrics
+        lines = ["", "lightning-troll: training finished"]
+        for name in ("reward/mean", "val/accuracy", "trust_region/kl_after_max"):
+            if name in metrics:
+                lines.append(f"  {name:<28} {float(metrics[name]):.4f}")
+        logger = self.trainer.logger
+        if logger is not None and logger.log_dir:
+            lines.append(f"  logs: {logger.log_dir}")
+            lines.append(f"  view: tensorboard --logdir {logger.save_dir}")
+        print("\n".join(lines))
+
+
+def run(args: list[str] | None = None) -> TrollCLI:
+    """Runs the command line (``args``, or ``sys.argv``) and returns the CLI object."""
+    # The options of the config dataclasses are documented by a docstring under each field.
+    set_parsing_settings(docstring_parse_attribute_docstrings=True)
+    return TrollCLI(
+        TrollModule,
+        PromptDataModule,
+        trainer_defaults=TRAINER_DEFAULTS,
+        save_config_kwargs={"overwrite": True},
+        auto_configure_optimizers=False,
+        args=args,
+    )
+
+
+def main() -> None:
+    """Entry point of the ``lightning-troll`` console script."""
+    run()
+
+
+if __name__ == "__main__":
+    main()

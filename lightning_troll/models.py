@@ -1,0 +1,173 @@
+"""Policy loading: tokenizers and causal LMs through the ``transformers`` Auto classes.
+
+Everything loads with ``AutoTokenizer.from_pretrained`` / ``AutoModelForCausalLM.from_pretrained``,
+from a local directory or a hub id alike; the special name ``"tinymath"`` means the shipped
+TinyMath demo policy (:data:`lightning_troll.tinymath.TINYMATH_DIR`). No Lightning here.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+from lightning_troll.tinymath import TINYMATH_DIR
+
+__all__ = ["DTYPES", "TINYMATH", "load_policy", "load_tokenizer", "tiny_causal_lm"]
+
+TINYMATH = "tinymath"
+"""The name that stands for the shipped demo policy directory."""
+
+DTYPES: dict[str, torch.dtype | str] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "auto": "auto",  # the dtype recorded in config.json (else the weights' dtype)
+}
+PADDING_SIDES = ("left", "right")
+
+# "name" or "org/name": letters, digits, "-", "_", "."; no leading "." or "-".
+_HUB_ID = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*(/[A-Za-z0-9_][A-Za-z0-9_.\-]*)?$")
+
+
+def _resolve(name_or_path: str | Path) -> str:
+    """``"tinymath"`` -> the shipped directory; an existing path or a hub id passes through.
+
+    Raises ``FileNotFoundError`` for a path that does not exist and cannot be a hub id
+    (absolute, ``./x``, ``~/x``, ``a/b/c``, a ``Path`` object), instead of a hub lookup error.
+    """
+    if isinstance(name_or_path, str) and name_or_path == TINYMATH:
+        if not (TINYMATH_DIR / "config.json").is_file():
+            raise FileNotFoundError(
+                f"the TinyMath assets are missing from {TINYMATH_DIR}; "
+                "regenerate them with `python examples/make_tinymath.py`"
+            )
+        return str(TINYMATH_DIR)
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        return str(path)
+    if isinstance(name_or_path, Path) or not _HUB_ID.match(name_or_path):
+        raise FileNotFoundError(
+            f"name_or_path {str(name_or_path)!r} is neither an existing local directory nor a "
+            f"hub id ('name' or 'org/name'); give a directory holding config.json, "
+            f"a hub id, or {TINYMATH!r} for the shipped demo policy"
+        )
+    return str(name_or_path)
+
+
+def load_tokenizer(name_or_path: str | Path, padding_side: str = "left") -> PreTrainedTokenizerBase:
+    """The tokenizer of ``name_or_path`` (a directory, a hub id or ``"tinymath"``).
+
+    ``padding_side`` defaults to ``"left"``, which batched generation needs. A tokenizer without
+    a pad token gets its eos token as pad token, with a ``UserWarning``: masks of completions
+    must then come from lengths or the first eos, never from ``ids != pad_token_id`` (that would
+    drop the eos the policy has to learn). Without pad and eos tokens it raises ``ValueError``.
+    """
+    if padding_side not in PADDING_SIDES:
+        raise ValueError(f"padding_side must be one of {list(PADDING_SIDES)}; got {padding_side!r}")
+    path = _resolve(name_or_path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.padding_side = padding_side
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ValueError(
+                f"the tokenizer at {path!r} has neither a pad token nor an eos token; add one, "
+                "e.g. tokenizer.add_special_tokens({'pad_token': '<pad>'}) and "
+                "model.resize_token_embeddings(len(tokenizer)), then save it and load that"
+            )
+        warnings.warn(
+            f"the tokenizer at {path!r} has no pad token; using its eos token "
+            f"{tokenizer.eos_token!r} (id {tokenizer.eos_token_id}) for padding",
+            UserWarning,
+            stacklevel=2,
+        )
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_policy(
+    name_or_path: str | Path,
+    dtype: str = "float32",
+    attn_implementation: str | None = None,
+    trust_remote_code: bool = False,
+) -> PreTrainedModel:
+    """The causal LM of ``name_or_path`` (a directory, a hub id or ``"tinymath"``), in eval mode.
+
+    ``dtype`` is one of ``DTYPES`` (``"auto"`` keeps the checkpoint's dtype); weights stored in
+    another dtype are cast. ``attn_implementation`` (``"eager"``, ``"sdpa"``, ...) is passed on
+    when given.
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {list(DTYPES)}; got {dtype!r}")
+    path = _resolve(name_or_path)
+    kwargs: dict = {"dtype": DTYPES[dtype], "trust_remote_code": trust_remote_code}
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    return AutoModelForCausalLM.from_pretrained(path, **kwargs)
+
+
+def tiny_causal_lm(
+    vocab_size: int,
+    hidden_size: int = 32,
+    num_layers: int = 2,
+    num_heads: int = 2,
+    seed: int = 0,
+    pad_token_id: int | None = None,
+    bos_token_id: int | None = None,
+    eos_token_id: int | None = None,
+) -> PreTrainedModel:
+    """A randomly initialised tiny ``LlamaForCausalLM`` for tests, built from a config.
+
+    MLP width ``4 * hidden_size``, 64 positions, tied embeddings; the initialisation depends on
+    ``seed`` only (the global RNG is left untouched). Its ``generation_config`` carries the
+    pad/bos/eos ids. Returned in eval mode, like :func:`load_policy`.
+    """
+    for option, value, low in (
+        ("vocab_size", vocab_size, 1),
+        ("hidden_size", hidden_size, 1),
+        ("num_layers", num_layers, 1),
+        ("num_heads", num_heads, 1),
+    ):
+        if value < low:
+            raise ValueError(f"{option} must be >= {low}; got {value}")
+    if hidden_size % num_heads or (hidden_size // num_heads) % 2:
+        raise ValueError(
+            f"hidden_size must be a multiple of 2 * num_heads (an even head size, for rotary "
+            f"embeddings); got hidden_size={hidden_size}, num_heads={num_heads}"
+        )
+    for option, value in (("pad_token_id", pad_token_id), ("bos_token_id", bos_token_id)):
+        if value is not None and not 0 <= value < vocab_size:
+            raise ValueError(f"{option} must be in [0, {vocab_size}); got {value}")
+    if eos_token_id is not None and not 0 <= eos_token_id < vocab_size:
+        raise ValueError(f"eos_token_id must be in [0, {vocab_size}); got {eos_token_id}")
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=4 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        pad_token_id=pad_token_id,
+        bos_token_id=bos_token_id,
+        eos_token_id=eos_token_id,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    model.generation_config = GenerationConfig(
+        pad_token_id=pad_token_id, bos_token_id=bos_token_id, eos_token_id=eos_token_id
+    )
+    return model.eval()

@@ -1,0 +1,30 @@
+"""Shared fixtures: a tiny causal LM with the TinyMath tokenizer, saved like a hub model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A randomly initialised 2-layer model of the TinyMath vocabulary, in a local directory."""
+    from lightning_troll.models import tiny_causal_lm
+    from lightning_troll.tinymath import build_tokenizer
+
+    path = tmp_path_factory.mktemp("tiny_model")
+    tokenizer = build_tokenizer()
+    model = tiny_causal_lm(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        num_layers=2,
+        num_heads=2,
+        seed=0,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

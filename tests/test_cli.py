@@ -1,0 +1,131 @@
+"""The lightning-troll command: every config parses, CPU configs run a step, help and errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lightning_troll.cli import run as cli_run
+from lightning_troll.objectives import ClipObjective, TrollObjective
+
+pytestmark = pytest.mark.slow  # whole fits: seconds each
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+PRESETS = ["grpo.yaml", "dr_grpo.yaml", "gspo.yaml", "reinforce_pp.yaml"]
+# configs that need a GPU or the network: parsed only
+PARSE_ONLY = {"gsm8k.yaml"}
+
+
+def run(args: list[str], tmp_path: Path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # logs and checkpoints go to tmp_path/runs
+    return cli_run(args)
+
+
+def one_step(model_dir: Path) -> list[str]:
+    return [
+        "--model.model", str(model_dir),
+        "--trainer.max_steps", "1",
+        "--trainer.val_check_interval", "1",
+        "--trainer.enable_progress_bar", "false",
+        "--data.batch_size", "2",
+        "--data.num_train", "16",
+        "--data.num_val", "4",
+        "--data.val_batch_size", "4",
+    ]  # fmt: skip
+
+
+def test_every_config_is_listed():
+    assert {c.name for c in CONFIGS} == {"tinymath.yaml", *PRESETS, *PARSE_ONLY}
+
+
+@pytest.mark.parametrize(
+    "config", [c for c in CONFIGS if c.name not in PRESETS], ids=lambda c: c.name
+)
+def test_configs_parse(config, tmp_path, monkeypatch, capsys):
+    with pytest.raises(SystemExit) as done:
+        run(["fit", "--config", str(config), "--print_config"], tmp_path, monkeypatch)
+    assert done.value.code == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    source = yaml.safe_load(config.read_text())
+    assert printed["model"]["model"] == source["model"]["model"]
+    assert printed["data"]["source"] == source["data"]["source"]
+    assert "tokenizer" not in printed["data"], "data.tokenizer is linked to model.model"
+
+
+@pytest.mark.parametrize("preset", [None, *PRESETS])
+def test_tinymath_and_presets_run_one_step(preset, tmp_path, monkeypatch, tiny_model_dir):
+    args = ["fit", "--config", str(ROOT / "configs" / "tinymath.yaml")]
+    if preset:
+        args += ["--config", str(ROOT / "configs" / preset)]
+    cli = run(args + one_step(tiny_model_dir), tmp_path, monkeypatch)
+    assert cli.trainer.global_step == 1
+    assert cli.datamodule.tokenizer.name_or_path == str(tiny_model_dir)  # linked to model.model
+    module = cli.model
+    assert isinstance(module.objective, TrollObjective)
+    if preset:
+        expected = yaml.safe_load((ROOT / "configs" / preset).read_text())["model"]
+        assert module.estimator == expected["estimator"]
+        assert module.objective.importance == expected["loss"]["importance"]
+        assert module.objective.aggregation == expected["loss"]["aggregation"]
+    assert (tmp_path / "runs" / "lightning_troll" / "version_0" / "config.yaml").exists()
+
+
+def test_objective_switches_from_one_key(tmp_path, monkeypatch, tiny_model_dir):
+    args = ["fit", "--config", str(ROOT / "configs" / "tinymath.yaml"), "--model.objective", "clip"]
+    cli = run(args + one_step(tiny_model_dir), tmp_path, monkeypatch)
+    assert isinstance(cli.model.objective, ClipObjective)
+    assert cli.model.objective.eps_low == pytest.approx(0.2)
+    assert "clip/active_frac" in cli.trainer.callback_metrics
+
+
+def test_help_shows_documented_options(tmp_path, monkeypatch, capsys):
+    with pytest.raises(SystemExit):
+        run(["fit", "--help"], tmp_path, monkeypatch)
+    text = capsys.readouterr().out
+    for option in (
+        "--model.objective",
+        "--model.trust_region.eps",
+        "--model.estimator",
+        "--rollout.log_samples",
+        "--old_policy.every_n_rollouts",
+        "--data.source",
+    ):
+        assert option in text, option
+    assert "KL bound per token" in text  # a field docstring
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--model.estimator", "ppo"], "ppo"),
+        (["--model.objective", "kl"], "kl"),
+        (["--data.source", "missing.jsonl"], "missing.jsonl"),
+    ],
+)
+def test_bad_options_stop_before_training(
+    args, message, tmp_path, monkeypatch, capsys, tiny_model_dir
+):
+    base = ["fit", "--config", str(ROOT / "configs" / "tinymath.yaml")] + one_step(tiny_model_dir)
+    with pytest.raises((SystemExit, ValueError)) as error:
+        run(base + args, tmp_path, monkeypatch)
+    text = str(error.value) + capsys.readouterr().err
+    assert message in text
+    assert not (tmp_path / "runs" / "lightning_troll" / "version_0" / "checkpoints").exists()
+
+
+def test_console_script_exits_zero(tmp_path, tiny_model_dir):
+    """`lightning-troll` as a user runs it: a subprocess, exit status 0, the summary printed."""
+    import subprocess
+    import sys
+
+    script = Path(sys.executable).parent / "lightning-troll"
+    args = [str(script), "fit", "--config", str(ROOT / "configs" / "tinymath.yaml")]
+    done = subprocess.run(
+        args + one_step(tiny_model_dir), cwd=tmp_path, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "lightning-troll: training finished" in done.stdout
+    assert "tensorboard --logdir runs" in done.stdout

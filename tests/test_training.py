@@ -1,0 +1,293 @@
+"""The training system: whole fits of a tiny model, callbacks, invariants, logging and faults."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.loggers import TensorBoardLogger
+
+from lightning_troll.callbacks import (
+    OldPolicyRefresh,
+    RolloutGeneration,
+    SparsityCoverageMonitor,
+    TrustRegionMonitor,
+)
+from lightning_troll.data import PromptDataModule
+from lightning_troll.module import OptimizationConfig, TrollModule, TrustRegionConfig
+from lightning_troll.objectives import ClipStats, TrollStats
+from lightning_troll.rewards import RewardError
+from lightning_troll.rollout import SamplingConfig
+
+pytestmark = pytest.mark.slow  # whole fits: seconds each
+
+
+class Recorder(Callback):
+    """Keeps every rollout and the statistics of every optimiser step, per rollout."""
+
+    def __init__(self) -> None:
+        self.rollouts, self.stats = [], []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.rollouts.append(pl_module.rollout)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.stats.append(list(pl_module.last_stats))
+
+
+def sgd(lr):
+    return lambda params: torch.optim.SGD(params, lr=lr)
+
+
+def make_module(model_dir: Path, **kwargs) -> TrollModule:
+    options = {
+        "model": str(model_dir),
+        "group_size": 4,
+        "sampling": SamplingConfig(max_new_tokens=4),
+        # an untrained model never answers right; completion length gives rewards that vary
+        "rewards": {"tests.reward_helpers:length_reward": 1.0},
+        "optimizer": lambda params: torch.optim.AdamW(params, lr=1e-3),
+    }
+    options.update(kwargs)
+    return TrollModule(**options)
+
+
+def make_data(model_dir: Path, **kwargs) -> PromptDataModule:
+    options = {"source": "tinymath", "tokenizer": str(model_dir), "batch_size": 4, "num_train": 64}
+    options.update({"num_val": 8, "val_batch_size": 8}, **kwargs)
+    return PromptDataModule(**options)
+
+
+def make_trainer(tmp_path: Path, max_steps: int, *extra: Callback, **kwargs) -> Trainer:
+    callbacks = [
+        RolloutGeneration(log_samples=2, log_samples_every_n_rollouts=1),
+        OldPolicyRefresh(),
+        TrustRegionMonitor(histogram_every_n_rollouts=1),
+        SparsityCoverageMonitor(),
+        *extra,
+    ]
+    options = {
+        "accelerator": "cpu",
+        "devices": 1,
+        "max_steps": max_steps,
+        "logger": TensorBoardLogger(tmp_path, name="run"),
+        "callbacks": callbacks,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "num_sanity_val_steps": 0,
+        "log_every_n_steps": 1,
+        "limit_val_batches": 1,
+        "val_check_interval": max_steps,
+        "check_val_every_n_epoch": None,
+    }
+    options.update(kwargs)
+    return Trainer(**options)
+
+
+def fit(tmp_path, model_dir, max_steps=3, module=None, extra=(), seed=0, **trainer_kwargs):
+    torch.manual_seed(seed)
+    module = module or make_module(model_dir)
+    recorder = Recorder()
+    trainer = make_trainer(tmp_path, max_steps, recorder, *extra, **trainer_kwargs)
+    trainer.fit(module, datamodule=make_data(model_dir))
+    return trainer, module, recorder
+
+
+def test_fit_logs_the_documented_tags(tmp_path, tiny_model_dir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    trainer, _, recorder = fit(tmp_path, tiny_model_dir, max_steps=3)
+    assert len(recorder.stats) == 3
+    files = list(Path(trainer.logger.log_dir).glob("events.out.tfevents.*"))
+    assert files
+    events = EventAccumulator(str(trainer.logger.log_dir), size_guidance={"tensors": 0})
+    events.Reload()
+    scalars = set(events.Tags()["scalars"])
+    documented = {
+        "trust_region/kl_before_mean", "trust_region/kl_before_max",
+        "trust_region/kl_after_mean", "trust_region/kl_after_max", "trust_region/bound",
+        "trust_region/active_frac", "trust_region/eta_mean", "trust_region/eta_max",
+        "trust_region/max_violation", "sparsity/coverage_mean", "sparsity/coverage_min",
+        "sparsity/support_mean", "sparsity/support_max", "reward/mean", "reward/std",
+        "reward/frac_zero_std", "completion/mean_length", "completion/max_length",
+        "completion/truncated_frac", "loss/policy", "loss/regression", "loss/total",
+        "entropy", "grad_norm", "val/accuracy", "val/reward",
+    }  # fmt: skip
+    assert documented <= scalars, documented - scalars
+    assert len(events.Scalars("reward/mean")) == 3
+    bound = events.Scalars("trust_region/bound")
+    assert all(e.value == pytest.approx(0.05) for e in bound)
+    assert {"trust_region/kl_after_per_token", "trust_region/kl_before_per_token"} <= set(
+        events.Tags()["histograms"]
+    )
+    tensors = set(events.Tags()["tensors"])
+    assert "samples/text_summary" in tensors
+    assert "custom_scalars__config__" in tensors
+
+
+def test_first_minibatch_of_each_rollout_is_on_policy_and_the_bound_holds(tmp_path, tiny_model_dir):
+    module = make_module(
+        tiny_model_dir,
+        optimization=OptimizationConfig(epochs_per_rollout=2, minibatch_size=4),
+        optimizer=lambda params: torch.optim.AdamW(params, lr=3e-2),
+    )
+    _, _, recorder = fit(tmp_path, tiny_model_dir, max_steps=16, module=module)
+    assert len(recorder.stats) == 2 and all(len(s) == 8 for s in recorder.stats)
+    for steps in recorder.stats:
+        first = steps[0]
+        assert isinstance(first, TrollStats)
+        torch.testing.assert_close(
+            first.token_ratio, torch.ones_like(first.token_ratio), rtol=0, atol=1e-5
+        )
+        assert first.projection.kl_before.max() < 1e-5
+        for stats in steps:
+            assert (stats.projection.kl_after <= 0.05 * (1 + 1e-4)).all()
+    later = torch.cat([s.token_ratio for steps in recorder.stats for s in steps[4:]])
+    assert (later - 1).abs().max() > 1e-3, "later minibatches are off-policy"
+
+
+def test_old_policy_refresh_every_n_rollouts(tmp_path, tiny_model_dir):
+    refresh = OldPolicyRefresh(every_n_rollouts=2)
+
+    class Check(Callback):
+        def __init__(self):
+            self.same = []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            pairs = zip(
+                pl_module.policy.parameters(), pl_module.old_policy.parameters(), strict=True
+            )
+            self.same.append(all(torch.equal(a, b) for a, b in pairs))
+
+    check = Check()
+    torch.manual_seed(0)
+    module = make_module(tiny_model_dir)
+    callbacks = [RolloutGeneration(), refresh, check]
+    trainer = make_trainer(tmp_path, 4, callbacks=callbacks, limit_val_batches=0)
+    trainer.fit(module, datamodule=make_data(tiny_model_dir))
+    # rollouts 1 and 3 start from a fresh snapshot, 2 and 4 from a lagging one
+    assert check.same == [True, False, True, False]
+    assert refresh.refreshes == 2 and refresh.rollouts == 4
+    assert all(not p.requires_grad for p in module.old_policy.parameters())
+    assert not module.old_policy.training
+    restored = OldPolicyRefresh(every_n_rollouts=2)
+    restored.load_state_dict(refresh.state_dict())
+    assert restored.rollouts == 4 and restored.refreshes == 2
+
+
+def test_training_without_the_rollout_callback_says_what_is_missing(tmp_path, tiny_model_dir):
+    trainer = make_trainer(tmp_path, 1, callbacks=[], limit_val_batches=0)
+    with pytest.raises(RuntimeError, match=r"add lightning_troll.callbacks.RolloutGeneration"):
+        trainer.fit(make_module(tiny_model_dir), datamodule=make_data(tiny_model_dir))
+
+
+def test_clip_objective_logs_clip_statistics(tmp_path, tiny_model_dir):
+    module = make_module(tiny_model_dir, objective="clip")
+    trainer, _, recorder = fit(tmp_path, tiny_model_dir, max_steps=2, module=module)
+    assert all(isinstance(s, ClipStats) for steps in recorder.stats for s in steps)
+    assert all(r.old is None for r in recorder.rollouts), "clipping caches no sparse old policy"
+    metrics = trainer.callback_metrics
+    assert {"clip/active_frac", "clip/approx_kl"} <= set(metrics)
+    assert not any(k.startswith("trust_region/") for k in metrics)
+
+
+def test_gradient_accumulation_equals_the_whole_minibatch(tmp_path, tiny_model_dir):
+    weights = []
+    for micro in (None, 3):  # 16 sequences in parts of 3, 3, 3, 3, 3, 1
+        module = make_module(
+            tiny_model_dir,
+            optimizer=sgd(0.5),
+            optimization=OptimizationConfig(micro_batch_size=micro, gradient_clip_norm=None),
+        )
+        fit(tmp_path / str(micro), tiny_model_dir, max_steps=1, module=module, limit_val_batches=0)
+        weights.append(torch.cat([p.detach().flatten() for p in module.policy.parameters()]))
+    initial = make_module(tiny_model_dir).policy
+    moved = weights[0] - torch.cat([p.detach().flatten() for p in initial.parameters()])
+    assert moved.abs().max() > 1e-4
+    torch.testing.assert_close(weights[0], weights[1], rtol=0, atol=1e-6)
+
+
+def test_non_finite_loss_skips_the_step_then_stops(tmp_path, tiny_model_dir):
+    module = make_module(tiny_model_dir, optimization=OptimizationConfig(max_bad_steps=2))
+    before = [p.detach().clone() for p in module.policy.parameters()]
+    forward = module.objective.forward
+
+    def poisoned(*args, **kwargs):
+        loss, stats = forward(*args, **kwargs)
+        return loss * math.nan, stats
+
+    module.objective.forward = poisoned
+    skipped = pytest.warns(RuntimeWarning, match=r"non-finite loss .* skipped, weights untouched")
+    stopped = pytest.raises(RuntimeError, match=r"2 optimiser steps in a row had a non-finite loss")
+    with skipped, stopped:
+        fit(tmp_path, tiny_model_dir, max_steps=5, module=module, limit_val_batches=0)
+    for old, new in zip(before, module.policy.parameters(), strict=True):
+        assert torch.equal(old, new)
+
+
+def test_a_failing_reward_names_the_function_and_sample(tmp_path, tiny_model_dir):
+    module = make_module(tiny_model_dir, rewards={"tests.reward_helpers:raises": 1.0})
+    with pytest.raises(RewardError, match=r"tests\.reward_helpers:raises.*sample 0"):
+        fit(tmp_path, tiny_model_dir, max_steps=1, module=module, limit_val_batches=0)
+
+
+def test_dropped_rewards_leave_the_loss(tmp_path, tiny_model_dir):
+    module = make_module(
+        tiny_model_dir,
+        rewards={"tests.reward_helpers:none_for_even_lengths": 1.0},
+        on_reward_error="drop",
+    )
+    with pytest.warns(UserWarning, match=r"drop"):
+        _, _, recorder = fit(
+            tmp_path, tiny_model_dir, max_steps=2, module=module, limit_val_batches=0
+        )
+    dropped = 0
+    for rollout in recorder.rollouts:
+        kept = rollout.response_mask.any(-1)
+        dropped += int((~kept).sum())
+        texts = module.decode(rollout.tokens[kept], rollout.response_mask[kept])
+        assert all(len(t) % 2 == 1 for t in texts), "even-length completions left the loss"
+        assert torch.isfinite(rollout.advantages).all()
+        # a dropped completion takes the mean reward of its group's valid ones (all 1.0 here)
+        expected = kept.view(-1, 4).any(-1).float().repeat_interleave(4)
+        assert torch.equal(rollout.rewards[~kept], expected[~kept])
+    assert dropped > 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"estimator": "ppo"}, r"estimator must be one of .*; got 'ppo'"),
+        ({"objective": "kl"}, r"model.objective must be one of \['clip', 'troll'\]; got 'kl'"),
+        ({"group_size": 0}, r"model.group_size must be an integer >= 1; got 0"),
+        ({"trust_region": TrustRegionConfig(eps=-1.0)}, r"model: eps must be a number > 0"),
+        ({"rewards": {"no_such_reward": 1.0}}, r"no_such_reward"),
+    ],
+)
+def test_bad_module_options_fail_before_training(tiny_model_dir, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        make_module(tiny_model_dir, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"epochs_per_rollout": 0}, r"optimization.epochs_per_rollout must be >= 1; got 0"),
+        ({"minibatch_size": 0}, r"optimization.minibatch_size must be null or >= 1; got 0"),
+        ({"gradient_clip_norm": -1.0}, r"optimization.gradient_clip_norm must be null or > 0"),
+    ],
+)
+def test_bad_optimization_options(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        OptimizationConfig(**kwargs)
+
+
+def test_bad_sampling_options():
+    with pytest.raises(ValueError, match=r"sampling.temperature must be > 0; got 0"):
+        SamplingConfig(temperature=0)
+    with pytest.raises(ValueError, match=r"sampling.max_new_tokens must be >= 1; got 0"):
+        SamplingConfig(max_new_tokens=0)
