@@ -31,6 +31,7 @@ __all__ = [
     "TINYMATH_DIR",
     "answer_of",
     "build_tokenizer",
+    "char_tokenizer",
     "generate_problems",
     "split_of",
 ]
@@ -117,7 +118,15 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     generation. Encoding prepends ``<bos>``; ``decode(ids, skip_special_tokens=True)`` gives
     back the plain text. Characters outside the task (spaces included) encode to ``<unk>``.
     """
-    vocab = {token: i for i, token in enumerate((*SPECIAL_TOKENS, *CHARACTERS))}
+    return char_tokenizer(CHARACTERS, model_max_length=MODEL_MAX_LENGTH)
+
+
+def char_tokenizer(
+    characters: str, model_max_length: int = MODEL_MAX_LENGTH
+) -> PreTrainedTokenizerFast:
+    """A character-level tokenizer over ``characters`` after ``SPECIAL_TOKENS`` (ids 0-3),
+    prepending ``<bos>`` and padding on the left."""
+    vocab = {token: i for i, token in enumerate((*SPECIAL_TOKENS, *characters))}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     backend.decoder = decoders.Fuse()
@@ -134,5 +143,5 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
         eos_token="<eos>",
         unk_token="<unk>",
         padding_side="left",
-        model_max_length=MODEL_MAX_LENGTH,
+        model_max_length=model_max_length,
     )

@@ -8,7 +8,6 @@ import string
 
 import pytest
 import torch
-from tokenizers import Regex, Tokenizer, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
 from lightning_troll.data import (
@@ -21,29 +20,13 @@ from lightning_troll.data import (
     write_jsonl,
 )
 from lightning_troll.rewards import RewardScorer
-
-SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")
+from lightning_troll.tinymath import char_tokenizer
 
 
 @pytest.fixture(scope="module")
 def tok() -> PreTrainedTokenizerFast:
     """Character-level tokenizer over printable ASCII that prepends <bos> (id 1)."""
-    chars = sorted(set(string.printable) - set("\r\x0b\x0c"))
-    vocab = {token: i for i, token in enumerate((*SPECIALS, *chars))}
-    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    backend.post_processor = processors.TemplateProcessing(
-        single="<bos> $A", special_tokens=[("<bos>", 1)]
-    )
-    backend.add_special_tokens(list(SPECIALS))
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        pad_token="<pad>",
-        bos_token="<bos>",
-        eos_token="<eos>",
-        unk_token="<unk>",
-        padding_side="left",
-    )
+    return char_tokenizer("".join(sorted(set(string.printable) - set("\r\x0b\x0c"))), 512)
 
 
 def rows_of(n: int) -> list[dict]:
