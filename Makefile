@@ -12,6 +12,7 @@ PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 # Where a CPU-only torch comes from when no local wheel of it is on pip's find-links.
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+PYPI_INDEX ?= https://pypi.org/simple
 STAMP := $(VENV)/.installed
 
 .PHONY: setup test demo lint format bench clean
@@ -22,16 +23,24 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 
 # torch is installed first and on its own: with no torch present, the range in pyproject.toml
-# would pull a CUDA build of several GB even on a machine without a GPU.
+# would pull a CUDA build of several GB even on a machine without a GPU. Without a CUDA driver:
+# a CPU wheel on pip's find-links if there is one, else PyTorch's CPU index (dependencies from
+# PyPI).
+PROBE := $(VENV)/.torch-wheel
 $(STAMP): pyproject.toml | $(PY)
 	@if ! $(PY) -c "import torch" 2>/dev/null; then \
 	  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
 	    echo "CUDA driver found: installing torch==$(TORCH_VERSION) (CUDA build)"; \
 	    $(PY) -m pip install "torch==$(TORCH_VERSION)"; \
+	  elif $(PY) -m pip download --quiet --no-deps --no-index --dest $(PROBE) \
+	      "torch==$(TORCH_VERSION)" 2>/dev/null && ls $(PROBE)/torch-*+cpu-*.whl >/dev/null 2>&1; then \
+	    echo "no CUDA driver: installing the local CPU wheel $$(ls $(PROBE))"; \
+	    $(PY) -m pip install $(PROBE)/torch-*+cpu-*.whl && rm -rf $(PROBE); \
 	  else \
-	    echo "no CUDA driver: installing a CPU build of torch==$(TORCH_VERSION)"; \
-	    $(PY) -m pip install --no-index "torch==$(TORCH_VERSION)" 2>/dev/null \
-	      || $(PY) -m pip install "torch==$(TORCH_VERSION)" --index-url "$(TORCH_CPU_INDEX)"; \
+	    echo "no CUDA driver: installing torch==$(TORCH_VERSION) from $(TORCH_CPU_INDEX)"; \
+	    rm -rf $(PROBE); \
+	    $(PY) -m pip install "torch==$(TORCH_VERSION)" --index-url "$(TORCH_CPU_INDEX)" \
+	      --extra-index-url "$(PYPI_INDEX)"; \
 	  fi; \
 	fi
 	$(PY) -m pip install -e ".[dev]"
