@@ -187,7 +187,7 @@ class TrollModule(LightningModule):
     def _build_objective(self, name, trust_region, clip, loss) -> PolicyObjective:
         shared = asdict(loss)
         shared["norm_length"] = loss.norm_length or self.sampling.max_new_tokens
-        specific = asdict(trust_region) if name == "troll" else asdict(clip)
+        specific = asdict({"troll": trust_region, "clip": clip}[name])
         try:
             return build_objective(name, **specific, **shared)
         except ValueError as error:
