@@ -41,6 +41,8 @@ class RolloutGeneration(Callback):
         self.log_samples = log_samples
         self.log_samples_every_n_rollouts = log_samples_every_n_rollouts
         self.rollouts = 0
+        self.mean_rewards: list[float] = []
+        """Mean reward of every rollout so far (this process's completions)."""
 
     @override
     def on_train_batch_start(
@@ -49,6 +51,7 @@ class RolloutGeneration(Callback):
         rollout, completions = self.collect(pl_module, batch)
         pl_module.rollout = rollout
         self.rollouts += 1
+        self.mean_rewards.append(float(rollout.rewards.mean()))
         self._log_metrics(pl_module, rollout)
         if self.log_samples and (self.rollouts - 1) % self.log_samples_every_n_rollouts == 0:
             self._log_text(trainer, batch, rollout, completions)
@@ -137,8 +140,9 @@ class RolloutGeneration(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"rollouts": self.rollouts}
+        return {"rollouts": self.rollouts, "mean_rewards": list(self.mean_rewards)}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.rollouts = state_dict["rollouts"]
+        self.mean_rewards = list(state_dict.get("mean_rewards", []))

@@ -53,6 +53,18 @@ class TrollCLI(LightningCLI):
         for name in ("reward/mean", "val/accuracy", "trust_region/kl_after_max"):
             if name in metrics:
                 lines.append(f"  {name:<28} {float(metrics[name]):.4f}")
+        rollouts = next(
+            (c for c in self.trainer.callbacks if isinstance(c, RolloutGeneration)), None
+        )
+        rewards = rollouts.mean_rewards if rollouts is not None else []
+        if len(rewards) >= 4:
+            quarter = len(rewards) // 4
+            first = sum(rewards[:quarter]) / quarter
+            last = sum(rewards[-quarter:]) / quarter
+            lines.append(
+                f"  {'mean reward, by quarter':<28} first {first:.3f} -> last {last:.3f} "
+                f"({len(rewards)} rollouts)"
+            )
         logger = self.trainer.logger
         if logger is not None and logger.log_dir:
             lines.append(f"  logs: {logger.log_dir}")

@@ -73,6 +73,15 @@ def test_tinymath_and_presets_run_one_step(preset, tmp_path, monkeypatch, tiny_m
     assert (tmp_path / "runs" / "lightning_troll" / "version_0" / "config.yaml").exists()
 
 
+def test_summary_reports_reward_by_quarter(tmp_path, monkeypatch, tiny_model_dir, capsys):
+    args = ["fit", "--config", str(ROOT / "configs" / "tinymath.yaml")] + one_step(tiny_model_dir)
+    cli = run(args + ["--trainer.max_steps", "8"], tmp_path, monkeypatch)
+    rewards = next(c for c in cli.trainer.callbacks if hasattr(c, "mean_rewards")).mean_rewards
+    assert len(rewards) == 8
+    line = next(x for x in capsys.readouterr().out.splitlines() if "by quarter" in x)
+    assert f"first {sum(rewards[:2]) / 2:.3f} -> last {sum(rewards[-2:]) / 2:.3f}" in line
+
+
 def test_objective_switches_from_one_key(tmp_path, monkeypatch, tiny_model_dir):
     args = ["fit", "--config", str(ROOT / "configs" / "tinymath.yaml"), "--model.objective", "clip"]
     cli = run(args + one_step(tiny_model_dir), tmp_path, monkeypatch)
@@ -128,4 +137,5 @@ def test_console_script_exits_zero(tmp_path, tiny_model_dir):
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "lightning-troll: training finished" in done.stdout
+    assert "mean reward, by quarter" not in done.stdout  # one rollout: no quarters
     assert "tensorboard --logdir runs" in done.stdout
