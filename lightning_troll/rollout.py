@@ -233,10 +233,22 @@ def behaviour_outputs(
     temperature: float,
     sparsify_fn: Callable[[Tensor, Tensor], SparseDistribution] | None,
 ) -> tuple[Tensor, SparseDistribution | None]:
-    """The behaviour policy's token log-probs (B, T) and, if asked, sparse distributions."""
+    """The behaviour policy's token log-probs (B, T) and, if asked, sparse distributions.
+
+    Raises ``FloatingPointError`` if the model's logits at response tokens are not finite: a
+    rollout cached from them would train on garbage.
+    """
     logits = response_logits(
         model, input_ids, attention_mask, response_mask.shape[1], temperature
     )  # (B, T, V)
+    finite = logits.isfinite().all(-1) | ~response_mask  # (B, T)
+    if not bool(finite.all()):
+        bad = (~finite).nonzero()[0].tolist()
+        raise FloatingPointError(
+            f"the behaviour policy's logits hold NaN or inf at {int((~finite).sum())} response "
+            f"tokens (first: sequence {bad[0]}, position {bad[1]}); the snapshot's weights are "
+            "not finite, so no rollout is cached from them"
+        )
     tokens = input_ids[:, -response_mask.shape[1] :]  # (B, T)
     logp = logits.float().log_softmax(-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     old_logprobs = logp.masked_fill(~response_mask, 0.0)

@@ -291,3 +291,18 @@ def test_bad_sampling_options():
         SamplingConfig(temperature=0)
     with pytest.raises(ValueError, match=r"sampling.max_new_tokens must be >= 1; got 0"):
         SamplingConfig(max_new_tokens=0)
+
+
+def test_nan_in_the_snapshot_stops_before_caching(tmp_path, tiny_model_dir):
+    from lightning_troll.rollout import behaviour_outputs
+
+    module = make_module(tiny_model_dir)
+    ids = torch.tensor([[1, 5, 6, 2], [1, 7, 8, 2]])
+    mask = torch.ones_like(ids)
+    response = torch.tensor([[True, True], [True, False]])
+    logp, old = behaviour_outputs(module.old_policy, ids, mask, response, 1.0, module.sparsify_old)
+    assert torch.isfinite(logp).all() and old.num_rows == 3
+    with torch.no_grad():
+        module.old_policy.lm_head.weight[0, 0] = float("nan")
+    with pytest.raises(FloatingPointError, match=r"logits hold NaN or inf at 3 response tokens"):
+        behaviour_outputs(module.old_policy, ids, mask, response, 1.0, module.sparsify_old)
