@@ -306,3 +306,33 @@ def test_nan_in_the_snapshot_stops_before_caching(tmp_path, tiny_model_dir):
         module.old_policy.lm_head.weight[0, 0] = float("nan")
     with pytest.raises(FloatingPointError, match=r"logits hold NaN or inf at 3 response tokens"):
         behaviour_outputs(module.old_policy, ids, mask, response, 1.0, module.sparsify_old)
+
+
+def test_gradient_checkpointing_gives_the_same_step(tmp_path, tiny_model_dir):
+    weights = []
+    for checkpointing in (False, True):
+        module = make_module(
+            tiny_model_dir,
+            optimizer=sgd(0.5),
+            gradient_checkpointing=checkpointing,
+            optimization=OptimizationConfig(gradient_clip_norm=None),
+        )
+        assert module.policy.is_gradient_checkpointing == checkpointing
+        assert not module.old_policy.is_gradient_checkpointing
+        fit(tmp_path / str(checkpointing), tiny_model_dir, max_steps=1, module=module,
+            limit_val_batches=0)  # fmt: skip
+        weights.append(torch.cat([p.detach().flatten() for p in module.policy.parameters()]))
+    torch.testing.assert_close(weights[0], weights[1], rtol=0, atol=1e-6)
+
+
+def test_bf16_mixed_precision_keeps_the_projection_in_float32(tmp_path, tiny_model_dir):
+    _, _, recorder = fit(
+        tmp_path, tiny_model_dir, max_steps=2, precision="bf16-mixed", limit_val_batches=0,
+        module=make_module(tiny_model_dir, optimization=OptimizationConfig(minibatch_size=8)),
+    )  # fmt: skip
+    for steps in recorder.stats:
+        for stats in steps:
+            assert stats.projection.kl_after.dtype == torch.float32
+            assert (stats.projection.kl_after <= 0.05 * (1 + 1e-4)).all()
+            assert torch.isfinite(stats.loss)
+    assert recorder.rollouts[0].old.logprobs.dtype == torch.float32
