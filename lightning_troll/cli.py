@@ -11,6 +11,8 @@ are the top-level keys ``rollout``, ``old_policy``, ``trust_region_monitor`` and
 
 from __future__ import annotations
 
+import warnings
+
 from jsonargparse import set_parsing_settings
 from lightning.pytorch.cli import LightningCLI
 
@@ -76,6 +78,8 @@ def run(args: list[str] | None = None) -> TrollCLI:
     """Runs the command line (``args``, or ``sys.argv``) and returns the CLI object."""
     # The options of the config dataclasses are documented by a docstring under each field.
     set_parsing_settings(docstring_parse_attribute_docstrings=True)
+    # The frozen snapshots are in eval mode on purpose; Lightning warns about any such module.
+    warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode")
     return TrollCLI(
         TrollModule,
         PromptDataModule,
