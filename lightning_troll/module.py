@@ -178,6 +178,13 @@ class TrollModule(LightningModule):
         self.tokenizer = load_tokenizer(model)
         self.policy = load_policy(model, dtype=dtype)
         self.policy.train()  # from_pretrained returns eval mode; snapshots stay in eval mode
+        vocab = self.policy.get_output_embeddings().weight.shape[0]
+        if vocab < len(self.tokenizer):
+            raise ValueError(
+                f"model: the policy {model!r} has {vocab} output tokens but its tokenizer has "
+                f"{len(self.tokenizer)}; they must come from the same model (the policy may have "
+                "more rows, never fewer)"
+            )
         self.old_policy = self._frozen_copy(self.policy)
         self.ref_policy = self._frozen_copy(self.policy) if loss.ref_kl_coef > 0 else None
         if gradient_checkpointing:

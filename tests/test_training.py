@@ -336,3 +336,15 @@ def test_bf16_mixed_precision_keeps_the_projection_in_float32(tmp_path, tiny_mod
             assert (stats.projection.kl_after <= 0.05 * (1 + 1e-4)).all()
             assert torch.isfinite(stats.loss)
     assert recorder.rollouts[0].old.logprobs.dtype == torch.float32
+
+
+def test_a_tokenizer_larger_than_the_policy_vocabulary_is_refused(tmp_path, tiny_model_dir):
+    from lightning_troll.models import tiny_causal_lm
+    from lightning_troll.tinymath import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    small = tiny_causal_lm(vocab_size=len(tokenizer) - 3, eos_token_id=2, pad_token_id=0)
+    small.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"has 14 output tokens but its tokenizer has 17"):
+        make_module(tmp_path)
