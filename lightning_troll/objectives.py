@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_troll.projection import ProjectionResult, SparseDistribution, TrustRegionProjection
+from lightning_troll.sparse import compute_dtype
 
 __all__ = [
     "AGGREGATIONS",
@@ -126,7 +127,7 @@ def _choice(option: str, value: str, allowed: dict) -> str:
 
 def token_entropy(logits: Tensor) -> Tensor:
     """Entropy of ``softmax(logits)`` per row, (..., V) -> (...), in float32 or wider."""
-    x = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32)
+    x = logits.to(compute_dtype(logits))
     logz = torch.logsumexp(x, dim=-1, keepdim=True)
     return (logz - (torch.softmax(x, dim=-1) * x).sum(-1, keepdim=True)).squeeze(-1)
 
@@ -383,7 +384,7 @@ class ClipObjective(PolicyObjective):
         return f"eps_low={self.eps_low}, eps_high={self.eps_high}, dual_clip={self.dual_clip}"
 
     def _token_terms(self, rows, tokens, old) -> _TokenTerms:
-        x = rows.to(torch.float64 if rows.dtype == torch.float64 else torch.float32)
+        x = rows.to(compute_dtype(rows))
         logp = x.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(x, dim=-1)
         return _TokenTerms(logprob=logp, new_logprob=logp, regression=None)
 

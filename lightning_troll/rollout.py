@@ -103,37 +103,36 @@ class Rollout:
                 self.response_mask.sum(-1),
             )  # (N,) the sequence each sparse row belongs to
             old = old.select(torch.isin(owner, sequences.to(owner.device)))
-        per_sequence = {
-            f.name: getattr(self, f.name)[sequences]
-            for f in fields(self)
-            if isinstance(getattr(self, f.name), Tensor)
-        }
-        return replace(self, old=old, **per_sequence)
+        return replace(self, old=old, **self._map_tensors(lambda t: t[sequences]))
 
     def minibatches(self, size: int | None, generator: torch.Generator | None = None):
         """Shuffled minibatches of ``size`` sequences (all of them when ``size`` is None)."""
         if size is None or size >= self.num_sequences:
-            yield self
-            return
+            return [self]
         order = torch.randperm(self.num_sequences, generator=generator)
-        for start in range(0, self.num_sequences, size):
-            yield self.select(order[start : start + size].to(self.input_ids.device))
+        return self._split(order.to(self.input_ids.device), size)
 
     def chunks(self, size: int | None) -> list[Rollout]:
         """Consecutive parts of at most ``size`` sequences (one part when ``size`` is None)."""
         if size is None or size >= self.num_sequences:
             return [self]
-        index = torch.arange(self.num_sequences, device=self.input_ids.device)
-        return [self.select(index[i : i + size]) for i in range(0, self.num_sequences, size)]
+        return self._split(torch.arange(self.num_sequences, device=self.input_ids.device), size)
 
     def to(self, device: torch.device | str) -> Rollout:
-        moved = {
-            f.name: getattr(self, f.name).to(device)
+        old = None if self.old is None else self.old.to(device)
+        return replace(self, old=old, **self._map_tensors(lambda t: t.to(device)))
+
+    def _split(self, order: Tensor, size: int) -> list[Rollout]:
+        """Parts of ``size`` sequences taken from ``order`` (a permutation of B), in turn."""
+        return [self.select(order[i : i + size]) for i in range(0, len(order), size)]
+
+    def _map_tensors(self, fn) -> dict[str, Tensor]:
+        """``fn`` applied to every per-sequence tensor field (None fields are left out)."""
+        return {
+            f.name: fn(getattr(self, f.name))
             for f in fields(self)
             if isinstance(getattr(self, f.name), Tensor)
         }
-        old = None if self.old is None else self.old.to(device)
-        return replace(self, old=old, **moved)
 
 
 def left_pad(sequences: list[list[int]], pad_id: int, device=None) -> tuple[Tensor, Tensor]:
