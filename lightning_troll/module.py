@@ -272,16 +272,16 @@ class TrollModule(LightningModule):
         losses, step_stats = [], []
         for part in parts:
             loss, stats = self.loss_of(part)
-            weighted = loss * (size(part.response_mask) / total)
             if not torch.isfinite(loss):
-                losses = None
-                break
+                self._skip_step(opt, "loss")
+                return
+            weighted = loss * (size(part.response_mask) / total)
             self.manual_backward(weighted)
             losses.append(weighted.detach())
             step_stats.append(stats)
-        grad_norm = self._grad_norm() if losses is not None else torch.tensor(math.nan)
-        if losses is None or not torch.isfinite(grad_norm):
-            self._skip_step(opt, "loss" if losses is None else "gradient")
+        grad_norm = self._grad_norm()
+        if not torch.isfinite(grad_norm):
+            self._skip_step(opt, "gradient")
             return
         self._bad_steps = 0
         opt.step()
