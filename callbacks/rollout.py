@@ -11,6 +11,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from typing_extensions import override
 
 from lightning_troll.rollout import Rollout, behaviour_outputs, sample
+from lightning_troll.sharding import gathered
 
 __all__ = ["RolloutGeneration"]
 
@@ -62,9 +63,10 @@ class RolloutGeneration(Callback):
         """Samples, scores and caches one rollout from a batch of prompts."""
         group = module.group_size
         snapshot = module.old_policy
-        input_ids, attention_mask, response_mask, truncated = sample(
-            snapshot, batch.prompt_ids, group, module.sampling, module.pad_id, module.eos_id
-        )
+        with gathered(snapshot):  # sharded weights gathered once, not once per token
+            input_ids, attention_mask, response_mask, truncated = sample(
+                snapshot, batch.prompt_ids, group, module.sampling, module.pad_id, module.eos_id
+            )
         length = response_mask.shape[1]
         completions = module.decode(input_ids[:, -length:], response_mask)
         prompts = [p for p in batch.prompts for _ in range(group)]

@@ -319,17 +319,29 @@ class PromptDataModule(LightningDataModule):
     # ------------------------------------------------------------------------- loaders
 
     def train_dataloader(self) -> DataLoader:
-        """Batches of ``batch_size`` prompts, reshuffled each epoch; the last partial one dropped."""
+        """Batches of ``batch_size`` prompts per process, reshuffled each epoch; the last partial
+        one dropped. With N processes, step k's N batches together are step k's batch of a
+        single-process run with ``N * batch_size`` prompts."""
         if self.train_items is None:
             self.setup("fit")
         return DataLoader(
             self.train_items,
             batch_size=self.batch_size,
-            sampler=EpochShuffleSampler(len(self.train_items), self.seed),
+            sampler=EpochShuffleSampler(
+                len(self.train_items), self.seed, self.batch_size, **self._process_share()
+            ),
             drop_last=True,
             collate_fn=collate_prompts,
             num_workers=0,
         )
+
+    def _process_share(self) -> dict[str, int]:
+        """This process's rank and the number of processes that share the data."""
+        trainer = self.trainer
+        kwargs = trainer.distributed_sampler_kwargs if trainer is not None else None
+        if not kwargs:
+            return {"rank": 0, "replicas": 1}
+        return {"rank": kwargs["rank"], "replicas": kwargs["num_replicas"]}
 
     def val_dataloader(self) -> DataLoader | list:
         """Validation batches in order; an empty list (no validation) when there are no rows."""

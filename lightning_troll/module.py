@@ -12,6 +12,8 @@ from __future__ import annotations
 import copy
 import math
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
@@ -19,6 +21,7 @@ import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from lightning_troll.advantages import compute_advantages, get_advantage_estimator
 from lightning_troll.models import load_policy, load_tokenizer
@@ -31,6 +34,7 @@ from lightning_troll.objectives import (
 from lightning_troll.projection import SparseDistribution, sparsify
 from lightning_troll.rewards import RewardScorer
 from lightning_troll.rollout import Rollout, SamplingConfig, response_logits, sample
+from lightning_troll.sharding import gathered, is_sharded, shard_model
 
 __all__ = ["ClipConfig", "LossConfig", "OptimizationConfig", "TrollModule", "TrustRegionConfig"]
 
@@ -105,6 +109,13 @@ class OptimizationConfig:
         clip = self.gradient_clip_norm
         if clip is not None and not clip > 0:
             raise ValueError(f"optimization.gradient_clip_norm must be null or > 0; got {clip!r}")
+
+
+# The configs are saved with the hyperparameters; checkpoints are loaded with weights_only=True,
+# which accepts only allow-listed classes.
+torch.serialization.add_safe_globals(
+    [TrustRegionConfig, ClipConfig, LossConfig, OptimizationConfig, SamplingConfig]
+)
 
 
 def _default_optimizer(params) -> torch.optim.Optimizer:
@@ -231,7 +242,18 @@ class TrollModule(LightningModule):
         return sparsify(logits, projection.max_tokens, projection.mass_delta, keep=tokens)
 
     def compute_advantages(self, rewards: Tensor) -> Tensor:
-        return compute_advantages(self.estimator, rewards, self.group_size)
+        """Advantages of this process's rewards, computed over the global batch.
+
+        With several processes the (few) rewards of all of them are gathered first, so an
+        estimator that uses batch statistics (``reinforce_pp``'s std, or a user's own) sees the
+        same batch as a single-process run would; groups never straddle processes.
+        """
+        world = self.trainer.world_size if self._trainer is not None else 1
+        if world == 1:
+            return compute_advantages(self.estimator, rewards, self.group_size)
+        everyone = self.all_gather(rewards)  # (world, B)
+        advantages = compute_advantages(self.estimator, everyone.flatten(), self.group_size)
+        return advantages.view_as(everyone)[self.global_rank]
 
     def train(self, mode: bool = True) -> TrollModule:
         """Frozen snapshots stay in eval mode whatever the trainer sets."""
@@ -240,6 +262,28 @@ class TrollModule(LightningModule):
         if self.ref_policy is not None:
             self.ref_policy.eval()
         return self
+
+    def configure_model(self) -> None:
+        """Shards the policy and its snapshots with FSDP2 under ``ModelParallelStrategy``.
+
+        Each decoder layer, then the root, is sharded over the data-parallel mesh; the call is
+        idempotent. Other strategies (single device, DDP, FSDPStrategy) wrap the module
+        themselves and need nothing here.
+        """
+        mesh = self._device_mesh
+        if mesh is None:
+            return
+        names = mesh.mesh_dim_names or ()
+        if "tensor_parallel" in names and mesh["tensor_parallel"].size() > 1:
+            raise ValueError(
+                "trainer.strategy: ModelParallelStrategy with tensor_parallel_size="
+                f"{mesh['tensor_parallel'].size()} is not supported; lightning-troll shards with "
+                "FSDP2 only: set tensor_parallel_size: 1 and data_parallel_size: <processes>"
+            )
+        data_parallel = mesh["data_parallel"] if "data_parallel" in names else mesh
+        for model in (self.policy, self.old_policy, self.ref_policy):
+            if model is not None:
+                shard_model(model, data_parallel)
 
     def configure_optimizers(self):
         optimizer = self._optimizer_factory(self.policy.parameters())
@@ -267,21 +311,25 @@ class TrollModule(LightningModule):
 
     def _optimizer_step(self, minibatch: Rollout, opt) -> None:
         size = AGGREGATION_SIZES[self.objective.aggregation]
-        total = size(minibatch.response_mask).clamp_min(1)
+        # Each process weighs its part by the global total, times the world size because
+        # DDP and FSDP average gradients: the step equals a single-process step on the union.
+        world = self.trainer.world_size
+        total = self._sum_over_processes(size(minibatch.response_mask).float()).clamp_min(1)
         parts = minibatch.chunks(self.optimization.micro_batch_size)
         losses, step_stats = [], []
-        for part in parts:
+        for i, part in enumerate(parts):
             loss, stats = self.loss_of(part)
-            if not torch.isfinite(loss):
-                self._skip_step(opt, "loss")
-                return
-            weighted = loss * (size(part.response_mask) / total)
-            self.manual_backward(weighted)
+            weighted = loss * (size(part.response_mask) * world / total)
+            with self._gradient_sync(i == len(parts) - 1):
+                self.manual_backward(weighted)
             losses.append(weighted.detach())
             step_stats.append(stats)
+        loss = torch.stack(losses).sum()
         grad_norm = self._grad_norm()
-        if not torch.isfinite(grad_norm):
-            self._skip_step(opt, "gradient")
+        # One decision for all processes: a step is skipped everywhere or nowhere.
+        bad_loss = self._sum_over_processes((~torch.isfinite(loss)).float()) > 0
+        if bad_loss or not torch.isfinite(grad_norm):
+            self._skip_step(opt, "loss" if bad_loss else "gradient")
             return
         self._bad_steps = 0
         opt.step()
@@ -290,7 +338,28 @@ class TrollModule(LightningModule):
         if scheduler is not None:
             scheduler.step()
         self.last_stats.extend(step_stats)
-        self._log_step(torch.stack(losses).sum(), step_stats, grad_norm)
+        self._log_step(loss, step_stats, grad_norm)
+
+    def _sum_over_processes(self, value: Tensor) -> Tensor:
+        if self.trainer.world_size == 1:
+            return value
+        return self.trainer.strategy.reduce(value.clone(), reduce_op="sum")
+
+    @contextmanager
+    def _gradient_sync(self, sync: bool) -> Iterator[None]:
+        """Gradients are reduced across processes only at the last micro-batch of a step."""
+        if sync or self.trainer.world_size == 1:
+            yield
+        elif is_sharded(self.policy):
+            self.policy.set_requires_gradient_sync(False)
+            try:
+                yield
+            finally:
+                self.policy.set_requires_gradient_sync(True)
+        else:
+            block = getattr(self.trainer.strategy, "block_backward_sync", nullcontext)
+            with block():
+                yield
 
     def loss_of(self, rollout: Rollout) -> tuple[Tensor, ObjectiveStats]:
         """The objective on a (part of a) rollout, with the policy's current weights."""
@@ -316,7 +385,8 @@ class TrollModule(LightningModule):
         clip = self.optimization.gradient_clip_norm
         if not params:
             return torch.tensor(0.0)
-        return torch.nn.utils.clip_grad_norm_(params, clip if clip is not None else math.inf)
+        norm = torch.nn.utils.clip_grad_norm_(params, clip if clip is not None else math.inf)
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
     def _skip_step(self, opt, what: str) -> None:
         opt.zero_grad(set_to_none=True)
@@ -348,20 +418,22 @@ class TrollModule(LightningModule):
             },
             on_step=True,
             on_epoch=False,
+            sync_dist=True,  # the mean over processes of their weighted parts is the global loss
         )
 
     # -- validation ------------------------------------------------------------------------------
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         """Greedy answers to held-out prompts, scored by the reward functions."""
-        ids, _, response_mask, _ = sample(
-            self.policy,
-            batch.prompt_ids,
-            1,
-            self.sampling,
-            self.pad_id,
-            self.eos_id,
-            do_sample=False,
-        )
+        with gathered(self.policy):
+            ids, _, response_mask, _ = sample(
+                self.policy,
+                batch.prompt_ids,
+                1,
+                self.sampling,
+                self.pad_id,
+                self.eos_id,
+                do_sample=False,
+            )
         completions = self.decode(ids[:, -response_mask.shape[1] :], response_mask)
         scored = self.scorer(batch.prompts, completions, batch.rows)
         full_marks = sum(w for w in self.scorer.weights.values() if w > 0)

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-from torch.utils.data import Sampler
+from torch.utils.data import DistributedSampler
 
 __all__ = [
     "FILE_SUFFIXES",
@@ -75,25 +75,49 @@ def seeded_generator(seed: int, purpose: str) -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(digest, "little"))
 
 
-class EpochShuffleSampler(Sampler[int]):
-    """A permutation of ``range(size)`` that depends only on ``(seed, epoch)``.
+class EpochShuffleSampler(DistributedSampler):
+    """A permutation of ``range(size)`` that depends only on ``(seed, epoch)``, shared out so
+    that the global batch does not depend on the number of processes.
 
-    Lightning calls ``set_epoch`` before every epoch (through its distributed wrapper too), so
-    epoch k is ordered the same way in every run and after a resume.
+    The permutation is cut into global batches of ``batch_size * replicas`` indices (a last
+    partial one is dropped); process ``rank`` takes the ``rank``-th block of ``batch_size`` of
+    each. Batch k of every process together is batch k of a single-process run with
+    ``batch_size * replicas`` prompts, in the same order. Lightning calls ``set_epoch`` before
+    every epoch, so epoch k is ordered the same way in every run and after a resume; being a
+    ``DistributedSampler``, it is not wrapped in Lightning's own (which would reshuffle).
     """
 
-    def __init__(self, size: int, seed: int) -> None:
-        self.size, self.seed, self.epoch = size, seed, 0
+    def __init__(
+        self, size: int, seed: int, batch_size: int = 1, rank: int = 0, replicas: int = 1
+    ) -> None:
+        if not 0 <= rank < replicas or batch_size < 1:
+            raise ValueError(
+                f"EpochShuffleSampler: need 0 <= rank < replicas and batch_size >= 1; got "
+                f"rank={rank}, replicas={replicas}, batch_size={batch_size}"
+            )
+        super().__init__(range(size), num_replicas=replicas, rank=rank, shuffle=False)
+        self.size, self.seed, self.epoch, self.batch_size = size, seed, 0, batch_size
+        self.batches = size // (batch_size * replicas)
+        """Batches per epoch, the same on every process."""
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
     def __len__(self) -> int:
-        return self.size
+        if self.num_replicas == 1:
+            return self.size
+        return self.batches * self.batch_size
 
     def __iter__(self) -> Iterator[int]:
         generator = seeded_generator(self.seed, f"epoch-{self.epoch}")
-        return iter(torch.randperm(self.size, generator=generator).tolist())
+        order = torch.randperm(self.size, generator=generator)
+        if self.num_replicas == 1:
+            return iter(order.tolist())
+        width = self.batch_size
+        mine = order[: self.batches * width * self.num_replicas].view(
+            self.batches, self.num_replicas, width
+        )[:, self.rank]  # (batches, batch_size)
+        return iter(mine.flatten().tolist())
 
 
 def write_jsonl(path: str | Path, rows: Iterable[Mapping[str, Any]]) -> Path:

@@ -17,6 +17,8 @@ CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 PRESETS = ["grpo.yaml", "dr_grpo.yaml", "gspo.yaml", "reinforce_pp.yaml"]
 # configs that need a GPU or the network: parsed only
 PARSE_ONLY = {"gsm8k.yaml"}
+# overlays for several processes, and the config each goes on top of
+OVERLAYS = {"fsdp2_cpu.yaml": "tinymath.yaml", "fsdp2.yaml": "gsm8k.yaml"}
 
 
 def run(args: list[str], tmp_path: Path, monkeypatch):
@@ -38,21 +40,62 @@ def one_step(model_dir: Path) -> list[str]:
 
 
 def test_every_config_is_listed():
-    assert {c.name for c in CONFIGS} == {"tinymath.yaml", *PRESETS, *PARSE_ONLY}
+    assert {c.name for c in CONFIGS} == {"tinymath.yaml", *PRESETS, *PARSE_ONLY, *OVERLAYS}
 
 
 @pytest.mark.parametrize(
     "config", [c for c in CONFIGS if c.name not in PRESETS], ids=lambda c: c.name
 )
 def test_configs_parse(config, tmp_path, monkeypatch, capsys):
+    base = OVERLAYS.get(config.name)
+    files = [ROOT / "configs" / base, config] if base else [config]
+    args = ["fit"] + [a for f in files for a in ("--config", str(f))] + ["--print_config"]
     with pytest.raises(SystemExit) as done:
-        run(["fit", "--config", str(config), "--print_config"], tmp_path, monkeypatch)
+        run(args, tmp_path, monkeypatch)
     assert done.value.code == 0
     printed = yaml.safe_load(capsys.readouterr().out)
-    source = yaml.safe_load(config.read_text())
-    assert printed["model"]["model"] == source["model"]["model"]
-    assert printed["data"]["source"] == source["data"]["source"]
+    merged = {}
+    for f in files:  # what the files say, later ones winning, must be what was parsed
+        for section, values in yaml.safe_load(f.read_text()).items():
+            if isinstance(values, dict):
+                merged.setdefault(section, {}).update(values)
+    assert printed["model"]["model"] == merged["model"]["model"]
+    assert printed["data"]["source"] == merged["data"]["source"]
+    assert printed["data"]["batch_size"] == merged["data"]["batch_size"]
+    assert printed["trainer"]["devices"] == merged["trainer"]["devices"]
     assert "tokenizer" not in printed["data"], "data.tokenizer is linked to model.model"
+    if base:  # an overlay changes only the keys it names
+        strategy = printed["trainer"]["strategy"]
+        assert strategy["class_path"].endswith("ModelParallelStrategy")
+        assert strategy["init_args"]["tensor_parallel_size"] == 1
+        assert strategy["init_args"]["data_parallel_size"] == merged["trainer"]["devices"]
+        base_optimization = yaml.safe_load((ROOT / "configs" / base).read_text())["model"][
+            "optimization"
+        ]
+        assert (
+            printed["model"]["optimization"]["epochs_per_rollout"]
+            == base_optimization["epochs_per_rollout"]
+        )
+
+
+def test_fsdp2_cpu_overlay_trains_with_two_processes(tmp_path, tiny_model_dir):
+    """The overlay as a user runs it: Lightning starts the second process, both shard the
+    model, the run finishes and writes a sharded checkpoint."""
+    import subprocess
+    import sys
+
+    script = Path(sys.executable).parent / "lightning-troll"
+    args = [str(script), "fit", "--config", str(ROOT / "configs" / "tinymath.yaml")]
+    args += ["--config", str(ROOT / "configs" / "fsdp2_cpu.yaml")] + one_step(tiny_model_dir)
+    args += ["--model.optimization.minibatch_size", "8", "--trainer.max_steps", "2"]  # 2 steps
+    done = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "lightning-troll: training finished" in done.stdout
+    checkpoints = list(
+        (tmp_path / "runs" / "lightning_troll" / "version_0" / "checkpoints").iterdir()
+    )
+    assert [c.name for c in checkpoints] == ["epoch=0-step=2.ckpt"]
+    assert checkpoints[0].is_dir() and len(list(checkpoints[0].glob("*.distcp"))) == 2
 
 
 @pytest.mark.parametrize("preset", [None, *PRESETS])

@@ -272,6 +272,38 @@ def test_sampler_and_collate():
     assert batch.rows[0] is not row  # a reward function cannot change the dataset
 
 
+@pytest.mark.parametrize("replicas", [2, 3])
+def test_processes_share_each_global_batch_in_order(replicas):
+    """Step k's batches of all processes, rank by rank, are step k's batch of one process with
+    replicas x the batch size; the leftover that would make a partial global batch is dropped."""
+    size, batch, seed = 29, 4, 5
+    single = list(EpochShuffleSampler(size, seed))
+    shares = [
+        EpochShuffleSampler(size, seed, batch_size=batch, rank=r, replicas=replicas)
+        for r in range(replicas)
+    ]
+    for sampler in shares:
+        sampler.set_epoch(2)
+    orders = [list(sampler) for sampler in shares]
+    steps = size // (batch * replicas)
+    assert all(
+        len(order) == len(sampler) == steps * batch
+        for order, sampler in zip(orders, shares, strict=True)
+    )
+    single_epoch2 = EpochShuffleSampler(size, seed)
+    single_epoch2.set_epoch(2)
+    expected = list(single_epoch2)
+    for k in range(steps):
+        joined = [i for order in orders for i in order[k * batch : (k + 1) * batch]]
+        assert joined == expected[k * batch * replicas : (k + 1) * batch * replicas]
+    assert expected != single  # the epoch matters
+
+
+def test_sampler_rejects_a_bad_share():
+    with pytest.raises(ValueError, match=r"rank=2, replicas=2"):
+        EpochShuffleSampler(10, 0, batch_size=2, rank=2, replicas=2)
+
+
 def test_state_dict_round_trip(tok, tmp_path):
     dm = make(tok, write_jsonl(tmp_path / "d.jsonl", rows_of(6)), num_val=2, seed=4, batch_size=2)
     assert dm.state_dict() == {"seed": 4}

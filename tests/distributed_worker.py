@@ -1,0 +1,232 @@
+"""A training run for the multi-process tests: ``python tests/distributed_worker.py OUT ...``.
+
+Lightning starts the other processes by running this script again, so everything it needs is
+set up at import time of ``main``. Completions come from :func:`scripted_sample`, a function of
+the prompt and the sample's index in its group, so a run's global batch does not depend on how
+many processes share it; everything after sampling (rewards, advantages, the cached old
+distributions, the loss, gradients, optimiser, refresh, monitors) is the real code.
+
+Rank 0 writes ``OUT/metrics.json`` (the logged value of every metric at every step),
+``OUT/weights.pt`` (the policy's and the snapshot's full weights after the run, and greedy
+completions of a few prompts), ``OUT/gathers.json`` (FSDP2 runs: all-gathers while sampling)
+and, if asked,
+``OUT/loaded.pt`` (the weights and optimiser state right after a checkpoint was loaded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # for tests.reward_helpers when run as a script
+    sys.path.insert(0, str(ROOT))
+
+STEPS_PER_ROLLOUT = 2  # epochs_per_rollout: the second pass over a rollout is off-policy
+
+
+def scripted_sample(model, prompt_ids, group_size, sampling, pad_id, eos_id, do_sample=True):
+    """Stands in for :func:`lightning_troll.rollout.sample`: the j-th completion of a prompt is
+    a fixed function of (prompt, j), of varying length, ended by EOS unless it fills the budget."""
+    from lightning_troll.rollout import left_pad, response_mask_of
+
+    budget = sampling.max_new_tokens
+    vocab = model.config.vocab_size
+    rows = []
+    for ids in prompt_ids:
+        for j in range(group_size):
+            key = sum(ids) * 31 + 7 * j
+            length = 1 + (sum(ids) + j * j) % budget  # groups differ in their token counts
+            tokens = [4 + (key + 13 * t) % (vocab - 4) for t in range(length)]
+            rows.append((ids, tokens + ([eos_id] if length < budget else [])))
+    device = next(model.parameters()).device
+    prompts, prompt_mask = left_pad([p for p, _ in rows], pad_id, device)
+    responses = torch.full((len(rows), budget), pad_id, dtype=torch.long, device=device)
+    for i, (_, tokens) in enumerate(rows):
+        responses[i, : len(tokens)] = torch.tensor(tokens[:budget])
+    response_mask, truncated = response_mask_of(responses, eos_id)
+    attention_mask = torch.cat([prompt_mask, response_mask.long()], dim=-1)
+    return torch.cat([prompts, responses], dim=-1), attention_mask, response_mask, truncated
+
+
+def full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The module's weights as plain tensors (sharded ones gathered: every rank must call)."""
+    from torch.distributed.tensor import DTensor
+
+    return {
+        name: (value.full_tensor() if isinstance(value, DTensor) else value).detach().clone()
+        for name, value in module.state_dict().items()
+    }
+
+
+def build(args, out: Path):
+    """The module, data and trainer of one run."""
+    from lightning.pytorch import Callback, Trainer
+    from lightning.pytorch.loggers import CSVLogger
+    from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+
+    from lightning_troll.callbacks import (
+        OldPolicyRefresh,
+        RolloutGeneration,
+        SparsityCoverageMonitor,
+        TrustRegionMonitor,
+    )
+    from lightning_troll.data import PromptDataModule
+    from lightning_troll.module import OptimizationConfig, TrollModule
+    from lightning_troll.rollout import SamplingConfig
+
+    class DumpLoaded(Callback):
+        """Writes what a checkpoint restored, before any training step changes it."""
+
+        def on_train_start(self, trainer, pl_module):
+            state = {
+                "policy": full_state(pl_module.policy),
+                "old_policy": full_state(pl_module.old_policy),
+                "global_step": trainer.global_step,
+            }
+            if trainer.is_global_zero:
+                torch.save(state, out / "loaded.pt")
+
+    processes = 1 if args.strategy == "single" else 2
+    module = TrollModule(
+        model="tinymath",
+        objective=args.objective,
+        estimator=args.estimator,
+        group_size=4,
+        sampling=SamplingConfig(max_new_tokens=4),
+        rewards={"tests.reward_helpers:length_reward": 1.0},
+        optimization=OptimizationConfig(
+            epochs_per_rollout=STEPS_PER_ROLLOUT,
+            micro_batch_size=args.micro_batch_size,
+            gradient_clip_norm=1.0,
+        ),
+        optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3, foreach=False),
+    )
+    data = PromptDataModule(
+        source="tinymath",
+        tokenizer="tinymath",
+        batch_size=args.prompts // processes,  # per process: the global batch is the same
+        num_train=64,
+        num_val=0,
+    )
+    strategy = {
+        "single": "auto",
+        "ddp": DDPStrategy(process_group_backend="gloo"),
+        "fsdp2": ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
+    }[args.strategy]
+    callbacks = [RolloutGeneration(log_samples=0), OldPolicyRefresh()]
+    callbacks += [TrustRegionMonitor(histogram_every_n_rollouts=1000), SparsityCoverageMonitor()]
+    if args.ckpt_path:
+        callbacks.append(DumpLoaded())
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=processes,
+        strategy=strategy,
+        max_steps=args.rollouts * STEPS_PER_ROLLOUT,
+        logger=CSVLogger(out, name="csv", version=0),
+        log_every_n_steps=1,
+        callbacks=callbacks,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    return module, data, trainer
+
+
+def gather_counts(module, prompts: list[list[int]]) -> dict[str, int]:
+    """All-gathers issued by sampling 8 tokens from the snapshot, with and without
+    :func:`~lightning_troll.sharding.gathered` (real sampling, no script)."""
+    import torch.distributed as dist
+
+    from lightning_troll.rollout import SamplingConfig, sample
+    from lightning_troll.sharding import gathered
+
+    calls = {"n": 0}
+    original = dist.all_gather_single  # what FSDP2 gathers weights with
+
+    def counting(*args, **kwargs):
+        calls["n"] += 1
+        return original(*args, **kwargs)
+
+    sampling = SamplingConfig(max_new_tokens=8)
+    counts = {}
+    dist.all_gather_single = counting
+    try:
+        for name, context in (("per_token", contextlib.nullcontext), ("gathered", gathered)):
+            calls["n"] = 0
+            with context(module.old_policy):
+                ids, *_ = sample(module.old_policy, prompts, 2, sampling, 0, 0, do_sample=False)
+            counts[name] = calls["n"]
+            counts[f"{name}_steps"] = ids.shape[1] - max(len(p) for p in prompts)
+    finally:
+        dist.all_gather_single = original
+    return counts
+
+
+def greedy(module) -> torch.Tensor:
+    """Greedy completions of a few prompts by the trained policy, as validation makes them."""
+    from lightning_troll.rollout import SamplingConfig, sample
+    from lightning_troll.sharding import gathered
+
+    prompts = [module.tokenizer.encode(p) for p in ("12+34=", "7-9=", "50+50=")]
+    with gathered(module.policy):
+        ids, *_ = sample(
+            module.policy, prompts, 1, SamplingConfig(max_new_tokens=6), module.pad_id,
+            module.eos_id, do_sample=False,
+        )  # fmt: skip
+    return ids
+
+
+def logged_metrics(out: Path) -> dict[str, dict[int, float]]:
+    """metric -> {step: value} from the CSV logger's file."""
+    metrics: dict[str, dict[int, float]] = {}
+    with (out / "csv" / "version_0" / "metrics.csv").open() as file:
+        for row in csv.DictReader(file):
+            for name, value in row.items():
+                if name != "step" and value not in ("", None):
+                    metrics.setdefault(name, {})[int(row["step"])] = float(value)
+    return metrics
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--strategy", choices=["single", "ddp", "fsdp2"], default="single")
+    parser.add_argument("--objective", default="troll")
+    parser.add_argument("--estimator", default="reinforce_pp")
+    parser.add_argument("--prompts", type=int, default=4, help="global prompts per rollout")
+    parser.add_argument("--rollouts", type=int, default=2)
+    parser.add_argument("--micro-batch-size", type=int, default=None)
+    parser.add_argument("--save", type=Path, default=None, help="checkpoint written at the end")
+    parser.add_argument("--ckpt-path", type=Path, default=None, help="checkpoint to resume")
+    args = parser.parse_args(argv)
+
+    import lightning_troll.callbacks.rollout as rollout_callback
+
+    rollout_callback.sample = scripted_sample
+    torch.manual_seed(0)
+    args.out.mkdir(parents=True, exist_ok=True)
+    module, data, trainer = build(args, args.out)
+    trainer.fit(module, datamodule=data, ckpt_path=args.ckpt_path)
+    if args.save:
+        trainer.save_checkpoint(args.save)
+    weights = {"policy": full_state(module.policy), "old_policy": full_state(module.old_policy)}
+    weights["greedy"] = greedy(module)
+    if args.strategy == "fsdp2":
+        counts = gather_counts(module, [[5, 6, 7], [8, 9]])
+        if trainer.is_global_zero:
+            (args.out / "gathers.json").write_text(json.dumps(counts))
+    if trainer.is_global_zero:
+        torch.save(weights, args.out / "weights.pt")
+        (args.out / "metrics.json").write_text(json.dumps(logged_metrics(args.out)))
+
+
+if __name__ == "__main__":
+    main()

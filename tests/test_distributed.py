@@ -1,0 +1,155 @@
+"""Sharded (FSDP2) and replicated (DDP) training with 2 CPU processes over gloo.
+
+Each run is ``tests/distributed_worker.py`` in a subprocess: Lightning starts the second
+process by running the script again. The worker's completions are a fixed function of the
+prompt, so a 2-process run and a 1-process run see the same global batch and must take the same
+optimiser steps.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "distributed_worker.py"
+# Per-rollout values that must agree; the monitors' ones only do if they reduce across ranks.
+COMPARED = [
+    "loss/total",
+    "reward/mean",
+    "trust_region/kl_before_mean",
+    "trust_region/kl_before_max",
+    "trust_region/kl_after_mean",
+    "trust_region/eta_max",
+    "trust_region/active_frac",
+    "sparsity/support_mean",
+    "sparsity/coverage_min",
+]
+
+
+def launch(out: Path, *args: str) -> Path:
+    done = subprocess.run(
+        [sys.executable, str(WORKER), str(out), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
+def metrics(out: Path) -> dict[str, dict[str, float]]:
+    return json.loads((out / "metrics.json").read_text())
+
+
+def weights(out: Path) -> dict:
+    return torch.load(out / "weights.pt")
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory) -> Path:
+    """The reference: one process, micro-batches of 3 sequences, 2 rollouts (4 steps)."""
+    return launch(tmp_path_factory.mktemp("single"), "--micro-batch-size", "3")
+
+
+@pytest.fixture(scope="module")
+def fsdp2(tmp_path_factory) -> tuple[Path, Path]:
+    """The same run sharded over 2 processes with FSDP2, saving a (sharded) checkpoint."""
+    out = tmp_path_factory.mktemp("fsdp2")
+    ckpt = out / "last.ckpt"
+    launch(out, "--strategy", "fsdp2", "--micro-batch-size", "3", "--save", str(ckpt))
+    return out, ckpt
+
+
+def assert_same_run(reference: Path, other: Path) -> None:
+    ref, got = metrics(reference), metrics(other)
+    for name in COMPARED:
+        assert set(ref[name]) == set(got[name]) == {"0", "1"}, name
+        for step, value in ref[name].items():
+            assert got[name][step] == pytest.approx(value, rel=1e-4, abs=1e-5), (name, step)
+    ref_w, got_w = weights(reference), weights(other)
+    for part in ("policy", "old_policy"):
+        assert ref_w[part].keys() == got_w[part].keys()
+        for name, value in ref_w[part].items():
+            torch.testing.assert_close(got_w[part][name], value, rtol=0, atol=2e-5)
+    assert torch.equal(ref_w["greedy"], got_w["greedy"])
+
+
+@pytest.mark.slow  # starts one or two Python processes
+def test_the_reference_run_trains(single):
+    """The comparison means something: the weights moved far more than the tolerance, and
+    the second pass over each rollout was off-policy and projected."""
+    from lightning_troll.models import load_policy
+
+    initial = load_policy("tinymath").state_dict()
+    trained = weights(single)["policy"]
+    moved = max((trained[k] - initial[k]).abs().max().item() for k in initial)
+    assert moved > 100 * 2e-5
+    logged = metrics(single)
+    assert min(logged["trust_region/kl_before_max"].values()) > 0.05  # beyond the bound
+    assert max(logged["trust_region/active_frac"].values()) > 0
+
+
+@pytest.mark.slow  # starts one or two Python processes
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_two_processes_match_one(strategy, single, fsdp2, tmp_path):
+    """Losses, rewards, KL and sparsity statistics at every logged step, the final policy and
+    snapshot weights, and greedy completions equal the single-process run's."""
+    if strategy == "fsdp2":
+        out = fsdp2[0]
+    else:
+        out = launch(tmp_path, "--strategy", strategy, "--micro-batch-size", "3")
+    assert_same_run(single, out)
+
+
+@pytest.mark.slow  # starts one or two Python processes
+def test_fsdp2_gathers_weights_once_per_generation(fsdp2):
+    """Sampling from the sharded snapshot: one all-gather per FSDP module for the whole
+    generation, instead of one per module for every generated token."""
+    counts = json.loads((fsdp2[0] / "gathers.json").read_text())
+    assert counts["per_token_steps"] == counts["gathered_steps"] == 8
+    per_forward = counts["gathered"]
+    assert per_forward >= 2  # the decoder layers and the root
+    assert counts["per_token"] == per_forward * counts["per_token_steps"]
+
+
+@pytest.mark.slow  # starts one or two Python processes
+def test_fsdp2_sharded_checkpoint_loads_back(fsdp2, tmp_path):
+    """A checkpoint written sharded (a folder of shards) restores policy and snapshot exactly
+    in a new pair of processes, which then train on."""
+    out, ckpt = fsdp2
+    assert ckpt.is_dir() and len(list(ckpt.glob("*.distcp"))) == 2
+    resumed = launch(tmp_path, "--strategy", "fsdp2", "--rollouts", "3", "--ckpt-path", str(ckpt))
+    loaded, saved = torch.load(resumed / "loaded.pt"), weights(out)
+    assert loaded["global_step"] == 4
+    for part in ("policy", "old_policy"):
+        for name, value in saved[part].items():
+            assert torch.equal(loaded[part][name], value), (part, name)
+    assert set(metrics(resumed)["loss/total"]) == {"2"}  # only the third rollout ran
+
+
+def test_a_model_without_decoder_layers_is_refused():
+    from torch import nn
+
+    from lightning_troll.sharding import decoder_layers
+
+    class Flat(nn.Module):
+        _no_split_modules = ["Block"]
+
+    with pytest.raises(ValueError, match=r"cannot shard Flat: it names no decoder-layer class"):
+        decoder_layers(Flat())
+
+
+def test_decoder_layers_of_the_demo_policy():
+    from lightning_troll.models import load_policy
+    from lightning_troll.sharding import decoder_layers
+
+    policy = load_policy("tinymath")
+    layers = decoder_layers(policy)
+    assert layers == list(policy.model.layers) and len(layers) == policy.config.num_hidden_layers
