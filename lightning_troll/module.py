@@ -20,6 +20,7 @@ from typing import Any, Literal
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from lightning.pytorch.strategies import FSDPStrategy, Strategy
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
@@ -120,6 +121,17 @@ torch.serialization.add_safe_globals(
 
 def _default_optimizer(params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-6)
+
+
+def check_strategy(strategy: Strategy) -> None:
+    """Refuses Lightning's FSDPStrategy (FSDP1), whose root wrapper gathers the weights outside
+    the decoder layers only inside the module's own forward: rollouts sample outside it."""
+    if isinstance(strategy, FSDPStrategy):
+        raise ValueError(
+            "trainer.strategy: FSDPStrategy (FSDP1) is not supported; shard with FSDP2 instead: "
+            "lightning.pytorch.strategies.ModelParallelStrategy with tensor_parallel_size: 1 and "
+            "data_parallel_size: <processes> (see configs/fsdp2.yaml), or use ddp"
+        )
 
 
 class TrollModule(LightningModule):
@@ -270,6 +282,7 @@ class TrollModule(LightningModule):
         idempotent. Other strategies (single device, DDP, FSDPStrategy) wrap the module
         themselves and need nothing here.
         """
+        check_strategy(self.trainer.strategy)
         mesh = self._device_mesh
         if mesh is None:
             return

@@ -107,6 +107,7 @@ def build(args, out: Path):
             gradient_clip_norm=1.0,
         ),
         optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3, foreach=False),
+        gradient_checkpointing=args.gradient_checkpointing,
     )
     data = PromptDataModule(
         source="tinymath",
@@ -129,6 +130,7 @@ def build(args, out: Path):
         devices=processes,
         strategy=strategy,
         max_steps=args.rollouts * STEPS_PER_ROLLOUT,
+        precision=args.precision,
         logger=CSVLogger(out, name="csv", version=0),
         log_every_n_steps=1,
         callbacks=callbacks,
@@ -204,6 +206,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompts", type=int, default=4, help="global prompts per rollout")
     parser.add_argument("--rollouts", type=int, default=2)
     parser.add_argument("--micro-batch-size", type=int, default=None)
+    parser.add_argument("--precision", default="32-true")
+    parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--save", type=Path, default=None, help="checkpoint written at the end")
     parser.add_argument("--ckpt-path", type=Path, default=None, help="checkpoint to resume")
     args = parser.parse_args(argv)

@@ -9,6 +9,7 @@ optimiser steps.
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -109,6 +110,23 @@ def test_two_processes_match_one(strategy, single, fsdp2, tmp_path):
 
 
 @pytest.mark.slow  # starts one or two Python processes
+def test_fsdp2_with_bf16_and_gradient_checkpointing(single, tmp_path):
+    """bf16 autocast and recomputed activations under FSDP2: the projection still runs in
+    float32, so the bound holds to float32 precision on bf16 logits."""
+    out = launch(tmp_path, "--strategy", "fsdp2", "--micro-batch-size", "3",
+                 "--precision", "bf16-mixed", "--gradient-checkpointing")  # fmt: skip
+    got, ref = metrics(out), metrics(single)
+    assert max(got["trust_region/kl_after_max"].values()) <= 0.05 * (1 + 1e-5)
+    assert min(got["trust_region/active_frac"].values()) > 0  # the projection was active
+    assert all(math.isfinite(v) for v in got["loss/total"].values())
+    assert got["reward/mean"] == ref["reward/mean"]  # same scripted completions
+    assert got["loss/total"] != ref["loss/total"]  # bf16 did change the arithmetic
+    trained, start = weights(out)["policy"], weights(single)["policy"]
+    assert all(v.dtype == torch.float32 for v in trained.values())  # master weights in fp32
+    assert trained.keys() == start.keys()
+
+
+@pytest.mark.slow  # starts one or two Python processes
 def test_fsdp2_gathers_weights_once_per_generation(fsdp2):
     """Sampling from the sharded snapshot: one all-gather per FSDP module for the whole
     generation, instead of one per module for every generated token."""
@@ -153,3 +171,13 @@ def test_decoder_layers_of_the_demo_policy():
     policy = load_policy("tinymath")
     layers = decoder_layers(policy)
     assert layers == list(policy.model.layers) and len(layers) == policy.config.num_hidden_layers
+
+
+def test_fsdp1_is_refused_with_the_way_out():
+    from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
+
+    from lightning_troll.module import check_strategy
+
+    check_strategy(DDPStrategy())  # accepted
+    with pytest.raises(ValueError, match=r"FSDPStrategy \(FSDP1\) is not supported.*ModelParallel"):
+        check_strategy(FSDPStrategy())
