@@ -23,6 +23,7 @@ from lightning_troll.prompts import (
     EpochShuffleSampler,
     PromptBatch,
     PromptItem,
+    ResumableLoader,
     check_count,
     check_file,
     collate_prompts,
@@ -318,18 +319,28 @@ class PromptDataModule(LightningDataModule):
 
     # ------------------------------------------------------------------------- loaders
 
-    def train_dataloader(self) -> DataLoader:
-        """Batches of ``batch_size`` prompts, reshuffled each epoch; the last partial one dropped."""
+    def train_dataloader(self) -> ResumableLoader:
+        """Batches of ``batch_size`` prompts, reshuffled each epoch; the last partial one dropped.
+
+        Resumes mid-epoch from a checkpoint (see :class:`~lightning_troll.prompts.ResumableLoader`).
+        """
         if self.train_items is None:
             self.setup("fit")
-        return DataLoader(
+        return ResumableLoader(
             self.train_items,
             batch_size=self.batch_size,
             sampler=EpochShuffleSampler(len(self.train_items), self.seed),
             drop_last=True,
             collate_fn=collate_prompts,
             num_workers=0,
+            generator=torch.Generator(),  # iterating must not draw from the global RNG
+            position=self._position,
         )
+
+    def _position(self) -> tuple[int, int]:
+        """(epoch, rollouts finished in it) of the trainer fitting with this DataModule."""
+        loop = self.trainer.fit_loop
+        return self.trainer.current_epoch, loop.epoch_loop.batch_progress.current.processed
 
     def val_dataloader(self) -> DataLoader | list:
         """Validation batches in order; an empty list (no validation) when there are no rows."""
@@ -343,6 +354,7 @@ class PromptDataModule(LightningDataModule):
             shuffle=False,
             collate_fn=collate_prompts,
             num_workers=0,
+            generator=torch.Generator(),  # iterating must not draw from the global RNG
         )
 
     def state_dict(self) -> dict[str, Any]:

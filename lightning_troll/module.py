@@ -18,9 +18,11 @@ from typing import Any, Literal
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from lightning_troll.advantages import compute_advantages, get_advantage_estimator
+from lightning_troll.checkpoints import check_compatible, restore_rng_states, rng_states
 from lightning_troll.models import load_policy, load_tokenizer
 from lightning_troll.objectives import (
     AGGREGATION_SIZES,
@@ -105,6 +107,12 @@ class OptimizationConfig:
         clip = self.gradient_clip_norm
         if clip is not None and not clip > 0:
             raise ValueError(f"optimization.gradient_clip_norm must be null or > 0; got {clip!r}")
+
+
+# Checkpoints keep these in their hyper-parameters: let torch.load(weights_only=True) read them.
+torch.serialization.add_safe_globals(
+    [TrustRegionConfig, ClipConfig, LossConfig, OptimizationConfig, SamplingConfig]
+)
 
 
 def _default_optimizer(params) -> torch.optim.Optimizer:
@@ -197,6 +205,7 @@ class TrollModule(LightningModule):
         self.last_stats: list[ObjectiveStats] = []
         self._shuffle = torch.Generator().manual_seed(seed)
         self._bad_steps = 0
+        self._rng_to_restore: dict[str, Any] | None = None
 
     # -- construction ----------------------------------------------------------------------------
     def _build_objective(self, name, trust_region, clip, loss) -> PolicyObjective:
@@ -380,13 +389,49 @@ class TrollModule(LightningModule):
 
     # -- checkpoints -----------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Adds the shuffle generator, the bad-step count and this rank's global RNG states."""
         checkpoint["lightning_troll"] = {
             "shuffle_rng": self._shuffle.get_state(),
             "bad_steps": self._bad_steps,
+            "rng": {self.global_rank: rng_states()},
         }
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Checks the checkpoint fits this model, then restores what ``on_save_checkpoint`` added.
+
+        The global RNG states are set in ``on_train_start``, after Lightning has built the
+        dataloaders, so a resumed run draws the numbers the interrupted one would have drawn.
+        """
+        check_compatible(
+            self.state_dict(), checkpoint["state_dict"], f"model {self.hparams.model!r}"
+        )
+        self._warn_changed_options(checkpoint.get("hyper_parameters", {}))
         state = checkpoint.get("lightning_troll")
         if state is not None:
             self._shuffle.set_state(state["shuffle_rng"])
             self._bad_steps = state["bad_steps"]
+            self._rng_to_restore = state.get("rng", {}).get(self.global_rank)
+        if self._rng_to_restore is None:
+            rank_zero_warn(
+                f"the checkpoint holds no random state for global rank {self.global_rank}: the "
+                "resumed run samples other completions than the interrupted one would have"
+            )
+
+    def on_train_start(self) -> None:
+        """Restores the global RNG states of a checkpoint being resumed."""
+        if self._rng_to_restore is not None:
+            restore_rng_states(self._rng_to_restore)
+            self._rng_to_restore = None
+
+    def _warn_changed_options(self, saved: dict[str, Any]) -> None:
+        changed = [
+            f"model.{k}: {saved[k]!r} -> {v!r}"
+            for k, v in self.hparams.items()
+            if k in saved and saved[k] != v
+        ]
+        if changed:
+            rank_zero_warn(
+                "resuming with other options than the checkpoint was written with (weights, "
+                "snapshot and optimiser carry over; the new options apply from here on): "
+                + "; ".join(changed)
+            )
