@@ -23,7 +23,9 @@ pytestmark = pytest.mark.slow  # whole fits, and processes started and killed
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_model_checkpoint_saves_through_lightnings_atomic_save(tmp_path, tiny_model_dir, monkeypatch):
+def test_model_checkpoint_saves_through_lightnings_atomic_save(
+    tmp_path, tiny_model_dir, monkeypatch
+):
     """ModelCheckpoint -> Trainer.save_checkpoint -> TorchCheckpointIO -> ``_atomic_save``, which
     writes to a temporary file inside an fsspec transaction and moves it into place."""
     saved = []
