@@ -308,6 +308,13 @@ class PromptDataModule(LightningDataModule):
                 f"data.template={self.template!r} cannot format {split} row {index} "
                 f"({type(exc).__name__}: {exc})"
             ) from exc
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:  # a lone surrogate, e.g. from a JSON "\ud800" escape
+            raise ValueError(
+                f"data.source: {split} row {index} of {self._describe(split)} is not valid Unicode "
+                f"text ({exc.reason} at position {exc.start} of {text[:60]!r}); fix or drop the row"
+            ) from exc
         if not self.chat_template:
             return text
         messages = [{"role": "user", "content": text}]
