@@ -406,15 +406,19 @@ class TrollModule(LightningModule):
             self.state_dict(), checkpoint["state_dict"], f"model {self.hparams.model!r}"
         )
         self._warn_changed_options(checkpoint.get("hyper_parameters", {}))
-        state = checkpoint.get("lightning_troll")
-        if state is not None:
+        state = checkpoint.get("lightning_troll", {})
+        if "shuffle_rng" in state:
             self._shuffle.set_state(state["shuffle_rng"])
             self._bad_steps = state["bad_steps"]
-            self._rng_to_restore = state.get("rng", {}).get(self.global_rank)
-        if self._rng_to_restore is None:
+        saved = state.get("rng", {})
+        self._rng_to_restore = saved.get(self.global_rank)
+        ranks = self.trainer.world_size if self._trainer is not None else 1
+        missing = [rank for rank in range(ranks) if rank not in saved]
+        if missing:
             rank_zero_warn(
-                f"the checkpoint holds no random state for global rank {self.global_rank}: the "
-                "resumed run samples other completions than the interrupted one would have"
+                f"the checkpoint holds no random state for global ranks {missing}: they sample "
+                "other completions than the interrupted run would have (only the process that "
+                "writes a checkpoint saves its state)"
             )
 
     def on_train_start(self) -> None:

@@ -213,3 +213,22 @@ def test_nan_weights_stop_sampling_with_a_floating_point_error(tiny_model_dir):
         FloatingPointError, match=r"weight 'model.norm.weight' holds NaN or inf at 1"
     ):
         sample(module.old_policy, [[1, 5, 6]], 2, module.sampling, module.pad_id, module.eos_id)
+
+
+def test_the_global_random_states_come_back_per_rank(tiny_model_dir):
+    import random
+
+    import numpy as np
+
+    module = make_module(tiny_model_dir)
+    checkpoint = {"state_dict": module.state_dict()}
+    module.on_save_checkpoint(checkpoint)
+    assert list(checkpoint["lightning_troll"]["rng"]) == [0]  # keyed by global rank
+    expected = (torch.rand(3), random.random(), np.random.rand())
+    module.on_load_checkpoint(checkpoint)
+    module.on_train_start()  # where a resumed fit sets them
+    assert torch.equal(torch.rand(3), expected[0])
+    assert (random.random(), np.random.rand()) == expected[1:]
+    checkpoint["lightning_troll"]["rng"] = {1: checkpoint["lightning_troll"]["rng"][0]}
+    with pytest.warns(UserWarning, match=r"no random state for global ranks \[0\]"):
+        module.on_load_checkpoint(checkpoint)
