@@ -90,10 +90,9 @@ def assert_same_steps(expected: dict, got: dict, steps: range) -> None:
     [
         # 16 prompts / 4 per rollout: 4 rollouts an epoch, step 3 stops mid-epoch
         ("mid_epoch", {}),
-        # 12 prompts: 3 rollouts an epoch, step 3 ends epoch 0
-        ("epoch_end", {"num_train": 12}),
-        # snapshot refreshed every 2 rollouts: at step 3 it lags behind the policy
-        ("lagging_snapshot", {"every_n_rollouts": 2}),
+        # 12 prompts: 3 rollouts an epoch, step 3 ends epoch 0; the snapshot, refreshed every
+        # 2 rollouts, lags behind the policy there
+        ("epoch_end_lagging_snapshot", {"num_train": 12, "every_n_rollouts": 2}),
         # 2 optimiser steps per rollout (global_step counts them): stop after rollout 3 of 6
         (
             "minibatches",
@@ -104,9 +103,14 @@ def assert_same_steps(expected: dict, got: dict, steps: range) -> None:
 def test_resume_continues_like_an_uninterrupted_run(case, options, tmp_path, tiny_model_dir):
     per = options.get("steps_per_rollout", 1)
     total, stop = 6 * per, 3 * per
-    _, whole, expected = train(tmp_path, tiny_model_dir, "whole", total, **dict(options))
-    train(tmp_path, tiny_model_dir, "first", stop, **dict(options))
-    ckpt = tmp_path / "first" / "ckpt" / f"step={stop}.ckpt"
+    uninterrupted, whole, expected = train(
+        tmp_path, tiny_model_dir, "whole", total, **dict(options)
+    )
+    if case == "mid_epoch":  # a run that stopped at max_steps=3, as a user would resume it
+        train(tmp_path, tiny_model_dir, "first", stop, **dict(options))
+        ckpt = tmp_path / "first" / "ckpt" / f"step={stop}.ckpt"
+    else:  # the uninterrupted run's own checkpoint after rollout 3, as after a crash
+        ckpt = tmp_path / "whole" / "ckpt" / f"step={stop}.ckpt"
     trainer, resumed, got = train(
         tmp_path, tiny_model_dir, "resumed", total, ckpt_path=ckpt, **dict(options)
     )
@@ -116,3 +120,9 @@ def test_resume_continues_like_an_uninterrupted_run(case, options, tmp_path, tin
     assert sorted(got) == [3, 4, 5], "the resumed run logs from the rollout after the checkpoint"
     assert_same_steps(expected, got, range(3, 6))
     torch.testing.assert_close(weights(resumed), weights(whole), rtol=0, atol=0)
+    for kind in (RolloutGeneration, OldPolicyRefresh, TrustRegionMonitor):
+        states = [
+            next(c for c in t.callbacks if isinstance(c, kind)).state_dict()
+            for t in (uninterrupted, trainer)
+        ]
+        assert states[0] == states[1], kind.__name__  # counters and reward history carried over
