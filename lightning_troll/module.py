@@ -402,9 +402,10 @@ class TrollModule(LightningModule):
         The global RNG states are set in ``on_train_start``, after Lightning has built the
         dataloaders, so a resumed run draws the numbers the interrupted one would have drawn.
         """
-        check_compatible(
-            self.state_dict(), checkpoint["state_dict"], f"model {self.hparams.model!r}"
-        )
+        if "state_dict" in checkpoint:  # sharded strategies load the weights elsewhere
+            check_compatible(
+                self.state_dict(), checkpoint["state_dict"], f"model {self.hparams.model!r}"
+            )
         self._warn_changed_options(checkpoint.get("hyper_parameters", {}))
         state = checkpoint.get("lightning_troll", {})
         if "shuffle_rng" in state:
