@@ -10,7 +10,7 @@ import pytest
 import torch
 import yaml
 
-from lightning_troll.checkpoints import CheckpointError, check_compatible
+from lightning_troll.checkpoints import CheckpointError, check_checkpoint_file, check_compatible
 from lightning_troll.cli import run as cli_run
 from lightning_troll.models import load_policy, load_tokenizer, tiny_causal_lm
 from lightning_troll.module import LossConfig
@@ -27,6 +27,7 @@ def fit_args(workdir: Path, model_dir: Path, max_steps: int, *extra: str) -> lis
     config = {
         "trainer": {
             "max_steps": max_steps,
+            "default_root_dir": str(workdir),  # where config.yaml goes without a logger
             "enable_progress_bar": False,
             "limit_val_batches": 0,
             "logger": False,
@@ -85,20 +86,28 @@ def corrupt(data: bytes, how: str) -> bytes:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["truncated", "garbage", "flipped", "missing"])
-def test_an_unreadable_checkpoint_is_refused_naming_its_path(
-    how, checkpoint, tmp_path, tiny_model_dir
-):
+def test_an_unreadable_checkpoint_is_refused_naming_its_path(how, checkpoint, tmp_path):
     bad = tmp_path / "bad.ckpt"
     if how != "missing":
         data = corrupt(checkpoint.read_bytes(), how)
         bad.write_bytes(bytes(data.tolist()) if isinstance(data, torch.Tensor) else data)
-        before = digest(bad)
     message = "no such file" if how == "missing" else "(not a readable checkpoint|is corrupt)"
     with pytest.raises(CheckpointError, match=rf"--ckpt_path '{bad}'.*{message}"):
+        check_checkpoint_file(bad)
+    check_checkpoint_file(checkpoint)  # the original passes
+
+
+@pytest.mark.slow
+def test_the_cli_refuses_an_unreadable_checkpoint_before_training(
+    checkpoint, tmp_path, tiny_model_dir
+):
+    bad = tmp_path / "bad.ckpt"
+    bad.write_bytes(corrupt(checkpoint.read_bytes(), "truncated"))
+    before = digest(bad)
+    with pytest.raises(CheckpointError, match=rf"--ckpt_path '{bad}' is not a readable checkpoint"):
         cli_run(fit_args(tmp_path, tiny_model_dir, 2, "--ckpt_path", str(bad)))
     assert not (tmp_path / "ckpt").exists(), "nothing trained, nothing saved"
-    if how != "missing":
-        assert digest(bad) == before
+    assert digest(bad) == before
 
 
 def resume(tmp_path: Path, module, checkpoint: Path):
