@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
@@ -126,3 +127,45 @@ def test_resume_continues_like_an_uninterrupted_run(case, options, tmp_path, tin
             for t in (uninterrupted, trainer)
         ]
         assert states[0] == states[1], kind.__name__  # counters and reward history carried over
+
+
+class SaveInsideRollout(Callback):
+    """Writes a checkpoint before the ``at``-th optimiser step, inside a rollout."""
+
+    def __init__(self, path: Path, at: int) -> None:
+        self.path, self.at, self.steps = path, at, 0
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.steps += 1
+        if self.steps == self.at:
+            trainer.save_checkpoint(self.path)
+
+
+class Prompts(Callback):
+    def __init__(self) -> None:
+        self.seen: list[list[str]] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.seen.append(list(batch.prompts))
+
+
+def test_a_checkpoint_inside_a_rollout_resamples_that_rollout(tmp_path, tiny_model_dir):
+    """Two optimiser steps per rollout; saved before step 4 (rollout 2's second): the resumed run
+    starts with rollout 2's prompts again, from the weights after step 3, and carries on."""
+    options = {"optimization": OptimizationConfig(minibatch_size=8)}
+    path, original = tmp_path / "inside.ckpt", Prompts()
+    callbacks = [RolloutGeneration(), SaveInsideRollout(path, at=4), original]
+    trainer = make_trainer(tmp_path, 6, callbacks=callbacks, limit_val_batches=0)
+    torch.manual_seed(0)
+    trainer.fit(make_module(tiny_model_dir, **options), datamodule=make_data(tiny_model_dir))
+    assert torch.load(path, map_location="cpu", weights_only=True)["global_step"] == 3
+    resumed = Prompts()
+    trainer = make_trainer(
+        tmp_path, 6, callbacks=[RolloutGeneration(), resumed], limit_val_batches=0
+    )
+    module = make_module(tiny_model_dir, **options)
+    trainer.fit(module, datamodule=make_data(tiny_model_dir), ckpt_path=path)
+    assert resumed.seen[0] == original.seen[1]
+    assert resumed.seen[1] == original.seen[2]
+    assert trainer.global_step == 7  # 3 saved + 2 rollouts; the stop comes at a rollout's end
+    assert all(torch.isfinite(p).all() for p in module.policy.parameters())
