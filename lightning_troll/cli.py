@@ -23,7 +23,7 @@ from lightning_troll.callbacks import (
     SparsityCoverageMonitor,
     TrustRegionMonitor,
 )
-from lightning_troll.checkpoints import check_checkpoint_file
+from lightning_troll.checkpoints import check_checkpoint_file, non_atomic_saves
 from lightning_troll.data import PromptDataModule
 from lightning_troll.module import TrollModule
 
@@ -78,6 +78,14 @@ class TrollCLI(LightningCLI):
                 "--ckpt_path: a resumed run keeps the model options stored in the checkpoint; "
                 "these given ones are ignored: " + "; ".join(ignored)
             )
+
+    def before_fit(self) -> None:
+        """Warns when checkpoints would not be saved atomically (see ``non_atomic_saves``)."""
+        for callback in self.trainer.checkpoint_callbacks:
+            directory = getattr(callback, "dirpath", None) or self.trainer.default_root_dir
+            problem = non_atomic_saves(directory)
+            if problem is not None:
+                rank_zero_warn(problem)
 
     def after_fit(self) -> None:
         if not self.trainer.is_global_zero:

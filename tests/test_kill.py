@@ -14,8 +14,9 @@ import yaml
 from lightning.fabric.plugins.io import torch_io
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from lightning_troll import checkpoints
 from lightning_troll.callbacks import RolloutGeneration
-from lightning_troll.checkpoints import check_checkpoint_file
+from lightning_troll.checkpoints import check_checkpoint_file, non_atomic_saves
 from tests.test_training import make_data, make_module, make_trainer
 
 pytestmark = pytest.mark.slow  # whole fits, and processes started and killed
@@ -44,6 +45,19 @@ def test_model_checkpoint_saves_through_lightnings_atomic_save(
     trainer.fit(make_module(tiny_model_dir), datamodule=make_data(tiny_model_dir))
     assert saved == ["epoch=0-step=1.ckpt", "epoch=0-step=2.ckpt"]
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == saved
+
+
+def test_saves_across_file_systems_are_flagged(tmp_path, monkeypatch):
+    assert non_atomic_saves(tmp_path / "new" / "ckpt") is None  # pytest's tmp_path is in TMPDIR
+    assert non_atomic_saves("s3://bucket/ckpt") is None
+    # pretend tmp_path/elsewhere is another file system
+    elsewhere = tmp_path / "elsewhere"
+    monkeypatch.setattr(
+        checkpoints, "_device", lambda path: 2 if elsewhere in (path, *path.parents) else 1
+    )
+    problem = non_atomic_saves(elsewhere / "ckpt")
+    assert f"checkpoints in '{elsewhere / 'ckpt'}' are on another file system" in problem
+    assert "Set TMPDIR" in problem
 
 
 def command(tmp_path: Path, model_dir: Path, *extra: str) -> list[str]:
