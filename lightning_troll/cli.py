@@ -15,6 +15,7 @@ import warnings
 
 from jsonargparse import set_parsing_settings
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_troll.callbacks import (
     OldPolicyRefresh,
@@ -22,6 +23,7 @@ from lightning_troll.callbacks import (
     SparsityCoverageMonitor,
     TrustRegionMonitor,
 )
+from lightning_troll.checkpoints import check_checkpoint_file, non_atomic_saves
 from lightning_troll.data import PromptDataModule
 from lightning_troll.module import TrollModule
 
@@ -46,6 +48,44 @@ class TrollCLI(LightningCLI):
         parser.add_lightning_class_args(TrustRegionMonitor, "trust_region_monitor")
         parser.add_lightning_class_args(SparsityCoverageMonitor, "sparsity_monitor")
         parser.link_arguments("model.model", "data.tokenizer")
+
+    def parse_arguments(self, parser, args) -> None:
+        """Parses, then refuses an unreadable ``--ckpt_path`` before anything is loaded."""
+        super().parse_arguments(parser, args)
+        self._given_model = None
+        subcommand = self.config.get("subcommand")
+        path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        # "last", "best", "hpc" and "registry..." are names Lightning resolves; URLs are remote
+        if not path or path in ("last", "best", "hpc") or path.startswith("registry"):
+            return
+        if "://" not in path:
+            check_checkpoint_file(path)
+        self._given_model = self.config[subcommand].model.clone()
+
+    def before_instantiate_classes(self) -> None:
+        """Warns about model options the checkpoint's replaced (LightningCLI resumes with the
+        hyper-parameters stored in ``--ckpt_path``, whatever the command line says)."""
+        if self._given_model is None:
+            return
+        stored = dict(self.config[self.subcommand].model.items())
+        ignored = [
+            f"model.{key}={value!r} (checkpoint: {stored[key]!r})"
+            for key, value in self._given_model.items()
+            if key in stored and stored[key] != value
+        ]
+        if ignored:
+            rank_zero_warn(
+                "--ckpt_path: a resumed run keeps the model options stored in the checkpoint; "
+                "these given ones are ignored: " + "; ".join(ignored)
+            )
+
+    def before_fit(self) -> None:
+        """Warns when checkpoints would not be saved atomically (see ``non_atomic_saves``)."""
+        for callback in self.trainer.checkpoint_callbacks:
+            directory = getattr(callback, "dirpath", None) or self.trainer.default_root_dir
+            problem = non_atomic_saves(directory)
+            if problem is not None:
+                rank_zero_warn(problem)
 
     def after_fit(self) -> None:
         if not self.trainer.is_global_zero:
@@ -80,6 +120,9 @@ def run(args: list[str] | None = None) -> TrollCLI:
     set_parsing_settings(docstring_parse_attribute_docstrings=True)
     # The frozen snapshots are in eval mode on purpose; Lightning warns about any such module.
     warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode")
+    # ModelCheckpoint warns that a manually optimised module's checkpoint holds the weights after
+    # the batch's optimiser steps: that is what resuming between rollouts needs.
+    warnings.filterwarnings("ignore", message=r"Using ModelCheckpoint with manual optimization")
     return TrollCLI(
         TrollModule,
         PromptDataModule,

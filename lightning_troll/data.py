@@ -23,6 +23,7 @@ from lightning_troll.prompts import (
     EpochShuffleSampler,
     PromptBatch,
     PromptItem,
+    ResumableLoader,
     check_count,
     check_file,
     collate_prompts,
@@ -307,6 +308,13 @@ class PromptDataModule(LightningDataModule):
                 f"data.template={self.template!r} cannot format {split} row {index} "
                 f"({type(exc).__name__}: {exc})"
             ) from exc
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:  # a lone surrogate, e.g. from a JSON "\ud800" escape
+            raise ValueError(
+                f"data.source: {split} row {index} of {self._describe(split)} is not valid Unicode "
+                f"text ({exc.reason} at position {exc.start} of {text[:60]!r}); fix or drop the row"
+            ) from exc
         if not self.chat_template:
             return text
         messages = [{"role": "user", "content": text}]
@@ -318,13 +326,16 @@ class PromptDataModule(LightningDataModule):
 
     # ------------------------------------------------------------------------- loaders
 
-    def train_dataloader(self) -> DataLoader:
+    def train_dataloader(self) -> ResumableLoader:
         """Batches of ``batch_size`` prompts per process, reshuffled each epoch; the last partial
         one dropped. With N processes, step k's N batches together are step k's batch of a
-        single-process run with ``N * batch_size`` prompts."""
+        single-process run with ``N * batch_size`` prompts.
+
+        Resumes mid-epoch from a checkpoint (see :class:`~lightning_troll.prompts.ResumableLoader`).
+        """
         if self.train_items is None:
             self.setup("fit")
-        return DataLoader(
+        return ResumableLoader(
             self.train_items,
             batch_size=self.batch_size,
             sampler=EpochShuffleSampler(
@@ -333,6 +344,8 @@ class PromptDataModule(LightningDataModule):
             drop_last=True,
             collate_fn=collate_prompts,
             num_workers=0,
+            generator=torch.Generator(),  # iterating must not draw from the global RNG
+            position=self._position,
         )
 
     def _process_share(self) -> dict[str, int]:
@@ -342,6 +355,11 @@ class PromptDataModule(LightningDataModule):
         if not kwargs:
             return {"rank": 0, "replicas": 1}
         return {"rank": kwargs["rank"], "replicas": kwargs["num_replicas"]}
+
+    def _position(self) -> tuple[int, int]:
+        """(epoch, rollouts finished in it) of the trainer fitting with this DataModule."""
+        loop = self.trainer.fit_loop
+        return self.trainer.current_epoch, loop.epoch_loop.batch_progress.current.processed
 
     def val_dataloader(self) -> DataLoader | list:
         """Validation batches in order; an empty list (no validation) when there are no rows."""
@@ -355,6 +373,7 @@ class PromptDataModule(LightningDataModule):
             shuffle=False,
             collate_fn=collate_prompts,
             num_workers=0,
+            generator=torch.Generator(),  # iterating must not draw from the global RNG
         )
 
     def state_dict(self) -> dict[str, Any]:

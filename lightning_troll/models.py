@@ -106,7 +106,8 @@ def load_policy(
 
     ``dtype`` is one of ``DTYPES`` (``"auto"`` keeps the checkpoint's dtype); weights stored in
     another dtype are cast. ``attn_implementation`` (``"eager"``, ``"sdpa"``, ...) is passed on
-    when given.
+    when given. A model without a generation config gets one built from its model config; one
+    that cannot ``generate`` is refused with ``ValueError``.
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {list(DTYPES)}; got {dtype!r}")
@@ -114,7 +115,20 @@ def load_policy(
     kwargs: dict = {"dtype": DTYPES[dtype], "trust_remote_code": trust_remote_code}
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
-    return AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    return _ready_to_sample(AutoModelForCausalLM.from_pretrained(path, **kwargs), path)
+
+
+def _ready_to_sample(model: PreTrainedModel, path: str) -> PreTrainedModel:
+    """Refuses a model that cannot ``generate``; one without a generation config gets the
+    defaults of its model config (pad, bos and eos ids; everything else the library's)."""
+    if not callable(getattr(model, "generate", None)):
+        raise ValueError(
+            f"name_or_path {path!r} loads as {type(model).__name__}, which has no generate(); "
+            "give a causal language model"
+        )
+    if getattr(model, "generation_config", None) is None:
+        model.generation_config = GenerationConfig.from_model_config(model.config)
+    return model
 
 
 def tiny_causal_lm(

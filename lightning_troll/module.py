@@ -21,10 +21,12 @@ import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.strategies import FSDPStrategy, Strategy
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from lightning_troll.advantages import compute_advantages, get_advantage_estimator
+from lightning_troll.checkpoints import check_compatible, restore_rng_states, rng_states
 from lightning_troll.models import load_policy, load_tokenizer
 from lightning_troll.objectives import (
     AGGREGATION_SIZES,
@@ -220,6 +222,7 @@ class TrollModule(LightningModule):
         self.last_stats: list[ObjectiveStats] = []
         self._shuffle = torch.Generator().manual_seed(seed)
         self._bad_steps = 0
+        self._rng_to_restore: dict[str, Any] | None = None
 
     # -- construction ----------------------------------------------------------------------------
     def _build_objective(self, name, trust_region, clip, loss) -> PolicyObjective:
@@ -465,13 +468,65 @@ class TrollModule(LightningModule):
 
     # -- checkpoints -----------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Adds the shuffle generator, the bad-step count and every rank's global RNG states.
+
+        Only one process writes the checkpoint (or its metadata, when sharded), so the states
+        of all of them are gathered first; every process runs this hook.
+        """
+        states = rng_states()
+        if self._trainer is not None and self.trainer.world_size > 1:
+            everyone: list[Any] = [None] * self.trainer.world_size
+            torch.distributed.all_gather_object(everyone, states)
+            by_rank = dict(enumerate(everyone))
+        else:
+            by_rank = {self.global_rank: states}
         checkpoint["lightning_troll"] = {
             "shuffle_rng": self._shuffle.get_state(),
             "bad_steps": self._bad_steps,
+            "rng": by_rank,
         }
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        state = checkpoint.get("lightning_troll")
-        if state is not None:
+        """Checks the checkpoint fits this model, then restores what ``on_save_checkpoint`` added.
+
+        The global RNG states are set in ``on_train_start``, after Lightning has built the
+        dataloaders, so a resumed run draws the numbers the interrupted one would have drawn.
+        """
+        if "state_dict" in checkpoint:  # sharded strategies load the weights elsewhere
+            check_compatible(
+                self.state_dict(), checkpoint["state_dict"], f"model {self.hparams.model!r}"
+            )
+        self._warn_changed_options(checkpoint.get("hyper_parameters", {}))
+        state = checkpoint.get("lightning_troll", {})
+        if "shuffle_rng" in state:
             self._shuffle.set_state(state["shuffle_rng"])
             self._bad_steps = state["bad_steps"]
+        saved = state.get("rng", {})
+        self._rng_to_restore = saved.get(self.global_rank)
+        ranks = self.trainer.world_size if self._trainer is not None else 1
+        missing = [rank for rank in range(ranks) if rank not in saved]
+        if missing:
+            rank_zero_warn(
+                f"the checkpoint holds no random state for global ranks {missing} (it was written "
+                "by fewer processes): they sample other completions than the interrupted run "
+                "would have"
+            )
+
+    def on_train_start(self) -> None:
+        """Restores the global RNG states of a checkpoint being resumed."""
+        if self._rng_to_restore is not None:
+            restore_rng_states(self._rng_to_restore)
+            self._rng_to_restore = None
+
+    def _warn_changed_options(self, saved: dict[str, Any]) -> None:
+        changed = [
+            f"model.{k}: {saved[k]!r} -> {v!r}"
+            for k, v in self.hparams.items()
+            if k in saved and saved[k] != v
+        ]
+        if changed:
+            rank_zero_warn(
+                "resuming with other options than the checkpoint was written with (weights, "
+                "snapshot and optimiser carry over; the new options apply from here on): "
+                + "; ".join(changed)
+            )

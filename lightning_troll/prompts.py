@@ -10,19 +10,20 @@ from __future__ import annotations
 import hashlib
 import json
 import string
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-from torch.utils.data import DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler
 
 __all__ = [
     "FILE_SUFFIXES",
     "EpochShuffleSampler",
     "PromptBatch",
     "PromptItem",
+    "ResumableLoader",
     "collate_prompts",
     "read_rows",
     "write_jsonl",
@@ -118,6 +119,53 @@ class EpochShuffleSampler(DistributedSampler):
             self.batches, self.num_replicas, width
         )[:, self.rank]  # (batches, batch_size)
         return iter(mine.flatten().tolist())
+
+
+class ResumableLoader(DataLoader):
+    """A DataLoader that resumes mid-epoch where a checkpoint left it.
+
+    Lightning keeps the ``state_dict`` of a loader that has one in the fit loop's part of a
+    checkpoint and hands it back through ``load_state_dict`` before training resumes; it then
+    iterates the loader from the start of the interrupted epoch. The state is the epoch and the
+    batches already trained on in it, read from ``position`` (the trainer's own counts: the loader
+    cannot count them itself, Lightning fetches a batch ahead). The first pass over that epoch
+    after ``load_state_dict`` skips those batches, so the resumed run sees the batches the
+    interrupted one would have seen next. Batches are skipped after sampling (and sharding under
+    DDP), so this holds for any sampler.
+
+    Args:
+        position: returns (epoch, batches finished in it); None: the loader never resumes.
+        *args, **kwargs: those of :class:`~torch.utils.data.DataLoader`.
+    """
+
+    def __init__(
+        self, *args: Any, position: Callable[[], tuple[int, int]] | None = None, **kwargs: Any
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.position = position
+        self._resume_at: tuple[int, int] | None = None
+
+    def state_dict(self) -> dict[str, int]:
+        """The epoch and the batches finished in it (zeros without ``position``)."""
+        epoch, batches = self.position() if self.position is not None else (0, 0)
+        return {"epoch": epoch, "batches": batches}
+
+    def load_state_dict(self, state_dict: Mapping[str, int]) -> None:
+        """Makes the next pass over ``state_dict["epoch"]`` skip its finished batches."""
+        self._resume_at = (int(state_dict["epoch"]), int(state_dict["batches"]))
+
+    def __iter__(self) -> Iterator[Any]:
+        return self._batches()
+
+    def _batches(self) -> Iterator[Any]:
+        # A generator: runs on the first next(), after Lightning has called set_epoch.
+        iterator = super().__iter__()
+        resume, self._resume_at = self._resume_at, None
+        epoch = getattr(self.sampler, "epoch", 0)
+        if resume is not None and resume[0] == epoch and 0 < resume[1] < len(self):
+            for _ in range(resume[1]):
+                next(iterator)
+        yield from iterator
 
 
 def write_jsonl(path: str | Path, rows: Iterable[Mapping[str, Any]]) -> Path:

@@ -246,7 +246,10 @@ def _score(
         return 0.0, f"raised {type(exc).__name__}: {exc}", exc
     number = _as_float(value)
     if number is None:
-        problem = f"returned {_short(repr(value))} ({type(value).__name__}); a reward must be a finite number or bool"
+        problem = (
+            f"returned {_short(repr(value))} ({type(value).__name__}); a reward must be a number "
+            "(or bool) finite in float32"
+        )
         return 0.0, problem, None
     return number, None, None
 
@@ -265,13 +268,20 @@ def _short(text: str, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
 def _as_float(value: Any) -> float | None:
-    """A finite float from a bool, real number or one-element tensor; None for anything else."""
+    """A float from a bool, real number or one-element tensor, finite in float32 (rewards are
+    kept in float32); None for anything else."""
     if isinstance(value, Tensor) and value.numel() == 1:
         value = value.item()
     if isinstance(value, numbers.Real):  # bool is an int: True -> 1.0
-        value = float(value)
-        return value if math.isfinite(value) else None
+        try:
+            value = float(value)
+        except OverflowError:  # an int beyond any float
+            return None
+        return value if abs(value) <= _FLOAT32_MAX else None  # NaN fails this too
     return None
 
 

@@ -187,19 +187,34 @@ def sample(
         )
     else:
         options.update(temperature=None, top_p=None, top_k=None)
-    out = model.generate(
-        input_ids=prompts,
-        attention_mask=prompt_mask,
-        pad_token_id=pad_id,
-        eos_token_id=eos_id,
-        use_cache=True,
-        **options,
-    )  # (B, S + T')
+    try:
+        out = model.generate(
+            input_ids=prompts,
+            attention_mask=prompt_mask,
+            pad_token_id=pad_id,
+            eos_token_id=eos_id,
+            use_cache=True,
+            **options,
+        )  # (B, S + T')
+    except RuntimeError as error:  # NaN weights surface as torch.multinomial's complaint
+        _raise_if_not_finite(model, error)
+        raise
     responses = out[:, prompts.shape[1] :]  # (B, T')
     response_mask, truncated = response_mask_of(responses, eos_id)
     responses = responses.masked_fill(~response_mask, pad_id)
     attention_mask = torch.cat([prompt_mask, response_mask.long()], dim=-1)
     return torch.cat([prompts, responses], dim=-1), attention_mask, response_mask, truncated
+
+
+def _raise_if_not_finite(model: nn.Module, error: RuntimeError) -> None:
+    """Raises ``FloatingPointError`` naming the first non-finite weight of ``model``, if any."""
+    for name, weight in model.named_parameters():
+        if not bool(weight.isfinite().all()):
+            raise FloatingPointError(
+                f"sampling failed ({str(error).splitlines()[0]}): the sampling model's weight "
+                f"{name!r} holds NaN or inf at {int((~weight.isfinite()).sum())} entries; the "
+                "snapshot's weights are not finite, so no rollout is sampled from them"
+            ) from error
 
 
 def response_logits(

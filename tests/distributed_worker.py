@@ -6,7 +6,8 @@ the prompt and the sample's index in its group, so a run's global batch does not
 many processes share it; everything after sampling (rewards, advantages, the cached old
 distributions, the loss, gradients, optimiser, refresh, monitors) is the real code.
 
-Rank 0 writes ``OUT/metrics.json`` (the logged value of every metric at every step),
+``--real-sampling`` keeps the real sampler instead (for resume tests, where every process's
+random state matters). Rank 0 writes ``OUT/metrics.json`` (the logged value of every metric at every step),
 ``OUT/weights.pt`` (the policy's and the snapshot's full weights after the run, and greedy
 completions of a few prompts), ``OUT/gathers.json`` (FSDP2 runs: all-gathers while sampling)
 and, if asked,
@@ -68,6 +69,7 @@ def full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 def build(args, out: Path):
     """The module, data and trainer of one run."""
     from lightning.pytorch import Callback, Trainer
+    from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.loggers import CSVLogger
     from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
@@ -125,6 +127,9 @@ def build(args, out: Path):
     callbacks += [TrustRegionMonitor(histogram_every_n_rollouts=1000), SparsityCoverageMonitor()]
     if args.ckpt_path:
         callbacks.append(DumpLoaded())
+    if args.checkpoint_every:
+        every = args.checkpoint_every * STEPS_PER_ROLLOUT
+        callbacks.append(ModelCheckpoint(out / "ckpts", every_n_train_steps=every, save_top_k=-1))
     trainer = Trainer(
         accelerator="cpu",
         devices=processes,
@@ -134,7 +139,7 @@ def build(args, out: Path):
         logger=CSVLogger(out, name="csv", version=0),
         log_every_n_steps=1,
         callbacks=callbacks,
-        enable_checkpointing=False,
+        enable_checkpointing=bool(args.checkpoint_every),
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
@@ -208,13 +213,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--micro-batch-size", type=int, default=None)
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--gradient-checkpointing", action="store_true")
+    parser.add_argument("--real-sampling", action="store_true", help="sample with generate")
+    parser.add_argument("--checkpoint-every", type=int, default=0, help="rollouts, 0: never")
     parser.add_argument("--save", type=Path, default=None, help="checkpoint written at the end")
     parser.add_argument("--ckpt-path", type=Path, default=None, help="checkpoint to resume")
     args = parser.parse_args(argv)
 
     import lightning_troll.callbacks.rollout as rollout_callback
 
-    rollout_callback.sample = scripted_sample
+    if not args.real_sampling:
+        rollout_callback.sample = scripted_sample
     torch.manual_seed(0)
     args.out.mkdir(parents=True, exist_ok=True)
     module, data, trainer = build(args, args.out)

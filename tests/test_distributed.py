@@ -152,6 +152,25 @@ def test_fsdp2_sharded_checkpoint_loads_back(fsdp2, tmp_path):
     assert set(metrics(resumed)["loss/total"]) == {"2"}  # only the third rollout ran
 
 
+@pytest.mark.slow  # starts two pairs of Python processes
+def test_fsdp2_resumes_exactly(tmp_path):
+    """Real sampling on 2 processes, 3 rollouts, a sharded checkpoint after the second; a new
+    pair of processes resumed from it samples, logs and ends exactly like the uninterrupted run
+    (weights, data position, optimiser and both processes' random states came back)."""
+    options = ["--strategy", "fsdp2", "--real-sampling", "--rollouts", "3", "--estimator", "grpo"]
+    whole = launch(tmp_path / "whole", *options, "--checkpoint-every", "2")
+    ckpt = whole / "ckpts" / "epoch=0-step=4.ckpt"
+    assert ckpt.is_dir()
+    resumed = launch(tmp_path / "resumed", *options, "--ckpt-path", str(ckpt))
+    ref, got = metrics(whole), metrics(resumed)
+    assert set(got["loss/total"]) == {"2"}
+    for name in COMPARED:
+        assert got[name]["2"] == pytest.approx(ref[name]["2"], rel=1e-6, abs=1e-7), name
+    for part in ("policy", "old_policy"):
+        for name, value in weights(whole)[part].items():
+            assert torch.equal(weights(resumed)[part][name], value), (part, name)
+
+
 def test_a_model_without_decoder_layers_is_refused():
     from torch import nn
 

@@ -1,0 +1,252 @@
+"""Bad checkpoints, models, tokenizers and weights: each a clear error before training."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from lightning_troll.checkpoints import CheckpointError, check_checkpoint_file, check_compatible
+from lightning_troll.cli import run as cli_run
+from lightning_troll.models import load_policy, load_tokenizer, tiny_causal_lm
+from lightning_troll.module import LossConfig
+from lightning_troll.objectives import ClipObjective, TrollObjective
+from lightning_troll.rollout import SamplingConfig, sample
+from lightning_troll.tinymath import build_tokenizer
+from tests.test_training import make_data, make_module, make_trainer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def fit_args(workdir: Path, model_dir: Path, max_steps: int, *extra: str) -> list[str]:
+    """A CLI fit of a tiny model saving ``workdir/ckpt/last.ckpt`` at every rollout."""
+    config = {
+        "trainer": {
+            "max_steps": max_steps,
+            "default_root_dir": str(workdir),  # where config.yaml goes without a logger
+            "enable_progress_bar": False,
+            "limit_val_batches": 0,
+            "logger": False,
+            "callbacks": [
+                {
+                    "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                    "init_args": {"dirpath": str(workdir / "ckpt"), "save_last": True},
+                }
+            ],
+        },
+        "model": {"model": str(model_dir), "group_size": 2, "sampling": {"max_new_tokens": 2}},
+        "data": {"batch_size": 2, "num_train": 8, "num_val": 0},
+    }
+    path = workdir / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return ["fit", "--config", str(ROOT / "configs" / "tinymath.yaml"), "--config", str(path)] + [
+        *extra
+    ]
+
+
+def digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, tiny_model_dir) -> Path:
+    """A TROLL run's checkpoint after one rollout."""
+    workdir = tmp_path_factory.mktemp("written")
+    cli_run(fit_args(workdir, tiny_model_dir, 1))
+    return workdir / "ckpt" / "last.ckpt"
+
+
+def other_model(path: Path, **sizes) -> Path:
+    tokenizer = build_tokenizer()
+    options = {"vocab_size": len(tokenizer), "pad_token_id": 0, "eos_token_id": 2, **sizes}
+    tiny_causal_lm(**options).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+# -- checkpoints ---------------------------------------------------------------------------------
+def corrupt(data: bytes, how: str) -> bytes:
+    if how == "truncated":  # a save cut off half-way
+        return data[: len(data) // 2]
+    if how == "garbage":
+        return torch.randint(0, 256, (len(data),), generator=torch.Generator().manual_seed(0))
+    if how == "flipped":  # bytes overwritten inside a stored tensor
+        middle = len(data) // 2
+        return (
+            data[:middle]
+            + bytes(b ^ 0xFF for b in data[middle : middle + 64])
+            + data[middle + 64 :]
+        )
+    raise AssertionError(how)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["truncated", "garbage", "flipped", "missing"])
+def test_an_unreadable_checkpoint_is_refused_naming_its_path(how, checkpoint, tmp_path):
+    bad = tmp_path / "bad.ckpt"
+    if how != "missing":
+        data = corrupt(checkpoint.read_bytes(), how)
+        bad.write_bytes(bytes(data.tolist()) if isinstance(data, torch.Tensor) else data)
+    message = "no such file" if how == "missing" else "(not a readable checkpoint|is corrupt)"
+    with pytest.raises(CheckpointError, match=rf"--ckpt_path '{bad}'.*{message}"):
+        check_checkpoint_file(bad)
+    check_checkpoint_file(checkpoint)  # the original passes
+
+
+@pytest.mark.slow
+def test_the_cli_refuses_an_unreadable_checkpoint_before_training(
+    checkpoint, tmp_path, tiny_model_dir
+):
+    bad = tmp_path / "bad.ckpt"
+    bad.write_bytes(corrupt(checkpoint.read_bytes(), "truncated"))
+    before = digest(bad)
+    with pytest.raises(CheckpointError, match=rf"--ckpt_path '{bad}' is not a readable checkpoint"):
+        cli_run(fit_args(tmp_path, tiny_model_dir, 2, "--ckpt_path", str(bad)))
+    assert not (tmp_path / "ckpt").exists(), "nothing trained, nothing saved"
+    assert digest(bad) == before
+
+
+def resume(tmp_path: Path, module, checkpoint: Path):
+    trainer = make_trainer(tmp_path, 2, limit_val_batches=0)
+    trainer.fit(module, datamodule=make_data(module.hparams.model), ckpt_path=checkpoint)
+    return trainer
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"vocab_size": 22}, r"policy.model.embed_tokens.weight has shape \(17, 32\) in the "
+         r"checkpoint but \(22, 32\)"),
+        ({"hidden_size": 16}, r"policy.model.embed_tokens.weight has shape \(17, 32\) in the "
+         r"checkpoint but \(17, 16\)"),
+        ({"num_layers": 3}, r"18 tensors are missing from it \(first: policy.model.layers.2"),
+    ],
+)  # fmt: skip
+def test_a_checkpoint_of_another_model_is_refused_naming_the_tensor(
+    change, message, checkpoint, tmp_path
+):
+    module = make_module(other_model(tmp_path / "other", **change))
+    before = digest(checkpoint)
+    with pytest.raises(CheckpointError, match=message):
+        resume(tmp_path, module, checkpoint)
+    assert digest(checkpoint) == before
+    assert not list(tmp_path.rglob("*.ckpt")), "no checkpoint written"
+
+
+@pytest.mark.slow
+def test_a_reference_policy_the_checkpoint_lacks_is_refused(checkpoint, tmp_path, tiny_model_dir):
+    module = make_module(tiny_model_dir, loss=LossConfig(ref_kl_coef=0.1))
+    with pytest.raises(
+        CheckpointError, match=r"missing from it \(first: ref_policy\..*ref_kl_coef"
+    ):
+        resume(tmp_path, module, checkpoint)
+
+
+@pytest.mark.slow
+def test_a_troll_checkpoint_resumes_as_clip_with_a_warning(checkpoint, tmp_path, tiny_model_dir):
+    """Both objectives train the same weights from the same snapshot: switching is allowed."""
+    module = make_module(tiny_model_dir, objective="clip")
+    with pytest.warns(UserWarning, match=r"model.objective: 'troll' -> 'clip'"):
+        trainer = resume(tmp_path, module, checkpoint)
+    assert trainer.global_step == 2 and isinstance(module.objective, ClipObjective)
+    assert "clip/approx_kl" in trainer.callback_metrics
+
+
+@pytest.mark.slow
+def test_the_cli_resumes_with_the_checkpoints_options_and_says_so(
+    checkpoint, tmp_path, monkeypatch
+):
+    """LightningCLI replaces the model options by those stored in the checkpoint. Also: the CLI
+    warns when checkpoints are on another file system than the temporary directory."""
+    from lightning_troll import checkpoints
+
+    ckpt = tmp_path / "ckpt"
+    monkeypatch.setattr(
+        checkpoints, "_device", lambda path: 2 if ckpt in (path, *path.parents) else 1
+    )
+    args = fit_args(tmp_path, Path("elsewhere"), 2, "--ckpt_path", str(checkpoint))
+    ignored = r"ignored: model.model='elsewhere' \(checkpoint: .*model.objective='clip' \(checkpoint: 'troll'\)"
+    with pytest.warns(UserWarning, match=ignored), pytest.warns(UserWarning, match=r"copied into"):
+        cli = cli_run(args + ["--model.objective", "clip"])
+    assert cli.trainer.global_step == 2 and isinstance(cli.model.objective, TrollObjective)
+
+
+def test_check_compatible_accepts_the_same_model():
+    state = {"a": torch.zeros(2, 3), "b": torch.zeros(4)}
+    check_compatible(state, {k: v.clone() for k, v in state.items()})
+    with pytest.raises(CheckpointError, match=r"it has 1 tensors the model lacks \(first: c\)"):
+        check_compatible(state, {**state, "c": torch.zeros(1)})
+
+
+# -- tokenizers, models and weights --------------------------------------------------------------
+def saved_tokenizer(path: Path, pad: bool, eos: bool) -> Path:
+    tokenizer = build_tokenizer()
+    if not pad:
+        tokenizer.pad_token = None
+    if not eos:
+        tokenizer.eos_token = None
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def test_a_tokenizer_without_pad_token_pads_with_eos(tmp_path):
+    path = saved_tokenizer(tmp_path, pad=False, eos=True)
+    with pytest.warns(UserWarning, match=r"has no pad token; using its eos token '<eos>' \(id 2\)"):
+        tokenizer = load_tokenizer(path)
+    assert tokenizer.pad_token_id == tokenizer.eos_token_id == 2
+
+
+def test_a_tokenizer_without_pad_and_eos_tokens_is_refused(tmp_path):
+    path = saved_tokenizer(tmp_path, pad=False, eos=False)
+    with pytest.raises(ValueError, match=r"has neither a pad token nor an eos token"):
+        load_tokenizer(path)
+
+
+def test_a_policy_without_generation_config_samples_with_defaults(tmp_path, tiny_model_dir):
+    shutil.copytree(tiny_model_dir, tmp_path, dirs_exist_ok=True)
+    (tmp_path / "generation_config.json").unlink()
+    policy = load_policy(tmp_path)
+    assert policy.generation_config.eos_token_id == 2
+    policy.generation_config = None  # a model class that sets none
+    from lightning_troll import models
+
+    policy = models._ready_to_sample(policy, str(tmp_path))
+    torch.manual_seed(0)
+    ids, _, response_mask, _ = sample(policy, [[1, 5], [1, 6, 7]], 2, SamplingConfig(), 0, 2)
+    assert ids.shape[0] == 4 and response_mask.shape[1] <= SamplingConfig().max_new_tokens
+    with pytest.raises(ValueError, match=r"loads as Linear, which has no generate\(\)"):
+        models._ready_to_sample(torch.nn.Linear(2, 2), "x")
+
+
+def test_nan_weights_stop_sampling_with_a_floating_point_error(tiny_model_dir):
+    module = make_module(tiny_model_dir)
+    with torch.no_grad():
+        module.old_policy.model.norm.weight[0] = float("nan")
+    with pytest.raises(
+        FloatingPointError, match=r"weight 'model.norm.weight' holds NaN or inf at 1"
+    ):
+        sample(module.old_policy, [[1, 5, 6]], 2, module.sampling, module.pad_id, module.eos_id)
+
+
+def test_the_global_random_states_come_back_per_rank(tiny_model_dir):
+    import random
+
+    import numpy as np
+
+    module = make_module(tiny_model_dir)
+    checkpoint = {"state_dict": module.state_dict()}
+    module.on_save_checkpoint(checkpoint)
+    assert list(checkpoint["lightning_troll"]["rng"]) == [0]  # keyed by global rank
+    expected = (torch.rand(3), random.random(), np.random.rand())
+    module.on_load_checkpoint(checkpoint)
+    module.on_train_start()  # where a resumed fit sets them
+    assert torch.equal(torch.rand(3), expected[0])
+    assert (random.random(), np.random.rand()) == expected[1:]
+    checkpoint["lightning_troll"]["rng"] = {1: checkpoint["lightning_troll"]["rng"][0]}
+    with pytest.warns(UserWarning, match=r"no random state for global ranks \[0\]"):
+        module.on_load_checkpoint(checkpoint)

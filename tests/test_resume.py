@@ -1,0 +1,171 @@
+"""Exact resume: a run stopped after step 3 and resumed logs what an uninterrupted run logs."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch import Callback
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+
+from lightning_troll.callbacks import OldPolicyRefresh, RolloutGeneration, TrustRegionMonitor
+from lightning_troll.module import OptimizationConfig
+from tests.test_training import make_data, make_module, make_trainer
+
+pytestmark = pytest.mark.slow  # whole fits: seconds each
+
+COMPARED = (
+    "loss/total",
+    "loss/policy",
+    "loss/regression",
+    "entropy",
+    "grad_norm",
+    "reward/mean",
+    "reward/std",
+    "completion/mean_length",
+    "trust_region/kl_before_mean",
+    "trust_region/kl_before_max",
+    "trust_region/kl_after_mean",
+    "trust_region/kl_after_max",
+    "trust_region/eta_mean",
+)
+
+
+def logged(log_dir: Path) -> dict[int, dict[str, float]]:
+    """The CSVLogger's rows, merged per step: {step: {metric: value}}."""
+    steps: dict[int, dict[str, float]] = {}
+    with (log_dir / "metrics.csv").open() as file:
+        for row in csv.DictReader(file):
+            values = {k: float(v) for k, v in row.items() if v != "" and k != "step"}
+            steps.setdefault(int(row["step"]), {}).update(values)
+    return steps
+
+
+def train(tmp_path: Path, model_dir: Path, name: str, max_steps: int, ckpt_path=None, **options):
+    """A fit with the project's callbacks, a CSV log and a checkpoint after every rollout."""
+    torch.manual_seed(0)  # as seed_everything would; the resumed run must not depend on it
+    every_n_rollouts = options.pop("every_n_rollouts", 1)
+    steps_per_rollout = options.pop("steps_per_rollout", 1)
+    num_train = options.pop("num_train", 16)
+    module = make_module(model_dir, **options)
+    logger = CSVLogger(tmp_path, name=name, version=0)
+    checkpoints = ModelCheckpoint(
+        dirpath=tmp_path / name / "ckpt",
+        filename="{step}",
+        every_n_train_steps=steps_per_rollout,
+        save_top_k=-1,
+    )
+    callbacks = [
+        RolloutGeneration(log_samples=0),
+        OldPolicyRefresh(every_n_rollouts=every_n_rollouts),
+        TrustRegionMonitor(histogram_every_n_rollouts=0),
+        checkpoints,
+    ]
+    trainer = make_trainer(
+        tmp_path, max_steps, callbacks=callbacks, logger=logger, enable_checkpointing=True,
+        limit_val_batches=0,
+    )  # fmt: skip
+    trainer.fit(module, datamodule=make_data(model_dir, num_train=num_train), ckpt_path=ckpt_path)
+    return trainer, module, logged(Path(logger.log_dir))
+
+
+def weights(module) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in module.state_dict().values()])
+
+
+def assert_same_steps(expected: dict, got: dict, steps: range) -> None:
+    for step in steps:
+        for name in COMPARED:
+            if name in expected[step]:
+                assert got[step][name] == pytest.approx(expected[step][name], rel=0, abs=1e-6), (
+                    step,
+                    name,
+                )
+
+
+@pytest.mark.parametrize(
+    ("case", "options"),
+    [
+        # 16 prompts / 4 per rollout: 4 rollouts an epoch, step 3 stops mid-epoch
+        ("mid_epoch", {}),
+        # 12 prompts: 3 rollouts an epoch, step 3 ends epoch 0; the snapshot, refreshed every
+        # 2 rollouts, lags behind the policy there
+        ("epoch_end_lagging_snapshot", {"num_train": 12, "every_n_rollouts": 2}),
+        # 2 optimiser steps per rollout (global_step counts them): stop after rollout 3 of 6
+        (
+            "minibatches",
+            {"steps_per_rollout": 2, "optimization": OptimizationConfig(minibatch_size=8)},
+        ),
+    ],
+)
+def test_resume_continues_like_an_uninterrupted_run(case, options, tmp_path, tiny_model_dir):
+    per = options.get("steps_per_rollout", 1)
+    total, stop = 6 * per, 3 * per
+    uninterrupted, whole, expected = train(
+        tmp_path, tiny_model_dir, "whole", total, **dict(options)
+    )
+    if case == "mid_epoch":  # a run that stopped at max_steps=3, as a user would resume it
+        train(tmp_path, tiny_model_dir, "first", stop, **dict(options))
+        ckpt = tmp_path / "first" / "ckpt" / f"step={stop}.ckpt"
+    else:  # the uninterrupted run's own checkpoint after rollout 3, as after a crash
+        ckpt = tmp_path / "whole" / "ckpt" / f"step={stop}.ckpt"
+    trainer, resumed, got = train(
+        tmp_path, tiny_model_dir, "resumed", total, ckpt_path=ckpt, **dict(options)
+    )
+    assert trainer.global_step == total
+    # the logger's step counts rollouts (Lightning's batches), global_step optimiser steps
+    assert sorted(expected) == list(range(6))
+    assert sorted(got) == [3, 4, 5], "the resumed run logs from the rollout after the checkpoint"
+    assert_same_steps(expected, got, range(3, 6))
+    torch.testing.assert_close(weights(resumed), weights(whole), rtol=0, atol=0)
+    for kind in (RolloutGeneration, OldPolicyRefresh, TrustRegionMonitor):
+        states = [
+            next(c for c in t.callbacks if isinstance(c, kind)).state_dict()
+            for t in (uninterrupted, trainer)
+        ]
+        assert states[0] == states[1], kind.__name__  # counters and reward history carried over
+
+
+class SaveInsideRollout(Callback):
+    """Writes a checkpoint before the ``at``-th optimiser step, inside a rollout."""
+
+    def __init__(self, path: Path, at: int) -> None:
+        self.path, self.at, self.steps = path, at, 0
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.steps += 1
+        if self.steps == self.at:
+            trainer.save_checkpoint(self.path)
+
+
+class Prompts(Callback):
+    def __init__(self) -> None:
+        self.seen: list[list[str]] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.seen.append(list(batch.prompts))
+
+
+def test_a_checkpoint_inside_a_rollout_resamples_that_rollout(tmp_path, tiny_model_dir):
+    """Two optimiser steps per rollout; saved before step 4 (rollout 2's second): the resumed run
+    starts with rollout 2's prompts again, from the weights after step 3, and carries on."""
+    options = {"optimization": OptimizationConfig(minibatch_size=8)}
+    path, original = tmp_path / "inside.ckpt", Prompts()
+    callbacks = [RolloutGeneration(), SaveInsideRollout(path, at=4), original]
+    trainer = make_trainer(tmp_path, 6, callbacks=callbacks, limit_val_batches=0)
+    torch.manual_seed(0)
+    trainer.fit(make_module(tiny_model_dir, **options), datamodule=make_data(tiny_model_dir))
+    assert torch.load(path, map_location="cpu", weights_only=True)["global_step"] == 3
+    resumed = Prompts()
+    trainer = make_trainer(
+        tmp_path, 6, callbacks=[RolloutGeneration(), resumed], limit_val_batches=0
+    )
+    module = make_module(tiny_model_dir, **options)
+    trainer.fit(module, datamodule=make_data(tiny_model_dir), ckpt_path=path)
+    assert resumed.seen[0] == original.seen[1]
+    assert resumed.seen[1] == original.seen[2]
+    assert trainer.global_step == 7  # 3 saved + 2 rollouts; the stop comes at a rollout's end
+    assert all(torch.isfinite(p).all() for p in module.policy.parameters())
