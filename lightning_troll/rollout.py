@@ -10,11 +10,13 @@ T response length (right padded), V vocabulary, N = response tokens (``response_
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, fields, replace
 
 import torch
 from torch import Tensor, nn
+from transformers import GenerationConfig
 
 from lightning_troll.projection import SparseDistribution
 
@@ -188,14 +190,15 @@ def sample(
     else:
         options.update(temperature=None, top_p=None, top_k=None)
     try:
-        out = model.generate(
-            input_ids=prompts,
-            attention_mask=prompt_mask,
-            pad_token_id=pad_id,
-            eos_token_id=eos_id,
-            use_cache=True,
-            **options,
-        )  # (B, S + T')
+        with _plain_generation_config(model):
+            out = model.generate(
+                input_ids=prompts,
+                attention_mask=prompt_mask,
+                pad_token_id=pad_id,
+                eos_token_id=eos_id,
+                use_cache=True,
+                **options,
+            )  # (B, S + T')
     except RuntimeError as error:  # NaN weights surface as torch.multinomial's complaint
         _raise_if_not_finite(model, error)
         raise
@@ -204,6 +207,23 @@ def sample(
     responses = responses.masked_fill(~response_mask, pad_id)
     attention_mask = torch.cat([prompt_mask, response_mask.long()], dim=-1)
     return torch.cat([prompts, responses], dim=-1), attention_mask, response_mask, truncated
+
+
+@contextmanager
+def _plain_generation_config(model: nn.Module) -> Iterator[None]:
+    """Generation with the model's own ``generation_config`` set aside.
+
+    A hub model's config may carry a repetition penalty, banned n-grams, suppressed tokens or a
+    minimum length; ``generate`` would apply them even over explicit arguments, and the
+    completions would then come from another distribution than the one whose log-probs the
+    rollout caches and the loss uses. Only :class:`SamplingConfig` shapes the distribution.
+    """
+    saved = getattr(model, "generation_config", None)
+    model.generation_config = GenerationConfig()
+    try:
+        yield
+    finally:
+        model.generation_config = saved
 
 
 def _raise_if_not_finite(model: nn.Module, error: RuntimeError) -> None:

@@ -223,6 +223,24 @@ def test_a_policy_without_generation_config_samples_with_defaults(tmp_path, tiny
         models._ready_to_sample(torch.nn.Linear(2, 2), "x")
 
 
+def test_the_models_own_generation_settings_do_not_change_sampling(tiny_model_dir):
+    """A hub model's generation_config (repetition penalty, banned n-grams, a minimum length)
+    would change the distribution completions come from, away from the one the rollout caches
+    and the loss uses: sampling sets it aside, and leaves it in place afterwards."""
+    policy = load_policy(tiny_model_dir)
+    prompts, options = [[1, 5, 6], [1, 7]], SamplingConfig(max_new_tokens=6)
+    plain = sample(policy, prompts, 1, options, 0, 2, do_sample=False)[0]
+    own = policy.generation_config
+    own.repetition_penalty, own.no_repeat_ngram_size, own.min_new_tokens = 50.0, 1, 6
+    width = max(len(p) for p in prompts)
+    ids, mask = plain[:, :width], (plain[:, :width] != 0).long()
+    shaped = policy.generate(input_ids=ids, attention_mask=mask, do_sample=False,
+                             max_new_tokens=6, pad_token_id=0, eos_token_id=2)  # fmt: skip
+    assert not torch.equal(shaped[:, width:], plain[:, width:])  # the settings bite
+    assert torch.equal(sample(policy, prompts, 1, options, 0, 2, do_sample=False)[0], plain)
+    assert policy.generation_config is own and own.repetition_penalty == 50.0
+
+
 def test_nan_weights_stop_sampling_with_a_floating_point_error(tiny_model_dir):
     module = make_module(tiny_model_dir)
     with torch.no_grad():
