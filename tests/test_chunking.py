@@ -287,3 +287,51 @@ def test_training_in_chunks_equals_training_on_full_logits(tmp_path, tiny_model_
     for s, c in zip(stats, c_stats, strict=True):
         torch.testing.assert_close(c.loss, s.loss, rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(weights, full_weights, rtol=0, atol=1e-6)
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")
+def test_chunks_under_fsdp2_equal_the_unsharded_full_logits(tmp_path):
+    """FSDP2 (``fully_shard`` on each decoder layer and the root, one CPU process over gloo):
+    the root's forward gathers the output layer, whose chunks then give the loss and gradients
+    of the unsharded model's full logits; the chunked behaviour outputs match as well."""
+    import copy
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    policy, behaviour = llama(seed=0).train(), llama(seed=1)
+    ids, attention, response = batch()
+    old_logprobs, old = behaviour_outputs(behaviour, ids, attention, response, 1.0, sparse_old)
+    advantages = torch.randn(len(PROMPT_LENGTHS), generator=torch.Generator().manual_seed(1))
+    targets = (ids[:, S:], response, advantages.double(), old_logprobs, old)
+    objective = build_objective("troll", eps=0.0042, max_tokens=5, mass_delta=1e-3)
+    loss, _ = objective(response_logits(policy, ids, attention, T, 1.0), *targets)
+    loss.backward()
+    full_logp, full = behaviour_outputs(policy, ids, attention, response, 1.0, sparse_old)
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        sharded = copy.deepcopy(policy)
+        sharded.zero_grad(set_to_none=True)
+        mesh = init_device_mesh("cpu", (1,))
+        for layer in sharded.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(sharded, mesh=mesh)
+        logp, chunked = behaviour_outputs(sharded, ids, attention, response, 1.0, sparse_old, 4)
+        hidden = response_hidden(sharded, ids, attention, T)
+        c_loss, _ = objective.forward_hidden(
+            hidden, linear_head(sharded), 1.0, *targets, chunk_size=4
+        )
+        c_loss.backward()
+        grads = {name: p.grad.full_tensor() for name, p in sharded.named_parameters()}
+    finally:
+        dist.destroy_process_group()
+    torch.testing.assert_close(logp, full_logp, rtol=0, atol=1e-6)
+    assert torch.equal(chunked.indices, full.indices)
+    torch.testing.assert_close(c_loss.detach(), loss.detach(), rtol=1e-10, atol=0)
+    for name, p in policy.named_parameters():
+        assert p.grad.abs().max() > 0
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-9, atol=1e-12)
