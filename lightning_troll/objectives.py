@@ -326,6 +326,11 @@ class PolicyObjective(nn.Module):
         check_chunk_size(chunk_size, "chunk_size")
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0; got {temperature!r}")
+        n = int(mask.sum())
+        if old is not None and old.num_rows != n:
+            raise ValueError(
+                f"old must have one row per response token, N = {n}; got {old.num_rows} rows"
+            )
         row_terms = partial(self._hidden_terms, head=head, temperature=temperature)
         parts = map_row_chunks(row_terms, hidden[mask], chunk_size, tokens[mask], old)
         return self._aggregate(_TokenTerms.cat(parts), mask, advantages, old_logprobs, ref_logprobs)
@@ -422,11 +427,11 @@ class PolicyObjective(nn.Module):
 
     # -----------------------------------------------------------------------------------------
     def _check_inputs(
-        self, name, values, tokens, mask, advantages, old_logprobs, ref_logprobs
+        self, what, values, tokens, mask, advantages, old_logprobs, ref_logprobs
     ) -> None:
         if values.dim() != 3:
-            last = "V" if name == "logits" else "H"
-            raise ValueError(f"{name} must be (B, T, {last}); got shape {tuple(values.shape)}")
+            last = "V" if what == "logits" else "H"
+            raise ValueError(f"{what} must be (B, T, {last}); got shape {tuple(values.shape)}")
         bt = values.shape[:2]
         for name, t in (("tokens", tokens), ("mask", mask), ("old_logprobs", old_logprobs)):
             if t.shape != bt:

@@ -247,7 +247,9 @@ def linear_head(model: nn.Module) -> nn.Module | None:
     output embeddings gets None, with a one-time warning: its log-probs must come from the full
     logits of :func:`response_logits`.
     """
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head = None
+    if hasattr(model, "get_output_embeddings") and hasattr(model, "get_decoder"):
+        head = model.get_output_embeddings()
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "get_text_config"):
         config = config.get_text_config()
@@ -261,7 +263,7 @@ def linear_head(model: nn.Module) -> nn.Module | None:
     kind = type(model).__name__
     if kind not in _warned:
         _warned.add(kind)
-        why = ", ".join(transforms) if transforms else "it has no output embeddings"
+        why = ", ".join(transforms) if transforms else "it has no output embeddings or decoder"
         warnings.warn(
             f"{kind}: logits are not a plain output layer of the last hidden state ({why}); "
             "log-probs come from the full (tokens x vocabulary) logits instead of chunks",
@@ -277,19 +279,29 @@ def response_hidden(
     """The last hidden states (after the final norm) that predict each response token.
 
     (B, S + T) -> (B, T, H). The model's own (root) forward runs, so wrappers that act on it
-    (FSDP2's parameter gathering) see an ordinary call; an empty ``logits_to_keep`` makes its
-    output layer compute no logits at all.
+    (FSDP2 gathers the root's parameters, the output layer's among them, and keeps them
+    gathered until the backward pass) see an ordinary call; an empty ``logits_to_keep`` makes
+    its output layer compute no logits at all. The hidden states are the output of the model's
+    decoder (``get_decoder()``), taken by a forward hook, so no other layer's output is kept.
     """
-    keep_none = torch.zeros(0, dtype=torch.long, device=input_ids.device)
-    out = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids(attention_mask),
-        use_cache=False,
-        logits_to_keep=keep_none,
-        output_hidden_states=True,
-    )
-    return out.hidden_states[-1][:, -response_length - 1 : -1]  # (B, T, H)
+    captured: list[Tensor] = []
+
+    def keep(module: nn.Module, args, output) -> None:
+        hidden = getattr(output, "last_hidden_state", None)
+        captured.append(output[0] if hidden is None else hidden)
+
+    handle = model.get_decoder().register_forward_hook(keep)
+    try:
+        model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids(attention_mask),
+            use_cache=False,
+            logits_to_keep=torch.zeros(0, dtype=torch.long, device=input_ids.device),
+        )
+    finally:
+        handle.remove()
+    return captured[-1][:, -response_length - 1 : -1]  # (B, T, H)
 
 
 @torch.no_grad()

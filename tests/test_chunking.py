@@ -197,6 +197,9 @@ def test_forward_hidden_checks_its_options():
         objective.forward_hidden(hidden, head, 0, tokens, mask, zeros[:, 0], zeros)
     with pytest.raises(ValueError, match=r"chunk_size must be null .* got 0"):
         objective.forward_hidden(hidden, head, 1.0, tokens, mask, zeros[:, 0], zeros, chunk_size=0)
+    old = sparse_old(torch.randn(5, V), torch.zeros(5, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"old must have one row per response token, N = 6; got 5"):
+        objective.forward_hidden(hidden, head, 1.0, tokens, mask, zeros[:, 0], zeros, old)
 
 
 def soft_capped_model() -> nn.Module:
