@@ -83,14 +83,12 @@ class RolloutGeneration(Callback):
             response_mask = response_mask & valid.unsqueeze(-1)
         advantages = module.compute_advantages(rewards)
         temperature = module.sampling.temperature
-        old_logprobs, old = behaviour_outputs(
-            snapshot, input_ids, attention_mask, response_mask, temperature, module.sparsify_old
-        )
+        inputs = (input_ids, attention_mask, response_mask, temperature)
+        chunks = module.logits_chunk_size
+        old_logprobs, old = behaviour_outputs(snapshot, *inputs, module.sparsify_old, chunks)
         ref_logprobs = None
         if module.ref_policy is not None:
-            ref_logprobs = behaviour_outputs(
-                module.ref_policy, input_ids, attention_mask, response_mask, temperature, None
-            )[0]
+            ref_logprobs = behaviour_outputs(module.ref_policy, *inputs, None, chunks)[0]
         rollout = Rollout(
             input_ids=input_ids,
             attention_mask=attention_mask,

@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_troll.advantages import compute_advantages, get_advantage_estimator
 from lightning_troll.checkpoints import check_compatible, restore_rng_states, rng_states
+from lightning_troll.chunking import DEFAULT_CHUNK_SIZE, check_chunk_size
 from lightning_troll.models import load_policy, load_tokenizer
 from lightning_troll.objectives import (
     AGGREGATION_SIZES,
@@ -36,7 +37,14 @@ from lightning_troll.objectives import (
 )
 from lightning_troll.projection import SparseDistribution, sparsify
 from lightning_troll.rewards import RewardScorer
-from lightning_troll.rollout import Rollout, SamplingConfig, response_logits, sample
+from lightning_troll.rollout import (
+    Rollout,
+    SamplingConfig,
+    linear_head,
+    response_hidden,
+    response_logits,
+    sample,
+)
 from lightning_troll.sharding import gathered, is_sharded, shard_model
 
 __all__ = ["ClipConfig", "LossConfig", "OptimizationConfig", "TrollModule", "TrustRegionConfig"]
@@ -161,6 +169,11 @@ class TrollModule(LightningModule):
         gradient_checkpointing: recompute the policy's activations in the backward pass instead
             of storing them (less memory, about a third more compute); the snapshots, which
             never run a backward pass, are unaffected.
+        logits_chunk_size: response tokens whose logits exist at once: the loss and the cached
+            old distributions are computed from the hidden states this many tokens at a time
+            (the loss's chunks recomputed in the backward pass), so no (tokens x vocabulary)
+            float32 logits are held; null computes all logits at once. Models with soft-capped
+            or scaled logits always use full logits.
     """
 
     def __init__(
@@ -181,9 +194,12 @@ class TrollModule(LightningModule):
         lr_scheduler: LRSchedulerCallable | None = None,
         seed: int = 0,
         gradient_checkpointing: bool = False,
+        logits_chunk_size: int | None = DEFAULT_CHUNK_SIZE,
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["optimizer", "lr_scheduler"])
+        check_chunk_size(logits_chunk_size, "model.logits_chunk_size")
+        self.logits_chunk_size = logits_chunk_size
         get_advantage_estimator(estimator)
         if isinstance(group_size, bool) or group_size < 1:
             raise ValueError(f"model.group_size must be an integer >= 1; got {group_size!r}")
@@ -379,21 +395,23 @@ class TrollModule(LightningModule):
 
     def loss_of(self, rollout: Rollout) -> tuple[Tensor, ObjectiveStats]:
         """The objective on a (part of a) rollout, with the policy's current weights."""
-        logits = response_logits(
-            self.policy,
-            rollout.input_ids,
-            rollout.attention_mask,
-            rollout.response_mask.shape[1],
-            rollout.temperature,
-        )  # (B, T, V)
-        return self.objective(
-            logits,
+        inputs = (rollout.input_ids, rollout.attention_mask)
+        length, temperature = rollout.response_mask.shape[1], rollout.temperature
+        targets = (
             rollout.tokens,
             rollout.response_mask,
             rollout.advantages,
             rollout.old_logprobs,
             rollout.old,
             rollout.ref_logprobs,
+        )
+        head = None if self.logits_chunk_size is None else linear_head(self.policy)
+        if head is None:
+            logits = response_logits(self.policy, *inputs, length, temperature)  # (B, T, V)
+            return self.objective(logits, *targets)
+        hidden = response_hidden(self.policy, *inputs, length)  # (B, T, H)
+        return self.objective.forward_hidden(
+            hidden, head, temperature, *targets, chunk_size=self.logits_chunk_size
         )
 
     def _grad_norm(self) -> Tensor:

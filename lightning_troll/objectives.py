@@ -11,6 +11,13 @@ Notation (shape comments below use these letters):
 
     B   sequences in the (mini)batch        T   response positions, padded
     V   vocabulary                          N   response tokens, ``mask.sum()``
+    H   hidden size of the policy           n   rows of one chunk
+
+Every objective runs in two stages: a row stage turns each response token's logit row into a
+few numbers (:class:`_TokenTerms`: log-probs, entropy, regression term, projection record), and
+an aggregation stage turns those ``(N,)`` terms into the loss. ``forward`` takes ``(B, T, V)``
+logits; ``forward_hidden`` takes ``(B, T, H)`` hidden states and the output layer and runs the
+row stage on chunks of rows under activation checkpointing, so ``(N, V)`` logits never exist.
 
 Per-token inputs are padded ``(B, T)`` tensors with a boolean ``mask`` of response tokens; the
 old policy's sparse distributions hold one row per response token in the row-major order of
@@ -20,11 +27,18 @@ old policy's sparse distributions hold one row per response token in the row-maj
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, fields, replace
+from functools import partial
 
 import torch
 from torch import Tensor, nn
 
+from lightning_troll.chunking import (
+    DEFAULT_CHUNK_SIZE,
+    check_chunk_size,
+    head_logits,
+    map_row_chunks,
+)
 from lightning_troll.projection import ProjectionResult, SparseDistribution, TrustRegionProjection
 from lightning_troll.sparse import compute_dtype
 
@@ -191,10 +205,31 @@ def _masked_stats(values: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 @dataclass(frozen=True)
 class _TokenTerms:
+    """What the row stage computes per response token; the aggregation stage takes it from there."""
+
     logprob: Tensor  # (N,) log-prob entering the importance ratio
     new_logprob: Tensor  # (N,) log-prob of the current (unprojected) policy
     regression: Tensor | None  # (N,) per-token regression loss, or None
-    stats: dict = field(default_factory=dict)  # objective-specific statistics, detached
+    entropy: Tensor | None = None  # (N,) entropy of the current policy
+    projection: ProjectionResult | None = None  # per-token projection record, detached
+
+    @staticmethod
+    def cat(parts: list[_TokenTerms]) -> _TokenTerms:
+        """The terms of consecutive chunks of rows, concatenated into one record."""
+        if len(parts) == 1:
+            return parts[0]
+
+        def cat(values: list) -> object:
+            if values[0] is None:
+                return None
+            if isinstance(values[0], ProjectionResult):
+                names = (f.name for f in fields(ProjectionResult))
+                return ProjectionResult(**{n: cat([getattr(v, n) for v in values]) for n in names})
+            return torch.cat(values)
+
+        return _TokenTerms(
+            **{f.name: cat([getattr(p, f.name) for p in parts]) for f in fields(_TokenTerms)}
+        )
 
 
 class PolicyObjective(nn.Module):
@@ -255,10 +290,72 @@ class PolicyObjective(nn.Module):
                 (TROLL needs them; clipping ignores them).
             ref_logprobs: ``(B, T)`` reference-policy log-probs, needed when ``ref_kl_coef > 0``.
         """
-        self._check_inputs(logits, tokens, mask, advantages, old_logprobs, ref_logprobs)
-        rows = logits[mask]  # (N, V)
-        terms = self._token_terms(rows, tokens[mask], old)
+        self._check_inputs("logits", logits, tokens, mask, advantages, old_logprobs, ref_logprobs)
+        terms = self._row_terms(logits[mask], tokens[mask], old)  # rows (N, V)
+        return self._aggregate(terms, mask, advantages, old_logprobs, ref_logprobs)
 
+    def forward_hidden(
+        self,
+        hidden: Tensor,
+        head: Callable[[Tensor], Tensor],
+        temperature: float,
+        tokens: Tensor,
+        mask: Tensor,
+        advantages: Tensor,
+        old_logprobs: Tensor,
+        old: SparseDistribution | None = None,
+        ref_logprobs: Tensor | None = None,
+        chunk_size: int | None = DEFAULT_CHUNK_SIZE,
+    ) -> tuple[Tensor, ObjectiveStats]:
+        """:meth:`forward` with the logits ``head(hidden) / temperature`` made chunk by chunk.
+
+        The row stage runs on ``chunk_size`` response tokens at a time; with more than one chunk
+        each runs under activation checkpointing (its logits are recomputed in the backward
+        pass), so the forward never holds ``(N, V)`` logits. Loss, gradients and statistics
+        equal those of :meth:`forward` on the full logits, up to float rounding.
+
+        Args:
+            hidden: ``(B, T, H)`` the policy's last hidden states at the positions that predict
+                ``tokens`` (after the final norm: the output layer's input).
+            head: the output layer, ``(n, H) -> (n, V)`` logits (``get_output_embeddings()``).
+            temperature: the sampling temperature, > 0; the logits are divided by it.
+            chunk_size: response tokens per chunk, >= 1; None makes one chunk of all of them.
+            tokens, mask, advantages, old_logprobs, old, ref_logprobs: as in :meth:`forward`.
+        """
+        self._check_inputs("hidden", hidden, tokens, mask, advantages, old_logprobs, ref_logprobs)
+        check_chunk_size(chunk_size, "chunk_size")
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0; got {temperature!r}")
+        n = int(mask.sum())
+        if old is not None and old.num_rows != n:
+            raise ValueError(
+                f"old must have one row per response token, N = {n}; got {old.num_rows} rows"
+            )
+        row_terms = partial(self._hidden_terms, head=head, temperature=temperature)
+        parts = map_row_chunks(row_terms, hidden[mask], chunk_size, tokens[mask], old)
+        return self._aggregate(_TokenTerms.cat(parts), mask, advantages, old_logprobs, ref_logprobs)
+
+    # The row stage: (n, V) logit rows -> per-token terms ------------------------------------------
+    def _hidden_terms(self, hidden, tokens, old, *, head, temperature) -> _TokenTerms:
+        return self._row_terms(head_logits(head, hidden, temperature), tokens, old)  # (n, V)
+
+    def _row_terms(
+        self, rows: Tensor, tokens: Tensor, old: SparseDistribution | None
+    ) -> _TokenTerms:
+        terms = self._token_terms(rows, tokens, old)
+        with torch.set_grad_enabled(torch.is_grad_enabled() and self.entropy_coef > 0):
+            entropy = token_entropy(rows)  # (n,)
+        return replace(terms, entropy=entropy)
+
+    # The aggregation stage: (N,) terms -> loss and statistics -----------------------------------
+    def _aggregate(
+        self,
+        terms: _TokenTerms,
+        mask: Tensor,
+        advantages: Tensor,
+        old_logprobs: Tensor,
+        ref_logprobs: Tensor | None,
+    ) -> tuple[Tensor, ObjectiveStats]:
         def scatter(values: Tensor) -> Tensor:  # (N,) -> (B, T), zeros at padding
             return values.new_zeros(mask.shape).index_put((mask,), values)
 
@@ -290,12 +387,9 @@ class PolicyObjective(nn.Module):
             ref_kl = aggregate(per_token)
             loss = loss + self.ref_kl_coef * ref_kl
 
+        entropy = aggregate(scatter(terms.entropy))
         if self.entropy_coef > 0:
-            entropy = aggregate(scatter(token_entropy(rows)))
             loss = loss - self.entropy_coef * entropy
-        else:
-            with torch.no_grad():
-                entropy = aggregate(scatter(token_entropy(rows)))
 
         token_ratios = ratio.detach()[mask]  # (N,)
         r_mean, r_min, r_max = _masked_stats(token_ratios)
@@ -310,7 +404,7 @@ class PolicyObjective(nn.Module):
             ratio_max=r_max,
             num_tokens=mask.sum(),
             token_ratio=token_ratios,
-            **terms.stats,
+            **self._token_stats(terms),
             **extra,
         )
         return loss, stats
@@ -327,11 +421,18 @@ class PolicyObjective(nn.Module):
     def _surrogate(self, ratio: Tensor, adv: Tensor, mask: Tensor) -> tuple[Tensor, dict]:
         raise NotImplementedError
 
+    def _token_stats(self, terms: _TokenTerms) -> dict:
+        """Objective-specific statistics from the concatenated per-token terms."""
+        return {}
+
     # -----------------------------------------------------------------------------------------
-    def _check_inputs(self, logits, tokens, mask, advantages, old_logprobs, ref_logprobs) -> None:
-        if logits.dim() != 3:
-            raise ValueError(f"logits must be (B, T, V); got shape {tuple(logits.shape)}")
-        bt = logits.shape[:2]
+    def _check_inputs(
+        self, what, values, tokens, mask, advantages, old_logprobs, ref_logprobs
+    ) -> None:
+        if values.dim() != 3:
+            last = "V" if what == "logits" else "H"
+            raise ValueError(f"{what} must be (B, T, {last}); got shape {tuple(values.shape)}")
+        bt = values.shape[:2]
         for name, t in (("tokens", tokens), ("mask", mask), ("old_logprobs", old_logprobs)):
             if t.shape != bt:
                 raise ValueError(f"{name} must be (B, T) = {tuple(bt)}; got {tuple(t.shape)}")
@@ -446,12 +547,19 @@ class TrollObjective(PolicyObjective):
         if old is None:
             raise ValueError("TrollObjective needs old: the behaviour policy's SparseDistribution")
         result = self.projection(rows, old, tokens)
-        projected = result.eta.detach() > 0  # (N,)
-        stats = {
-            "projection": result.detach(),
+        return _TokenTerms(
+            result.logprob,
+            result.new_logprob,
+            result.regression_kl,
+            projection=result.detach(),
+        )
+
+    def _token_stats(self, terms: _TokenTerms) -> dict:
+        projected = terms.projection.eta > 0  # (N,)
+        return {
+            "projection": terms.projection,
             "active_frac": projected.sum() / max(projected.numel(), 1),
         }
-        return _TokenTerms(result.logprob, result.new_logprob, result.regression_kl, stats)
 
     def _surrogate(self, ratio, adv, mask):
         return ratio * adv, {}

@@ -5,19 +5,23 @@ which positions are response tokens, the behaviour policy's token log-probs and 
 sparse distributions, the rewards and the advantages. Nothing here imports Lightning.
 
 Notation: P prompts, G samples per prompt, B = P * G sequences, S prompt length (left padded),
-T response length (right padded), V vocabulary, N = response tokens (``response_mask.sum()``).
+T response length (right padded), V vocabulary, N = response tokens (``response_mask.sum()``),
+H hidden size.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, fields, replace
+from functools import partial
 
 import torch
 from torch import Tensor, nn
 from transformers import GenerationConfig
 
+from lightning_troll.chunking import check_chunk_size, head_logits, map_row_chunks
 from lightning_troll.projection import SparseDistribution
 
 __all__ = [
@@ -25,6 +29,8 @@ __all__ = [
     "SamplingConfig",
     "left_pad",
     "position_ids",
+    "linear_head",
+    "response_hidden",
     "response_logits",
     "response_mask_of",
     "sample",
@@ -258,6 +264,81 @@ def response_logits(
     return out.logits[:, :-1] / temperature  # (B, T, V)
 
 
+# Config fields under which a model's logits are more than ``head(last hidden state)``, with the
+# value that makes them neutral (soft-capping in Gemma 2/3, a logit scale in Cohere and Granite).
+_LOGIT_TRANSFORMS: dict[str, float | None] = {
+    "final_logit_softcapping": None,
+    "logit_scale": 1.0,
+    "logits_scaling": 1.0,
+}
+_warned: set[str] = set()
+"""Model classes already warned about falling back to full logits (one warning each)."""
+
+
+def linear_head(model: nn.Module) -> nn.Module | None:
+    """The output layer if the model's logits are ``head(last hidden state)``, else None.
+
+    A model whose config sets a logit transform (soft-capping, a logit scale) or that has no
+    output embeddings gets None, with a one-time warning: its log-probs must come from the full
+    logits of :func:`response_logits`.
+    """
+    head = None
+    if hasattr(model, "get_output_embeddings") and hasattr(model, "get_decoder"):
+        head = model.get_output_embeddings()
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    transforms = [
+        f"{name}={getattr(config, name)!r}"
+        for name, neutral in _LOGIT_TRANSFORMS.items()
+        if getattr(config, name, neutral) not in (neutral, None)
+    ]
+    if head is not None and not transforms:
+        return head
+    kind = type(model).__name__
+    if kind not in _warned:
+        _warned.add(kind)
+        why = ", ".join(transforms) if transforms else "it has no output embeddings or decoder"
+        warnings.warn(
+            f"{kind}: logits are not a plain output layer of the last hidden state ({why}); "
+            "log-probs come from the full (tokens x vocabulary) logits instead of chunks",
+            UserWarning,
+            stacklevel=2,
+        )
+    return None
+
+
+def response_hidden(
+    model: nn.Module, input_ids: Tensor, attention_mask: Tensor, response_length: int
+) -> Tensor:
+    """The last hidden states (after the final norm) that predict each response token.
+
+    (B, S + T) -> (B, T, H). The model's own (root) forward runs, so wrappers that act on it
+    (FSDP2 gathers the root's parameters, the output layer's among them, and keeps them
+    gathered until the backward pass) see an ordinary call; an empty ``logits_to_keep`` makes
+    its output layer compute no logits at all. The hidden states are the output of the model's
+    decoder (``get_decoder()``), taken by a forward hook, so no other layer's output is kept.
+    """
+    captured: list[Tensor] = []
+
+    def keep(module: nn.Module, args, output) -> None:
+        hidden = getattr(output, "last_hidden_state", None)
+        captured.append(output[0] if hidden is None else hidden)
+
+    handle = model.get_decoder().register_forward_hook(keep)
+    try:
+        model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids(attention_mask),
+            use_cache=False,
+            logits_to_keep=torch.zeros(0, dtype=torch.long, device=input_ids.device),
+        )
+    finally:
+        handle.remove()
+    return captured[-1][:, -response_length - 1 : -1]  # (B, T, H)
+
+
 @torch.no_grad()
 def behaviour_outputs(
     model: nn.Module,
@@ -266,25 +347,55 @@ def behaviour_outputs(
     response_mask: Tensor,
     temperature: float,
     sparsify_fn: Callable[[Tensor, Tensor], SparseDistribution] | None,
+    chunk_size: int | None = None,
 ) -> tuple[Tensor, SparseDistribution | None]:
     """The behaviour policy's token log-probs (B, T) and, if asked, sparse distributions.
+
+    With ``chunk_size`` (response tokens per chunk) and a model whose logits are a plain output
+    layer (:func:`linear_head`), the hidden states are computed once and the output layer runs
+    on ``chunk_size`` response tokens at a time, so at most ``(chunk_size, V)`` logits exist at
+    once; otherwise (or with ``chunk_size=None``) the ``(B, T, V)`` logits are computed whole.
+    Both give the same results up to float rounding.
 
     Raises ``FloatingPointError`` if the model's logits at response tokens are not finite: a
     rollout cached from them would train on garbage.
     """
-    logits = response_logits(
-        model, input_ids, attention_mask, response_mask.shape[1], temperature
-    )  # (B, T, V)
-    finite = logits.isfinite().all(-1) | ~response_mask  # (B, T)
-    if not bool(finite.all()):
-        bad = (~finite).nonzero()[0].tolist()
+    check_chunk_size(chunk_size, "chunk_size")
+    length = response_mask.shape[1]
+    tokens = input_ids[:, -length:][response_mask]  # (N,)
+    head = None if chunk_size is None else linear_head(model)
+    if head is None:
+        logits = response_logits(model, input_ids, attention_mask, length, temperature)
+        rows, fn = logits[response_mask], partial(_behaviour_rows, sparsify_fn=sparsify_fn)
+    else:
+        rows = response_hidden(model, input_ids, attention_mask, length)[response_mask]  # (N, H)
+        fn = partial(_behaviour_hidden, head=head, temperature=temperature, sparsify_fn=sparsify_fn)
+    parts = map_row_chunks(fn, rows, chunk_size, tokens)
+    bad = torch.cat([p[2] for p in parts]).nonzero()  # (bad rows, 1)
+    if bad.numel():
+        seq, pos = response_mask.nonzero()[bad[0, 0]].tolist()
         raise FloatingPointError(
-            f"the behaviour policy's logits hold NaN or inf at {int((~finite).sum())} response "
-            f"tokens (first: sequence {bad[0]}, position {bad[1]}); the snapshot's weights are "
+            f"the behaviour policy's logits hold NaN or inf at {bad.shape[0]} response "
+            f"tokens (first: sequence {seq}, position {pos}); the snapshot's weights are "
             "not finite, so no rollout is cached from them"
         )
-    tokens = input_ids[:, -response_mask.shape[1] :]  # (B, T)
-    logp = logits.float().log_softmax(-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    old_logprobs = logp.masked_fill(~response_mask, 0.0)
-    old = None if sparsify_fn is None else sparsify_fn(logits[response_mask], tokens[response_mask])
+    logp = torch.cat([p[0] for p in parts])  # (N,)
+    old_logprobs = logp.new_zeros(response_mask.shape).index_put((response_mask,), logp)
+    sparse = [p[1] for p in parts]  # sparsify_fn may decline (None), as it does for clipping
+    old = None if sparse[0] is None else SparseDistribution.cat(sparse)
     return old_logprobs, old
+
+
+def _behaviour_hidden(hidden: Tensor, tokens: Tensor, *, head, temperature, sparsify_fn):
+    return _behaviour_rows(head_logits(head, hidden, temperature), tokens, sparsify_fn=sparsify_fn)
+
+
+def _behaviour_rows(
+    rows: Tensor, tokens: Tensor, *, sparsify_fn
+) -> tuple[Tensor, SparseDistribution | None, Tensor]:
+    """(n, V) logit rows -> token log-probs (n,), sparse rows (or None), not-finite flags (n,)."""
+    bad = ~rows.isfinite().all(-1)  # (n,)
+    if bool(bad.any()):  # nothing below is computed from garbage
+        return rows.new_zeros(bad.shape, dtype=torch.float32), None, bad
+    logp = rows.float().log_softmax(-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # (n,)
+    return logp, None if sparsify_fn is None else sparsify_fn(rows, tokens), bad

@@ -73,6 +73,10 @@ def gathered(model: nn.Module) -> Iterator[nn.Module]:
     if not modules:
         yield model
         return
+    if isinstance(model, FSDPModule):
+        # FSDP2 settles which module is the root (and that the root keeps its weights gathered
+        # after forward) at the first forward; settle it now so the settings read are final.
+        model._get_fsdp_state()._lazy_init()
     before = [_groups_reshard_after_forward(m) for m in modules]
     for m in modules:
         m.set_reshard_after_forward(False, recurse=False)

@@ -108,7 +108,9 @@ def build(args, out: Path):
             micro_batch_size=args.micro_batch_size,
             gradient_clip_norm=1.0,
         ),
-        optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3, foreach=False),
+        # eps well above the tiniest gradients: Adam would otherwise blow their float32 noise
+        # (which differs with the order of reductions) up to steps of about lr
+        optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3, eps=1e-4, foreach=False),
         gradient_checkpointing=args.gradient_checkpointing,
     )
     data = PromptDataModule(
@@ -151,6 +153,7 @@ def gather_counts(module, prompts: list[list[int]]) -> dict[str, int]:
     """All-gathers issued by sampling 8 tokens from the snapshot, with and without
     :func:`~lightning_troll.sharding.gathered` (real sampling, no script)."""
     import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
 
     from lightning_troll.rollout import SamplingConfig, sample
     from lightning_troll.sharding import gathered
@@ -163,10 +166,13 @@ def gather_counts(module, prompts: list[list[int]]) -> dict[str, int]:
         return original(*args, **kwargs)
 
     sampling = SamplingConfig(max_new_tokens=8)
-    counts = {}
+    sharded = [m for m in module.old_policy.modules() if isinstance(m, FSDPModule)]
+    counts = {"modules": len(sharded)}
     dist.all_gather_single = counting
     try:
         for name, context in (("per_token", contextlib.nullcontext), ("gathered", gathered)):
+            for m in sharded:  # both start from sharded weights
+                m.reshard()
             calls["n"] = 0
             with context(module.old_policy):
                 ids, *_ = sample(module.old_policy, prompts, 2, sampling, 0, 0, do_sample=False)

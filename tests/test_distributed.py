@@ -18,6 +18,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+WEIGHT_ATOL = 2e-6  # float32 reductions in another order; the weights move by ~4e-3
 WORKER = ROOT / "tests" / "distributed_worker.py"
 # Per-rollout values that must agree; the monitors' ones only do if they reduce across ranks.
 COMPARED = [
@@ -78,7 +79,7 @@ def assert_same_run(reference: Path, other: Path) -> None:
     for part in ("policy", "old_policy"):
         assert ref_w[part].keys() == got_w[part].keys()
         for name, value in ref_w[part].items():
-            torch.testing.assert_close(got_w[part][name], value, rtol=0, atol=2e-5)
+            torch.testing.assert_close(got_w[part][name], value, rtol=0, atol=WEIGHT_ATOL)
     assert torch.equal(ref_w["greedy"], got_w["greedy"])
 
 
@@ -91,7 +92,7 @@ def test_the_reference_run_trains(single):
     initial = load_policy("tinymath").state_dict()
     trained = weights(single)["policy"]
     moved = max((trained[k] - initial[k]).abs().max().item() for k in initial)
-    assert moved > 100 * 2e-5
+    assert moved > 1000 * WEIGHT_ATOL
     logged = metrics(single)
     assert min(logged["trust_region/kl_before_max"].values()) > 0.05  # beyond the bound
     assert max(logged["trust_region/active_frac"].values()) > 0
@@ -129,12 +130,14 @@ def test_fsdp2_with_bf16_and_gradient_checkpointing(single, tmp_path):
 @pytest.mark.slow  # starts one or two Python processes
 def test_fsdp2_gathers_weights_once_per_generation(fsdp2):
     """Sampling from the sharded snapshot: one all-gather per FSDP module for the whole
-    generation, instead of one per module for every generated token."""
+    generation, instead of one per decoder layer for every generated token (FSDP2 keeps the
+    root's own weights gathered after its first forward either way)."""
     counts = json.loads((fsdp2[0] / "gathers.json").read_text())
-    assert counts["per_token_steps"] == counts["gathered_steps"] == 8
-    per_forward = counts["gathered"]
-    assert per_forward >= 2  # the decoder layers and the root
-    assert counts["per_token"] == per_forward * counts["per_token_steps"]
+    modules, steps = counts["modules"], counts["per_token_steps"]
+    assert steps == counts["gathered_steps"] == 8
+    assert modules == 1 + 3  # the root and TinyMath's 3 decoder layers
+    assert counts["gathered"] == modules
+    assert counts["per_token"] == 1 + (modules - 1) * steps
 
 
 @pytest.mark.slow  # starts one or two Python processes

@@ -214,13 +214,13 @@ def test_gradient_accumulation_equals_the_whole_minibatch(tmp_path, tiny_model_d
 def test_non_finite_loss_skips_the_step_then_stops(tmp_path, tiny_model_dir):
     module = make_module(tiny_model_dir, optimization=OptimizationConfig(max_bad_steps=2))
     before = [p.detach().clone() for p in module.policy.parameters()]
-    forward = module.objective.forward
+    loss_of = module.loss_of
 
-    def poisoned(*args, **kwargs):
-        loss, stats = forward(*args, **kwargs)
+    def poisoned(rollout):
+        loss, stats = loss_of(rollout)
         return loss * math.nan, stats
 
-    module.objective.forward = poisoned
+    module.loss_of = poisoned
     skipped = pytest.warns(RuntimeWarning, match=r"non-finite loss .* skipped, weights untouched")
     stopped = pytest.raises(RuntimeError, match=r"2 optimiser steps in a row had a non-finite loss")
     with skipped, stopped:
