@@ -61,10 +61,10 @@ class RolloutGeneration(Callback):
     def collect(module: LightningModule, batch: Any) -> tuple[Rollout, list[str]]:
         """Samples, scores and caches one rollout from a batch of prompts."""
         group = module.group_size
-        snapshot = module.old_policy
-        input_ids, attention_mask, response_mask, truncated = sample(
-            snapshot, batch.prompt_ids, group, module.sampling, module.pad_id, module.eos_id
-        )
+        with module.behaviour_policy() as snapshot:
+            input_ids, attention_mask, response_mask, truncated = sample(
+                snapshot, batch.prompt_ids, group, module.sampling, module.pad_id, module.eos_id
+            )
         length = response_mask.shape[1]
         completions = module.decode(input_ids[:, -length:], response_mask)
         prompts = [p for p in batch.prompts for _ in range(group)]
@@ -81,14 +81,16 @@ class RolloutGeneration(Callback):
             response_mask = response_mask & valid.unsqueeze(-1)
         advantages = module.compute_advantages(rewards)
         temperature = module.sampling.temperature
-        old_logprobs, old = behaviour_outputs(
-            snapshot, input_ids, attention_mask, response_mask, temperature, module.sparsify_old
-        )
+        with module.behaviour_policy() as snapshot:
+            old_logprobs, old = behaviour_outputs(
+                snapshot, input_ids, attention_mask, response_mask, temperature, module.sparsify_old
+            )
         ref_logprobs = None
-        if module.ref_policy is not None:
-            ref_logprobs = behaviour_outputs(
-                module.ref_policy, input_ids, attention_mask, response_mask, temperature, None
-            )[0]
+        with module.reference_policy() as reference:
+            if reference is not None:
+                ref_logprobs = behaviour_outputs(
+                    reference, input_ids, attention_mask, response_mask, temperature, None
+                )[0]
         rollout = Rollout(
             input_ids=input_ids,
             attention_mask=attention_mask,

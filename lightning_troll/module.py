@@ -12,6 +12,8 @@ from __future__ import annotations
 import copy
 import math
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
@@ -21,6 +23,7 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor
 
 from lightning_troll.advantages import compute_advantages, get_advantage_estimator
+from lightning_troll.lora import LoraConfig, adapters_disabled, apply_lora
 from lightning_troll.models import load_policy, load_tokenizer
 from lightning_troll.objectives import (
     AGGREGATION_SIZES,
@@ -31,6 +34,7 @@ from lightning_troll.objectives import (
 from lightning_troll.projection import SparseDistribution, sparsify
 from lightning_troll.rewards import RewardScorer
 from lightning_troll.rollout import Rollout, SamplingConfig, response_logits, sample
+from lightning_troll.snapshots import Snapshot, SnapshotConfig, build_snapshot
 
 __all__ = ["ClipConfig", "LossConfig", "OptimizationConfig", "TrollModule", "TrustRegionConfig"]
 
@@ -136,6 +140,10 @@ class TrollModule(LightningModule):
         gradient_checkpointing: recompute the policy's activations in the backward pass instead
             of storing them (less memory, about a third more compute); the snapshots, which
             never run a backward pass, are unaffected.
+        snapshot: how the behaviour-policy snapshot is held: a copy (in the policy's dtype,
+            bfloat16 or int8) or the policy itself (``shared``).
+        lora: low-rank adapters (peft) instead of full fine-tuning; null trains every weight.
+            The snapshot is then a second adapter and the reference policy the base model.
     """
 
     def __init__(
@@ -156,6 +164,8 @@ class TrollModule(LightningModule):
         lr_scheduler: LRSchedulerCallable | None = None,
         seed: int = 0,
         gradient_checkpointing: bool = False,
+        snapshot: SnapshotConfig = SnapshotConfig(),
+        lora: LoraConfig | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["optimizer", "lr_scheduler"])
@@ -176,8 +186,7 @@ class TrollModule(LightningModule):
         self._scheduler_factory = lr_scheduler
 
         self.tokenizer = load_tokenizer(model)
-        self.policy = load_policy(model, dtype=dtype)
-        self.policy.train()  # from_pretrained returns eval mode; snapshots stay in eval mode
+        self.policy = load_policy(model, dtype=dtype, load_in_4bit=bool(lora and lora.load_in_4bit))
         vocab = self.policy.get_output_embeddings().weight.shape[0]
         if vocab < len(self.tokenizer):
             raise ValueError(
@@ -185,8 +194,15 @@ class TrollModule(LightningModule):
                 f"{len(self.tokenizer)}; they must come from the same model (the policy may have "
                 "more rows, never fewer)"
             )
-        self.old_policy = self._frozen_copy(self.policy)
-        self.ref_policy = self._frozen_copy(self.policy) if loss.ref_kl_coef > 0 else None
+        if lora is not None:
+            self.policy = apply_lora(self.policy, lora)
+        self.policy.train()  # from_pretrained returns eval mode; snapshots stay in eval mode
+        self.lora = lora
+        self.snapshot: Snapshot = build_snapshot(self.policy, snapshot, adapters=lora is not None)
+        if not self.snapshot.shares_policy:
+            self.old_policy = self.snapshot.model  # a child module: saved, moved, sharded
+        with_ref = loss.ref_kl_coef > 0 and lora is None
+        self.ref_policy = self._frozen_copy(self.policy) if with_ref else None
         if gradient_checkpointing:
             self.policy.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False}
@@ -216,6 +232,26 @@ class TrollModule(LightningModule):
         return snapshot
 
     @property
+    def old_policy(self) -> torch.nn.Module:
+        """The snapshot's module: a separate frozen copy, or the policy itself when the snapshot
+        shares it (``shared``, LoRA). Sample through :meth:`behaviour_policy`."""
+        separate = self._modules.get("old_policy")
+        return self.policy if separate is None else separate
+
+    def behaviour_policy(self):
+        """Context manager: the module that samples and caches old log-probs, ready for it."""
+        return self.snapshot.behaviour()
+
+    @contextmanager
+    def reference_policy(self) -> Iterator[torch.nn.Module | None]:
+        """Context manager: the reference policy for ref_kl_coef, or None when it is off."""
+        if self.lora is not None and self.loss_config.ref_kl_coef > 0:
+            with adapters_disabled(self.policy) as base:  # the base model is the initial policy
+                yield base
+        else:
+            yield self.ref_policy
+
+    @property
     def pad_id(self) -> int:
         return int(self.tokenizer.pad_token_id)
 
@@ -236,13 +272,16 @@ class TrollModule(LightningModule):
     def train(self, mode: bool = True) -> TrollModule:
         """Frozen snapshots stay in eval mode whatever the trainer sets."""
         super().train(mode)
-        self.old_policy.eval()
+        if not self.snapshot.shares_policy:
+            self.old_policy.eval()
         if self.ref_policy is not None:
             self.ref_policy.eval()
         return self
 
     def configure_optimizers(self):
-        optimizer = self._optimizer_factory(self.policy.parameters())
+        optimizer = self._optimizer_factory(
+            [p for p in self.policy.parameters() if p.requires_grad]
+        )
         if self._scheduler_factory is None:
             return optimizer
         scheduler = self._scheduler_factory(optimizer)
