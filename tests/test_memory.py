@@ -131,21 +131,6 @@ def test_low_precision_snapshot_trains_resumes_exactly_and_refreshes(
     assert same(held(resumed, dtype), snapshot_of(resumed, dtype))
 
 
-def test_an_8bit_optimizer_trains_a_step_on_cpu(tmp_path, tiny_model_dir):
-    """bitsandbytes >= 0.48 runs its 8-bit optimisers on CPU; tensors of >= 4096 entries get
-    8-bit state (the MLP weights here: 32 x 128), smaller ones 32-bit state."""
-    import bitsandbytes as bnb
-
-    module = make_module(tiny_model_dir, optimizer=lambda p: bnb.optim.AdamW8bit(p, lr=1e-3))
-    before = flat(module.policy.parameters())
-    trainer, _, _ = fit(tmp_path, tiny_model_dir, max_steps=1, module=module, limit_val_batches=0)
-    after = flat(module.policy.parameters())
-    assert torch.isfinite(after).all() and (after - before).abs().max() > 1e-4
-    states = trainer.optimizers[0].state.values()
-    uint8 = [s["state1"] for s in states if s["state1"].dtype == torch.uint8]
-    assert len(uint8) == 2 * 3, "gate, up and down projections of both layers"
-
-
 def test_lora_trains_adapters_only_and_its_snapshot_follows(tmp_path, tiny_model_dir):
     module = make_module(
         tiny_model_dir,
