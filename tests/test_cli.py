@@ -145,9 +145,12 @@ def test_help_shows_documented_options(tmp_path, monkeypatch, capsys):
         "--rollout.log_samples",
         "--old_policy.every_n_rollouts",
         "--data.source",
+        "--model.snapshot.dtype",
+        "--model.lora.help",
     ):
         assert option in text, option
     assert "KL bound per token" in text  # a field docstring
+    assert "per-row absmax" in text  # the snapshot's field docstring
 
 
 @pytest.mark.parametrize(
