@@ -16,7 +16,9 @@ class OldPolicyRefresh(Callback):
 
     With ``every_n_rollouts=1`` every rollout is sampled by the current policy, so the first
     minibatch of each rollout is on-policy; larger values sample several rollouts from a lagging
-    snapshot. The count survives a checkpoint.
+    snapshot. The count survives a checkpoint. The refresh is ``model.snapshot.refresh``: a copy,
+    a re-quantisation, or an adapter copy (see :mod:`lightning_troll.snapshots`); a shared snapshot
+    is the policy and refuses ``every_n_rollouts > 1`` before training.
 
     Args:
         every_n_rollouts: rollouts between two refreshes, >= 1.
@@ -39,9 +41,19 @@ class OldPolicyRefresh(Callback):
         if self.rollouts % self.every_n_rollouts == 0:
             self.refresh(pl_module)
 
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        snapshot = getattr(pl_module, "snapshot", None)
+        if self.every_n_rollouts > 1 and not getattr(snapshot, "can_lag", True):
+            raise ValueError(
+                f"OldPolicyRefresh: every_n_rollouts={self.every_n_rollouts} needs a snapshot "
+                "that can lag behind the policy, but model.snapshot.mode='shared' makes the "
+                "snapshot the policy itself; use every_n_rollouts=1 or model.snapshot.mode='copy'"
+            )
+
     @torch.no_grad()
     def refresh(self, pl_module: LightningModule) -> None:
-        pl_module.old_policy.load_state_dict(pl_module.policy.state_dict())
+        pl_module.snapshot.refresh(pl_module.policy)
         self.refreshes += 1
 
     @override

@@ -62,8 +62,8 @@ class RolloutGeneration(Callback):
     def collect(module: LightningModule, batch: Any) -> tuple[Rollout, list[str]]:
         """Samples, scores and caches one rollout from a batch of prompts."""
         group = module.group_size
-        snapshot = module.old_policy
-        with gathered(snapshot):  # sharded weights gathered once, not once per token
+        with module.behaviour_policy() as snapshot, gathered(snapshot):
+            # sharded weights are gathered once for the whole generation, not once per token
             input_ids, attention_mask, response_mask, truncated = sample(
                 snapshot, batch.prompt_ids, group, module.sampling, module.pad_id, module.eos_id
             )
@@ -85,10 +85,12 @@ class RolloutGeneration(Callback):
         temperature = module.sampling.temperature
         inputs = (input_ids, attention_mask, response_mask, temperature)
         chunks = module.logits_chunk_size
-        old_logprobs, old = behaviour_outputs(snapshot, *inputs, module.sparsify_old, chunks)
+        with module.behaviour_policy() as snapshot:
+            old_logprobs, old = behaviour_outputs(snapshot, *inputs, module.sparsify_old, chunks)
         ref_logprobs = None
-        if module.ref_policy is not None:
-            ref_logprobs = behaviour_outputs(module.ref_policy, *inputs, None, chunks)[0]
+        with module.reference_policy() as reference:
+            if reference is not None:
+                ref_logprobs = behaviour_outputs(reference, *inputs, None, chunks)[0]
         rollout = Rollout(
             input_ids=input_ids,
             attention_mask=attention_mask,

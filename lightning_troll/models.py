@@ -101,13 +101,16 @@ def load_policy(
     dtype: str = "float32",
     attn_implementation: str | None = None,
     trust_remote_code: bool = False,
+    load_in_4bit: bool = False,
 ) -> PreTrainedModel:
     """The causal LM of ``name_or_path`` (a directory, a hub id or ``"tinymath"``), in eval mode.
 
     ``dtype`` is one of ``DTYPES`` (``"auto"`` keeps the checkpoint's dtype); weights stored in
     another dtype are cast. ``attn_implementation`` (``"eager"``, ``"sdpa"``, ...) is passed on
     when given. A model without a generation config gets one built from its model config; one
-    that cannot ``generate`` is refused with ``ValueError``.
+    that cannot ``generate`` is refused with ``ValueError``. ``load_in_4bit`` loads the weights
+    in 4-bit NF4 through bitsandbytes (QLoRA's frozen base; CUDA only), computing in ``dtype``
+    (bfloat16 when ``dtype`` is float32/auto).
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {list(DTYPES)}; got {dtype!r}")
@@ -115,6 +118,8 @@ def load_policy(
     kwargs: dict = {"dtype": DTYPES[dtype], "trust_remote_code": trust_remote_code}
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
+    if load_in_4bit:
+        kwargs.update(_four_bit(DTYPES[dtype]))
     return _ready_to_sample(AutoModelForCausalLM.from_pretrained(path, **kwargs), path)
 
 
@@ -129,6 +134,22 @@ def _ready_to_sample(model: PreTrainedModel, path: str) -> PreTrainedModel:
     if getattr(model, "generation_config", None) is None:
         model.generation_config = GenerationConfig.from_model_config(model.config)
     return model
+
+
+def _four_bit(dtype: torch.dtype | str) -> dict:
+    """from_pretrained arguments for a 4-bit NF4 model on the current CUDA device."""
+    if not torch.cuda.is_available():
+        raise ValueError("load_in_4bit=True needs a CUDA device (bitsandbytes 4-bit layers)")
+    from transformers import BitsAndBytesConfig
+
+    compute = dtype if dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+    config = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=compute,
+    )
+    return {"quantization_config": config, "device_map": {"": torch.cuda.current_device()}}
 
 
 def tiny_causal_lm(

@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 from lightning_troll.advantages import compute_advantages, get_advantage_estimator
 from lightning_troll.checkpoints import check_compatible, restore_rng_states, rng_states
 from lightning_troll.chunking import DEFAULT_CHUNK_SIZE, check_chunk_size
+from lightning_troll.lora import LoraConfig, adapters_disabled, apply_lora
 from lightning_troll.models import load_policy, load_tokenizer
 from lightning_troll.objectives import (
     AGGREGATION_SIZES,
@@ -46,6 +47,7 @@ from lightning_troll.rollout import (
     sample,
 )
 from lightning_troll.sharding import gathered, is_sharded, shard_model
+from lightning_troll.snapshots import Snapshot, SnapshotConfig, build_snapshot
 
 __all__ = ["ClipConfig", "LossConfig", "OptimizationConfig", "TrollModule", "TrustRegionConfig"]
 
@@ -144,6 +146,20 @@ def check_strategy(strategy: Strategy) -> None:
         )
 
 
+def check_shardable(snapshot: SnapshotConfig, lora: LoraConfig | None) -> None:
+    """Refuses the memory options that FSDP2 sharding does not support (yet)."""
+    if lora is not None:
+        raise ValueError(
+            "model.lora is not supported with FSDP2 sharding (ModelParallelStrategy): adapters "
+            "are small, so train them with the ddp strategy, or set model.lora: null"
+        )
+    if snapshot.dtype == "int8":
+        raise ValueError(
+            "model.snapshot.dtype='int8' is not supported with FSDP2 sharding "
+            "(ModelParallelStrategy); use 'bfloat16' or 'same', or snapshot.mode: shared"
+        )
+
+
 class TrollModule(LightningModule):
     """RL fine-tuning of a causal LM with TROLL (or clipping) from one switch.
 
@@ -174,6 +190,10 @@ class TrollModule(LightningModule):
             (the loss's chunks recomputed in the backward pass), so no (tokens x vocabulary)
             float32 logits are held; null computes all logits at once. Models with soft-capped
             or scaled logits always use full logits.
+        snapshot: how the behaviour-policy snapshot is held: a copy (in the policy's dtype,
+            bfloat16 or int8) or the policy itself (``shared``).
+        lora: low-rank adapters (peft) instead of full fine-tuning; null trains every weight.
+            The snapshot is then a second adapter and the reference policy the base model.
     """
 
     def __init__(
@@ -195,6 +215,8 @@ class TrollModule(LightningModule):
         seed: int = 0,
         gradient_checkpointing: bool = False,
         logits_chunk_size: int | None = DEFAULT_CHUNK_SIZE,
+        snapshot: SnapshotConfig = SnapshotConfig(),
+        lora: LoraConfig | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["optimizer", "lr_scheduler"])
@@ -217,8 +239,7 @@ class TrollModule(LightningModule):
         self._scheduler_factory = lr_scheduler
 
         self.tokenizer = load_tokenizer(model)
-        self.policy = load_policy(model, dtype=dtype)
-        self.policy.train()  # from_pretrained returns eval mode; snapshots stay in eval mode
+        self.policy = load_policy(model, dtype=dtype, load_in_4bit=bool(lora and lora.load_in_4bit))
         vocab = self.policy.get_output_embeddings().weight.shape[0]
         if vocab < len(self.tokenizer):
             raise ValueError(
@@ -226,8 +247,15 @@ class TrollModule(LightningModule):
                 f"{len(self.tokenizer)}; they must come from the same model (the policy may have "
                 "more rows, never fewer)"
             )
-        self.old_policy = self._frozen_copy(self.policy)
-        self.ref_policy = self._frozen_copy(self.policy) if loss.ref_kl_coef > 0 else None
+        if lora is not None:
+            self.policy = apply_lora(self.policy, lora)
+        self.policy.train()  # from_pretrained returns eval mode; snapshots stay in eval mode
+        self.lora = lora
+        self.snapshot: Snapshot = build_snapshot(self.policy, snapshot, adapters=lora is not None)
+        if not self.snapshot.shares_policy:
+            self.old_policy = self.snapshot.model  # a child module: saved, moved, sharded
+        with_ref = loss.ref_kl_coef > 0 and lora is None
+        self.ref_policy = self._frozen_copy(self.policy) if with_ref else None
         if gradient_checkpointing:
             self.policy.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False}
@@ -256,6 +284,26 @@ class TrollModule(LightningModule):
         snapshot.eval()
         snapshot.requires_grad_(False)
         return snapshot
+
+    @property
+    def old_policy(self) -> torch.nn.Module:
+        """The snapshot's module: a separate frozen copy, or the policy itself when the snapshot
+        shares it (``shared``, LoRA). Sample through :meth:`behaviour_policy`."""
+        separate = self._modules.get("old_policy")
+        return self.policy if separate is None else separate
+
+    def behaviour_policy(self):
+        """Context manager: the module that samples and caches old log-probs, ready for it."""
+        return self.snapshot.behaviour()
+
+    @contextmanager
+    def reference_policy(self) -> Iterator[torch.nn.Module | None]:
+        """Context manager: the reference policy for ref_kl_coef, or None when it is off."""
+        if self.lora is not None and self.loss_config.ref_kl_coef > 0:
+            with adapters_disabled(self.policy) as base:  # the base model is the initial policy
+                yield base
+        else:
+            yield self.ref_policy
 
     @property
     def pad_id(self) -> int:
@@ -289,7 +337,8 @@ class TrollModule(LightningModule):
     def train(self, mode: bool = True) -> TrollModule:
         """Frozen snapshots stay in eval mode whatever the trainer sets."""
         super().train(mode)
-        self.old_policy.eval()
+        if not self.snapshot.shares_policy:
+            self.old_policy.eval()
         if self.ref_policy is not None:
             self.ref_policy.eval()
         return self
@@ -312,13 +361,16 @@ class TrollModule(LightningModule):
                 f"{mesh['tensor_parallel'].size()} is not supported; lightning-troll shards with "
                 "FSDP2 only: set tensor_parallel_size: 1 and data_parallel_size: <processes>"
             )
+        check_shardable(self.hparams.snapshot, self.lora)
         data_parallel = mesh["data_parallel"] if "data_parallel" in names else mesh
         for model in (self.policy, self.old_policy, self.ref_policy):
             if model is not None:
                 shard_model(model, data_parallel)
 
     def configure_optimizers(self):
-        optimizer = self._optimizer_factory(self.policy.parameters())
+        optimizer = self._optimizer_factory(
+            [p for p in self.policy.parameters() if p.requires_grad]
+        )
         if self._scheduler_factory is None:
             return optimizer
         scheduler = self._scheduler_factory(optimizer)

@@ -80,8 +80,10 @@ def build(args, out: Path):
         TrustRegionMonitor,
     )
     from lightning_troll.data import PromptDataModule
+    from lightning_troll.lora import LoraConfig
     from lightning_troll.module import OptimizationConfig, TrollModule
     from lightning_troll.rollout import SamplingConfig
+    from lightning_troll.snapshots import SnapshotConfig
 
     class DumpLoaded(Callback):
         """Writes what a checkpoint restored, before any training step changes it."""
@@ -112,6 +114,8 @@ def build(args, out: Path):
         # (which differs with the order of reductions) up to steps of about lr
         optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3, eps=1e-4, foreach=False),
         gradient_checkpointing=args.gradient_checkpointing,
+        snapshot=SnapshotConfig(*args.snapshot.split(":")),
+        lora=LoraConfig(r=4) if args.lora else None,
     )
     data = PromptDataModule(
         source="tinymath",
@@ -219,6 +223,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--micro-batch-size", type=int, default=None)
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--gradient-checkpointing", action="store_true")
+    parser.add_argument("--snapshot", default="copy:same", help="snapshot mode:dtype")
+    parser.add_argument("--lora", action="store_true")
     parser.add_argument("--real-sampling", action="store_true", help="sample with generate")
     parser.add_argument("--checkpoint-every", type=int, default=0, help="rollouts, 0: never")
     parser.add_argument("--save", type=Path, default=None, help="checkpoint written at the end")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from lightning_troll.cli import run as cli_run
@@ -19,6 +20,8 @@ PRESETS = ["grpo.yaml", "dr_grpo.yaml", "gspo.yaml", "reinforce_pp.yaml"]
 PARSE_ONLY = {"gsm8k.yaml"}
 # overlays for several processes, and the config each goes on top of
 OVERLAYS = {"fsdp2_cpu.yaml": "tinymath.yaml", "fsdp2.yaml": "gsm8k.yaml"}
+# GPU-oriented overlays of memory options: parsed on top of gsm8k.yaml, run on tinymath on CPU
+MEMORY_OVERLAYS = ["memory.yaml", "lora.yaml"]
 
 
 def run(args: list[str], tmp_path: Path, monkeypatch):
@@ -40,11 +43,12 @@ def one_step(model_dir: Path) -> list[str]:
 
 
 def test_every_config_is_listed():
-    assert {c.name for c in CONFIGS} == {"tinymath.yaml", *PRESETS, *PARSE_ONLY, *OVERLAYS}
+    listed = {"tinymath.yaml", *PRESETS, *PARSE_ONLY, *OVERLAYS, *MEMORY_OVERLAYS}
+    assert {c.name for c in CONFIGS} == listed
 
 
 @pytest.mark.parametrize(
-    "config", [c for c in CONFIGS if c.name not in PRESETS], ids=lambda c: c.name
+    "config", [c for c in CONFIGS if c.name not in PRESETS + MEMORY_OVERLAYS], ids=lambda c: c.name
 )
 def test_configs_parse(config, tmp_path, monkeypatch, capsys):
     base = OVERLAYS.get(config.name)
@@ -116,6 +120,47 @@ def test_tinymath_and_presets_run_one_step(preset, tmp_path, monkeypatch, tiny_m
     assert (tmp_path / "runs" / "lightning_troll" / "version_0" / "config.yaml").exists()
 
 
+def assert_contains(printed: dict, expected: dict, where: str = "model") -> None:
+    """Every key of ``expected`` (recursively) has the same value in ``printed``."""
+    for key, value in expected.items():
+        if isinstance(value, dict):
+            assert_contains(printed[key], value, f"{where}.{key}")
+        else:
+            assert printed[key] == value, f"{where}.{key}"
+
+
+@pytest.mark.parametrize("overlay", MEMORY_OVERLAYS)
+def test_memory_overlays_parse_on_gsm8k_and_run_a_step_on_cpu(
+    overlay, tmp_path, monkeypatch, capsys, tiny_model_dir
+):
+    configs = ["--config", str(ROOT / "configs" / "gsm8k.yaml")]
+    configs += ["--config", str(ROOT / "configs" / overlay)]
+    with pytest.raises(SystemExit) as done:
+        run(["fit", *configs, "--print_config"], tmp_path, monkeypatch)
+    assert done.value.code == 0
+    printed = yaml.safe_load(capsys.readouterr().out)["model"]
+    expected = yaml.safe_load((ROOT / "configs" / overlay).read_text())["model"]
+    assert_contains(printed, expected)
+
+    args = ["fit", "--config", str(ROOT / "configs" / "tinymath.yaml")]
+    args += ["--config", str(ROOT / "configs" / overlay)]
+    cli = run(args + one_step(tiny_model_dir), tmp_path, monkeypatch)
+    assert cli.trainer.global_step == 1
+    module = cli.model
+    assert (
+        type(cli.trainer.optimizers[0]).__name__
+        == expected["optimizer"]["class_path"].split(".")[-1]
+    )
+    kind = {"memory.yaml": "Int8Snapshot", "lora.yaml": "AdapterSnapshot"}[overlay]
+    assert type(module.snapshot).__name__ == kind
+    # bitsandbytes >= 0.48 runs its 8-bit optimisers on CPU (paged ones unpaged): tensors of >=
+    # 4096 entries get 8-bit state, here the gate, up and down projections of both layers
+    states = cli.trainer.optimizers[0].state.values()
+    eight_bit = [s for s in states if s["state1"].dtype == torch.uint8]
+    assert len(eight_bit) == {"memory.yaml": 6, "lora.yaml": 0}[overlay]
+    assert len(states) == len([p for p in module.policy.parameters() if p.requires_grad])
+
+
 def test_summary_reports_reward_by_quarter(tmp_path, monkeypatch, tiny_model_dir, capsys):
     args = ["fit", "--config", str(ROOT / "configs" / "tinymath.yaml")] + one_step(tiny_model_dir)
     cli = run(args + ["--trainer.max_steps", "8"], tmp_path, monkeypatch)
@@ -144,9 +189,12 @@ def test_help_shows_documented_options(tmp_path, monkeypatch, capsys):
         "--rollout.log_samples",
         "--old_policy.every_n_rollouts",
         "--data.source",
+        "--model.snapshot.dtype",
+        "--model.lora.help",
     ):
         assert option in text, option
     assert "KL bound per token" in text  # a field docstring
+    assert "per-row absmax" in text  # the snapshot's field docstring
 
 
 @pytest.mark.parametrize(

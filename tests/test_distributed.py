@@ -203,3 +203,25 @@ def test_fsdp1_is_refused_with_the_way_out():
     check_strategy(DDPStrategy())  # accepted
     with pytest.raises(ValueError, match=r"FSDPStrategy \(FSDP1\) is not supported.*ModelParallel"):
         check_strategy(FSDPStrategy())
+
+
+def test_memory_options_fsdp2_does_not_support_are_refused():
+    from lightning_troll.lora import LoraConfig
+    from lightning_troll.module import check_shardable
+    from lightning_troll.snapshots import SnapshotConfig
+
+    check_shardable(SnapshotConfig("shared"), None)  # accepted, and run below
+    check_shardable(SnapshotConfig("copy", "bfloat16"), None)
+    with pytest.raises(ValueError, match=r"model.lora is not supported with FSDP2.*ddp"):
+        check_shardable(SnapshotConfig(), LoraConfig(r=4))
+    with pytest.raises(ValueError, match=r"snapshot.dtype='int8' is not supported with FSDP2"):
+        check_shardable(SnapshotConfig("copy", "int8"), None)
+
+
+@pytest.mark.slow  # starts two Python processes
+def test_fsdp2_with_a_shared_snapshot_matches_the_copy(single, tmp_path):
+    """The snapshot that is the (sharded) policy itself samples and caches what the sharded
+    copy would: the run equals the single-process run with a copy."""
+    out = launch(tmp_path, "--strategy", "fsdp2", "--micro-batch-size", "3",
+                 "--snapshot", "shared:same")  # fmt: skip
+    assert_same_run(single, out)
