@@ -127,7 +127,15 @@ class OptimizationConfig:
 # The configs are saved with the hyperparameters; checkpoints are loaded with weights_only=True,
 # which accepts only allow-listed classes.
 torch.serialization.add_safe_globals(
-    [TrustRegionConfig, ClipConfig, LossConfig, OptimizationConfig, SamplingConfig]
+    [
+        TrustRegionConfig,
+        ClipConfig,
+        LossConfig,
+        OptimizationConfig,
+        SamplingConfig,
+        SnapshotConfig,
+        LoraConfig,
+    ]
 )
 
 
@@ -251,6 +259,7 @@ class TrollModule(LightningModule):
             self.policy = apply_lora(self.policy, lora)
         self.policy.train()  # from_pretrained returns eval mode; snapshots stay in eval mode
         self.lora = lora
+        self.snapshot_config = snapshot
         self.snapshot: Snapshot = build_snapshot(self.policy, snapshot, adapters=lora is not None)
         if not self.snapshot.shares_policy:
             self.old_policy = self.snapshot.model  # a child module: saved, moved, sharded
@@ -350,7 +359,8 @@ class TrollModule(LightningModule):
         idempotent. Other strategies (single device, DDP, FSDPStrategy) wrap the module
         themselves and need nothing here.
         """
-        check_strategy(self.trainer.strategy)
+        if self._trainer is not None:  # load_from_checkpoint calls this without a trainer
+            check_strategy(self.trainer.strategy)
         mesh = self._device_mesh
         if mesh is None:
             return
@@ -361,7 +371,7 @@ class TrollModule(LightningModule):
                 f"{mesh['tensor_parallel'].size()} is not supported; lightning-troll shards with "
                 "FSDP2 only: set tensor_parallel_size: 1 and data_parallel_size: <processes>"
             )
-        check_shardable(self.hparams.snapshot, self.lora)
+        check_shardable(self.snapshot_config, self.lora)
         data_parallel = mesh["data_parallel"] if "data_parallel" in names else mesh
         for model in (self.policy, self.old_policy, self.ref_policy):
             if model is not None:

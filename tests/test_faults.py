@@ -268,3 +268,22 @@ def test_the_global_random_states_come_back_per_rank(tiny_model_dir):
     checkpoint["lightning_troll"]["rng"] = {1: checkpoint["lightning_troll"]["rng"][0]}
     with pytest.warns(UserWarning, match=r"no random state for global ranks \[0\]"):
         module.on_load_checkpoint(checkpoint)
+
+
+def test_every_config_class_of_the_module_loads_with_weights_only():
+    """Checkpoints keep the module's config objects in their hyper-parameters and Lightning
+    loads them with weights_only=True: every config dataclass must be allow-listed."""
+    import dataclasses
+    import inspect
+    import typing
+
+    from lightning_troll.module import TrollModule
+
+    hints = typing.get_type_hints(TrollModule.__init__)
+    configs = set()
+    for name in inspect.signature(TrollModule.__init__).parameters:
+        for kind in (hints.get(name), *typing.get_args(hints.get(name))):
+            if dataclasses.is_dataclass(kind):
+                configs.add(kind)
+    assert len(configs) >= 7
+    assert configs <= set(torch.serialization.get_safe_globals())
