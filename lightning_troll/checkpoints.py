@@ -29,12 +29,22 @@ from torch import Tensor
 
 __all__ = [
     "CheckpointError",
+    "changed_options",
     "check_checkpoint_file",
     "check_compatible",
     "non_atomic_saves",
     "restore_rng_states",
     "rng_states",
 ]
+
+
+def changed_options(now: Mapping[str, Any], stored: Mapping[str, Any]) -> list[str]:
+    """``model.<key>: <stored> -> <now>`` for every key both have with different values."""
+    return [
+        f"model.{key}: {stored[key]!r} -> {value!r}"
+        for key, value in now.items()
+        if key in stored and stored[key] != value
+    ]
 
 
 class CheckpointError(ValueError):

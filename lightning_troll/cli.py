@@ -23,7 +23,7 @@ from lightning_troll.callbacks import (
     SparsityCoverageMonitor,
     TrustRegionMonitor,
 )
-from lightning_troll.checkpoints import check_checkpoint_file, non_atomic_saves
+from lightning_troll.checkpoints import changed_options, check_checkpoint_file, non_atomic_saves
 from lightning_troll.data import PromptDataModule
 from lightning_troll.module import TrollModule
 
@@ -68,11 +68,7 @@ class TrollCLI(LightningCLI):
         if self._given_model is None:
             return
         stored = dict(self.config[self.subcommand].model.items())
-        ignored = [
-            f"model.{key}={value!r} (checkpoint: {stored[key]!r})"
-            for key, value in self._given_model.items()
-            if key in stored and stored[key] != value
-        ]
+        ignored = changed_options(self._given_model, stored)  # checkpoint's -> given
         if ignored:
             rank_zero_warn(
                 "--ckpt_path: a resumed run keeps the model options stored in the checkpoint; "

@@ -26,7 +26,12 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from lightning_troll.advantages import compute_advantages, get_advantage_estimator
-from lightning_troll.checkpoints import check_compatible, restore_rng_states, rng_states
+from lightning_troll.checkpoints import (
+    changed_options,
+    check_compatible,
+    restore_rng_states,
+    rng_states,
+)
 from lightning_troll.chunking import DEFAULT_CHUNK_SIZE, check_chunk_size
 from lightning_troll.lora import LoraConfig, adapters_disabled, apply_lora
 from lightning_troll.models import load_policy, load_tokenizer
@@ -599,11 +604,7 @@ class TrollModule(LightningModule):
             self._rng_to_restore = None
 
     def _warn_changed_options(self, saved: dict[str, Any]) -> None:
-        changed = [
-            f"model.{k}: {saved[k]!r} -> {v!r}"
-            for k, v in self.hparams.items()
-            if k in saved and saved[k] != v
-        ]
+        changed = changed_options(self.hparams, saved)
         if changed:
             rank_zero_warn(
                 "resuming with other options than the checkpoint was written with (weights, "

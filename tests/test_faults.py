@@ -170,7 +170,7 @@ def test_the_cli_resumes_with_the_checkpoints_options_and_says_so(
         checkpoints, "_device", lambda path: 2 if ckpt in (path, *path.parents) else 1
     )
     args = fit_args(tmp_path, Path("elsewhere"), 2, "--ckpt_path", str(checkpoint))
-    ignored = r"ignored: model.model='elsewhere' \(checkpoint: .*model.objective='clip' \(checkpoint: 'troll'\)"
+    ignored = r"ignored: model.model: .* -> 'elsewhere'.*model.objective: 'troll' -> 'clip'"
     with pytest.warns(UserWarning, match=ignored), pytest.warns(UserWarning, match=r"copied into"):
         cli = cli_run(args + ["--model.objective", "clip"])
     assert cli.trainer.global_step == 2 and isinstance(cli.model.objective, TrollObjective)
