@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import subprocess
 import sys
@@ -43,6 +42,7 @@ import time
 from dataclasses import asdict, dataclass
 
 import torch
+from peak_memory import peak_mib, reset_peak
 
 from lightning_troll.models import tiny_causal_lm
 from lightning_troll.objectives import build_objective
@@ -79,20 +79,6 @@ def _inputs(sequences: int, length: int) -> tuple[torch.Tensor, torch.Tensor, to
     attention = torch.ones_like(ids)
     response = torch.ones(sequences, length, dtype=torch.bool)
     return ids, attention, response
-
-
-def _peak_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
-
-
-def _reset_peak() -> bool:
-    """Sets the peak resident set size to the current one (Linux >= 4.0); False if refused."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        return False
-    return True
 
 
 def worker(objective_name: str, stage: str, chunk_size: int | None, args) -> Row:
@@ -134,10 +120,10 @@ def worker(objective_name: str, stage: str, chunk_size: int | None, args) -> Row
                 )
             loss.backward()
 
-    reset = _reset_peak()
-    baseline = _peak_mib()
+    reset = reset_peak()
+    baseline = peak_mib()
     step()
-    peak = _peak_mib() - baseline
+    peak = peak_mib() - baseline
     times = []
     for _ in range(args.repeats):
         start = time.perf_counter()

@@ -161,18 +161,22 @@ def tiny_causal_lm(
     pad_token_id: int | None = None,
     bos_token_id: int | None = None,
     eos_token_id: int | None = None,
+    intermediate_size: int | None = None,
 ) -> PreTrainedModel:
     """A randomly initialised tiny ``LlamaForCausalLM`` for tests, built from a config.
 
-    MLP width ``4 * hidden_size``, 64 positions, tied embeddings; the initialisation depends on
-    ``seed`` only (the global RNG is left untouched). Its ``generation_config`` carries the
-    pad/bos/eos ids. Returned in eval mode, like :func:`load_policy`.
+    MLP width ``intermediate_size`` (``4 * hidden_size`` when None), 64 positions, tied
+    embeddings; the initialisation depends on ``seed`` only (the global RNG is left untouched).
+    Its ``generation_config`` carries the pad/bos/eos ids. Returned in eval mode, like
+    :func:`load_policy`.
     """
+    mlp = 4 * hidden_size if intermediate_size is None else intermediate_size
     for option, value, low in (
         ("vocab_size", vocab_size, 1),
         ("hidden_size", hidden_size, 1),
         ("num_layers", num_layers, 1),
         ("num_heads", num_heads, 1),
+        ("intermediate_size", mlp, 1),
     ):
         if value < low:
             raise ValueError(f"{option} must be >= {low}; got {value}")
@@ -189,7 +193,7 @@ def tiny_causal_lm(
     config = LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
-        intermediate_size=4 * hidden_size,
+        intermediate_size=mlp,
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=num_heads,
