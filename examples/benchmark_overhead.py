@@ -13,8 +13,9 @@ The rollout: ``--sequences`` random prompts of 16 tokens and responses of ``--le
 real; advantages are standard normal. The policy then moves away from the snapshot (every
 weight plus ``--perturb`` times its tensor's standard deviation of normal noise), so the
 projection is active on some tokens; the share of projected tokens is printed. The tied
-embedding is drawn with standard deviation ``8 / sqrt(hidden)`` so that the logits are peaked as
-an LLM's are (a handful of tokens carry most of the mass) rather than near uniform.
+embedding is drawn with standard deviation ``2 / sqrt(hidden)`` (logits of standard deviation
+about 2), so that the old policy's mass sits on a few hundred tokens rather than spread near
+uniformly over the vocabulary, as a fresh initialisation would have it.
 
 Model: the output layer's share of a step's compute is chosen like a 4B model's. Per response
 token, the matrix multiplies of a decoder layer cost ``hidden * (2 * q + 2 * kv + 3 * mlp)``
@@ -80,6 +81,7 @@ from lightning_troll.sparse import sparsify
 VOCABS = (151_936, 32_000)
 PROMPT = 16
 HEADS = 2
+LOGIT_STD = 2.0  # standard deviation of the initial logits (tied embedding x sqrt(hidden))
 QWEN3_4B = {"hidden": 2560, "layers": 36, "q": 32 * 128, "kv": 8 * 128, "mlp": 9728}
 OBJECTIVES = ("clip", "troll")
 MMAP_THRESHOLD = 128 * 1024  # bytes; glibc's default, fixed so that it does not grow
@@ -164,7 +166,9 @@ def _models(vocab: int, args) -> tuple[torch.nn.Module, torch.nn.Module]:
     g = torch.Generator().manual_seed(2)
     with torch.no_grad():
         embedding = model.get_input_embeddings().weight  # (V, H), tied to the output layer
-        embedding.copy_(torch.randn(embedding.shape, generator=g) * 8 / math.sqrt(args.hidden))
+        embedding.copy_(
+            torch.randn(embedding.shape, generator=g) * LOGIT_STD / math.sqrt(args.hidden)
+        )
         snapshot = copy.deepcopy(model).eval().requires_grad_(False)
         for p in model.parameters():
             p.add_(args.perturb * p.std() * torch.randn(p.shape, generator=g))
@@ -262,14 +266,14 @@ def _positive_int(option: str):
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line; sizes are checked before any work starts."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--hidden", type=_positive_int("--hidden"), default=128, help="hidden size")
-    parser.add_argument("--layers", type=_positive_int("--layers"), default=4, help="layers")
+    parser.add_argument("--hidden", type=_positive_int("--hidden"), default=64, help="hidden size")
+    parser.add_argument("--layers", type=_positive_int("--layers"), default=2, help="layers")
     parser.add_argument(
         "--mlp", type=_positive_int("--mlp"), help="MLP width (default: Qwen3-4B's output share)"
     )
     parser.add_argument("--sequences", type=_positive_int("--sequences"), default=4, help="B")
     parser.add_argument(
-        "--length", type=_positive_int("--length"), default=64, help="response tokens T"
+        "--length", type=_positive_int("--length"), default=48, help="response tokens T"
     )
     parser.add_argument(
         "--chunk-size", type=_positive_int("--chunk-size"), default=1024, help="tokens per chunk"
@@ -278,7 +282,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--repeats", type=_positive_int("--repeats"), default=3, help="timed steps per objective"
     )
-    parser.add_argument("--perturb", type=float, default=0.05, help="policy noise, x weight std")
+    parser.add_argument("--perturb", type=float, default=0.2, help="policy noise, x weight std")
     parser.add_argument("--json", help="write the TROLL/clip ratios at V = 151,936 to this file")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

@@ -1,0 +1,62 @@
+"""The training-step overhead benchmark runs end to end and refuses bad arguments clearly."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "benchmark_overhead.py"
+TINY = ["--hidden", "16", "--layers", "1", "--mlp", "64", "--sequences", "2", "--length", "8"]
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, str(SCRIPT), *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_overhead_benchmark_writes_ratios_and_prints_both_vocabularies(tmp_path):
+    out = tmp_path / "overhead.json"
+    done = _run(*TINY, "--warmup", "0", "--repeats", "1", "--json", str(out))
+    assert done.returncode == 0, done.stderr
+    ratios = json.loads(out.read_text())
+    assert set(ratios) == {"time_ratio", "memory_ratio"}
+    for name, value in ratios.items():
+        assert isinstance(value, float) and math.isfinite(value) and value > 0, (name, value)
+    lines = done.stdout.splitlines()
+    rows = [row for row in lines if row.startswith("|") and row.split("|")[1].strip().isdigit()]
+    assert [row.split("|")[1].strip() for row in rows] == ["151936", "32000"]
+    # the JSON holds the 151,936 row's ratios, as printed (3 decimals)
+    cells = [cell.strip() for cell in rows[0].split("|")]
+    assert cells[4] == f"x{ratios['time_ratio']:.3f}"
+    assert cells[7] == f"x{ratios['memory_ratio']:.3f}"
+    # TROLL's cached sparse rows are real: the perturbed policy is projected on some tokens
+    projected = float(cells[8].rstrip("%"))
+    assert 0 < projected <= 100
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--hidden", "0"], "--hidden must be an integer >= 1; got '0'"),
+        (["--hidden", "18"], "--hidden must be a multiple of 4; got 18"),
+        (["--length", "x"], "--length must be an integer >= 1; got 'x'"),
+        (["--warmup", "-1"], "--warmup must be >= 0; got -1"),
+        (["--perturb", "nan"], "--perturb must be a finite number >= 0; got nan"),
+    ],
+)
+def test_overhead_benchmark_refuses_bad_arguments(args, message, capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    benchmark = importlib.import_module("benchmark_overhead")
+    with pytest.raises(SystemExit) as exit_info:
+        benchmark.main(args)
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    assert message in captured.err
+    assert "| V |" not in captured.out  # refused before any work
