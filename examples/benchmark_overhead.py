@@ -44,7 +44,7 @@ extra memory (gradients, AdamW's two moments, activations, the logit chunks and,
 its projection buffers). The weights, the snapshot and the rollout are in the baseline. The
 ratios are TROLL / clip.
 
-Run (from the repository root; a few minutes on 2 CPU cores, about 5 GiB of memory at peak)::
+Run (from the repository root; about 5 minutes on 2 CPU cores, 5 GiB of memory at peak)::
 
     python examples/benchmark_overhead.py
     python examples/benchmark_overhead.py --json overhead.json
@@ -280,9 +280,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps per objective")
     parser.add_argument(
-        "--repeats", type=_positive_int("--repeats"), default=3, help="timed steps per objective"
+        "--repeats", type=_positive_int("--repeats"), default=5, help="timed steps per objective"
     )
-    parser.add_argument("--perturb", type=float, default=0.2, help="policy noise, x weight std")
+    parser.add_argument("--perturb", type=float, default=0.1, help="policy noise, x weight std")
     parser.add_argument("--json", help="write the TROLL/clip ratios at V = 151,936 to this file")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
