@@ -229,10 +229,25 @@ def initial_accuracy(budget: Budget, model: str, run_dir: Path) -> dict[str, flo
     return {"rollout": 0, ACCURACY: float(done.trainer.callback_metrics[ACCURACY])}
 
 
+def check_settings(path: Path, settings: dict) -> None:
+    """Records the run settings in ``path``, or refuses to continue runs made with others."""
+    if path.exists():
+        stored = json.loads(path.read_text())
+        if stored != settings:
+            raise ValueError(
+                f"--out: {path.parent} holds runs made with {stored}, not {settings}; use another "
+                "--out or the same settings"
+            )
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(settings))
+
+
 def run_all(specs: Sequence[RunSpec], budget: Budget, model: str, out: Path) -> list[dict]:
     """Trains every run without a ``result.json`` in ``out/runs/<name>``; returns all records."""
     runs = out / "runs"
-    start_file = out / "runs" / "start.json"
+    check_settings(runs / "settings.json", {"model": model, "budget": asdict(budget)})
+    start_file = runs / "start.json"
     if not start_file.exists():
         shutil.rmtree(runs / "start", ignore_errors=True)
         start = initial_accuracy(budget, model, runs / "start")
@@ -500,11 +515,11 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     records = run_all(specs, budget, args.model, args.out)
     rows = summarise(records, args.threshold)
     write_metrics_csv(records, args.out / "metrics.csv")
-    results = [{k: v for k, v in r.items() if k != "history"} for r in records]
-    for r in results:
-        r["rollouts_to_threshold"] = rollouts_to_threshold(
-            next(x["history"] for x in records if x["name"] == r["name"]), args.threshold
-        )
+    results = [
+        {k: v for k, v in r.items() if k != "history"}
+        | {"rollouts_to_threshold": rollouts_to_threshold(r["history"], args.threshold)}
+        for r in records
+    ]
     (args.out / "results.json").write_text(json.dumps(results, indent=1))
     table = format_table(rows, args.threshold)
     (args.out / "table.md").write_text(table)

@@ -163,6 +163,8 @@ def test_finished_runs_are_skipped_and_interrupted_ones_restart(tmp_path, monkey
     records = study.run_all(specs, study.Budget(), "tinymath", tmp_path)
     assert trained == [interrupted]
     assert [r["final_accuracy"] for r in records] == [0.9, 0.7]
+    with pytest.raises(ValueError, match="--out: .* holds runs made with .*rollouts': 100"):
+        study.run_all(specs, study.Budget(rollouts=7), "tinymath", tmp_path)
     assert not (tmp_path / "runs" / interrupted.name / "stale.txt").exists()
     records = study.run_all(specs, study.Budget(), "tinymath", tmp_path)  # all done now
     assert trained == [interrupted]
@@ -203,5 +205,8 @@ def test_tiny_end_to_end_run(tiny_model_dir, tmp_path):
     assert support["vocab_size"] == vocab and 1 <= support["median"] <= support["max"] <= vocab
     assert (out / "table.md").read_text().count("| grpo |") == 2
     # the same seed gives the same run
-    again = study.main([*args, "--out", str(tmp_path / "b")])
-    assert [r["history"] for r in again] == [r["history"] for r in records]
+    troll = study.RunSpec("grpo", "troll", 0)
+    budget = study.Budget(rollouts=2, batch_size=2, val_every=1, num_val=4, num_train=16)
+    start = json.loads((out / "runs" / "start.json").read_text())
+    again = study.train(troll, budget, str(tiny_model_dir), tmp_path / "b", start)
+    assert again["history"] == records[1]["history"]
