@@ -15,8 +15,9 @@ Budget, chosen so that a run takes about two minutes on a 2-core CPU (``make dem
 1.65 s on a rollout of 256 prompts x 8; 64 prompts x 8 take about 0.7 s): 100 rollouts of 128
 prompts x 8 completions, two minibatches of 512 sequences per rollout (so 200 optimiser steps; the
 second minibatch is off-policy, where the trust region acts), validation on 256 held-out prompts
-every 10 rollouts (greedy answers). ``--quick``: GRPO only, 30 rollouts, validation every 5, no
-ablation. Curves are drawn against rollouts (rollout 0 is the warm start, whose held-out accuracy
+every 10 rollouts (greedy answers). On a loaded 2-core machine the quick run's 30-rollout runs
+took 150-413 s, so there a full run takes 10-20 minutes: lower ``--rollouts`` or
+``--batch-size``. ``--quick``: GRPO only, 30 rollouts, validation every 5, no ablation. Curves are drawn against rollouts (rollout 0 is the warm start, whose held-out accuracy
 is measured once); "rollouts to reach" is the first validated rollout with held-out accuracy >=
 ``--threshold`` (0.5; the warm start is at about 0.44).
 
