@@ -1,0 +1,212 @@
+"""examples/tinymath_study.py: aggregation, table, plots, resuming and a tiny end-to-end run."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lightning_troll.tinymath import build_tokenizer
+
+pytestmark = pytest.mark.slow  # imports Lightning and matplotlib; the end-to-end run trains
+
+ROOT = Path(__file__).resolve().parents[1]
+pytest.importorskip("matplotlib")
+
+
+def load_study():
+    spec = importlib.util.spec_from_file_location(
+        "tinymath_study", ROOT / "examples/tinymath_study.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+study = load_study()
+
+
+def record(estimator, objective, seed, accuracies, max_tokens=64, eps=0.05, extra=None):
+    """A run record whose held-out accuracy is ``accuracies[i]`` at rollout 10 * i."""
+    history = [{"rollout": 10 * i, "val/accuracy": a} for i, a in enumerate(accuracies)]
+    for row in history:
+        row.update(extra or {})
+    spec = study.RunSpec(estimator, objective, seed, max_tokens, eps)
+    return {
+        **spec.__dict__,
+        "name": spec.name,
+        "seconds": 1.0,
+        "final_accuracy": accuracies[-1],
+        "history": history,
+    }
+
+
+def test_rollouts_to_threshold_is_the_first_rollout_at_or_above_it():
+    history = [
+        {"rollout": 0, "val/accuracy": 0.4},
+        {"rollout": 3, "entropy": 0.9},  # a rollout without validation is passed over
+        {"rollout": 10, "val/accuracy": 0.5},
+        {"rollout": 20, "val/accuracy": 0.7},
+    ]
+    assert study.rollouts_to_threshold(history, 0.5) == 10  # >=, not >
+    assert study.rollouts_to_threshold(history, 0.6) == 20
+    assert study.rollouts_to_threshold(history, 0.4) == 0
+    assert study.rollouts_to_threshold(history, 0.71) is None
+    assert study.final_accuracy(history) == 0.7
+    with pytest.raises(ValueError, match="val/accuracy"):
+        study.final_accuracy([{"rollout": 0, "entropy": 1.0}])
+
+
+def test_summary_and_table_of_synthetic_runs():
+    records = [
+        record("grpo", "troll", 0, [0.4, 0.6, 0.8]),  # reaches 0.6 at rollout 10
+        record("grpo", "troll", 1, [0.4, 0.5, 0.6]),  # at rollout 20
+        record("grpo", "clip", 0, [0.4, 0.5, 0.5]),  # never
+    ]
+    rows = study.summarise(records, threshold=0.6)
+    troll, clip = rows
+    # troll: mean (0.8 + 0.6) / 2 = 0.7; sample std sqrt(((0.1)^2 + (0.1)^2) / 1) = 0.1414...
+    assert (troll["objective"], troll["seeds"], troll["reached"]) == ("troll", 2, 2)
+    assert math.isclose(troll["accuracy_mean"], 0.7, rel_tol=1e-12)
+    assert math.isclose(troll["accuracy_std"], math.sqrt(0.02), rel_tol=1e-12)
+    assert troll["rollouts_to_threshold"] == 15  # (10 + 20) / 2
+    assert (clip["accuracy_mean"], clip["accuracy_std"], clip["reached"]) == (0.5, 0.0, 0)
+    assert clip["rollouts_to_threshold"] is None
+    lines = study.format_table(rows, 0.6).splitlines()
+    assert (
+        lines[0] == "| estimator | objective | K | eps | seeds | final accuracy | rollouts to 0.6 |"
+    )
+    assert lines[2] == "| grpo | troll | 64 | 0.05 | 2 | 0.700 ± 0.141 | 15 (2/2) |"
+    assert lines[3] == "| grpo | clip | - | - | 1 | 0.500 ± 0.000 | not reached |"
+    assert len(lines) == 4
+
+
+def test_curve_averages_over_seeds_at_shared_rollouts():
+    a = record("grpo", "troll", 0, [0.2, 0.4])
+    b = record("grpo", "troll", 1, [0.4, 0.8, 0.9])  # rollout 20 only in b: dropped
+    steps, mean, std = study.curve([a, b], "val/accuracy")
+    assert steps == [0, 10]
+    assert mean == pytest.approx([0.3, 0.6], rel=1e-12)
+    assert std == pytest.approx([math.sqrt(0.02), math.sqrt(0.08)], rel=1e-12)
+
+
+def test_grid_has_every_cell_and_deduplicated_ablation():
+    specs = study.grid(["grpo", "gspo"], [0, 1], ablation=True)
+    main = [s for s in specs if (s.max_tokens, s.eps) == (64, 0.05)]
+    assert len(main) == 2 * 2 * 2
+    ablation = {(s.max_tokens, s.eps) for s in specs} - {(64, 0.05)}
+    assert ablation == {(4, 0.05), (16, 0.05), (64, 0.01), (64, 0.25)}
+    assert len({s.name for s in specs}) == len(specs) == 8 + 4
+    with pytest.raises(ValueError, match=r"--estimators: unknown \['ppo'\]"):
+        study.grid(["ppo"], [0], ablation=False)
+
+
+def test_training_args_take_the_preset_from_its_file(tmp_path):
+    args = study.training_args(
+        study.RunSpec("gspo", "clip", 3, 16, 0.25), study.Budget(), "tinymath", tmp_path
+    )
+    value = dict(zip(args[1::2], args[2::2], strict=False))
+    assert args.count("--config") == 2 and str(ROOT / "configs" / "gspo.yaml") in args
+    group = yaml.safe_load((ROOT / "configs/tinymath.yaml").read_text())["model"]["group_size"]
+    assert value["--model.optimization.minibatch_size"] == str(
+        study.Budget().batch_size * group // 2
+    )
+    assert value["--seed_everything"] == "3" and value["--model.objective"] == "clip"
+    assert value["--model.trust_region.max_tokens"] == "16"
+    assert value["--trainer.max_steps"] == str(2 * study.Budget().rollouts)
+    with pytest.raises(ValueError, match="--batch-size must be an integer >= 1; got 0"):
+        study.Budget(batch_size=0)
+
+
+def test_plots_are_written(tmp_path):
+    kl = {"trust_region/kl_after_max": 0.04, "trust_region/bound": 0.05, "entropy": 0.5}
+    records = [
+        record(e, o, s, [0.4, 0.5 + 0.1 * s], extra=kl)
+        for e in ("grpo", "gspo")
+        for o in ("clip", "troll")
+        for s in (0, 1)
+    ]
+    records.append(record("grpo", "troll", 0, [0.4, 0.45], max_tokens=4, extra=kl))
+    paths = study.write_plots(records, tmp_path)
+    names = ["accuracy.png", "entropy.png", "kl_after.png", "active_frac.png", "ablation.png"]
+    assert [p.name for p in paths] == names
+    for path in paths:
+        data = path.read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000, path.name
+
+
+def test_finished_runs_are_skipped_and_interrupted_ones_restart(tmp_path, monkeypatch):
+    specs = study.grid(["grpo"], [0], ablation=False)  # clip, troll
+    done, interrupted = specs
+    finished = record(done.estimator, done.objective, 0, [0.4, 0.9])
+    (tmp_path / "runs" / done.name).mkdir(parents=True)
+    (tmp_path / "runs" / done.name / "result.json").write_text(json.dumps(finished))
+    (tmp_path / "runs" / interrupted.name).mkdir()
+    (tmp_path / "runs" / interrupted.name / "stale.txt").write_text("left by a killed run")
+    (tmp_path / "runs" / "start.json").write_text(json.dumps({"rollout": 0, "val/accuracy": 0.4}))
+    trained = []
+
+    def fake_train(spec, budget, model, run_dir, start):
+        assert not run_dir.exists(), "the interrupted run's directory is cleared first"
+        run_dir.mkdir()
+        trained.append(spec)
+        return record(spec.estimator, spec.objective, spec.seed, [start["val/accuracy"], 0.7])
+
+    monkeypatch.setattr(study, "train", fake_train)
+    records = study.run_all(specs, study.Budget(), "tinymath", tmp_path)
+    assert trained == [interrupted]
+    assert [r["final_accuracy"] for r in records] == [0.9, 0.7]
+    with pytest.raises(ValueError, match="--out: .* holds runs made with .*rollouts': 100"):
+        study.run_all(specs, study.Budget(rollouts=7), "tinymath", tmp_path)
+    assert not (tmp_path / "runs" / interrupted.name / "stale.txt").exists()
+    records = study.run_all(specs, study.Budget(), "tinymath", tmp_path)  # all done now
+    assert trained == [interrupted]
+    assert [r["final_accuracy"] for r in records] == [0.9, 0.7]
+
+
+def test_tiny_end_to_end_run(tiny_model_dir, tmp_path):
+    args = [
+        "--model", str(tiny_model_dir),
+        "--estimators", "grpo",
+        "--seeds", "0",
+        "--rollouts", "2",
+        "--val-every", "1",
+        "--batch-size", "2",
+        "--num-val", "4",
+        "--num-train", "16",
+        "--support-prompts", "2",
+        "--no-ablation",
+    ]  # fmt: skip
+    records = study.main([*args, "--out", str(tmp_path / "a")])
+    out = tmp_path / "a"
+    assert [(r["objective"], r["seed"]) for r in records] == [("clip", 0), ("troll", 0)]
+    with (out / "metrics.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    head = ["name", "estimator", "objective", "seed", "max_tokens", "eps", "rollout"]
+    assert list(rows[0]) == head + list(study.METRICS)
+    results = json.loads((out / "results.json").read_text())
+    for result in results:
+        mine = [r for r in rows if r["name"] == result["name"] and r["val/accuracy"]]
+        # rollout 0 (the warm start), then after rollouts 1 and 2
+        assert [int(r["rollout"]) for r in mine] == [0, 1, 2]
+        assert result["final_accuracy"] == float(mine[-1]["val/accuracy"])
+        logged = {k for r in rows if r["name"] == result["name"] for k, v in r.items() if v}
+        assert ("trust_region/kl_after_max" in logged) == (result["objective"] == "troll")
+        assert ("clip/active_frac" in logged) == (result["objective"] == "clip")
+    support = json.loads((out / "support.json").read_text())
+    vocab = len(build_tokenizer())
+    assert support["vocab_size"] == vocab and 1 <= support["median"] <= support["max"] <= vocab
+    assert (out / "table.md").read_text().count("| grpo |") == 2
+    # the same seed gives the same run
+    troll = study.RunSpec("grpo", "troll", 0)
+    budget = study.Budget(rollouts=2, batch_size=2, val_every=1, num_val=4, num_train=16)
+    start = json.loads((out / "runs" / "start.json").read_text())
+    again = study.train(troll, budget, str(tiny_model_dir), tmp_path / "b", start)
+    assert again["history"] == records[1]["history"]
