@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.distributed_worker import STEPS_PER_ROLLOUT
+
 ROOT = Path(__file__).resolve().parents[1]
 WEIGHT_ATOL = 2e-6  # float32 reductions in another order; the weights move by ~4e-3
 WORKER = ROOT / "tests" / "distributed_worker.py"
@@ -29,9 +31,22 @@ COMPARED = [
     "trust_region/kl_after_mean",
     "trust_region/eta_max",
     "trust_region/active_frac",
-    "sparsity/support_mean",
     "sparsity/coverage_min",
 ]
+SEQUENCES = 4 * 4  # the worker's default global batch: 4 prompts x group size 4
+
+
+def support_tolerance(metrics: dict[str, dict[str, float]], step: str) -> float:
+    """How far ``sparsity/support_mean`` of one rollout may move when two of its per-token
+    support sizes change by one token each.
+
+    The new policy's part of a support is a count: the fewest top tokens whose mass reaches
+    1 - mass_delta. TinyMath needs 15 of its 17 tokens for that, so the last one holds a mass
+    near 1e-6, and weights that differ by float32 rounding (reductions in another order) can
+    move it across the cut-off. Every continuous statistic is compared at rel 1e-4.
+    """
+    records = metrics["completion/mean_length"][step] * SEQUENCES * STEPS_PER_ROLLOUT
+    return 2.5 / records
 
 
 def launch(out: Path, *args: str) -> Path:
@@ -75,6 +90,9 @@ def assert_same_run(reference: Path, other: Path) -> None:
         assert set(ref[name]) == set(got[name]) == {"0", "1"}, name
         for step, value in ref[name].items():
             assert got[name][step] == pytest.approx(value, rel=1e-4, abs=1e-5), (name, step)
+    for step, value in ref["sparsity/support_mean"].items():
+        tolerance = support_tolerance(ref, step)
+        assert got["sparsity/support_mean"][step] == pytest.approx(value, abs=tolerance), step
     ref_w, got_w = weights(reference), weights(other)
     for part in ("policy", "old_policy"):
         assert ref_w[part].keys() == got_w[part].keys()

@@ -108,21 +108,36 @@ def test_grid_has_every_cell_and_deduplicated_ablation():
         study.grid(["ppo"], [0], ablation=False)
 
 
+def options(args: list[str]) -> dict[str, str]:
+    """``["fit", "--a", "1", "--b", "2"]`` -> ``{"--a": "1", "--b": "2"}``."""
+    return dict(zip(args[1::2], args[2::2], strict=True))
+
+
 def test_training_args_take_the_preset_from_its_file(tmp_path):
-    args = study.training_args(
-        study.RunSpec("gspo", "clip", 3, 16, 0.25), study.Budget(), "tinymath", tmp_path
-    )
-    value = dict(zip(args[1::2], args[2::2], strict=False))
+    spec = study.RunSpec("gspo", "clip", 3, 16, 0.25)
+    args = study.training_args(spec, study.Budget(), "tinymath", tmp_path)
+    value = options(args)
     assert args.count("--config") == 2 and str(ROOT / "configs" / "gspo.yaml") in args
-    group = yaml.safe_load((ROOT / "configs/tinymath.yaml").read_text())["model"]["group_size"]
-    assert value["--model.optimization.minibatch_size"] == str(
-        study.Budget().batch_size * group // 2
-    )
     assert value["--seed_everything"] == "3" and value["--model.objective"] == "clip"
     assert value["--model.trust_region.max_tokens"] == "16"
-    assert value["--trainer.max_steps"] == str(2 * study.Budget().rollouts)
+    # 128 prompts x group size 8 = 1024 sequences a rollout, in 4 minibatches of 256: 4 steps
+    group = yaml.safe_load((ROOT / "configs/tinymath.yaml").read_text())["model"]["group_size"]
+    assert (study.Budget().batch_size, group, study.Budget().minibatches) == (128, 8, 4)
+    assert value["--model.optimization.minibatch_size"] == "256"
+    assert value["--trainer.max_steps"] == "400"  # 100 rollouts x 4
+    budget = study.Budget(rollouts=10, batch_size=4, minibatches=2)  # 32 sequences a rollout
+    value = options(study.training_args(spec, budget, "tinymath", tmp_path))
+    assert value["--model.optimization.minibatch_size"] == "16"
+    assert value["--trainer.max_steps"] == "20"
+
+
+def test_budget_errors_name_the_option():
     with pytest.raises(ValueError, match="--batch-size must be an integer >= 1; got 0"):
         study.Budget(batch_size=0)
+    with pytest.raises(ValueError, match="--minibatches must be an integer >= 1; got 0"):
+        study.Budget(minibatches=0)
+    with pytest.raises(ValueError, match=r"--minibatches must divide the 24 sequences .* got 5"):
+        study.Budget(batch_size=3, minibatches=5)
 
 
 def test_plots_are_written(tmp_path):
