@@ -9,23 +9,26 @@ estimator preset (``configs/{grpo,dr_grpo,gspo,reinforce_pp}.yaml``), so the tru
 clip range are that config's (the paper's defaults: eps 0.05, alpha 1, K 64, delta 1e-5; clip 0.2).
 The grid is {GRPO, Dr.GRPO, GSPO, REINFORCE++} x {clip, TROLL} x seeds, plus a GRPO + TROLL
 ablation over K in {4, 16, 64} and eps in {0.01, 0.05, 0.25} (seed 0; K 64 / eps 0.05 is the main
-run). Runs go one after another, in-process, through ``lightning_troll.cli.run``.
+run) and a learning-rate stress test: GRPO x {clip, TROLL} at 3x and 10x the config's learning
+rate (3e-4 and 1e-3; seed 0), where the steps grow large and the trust region or the clip has to
+hold them. Runs go one after another, in-process, through ``lightning_troll.cli.run``.
 
 Budget, chosen so that a run takes two to three minutes on a quiet 2-core CPU: 100 rollouts of 128
 prompts x 8 completions, four minibatches of 256 sequences per rollout (so 400 optimiser steps;
 the first minibatch of a rollout is on-policy, the other three are off-policy, and that is where the
 trust region and the clip act), validation on 1024 held-out prompts every 10 rollouts (greedy
-answers; one accuracy then has a standard error of about 0.015). On a loaded 2-core machine the quick run's 30-rollout runs
-took 150-413 s, so there a full run takes 10-20 minutes: lower ``--rollouts`` or
-``--batch-size``. ``--quick``: GRPO only, 30 rollouts, validation every 5, no ablation. Curves are drawn against rollouts (rollout 0 is the warm start, whose held-out accuracy
-is measured once); "rollouts to reach" is the first validated rollout with held-out accuracy >=
+answers; one accuracy then has a standard error of about 0.015). A machine busy with other work
+can take several times as long: lower ``--rollouts`` or ``--batch-size`` there. ``--quick``: GRPO
+only, 30 rollouts, validation every 5, no ablation or stress test. Curves are drawn against
+rollouts (rollout 0 is the warm start, whose held-out accuracy is measured once); "rollouts to reach" is the first validated rollout with held-out accuracy >=
 ``--threshold`` (0.6; the warm start is at 0.503 on the first 1024 test prompts).
 
 Outputs in ``--out``: ``runs/<name>/`` (the CSVLogger's file and ``result.json``, written last: a
 run whose ``result.json`` exists is skipped, so an interrupted grid continues where it stopped),
 ``metrics.csv`` (one row per run and rollout), ``results.json`` (per run: settings, final
 held-out accuracy, rollouts to the threshold, seconds), ``table.md``, ``support.json`` and the plots
-``accuracy.png``, ``kl_after.png``, ``entropy.png``, ``active_frac.png``, ``ablation.png``.
+``accuracy.png``, ``kl_after.png``, ``entropy.png``, ``active_frac.png``, ``ablation.png``,
+``learning_rate.png``.
 Needs matplotlib (``pip install lightning-troll[study]``).
 """
 
@@ -57,6 +60,8 @@ ESTIMATORS = {
 OBJECTIVES = ("clip", "troll")
 ABLATION_K = (4, 16, 64)
 ABLATION_EPS = (0.01, 0.05, 0.25)
+STRESS_LR = (3e-4, 1e-3)
+"""Learning rates of the stress test (``configs/tinymath.yaml`` trains at 1e-4)."""
 ACCURACY = "val/accuracy"
 METRICS = (
     ACCURACY,
@@ -120,15 +125,21 @@ class RunSpec:
     seed: int
     max_tokens: int = 64
     eps: float = 0.05
+    lr: float | None = None
+    """AdamW's learning rate; None: the config's."""
 
     @property
     def name(self) -> str:
         """Directory name, unique per setting."""
-        return f"{self.estimator}-{self.objective}-K{self.max_tokens}-eps{self.eps:g}-s{self.seed}"
+        lr = "" if self.lr is None else f"-lr{self.lr:g}"
+        return (
+            f"{self.estimator}-{self.objective}-K{self.max_tokens}-eps{self.eps:g}{lr}-s{self.seed}"
+        )
 
 
 def grid(estimators: Sequence[str], seeds: Sequence[int], ablation: bool) -> list[RunSpec]:
-    """The main grid, then the ablation runs that are not already in it (no duplicates)."""
+    """The main grid, then the ablation runs that are not already in it (no duplicates) and the
+    learning-rate stress runs."""
     unknown = [e for e in estimators if e not in ESTIMATORS]
     if unknown:
         raise ValueError(f"--estimators: unknown {unknown}; allowed: {sorted(ESTIMATORS)}")
@@ -137,6 +148,7 @@ def grid(estimators: Sequence[str], seeds: Sequence[int], ablation: bool) -> lis
         extra = [RunSpec("grpo", "troll", 0, max_tokens=k) for k in ABLATION_K]
         extra += [RunSpec("grpo", "troll", 0, eps=eps) for eps in ABLATION_EPS]
         specs += [s for s in dict.fromkeys(extra) if s not in specs]
+        specs += [RunSpec("grpo", o, 0, lr=lr) for lr in STRESS_LR for o in OBJECTIVES]
     return specs
 
 
@@ -168,6 +180,7 @@ def training_args(spec: RunSpec, budget: Budget, model: str, run_dir: Path) -> l
         "--data.num_train", str(budget.num_train),
         "--data.num_val", str(budget.num_val),
         "--data.val_batch_size", str(budget.num_val),
+        *([] if spec.lr is None else ["--model.optimizer.init_args.lr", str(spec.lr)]),
     ]  # fmt: skip
 
 
@@ -288,9 +301,10 @@ def summarise(records: Sequence[dict], threshold: float) -> list[dict]:
     threshold (mean over the seeds that reached it) and how many seeds reached it."""
     cells: dict[tuple, list[dict]] = {}
     for r in records:
-        cells.setdefault((r["estimator"], r["objective"], r["max_tokens"], r["eps"]), []).append(r)
+        cell = (r["estimator"], r["objective"], r["max_tokens"], r["eps"], r.get("lr"))
+        cells.setdefault(cell, []).append(r)
     rows = []
-    for (estimator, objective, k, eps), members in cells.items():
+    for (estimator, objective, k, eps, lr), members in cells.items():
         mean, std = mean_std([r["final_accuracy"] for r in members])
         reached = [rollouts_to_threshold(r["history"], threshold) for r in members]
         reached = [s for s in reached if s is not None]
@@ -300,6 +314,7 @@ def summarise(records: Sequence[dict], threshold: float) -> list[dict]:
                 "objective": objective,
                 "max_tokens": k,
                 "eps": eps,
+                "lr": lr,
                 "seeds": len(members),
                 "accuracy_mean": mean,
                 "accuracy_std": std,
@@ -312,9 +327,10 @@ def summarise(records: Sequence[dict], threshold: float) -> list[dict]:
 
 def format_table(rows: Sequence[dict], threshold: float) -> str:
     """A Markdown table of ``summarise``'s rows."""
+    config_lr = base_config()["model"]["optimizer"]["init_args"]["lr"]
     lines = [
-        f"| estimator | objective | K | eps | seeds | final accuracy | rollouts to {threshold:g} |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        f"| estimator | objective | K | eps | lr | seeds | final accuracy | rollouts to {threshold:g} |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         reach = (
@@ -323,8 +339,9 @@ def format_table(rows: Sequence[dict], threshold: float) -> str:
             else f"{r['rollouts_to_threshold']:.0f} ({r['reached']}/{r['seeds']})"
         )
         k, eps = (r["max_tokens"], f"{r['eps']:g}") if r["objective"] == "troll" else ("-", "-")
+        lr = config_lr if r.get("lr") is None else r["lr"]
         lines.append(
-            f"| {r['estimator']} | {r['objective']} | {k} | {eps} | {r['seeds']} | "
+            f"| {r['estimator']} | {r['objective']} | {k} | {eps} | {lr:g} | {r['seeds']} | "
             f"{r['accuracy_mean']:.3f} ± {r['accuracy_std']:.3f} | {reach} |"
         )
     return "\n".join(lines) + "\n"
@@ -332,13 +349,13 @@ def format_table(rows: Sequence[dict], threshold: float) -> str:
 
 def write_metrics_csv(records: Sequence[dict], path: Path) -> None:
     """One row per run and rollout: the run's settings, the rollout and ``METRICS``."""
-    keys = ["name", "estimator", "objective", "seed", "max_tokens", "eps", "rollout", *METRICS]
+    keys = ["name", "estimator", "objective", "seed", "max_tokens", "eps", "lr", "rollout"]
     with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=keys)
+        writer = csv.DictWriter(f, fieldnames=[*keys, *METRICS])
         writer.writeheader()
         for r in records:
             for row in r["history"]:
-                writer.writerow({**{k: r[k] for k in keys[:6]}, **row})
+                writer.writerow({**{k: r.get(k) for k in keys[:7]}, **row})
 
 
 def curve(records: Sequence[dict], metric: str) -> tuple[list[int], list[float], list[float]]:
@@ -352,8 +369,13 @@ def curve(records: Sequence[dict], metric: str) -> tuple[list[int], list[float],
 
 
 def is_main(record: dict) -> bool:
-    """True for runs with the config's trust region (K 64, eps 0.05), i.e. not ablation runs."""
-    return record["max_tokens"] == 64 and math.isclose(record["eps"], 0.05)
+    """True for runs with the config's trust region (K 64, eps 0.05) and learning rate, i.e. not
+    ablation or stress runs."""
+    return (
+        record["max_tokens"] == 64
+        and math.isclose(record["eps"], 0.05)
+        and record.get("lr") is None
+    )
 
 
 def plot_grid(records: Sequence[dict], metrics: dict[str, str], ylabel: str, path: Path) -> None:
@@ -400,12 +422,40 @@ def plot_ablation(records: Sequence[dict], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(5, 3.2))
     for r in records:
-        if r["estimator"] == "grpo" and r["objective"] == "troll" and r["seed"] == 0:
+        if (r["estimator"], r["objective"], r["seed"], r.get("lr")) == ("grpo", "troll", 0, None):
             steps, accuracy, _ = curve([r], ACCURACY)
             ax.plot(steps, accuracy, label=f"K {r['max_tokens']}, eps {r['eps']:g}")
     ax.set_xlabel("rollout")
     ax.set_ylabel("held-out accuracy")
     ax.legend(fontsize="x-small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_learning_rates(records: Sequence[dict], path: Path) -> None:
+    """Held-out accuracy against rollout of the GRPO runs of seed 0, one panel per learning rate
+    (the config's and the stress test's), clip against TROLL."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [r for r in records if (r["estimator"], r["seed"]) == ("grpo", 0)]
+    runs = [r for r in runs if (r["max_tokens"], r["eps"]) == (64, 0.05)]
+    config_lr = base_config()["model"]["optimizer"]["init_args"]["lr"]
+    rates = sorted({config_lr if r.get("lr") is None else r["lr"] for r in runs}) or [config_lr]
+    fig, axes = plt.subplots(1, len(rates), figsize=(4 * len(rates), 3.2), squeeze=False)
+    for ax, lr in zip(axes[0], rates, strict=True):
+        for r in runs:
+            if math.isclose(config_lr if r.get("lr") is None else r["lr"], lr):
+                steps, accuracy, _ = curve([r], ACCURACY)
+                ax.plot(steps, accuracy, label=r["objective"])
+        ax.set_title(f"GRPO, lr {lr:g}")
+        ax.set_xlabel("rollout")
+        ax.set_ylabel("held-out accuracy")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize="x-small")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -431,7 +481,8 @@ def write_plots(records: Sequence[dict], out: Path) -> list[Path]:
         plot_grid(main, metrics, ylabel, out / name)
         paths.append(out / name)
     plot_ablation(records, out / "ablation.png")
-    return [*paths, out / "ablation.png"]
+    plot_learning_rates(records, out / "learning_rate.png")
+    return [*paths, out / "ablation.png", out / "learning_rate.png"]
 
 
 def quantile(values: Sequence[float], q: float) -> float:
@@ -495,8 +546,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--minibatches", type=int, default=Budget.minibatches, help="optimiser steps per rollout"
     )
     p.add_argument("--threshold", type=float, default=0.6, help="accuracy for 'rollouts to reach'")
-    p.add_argument("--ablation", action=argparse.BooleanOptionalAction, default=None)
-    p.add_argument("--quick", action="store_true", help="GRPO only, 30 rollouts, no ablation")
+    p.add_argument(
+        "--ablation",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the K/eps ablation and the learning-rate stress test (default: on; off with --quick)",
+    )
+    p.add_argument(
+        "--quick", action="store_true", help="GRPO only, 30 rollouts, no ablation or stress test"
+    )
     p.add_argument("--support-only", action="store_true", help="only the support-size report")
     p.add_argument("--support-prompts", type=int, default=256, help="prompts (x group size)")
     p.add_argument("--model", default="tinymath", help="warm start (name or directory)")

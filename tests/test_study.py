@@ -33,12 +33,12 @@ def load_study():
 study = load_study()
 
 
-def record(estimator, objective, seed, accuracies, max_tokens=64, eps=0.05, extra=None):
+def record(estimator, objective, seed, accuracies, max_tokens=64, eps=0.05, extra=None, lr=None):
     """A run record whose held-out accuracy is ``accuracies[i]`` at rollout 10 * i."""
     history = [{"rollout": 10 * i, "val/accuracy": a} for i, a in enumerate(accuracies)]
     for row in history:
         row.update(extra or {})
-    spec = study.RunSpec(estimator, objective, seed, max_tokens, eps)
+    spec = study.RunSpec(estimator, objective, seed, max_tokens, eps, lr)
     return {
         **spec.__dict__,
         "name": spec.name,
@@ -69,9 +69,10 @@ def test_summary_and_table_of_synthetic_runs():
         record("grpo", "troll", 0, [0.4, 0.6, 0.8]),  # reaches 0.6 at rollout 10
         record("grpo", "troll", 1, [0.4, 0.5, 0.6]),  # at rollout 20
         record("grpo", "clip", 0, [0.4, 0.5, 0.5]),  # never
+        record("grpo", "clip", 0, [0.4, 0.7, 0.1], lr=1e-3),  # a cell of its own
     ]
     rows = study.summarise(records, threshold=0.6)
-    troll, clip = rows
+    troll, clip, stress = rows
     # troll: mean (0.8 + 0.6) / 2 = 0.7; sample std sqrt(((0.1)^2 + (0.1)^2) / 1) = 0.1414...
     assert (troll["objective"], troll["seeds"], troll["reached"]) == ("troll", 2, 2)
     assert math.isclose(troll["accuracy_mean"], 0.7, rel_tol=1e-12)
@@ -79,13 +80,19 @@ def test_summary_and_table_of_synthetic_runs():
     assert troll["rollouts_to_threshold"] == 15  # (10 + 20) / 2
     assert (clip["accuracy_mean"], clip["accuracy_std"], clip["reached"]) == (0.5, 0.0, 0)
     assert clip["rollouts_to_threshold"] is None
-    lines = study.format_table(rows, 0.6).splitlines()
-    assert (
-        lines[0] == "| estimator | objective | K | eps | seeds | final accuracy | rollouts to 0.6 |"
+    assert (stress["lr"], stress["accuracy_mean"], stress["rollouts_to_threshold"]) == (
+        1e-3,
+        0.1,
+        10,
     )
-    assert lines[2] == "| grpo | troll | 64 | 0.05 | 2 | 0.700 ± 0.141 | 15 (2/2) |"
-    assert lines[3] == "| grpo | clip | - | - | 1 | 0.500 ± 0.000 | not reached |"
-    assert len(lines) == 4
+    lines = study.format_table(rows, 0.6).splitlines()
+    header = "| estimator | objective | K | eps | lr | seeds | final accuracy | rollouts to 0.6 |"
+    assert lines[0] == header
+    # lr: the config's (1e-4) where the run did not set its own
+    assert lines[2] == "| grpo | troll | 64 | 0.05 | 0.0001 | 2 | 0.700 ± 0.141 | 15 (2/2) |"
+    assert lines[3] == "| grpo | clip | - | - | 0.0001 | 1 | 0.500 ± 0.000 | not reached |"
+    assert lines[4] == "| grpo | clip | - | - | 0.001 | 1 | 0.100 ± 0.000 | 10 (1/1) |"
+    assert len(lines) == 5
 
 
 def test_curve_averages_over_seeds_at_shared_rollouts():
@@ -99,11 +106,18 @@ def test_curve_averages_over_seeds_at_shared_rollouts():
 
 def test_grid_has_every_cell_and_deduplicated_ablation():
     specs = study.grid(["grpo", "gspo"], [0, 1], ablation=True)
-    main = [s for s in specs if (s.max_tokens, s.eps) == (64, 0.05)]
+    main = [s for s in specs if (s.max_tokens, s.eps, s.lr) == (64, 0.05, None)]
     assert len(main) == 2 * 2 * 2
     ablation = {(s.max_tokens, s.eps) for s in specs} - {(64, 0.05)}
     assert ablation == {(4, 0.05), (16, 0.05), (64, 0.01), (64, 0.25)}
-    assert len({s.name for s in specs}) == len(specs) == 8 + 4
+    stress = [(s.estimator, s.objective, s.lr, s.seed) for s in specs if s.lr is not None]
+    assert stress == [("grpo", o, lr, 0) for lr in (3e-4, 1e-3) for o in ("clip", "troll")]
+    assert len({s.name for s in specs}) == len(specs) == 8 + 4 + 4
+    assert study.RunSpec("grpo", "clip", 0, lr=1e-3).name == "grpo-clip-K64-eps0.05-lr0.001-s0"
+    assert study.grid(["grpo"], [0], ablation=False) == [
+        study.RunSpec("grpo", "clip", 0),
+        study.RunSpec("grpo", "troll", 0),
+    ]
     with pytest.raises(ValueError, match=r"--estimators: unknown \['ppo'\]"):
         study.grid(["ppo"], [0], ablation=False)
 
@@ -129,6 +143,21 @@ def test_training_args_take_the_preset_from_its_file(tmp_path):
     value = options(study.training_args(spec, budget, "tinymath", tmp_path))
     assert value["--model.optimization.minibatch_size"] == "16"
     assert value["--trainer.max_steps"] == "20"
+    assert "--model.optimizer.init_args.lr" not in value  # the config's
+    stress = study.RunSpec("grpo", "troll", 0, lr=3e-4)
+    value = options(study.training_args(stress, study.Budget(), "tinymath", tmp_path))
+    assert float(value["--model.optimizer.init_args.lr"]) == 3e-4
+
+
+def test_a_stress_run_trains_at_its_learning_rate(tmp_path):
+    """The override reaches the optimiser that the CLI builds; without it the config's 1e-4."""
+    budget = study.Budget(rollouts=1, batch_size=2, val_every=1, num_val=2, num_train=8)
+    for lr, expected in ((None, 1e-4), (3e-4, 3e-4)):
+        spec = study.RunSpec("grpo", "clip", 0, lr=lr)
+        done = study.cli(study.training_args(spec, budget, "tinymath", tmp_path / spec.name))
+        assert done.trainer.global_step == budget.minibatches
+        (group,) = done.trainer.optimizers[0].param_groups
+        assert group["initial_lr"] == pytest.approx(expected, rel=1e-12), spec.name
 
 
 def test_budget_errors_name_the_option():
@@ -149,8 +178,10 @@ def test_plots_are_written(tmp_path):
         for s in (0, 1)
     ]
     records.append(record("grpo", "troll", 0, [0.4, 0.45], max_tokens=4, extra=kl))
+    records.append(record("grpo", "clip", 0, [0.4, 0.1], extra=kl, lr=1e-3))
     paths = study.write_plots(records, tmp_path)
     names = ["accuracy.png", "entropy.png", "kl_after.png", "active_frac.png", "ablation.png"]
+    names.append("learning_rate.png")
     assert [p.name for p in paths] == names
     for path in paths:
         data = path.read_bytes()
@@ -204,7 +235,7 @@ def test_tiny_end_to_end_run(tiny_model_dir, tmp_path):
     assert [(r["objective"], r["seed"]) for r in records] == [("clip", 0), ("troll", 0)]
     with (out / "metrics.csv").open() as f:
         rows = list(csv.DictReader(f))
-    head = ["name", "estimator", "objective", "seed", "max_tokens", "eps", "rollout"]
+    head = ["name", "estimator", "objective", "seed", "max_tokens", "eps", "lr", "rollout"]
     assert list(rows[0]) == head + list(study.METRICS)
     results = json.loads((out / "results.json").read_text())
     for result in results:
