@@ -325,9 +325,15 @@ def summarise(records: Sequence[dict], threshold: float) -> list[dict]:
     return rows
 
 
+def learning_rate(record: dict) -> float:
+    """The learning rate a run (record or row) trained at: its own, else the config's."""
+    if record.get("lr") is not None:
+        return record["lr"]
+    return base_config()["model"]["optimizer"]["init_args"]["lr"]
+
+
 def format_table(rows: Sequence[dict], threshold: float) -> str:
     """A Markdown table of ``summarise``'s rows."""
-    config_lr = base_config()["model"]["optimizer"]["init_args"]["lr"]
     lines = [
         f"| estimator | objective | K | eps | lr | seeds | final accuracy | rollouts to {threshold:g} |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
@@ -339,7 +345,7 @@ def format_table(rows: Sequence[dict], threshold: float) -> str:
             else f"{r['rollouts_to_threshold']:.0f} ({r['reached']}/{r['seeds']})"
         )
         k, eps = (r["max_tokens"], f"{r['eps']:g}") if r["objective"] == "troll" else ("-", "-")
-        lr = config_lr if r.get("lr") is None else r["lr"]
+        lr = learning_rate(r)
         lines.append(
             f"| {r['estimator']} | {r['objective']} | {k} | {eps} | {lr:g} | {r['seeds']} | "
             f"{r['accuracy_mean']:.3f} ± {r['accuracy_std']:.3f} | {reach} |"
@@ -378,14 +384,27 @@ def is_main(record: dict) -> bool:
     )
 
 
-def plot_grid(records: Sequence[dict], metrics: dict[str, str], ylabel: str, path: Path) -> None:
-    """One panel per estimator; per objective, the mean over seeds of ``metrics[objective]`` with
-    a +-1 std band. A ``trust_region/bound`` line is drawn where TROLL runs logged it."""
+def pyplot():
+    """``matplotlib.pyplot`` on the file-only Agg backend (no display needed)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def save(fig, path: Path) -> None:
+    """Writes ``fig`` to ``path`` as a PNG and frees it."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    pyplot().close(fig)
+
+
+def plot_grid(records: Sequence[dict], metrics: dict[str, str], ylabel: str, path: Path) -> None:
+    """One panel per estimator; per objective, the mean over seeds of ``metrics[objective]`` with
+    a +-1 std band. A ``trust_region/bound`` line is drawn where TROLL runs logged it."""
+    plt = pyplot()
     estimators = list(dict.fromkeys(r["estimator"] for r in records))
     fig, axes = plt.subplots(1, len(estimators), figsize=(4 * len(estimators), 3.2), squeeze=False)
     for ax, estimator in zip(axes[0], estimators, strict=True):
@@ -408,18 +427,12 @@ def plot_grid(records: Sequence[dict], metrics: dict[str, str], ylabel: str, pat
         ax.set_ylabel(ylabel)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize="x-small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save(fig, path)
 
 
 def plot_ablation(records: Sequence[dict], path: Path) -> None:
     """Held-out accuracy against rollout for every GRPO + TROLL run of seed 0 (K and eps vary)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(5, 3.2))
     for r in records:
         if (r["estimator"], r["objective"], r["seed"], r.get("lr")) == ("grpo", "troll", 0, None):
@@ -428,27 +441,20 @@ def plot_ablation(records: Sequence[dict], path: Path) -> None:
     ax.set_xlabel("rollout")
     ax.set_ylabel("held-out accuracy")
     ax.legend(fontsize="x-small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save(fig, path)
 
 
 def plot_learning_rates(records: Sequence[dict], path: Path) -> None:
     """Held-out accuracy against rollout of the GRPO runs of seed 0, one panel per learning rate
     (the config's and the stress test's), clip against TROLL."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     runs = [r for r in records if (r["estimator"], r["seed"]) == ("grpo", 0)]
     runs = [r for r in runs if (r["max_tokens"], r["eps"]) == (64, 0.05)]
-    config_lr = base_config()["model"]["optimizer"]["init_args"]["lr"]
-    rates = sorted({config_lr if r.get("lr") is None else r["lr"] for r in runs}) or [config_lr]
+    rates = sorted({learning_rate(r) for r in runs}) or [learning_rate({})]
     fig, axes = plt.subplots(1, len(rates), figsize=(4 * len(rates), 3.2), squeeze=False)
     for ax, lr in zip(axes[0], rates, strict=True):
         for r in runs:
-            if math.isclose(config_lr if r.get("lr") is None else r["lr"], lr):
+            if math.isclose(learning_rate(r), lr):
                 steps, accuracy, _ = curve([r], ACCURACY)
                 ax.plot(steps, accuracy, label=r["objective"])
         ax.set_title(f"GRPO, lr {lr:g}")
@@ -456,9 +462,7 @@ def plot_learning_rates(records: Sequence[dict], path: Path) -> None:
         ax.set_ylabel("held-out accuracy")
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize="x-small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save(fig, path)
 
 
 def write_plots(records: Sequence[dict], out: Path) -> list[Path]:
