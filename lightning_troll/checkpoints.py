@@ -3,6 +3,8 @@
 - :func:`rng_states` / :func:`restore_rng_states`: the global torch (CPU and CUDA), Python and
   NumPy random states, kept per global rank. Sampling draws from torch's global generator
   (through ``generate``), so a resumed run samples the same completions only if these come back.
+- :func:`seed_per_rank`: gives every process random streams of its own, derived from the
+  shared seed, so that processes do not sample their completions from the same numbers.
 - :func:`check_checkpoint_file`: a ``--ckpt_path`` that is missing, truncated or not a
   checkpoint is refused with its path named, before any training.
 - :func:`check_compatible`: a checkpoint written for another model (other vocabulary or layer
@@ -35,6 +37,7 @@ __all__ = [
     "non_atomic_saves",
     "restore_rng_states",
     "rng_states",
+    "seed_per_rank",
 ]
 
 
@@ -75,6 +78,25 @@ def restore_rng_states(states: Mapping[str, Any]) -> None:
         cuda = states["cuda"]
         if len(cuda) == torch.cuda.device_count():
             torch.cuda.set_rng_state_all(cuda)
+
+
+def seed_per_rank(rank: int) -> None:
+    """Reseeds the global torch (CPU and CUDA), Python and NumPy generators for global ``rank``.
+
+    ``seed_everything`` seeds every process alike, so without this all of them would draw the
+    same random numbers: the j-th completion of a prompt on one process would be sampled from
+    the same uniforms as the j-th completion of another prompt on every other process, which
+    correlates the samples of a global batch. Every process must call this with identical states
+    (it draws the new base seed from them); the result is a function of the shared seed and the
+    rank, so a run repeats as long as the process count does.
+    """
+    if rank < 0:
+        raise ValueError(f"rank must be >= 0; got {rank}")
+    base = int(torch.randint(0, 2**62, (), dtype=torch.int64))  # the same on every process
+    seed = (base + rank * 0x9E3779B97F4A7C15) % 2**63  # golden-ratio stride: far-apart seeds
+    torch.manual_seed(seed)  # CPU and every CUDA device
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
 
 
 def check_checkpoint_file(path: str | Path) -> None:

@@ -31,6 +31,7 @@ from lightning_troll.checkpoints import (
     check_compatible,
     restore_rng_states,
     rng_states,
+    seed_per_rank,
 )
 from lightning_troll.chunking import DEFAULT_CHUNK_SIZE, check_chunk_size
 from lightning_troll.lora import LoraConfig, adapters_disabled, apply_lora
@@ -598,10 +599,13 @@ class TrollModule(LightningModule):
             )
 
     def on_train_start(self) -> None:
-        """Restores the global RNG states of a checkpoint being resumed."""
+        """Restores the global RNG states of a checkpoint being resumed; in a new run of several
+        processes, gives each its own random streams (:func:`seed_per_rank`)."""
         if self._rng_to_restore is not None:
             restore_rng_states(self._rng_to_restore)
             self._rng_to_restore = None
+        elif self.trainer.world_size > 1:
+            seed_per_rank(self.global_rank)
 
     def _warn_changed_options(self, saved: dict[str, Any]) -> None:
         changed = changed_options(self.hparams, saved)

@@ -9,9 +9,9 @@ distributions, the loss, gradients, optimiser, refresh, monitors) is the real co
 ``--real-sampling`` keeps the real sampler instead (for resume tests, where every process's
 random state matters). Rank 0 writes ``OUT/metrics.json`` (the logged value of every metric at every step),
 ``OUT/weights.pt`` (the policy's and the snapshot's full weights after the run, and greedy
-completions of a few prompts), ``OUT/gathers.json`` (FSDP2 runs: all-gathers while sampling)
-and, if asked,
-``OUT/loaded.pt`` (the weights and optimiser state right after a checkpoint was loaded).
+completions of a few prompts), ``OUT/gathers.json`` (FSDP2 runs: all-gathers while sampling),
+``OUT/rng.json`` (a digest of each process's torch random state as its first step began) and,
+if asked, ``OUT/loaded.pt`` (the weights and optimiser state right after a checkpoint was loaded).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
+import hashlib
 import json
 import sys
 from pathlib import Path
@@ -97,6 +98,24 @@ def build(args, out: Path):
             if trainer.is_global_zero:
                 torch.save(state, out / "loaded.pt")
 
+    class RecordRandomState(Callback):
+        """Writes a digest of every process's torch random state as the first step of this
+        process begins (after the module's ``on_train_start``): ``OUT/rng.json``, by rank."""
+
+        done = False
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if self.done:
+                return
+            self.done = True
+            digest = hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest()
+            everyone = [digest]
+            if trainer.world_size > 1:
+                everyone = [None] * trainer.world_size
+                torch.distributed.all_gather_object(everyone, digest)
+            if trainer.is_global_zero:
+                (out / "rng.json").write_text(json.dumps(everyone))
+
     processes = 1 if args.strategy == "single" else 2
     module = TrollModule(
         model="tinymath",
@@ -131,6 +150,7 @@ def build(args, out: Path):
     }[args.strategy]
     callbacks = [RolloutGeneration(log_samples=0), OldPolicyRefresh()]
     callbacks += [TrustRegionMonitor(histogram_every_n_rollouts=1000), SparsityCoverageMonitor()]
+    callbacks.append(RecordRandomState())
     if args.ckpt_path:
         callbacks.append(DumpLoaded())
     if args.checkpoint_every:

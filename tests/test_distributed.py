@@ -184,6 +184,10 @@ def test_fsdp2_resumes_exactly(tmp_path):
     assert ckpt.is_dir()
     resumed = launch(tmp_path / "resumed", *options, "--ckpt-path", str(ckpt))
     ref, got = metrics(whole), metrics(resumed)
+    # each process sampled from random streams of its own (seed_per_rank), in both runs
+    for run in (whole, resumed):
+        first, second = json.loads((run / "rng.json").read_text())
+        assert first != second, run.name
     assert set(got["loss/total"]) == {"2"}
     for name in COMPARED:
         assert got[name]["2"] == pytest.approx(ref[name]["2"], rel=1e-6, abs=1e-7), name

@@ -169,3 +169,29 @@ def test_a_checkpoint_inside_a_rollout_resamples_that_rollout(tmp_path, tiny_mod
     assert resumed.seen[1] == original.seen[2]
     assert trainer.global_step == 7  # 3 saved + 2 rollouts; the stop comes at a rollout's end
     assert all(torch.isfinite(p).all() for p in module.policy.parameters())
+
+
+def test_seed_per_rank_gives_each_rank_its_own_repeatable_streams():
+    """From one shared state, every rank gets other torch, Python and NumPy numbers; the same
+    rank from the same state gets the same numbers again (a run repeats)."""
+    import random
+
+    import numpy as np
+
+    from lightning_troll.checkpoints import seed_per_rank
+
+    def draws(rank: int) -> tuple:
+        torch.manual_seed(7)  # what seed_everything leaves on every process
+        random.seed(7)
+        np.random.seed(7)
+        seed_per_rank(rank)
+        return tuple(torch.rand(4).tolist()), random.random(), float(np.random.rand())
+
+    zero, one, two = draws(0), draws(1), draws(2)
+    assert draws(0) == zero and draws(1) == one
+    for a, b in ((zero, one), (zero, two), (one, two)):
+        assert all(x != y for x, y in zip(a, b, strict=True))  # torch, Python and NumPy each
+    torch.manual_seed(7)
+    assert tuple(torch.rand(4).tolist()) not in {zero[0], one[0]}  # rank 0 is reseeded too
+    with pytest.raises(ValueError, match="rank must be >= 0; got -1"):
+        seed_per_rank(-1)
