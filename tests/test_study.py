@@ -60,6 +60,8 @@ def test_rollouts_to_threshold_is_the_first_rollout_at_or_above_it():
     assert study.rollouts_to_threshold(history, 0.4) == 0
     assert study.rollouts_to_threshold(history, 0.71) is None
     assert study.final_accuracy(history) == 0.7
+    assert study.final_accuracy(history, last=2) == pytest.approx(0.6, rel=1e-12)
+    assert study.final_accuracy(history, last=9) == pytest.approx(1.6 / 3, rel=1e-12)  # all 3
     with pytest.raises(ValueError, match="val/accuracy"):
         study.final_accuracy([{"rollout": 0, "entropy": 1.0}])
 
@@ -85,13 +87,25 @@ def test_summary_and_table_of_synthetic_runs():
         0.1,
         10,
     )
+    # last 3 validations: troll (0.4 + 0.6 + 0.8) / 3 = 0.6 and (0.4 + 0.5 + 0.6) / 3 = 0.5,
+    # mean 0.55, sample std sqrt((0.05^2 + 0.05^2) / 1) = 0.0707...
+    assert math.isclose(troll["late_mean"], 0.55, rel_tol=1e-12)
+    assert math.isclose(troll["late_std"], math.sqrt(0.005), rel_tol=1e-12)
     lines = study.format_table(rows, 0.6).splitlines()
-    header = "| estimator | objective | K | eps | lr | seeds | final accuracy | rollouts to 0.6 |"
-    assert lines[0] == header
+    assert lines[0] == (
+        "| estimator | objective | K | eps | lr | seeds | final accuracy | last 3 validations "
+        "| rollouts to 0.6 |"
+    )
     # lr: the config's (1e-4) where the run did not set its own
-    assert lines[2] == "| grpo | troll | 64 | 0.05 | 0.0001 | 2 | 0.700 ± 0.141 | 15 (2/2) |"
-    assert lines[3] == "| grpo | clip | - | - | 0.0001 | 1 | 0.500 ± 0.000 | not reached |"
-    assert lines[4] == "| grpo | clip | - | - | 0.001 | 1 | 0.100 ± 0.000 | 10 (1/1) |"
+    assert lines[2] == (
+        "| grpo | troll | 64 | 0.05 | 0.0001 | 2 | 0.700 ± 0.141 | 0.550 ± 0.071 | 15 (2/2) |"
+    )
+    assert lines[3] == (
+        "| grpo | clip | - | - | 0.0001 | 1 | 0.500 ± 0.000 | 0.467 ± 0.000 | not reached |"
+    )
+    assert lines[4] == (
+        "| grpo | clip | - | - | 0.001 | 1 | 0.100 ± 0.000 | 0.400 ± 0.000 | 10 (1/1) |"
+    )
     assert len(lines) == 5
 
 
