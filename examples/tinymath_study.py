@@ -1,6 +1,6 @@
 """TROLL against PPO-style clipping on TinyMath, across advantage estimators and seeds.
 
-    python examples/tinymath_study.py --out study            # the full grid (about an hour)
+    python examples/tinymath_study.py --out study            # the full grid (70 minutes)
     python examples/tinymath_study.py --quick --out quick    # GRPO only, fewer rollouts
     python examples/tinymath_study.py --support-only         # the sparse support sizes only
 
@@ -13,17 +13,18 @@ run) and a learning-rate stress test: GRPO x {clip, TROLL} at 3x and 10x the con
 rate (3e-4 and 1e-3; seed 0), where the steps grow large and the trust region or the clip has to
 hold them. Runs go one after another, in-process, through ``lightning_troll.cli.run``.
 
-Budget, chosen so that a run takes two to three minutes on a quiet 2-core CPU: 100 rollouts of 128
-prompts x 8 completions, four minibatches of 256 sequences per rollout (so 400 optimiser steps;
-the first minibatch of a rollout is on-policy, the other three are off-policy, and that is where the
-trust region and the clip act), validation on 1024 held-out prompts every 10 rollouts (greedy
-answers; one accuracy then has a standard error of about 0.015). A machine busy with other work
-can take several times as long: lower ``--rollouts`` or ``--batch-size`` there. ``--quick``: GRPO
-only, 30 rollouts, validation every 5, no ablation or stress test. Curves are drawn against
-rollouts (rollout 0 is the warm start, whose held-out accuracy is measured once); "rollouts to reach" is the first validated rollout with held-out accuracy >=
-``--threshold`` (0.55: the warm start is at 0.503 on the first 1024 test prompts, and the runs
-of the default budget level off at 0.53-0.57). The table also gives each cell's mean of the last
-three validated accuracies (rollouts 80, 90, 100), which one noisy validation moves less.
+Budget, chosen so that a run takes about two minutes on a quiet 2-core CPU (107-140 s; 32 runs in
+about 70 minutes): 100 rollouts of 128 prompts x 8 completions, four minibatches of 256 sequences
+per rollout (so 400 optimiser steps; the first minibatch of a rollout is on-policy, the other three
+are off-policy, and that is where the trust region and the clip act), validation on 1024 held-out
+prompts every 10 rollouts (greedy answers; one accuracy then has a standard error of about 0.015). A
+machine busy with other work can take several times as long: lower ``--rollouts`` or
+``--batch-size`` there. ``--quick``: GRPO only, 30 rollouts, validation every 5, no ablation or
+stress test. Curves are drawn against rollouts (rollout 0 is the warm start, whose held-out accuracy
+is measured once); "rollouts to reach" is the first validated rollout with held-out accuracy >=
+``--threshold`` (0.55: the warm start is at 0.503 on the first 1024 test prompts, and the runs of
+the default budget level off at 0.53-0.57). The table also gives each cell's mean of the last three
+validated accuracies (by default rollouts 80, 90, 100), which one noisy validation moves less.
 
 Outputs in ``--out``: ``runs/<name>/`` (the CSVLogger's file and ``result.json``, written last: a
 run whose ``result.json`` exists is skipped, so an interrupted grid continues where it stopped),
