@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import json
 import math
 import shutil
@@ -334,11 +335,15 @@ def summarise(records: Sequence[dict], threshold: float) -> list[dict]:
     return rows
 
 
+@functools.cache
+def config_learning_rate() -> float:
+    """AdamW's learning rate in ``configs/tinymath.yaml`` (read once)."""
+    return float(base_config()["model"]["optimizer"]["init_args"]["lr"])
+
+
 def learning_rate(record: dict) -> float:
     """The learning rate a run (record or row) trained at: its own, else the config's."""
-    if record.get("lr") is not None:
-        return record["lr"]
-    return base_config()["model"]["optimizer"]["init_args"]["lr"]
+    return config_learning_rate() if record.get("lr") is None else record["lr"]
 
 
 def format_table(rows: Sequence[dict], threshold: float) -> str:
