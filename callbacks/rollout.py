@@ -13,7 +13,23 @@ from typing_extensions import override
 from lightning_troll.rollout import Rollout, behaviour_outputs, sample
 from lightning_troll.sharding import gathered
 
-__all__ = ["RolloutGeneration"]
+__all__ = ["RolloutGeneration", "samples_table"]
+
+
+def samples_table(prompts: list[str], completions: list[str], rewards: list[float]) -> str:
+    """A Markdown table of prompts, completions and rewards, one row each.
+
+    Chat-template prompts span several lines and may hold ``|``: both are escaped in every cell,
+    so each sample stays one row of the table.
+    """
+
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|").replace("\r", "").replace("\n", "⏎")
+
+    lines = ["| prompt | completion | reward |", "| --- | --- | --- |"]
+    for prompt, completion, reward in zip(prompts, completions, rewards, strict=True):
+        lines.append(f"| `{cell(prompt)}` | `{cell(completion)}` | {reward:.3g} |")
+    return "\n".join(lines)
 
 
 class RolloutGeneration(Callback):
@@ -65,7 +81,7 @@ class RolloutGeneration(Callback):
         with module.behaviour_policy() as snapshot, gathered(snapshot):
             # sharded weights are gathered once for the whole generation, not once per token
             input_ids, attention_mask, response_mask, truncated = sample(
-                snapshot, batch.prompt_ids, group, module.sampling, module.pad_id, module.eos_id
+                snapshot, batch.prompt_ids, group, module.sampling, module.pad_id, module.stop_ids
             )
         length = response_mask.shape[1]
         completions = module.decode(input_ids[:, -length:], response_mask)
@@ -133,12 +149,10 @@ class RolloutGeneration(Callback):
         logger = trainer.logger
         if not isinstance(logger, TensorBoardLogger):
             return
-        lines = ["| prompt | completion | reward |", "| --- | --- | --- |"]
-        for i in range(min(self.log_samples, rollout.num_sequences)):
-            prompt = batch.prompts[i // rollout.group_size]
-            text = completions[i].replace("|", "\\|").replace("\n", " ")
-            lines.append(f"| `{prompt}` | `{text}` | {float(rollout.rewards[i]):.3g} |")
-        logger.experiment.add_text("samples", "\n".join(lines), trainer.global_step)
+        shown = min(self.log_samples, rollout.num_sequences)
+        prompts = [batch.prompts[i // rollout.group_size] for i in range(shown)]
+        table = samples_table(prompts, completions[:shown], rollout.rewards[:shown].tolist())
+        logger.experiment.add_text("samples", table, trainer.global_step)
 
     @override
     def state_dict(self) -> dict[str, Any]:

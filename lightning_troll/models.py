@@ -1,8 +1,9 @@
 """Policy loading: tokenizers and causal LMs through the ``transformers`` Auto classes.
 
 Everything loads with ``AutoTokenizer.from_pretrained`` / ``AutoModelForCausalLM.from_pretrained``,
-from a local directory or a hub id alike; the special name ``"tinymath"`` means the shipped
-TinyMath demo policy (:data:`lightning_troll.tinymath.TINYMATH_DIR`). No Lightning here.
+from a local directory or a hub id alike; a path to a ``.gguf`` file loads (dequantised) through
+:mod:`lightning_troll.gguf`; the special name ``"tinymath"`` means the shipped TinyMath demo
+policy (:data:`lightning_troll.tinymath.TINYMATH_DIR`). No Lightning here.
 """
 
 from __future__ import annotations
@@ -22,9 +23,18 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from lightning_troll.gguf import is_gguf, load_gguf_policy, load_gguf_tokenizer
+from lightning_troll.smollm2 import DEFAULT_DIR as SMOLLM2_DIR
 from lightning_troll.tinymath import TINYMATH_DIR
 
-__all__ = ["DTYPES", "TINYMATH", "load_policy", "load_tokenizer", "tiny_causal_lm"]
+__all__ = [
+    "DTYPES",
+    "TINYMATH",
+    "load_policy",
+    "load_tokenizer",
+    "stop_token_ids",
+    "tiny_causal_lm",
+]
 
 TINYMATH = "tinymath"
 """The name that stands for the shipped demo policy directory."""
@@ -57,6 +67,14 @@ def _resolve(name_or_path: str | Path) -> str:
     path = Path(name_or_path).expanduser()
     if path.exists():
         return str(path)
+    if path.parts[-2:] == SMOLLM2_DIR.parts:
+        raise FileNotFoundError(
+            f"model: the folder {str(name_or_path)!r} does not exist; run `make smollm2` (or "
+            "`python -m lightning_troll.smollm2`) in the repository to fetch and convert "
+            "SmolLM2-135M-Instruct"
+        )
+    if is_gguf(path):
+        raise FileNotFoundError(f"model: the GGUF file {str(name_or_path)!r} does not exist")
     if isinstance(name_or_path, Path) or not _HUB_ID.match(name_or_path):
         raise FileNotFoundError(
             f"name_or_path {str(name_or_path)!r} is neither an existing local directory nor a "
@@ -77,7 +95,8 @@ def load_tokenizer(name_or_path: str | Path, padding_side: str = "left") -> PreT
     if padding_side not in PADDING_SIDES:
         raise ValueError(f"padding_side must be one of {list(PADDING_SIDES)}; got {padding_side!r}")
     path = _resolve(name_or_path)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    load = load_gguf_tokenizer if is_gguf(path) else AutoTokenizer.from_pretrained
+    tokenizer = load(path)
     tokenizer.padding_side = padding_side
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
@@ -103,14 +122,16 @@ def load_policy(
     trust_remote_code: bool = False,
     load_in_4bit: bool = False,
 ) -> PreTrainedModel:
-    """The causal LM of ``name_or_path`` (a directory, a hub id or ``"tinymath"``), in eval mode.
+    """The causal LM of ``name_or_path`` (a directory, a hub id, a ``.gguf`` file or
+    ``"tinymath"``), in eval mode.
 
     ``dtype`` is one of ``DTYPES`` (``"auto"`` keeps the checkpoint's dtype); weights stored in
     another dtype are cast. ``attn_implementation`` (``"eager"``, ``"sdpa"``, ...) is passed on
     when given. A model without a generation config gets one built from its model config; one
     that cannot ``generate`` is refused with ``ValueError``. ``load_in_4bit`` loads the weights
     in 4-bit NF4 through bitsandbytes (QLoRA's frozen base; CUDA only), computing in ``dtype``
-    (bfloat16 when ``dtype`` is float32/auto).
+    (bfloat16 when ``dtype`` is float32/auto). A GGUF file is dequantised to ``dtype`` (float32
+    for ``"auto"``) and returned as an ordinary, unquantised model.
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {list(DTYPES)}; got {dtype!r}")
@@ -118,6 +139,13 @@ def load_policy(
     kwargs: dict = {"dtype": DTYPES[dtype], "trust_remote_code": trust_remote_code}
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
+    if is_gguf(path):
+        if load_in_4bit:
+            raise ValueError(
+                f"model: {path!r} is a GGUF file; 4-bit loading (lora.load_in_4bit) needs a "
+                "transformers folder: convert it first (lightning_troll.gguf.convert_gguf)"
+            )
+        return _ready_to_sample(load_gguf_policy(path, **kwargs), path)
     if load_in_4bit:
         kwargs.update(_four_bit(DTYPES[dtype]))
     return _ready_to_sample(AutoModelForCausalLM.from_pretrained(path, **kwargs), path)
@@ -134,6 +162,27 @@ def _ready_to_sample(model: PreTrainedModel, path: str) -> PreTrainedModel:
     if getattr(model, "generation_config", None) is None:
         model.generation_config = GenerationConfig.from_model_config(model.config)
     return model
+
+
+def stop_token_ids(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel) -> tuple[int, ...]:
+    """The tokens that end a completion: the tokenizer's eos token, then every eos id of the
+    model's generation config (chat models often list their end-of-turn token there beside the
+    end-of-text one, e.g. ``[<|im_end|>, <|endoftext|>]``), without repeats.
+
+    Ids outside the model's vocabulary are refused with ``ValueError``.
+    """
+    ids = [int(tokenizer.eos_token_id)]
+    config = getattr(model, "generation_config", None)
+    extra = getattr(config, "eos_token_id", None)
+    ids += [int(i) for i in ([extra] if isinstance(extra, int) else (extra or []))]
+    vocab = model.get_output_embeddings().weight.shape[0]
+    bad = [i for i in ids if not 0 <= i < vocab]
+    if bad:
+        raise ValueError(
+            f"model: the end-of-sequence ids {bad} (tokenizer and generation_config.json) lie "
+            f"outside the policy's {vocab}-token vocabulary"
+        )
+    return tuple(dict.fromkeys(ids))
 
 
 def _four_bit(dtype: torch.dtype | str) -> dict:

@@ -35,7 +35,7 @@ from lightning_troll.checkpoints import (
 )
 from lightning_troll.chunking import DEFAULT_CHUNK_SIZE, check_chunk_size
 from lightning_troll.lora import LoraConfig, adapters_disabled, apply_lora
-from lightning_troll.models import load_policy, load_tokenizer
+from lightning_troll.models import load_policy, load_tokenizer, stop_token_ids
 from lightning_troll.objectives import (
     AGGREGATION_SIZES,
     ObjectiveStats,
@@ -261,6 +261,8 @@ class TrollModule(LightningModule):
                 f"{len(self.tokenizer)}; they must come from the same model (the policy may have "
                 "more rows, never fewer)"
             )
+        self.stop_ids = stop_token_ids(self.tokenizer, self.policy)
+        """Token ids that end a completion (the tokenizer's eos first; see ``stop_token_ids``)."""
         if lora is not None:
             self.policy = apply_lora(self.policy, lora)
         self.policy.train()  # from_pretrained returns eval mode; snapshots stay in eval mode
@@ -533,7 +535,7 @@ class TrollModule(LightningModule):
                 1,
                 self.sampling,
                 self.pad_id,
-                self.eos_id,
+                self.stop_ids,
                 do_sample=False,
             )
         completions = self.decode(ids[:, -response_mask.shape[1] :], response_mask)
@@ -546,7 +548,8 @@ class TrollModule(LightningModule):
 
     def decode(self, responses: Tensor, response_mask: Tensor) -> list[str]:
         """Response tokens -> text, without EOS and padding."""
-        keep = response_mask & (responses != self.eos_id)
+        stops = torch.as_tensor(self.stop_ids, device=responses.device)
+        keep = response_mask & ~torch.isin(responses, stops)
         return [
             self.tokenizer.decode(row[m].tolist(), skip_special_tokens=True)
             for row, m in zip(responses, keep, strict=True)

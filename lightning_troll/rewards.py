@@ -8,6 +8,7 @@ Built-ins, registered by name:
     tinymath  1.0 if ``tinymath.answer_of(completion)`` equals ``row["answer"]``
     gsm8k     the number after the last ``####``, compared numerically with the gold answer
     boxed     the content of the last ``\\boxed{...}``, compared after normalisation
+    last_number  the last number in the completion, compared numerically with the gold answer
 
 Add your own with :func:`register_reward`, or name any function by import path
 (``"my_package.my_module:my_reward"``). :class:`RewardScorer` runs a weighted set of them over
@@ -40,6 +41,7 @@ __all__ = [
     "boxed",
     "extract_boxed",
     "gsm8k",
+    "last_number",
     "register_reward",
     "resolve_reward",
     "tinymath",
@@ -100,6 +102,12 @@ def _after_hashes(text: str) -> str | None:
     """The text after the last ``####``, or None when there is none."""
     head, sep, tail = text.rpartition("####")
     return tail if sep else None
+
+
+def _last_number(text: str) -> Fraction | None:
+    """The last number in ``text`` (commas and ``$`` ignored): ``"3 + 4 = 7."`` -> 7."""
+    matches = _NUMBER.findall(text.replace("$", ""))
+    return None if not matches else _to_number(matches[-1].replace(",", "").rstrip("."))
 
 
 def _first_number(text: str) -> Fraction | None:
@@ -175,6 +183,21 @@ def boxed(prompt: str, completion: str, row: Mapping[str, Any]) -> float:
     if given_num is not None and gold_num is not None:
         return float(given_num == gold_num)
     return float(given == gold)
+
+
+@register_reward("last_number")
+def last_number(prompt: str, completion: str, row: Mapping[str, Any]) -> float:
+    """1.0 if the last number in ``completion`` equals ``row["answer"]`` as a number, else 0.0.
+
+    For short answers from chat models, which wrap the number in prose: ``"3 + 4 = 7."`` and
+    ``"The answer is 7"`` both score 1.0 for the gold answer ``7``; ``"7, not 8"`` scores 0.0.
+    Numbers are compared exactly (commas and ``$`` removed: ``"1,000"`` matches ``1000.0``). A
+    completion without a number scores 0.0.
+    """
+    gold = _first_number(str(row["answer"]))
+    if gold is None:
+        raise ValueError(f"gold answer {str(row['answer'])[-80:]!r} holds no number")
+    return float(_last_number(completion) == gold)
 
 
 # ----------------------------------------------------------------------------- resolution

@@ -12,7 +12,7 @@ H hidden size.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, fields, replace
 from functools import partial
@@ -160,10 +160,13 @@ def position_ids(attention_mask: Tensor) -> Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
 
 
-def response_mask_of(responses: Tensor, eos_id: int) -> tuple[Tensor, Tensor]:
+def response_mask_of(responses: Tensor, eos_id: int | Sequence[int]) -> tuple[Tensor, Tensor]:
     """(B, T) generated tokens -> response mask (up to and including the first EOS) and
-    truncated (B,) (no EOS at all). Padding after EOS may equal EOS; it is excluded."""
-    is_eos = responses == eos_id
+    truncated (B,) (no EOS at all). ``eos_id`` is one id or several (any of them ends a
+    completion, as a chat model's end-of-turn and end-of-text tokens do). Padding after EOS may
+    equal EOS; it is excluded."""
+    ids = torch.as_tensor([eos_id] if isinstance(eos_id, int) else list(eos_id))
+    is_eos = torch.isin(responses, ids.to(responses.device))  # (B, T)
     seen = is_eos.long().cumsum(-1)  # (B, T) EOS count so far, inclusive
     mask = (seen == 0) | (is_eos & (seen == 1))
     return mask, ~is_eos.any(-1)
@@ -176,10 +179,13 @@ def sample(
     group_size: int,
     sampling: SamplingConfig,
     pad_id: int,
-    eos_id: int,
+    eos_id: int | Sequence[int],
     do_sample: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """G completions per prompt with the model's KV-cached ``generate``.
+
+    A completion ends at the first of the ``eos_id`` tokens (one id or several), or after
+    ``sampling.max_new_tokens``.
 
     Returns input_ids (B, S + T), attention_mask (B, S + T), response_mask (B, T) and
     truncated (B,), with B = len(prompt_ids) * group_size, prompt-major.
@@ -201,7 +207,7 @@ def sample(
                 input_ids=prompts,
                 attention_mask=prompt_mask,
                 pad_token_id=pad_id,
-                eos_token_id=eos_id,
+                eos_token_id=eos_id if isinstance(eos_id, int) else list(eos_id),
                 use_cache=True,
                 **options,
             )  # (B, S + T')
