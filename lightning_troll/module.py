@@ -70,6 +70,9 @@ class TrustRegionConfig:
     """The most tokens kept per distribution, >= 1."""
     mass_delta: float = 1e-5
     """Keep tokens until their mass reaches 1 - mass_delta, in [0, 1)."""
+    keep_sampled_token: bool = True
+    """Always add the sampled token to the sparse supports (old and projected); false keeps only
+    the most probable tokens, and a sampled token outside them shares the rest bucket's mass."""
 
 
 @dataclass(frozen=True)
@@ -333,7 +336,8 @@ class TrollModule(LightningModule):
         if self.objective_name != "troll":
             return None
         projection = self.objective.projection
-        return sparsify(logits, projection.max_tokens, projection.mass_delta, keep=tokens)
+        keep = tokens if projection.keep_token else None
+        return sparsify(logits, projection.max_tokens, projection.mass_delta, keep=keep)
 
     def compute_advantages(self, rewards: Tensor) -> Tensor:
         """Advantages of this process's rewards, computed over the global batch.

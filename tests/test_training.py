@@ -112,13 +112,22 @@ def test_fit_logs_the_documented_tags(tmp_path, tiny_model_dir):
         "trust_region/kl_after_mean", "trust_region/kl_after_max", "trust_region/bound",
         "trust_region/active_frac", "trust_region/eta_mean", "trust_region/eta_max",
         "trust_region/max_violation", "sparsity/coverage_mean", "sparsity/coverage_min",
-        "sparsity/support_mean", "sparsity/support_max", "reward/mean", "reward/std",
+        "sparsity/coverage_max", "sparsity/support_min", "sparsity/support_mean",
+        "sparsity/support_max", "reward/mean", "reward/std",
         "reward/frac_zero_std", "completion/mean_length", "completion/max_length",
         "completion/truncated_frac", "loss/policy", "loss/regression", "loss/total",
         "entropy", "grad_norm", "val/accuracy", "val/reward",
     }  # fmt: skip
     assert documented <= scalars, documented - scalars
     assert len(events.Scalars("reward/mean")) == 3
+    for name in ("coverage", "support"):  # min <= mean <= max at every rollout
+        low, mean, high = (
+            [e.value for e in events.Scalars(f"sparsity/{name}_{stat}")]
+            for stat in ("min", "mean", "max")
+        )
+        assert len(low) == len(mean) == len(high) == 3
+        assert all(a <= b <= c for a, b, c in zip(low, mean, high, strict=True)), name
+        assert all(a >= 1 for a in low) if name == "support" else all(c <= 1 + 1e-5 for c in high)
     bound = events.Scalars("trust_region/bound")
     assert all(e.value == pytest.approx(0.05) for e in bound)
     assert {"trust_region/kl_after_per_token", "trust_region/kl_before_per_token"} <= set(
@@ -148,6 +157,19 @@ def test_first_minibatch_of_each_rollout_is_on_policy_and_the_bound_holds(tmp_pa
             assert (stats.projection.kl_after <= 0.05 * (1 + 1e-4)).all()
     later = torch.cat([s.token_ratio for steps in recorder.stats for s in steps[4:]])
     assert (later - 1).abs().max() > 1e-3, "later minibatches are off-policy"
+
+
+def test_keep_sampled_token_reaches_the_projection_and_the_cached_rows(tiny_model_dir):
+    """Two tokens carry the mass (max_tokens 2); the sampled token 9 joins the cached old rows
+    only with keep_sampled_token (the default)."""
+    logits = torch.tensor([[5.0, 4.0] + [0.0] * 15])  # (1, V = 17)
+    for keep in (True, False):
+        region = TrustRegionConfig(max_tokens=2, mass_delta=0.0, keep_sampled_token=keep)
+        module = make_module(tiny_model_dir, trust_region=region)
+        assert module.objective.projection.keep_token is keep
+        old = module.sparsify_old(logits, torch.tensor([9]))
+        assert sorted(old.indices[0].tolist()) == ([0, 1, 9] if keep else [0, 1])
+    assert TrustRegionConfig().keep_sampled_token is True
 
 
 def test_old_policy_refresh_every_n_rollouts(tmp_path, tiny_model_dir):
@@ -304,7 +326,7 @@ def test_nan_in_the_snapshot_stops_before_caching(tmp_path, tiny_model_dir):
     assert torch.isfinite(logp).all() and old.num_rows == 3
     with torch.no_grad():
         module.old_policy.lm_head.weight[0, 0] = float("nan")
-    with pytest.raises(FloatingPointError, match=r"logits hold NaN or inf at 3 response tokens"):
+    with pytest.raises(FloatingPointError, match=r"NaN or \+inf .* at 3 response tokens"):
         behaviour_outputs(module.old_policy, ids, mask, response, 1.0, module.sparsify_old)
 
 
