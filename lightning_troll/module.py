@@ -25,7 +25,11 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from lightning_troll.advantages import compute_advantages, get_advantage_estimator
+from lightning_troll.advantages import (
+    REWARD_SCALES,
+    compute_advantages,
+    get_advantage_estimator,
+)
 from lightning_troll.checkpoints import (
     changed_options,
     check_compatible,
@@ -189,6 +193,10 @@ class TrollModule(LightningModule):
         clip: clipping's settings.
         loss: settings both objectives share.
         estimator: advantage estimator: grpo, dr_grpo, rloo, reinforce_pp, or a registered name.
+        scale_rewards: what the estimator's baseline-subtracted rewards are divided by (TRL's
+            names): ``group`` (the group's reward std + 1e-6), ``batch`` (the std of all rewards of
+            the rollout + 1e-6) or ``none`` (Dr.GRPO's choice); null keeps the estimator's own
+            (grpo: group, dr_grpo and rloo: none, reinforce_pp: its batch std).
         group_size: completions per prompt (G).
         sampling: how the snapshot samples (temperature, top_p, top_k, max_new_tokens).
         rewards: reward functions and their weights: built-in names (tinymath, gsm8k, boxed) or
@@ -222,6 +230,7 @@ class TrollModule(LightningModule):
         clip: ClipConfig = ClipConfig(),
         loss: LossConfig = LossConfig(),
         estimator: str = "grpo",
+        scale_rewards: Literal["group", "batch", "none"] | None = None,
         group_size: int = 8,
         sampling: SamplingConfig = SamplingConfig(),
         rewards: dict[str, float] | None = None,
@@ -240,12 +249,18 @@ class TrollModule(LightningModule):
         check_chunk_size(logits_chunk_size, "model.logits_chunk_size")
         self.logits_chunk_size = logits_chunk_size
         get_advantage_estimator(estimator)
+        if scale_rewards not in (None, *REWARD_SCALES):
+            raise ValueError(
+                f"model.scale_rewards must be one of {sorted(REWARD_SCALES)} or null; got "
+                f"{scale_rewards!r}"
+            )
         if isinstance(group_size, bool) or group_size < 1:
             raise ValueError(f"model.group_size must be an integer >= 1; got {group_size!r}")
         if objective not in ("troll", "clip"):
             raise ValueError(f"model.objective must be one of ['clip', 'troll']; got {objective!r}")
         self.objective_name = objective
         self.estimator = estimator
+        self.scale_rewards = scale_rewards
         self.group_size = group_size
         self.sampling = sampling
         self.optimization = optimization
@@ -343,14 +358,17 @@ class TrollModule(LightningModule):
         """Advantages of this process's rewards, computed over the global batch.
 
         With several processes the (few) rewards of all of them are gathered first, so an
-        estimator that uses batch statistics (``reinforce_pp``'s std, or a user's own) sees the
-        same batch as a single-process run would; groups never straddle processes.
+        estimator that uses batch statistics (``reinforce_pp``'s std, ``scale_rewards: batch``,
+        or a user's own) sees the same batch as a single-process run would; groups never
+        straddle processes.
         """
         world = self.trainer.world_size if self._trainer is not None else 1
         if world == 1:
-            return compute_advantages(self.estimator, rewards, self.group_size)
+            return compute_advantages(self.estimator, rewards, self.group_size, self.scale_rewards)
         everyone = self.all_gather(rewards)  # (world, B)
-        advantages = compute_advantages(self.estimator, everyone.flatten(), self.group_size)
+        advantages = compute_advantages(
+            self.estimator, everyone.flatten(), self.group_size, self.scale_rewards
+        )
         return advantages.view_as(everyone)[self.global_rank]
 
     def train(self, mode: bool = True) -> TrollModule:

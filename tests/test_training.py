@@ -172,6 +172,21 @@ def test_keep_sampled_token_reaches_the_projection_and_the_cached_rows(tiny_mode
     assert TrustRegionConfig().keep_sampled_token is True
 
 
+def test_scale_rewards_reaches_the_advantages(tiny_model_dir):
+    """grpo with scale_rewards none is Dr.GRPO; with batch, the centred rewards over the batch
+    std + 1e-6: group 1 (mean 0.5) -> -+0.5, group 2 flat; the batch [0, 1, 1, 1] has mean 0.75
+    and sample std sqrt((0.5625 + 3 * 0.0625) / 3) = 0.5."""
+    rewards = torch.tensor([0.0, 1.0, 1.0, 1.0], dtype=torch.float64)
+    module = make_module(tiny_model_dir, group_size=2, scale_rewards="none")
+    torch.testing.assert_close(
+        module.compute_advantages(rewards),
+        torch.tensor([-0.5, 0.5, 0.0, 0.0], dtype=torch.float64), rtol=0, atol=0,
+    )  # fmt: skip
+    module.scale_rewards = "batch"
+    expected = torch.tensor([-0.5, 0.5, 0.0, 0.0], dtype=torch.float64) / (0.5 + 1e-6)
+    torch.testing.assert_close(module.compute_advantages(rewards), expected, rtol=0, atol=1e-12)
+
+
 def test_old_policy_refresh_every_n_rollouts(tmp_path, tiny_model_dir):
     refresh = OldPolicyRefresh(every_n_rollouts=2)
 
@@ -286,6 +301,10 @@ def test_dropped_rewards_leave_the_loss(tmp_path, tiny_model_dir):
         ({"estimator": "ppo"}, r"estimator must be one of .*; got 'ppo'"),
         ({"objective": "kl"}, r"model.objective must be one of \['clip', 'troll'\]; got 'kl'"),
         ({"group_size": 0}, r"model.group_size must be an integer >= 1; got 0"),
+        (
+            {"scale_rewards": "std"},
+            r"model.scale_rewards must be one of \['batch', 'group', 'none'\] or null; got 'std'",
+        ),
         ({"trust_region": TrustRegionConfig(eps=-1.0)}, r"model: eps must be a number > 0"),
         ({"rewards": {"no_such_reward": 1.0}}, r"no_such_reward"),
     ],
