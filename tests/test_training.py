@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from lightning_troll.callbacks import (
     SparsityCoverageMonitor,
     TrustRegionMonitor,
 )
+from lightning_troll.callbacks.old_policy import one_step_trap
 from lightning_troll.data import PromptDataModule
 from lightning_troll.module import OptimizationConfig, TrollModule, TrustRegionConfig
 from lightning_troll.objectives import ClipStats, TrollStats
@@ -214,6 +216,44 @@ def test_old_policy_refresh_every_n_rollouts(tmp_path, tiny_model_dir):
     restored = OldPolicyRefresh(every_n_rollouts=2)
     restored.load_state_dict(refresh.state_dict())
     assert restored.rollouts == 4 and restored.refreshes == 2
+
+
+@pytest.mark.parametrize(
+    ("epochs", "minibatch", "every_n", "traps"),
+    [
+        (1, None, 1, True),  # the whole rollout in one step, refreshed every rollout
+        (1, 32, 1, True),  # a minibatch as large as the rollout
+        (1, 16, 1, False),  # two minibatches: the second is off-policy
+        (2, None, 1, False),  # a second epoch
+        (1, None, 2, False),  # a snapshot that lags
+    ],
+)
+def test_one_step_trap_is_named_with_the_options_that_change_it(epochs, minibatch, every_n, traps):
+    message = one_step_trap(epochs, minibatch, 32, every_n, "troll")
+    assert (message is not None) == traps
+    if traps:
+        for option in (
+            f"model.optimization.minibatch_size={minibatch}",
+            "model.optimization.minibatch_size below 32",
+            "model.optimization.epochs_per_rollout above 1",
+            "old_policy.every_n_rollouts above 1",
+            "TROLL's projection never acts",
+        ):
+            assert option in message, option
+    clip = one_step_trap(1, None, None, 1, "clip")
+    assert "the clip never acts" in clip and "one minibatch of the rollout" in clip
+
+
+def test_one_step_trap_warns_once_at_start_up(tmp_path, tiny_model_dir):
+    """Three on-policy steps warn once; two minibatches per rollout do not warn."""
+    with pytest.warns(UserWarning, match=r"every optimiser step is on-policy") as caught:
+        fit(tmp_path / "a", tiny_model_dir, max_steps=3, limit_val_batches=0)
+    assert len([w for w in caught if "on-policy" in str(w.message)]) == 1
+    module = make_module(tiny_model_dir, optimization=OptimizationConfig(minibatch_size=8))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(tmp_path / "b", tiny_model_dir, max_steps=2, module=module, limit_val_batches=0)
+    assert not [w for w in caught if "on-policy" in str(w.message)]
 
 
 def test_training_without_the_rollout_callback_says_what_is_missing(tmp_path, tiny_model_dir):
