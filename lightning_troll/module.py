@@ -38,6 +38,7 @@ from lightning_troll.checkpoints import (
     seed_per_rank,
 )
 from lightning_troll.chunking import DEFAULT_CHUNK_SIZE, check_chunk_size
+from lightning_troll.dynamic_sampling import check_dynamic_sampling
 from lightning_troll.lora import LoraConfig, adapters_disabled, apply_lora
 from lightning_troll.models import load_policy, load_tokenizer
 from lightning_troll.objectives import (
@@ -54,10 +55,10 @@ from lightning_troll.rollout import (
     linear_head,
     response_hidden,
     response_logits,
-    sample,
 )
-from lightning_troll.sharding import gathered, is_sharded, shard_model
+from lightning_troll.sharding import is_sharded, shard_model
 from lightning_troll.snapshots import Snapshot, SnapshotConfig, build_snapshot
+from lightning_troll.validation import validation_metrics
 
 __all__ = ["ClipConfig", "LossConfig", "OptimizationConfig", "TrollModule", "TrustRegionConfig"]
 
@@ -107,6 +108,10 @@ class LossConfig:
     """Weight of a KL penalty to the initial policy (k3 estimator); 0 switches it off."""
     entropy_coef: float = 0.0
     """Weight of an entropy bonus; 0 switches it off."""
+    mask_truncated: bool = False
+    """Leave completions that hit sampling.max_new_tokens without EOS out of the loss (TRL's
+    mask_truncated_completions, DAPO's overlong filtering); their rewards still count in their
+    group's baseline."""
 
 
 @dataclass(frozen=True)
@@ -199,10 +204,18 @@ class TrollModule(LightningModule):
             (grpo: group, dr_grpo and rloo: none, reinforce_pp: its batch std).
         group_size: completions per prompt (G).
         sampling: how the snapshot samples (temperature, top_p, top_k, max_new_tokens).
-        rewards: reward functions and their weights: built-in names (tinymath, gsm8k, boxed) or
-            import paths ``package.module:function``.
+        rewards: reward functions and their weights: built-in names (tinymath, gsm8k, boxed,
+            overlong) or import paths ``package.module:function``.
+        reward_kwargs: keyword arguments bound to reward functions by name, e.g.
+            ``{overlong: {buffer: 256}}`` (the last 256 tokens of the budget carry the penalty).
         on_reward_error: ``raise`` stops on a reward function that fails or returns NaN/None;
             ``drop`` leaves that completion out of the loss (its group's other samples stay).
+        dynamic_sampling: DAPO's dynamic sampling: prompt groups whose rewards have no spread
+            (no gradient under group-relative advantages) leave the rollout, and more prompts
+            (drawn from the training prompts) are sampled until it holds ``data.batch_size``
+            informative groups.
+        dynamic_sampling_max_rounds: the most extra rounds of sampling per rollout, >= 1; after
+            them the rollout is filled up with groups without spread (warned once).
         optimization: epochs per rollout, minibatches, accumulation, clipping.
         optimizer: any torch or bitsandbytes optimiser (``class_path`` + ``init_args``).
         lr_scheduler: an optional LR scheduler, stepped after every optimiser step.
@@ -234,7 +247,10 @@ class TrollModule(LightningModule):
         group_size: int = 8,
         sampling: SamplingConfig = SamplingConfig(),
         rewards: dict[str, float] | None = None,
+        reward_kwargs: dict[str, dict[str, Any]] | None = None,
         on_reward_error: Literal["raise", "drop"] = "raise",
+        dynamic_sampling: bool = False,
+        dynamic_sampling_max_rounds: int = 3,
         optimization: OptimizationConfig = OptimizationConfig(),
         optimizer: OptimizerCallable = _default_optimizer,
         lr_scheduler: LRSchedulerCallable | None = None,
@@ -265,7 +281,16 @@ class TrollModule(LightningModule):
         self.sampling = sampling
         self.optimization = optimization
         self.loss_config = loss
-        self.scorer = RewardScorer(rewards or {"tinymath": 1.0}, on_error=on_reward_error)
+        try:
+            self.scorer = RewardScorer(
+                rewards or {"tinymath": 1.0}, on_error=on_reward_error, kwargs=reward_kwargs
+            )
+        except ValueError as error:
+            prefix = "model." if str(error).startswith("reward_kwargs") else ""
+            raise ValueError(f"{prefix}{error}") from None
+        check_dynamic_sampling(dynamic_sampling, dynamic_sampling_max_rounds, group_size)
+        self.dynamic_sampling = dynamic_sampling
+        self.dynamic_sampling_max_rounds = dynamic_sampling_max_rounds
         self.objective: PolicyObjective = self._build_objective(objective, trust_region, clip, loss)
         self._optimizer_factory = optimizer
         self._scheduler_factory = lr_scheduler
@@ -304,6 +329,7 @@ class TrollModule(LightningModule):
     # -- construction ----------------------------------------------------------------------------
     def _build_objective(self, name, trust_region, clip, loss) -> PolicyObjective:
         shared = asdict(loss)
+        shared.pop("mask_truncated")  # the rollout applies it, not the objective
         shared["norm_length"] = loss.norm_length or self.sampling.max_new_tokens
         specific = asdict({"troll": trust_region, "clip": clip}[name])
         try:
@@ -547,24 +573,11 @@ class TrollModule(LightningModule):
 
     # -- validation ------------------------------------------------------------------------------
     def validation_step(self, batch: Any, batch_idx: int) -> None:
-        """Greedy answers to held-out prompts, scored by the reward functions."""
-        with gathered(self.policy):
-            ids, _, response_mask, _ = sample(
-                self.policy,
-                batch.prompt_ids,
-                1,
-                self.sampling,
-                self.pad_id,
-                self.eos_id,
-                do_sample=False,
-            )
-        completions = self.decode(ids[:, -response_mask.shape[1] :], response_mask)
-        scored = self.scorer(batch.prompts, completions, batch.rows)
-        full_marks = sum(w for w in self.scorer.weights.values() if w > 0)
-        correct = (scored.total >= full_marks - 1e-6) & scored.valid
+        """Greedy answers to held-out prompts, scored by the reward functions, and with
+        ``data.val_samples: k`` k sampled ones (see :mod:`lightning_troll.validation`)."""
         size = len(batch.prompts)
-        self.log("val/accuracy", correct.float().mean(), batch_size=size, sync_dist=True)
-        self.log("val/reward", scored.total.mean(), batch_size=size, sync_dist=True)
+        for name, value in validation_metrics(self, batch, batch_idx).items():
+            self.log(name, value, batch_size=size, sync_dist=True)
 
     def decode(self, responses: Tensor, response_mask: Tensor) -> list[str]:
         """Response tokens -> text, without EOS and padding."""
