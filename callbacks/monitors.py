@@ -183,17 +183,16 @@ class TrustRegionMonitor(Callback):
 class SparsityCoverageMonitor(Callback):
     """Logs how well the sparse supports cover the distributions (TROLL runs).
 
-    ``sparsity/coverage_{mean,min}``: old-policy mass held by its kept tokens (1 - tail);
-    ``sparsity/support_{mean,max}``: tokens |U| each projection ran on.
+    ``sparsity/coverage_{min,mean,max}``: old-policy mass held by its kept tokens (1 - tail);
+    ``sparsity/support_{min,mean,max}``: tokens |U| each projection ran on.
     """
 
     def __init__(self) -> None:
         self.reductions = _Reductions(
             {
-                "sparsity/coverage_mean": MeanMetric,
-                "sparsity/coverage_min": MinMetric,
-                "sparsity/support_mean": MeanMetric,
-                "sparsity/support_max": MaxMetric,
+                f"sparsity/{name}_{stat}": metric
+                for name in ("coverage", "support")
+                for stat, metric in (("min", MinMetric), ("mean", MeanMetric), ("max", MaxMetric))
             }
         )
 
@@ -212,10 +211,9 @@ class SparsityCoverageMonitor(Callback):
         support = torch.cat([s.projection.support_size for s in stats])
         values = self.reductions.compute(
             {
-                "sparsity/coverage_mean": coverage,
-                "sparsity/coverage_min": coverage,
-                "sparsity/support_mean": support,
-                "sparsity/support_max": support,
+                f"sparsity/{name}_{stat}": value
+                for name, value in (("coverage", coverage), ("support", support))
+                for stat in ("min", "mean", "max")
             }
         )
         pl_module.log_dict(values)

@@ -2,18 +2,25 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
-from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
+from torch import Tensor
 from typing_extensions import override
 
+from lightning_troll.advantages import flat_groups
+from lightning_troll.dynamic_sampling import cat_sequences, choose_groups, group_rows
+from lightning_troll.prompts import PromptBatch, draw_prompts
+from lightning_troll.rewards import RewardOutput, reward_tag
 from lightning_troll.rollout import Rollout, behaviour_outputs, sample
 from lightning_troll.sharding import gathered
 
-__all__ = ["RolloutGeneration", "samples_table"]
+__all__ = ["RolloutGeneration", "RolloutReport", "Samples", "samples_table"]
 
 
 def samples_table(prompts: list[str], completions: list[str], rewards: list[float]) -> str:
@@ -32,6 +39,97 @@ def samples_table(prompts: list[str], completions: list[str], rewards: list[floa
     return "\n".join(lines)
 
 
+@dataclass(frozen=True)
+class Samples:
+    """One or more rounds of sampled, scored completions; per sequence, prompt-major (B = P * G)."""
+
+    input_ids: Tensor
+    """(B, S + T) prompt (left padded) followed by the response (right padded)."""
+    attention_mask: Tensor
+    """(B, S + T) 1 at prompt and response tokens."""
+    response_mask: Tensor
+    """(B, T) bool, response tokens up to and including the first EOS (nothing masked out yet)."""
+    truncated: Tensor
+    """(B,) bool, True where the completion hit the token budget without an EOS."""
+    rewards: Tensor
+    """(B,) float32 total reward; a dropped completion has its group's mean over the valid ones."""
+    scored: RewardOutput
+    """The reward functions' output (total, per function, valid), on the device of the ids."""
+    completions: list[str]
+    prompts: list[str]
+    rows: list[dict[str, Any]]
+    group_size: int
+
+    @property
+    def informative(self) -> Tensor:
+        """(P,) bool, True where the group's rewards have spread (a nonzero advantage)."""
+        return ~flat_groups(self.rewards, self.group_size)
+
+    def select(self, groups: Tensor) -> Samples:
+        """The samples of ``groups`` (ascending group indices)."""
+        rows = group_rows(groups.to(self.rewards.device), self.group_size)  # (g * G,)
+        keep = rows.tolist()
+        scored = RewardOutput(
+            total=self.scored.total[rows],
+            per_function={k: v[rows] for k, v in self.scored.per_function.items()},
+            valid=self.scored.valid[rows],
+        )
+        tensors = ("input_ids", "attention_mask", "response_mask", "truncated", "rewards")
+        return replace(
+            self,
+            **{name: getattr(self, name)[rows] for name in tensors},
+            scored=scored,
+            completions=[self.completions[i] for i in keep],
+            prompts=[self.prompts[i] for i in keep],
+            rows=[self.rows[i] for i in keep],
+        )
+
+    @staticmethod
+    def cat(parts: list[Samples], pad_id: int) -> Samples:
+        """Concatenates samples of several rounds (prompts and responses padded to the widest)."""
+        if len(parts) == 1:
+            return parts[0]
+        ids, attention, response = cat_sequences(
+            [(p.input_ids, p.attention_mask, p.response_mask) for p in parts], pad_id
+        )
+        names = parts[0].scored.per_function
+        scored = RewardOutput(
+            total=torch.cat([p.scored.total for p in parts]),
+            per_function={k: torch.cat([p.scored.per_function[k] for p in parts]) for k in names},
+            valid=torch.cat([p.scored.valid for p in parts]),
+        )
+        return Samples(
+            input_ids=ids,
+            attention_mask=attention,
+            response_mask=response,
+            truncated=torch.cat([p.truncated for p in parts]),
+            rewards=torch.cat([p.rewards for p in parts]),
+            scored=scored,
+            completions=[c for p in parts for c in p.completions],
+            prompts=[x for p in parts for x in p.prompts],
+            rows=[r for p in parts for r in p.rows],
+            group_size=parts[0].group_size,
+        )
+
+
+@dataclass(frozen=True)
+class RolloutReport:
+    """What :meth:`RolloutGeneration.collect` sampled for one rollout, for logging."""
+
+    rounds: list[Samples]
+    """Every round sampled (one without dynamic sampling), before any group was left out."""
+    kept: Samples
+    """The samples the rollout trains on."""
+    capped: bool
+    """True when dynamic sampling ran out of rounds before it had enough informative groups (on
+    any process)."""
+
+    @property
+    def rewards(self) -> Tensor:
+        """(all sampled,) total rewards of every completion sampled."""
+        return torch.cat([s.rewards for s in self.rounds])
+
+
 class RolloutGeneration(Callback):
     """Turns each batch of prompts into a :class:`~lightning_troll.rollout.Rollout`.
 
@@ -39,10 +137,16 @@ class RolloutGeneration(Callback):
     ``model.group_size`` completions per prompt with ``model.sampling`` (left padding, KV cache,
     stop at EOS); ``model.rewards`` score them; ``model.estimator`` turns rewards into advantages;
     the snapshot's token log-probs (and, for TROLL, its sparse distributions) are computed at the
-    sampling temperature and cached. The result goes on ``model.rollout``.
+    sampling temperature and cached. The result goes on ``model.rollout``. With
+    ``model.dynamic_sampling`` groups without reward spread leave the rollout and more prompts,
+    drawn from the training prompts, are sampled (at most ``model.dynamic_sampling_max_rounds``
+    extra rounds); with ``model.loss.mask_truncated`` truncated completions leave the loss.
 
-    Logs ``reward/{mean,std}``, ``reward/frac_zero_std``, ``completion/{mean,max}_length`` and
-    ``completion/truncated_frac``, and a few completions as text.
+    Logs, over every completion sampled: ``reward/{mean,std}``, ``reward/frac_zero_std``,
+    ``reward/<name>/mean`` per reward function when there are several,
+    ``completion/{mean,max}_length`` and ``completion/truncated_frac``; with dynamic sampling
+    ``dynamic_sampling/prompts_sampled``, ``dynamic_sampling/rounds`` (extra rounds) and
+    ``dynamic_sampling/frac_dropped`` (sampled groups left out); and a few completions as text.
 
     Args:
         log_samples: completions shown as text in TensorBoard per rollout; 0 switches it off.
@@ -60,46 +164,84 @@ class RolloutGeneration(Callback):
         self.rollouts = 0
         self.mean_rewards: list[float] = []
         """Mean reward of every rollout so far (this process's completions)."""
+        self._warned_cap = False
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage != "fit" or not getattr(pl_module, "dynamic_sampling", False):
+            return
+        data = trainer.datamodule
+        if not (hasattr(data, "train_items") and hasattr(data, "seed")):
+            raise ValueError(
+                "model.dynamic_sampling=true draws its extra prompts from the training prompts "
+                "of a lightning_troll.data.PromptDataModule; fit with one (the lightning-troll "
+                f"command does), not {type(data).__name__}"
+            )
 
     @override
     def on_train_batch_start(
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        rollout, completions = self.collect(pl_module, batch)
+        more = self._extra_prompts(trainer, len(batch)) if pl_module.dynamic_sampling else None
+        rollout, report = self.collect(pl_module, batch, more)
         pl_module.rollout = rollout
         self.rollouts += 1
-        self.mean_rewards.append(float(rollout.rewards.mean()))
-        self._log_metrics(pl_module, rollout)
+        self.mean_rewards.append(float(report.rewards.mean()))
+        self._log_metrics(pl_module, report)
+        if report.capped and not self._warned_cap:
+            self._warned_cap = True
+            rank_zero_warn(
+                f"dynamic sampling: after model.dynamic_sampling_max_rounds="
+                f"{pl_module.dynamic_sampling_max_rounds} extra rounds rollout {self.rollouts} "
+                "had fewer informative prompt groups than data.batch_size; it trains on them "
+                "and groups without reward spread (zero advantage). Raise the cap or "
+                "model.group_size to sample more (warned once)"
+            )
         if self.log_samples and (self.rollouts - 1) % self.log_samples_every_n_rollouts == 0:
-            self._log_text(trainer, batch, rollout, completions)
+            self._log_text(trainer, report.kept)
+
+    def _extra_prompts(self, trainer: Trainer, count: int) -> Callable[[int], PromptBatch]:
+        """Extra round r of this rollout: ``count`` training prompts drawn by a generator seeded
+        with (data.seed, rank, rollout, r), so a resumed run draws what the first one drew."""
+        data, rank, rollout = trainer.datamodule, trainer.global_rank, self.rollouts
+        if data.train_items is None:
+            data.setup("fit")
+        return lambda r: draw_prompts(
+            data.train_items, count, data.seed, f"dynamic-{rank}-{rollout}-{r}"
+        )
 
     @staticmethod
     @torch.no_grad()
-    def collect(module: LightningModule, batch: Any) -> tuple[Rollout, list[str]]:
-        """Samples, scores and caches one rollout from a batch of prompts."""
-        group = module.group_size
-        with module.behaviour_policy() as snapshot, gathered(snapshot):
-            # sharded weights are gathered once for the whole generation, not once per token
-            input_ids, attention_mask, response_mask, truncated = sample(
-                snapshot, batch.prompt_ids, group, module.sampling, module.pad_id, module.stop_ids
-            )
-        length = response_mask.shape[1]
-        completions = module.decode(input_ids[:, -length:], response_mask)
-        prompts = [p for p in batch.prompts for _ in range(group)]
-        rows = [r for r in batch.rows for _ in range(group)]
-        scored = module.scorer(prompts, completions, rows)
-        rewards = scored.total.to(input_ids.device, torch.float32)  # (B,)
-        valid = scored.valid.to(input_ids.device)  # (B,)
-        if not bool(valid.all()):
-            # Dropped completions leave the loss; in their group they take the mean reward of
-            # the others, so they shift no one's advantage.
-            grouped, ok = rewards.view(-1, group), valid.view(-1, group)
-            mean = (grouped * ok).sum(-1) / ok.sum(-1).clamp_min(1)  # (P,)
-            rewards = torch.where(valid, rewards, mean.repeat_interleave(group))
-            response_mask = response_mask & valid.unsqueeze(-1)
-        advantages = module.compute_advantages(rewards)
+    def collect(
+        module: LightningModule,
+        batch: Any,
+        more_prompts: Callable[[int], PromptBatch] | None = None,
+    ) -> tuple[Rollout, RolloutReport]:
+        """Samples, scores and caches one rollout from a batch of prompts.
+
+        With ``more_prompts`` (dynamic sampling) extra rounds ``more_prompts(1)``, ... are
+        sampled while some process has fewer informative groups than ``len(batch)``, at most
+        ``module.dynamic_sampling_max_rounds`` of them; the rollout keeps ``len(batch)`` groups.
+        """
+        rounds = [_sample(module, batch)]
+        kept, capped = rounds[0], False
+        if more_prompts is not None:
+            target = len(batch)
+            for r in range(1, module.dynamic_sampling_max_rounds + 1):
+                have = sum(int(s.informative.sum()) for s in rounds)
+                if not _on_any_process(module, have < target):
+                    break
+                rounds.append(_sample(module, more_prompts(r)))
+            groups, informative = choose_groups([s.informative for s in rounds], target)
+            capped = _on_any_process(module, informative < target)
+            parts = [s.select(g) for s, g in zip(rounds, groups, strict=True) if g.numel()]
+            kept = Samples.cat(parts, module.pad_id)
+        response_mask = kept.response_mask & kept.scored.valid.unsqueeze(-1)  # dropped rewards
+        if module.loss_config.mask_truncated:
+            response_mask = response_mask & ~kept.truncated.unsqueeze(-1)
+        advantages = module.compute_advantages(kept.rewards)
         temperature = module.sampling.temperature
-        inputs = (input_ids, attention_mask, response_mask, temperature)
+        inputs = (kept.input_ids, kept.attention_mask, response_mask, temperature)
         chunks = module.logits_chunk_size
         with module.behaviour_policy() as snapshot:
             old_logprobs, old = behaviour_outputs(snapshot, *inputs, module.sparsify_old, chunks)
@@ -108,50 +250,62 @@ class RolloutGeneration(Callback):
             if reference is not None:
                 ref_logprobs = behaviour_outputs(reference, *inputs, None, chunks)[0]
         rollout = Rollout(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
+            input_ids=kept.input_ids,
+            attention_mask=kept.attention_mask,
             response_mask=response_mask,
             old_logprobs=old_logprobs,
             old=old,
-            rewards=rewards,
+            rewards=kept.rewards,
             advantages=advantages,
-            truncated=truncated,
+            truncated=kept.truncated,
             temperature=temperature,
-            group_size=group,
+            group_size=module.group_size,
             ref_logprobs=ref_logprobs,
         )
-        return rollout, completions
+        return rollout, RolloutReport(rounds=rounds, kept=kept, capped=capped)
 
     @staticmethod
-    def _log_metrics(module: LightningModule, rollout: Rollout) -> None:
-        grouped = rollout.rewards.view(-1, rollout.group_size)
-        spread = grouped.amax(-1) - grouped.amin(-1)
-        lengths = rollout.response_mask.sum(-1).float()
+    def _log_metrics(module: LightningModule, report: RolloutReport) -> None:
+        def cat(values: Callable[[Samples], Tensor]) -> Tensor:  # over every round: (all,)
+            return torch.cat([values(s) for s in report.rounds])
+
+        rewards, valid = report.rewards, cat(lambda s: s.scored.valid)
+        lengths = cat(lambda s: s.response_mask.sum(-1)).float()
+        size = rewards.numel()
         values = {
-            "reward/std": rollout.rewards.std()
-            if rollout.num_sequences > 1
-            else lengths.new_zeros(()),
-            "reward/frac_zero_std": (spread == 0).float().mean(),
+            "reward/std": rewards.std() if size > 1 else lengths.new_zeros(()),
+            "reward/frac_zero_std": cat(lambda s: ~s.informative).float().mean(),
             "completion/mean_length": lengths.mean(),
-            "completion/truncated_frac": rollout.truncated.float().mean(),
+            "completion/truncated_frac": cat(lambda s: s.truncated).float().mean(),
         }
-        size = rollout.num_sequences
-        module.log(
-            "reward/mean", rollout.rewards.mean(), prog_bar=True, sync_dist=True, batch_size=size
-        )
+        names = list(report.kept.scored.per_function)
+        if len(names) > 1:
+            count = valid.sum().clamp_min(1)
+            for name in names:
+                column = cat(lambda s, name=name: s.scored.per_function[name])
+                values[f"reward/{reward_tag(name)}/mean"] = (column * valid).sum() / count
+        if module.dynamic_sampling:
+            groups, kept = (
+                size // module.group_size,
+                report.kept.rewards.numel() // module.group_size,
+            )
+            values["dynamic_sampling/prompts_sampled"] = torch.tensor(float(groups))
+            values["dynamic_sampling/rounds"] = torch.tensor(float(len(report.rounds) - 1))
+            values["dynamic_sampling/frac_dropped"] = torch.tensor(1.0 - kept / groups)
+        module.log("reward/mean", rewards.mean(), prog_bar=True, sync_dist=True, batch_size=size)
         module.log_dict(values, sync_dist=True, batch_size=size)
         module.log(
             "completion/max_length", lengths.max(), sync_dist=True, reduce_fx="max", batch_size=size
         )
 
     @rank_zero_only
-    def _log_text(self, trainer: Trainer, batch: Any, rollout: Rollout, completions: list[str]):
+    def _log_text(self, trainer: Trainer, samples: Samples) -> None:
         logger = trainer.logger
         if not isinstance(logger, TensorBoardLogger):
             return
-        shown = min(self.log_samples, rollout.num_sequences)
-        prompts = [batch.prompts[i // rollout.group_size] for i in range(shown)]
-        table = samples_table(prompts, completions[:shown], rollout.rewards[:shown].tolist())
+        shown = min(self.log_samples, len(samples.completions))
+        rewards = samples.rewards[:shown].tolist()
+        table = samples_table(samples.prompts[:shown], samples.completions[:shown], rewards)
         logger.experiment.add_text("samples", table, trainer.global_step)
 
     @override
@@ -162,3 +316,53 @@ class RolloutGeneration(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.rollouts = state_dict["rollouts"]
         self.mean_rewards = list(state_dict.get("mean_rewards", []))
+
+
+def _sample(module: LightningModule, batch: Any) -> Samples:
+    """One round: G completions per prompt of ``batch`` from the snapshot, decoded and scored."""
+    group = module.group_size
+    with module.behaviour_policy() as snapshot, gathered(snapshot):
+        # sharded weights are gathered once for the whole generation, not once per token
+        input_ids, attention_mask, response_mask, truncated = sample(
+            snapshot, batch.prompt_ids, group, module.sampling, module.pad_id, module.stop_ids
+        )
+    device = input_ids.device
+    length = response_mask.shape[1]
+    completions = module.decode(input_ids[:, -length:], response_mask)
+    prompts = [p for p in batch.prompts for _ in range(group)]
+    rows = [r for r in batch.rows for _ in range(group)]
+    tokens = response_mask.sum(-1).tolist()  # (B,) generated tokens, EOS included
+    scored = module.scorer(prompts, completions, rows, tokens, module.sampling.max_new_tokens)
+    scored = RewardOutput(
+        total=scored.total.to(device),
+        per_function={k: v.to(device) for k, v in scored.per_function.items()},
+        valid=scored.valid.to(device),
+    )
+    rewards = scored.total.to(torch.float32)  # (B,)
+    if not bool(scored.valid.all()):
+        # Dropped completions leave the loss; in their group they take the mean reward of the
+        # others, so they shift no one's advantage.
+        grouped, ok = rewards.view(-1, group), scored.valid.view(-1, group)
+        mean = (grouped * ok).sum(-1) / ok.sum(-1).clamp_min(1)  # (P,)
+        rewards = torch.where(scored.valid, rewards, mean.repeat_interleave(group))
+    return Samples(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        response_mask=response_mask,
+        truncated=truncated,
+        rewards=rewards,
+        scored=scored,
+        completions=completions,
+        prompts=prompts,
+        rows=rows,
+        group_size=group,
+    )
+
+
+def _on_any_process(module: LightningModule, flag: bool) -> bool:
+    """True if ``flag`` holds on any process (every process must call this alike)."""
+    trainer = module._trainer
+    if trainer is None or trainer.world_size == 1:
+        return flag
+    value = torch.tensor(float(flag), device=module.device)
+    return bool(trainer.strategy.reduce(value, reduce_op="sum") > 0)

@@ -9,8 +9,19 @@ advantages. A group whose rewards are all equal carries no signal: its advantage
     rloo          r - mean of the other G - 1 rewards           (RLOO)
     reinforce_pp  (r - mean_g) / std over the whole batch       (REINFORCE++-baseline)
 
-``std`` is the sample standard deviation (Bessel's correction). Register your own with
-:func:`register_advantage_estimator`.
+``std`` is the sample standard deviation (Bessel's correction), and every division adds
+``STD_EPS = 1e-6`` to it as the official GRPO code does (REINFORCE++'s batch whitening excepted).
+Register your own with :func:`register_advantage_estimator`.
+
+Reward scaling (``scale_rewards``, TRL's names) replaces an estimator's own scaling: the
+estimator's baseline is kept (``BASELINES``: the group mean, or RLOO's leave-one-out mean) and
+the result is divided by one of ``REWARD_SCALES``:
+
+    group   std of the group's rewards + 1e-6     (GRPO's own)
+    batch   std of all B rewards + 1e-6           (batch-level scaling)
+    none    1                                     (Dr.GRPO's choice)
+
+A registered estimator without an entry in ``BASELINES`` is its own baseline.
 """
 
 from __future__ import annotations
@@ -22,7 +33,11 @@ from torch import Tensor
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
+    "BASELINES",
+    "REWARD_SCALES",
+    "STD_EPS",
     "compute_advantages",
+    "flat_groups",
     "dr_grpo",
     "get_advantage_estimator",
     "grpo",
@@ -36,6 +51,8 @@ ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {}
 
 # A group (or batch) whose reward spread is below this counts as having none.
 _ZERO_STD = 1e-8
+# Added to a standard deviation before dividing by it, as the official GRPO code does.
+STD_EPS = 1e-6
 
 
 def register_advantage_estimator(name: str) -> Callable[[AdvantageEstimator], AdvantageEstimator]:
@@ -56,9 +73,31 @@ def get_advantage_estimator(name: str) -> AdvantageEstimator:
     return ADVANTAGE_ESTIMATORS[name]
 
 
-def compute_advantages(name: str, rewards: Tensor, group_size: int) -> Tensor:
-    """Validates the inputs once, then runs the estimator ``name``."""
-    return get_advantage_estimator(name)(rewards, group_size)
+def compute_advantages(
+    name: str, rewards: Tensor, group_size: int, scale_rewards: str | None = None
+) -> Tensor:
+    """Advantages (B,) of rewards (B,) by the estimator ``name``.
+
+    ``scale_rewards`` None keeps the estimator's own scaling; ``group``, ``batch`` or ``none``
+    divide the estimator's baseline-subtracted rewards (``BASELINES``) by that scale instead.
+    """
+    estimator = get_advantage_estimator(name)
+    if scale_rewards is None:
+        return estimator(rewards, group_size)
+    if scale_rewards not in REWARD_SCALES:
+        raise ValueError(
+            f"scale_rewards must be one of {sorted(REWARD_SCALES)} or None; got {scale_rewards!r}"
+        )
+    centred = BASELINES.get(name, estimator)(rewards, group_size)  # (B,)
+    groups = _groups(rewards, group_size)  # (P, G)
+    return (centred.view_as(groups) / REWARD_SCALES[scale_rewards](groups)).flatten()
+
+
+def flat_groups(rewards: Tensor, group_size: int) -> Tensor:
+    """(B,) rewards -> (P,) bool, True where a group's rewards have no spread: under every
+    group-relative estimator its advantages are exactly 0, so it carries no gradient."""
+    groups = _groups(rewards, group_size)  # (P, G)
+    return (groups.amax(-1) - groups.amin(-1)) <= _ZERO_STD
 
 
 def _groups(rewards: Tensor, group_size: int, min_size: int = 1) -> Tensor:
@@ -89,11 +128,30 @@ def _scaled(values: Tensor, std: Tensor) -> Tensor:
     return torch.where(std > _ZERO_STD, values / std.clamp_min(_ZERO_STD), 0.0)
 
 
+def _std(values: Tensor, dim: int | None = None) -> Tensor:
+    """Sample std over ``dim`` (all entries when None), kept for broadcasting; 0 for one value."""
+    count = values.numel() if dim is None else values.shape[dim]
+    if count < 2:
+        shape = [1] * values.dim() if dim is None else [*values.shape[:-1], 1]
+        return values.new_zeros(shape)
+    if dim is None:
+        return values.std().reshape([1] * values.dim())
+    return values.std(dim, keepdim=True)
+
+
+REWARD_SCALES: dict[str, Callable[[Tensor], Tensor]] = {
+    # (P, G) rewards -> what the baseline-subtracted rewards are divided by, broadcastable
+    "group": lambda groups: _std(groups, -1) + STD_EPS,  # (P, 1)
+    "batch": lambda groups: _std(groups) + STD_EPS,  # (1, 1)
+    "none": lambda groups: groups.new_ones(1, 1),  # (1, 1)
+}
+
+
 @register_advantage_estimator("grpo")
 def grpo(rewards: Tensor, group_size: int) -> Tensor:
-    """(r - group mean) / group std (sample std); G >= 2."""
+    """(r - group mean) / (group std + 1e-6), sample std; G >= 2."""
     groups = _groups(rewards, group_size, min_size=2)  # (P, G)
-    return _scaled(_centred(groups), groups.std(-1, keepdim=True)).flatten()
+    return (_centred(groups) / REWARD_SCALES["group"](groups)).flatten()
 
 
 @register_advantage_estimator("dr_grpo")
@@ -116,3 +174,12 @@ def reinforce_pp(rewards: Tensor, group_size: int) -> Tensor:
     if centred.numel() < 2:
         return torch.zeros_like(centred)
     return _scaled(centred, centred.std())
+
+
+BASELINES: dict[str, AdvantageEstimator] = {
+    # estimator -> the same estimator without its own scaling, for ``scale_rewards``
+    "grpo": dr_grpo,
+    "dr_grpo": dr_grpo,
+    "rloo": rloo,
+    "reinforce_pp": dr_grpo,
+}

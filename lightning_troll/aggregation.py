@@ -24,7 +24,11 @@ __all__ = [
     "AGGREGATIONS",
     "AGGREGATION_SIZES",
     "IMPORTANCE_LEVELS",
+    "K3_LOG_RATIO_LIMIT",
+    "K3_MAX",
     "REF_KL_ESTIMATORS",
+    "SEQUENCE_LOG_RATIO_MAX",
+    "k3",
     "seq_mean_token_mean",
     "seq_mean_token_sum_norm",
     "sequence_ratio",
@@ -80,14 +84,22 @@ def token_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
     return torch.where(mask, logp - old_logp, 0.0).exp()
 
 
+# GSPO's log-ratio is clamped from above before exp (as GSPO's reference implementation does),
+# so one far off-policy sequence cannot overflow the loss: exp(10) ~ 2.2e4.
+SEQUENCE_LOG_RATIO_MAX = 10.0
+
+
 def sequence_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
     """GSPO: s = exp(mean_t log r_t) per sequence, detached, times pi(o_t) / sg(pi(o_t)).
 
     Every token of a sequence has the value s; the gradient of a token is s * grad log pi(o_t).
+    The log of each token's ratio is clamped at ``SEQUENCE_LOG_RATIO_MAX`` (a token above it gets
+    the value exp(10) and no gradient).
     """
     log_r = torch.where(mask, logp - old_logp, 0.0)  # (B, T)
     seq = (log_r.sum(-1) / mask.sum(-1).clamp_min(1)).detach()  # (B,)
-    return torch.where(mask, seq.unsqueeze(-1) + logp - logp.detach(), 0.0).exp()  # (B, T)
+    log_s = (seq.unsqueeze(-1) + logp - logp.detach()).clamp(max=SEQUENCE_LOG_RATIO_MAX)  # (B, T)
+    return torch.where(mask, log_s, 0.0).exp()  # (B, T)
 
 
 IMPORTANCE_LEVELS: dict[str, Callable[[Tensor, Tensor, Tensor], Tensor]] = {
@@ -99,9 +111,23 @@ IMPORTANCE_LEVELS: dict[str, Callable[[Tensor, Tensor, Tensor], Tensor]] = {
 # Reference-KL estimators: (B, T) log pi and log pi_ref -> (B, T) per-token KL estimates
 # --------------------------------------------------------------------------------------------
 
+# k3 is clamped as verl's "low_var_kl" is: the log-ratio to [-20, 20], the estimate to at most 10,
+# so a token the reference policy finds very unlikely cannot dominate the penalty.
+K3_LOG_RATIO_LIMIT = 20.0
+K3_MAX = 10.0
+
+
+def k3(logp: Tensor, ref: Tensor) -> Tensor:
+    """k3 = exp(d) - d - 1 with d = log pi_ref - log pi clamped to [-20, 20], then at most 10.
+
+    Unbiased where nothing is clamped, never negative; (B, T) -> (B, T).
+    """
+    d = (ref - logp).clamp(-K3_LOG_RATIO_LIMIT, K3_LOG_RATIO_LIMIT)  # (B, T)
+    return (torch.expm1(d) - d).clamp(max=K3_MAX)
+
+
 REF_KL_ESTIMATORS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
     # k1 = log pi - log pi_ref (unbiased, high variance, can be negative)
     "k1": lambda logp, ref: logp - ref,
-    # k3 = exp(d) - d - 1 with d = log pi_ref - log pi (unbiased, never negative)
-    "k3": lambda logp, ref: torch.expm1(ref - logp) - (ref - logp),
+    "k3": k3,
 }

@@ -10,6 +10,7 @@ and the rows, whose gold answer reward functions read from ``row["answer"]``.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +78,9 @@ class PromptDataModule(LightningDataModule):
         max_prompt_tokens: Longest prompt allowed, in tokens; a longer one stops ``setup``.
         seed: Seed of the per-epoch shuffle, the TinyMath problems and the held-out rows.
         val_file: A local ``.json``/``.jsonl``/``.parquet`` file of validation rows (any source).
+        val_samples: Completions sampled per validation prompt (at ``model.sampling``) besides
+            the greedy one, logged as ``val/pass@k`` and ``val/mean@k`` with k = val_samples;
+            0 validates greedily only.
     """
 
     def __init__(
@@ -98,6 +102,7 @@ class PromptDataModule(LightningDataModule):
         max_prompt_tokens: int = 64,
         seed: int = 0,
         val_file: str | None = None,
+        val_samples: int = 0,
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=[] if isinstance(tokenizer, str) else ["tokenizer"])
@@ -120,6 +125,7 @@ class PromptDataModule(LightningDataModule):
         for option, value in (("batch_size", batch_size), ("val_batch_size", val_batch_size)):
             check_count(option, value, 1, none_ok=False)
         check_count("max_prompt_tokens", max_prompt_tokens, 1, none_ok=False)
+        check_count("val_samples", val_samples, 0, none_ok=False)
         check_count("seed", seed, 0, none_ok=False)
         if system_prompt is not None and not chat_template:
             raise ValueError(
@@ -141,7 +147,7 @@ class PromptDataModule(LightningDataModule):
         )
         self.batch_size, self.val_batch_size = batch_size, val_batch_size
         self.num_train, self.num_val = num_train, num_val
-        self.max_prompt_tokens, self.seed = max_prompt_tokens, seed
+        self.max_prompt_tokens, self.seed, self.val_samples = max_prompt_tokens, seed, val_samples
         self._tokenizer_spec = tokenizer
         self._tokenizer: PreTrainedTokenizerBase | None = None
         self.train_items: list[PromptItem] | None = None
@@ -371,7 +377,7 @@ class PromptDataModule(LightningDataModule):
             self.val_items,
             batch_size=self.val_batch_size,
             shuffle=False,
-            collate_fn=collate_prompts,
+            collate_fn=partial(collate_prompts, samples=self.val_samples),
             num_workers=0,
             generator=torch.Generator(),  # iterating must not draw from the global RNG
         )

@@ -25,7 +25,11 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from lightning_troll.advantages import compute_advantages, get_advantage_estimator
+from lightning_troll.advantages import (
+    REWARD_SCALES,
+    compute_advantages,
+    get_advantage_estimator,
+)
 from lightning_troll.checkpoints import (
     changed_options,
     check_compatible,
@@ -34,6 +38,7 @@ from lightning_troll.checkpoints import (
     seed_per_rank,
 )
 from lightning_troll.chunking import DEFAULT_CHUNK_SIZE, check_chunk_size
+from lightning_troll.dynamic_sampling import check_dynamic_sampling
 from lightning_troll.lora import LoraConfig, adapters_disabled, apply_lora
 from lightning_troll.models import load_policy, load_tokenizer, stop_token_ids
 from lightning_troll.objectives import (
@@ -50,10 +55,10 @@ from lightning_troll.rollout import (
     linear_head,
     response_hidden,
     response_logits,
-    sample,
 )
-from lightning_troll.sharding import gathered, is_sharded, shard_model
+from lightning_troll.sharding import is_sharded, shard_model
 from lightning_troll.snapshots import Snapshot, SnapshotConfig, build_snapshot
+from lightning_troll.validation import validation_metrics
 
 __all__ = ["ClipConfig", "LossConfig", "OptimizationConfig", "TrollModule", "TrustRegionConfig"]
 
@@ -70,6 +75,9 @@ class TrustRegionConfig:
     """The most tokens kept per distribution, >= 1."""
     mass_delta: float = 1e-5
     """Keep tokens until their mass reaches 1 - mass_delta, in [0, 1)."""
+    keep_sampled_token: bool = True
+    """Always add the sampled token to the sparse supports (old and projected); false keeps only
+    the most probable tokens, and a sampled token outside them shares the rest bucket's mass."""
 
 
 @dataclass(frozen=True)
@@ -100,6 +108,10 @@ class LossConfig:
     """Weight of a KL penalty to the initial policy (k3 estimator); 0 switches it off."""
     entropy_coef: float = 0.0
     """Weight of an entropy bonus; 0 switches it off."""
+    mask_truncated: bool = False
+    """Leave completions that hit sampling.max_new_tokens without EOS out of the loss (TRL's
+    mask_truncated_completions, DAPO's overlong filtering); their rewards still count in their
+    group's baseline."""
 
 
 @dataclass(frozen=True)
@@ -186,12 +198,24 @@ class TrollModule(LightningModule):
         clip: clipping's settings.
         loss: settings both objectives share.
         estimator: advantage estimator: grpo, dr_grpo, rloo, reinforce_pp, or a registered name.
+        scale_rewards: what the estimator's baseline-subtracted rewards are divided by (TRL's
+            names): ``group`` (the group's reward std + 1e-6), ``batch`` (the std of all rewards of
+            the rollout + 1e-6) or ``none`` (Dr.GRPO's choice); null keeps the estimator's own
+            (grpo: group, dr_grpo and rloo: none, reinforce_pp: its batch std).
         group_size: completions per prompt (G).
         sampling: how the snapshot samples (temperature, top_p, top_k, max_new_tokens).
-        rewards: reward functions and their weights: built-in names (tinymath, gsm8k, boxed) or
-            import paths ``package.module:function``.
+        rewards: reward functions and their weights: built-in names (tinymath, gsm8k, boxed,
+            overlong) or import paths ``package.module:function``.
+        reward_kwargs: keyword arguments bound to reward functions by name, e.g.
+            ``{overlong: {buffer: 256}}`` (the last 256 tokens of the budget carry the penalty).
         on_reward_error: ``raise`` stops on a reward function that fails or returns NaN/None;
             ``drop`` leaves that completion out of the loss (its group's other samples stay).
+        dynamic_sampling: DAPO's dynamic sampling: prompt groups whose rewards have no spread
+            (no gradient under group-relative advantages) leave the rollout, and more prompts
+            (drawn from the training prompts) are sampled until it holds ``data.batch_size``
+            informative groups.
+        dynamic_sampling_max_rounds: the most extra rounds of sampling per rollout, >= 1; after
+            them the rollout is filled up with groups without spread (warned once).
         optimization: epochs per rollout, minibatches, accumulation, clipping.
         optimizer: any torch or bitsandbytes optimiser (``class_path`` + ``init_args``).
         lr_scheduler: an optional LR scheduler, stepped after every optimiser step.
@@ -219,10 +243,14 @@ class TrollModule(LightningModule):
         clip: ClipConfig = ClipConfig(),
         loss: LossConfig = LossConfig(),
         estimator: str = "grpo",
+        scale_rewards: Literal["group", "batch", "none"] | None = None,
         group_size: int = 8,
         sampling: SamplingConfig = SamplingConfig(),
         rewards: dict[str, float] | None = None,
+        reward_kwargs: dict[str, dict[str, Any]] | None = None,
         on_reward_error: Literal["raise", "drop"] = "raise",
+        dynamic_sampling: bool = False,
+        dynamic_sampling_max_rounds: int = 3,
         optimization: OptimizationConfig = OptimizationConfig(),
         optimizer: OptimizerCallable = _default_optimizer,
         lr_scheduler: LRSchedulerCallable | None = None,
@@ -237,17 +265,32 @@ class TrollModule(LightningModule):
         check_chunk_size(logits_chunk_size, "model.logits_chunk_size")
         self.logits_chunk_size = logits_chunk_size
         get_advantage_estimator(estimator)
+        if scale_rewards not in (None, *REWARD_SCALES):
+            raise ValueError(
+                f"model.scale_rewards must be one of {sorted(REWARD_SCALES)} or null; got "
+                f"{scale_rewards!r}"
+            )
         if isinstance(group_size, bool) or group_size < 1:
             raise ValueError(f"model.group_size must be an integer >= 1; got {group_size!r}")
         if objective not in ("troll", "clip"):
             raise ValueError(f"model.objective must be one of ['clip', 'troll']; got {objective!r}")
         self.objective_name = objective
         self.estimator = estimator
+        self.scale_rewards = scale_rewards
         self.group_size = group_size
         self.sampling = sampling
         self.optimization = optimization
         self.loss_config = loss
-        self.scorer = RewardScorer(rewards or {"tinymath": 1.0}, on_error=on_reward_error)
+        try:
+            self.scorer = RewardScorer(
+                rewards or {"tinymath": 1.0}, on_error=on_reward_error, kwargs=reward_kwargs
+            )
+        except ValueError as error:
+            prefix = "model." if str(error).startswith("reward_kwargs") else ""
+            raise ValueError(f"{prefix}{error}") from None
+        check_dynamic_sampling(dynamic_sampling, dynamic_sampling_max_rounds, group_size)
+        self.dynamic_sampling = dynamic_sampling
+        self.dynamic_sampling_max_rounds = dynamic_sampling_max_rounds
         self.objective: PolicyObjective = self._build_objective(objective, trust_region, clip, loss)
         self._optimizer_factory = optimizer
         self._scheduler_factory = lr_scheduler
@@ -288,6 +331,7 @@ class TrollModule(LightningModule):
     # -- construction ----------------------------------------------------------------------------
     def _build_objective(self, name, trust_region, clip, loss) -> PolicyObjective:
         shared = asdict(loss)
+        shared.pop("mask_truncated")  # the rollout applies it, not the objective
         shared["norm_length"] = loss.norm_length or self.sampling.max_new_tokens
         specific = asdict({"troll": trust_region, "clip": clip}[name])
         try:
@@ -335,20 +379,24 @@ class TrollModule(LightningModule):
         if self.objective_name != "troll":
             return None
         projection = self.objective.projection
-        return sparsify(logits, projection.max_tokens, projection.mass_delta, keep=tokens)
+        keep = tokens if projection.keep_token else None
+        return sparsify(logits, projection.max_tokens, projection.mass_delta, keep=keep)
 
     def compute_advantages(self, rewards: Tensor) -> Tensor:
         """Advantages of this process's rewards, computed over the global batch.
 
         With several processes the (few) rewards of all of them are gathered first, so an
-        estimator that uses batch statistics (``reinforce_pp``'s std, or a user's own) sees the
-        same batch as a single-process run would; groups never straddle processes.
+        estimator that uses batch statistics (``reinforce_pp``'s std, ``scale_rewards: batch``,
+        or a user's own) sees the same batch as a single-process run would; groups never
+        straddle processes.
         """
         world = self.trainer.world_size if self._trainer is not None else 1
         if world == 1:
-            return compute_advantages(self.estimator, rewards, self.group_size)
+            return compute_advantages(self.estimator, rewards, self.group_size, self.scale_rewards)
         everyone = self.all_gather(rewards)  # (world, B)
-        advantages = compute_advantages(self.estimator, everyone.flatten(), self.group_size)
+        advantages = compute_advantages(
+            self.estimator, everyone.flatten(), self.group_size, self.scale_rewards
+        )
         return advantages.view_as(everyone)[self.global_rank]
 
     def train(self, mode: bool = True) -> TrollModule:
@@ -527,24 +575,11 @@ class TrollModule(LightningModule):
 
     # -- validation ------------------------------------------------------------------------------
     def validation_step(self, batch: Any, batch_idx: int) -> None:
-        """Greedy answers to held-out prompts, scored by the reward functions."""
-        with gathered(self.policy):
-            ids, _, response_mask, _ = sample(
-                self.policy,
-                batch.prompt_ids,
-                1,
-                self.sampling,
-                self.pad_id,
-                self.stop_ids,
-                do_sample=False,
-            )
-        completions = self.decode(ids[:, -response_mask.shape[1] :], response_mask)
-        scored = self.scorer(batch.prompts, completions, batch.rows)
-        full_marks = sum(w for w in self.scorer.weights.values() if w > 0)
-        correct = (scored.total >= full_marks - 1e-6) & scored.valid
+        """Greedy answers to held-out prompts, scored by the reward functions, and with
+        ``data.val_samples: k`` k sampled ones (see :mod:`lightning_troll.validation`)."""
         size = len(batch.prompts)
-        self.log("val/accuracy", correct.float().mean(), batch_size=size, sync_dist=True)
-        self.log("val/reward", scored.total.mean(), batch_size=size, sync_dist=True)
+        for name, value in validation_metrics(self, batch, batch_idx).items():
+            self.log(name, value, batch_size=size, sync_dist=True)
 
     def decode(self, responses: Tensor, response_mask: Tensor) -> list[str]:
         """Response tokens -> text, without EOS and padding."""

@@ -73,10 +73,14 @@ def _choice(option: str, value: str, allowed: dict) -> str:
 
 
 def token_entropy(logits: Tensor) -> Tensor:
-    """Entropy of ``softmax(logits)`` per row, (..., V) -> (...), in float32 or wider."""
+    """Entropy of ``softmax(logits)`` per row, (..., V) -> (...), in float32 or wider.
+
+    Logits of ``-inf`` (a masked vocabulary) have no mass and add nothing, nor NaN gradients.
+    """
     x = logits.to(compute_dtype(logits))
     logz = torch.logsumexp(x, dim=-1, keepdim=True)
-    return (logz - (torch.softmax(x, dim=-1) * x).sum(-1, keepdim=True)).squeeze(-1)
+    finite_x = x.masked_fill(x.isneginf(), 0.0)  # p = 0 there: p * x counts as 0
+    return (logz - (torch.softmax(x, dim=-1) * finite_x).sum(-1, keepdim=True)).squeeze(-1)
 
 
 # --------------------------------------------------------------------------------------------
@@ -450,6 +454,9 @@ class TrollObjective(PolicyObjective):
         alpha: weight of the regression term KL(pi_new || sg(pi_proj)), >= 0.
         max_tokens: the most tokens kept per row by probability, >= 1.
         mass_delta: stop keeping tokens once their mass reaches ``1 - mass_delta``, in [0, 1).
+        keep_sampled_token: always add the sampled token to the projection's support (see
+            :class:`~lightning_troll.projection.TrustRegionProjection`); the behaviour policy's
+            cached distributions should then hold it too (``sparsify(..., keep=tokens)``).
         **kwargs: see :class:`PolicyObjective`.
     """
 
@@ -461,6 +468,7 @@ class TrollObjective(PolicyObjective):
         alpha: float = 1.0,
         max_tokens: int = 64,
         mass_delta: float = 1e-5,
+        keep_sampled_token: bool = True,
         **kwargs,
     ) -> None:
         super().__init__(**kwargs)
@@ -468,7 +476,7 @@ class TrollObjective(PolicyObjective):
             raise ValueError(f"alpha must be >= 0; got {alpha!r}")
         self.alpha = float(alpha)
         self.projection = TrustRegionProjection(
-            eps=eps, max_tokens=max_tokens, mass_delta=mass_delta
+            eps=eps, max_tokens=max_tokens, mass_delta=mass_delta, keep_token=keep_sampled_token
         )
 
     @property

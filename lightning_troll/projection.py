@@ -181,22 +181,40 @@ class TrustRegionProjection(nn.Module):
     logits outside U. With ``max_tokens >= V`` and ``mass_delta = 0`` this equals
     :func:`kl_projection`.
 
+    With ``keep_token=False`` the sampled token joins U only if S_old or S_new holds it; otherwise
+    it lies in the rest bucket, and the bucket's projected mass is shared out in proportion to the
+    new policy: ``log pi_proj(token) = log pi_proj(rest) + log pi_new(token) - log pi_new(rest)``
+    (the new policy's own log-prob wherever the projection is the identity).
+
     Args:
         eps: the KL bound per token, > 0 (0.05 in the paper).
         max_tokens: the most tokens kept per row by probability, >= 1 (64 in the paper).
         mass_delta: stop keeping tokens once their mass reaches ``1 - mass_delta``, in [0, 1).
+        keep_token: always add the sampled token to the support U.
     """
 
-    def __init__(self, eps: float = 0.05, max_tokens: int = 64, mass_delta: float = 1e-5) -> None:
+    def __init__(
+        self,
+        eps: float = 0.05,
+        max_tokens: int = 64,
+        mass_delta: float = 1e-5,
+        keep_token: bool = True,
+    ) -> None:
         super().__init__()
         _check_eps(eps)
         check_sparsity(max_tokens, mass_delta)
+        if not isinstance(keep_token, bool):
+            raise ValueError(f"keep_token must be True or False; got {keep_token!r}")
         self.eps = float(eps)
         self.max_tokens = max_tokens
         self.mass_delta = float(mass_delta)
+        self.keep_token = keep_token
 
     def extra_repr(self) -> str:
-        return f"eps={self.eps}, max_tokens={self.max_tokens}, mass_delta={self.mass_delta}"
+        return (
+            f"eps={self.eps}, max_tokens={self.max_tokens}, mass_delta={self.mass_delta}, "
+            f"keep_token={self.keep_token}"
+        )
 
     def forward(
         self,
@@ -253,7 +271,7 @@ class TrustRegionProjection(nn.Module):
         dtype = compute_dtype(x)
         n, vocab = x.shape
         with torch.no_grad():
-            index, valid, old_lp, in_old, token_pos, logz, p, p_u, rest = self._support(
+            index, valid, old_lp, in_old, token_pos, in_u, logz, p, p_u, rest = self._support(
                 x, old, tokens, dtype
             )
             support = valid.sum(-1)  # (n,) |U|
@@ -273,10 +291,21 @@ class TrustRegionProjection(nn.Module):
         pos = token_pos.unsqueeze(-1)  # (n, 1)
         p_new = a.exp()  # (n, L+1)
         gap = torch.where(p_new > 0, a - logp.detach(), 0.0)  # (n, L+1)
+        token_logp = logp.gather(-1, pos).squeeze(-1)  # (n,)
+        token_a = a.gather(-1, pos).squeeze(-1)  # (n,)
+        token_b = b.gather(-1, pos).squeeze(-1)  # (n,)
+        if not bool(in_u.all()):  # keep_token=False: some tokens lie in the rest bucket
+            rows = (~in_u).nonzero().squeeze(-1)  # (r,)
+            x_r = x[rows].to(dtype)  # (r, V)
+            a_tok = x_r.gather(-1, tokens[rows].unsqueeze(-1)).squeeze(-1) - x_r.logsumexp(-1)
+            share = a_tok - a_rest[rows]  # (r,) log of the token's share of the new rest mass
+            token_logp = token_logp.index_put((rows,), logp[rows, -1] + share)
+            token_a = token_a.index_put((rows,), a_tok)
+            token_b = token_b.index_put((rows,), spread[rows, 0])
         return ProjectionResult(
-            logprob=logp.gather(-1, pos).squeeze(-1),
-            new_logprob=a.gather(-1, pos).squeeze(-1),
-            old_logprob=b.gather(-1, pos).squeeze(-1),
+            logprob=token_logp,
+            new_logprob=token_a,
+            old_logprob=token_b,
             regression_kl=(p_new * gap).sum(-1),
             kl_before=kl_before,
             kl_after=kl_after,
@@ -289,9 +318,10 @@ class TrustRegionProjection(nn.Module):
         """U = S_old + S_new + {token}, de-duplicated, and the new policy's mass on and off it.
 
         Returns index (n, L) (entries that are not valid repeat a valid index), valid (n, L),
-        old log-prob of entries from S_old (n, L), in_old (n, L), the token's position (n,),
-        and for :class:`_SupportLogProbs`: logZ (n,), softmax zeroed inside U (n, V), softmax on
-        U (n, L) and the mass outside U (n,).
+        old log-prob of entries from S_old (n, L), in_old (n, L), the token's position (n,) and
+        whether U holds it (n,) (always, unless ``keep_token`` is False), and for
+        :class:`_SupportLogProbs`: logZ (n,), softmax zeroed inside U (n, V), softmax on U (n, L)
+        and the mass outside U (n,).
         """
         n, vocab = x.shape
         top_val, top_idx = top_tokens(x, min(self.max_tokens, vocab))  # (n, k)
@@ -302,7 +332,8 @@ class TrustRegionProjection(nn.Module):
         )  # (n, k)
 
         old_idx = old.indices  # (n, K)
-        cand = torch.cat([old_idx, new_idx, tokens.unsqueeze(-1)], dim=-1)  # (n, L)
+        parts = [old_idx, new_idx] + ([tokens.unsqueeze(-1)] if self.keep_token else [])
+        cand = torch.cat(parts, dim=-1)  # (n, L)
         pad = torch.full_like(cand[:, old_idx.shape[1] :], _NEG_INF, dtype=dtype)  # (n, k+1)
         cand_lp = torch.cat([old.logprobs.to(dtype), pad], dim=-1)  # (n, L)
         from_old = torch.arange(cand.shape[1], device=x.device) < old_idx.shape[1]  # (L,)
@@ -315,8 +346,9 @@ class TrustRegionProjection(nn.Module):
         index = torch.where(valid, key, key[:, :1])  # key[:, 0] is the smallest id: valid
         in_old = valid & from_old[order]
         old_lp = cand_lp.gather(-1, order)
-        token_pos = ((key == tokens.unsqueeze(-1)) & valid).to(torch.int8).argmax(-1)  # (n,)
+        is_token = (key == tokens.unsqueeze(-1)) & valid  # (n, L)
+        token_pos = is_token.to(torch.int8).argmax(-1)  # (n,)
         # New mass outside U, summed from those tokens (exact however small it is).
         p_u = p.gather(-1, index)  # (n, L)
         rest = p.scatter_(-1, index, 0.0).sum(-1)  # (n,)
-        return index, valid, old_lp, in_old, token_pos, logz, p, p_u, rest
+        return index, valid, old_lp, in_old, token_pos, is_token.any(-1), logz, p, p_u, rest

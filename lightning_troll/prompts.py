@@ -25,6 +25,7 @@ __all__ = [
     "PromptItem",
     "ResumableLoader",
     "collate_prompts",
+    "draw_prompts",
     "read_rows",
     "write_jsonl",
 ]
@@ -44,6 +45,9 @@ class PromptBatch:
     """Unpadded token ids of each prompt, as the tokenizer gives them (BOS included if it adds one)."""
     rows: list[dict[str, Any]]
     """Copies of the dataset rows, the gold answer under ``"answer"``."""
+    samples: int = 0
+    """Validation batches: completions to sample per prompt besides the greedy one
+    (``data.val_samples``, for pass@k); 0 for none."""
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -57,13 +61,21 @@ class PromptItem(NamedTuple):
     row: dict[str, Any]
 
 
-def collate_prompts(items: Sequence[PromptItem]) -> PromptBatch:
+def collate_prompts(items: Sequence[PromptItem], samples: int = 0) -> PromptBatch:
     """Stacks prepared prompts into a :class:`PromptBatch` (lists, no padding; rows copied)."""
     return PromptBatch(
         prompts=[item.text for item in items],
         prompt_ids=[list(item.ids) for item in items],
         rows=[dict(item.row) for item in items],
+        samples=samples,
     )
+
+
+def draw_prompts(items: Sequence[PromptItem], count: int, seed: int, purpose: str) -> PromptBatch:
+    """``count`` prompts drawn without replacement from ``items``, in an order that depends only
+    on ``(seed, purpose)`` (dynamic sampling's extra rounds name the rank, rollout and round)."""
+    order = torch.randperm(len(items), generator=seeded_generator(seed, purpose))[:count]
+    return collate_prompts([items[i] for i in order.tolist()])
 
 
 def seeded_generator(seed: int, purpose: str) -> torch.Generator:

@@ -9,6 +9,11 @@ Built-ins, registered by name:
     gsm8k     the number after the last ``####``, compared numerically with the gold answer
     boxed     the content of the last ``\\boxed{...}``, compared after normalisation
     last_number  the last number in the completion, compared numerically with the gold answer
+    overlong  DAPO's soft overlong penalty: 0, then falling linearly to -1 over the last
+              ``buffer`` tokens of the completion budget
+
+A function may take more keyword parameters: per-completion ones the scorer passes and others
+bound from the configuration (see :mod:`lightning_troll.reward_options`).
 
 Add your own with :func:`register_reward`, or name any function by import path
 (``"my_package.my_module:my_reward"``). :class:`RewardScorer` runs a weighted set of them over
@@ -31,6 +36,14 @@ from typing import Any, Literal, Protocol
 import torch
 from torch import Tensor
 
+from lightning_troll.reward_options import (
+    bind_kwargs,
+    call_arguments,
+    overlong,
+    reward_tag,
+    sample_keywords,
+)
+
 __all__ = [
     "REWARD_FUNCTIONS",
     "RewardError",
@@ -42,8 +55,10 @@ __all__ = [
     "extract_boxed",
     "gsm8k",
     "last_number",
+    "overlong",
     "register_reward",
     "resolve_reward",
+    "reward_tag",
     "tinymath",
 ]
 
@@ -200,6 +215,9 @@ def last_number(prompt: str, completion: str, row: Mapping[str, Any]) -> float:
     return float(_last_number(completion) == gold)
 
 
+register_reward("overlong")(overlong)
+
+
 # ----------------------------------------------------------------------------- resolution
 
 
@@ -260,11 +278,11 @@ class RewardOutput:
 
 
 def _score(
-    fn: RewardFunction, prompt: str, completion: str, row: Mapping[str, Any]
+    fn: RewardFunction, prompt: str, completion: str, row: Mapping[str, Any], extra: dict
 ) -> tuple[float, str | None, BaseException | None]:
     """(reward, None, None), or (0.0, what went wrong, the exception if one was raised)."""
     try:
-        value = fn(prompt, completion, row)
+        value = fn(prompt, completion, row, **extra)
     except Exception as exc:  # a user's function may raise anything
         return 0.0, f"raised {type(exc).__name__}: {exc}", exc
     number = _as_float(value)
@@ -319,12 +337,15 @@ class RewardScorer:
             ``"raise"`` (default) raises :class:`RewardError` naming the function, the sample and
             the problem; ``"drop"`` (opt-in) marks that sample invalid (``valid[i] = False``,
             total 0.0) and warns once per call with the count.
+        kwargs: Keyword arguments bound to functions by name, e.g. ``{"overlong": {"buffer":
+            256}}``; each name must be one of ``rewards`` and each argument one its function takes.
     """
 
     def __init__(
         self,
         rewards: Mapping[str, float] | Sequence[str],
         on_error: Literal["raise", "drop"] = "raise",
+        kwargs: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> None:
         if on_error not in ("raise", "drop"):
             raise ValueError(f"on_error must be 'raise' or 'drop'; got {on_error!r}")
@@ -349,20 +370,46 @@ class RewardScorer:
                 raise ValueError(f"the weight of reward {name!r} must be finite; got {weight!r}")
             self.functions[name] = resolve_reward(spec)
             self.weights[name] = float(weight)
+        self.best: dict[str, float] = {
+            name: float(getattr(fn, "max_reward", 1.0)) for name, fn in self.functions.items()
+        }
+        """name -> the function's best score (its ``max_reward`` attribute, else 1.0)."""
+        self.kwargs = bind_kwargs(self.functions, kwargs or {})
+        """name -> keyword arguments bound to that function."""
+        self.sample_keywords = sample_keywords(self.functions)
+        """name -> the per-completion keywords (``SAMPLE_KEYWORDS``) its signature names."""
+
+    @property
+    def full_marks(self) -> float:
+        """The best total a completion can get: sum of weight * best score over the functions
+        with a positive weight (a negative weight's best is its function at 0)."""
+        return sum(w * self.best[name] for name, w in self.weights.items() if w > 0)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.weights!r}, on_error={self.on_error!r})"
 
     def __call__(
-        self, prompts: list[str], completions: list[str], rows: list[Mapping[str, Any]]
+        self,
+        prompts: list[str],
+        completions: list[str],
+        rows: list[Mapping[str, Any]],
+        completion_tokens: Sequence[int] | None = None,
+        max_new_tokens: int | None = None,
     ) -> RewardOutput:
-        """Scores sample i = (prompts[i], completions[i], rows[i]); all three lists have length B."""
+        """Scores sample i = (prompts[i], completions[i], rows[i]); all three lists have length B.
+
+        ``completion_tokens`` (B,) and ``max_new_tokens`` go to the functions that take them;
+        a function that takes them raises ``ValueError`` when they are not given.
+        """
         size = len(completions)
         if len(prompts) != size or len(rows) != size:
             raise ValueError(
                 f"prompts, completions and rows must have the same length; got {len(prompts)}, "
                 f"{size} and {len(rows)}"
             )
+        arguments = call_arguments(
+            self.sample_keywords, self.kwargs, size, completion_tokens, max_new_tokens
+        )  # name -> B keyword dicts
         valid = [True] * size
         scores: dict[str, list[float]] = {}
         first_error = ""
@@ -371,7 +418,7 @@ class RewardScorer:
             for i, (prompt, completion, row) in enumerate(
                 zip(prompts, completions, rows, strict=True)
             ):
-                value, problem, cause = _score(fn, prompt, completion, row)
+                value, problem, cause = _score(fn, prompt, completion, row, arguments[name][i])
                 if problem is None:
                     column[i] = value
                     continue

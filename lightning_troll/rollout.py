@@ -363,7 +363,9 @@ def behaviour_outputs(
     once; otherwise (or with ``chunk_size=None``) the ``(B, T, V)`` logits are computed whole.
     Both give the same results up to float rounding.
 
-    Raises ``FloatingPointError`` if the model's logits at response tokens are not finite: a
+    Logits of ``-inf`` (a vocabulary masked by the model) are accepted: those tokens have no
+    mass, and the sparse projection handles them. Raises ``FloatingPointError`` if the logits at a
+    response token hold NaN or ``+inf``, are ``-inf`` everywhere or at the sampled token: a
     rollout cached from them would train on garbage.
     """
     check_chunk_size(chunk_size, "chunk_size")
@@ -381,9 +383,9 @@ def behaviour_outputs(
     if bad.numel():
         seq, pos = response_mask.nonzero()[bad[0, 0]].tolist()
         raise FloatingPointError(
-            f"the behaviour policy's logits hold NaN or inf at {bad.shape[0]} response "
-            f"tokens (first: sequence {seq}, position {pos}); the snapshot's weights are "
-            "not finite, so no rollout is cached from them"
+            f"the behaviour policy's logits hold NaN or +inf (or -inf at the sampled token) at "
+            f"{bad.shape[0]} response tokens (first: sequence {seq}, position {pos}); the "
+            "snapshot's weights are not finite, so no rollout is cached from them"
         )
     logp = torch.cat([p[0] for p in parts])  # (N,)
     old_logprobs = logp.new_zeros(response_mask.shape).index_put((response_mask,), logp)
@@ -399,8 +401,12 @@ def _behaviour_hidden(hidden: Tensor, tokens: Tensor, *, head, temperature, spar
 def _behaviour_rows(
     rows: Tensor, tokens: Tensor, *, sparsify_fn
 ) -> tuple[Tensor, SparseDistribution | None, Tensor]:
-    """(n, V) logit rows -> token log-probs (n,), sparse rows (or None), not-finite flags (n,)."""
-    bad = ~rows.isfinite().all(-1)  # (n,)
+    """(n, V) logit rows -> token log-probs (n,), sparse rows (or None), bad-row flags (n,).
+
+    A row is bad if it holds NaN or +inf, or -inf at the sampled token; other -inf entries are a
+    masked vocabulary and stay."""
+    at_token = rows.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # (n,)
+    bad = (rows.isnan() | rows.isposinf()).any(-1) | at_token.isneginf()  # (n,)
     if bool(bad.any()):  # nothing below is computed from garbage
         return rows.new_zeros(bad.shape, dtype=torch.float32), None, bad
     logp = rows.float().log_softmax(-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # (n,)

@@ -86,9 +86,56 @@ def test_non_finite_logits_are_reported_across_chunks():
     ids, attention, response = batch()
     with torch.no_grad():
         model.lm_head.weight[0, 0] = float("nan")
-    message = rf"logits hold NaN or inf at {N} response tokens \(first: sequence 0, position 0\)"
+    message = rf"logits hold NaN or \+inf \(or -inf at the sampled token\) at {N} response tokens \(first: sequence 0, position 0\)"
     with pytest.raises(FloatingPointError, match=message):
         behaviour_outputs(model, ids, attention, response, 1.0, sparse_old, 4)
+
+
+class MaskedVocabulary(nn.Module):
+    """A model whose logits are -inf at the tokens ``masked`` (a vocabulary masked at sampling),
+    and optionally NaN or +inf at one entry."""
+
+    def __init__(self, model: nn.Module, masked: slice, poison: float | None = None) -> None:
+        super().__init__()
+        self.model, self.masked, self.poison = model, masked, poison
+
+    def forward(self, **kwargs):
+        out = self.model(**kwargs)
+        logits = out.logits.clone()
+        logits[..., self.masked] = float("-inf")
+        if self.poison is not None:
+            logits[0, -2, 0] = self.poison  # predicts sequence 0's last response token
+        out.logits = logits
+        return out
+
+
+@pytest.mark.parametrize("poison", [None, float("nan"), float("inf")])
+def test_minus_inf_logits_are_accepted_nan_and_plus_inf_refused(poison):
+    """-inf outside the sampled tokens passes the rollout check and gives the log-probs and
+    sparse rows of the unmasked tokens; NaN or +inf anywhere in a row is refused."""
+    model = llama(seed=0)
+    ids, attention, response = batch(vocab=40)  # sampled tokens below 40, masked 40..60
+    masked = MaskedVocabulary(model, slice(40, None), poison)
+    if poison is not None:
+        with pytest.raises(FloatingPointError, match=r"NaN or \+inf .* at 1 response tokens"):
+            behaviour_outputs(masked, ids, attention, response, TEMPERATURE, sparse_old, None)
+        return
+    logp, old = behaviour_outputs(masked, ids, attention, response, TEMPERATURE, sparse_old, None)
+    full = response_logits(model, ids, attention, T, TEMPERATURE)[response]  # (N, V)
+    expected = full[:, :40].log_softmax(-1).gather(-1, ids[:, S:][response][:, None])
+    expected = expected.squeeze(-1).float()  # the cached log-probs are float32
+    torch.testing.assert_close(logp[response], expected, rtol=0, atol=1e-6)
+    assert torch.isfinite(old.tail_logmass).all() and (old.indices < 40).all()
+    assert torch.isfinite(old.logprobs[old.indices >= 0]).all()
+
+
+def test_minus_inf_at_the_sampled_token_is_refused():
+    model = llama(seed=0)
+    ids, attention, response = batch()
+    token = int(ids[0, S])  # sequence 0's first response token
+    masked = MaskedVocabulary(model, slice(token, token + 1))
+    with pytest.raises(FloatingPointError, match=r"first: sequence 0, position 0"):
+        behaviour_outputs(masked, ids, attention, response, TEMPERATURE, sparse_old, None)
 
 
 def _loss_and_grads(objective, model, inputs, targets, chunk_size):

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow  # whole fits: seconds each
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
-PRESETS = ["grpo.yaml", "dr_grpo.yaml", "gspo.yaml", "reinforce_pp.yaml"]
+PRESETS = ["grpo.yaml", "dr_grpo.yaml", "gspo.yaml", "reinforce_pp.yaml", "dapo.yaml"]
 # configs that need a GPU or the network: parsed only; smollm2.yaml needs `make smollm2` and runs
 # in tests/test_real_model.py
 PARSE_ONLY = {"gsm8k.yaml", "smollm2.yaml"}
@@ -118,6 +118,8 @@ def test_tinymath_and_presets_run_one_step(preset, tmp_path, monkeypatch, tiny_m
         assert module.estimator == expected["estimator"]
         assert module.objective.importance == expected["loss"]["importance"]
         assert module.objective.aggregation == expected["loss"]["aggregation"]
+        assert module.dynamic_sampling == expected.get("dynamic_sampling", False)
+        assert module.scale_rewards == expected.get("scale_rewards")
     assert (tmp_path / "runs" / "lightning_troll" / "version_0" / "config.yaml").exists()
 
 
@@ -192,16 +194,39 @@ def test_help_shows_documented_options(tmp_path, monkeypatch, capsys):
         "--data.source",
         "--model.snapshot.dtype",
         "--model.lora.help",
+        "--model.dynamic_sampling",
+        "--model.dynamic_sampling_max_rounds",
+        "--model.loss.mask_truncated",
+        "--model.scale_rewards",
+        "--model.reward_kwargs",
+        "--model.trust_region.keep_sampled_token",
+        "--data.val_samples",
     ):
         assert option in text, option
     assert "KL bound per token" in text  # a field docstring
     assert "per-row absmax" in text  # the snapshot's field docstring
 
 
+def test_print_config_shows_the_peer_options_with_their_defaults(tmp_path, monkeypatch, capsys):
+    args = ["fit", "--config", str(ROOT / "configs" / "tinymath.yaml"), "--print_config"]
+    with pytest.raises(SystemExit) as done:
+        run(args, tmp_path, monkeypatch)
+    assert done.value.code == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    model = printed["model"]
+    assert model["dynamic_sampling"] is False and model["dynamic_sampling_max_rounds"] == 3
+    assert model["scale_rewards"] is None and model["reward_kwargs"] is None
+    assert model["loss"]["mask_truncated"] is False
+    assert model["trust_region"]["keep_sampled_token"] is True
+    assert printed["data"]["val_samples"] == 0
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
         (["--model.estimator", "ppo"], "ppo"),
+        (["--model.scale_rewards", "std"], "std"),
+        (["--data.val_samples", "-1"], "val_samples"),
         (["--model.objective", "kl"], "kl"),
         (["--data.source", "missing.jsonl"], "missing.jsonl"),
     ],

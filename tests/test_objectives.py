@@ -7,11 +7,15 @@ import math
 import pytest
 import torch
 
+from lightning_troll.aggregation import K3_LOG_RATIO_LIMIT, K3_MAX, SEQUENCE_LOG_RATIO_MAX
 from lightning_troll.objectives import (
     AGGREGATIONS,
+    IMPORTANCE_LEVELS,
+    REF_KL_ESTIMATORS,
     ClipObjective,
     TrollObjective,
     build_objective,
+    token_entropy,
 )
 from lightning_troll.projection import sparsify
 
@@ -217,6 +221,22 @@ def test_gspo_sequence_ratio_against_a_loop():
     torch.testing.assert_close(x.grad, y.grad, rtol=0, atol=1e-12)
 
 
+def test_gspo_log_ratio_is_clamped_at_10():
+    """Sequence 0: mean log-ratio 12 > 10, so both tokens get exp(10) and no gradient; sequence 1:
+    mean log-ratio 3, so exp(3), and d ratio / d log pi(o_t) = exp(3) for each token."""
+    logp = torch.zeros(2, 2, dtype=torch.float64, requires_grad=True)
+    old_logp = torch.tensor([[-12.0, -12.0], [-2.0, -4.0]], dtype=torch.float64)
+    mask = torch.ones(2, 2, dtype=torch.bool)
+    ratio = IMPORTANCE_LEVELS["sequence"](logp, old_logp, mask)
+    ratio.sum().backward()
+    e10, e3 = math.exp(SEQUENCE_LOG_RATIO_MAX), math.exp(3.0)
+    assert SEQUENCE_LOG_RATIO_MAX == 10.0
+    expected = torch.tensor([[e10, e10], [e3, e3]], dtype=torch.float64)
+    torch.testing.assert_close(ratio.detach(), expected, rtol=1e-12, atol=0)
+    grad = torch.tensor([[0.0, 0.0], [e3, e3]], dtype=torch.float64)
+    torch.testing.assert_close(logp.grad, grad, rtol=1e-12, atol=0)
+
+
 # --------------------------------------------------------------------------------------------
 # Penalties
 # --------------------------------------------------------------------------------------------
@@ -237,6 +257,43 @@ def test_reference_kl_by_hand(estimator):
     expected = math.log(2) if estimator == "k1" else 0.5 + math.log(2) - 1
     assert stats.ref_kl.item() == pytest.approx(expected, abs=1e-12)
     assert loss.item() == pytest.approx(0.1 * expected, abs=1e-12)
+
+
+def test_k3_is_clamped_like_low_var_kl():
+    """d = log pi_ref - log pi: d = -log 2 gives 0.5 + log 2 - 1 (no clamp); d = 2 gives
+    e^2 - 3 = 4.389; d = 25 is clamped to 20 and e^20 - 21 to 10; d = -30 to -20, and
+    e^-20 + 19 to 10. Clamped entries get no gradient."""
+    d = torch.tensor([-math.log(2), 2.0, 25.0, -30.0], dtype=torch.float64)
+    logp = torch.zeros(4, dtype=torch.float64, requires_grad=True)
+    got = REF_KL_ESTIMATORS["k3"](logp, d)
+    expected = [0.5 + math.log(2) - 1, math.exp(2) - 3, 10.0, 10.0]
+    torch.testing.assert_close(got.detach(), torch.tensor(expected, dtype=torch.float64),
+                               rtol=0, atol=1e-12)  # fmt: skip
+    got.sum().backward()
+    # d k3 / d log pi = 1 - exp(d) where nothing is clamped
+    grad = torch.tensor([1 - 0.5, 1 - math.exp(2), 0.0, 0.0], dtype=torch.float64)
+    torch.testing.assert_close(logp.grad, grad, rtol=0, atol=1e-12)
+    assert (K3_LOG_RATIO_LIMIT, K3_MAX) == (20.0, 10.0)
+
+
+def test_masked_vocabulary_gives_finite_losses_and_gradients():
+    """Tokens 8..12 of V = 13 masked (-inf) in the old and new logits: entropy, loss and
+    gradients are finite for both objectives, and the entropy is that of the 8 unmasked tokens."""
+    new, tokens, mask, adv, old_lp, _ = rollout(shift=1.5)
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, 8, tokens.shape, generator=g)
+    old_logits = new + torch.randn(new.shape, generator=g, dtype=new.dtype)
+    new[..., 8:] = old_logits[..., 8:] = float("-inf")
+    old_lp = torch.log_softmax(old_logits, -1).gather(-1, tokens[..., None]).squeeze(-1)
+    old = sparsify(old_logits[mask], keep=tokens[mask])
+    expected_entropy = token_entropy(new[..., :8])[mask].mean()
+    for objective in (TrollObjective(entropy_coef=0.01), ClipObjective(entropy_coef=0.01)):
+        x = new.clone().requires_grad_(True)
+        loss, stats = objective(x, tokens, mask, adv, old_lp, old)
+        loss.backward()
+        assert torch.isfinite(loss) and torch.isfinite(x.grad).all()
+        assert (x.grad[..., 8:] == 0).all()
+        assert stats.entropy.item() == pytest.approx(expected_entropy.item(), abs=1e-12)
 
 
 def test_entropy_bonus_by_hand():

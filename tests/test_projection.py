@@ -480,3 +480,113 @@ def test_block_top_k_matches_full_top_k(vocab):
     torch.testing.assert_close(values, expected, rtol=0, atol=0)
     torch.testing.assert_close(logits.gather(-1, indices), expected, rtol=0, atol=0)
     assert indices[0, 0] == vocab - 1
+
+
+# --------------------------------------------------------------------------------------------
+# keep_token=False: the sampled token joins the support only when it is among the top tokens
+# --------------------------------------------------------------------------------------------
+
+
+def outside_case(eps_shift: float = 2.0):
+    """Rows of V = 30 over which tokens 0..2 hold almost all of the mass (old and new), and the
+    sampled tokens 20, 25 and 1: the first two lie outside both supports, the last inside."""
+    g = generator(11)
+    old_logits = torch.randn(3, 30, generator=g, dtype=torch.float64)
+    old_logits[:, :3] += 8.0
+    new = old_logits + eps_shift * torch.randn(3, 30, generator=g, dtype=torch.float64)
+    new[:, :3] += 1.0
+    tokens = torch.tensor([20, 25, 1])
+    return new, old_logits, tokens
+
+
+@pytest.mark.parametrize("eps", [0.02, 100.0])
+def test_a_token_outside_the_support_takes_its_share_of_the_rest(eps):
+    """U = S_old + S_new (no sampled token); the projection runs on the lumped |U| + 1 problem
+    (checked against the bisection reference), and a token in the rest bucket gets
+    log pi_proj(rest) + log pi_new(token) - log pi_new(rest). With eps = 100 nothing is projected
+    and that is the new policy's own log-prob."""
+    max_tokens, mass_delta = 3, 1e-2
+    new, old_logits, tokens = outside_case()
+    old = sparsify(old_logits, max_tokens=max_tokens, mass_delta=mass_delta)  # no keep
+    layer = TrustRegionProjection(eps, max_tokens, mass_delta, keep_token=False)
+    result = layer(new, old, tokens)
+    new_logp = torch.log_softmax(new, -1)
+    for i in range(3):
+        old_idx = [k for k in old.indices[i].tolist() if k >= 0]
+        old_lp = old.logprobs[i, : len(old_idx)].tolist()
+        support = sorted(set(old_idx) | set(reference.top_tokens(new[i], max_tokens, mass_delta)))
+        tail = float(old.tail_logmass[i])
+        a, b = reference.lumped_row(new[i], old_idx, old_lp, tail, support)
+        proj, eta = reference.project_row(a, b, eps)
+        token = int(tokens[i])
+        assert result.support_size[i] == len(support)
+        assert result.eta[i].item() == pytest.approx(eta, rel=1e-6, abs=1e-12)
+        assert result.new_logprob[i].item() == pytest.approx(new_logp[i, token].item(), abs=1e-12)
+        if token in support:  # row 2
+            t = support.index(token)
+            assert result.logprob[i].item() == pytest.approx(proj[t].item(), abs=1e-8)
+            continue
+        expected = proj[-1] + new_logp[i, token] - a[-1]
+        assert result.logprob[i].item() == pytest.approx(expected.item(), abs=1e-8)
+        spread = tail - math.log(30 - len(old_idx))
+        assert result.old_logprob[i].item() == pytest.approx(spread, abs=1e-12)
+    if eps == 100.0:
+        assert (result.eta == 0).all()
+        torch.testing.assert_close(
+            result.logprob, new_logp.gather(-1, tokens[:, None]).squeeze(-1), rtol=0, atol=1e-12
+        )
+    else:
+        assert (result.eta[:2] > 0).all(), "the case must project the rows of outside tokens"
+
+
+def test_keep_token_false_gradcheck():
+    new, old_logits, tokens = outside_case()
+    old = sparsify(old_logits, max_tokens=3, mass_delta=1e-2)
+    layer = TrustRegionProjection(0.02, max_tokens=3, mass_delta=1e-2, keep_token=False)
+    assert (layer(new, old, tokens).eta > 0).all()
+    new.requires_grad_(True)
+    assert gradcheck(lambda x: layer(x, old, tokens).logprob, (new,), atol=1e-7, rtol=1e-5)
+
+
+def test_keep_token_false_equals_dense_when_nothing_is_dropped():
+    """With max_tokens >= V and mass_delta = 0 every token is in U either way."""
+    vocab = 12
+    new, old_logits = random_pair(6, vocab, shift=2.0)
+    tokens = torch.randint(0, vocab, (6,), generator=generator(4))
+    old = sparsify(old_logits, max_tokens=vocab, mass_delta=0.0)
+    layer = TrustRegionProjection(0.05, max_tokens=vocab, mass_delta=0.0, keep_token=False)
+    got = layer(new, old, tokens).logprob
+    dense = kl_projection(new, old_logits, 0.05).gather(-1, tokens[:, None]).squeeze(-1)
+    torch.testing.assert_close(got, dense, rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match=r"keep_token must be True or False; got 'no'"):
+        TrustRegionProjection(keep_token="no")
+
+
+# --------------------------------------------------------------------------------------------
+# Masked vocabularies: logits of -inf
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("max_tokens", [4, 64])
+def test_masked_vocabulary_entries_are_projected_without_nans(max_tokens):
+    """Tokens 10..19 of V = 20 are masked (-inf) in both policies: they keep no mass, the bound
+    holds, the value and gradient are finite and the masked logits get no gradient. With
+    max_tokens = 64 > V the supports hold the masked tokens too, and the result is the dense
+    projection of the 10 unmasked tokens (with 4, the old tail is spread over masked tokens too:
+    the sparse approximation)."""
+    new, old_logits = random_pair(5, 20, shift=2.0)
+    new[:, 10:] = old_logits[:, 10:] = float("-inf")
+    tokens = torch.tensor([0, 3, 9, 5, 1])
+    old = sparsify(old_logits, max_tokens=max_tokens, mass_delta=0.0, keep=tokens)
+    x = new.clone().requires_grad_(True)
+    result = TrustRegionProjection(0.05, max_tokens, 0.0)(x, old, tokens)
+    (result.logprob.sum() + result.regression_kl.sum()).backward()
+    for name in ("logprob", "new_logprob", "regression_kl", "kl_before", "kl_after", "eta"):
+        assert torch.isfinite(getattr(result, name)).all(), name
+    assert (result.eta > 0).any()
+    assert (result.kl_after <= 0.05 * (1 + 1e-4)).all()
+    assert torch.isfinite(x.grad).all() and (x.grad[:, 10:] == 0).all()
+    if max_tokens >= 20:
+        dense = kl_projection(new[:, :10], old_logits[:, :10], 0.05)  # the unmasked problem
+        expected = dense.gather(-1, tokens[:, None]).squeeze(-1)
+        torch.testing.assert_close(result.logprob, expected, rtol=0, atol=1e-10)

@@ -31,6 +31,8 @@ COMPARED = (
     "trust_region/kl_after_mean",
     "trust_region/kl_after_max",
     "trust_region/eta_mean",
+    "dynamic_sampling/prompts_sampled",
+    "dynamic_sampling/rounds",
 )
 
 
@@ -99,6 +101,11 @@ def assert_same_steps(expected: dict, got: dict, steps: range) -> None:
             "minibatches",
             {"steps_per_rollout": 2, "optimization": OptimizationConfig(minibatch_size=8)},
         ),
+        # extra prompts drawn by dynamic sampling (a reward often equal across a group)
+        (
+            "dynamic_sampling",
+            {"rewards": {"tests.reward_helpers:used_the_budget": 1.0}, "dynamic_sampling": True},
+        ),
     ],
 )
 def test_resume_continues_like_an_uninterrupted_run(case, options, tmp_path, tiny_model_dir):
@@ -120,6 +127,8 @@ def test_resume_continues_like_an_uninterrupted_run(case, options, tmp_path, tin
     assert sorted(expected) == list(range(6))
     assert sorted(got) == [3, 4, 5], "the resumed run logs from the rollout after the checkpoint"
     assert_same_steps(expected, got, range(3, 6))
+    if case == "dynamic_sampling":  # the resumed rollouts drew extra prompts
+        assert sum(got[step]["dynamic_sampling/rounds"] for step in range(3, 6)) > 0
     torch.testing.assert_close(weights(resumed), weights(whole), rtol=0, atol=0)
     for kind in (RolloutGeneration, OldPolicyRefresh, TrustRegionMonitor):
         states = [

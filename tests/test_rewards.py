@@ -18,8 +18,10 @@ from lightning_troll.rewards import (
     boxed,
     extract_boxed,
     gsm8k,
+    overlong,
     register_reward,
     resolve_reward,
+    reward_tag,
     tinymath,
 )
 from tests import reward_helpers
@@ -119,8 +121,9 @@ def test_tinymath_on_generated_problems():
 
 
 def test_builtins_are_registered():
-    assert {"tinymath", "gsm8k", "boxed"} <= set(REWARD_FUNCTIONS)
+    assert {"tinymath", "gsm8k", "boxed", "overlong"} <= set(REWARD_FUNCTIONS)
     assert resolve_reward("gsm8k") is gsm8k
+    assert resolve_reward("overlong") is overlong
     assert resolve_reward(boxed) is boxed  # callables pass through
 
 
@@ -297,3 +300,61 @@ def test_scorer_accepts_tensor_scalars_and_names_callables_apart():
     scorer = RewardScorer([lambda p, c, r: torch.tensor(0.25), lambda p, c, r: 2])
     torch.testing.assert_close(scorer(["p"], ["c"], [{}]).total, torch.tensor([2.25]))
     assert list(scorer.weights) == ["<lambda>", "<lambda>_2"]  # two callables, two names
+
+
+# ----------------------------------------------------------------------------- overlong, kwargs
+
+
+@pytest.mark.parametrize(
+    ("tokens", "buffer", "expected"),
+    [
+        (10, 4, 0.0),  # max_new_tokens 16, buffer 4: no penalty up to 12 tokens
+        (12, 4, 0.0),
+        (13, 4, -0.25),  # (12 - 13) / 4
+        (15, 4, -0.75),
+        (16, 4, -1.0),  # cut off at the budget
+        (14, None, -1 / 3),  # default buffer: a fifth of 16, floored, is 3; start 13
+    ],
+)
+def test_overlong_by_hand(tokens, buffer, expected):
+    """max_new_tokens = 16: the penalty is (16 - buffer - tokens) / buffer past 16 - buffer."""
+    value = overlong("p", "c", {}, completion_tokens=tokens, max_new_tokens=16, buffer=buffer)
+    assert value == pytest.approx(expected, abs=1e-12)
+
+
+def test_scorer_passes_completion_tokens_and_binds_reward_kwargs():
+    """overlong (buffer 2, budget 4) at 2, 3 and 4 tokens: 0, -0.5, -1; weighted by 0.5 next to
+    an exact-answer reward; full marks count overlong's best score, 0."""
+    scorer = RewardScorer({"tinymath": 1.0, "overlong": 0.5}, kwargs={"overlong": {"buffer": 2}})
+    out = scorer(["p"] * 3, ["1", "1", "2"], [{"answer": "1"}] * 3, [2, 3, 4], max_new_tokens=4)
+    torch.testing.assert_close(out.per_function["overlong"], torch.tensor([0.0, -0.5, -1.0]))
+    torch.testing.assert_close(out.total, torch.tensor([1.0, 0.75, -0.5]))
+    assert scorer.full_marks == 1.0
+    assert scorer.sample_keywords == {
+        "tinymath": (), "overlong": ("completion_tokens", "max_new_tokens")
+    }  # fmt: skip
+    with pytest.raises(ValueError, match=r"'overlong' needs \['completion_tokens', 'max_new"):
+        scorer(["p"], ["1"], [{"answer": "1"}])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"gsm8k": {"x": 1}}, r"reward_kwargs names 'gsm8k', which is not one of the rewards"),
+        ({"overlong": {"width": 2}}, r"reward_kwargs.overlong: \['width'\] is not a keyword "
+         r"argument the reward 'overlong' takes; it takes \['buffer'\]"),
+        ({"overlong": {"max_new_tokens": 2}}, r"\['max_new_tokens'\] is not a keyword argument"),
+        ({"overlong": {"buffer": 0}}, r"reward_kwargs.overlong: buffer must be null or an "
+         r"integer >= 1; got 0"),
+        ({"overlong": 3}, r"reward_kwargs.overlong must map argument names to values; got 3"),
+    ],
+)  # fmt: skip
+def test_reward_kwargs_are_checked_when_the_scorer_is_built(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        RewardScorer({"tinymath": 1.0, "overlong": 1.0}, kwargs=kwargs)
+
+
+def test_reward_tag_keeps_names_readable():
+    assert reward_tag("tinymath") == "tinymath"
+    assert reward_tag("tests.reward_helpers:length_reward") == "tests.reward_helpers_length_reward"
+    assert reward_tag("a/b c") == "a_b_c"

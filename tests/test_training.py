@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from lightning_troll.callbacks import (
     SparsityCoverageMonitor,
     TrustRegionMonitor,
 )
+from lightning_troll.callbacks.old_policy import one_step_trap
 from lightning_troll.data import PromptDataModule
 from lightning_troll.module import OptimizationConfig, TrollModule, TrustRegionConfig
 from lightning_troll.objectives import ClipStats, TrollStats
@@ -112,13 +114,22 @@ def test_fit_logs_the_documented_tags(tmp_path, tiny_model_dir):
         "trust_region/kl_after_mean", "trust_region/kl_after_max", "trust_region/bound",
         "trust_region/active_frac", "trust_region/eta_mean", "trust_region/eta_max",
         "trust_region/max_violation", "sparsity/coverage_mean", "sparsity/coverage_min",
-        "sparsity/support_mean", "sparsity/support_max", "reward/mean", "reward/std",
+        "sparsity/coverage_max", "sparsity/support_min", "sparsity/support_mean",
+        "sparsity/support_max", "reward/mean", "reward/std",
         "reward/frac_zero_std", "completion/mean_length", "completion/max_length",
         "completion/truncated_frac", "loss/policy", "loss/regression", "loss/total",
         "entropy", "grad_norm", "val/accuracy", "val/reward",
     }  # fmt: skip
     assert documented <= scalars, documented - scalars
     assert len(events.Scalars("reward/mean")) == 3
+    for name in ("coverage", "support"):  # min <= mean <= max at every rollout
+        low, mean, high = (
+            [e.value for e in events.Scalars(f"sparsity/{name}_{stat}")]
+            for stat in ("min", "mean", "max")
+        )
+        assert len(low) == len(mean) == len(high) == 3
+        assert all(a <= b <= c for a, b, c in zip(low, mean, high, strict=True)), name
+        assert all(a >= 1 for a in low) if name == "support" else all(c <= 1 + 1e-5 for c in high)
     bound = events.Scalars("trust_region/bound")
     assert all(e.value == pytest.approx(0.05) for e in bound)
     assert {"trust_region/kl_after_per_token", "trust_region/kl_before_per_token"} <= set(
@@ -150,6 +161,34 @@ def test_first_minibatch_of_each_rollout_is_on_policy_and_the_bound_holds(tmp_pa
     assert (later - 1).abs().max() > 1e-3, "later minibatches are off-policy"
 
 
+def test_keep_sampled_token_reaches_the_projection_and_the_cached_rows(tiny_model_dir):
+    """Two tokens carry the mass (max_tokens 2); the sampled token 9 joins the cached old rows
+    only with keep_sampled_token (the default)."""
+    logits = torch.tensor([[5.0, 4.0] + [0.0] * 15])  # (1, V = 17)
+    for keep in (True, False):
+        region = TrustRegionConfig(max_tokens=2, mass_delta=0.0, keep_sampled_token=keep)
+        module = make_module(tiny_model_dir, trust_region=region)
+        assert module.objective.projection.keep_token is keep
+        old = module.sparsify_old(logits, torch.tensor([9]))
+        assert sorted(old.indices[0].tolist()) == ([0, 1, 9] if keep else [0, 1])
+    assert TrustRegionConfig().keep_sampled_token is True
+
+
+def test_scale_rewards_reaches_the_advantages(tiny_model_dir):
+    """grpo with scale_rewards none is Dr.GRPO; with batch, the centred rewards over the batch
+    std + 1e-6: group 1 (mean 0.5) -> -+0.5, group 2 flat; the batch [0, 1, 1, 1] has mean 0.75
+    and sample std sqrt((0.5625 + 3 * 0.0625) / 3) = 0.5."""
+    rewards = torch.tensor([0.0, 1.0, 1.0, 1.0], dtype=torch.float64)
+    module = make_module(tiny_model_dir, group_size=2, scale_rewards="none")
+    torch.testing.assert_close(
+        module.compute_advantages(rewards),
+        torch.tensor([-0.5, 0.5, 0.0, 0.0], dtype=torch.float64), rtol=0, atol=0,
+    )  # fmt: skip
+    module.scale_rewards = "batch"
+    expected = torch.tensor([-0.5, 0.5, 0.0, 0.0], dtype=torch.float64) / (0.5 + 1e-6)
+    torch.testing.assert_close(module.compute_advantages(rewards), expected, rtol=0, atol=1e-12)
+
+
 def test_old_policy_refresh_every_n_rollouts(tmp_path, tiny_model_dir):
     refresh = OldPolicyRefresh(every_n_rollouts=2)
 
@@ -177,6 +216,44 @@ def test_old_policy_refresh_every_n_rollouts(tmp_path, tiny_model_dir):
     restored = OldPolicyRefresh(every_n_rollouts=2)
     restored.load_state_dict(refresh.state_dict())
     assert restored.rollouts == 4 and restored.refreshes == 2
+
+
+@pytest.mark.parametrize(
+    ("epochs", "minibatch", "every_n", "traps"),
+    [
+        (1, None, 1, True),  # the whole rollout in one step, refreshed every rollout
+        (1, 32, 1, True),  # a minibatch as large as the rollout
+        (1, 16, 1, False),  # two minibatches: the second is off-policy
+        (2, None, 1, False),  # a second epoch
+        (1, None, 2, False),  # a snapshot that lags
+    ],
+)
+def test_one_step_trap_is_named_with_the_options_that_change_it(epochs, minibatch, every_n, traps):
+    message = one_step_trap(epochs, minibatch, 32, every_n, "troll")
+    assert (message is not None) == traps
+    if traps:
+        for option in (
+            f"model.optimization.minibatch_size={minibatch}",
+            "model.optimization.minibatch_size below 32",
+            "model.optimization.epochs_per_rollout above 1",
+            "old_policy.every_n_rollouts above 1",
+            "TROLL's projection never acts",
+        ):
+            assert option in message, option
+    clip = one_step_trap(1, None, None, 1, "clip")
+    assert "the clip never acts" in clip and "one minibatch of the rollout" in clip
+
+
+def test_one_step_trap_warns_once_at_start_up(tmp_path, tiny_model_dir):
+    """Three on-policy steps warn once; two minibatches per rollout do not warn."""
+    with pytest.warns(UserWarning, match=r"every optimiser step is on-policy") as caught:
+        fit(tmp_path / "a", tiny_model_dir, max_steps=3, limit_val_batches=0)
+    assert len([w for w in caught if "on-policy" in str(w.message)]) == 1
+    module = make_module(tiny_model_dir, optimization=OptimizationConfig(minibatch_size=8))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(tmp_path / "b", tiny_model_dir, max_steps=2, module=module, limit_val_batches=0)
+    assert not [w for w in caught if "on-policy" in str(w.message)]
 
 
 def test_training_without_the_rollout_callback_says_what_is_missing(tmp_path, tiny_model_dir):
@@ -264,6 +341,10 @@ def test_dropped_rewards_leave_the_loss(tmp_path, tiny_model_dir):
         ({"estimator": "ppo"}, r"estimator must be one of .*; got 'ppo'"),
         ({"objective": "kl"}, r"model.objective must be one of \['clip', 'troll'\]; got 'kl'"),
         ({"group_size": 0}, r"model.group_size must be an integer >= 1; got 0"),
+        (
+            {"scale_rewards": "std"},
+            r"model.scale_rewards must be one of \['batch', 'group', 'none'\] or null; got 'std'",
+        ),
         ({"trust_region": TrustRegionConfig(eps=-1.0)}, r"model: eps must be a number > 0"),
         ({"rewards": {"no_such_reward": 1.0}}, r"no_such_reward"),
     ],
@@ -304,7 +385,7 @@ def test_nan_in_the_snapshot_stops_before_caching(tmp_path, tiny_model_dir):
     assert torch.isfinite(logp).all() and old.num_rows == 3
     with torch.no_grad():
         module.old_policy.lm_head.weight[0, 0] = float("nan")
-    with pytest.raises(FloatingPointError, match=r"logits hold NaN or inf at 3 response tokens"):
+    with pytest.raises(FloatingPointError, match=r"NaN or \+inf .* at 3 response tokens"):
         behaviour_outputs(module.old_policy, ids, mask, response, 1.0, module.sparsify_old)
 
 
