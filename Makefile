@@ -78,10 +78,11 @@ GPU_PY = $(if $(wildcard $(PY)),$(PY),$(PYTHON))
 GPU_WHEELS ?= gpu-wheels
 GPU_PYTHON_VERSION ?= 3.12
 # The project's dependencies that the GPU image (torch 2.11, lightning 2.6.6, transformers 5.17,
-# torchmetrics, tensorboard and peft preinstalled) lacks, with theirs; all pure Python but
-# bitsandbytes, whose wheel carries its CUDA libraries (43 MB).
+# torchmetrics and tensorboard preinstalled) lacks, with theirs, and peft, which it holds in a
+# version not known here (LoRA needs >= 0.21); all pure Python but bitsandbytes, whose wheel
+# carries its CUDA libraries (43 MB).
 GPU_WHEEL_PINS ?= bitsandbytes==0.50.2 jsonargparse==4.53.0 docstring-parser==0.18.0 \
-  typeshed-client==2.14.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
+  typeshed-client==2.14.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 peft==0.21.2
 # setuptools builds the project there (pyproject.toml's build-system), from this folder alone.
 GPU_BUILD_PINS ?= setuptools==84.2.1
 GPU_PLATFORMS := $(foreach p,manylinux_2_28 manylinux_2_24 manylinux_2_17 manylinux2014,--platform $(p)_x86_64)
