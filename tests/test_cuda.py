@@ -53,6 +53,8 @@ def assert_steps_finite_and_bounded(recorder) -> None:
 def test_qlora_trains_adapters_on_a_4bit_base(tmp_path, tiny_model_dir):
     """QLoRA: the base in 4-bit NF4 stays bit-identical, the adapters (in bfloat16 compute)
     train, and the snapshot adapter follows the trained one after the refresh."""
+    pytest.importorskip("peft", reason="QLoRA needs peft (pip install 'lightning-troll[lora]')")
+    pytest.importorskip("bitsandbytes", reason="QLoRA needs bitsandbytes")
     module = make_module(
         tiny_model_dir,
         lora=LoraConfig(r=4, load_in_4bit=True),
@@ -87,7 +89,7 @@ def wide_model_dir(tmp_path_factory):
 
 
 def test_paged_adamw8bit_keeps_8bit_paged_states(tmp_path, wide_model_dir):
-    import bitsandbytes as bnb
+    bnb = pytest.importorskip("bitsandbytes", reason="the paged 8-bit AdamW is bitsandbytes'")
 
     module = make_module(
         wide_model_dir, optimizer=lambda params: bnb.optim.PagedAdamW8bit(params, lr=1e-3)
