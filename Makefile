@@ -75,3 +75,34 @@ smollm2: setup
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info
+
+# -- the GPU check: a machine with a CUDA GPU (README, "GPU check") ------------------------------
+#   make gpu-wheels   here, with a package index: the wheels a GPU machine's image may lack
+#   make gpu-install  there, without an index: those wheels and the project, over its CUDA torch
+#   make gpu-check    there: examples/gpu_check.py (GPU_CHECK_ARGS=--tiny: tiny shapes, any CPU)
+# The Python that holds the CUDA torch: the venv's where there is one, else $(PYTHON).
+GPU_PY = $(if $(wildcard $(PY)),$(PY),$(PYTHON))
+GPU_WHEELS ?= gpu-wheels
+GPU_PYTHON_VERSION ?= 3.12
+# The project's dependencies that the GPU image (torch 2.11, lightning 2.6.6, transformers 5.17,
+# torchmetrics and tensorboard preinstalled) lacks, with theirs, and peft, which it holds in a
+# version not known here (LoRA needs >= 0.21); all pure Python but bitsandbytes, whose wheel
+# carries its CUDA libraries (43 MB).
+GPU_WHEEL_PINS ?= bitsandbytes==0.50.2 jsonargparse==4.53.0 docstring-parser==0.18.0 \
+  typeshed-client==2.14.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 peft==0.21.2
+# setuptools builds the project there (pyproject.toml's build-system), from this folder alone.
+GPU_BUILD_PINS ?= setuptools==84.2.1
+GPU_PLATFORMS := $(foreach p,manylinux_2_28 manylinux_2_24 manylinux_2_17 manylinux2014,--platform $(p)_x86_64)
+
+.PHONY: gpu-check gpu-wheels gpu-install
+gpu-check:
+	$(GPU_PY) examples/gpu_check.py $(GPU_CHECK_ARGS)
+
+gpu-wheels:
+	$(PYTHON) -m pip download --no-deps --only-binary=:all: --implementation cp \
+	  --python-version $(GPU_PYTHON_VERSION) $(GPU_PLATFORMS) -d $(GPU_WHEELS) $(GPU_WHEEL_PINS)
+	$(PYTHON) -m pip download --no-deps --only-binary=:all: -d $(GPU_WHEELS)/build $(GPU_BUILD_PINS)
+
+gpu-install:
+	$(GPU_PY) -m pip install --no-index --no-deps $(GPU_WHEELS)/*.whl
+	$(GPU_PY) -m pip install --no-index --no-deps --find-links $(GPU_WHEELS)/build -e .

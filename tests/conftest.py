@@ -7,6 +7,20 @@ from pathlib import Path
 import pytest
 
 
+def pytest_collection_modifyitems(config, items) -> None:
+    """Tests marked ``cuda`` are skipped, with the reason, where torch sees no CUDA device."""
+    cuda_tests = [item for item in items if item.get_closest_marker("cuda")]
+    if not cuda_tests:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)")
+    for item in cuda_tests:
+        item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A randomly initialised 2-layer model of the TinyMath vocabulary, in a local directory."""

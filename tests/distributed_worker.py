@@ -6,7 +6,8 @@ the prompt and the sample's index in its group, so a run's global batch does not
 many processes share it; everything after sampling (rewards, advantages, the cached old
 distributions, the loss, gradients, optimiser, refresh, monitors) is the real code.
 
-``--real-sampling`` keeps the real sampler instead (for resume tests, where every process's
+``--accelerator gpu --devices N`` runs the processes on N CUDA devices (NCCL) instead of CPUs
+(gloo). ``--real-sampling`` keeps the real sampler instead (for resume tests, where every process's
 random state matters). Rank 0 writes ``OUT/metrics.json`` (the logged value of every metric at every step),
 ``OUT/weights.pt`` (the policy's and the snapshot's full weights after the run, and greedy
 completions of a few prompts), ``OUT/gathers.json`` (FSDP2 runs: all-gathers while sampling),
@@ -58,11 +59,13 @@ def scripted_sample(model, prompt_ids, group_size, sampling, pad_id, eos_id, do_
 
 
 def full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The module's weights as plain tensors (sharded ones gathered: every rank must call)."""
+    """The module's weights as plain CPU tensors (sharded ones gathered: every rank must call)."""
     from torch.distributed.tensor import DTensor
 
     return {
-        name: (value.full_tensor() if isinstance(value, DTensor) else value).detach().clone()
+        name: (value.full_tensor() if isinstance(value, DTensor) else value)
+        .detach()
+        .to("cpu", copy=True)
         for name, value in module.state_dict().items()
     }
 
@@ -116,7 +119,7 @@ def build(args, out: Path):
             if trainer.is_global_zero:
                 (out / "rng.json").write_text(json.dumps(everyone))
 
-    processes = 1 if args.strategy == "single" else 2
+    processes = 1 if args.strategy == "single" else args.devices
     module = TrollModule(
         model="tinymath",
         objective=args.objective,
@@ -145,8 +148,8 @@ def build(args, out: Path):
     )
     strategy = {
         "single": "auto",
-        "ddp": DDPStrategy(process_group_backend="gloo"),
-        "fsdp2": ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
+        "ddp": DDPStrategy(process_group_backend="gloo" if args.accelerator == "cpu" else "nccl"),
+        "fsdp2": ModelParallelStrategy(data_parallel_size=processes, tensor_parallel_size=1),
     }[args.strategy]
     callbacks = [RolloutGeneration(log_samples=0), OldPolicyRefresh()]
     callbacks += [TrustRegionMonitor(histogram_every_n_rollouts=1000), SparsityCoverageMonitor()]
@@ -157,7 +160,7 @@ def build(args, out: Path):
         every = args.checkpoint_every * STEPS_PER_ROLLOUT
         callbacks.append(ModelCheckpoint(out / "ckpts", every_n_train_steps=every, save_top_k=-1))
     trainer = Trainer(
-        accelerator="cpu",
+        accelerator=args.accelerator,  # FSDP2 over gloo on CPUs, over NCCL on GPUs
         devices=processes,
         strategy=strategy,
         max_steps=args.rollouts * STEPS_PER_ROLLOUT,
@@ -218,7 +221,7 @@ def greedy(module) -> torch.Tensor:
             module.policy, prompts, 1, SamplingConfig(max_new_tokens=6), module.pad_id,
             module.eos_id, do_sample=False,
         )  # fmt: skip
-    return ids
+    return ids.cpu()
 
 
 def logged_metrics(out: Path) -> dict[str, dict[int, float]]:
@@ -236,6 +239,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
     parser.add_argument("--strategy", choices=["single", "ddp", "fsdp2"], default="single")
+    parser.add_argument("--accelerator", choices=["cpu", "gpu"], default="cpu")
+    parser.add_argument("--devices", type=int, default=2, help="processes of ddp and fsdp2")
     parser.add_argument("--objective", default="troll")
     parser.add_argument("--estimator", default="reinforce_pp")
     parser.add_argument("--prompts", type=int, default=4, help="global prompts per rollout")

@@ -84,7 +84,7 @@ def fsdp2(tmp_path_factory) -> tuple[Path, Path]:
     return out, ckpt
 
 
-def assert_same_run(reference: Path, other: Path) -> None:
+def assert_same_run(reference: Path, other: Path, weight_atol: float = WEIGHT_ATOL) -> None:
     ref, got = metrics(reference), metrics(other)
     for name in COMPARED:
         assert set(ref[name]) == set(got[name]) == {"0", "1"}, name
@@ -97,7 +97,7 @@ def assert_same_run(reference: Path, other: Path) -> None:
     for part in ("policy", "old_policy"):
         assert ref_w[part].keys() == got_w[part].keys()
         for name, value in ref_w[part].items():
-            torch.testing.assert_close(got_w[part][name], value, rtol=0, atol=WEIGHT_ATOL)
+            torch.testing.assert_close(got_w[part][name], value, rtol=0, atol=weight_atol)
     assert torch.equal(ref_w["greedy"], got_w["greedy"])
 
 
@@ -125,6 +125,14 @@ def test_two_processes_match_one(strategy, single, fsdp2, tmp_path):
         out = fsdp2[0]
     else:
         out = launch(tmp_path, "--strategy", strategy, "--micro-batch-size", "3")
+    assert_same_run(single, out)
+
+
+@pytest.mark.slow  # starts one Python process
+def test_fsdp2_in_one_process_matches_the_unsharded_run(single, tmp_path):
+    """FSDP2 at world size 1 (ModelParallelStrategy with data_parallel_size 1, one gloo
+    process), the set-up of a machine with one GPU: it trains exactly as the unsharded run."""
+    out = launch(tmp_path, "--strategy", "fsdp2", "--devices", "1", "--micro-batch-size", "3")
     assert_same_run(single, out)
 
 

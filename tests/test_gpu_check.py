@@ -1,0 +1,277 @@
+"""``examples/gpu_check.py``: the runner records every phase's end, and ``--tiny`` runs here.
+
+The check itself is for a machine with a CUDA GPU; ``--tiny`` runs every phase at tiny shapes on
+a CPU (the two CUDA-only phases are then skipped), so that the script cannot rot where CI has no
+GPU. The runner's bookkeeping (failures, time limits, budget) is tested with small stand-in
+commands.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "examples" / "gpu_check.py"
+sys.path.insert(0, str(SCRIPT.parent))
+import gpu_check  # noqa: E402 - examples/ is no package
+import gpu_phases  # noqa: E402
+
+EPS = 0.05  # the trust region of configs/tinymath.yaml
+
+
+def python(code: str) -> list[str]:
+    return [sys.executable, "-c", textwrap.dedent(code)]
+
+
+def record(path: Path, status: str, **extra) -> str:
+    """Python code that writes a phase's record to ``path``."""
+    return f"import json; open({str(path)!r}, 'w').write(json.dumps({{'status': {status!r}, **{extra!r}}}))"
+
+
+def numbers(figures: dict) -> list[float]:
+    """Every number among a phase's figures and its rows."""
+    values = [v for v in figures.values() if isinstance(v, int | float)]
+    for row in figures.get("rows", []):
+        values += [v for v in row.values() if isinstance(v, int | float)]
+    return values
+
+
+# -- the runner, with stand-in commands ---------------------------------------------------------
+def test_a_phase_that_records_its_figures_is_ok(tmp_path):
+    result = tmp_path / "r.json"
+    code = record(result, "ok", figures={"tokens_per_s": 12.5, "rows": [{"shape": "a", "x": 1}]})
+    entry = gpu_check.run_phase("p", python(code), 30, result, tmp_path / "p.log")
+    assert entry["status"] == "ok" and entry["figures"]["tokens_per_s"] == 12.5
+    assert "reason" not in entry and 0 <= entry["seconds"] < 30
+
+
+def test_a_phase_that_skips_itself_says_why(tmp_path):
+    result = tmp_path / "r.json"
+    code = record(result, "skipped", reason="needs a CUDA device", figures={})
+    entry = gpu_check.run_phase("p", python(code), 30, result, tmp_path / "p.log")
+    assert entry["status"] == "skipped" and entry["reason"] == "needs a CUDA device"
+
+
+def test_a_phase_that_raises_is_failed_and_keeps_its_figures(tmp_path):
+    result = tmp_path / "r.json"
+    code = record(result, "running", figures={"done": 1}) + "\nraise ValueError('bad shape')"
+    entry = gpu_check.run_phase("p", python(code), 30, result, tmp_path / "p.log")
+    assert entry["status"] == "failed" and entry["figures"] == {"done": 1}
+    assert "exited with 1" in entry["reason"] and "ValueError: bad shape" in entry["reason"]
+    assert "ValueError: bad shape" in entry["log_tail"]
+
+
+def test_a_phase_that_exits_cleanly_without_a_record_is_failed(tmp_path):
+    entry = gpu_check.run_phase("p", python("print('hi')"), 30, tmp_path / "r.json",
+                                tmp_path / "p.log")  # fmt: skip
+    assert entry["status"] == "failed" and "without recording how it ended" in entry["reason"]
+
+
+@pytest.mark.slow  # waits for the time limit
+def test_a_phase_past_its_limit_is_killed_with_its_children(tmp_path):
+    """The phase and the process it started (one process group) are ended at the limit; what the
+    phase had recorded before stays."""
+    result, child = tmp_path / "r.json", tmp_path / "child.pid"
+    result.write_text(json.dumps({"status": "running", "figures": {"first_shape_ms": 3.0}}))
+    code = f"""
+        import subprocess, sys, time
+        sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+        open({str(child)!r}, "w").write(str(sleeper.pid))
+        time.sleep(300)
+    """
+    limit = 20  # seconds: room for two interpreters to start on a busy machine
+    start = time.monotonic()
+    entry = gpu_check.run_phase("p", python(code), limit, result, tmp_path / "p.log")
+    assert limit <= time.monotonic() - start < limit + 60
+    assert entry["status"] == "failed"
+    assert entry["reason"] == f"timed out after {limit} s, the phase's limit"
+    assert entry["figures"] == {"first_shape_ms": 3.0}
+    pid = int(child.read_text())
+    for _ in range(50):  # the child is gone (or a zombie) once the group is killed
+        if not _alive(pid):
+            break
+        time.sleep(0.1)
+    assert not _alive(pid), "the phase's child process outlived the time limit"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    state = Path(f"/proc/{pid}/stat")
+    return not (state.exists() and state.read_text().split(")")[-1].split()[0] == "Z")
+
+
+def test_without_cuda_full_shapes_are_skipped_with_the_reason(tmp_path, capsys):
+    args = gpu_check.parse_args(["--json", str(tmp_path / "r.json")])
+    entries = gpu_check.check(args, cuda=False, logs=tmp_path)
+    assert [e["name"] for e in entries] == gpu_check.NAMES
+    assert {e["status"] for e in entries} == {"skipped"}
+    reasons = {e["name"]: e["reason"] for e in entries}
+    assert "needs a CUDA device" in reasons["cuda-tests"]
+    assert "--tiny runs it on a CPU" in reasons["overhead"]
+    assert "[6/6] grpo-smollm2: skipped" in capsys.readouterr().out
+
+
+def test_phases_past_the_budget_are_skipped(tmp_path):
+    args = gpu_check.parse_args(["--tiny", "--budget", "1", "--phases", "overhead,generation"])
+    entries = gpu_check.check(args, cuda=False, logs=tmp_path)
+    assert [e["status"] for e in entries] == ["skipped", "skipped"]
+    assert "the check's budget of 1 s (--budget) ran out" in entries[0]["reason"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--phases", "overhead,speed"], "--phases must name phases among"),
+        (["--phases", ","], "--phases must name phases among"),
+        (["--budget", "0"], "--budget must be a number of seconds > 0; got 0.0"),
+        (["--budget", "nan"], "--budget must be a number of seconds > 0; got nan"),
+        (["--fail-phase", "speed"], "--fail-phase must be one of ['cuda-tests'"),
+    ],
+)
+def test_bad_options_name_the_option_the_value_and_what_is_allowed(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        gpu_check.parse_args(argv)
+    err = capsys.readouterr().err
+    assert message in err
+    if argv[0] == "--phases":
+        assert repr(argv[1]) in err and "'tinymath-demo'" in err
+
+
+def test_markdown_has_a_line_per_phase_and_each_phase_table():
+    report = {
+        "tiny": False, "started": "2026-01-01T00:00:00+00:00", "seconds": 12.0, "commit": None,
+        "device": {"kind": "cuda", "name": "GPU X", "count": 1, "memory_gib": 80.0,
+                   "capability": "9.0", "cpu_cores": 16},
+        "versions": {"python": "3.12", "torch": "2.11.0", "cuda": "13.0", "peft": None},
+        "summary": {"ok": 1, "skipped": 0, "failed": 1},
+        "phases": [
+            {"name": "overhead", "title": "T", "status": "ok", "seconds": 5.0,
+             "figures": {"summary": "x1.05", "rows": [{"shape": "qwen3-4b", "time_ratio": 1.05}]}},
+            {"name": "generation", "title": "G", "status": "failed", "seconds": 7.0,
+             "figures": {}, "reason": "timed out after 150 s, the phase's limit"},
+        ],
+    }  # fmt: skip
+    text = gpu_check.markdown(report)
+    assert "1 x GPU X (80.0 GiB, compute capability 9.0)" in text
+    assert "not installed: peft" in text
+    assert "| overhead | ok | 5.0 | x1.05 |" in text
+    assert "| generation | failed | 7.0 | timed out after 150 s, the phase's limit |" in text
+    assert "| shape | time_ratio |" in text and "| qwen3-4b | 1.05 |" in text
+
+
+def test_a_shape_out_of_gpu_memory_is_retried_smaller_and_a_failing_shape_is_recorded(tmp_path):
+    """Sizes halve while a shape runs out of GPU memory; a shape that fails otherwise is a row
+    with its error, the shapes after it still run, and the phase fails at the end."""
+    import torch
+
+    tried = []
+
+    def measure(name, shape, size):
+        tried.append((name, size))
+        if name == "a" and size > 1:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB")
+        if name == "b":
+            raise ValueError("bad shape")
+        return {"size": size}
+
+    results = gpu_phases.Results(tmp_path / "r.json")
+    shape = gpu_phases.TINY_SMOLLM2
+    with pytest.raises(RuntimeError, match=r"failed at shapes \['b'\]"):
+        gpu_phases.each_shape(results, {"a": shape, "b": shape, "c": shape}, [4, 2, 1], measure)
+    assert tried == [("a", 4), ("a", 2), ("a", 1), ("b", 4), ("c", 4)]
+    rows = json.loads((tmp_path / "r.json").read_text())["figures"]["rows"]
+    assert [r["shape"] for r in rows] == ["a", "b", "c"]
+    assert rows[0]["size"] == 1 and rows[2]["size"] == 4
+    assert rows[1]["error"] == "ValueError: bad shape"
+
+
+# -- the script itself --------------------------------------------------------------------------
+def run_script(*args: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, str(SCRIPT), *args]
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=1200)
+
+
+@pytest.mark.slow  # six phases, four of them in processes of their own: about 2 minutes
+def test_tiny_check_runs_every_phase_and_reports_it(tmp_path):
+    out = tmp_path / "report.json"
+    done = run_script("--tiny", "--json", str(out), "--logs", str(tmp_path / "logs"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(out.read_text())
+    assert {"device", "versions", "phases", "summary", "seconds", "tiny"} <= set(report)
+    assert report["tiny"] is True
+    assert {"python", "torch", "lightning", "transformers"} <= set(report["versions"])
+    assert report["versions"]["torch"] and report["versions"]["lightning-troll"]
+    phases = {p["name"]: p for p in report["phases"]}
+    assert list(phases) == gpu_check.NAMES
+    for phase in report["phases"]:
+        assert phase["status"] in gpu_check.STATUSES
+        assert {"name", "title", "status", "seconds", "figures"} <= set(phase)
+        assert math.isfinite(phase["seconds"]) and phase["seconds"] >= 0
+    cuda = report["device"]["kind"] == "cuda"
+    for name in ("cuda-tests", "fsdp2-nccl"):
+        if not cuda:
+            assert phases[name]["status"] == "skipped"
+            assert "needs a CUDA device" in phases[name]["reason"]
+    ran = [p for p in report["phases"] if p["name"] not in ("cuda-tests", "fsdp2-nccl") or cuda]
+    for phase in ran:
+        assert phase["status"] == "ok", (phase["name"], phase.get("reason"))
+        values = numbers(phase["figures"])
+        assert values and all(math.isfinite(v) for v in values), phase["name"]
+        assert phase["figures"]["summary"]
+    assert report["summary"] == {
+        "ok": len(ran), "skipped": len(report["phases"]) - len(ran), "failed": 0
+    }  # fmt: skip
+
+    overhead = phases["overhead"]["figures"]
+    assert [r["shape"] for r in overhead["rows"]] == ["qwen3-0.6b", "qwen3-1.7b", "qwen3-4b"]
+    assert overhead["paper"] == {"time_ratio": 1.091, "memory_ratio": 1.046}
+    for row in overhead["rows"]:
+        assert row["clip_ms"] > 0 and row["troll_ms"] > 0 and row["clip_peak_mib"] > 0
+        assert row["time_ratio"] == pytest.approx(row["troll_ms"] / row["clip_ms"], rel=1e-3)
+        assert row["memory_ratio"] == pytest.approx(
+            row["troll_peak_mib"] / row["clip_peak_mib"], rel=1e-3
+        )
+    for row in phases["generation"]["figures"]["rows"]:
+        assert row["tokens_per_s"] > 0 and row["generated_tokens"] > 0
+        assert 0 < row["rollout_share"] < 1
+        assert row["rollout_s"] + row["train_s"] == pytest.approx(
+            row["second_iteration_s"], abs=2e-3
+        )
+    demo = phases["tinymath-demo"]["figures"]
+    assert demo["rollouts"] == 2 and 0 <= demo["final_reward"] <= 1
+    assert 0 <= demo["val_accuracy"] <= 1 and demo["kl_after_max"] <= EPS * (1 + 1e-5)
+    smol = phases["grpo-smollm2"]["figures"]
+    assert 0 <= smol["final_reward"] <= 1 and smol["sequences"] == 16
+    assert smol["kl_after_max"] <= EPS * (1 + 1e-5) and smol["rollout_s"] > 0
+
+    text = out.with_suffix(".md").read_text()
+    for name in gpu_check.NAMES:
+        assert f"| {name} | {phases[name]['status']} |" in text
+    assert "| shape | parameters_m | sequences |" in text
+
+
+@pytest.mark.slow  # two phases in processes of their own
+def test_a_phase_that_raises_is_recorded_and_the_next_one_runs(tmp_path):
+    out = tmp_path / "report.json"
+    done = run_script("--tiny", "--phases", "overhead,generation", "--fail-phase", "overhead",
+                      "--json", str(out))  # fmt: skip
+    assert done.returncode == 1, done.stdout + done.stderr
+    report = json.loads(out.read_text())
+    first, second = report["phases"]
+    assert first["name"] == "overhead" and first["status"] == "failed"
+    assert "RuntimeError: --fail-phase overhead: a failure planted" in first["reason"]
+    assert second["name"] == "generation" and second["status"] == "ok"
+    assert report["summary"] == {"ok": 1, "skipped": 0, "failed": 1}
+    assert "[1/2] overhead: failed" in done.stdout and "[2/2] generation: ok" in done.stdout
