@@ -7,19 +7,29 @@
 The rollout callback, the snapshot refresh and both monitors are always present; their options
 are the top-level keys ``rollout``, ``old_policy``, ``trust_region_monitor`` and
 ``sparsity_monitor``. ``model.model`` also names the tokenizer of ``data``.
+
+Logs and checkpoints follow Lightning's rule: TensorBoard logs in
+``<trainer.default_root_dir>/lightning_logs/version_<n>`` (the root is ``runs`` unless given), and
+``last.ckpt`` in its ``checkpoints`` folder (:class:`RolloutCheckpoint`, options under the
+top-level key ``checkpoint``), unless a logger or a checkpoint callback of one's own is given.
 """
 
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 from jsonargparse import set_parsing_settings
+from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.callbacks import Checkpoint, ProgressBar
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_troll.callbacks import (
     OldPolicyRefresh,
+    RolloutCheckpoint,
     RolloutGeneration,
+    RolloutProgressBar,
     SparsityCoverageMonitor,
     TrustRegionMonitor,
 )
@@ -30,10 +40,8 @@ from lightning_troll.module import TrollModule
 __all__ = ["TrollCLI", "main", "run"]
 
 TRAINER_DEFAULTS = {
-    "logger": {
-        "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
-        "init_args": {"save_dir": "runs", "name": "lightning_troll"},
-    },
+    # Lightning's default logger (TensorBoard) writes to <default_root_dir>/lightning_logs
+    "default_root_dir": "runs",
     "log_every_n_steps": 1,
     "num_sanity_val_steps": 0,
 }
@@ -47,7 +55,26 @@ class TrollCLI(LightningCLI):
         parser.add_lightning_class_args(OldPolicyRefresh, "old_policy")
         parser.add_lightning_class_args(TrustRegionMonitor, "trust_region_monitor")
         parser.add_lightning_class_args(SparsityCoverageMonitor, "sparsity_monitor")
+        parser.add_class_arguments(RolloutCheckpoint, "checkpoint", fail_untyped=False)
         parser.link_arguments("model.model", "data.tokenizer")
+
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        """Adds the project's defaults, as Lightning adds its own: :class:`RolloutCheckpoint`
+        unless checkpointing is off or a checkpoint callback is given, and
+        :class:`RolloutProgressBar` unless the bar is off or another one is given."""
+        config = self._get(self.config_init, "trainer", default={})
+        given = config.get("callbacks") or []
+        given = list(given) if isinstance(given, list) else [given]
+        extra: list[Callback] = []
+        if config.get("enable_checkpointing") is not False and not any(
+            isinstance(c, Checkpoint) for c in given
+        ):
+            extra.append(self._get(self.config_init, "checkpoint"))
+        if config.get("enable_progress_bar") is not False and not any(
+            isinstance(c, ProgressBar) for c in given
+        ):
+            extra.append(RolloutProgressBar())
+        return super().instantiate_trainer(**kwargs, callbacks=given + extra)
 
     def parse_arguments(self, parser, args) -> None:
         """Parses, then refuses an unreadable ``--ckpt_path`` before anything is loaded."""
@@ -86,8 +113,11 @@ class TrollCLI(LightningCLI):
     def after_fit(self) -> None:
         if not self.trainer.is_global_zero:
             return
+        checkpoint = self.checkpoint_callback
+        stopped = checkpoint is not None and checkpoint.stopped_by is not None
+        how = f"stopped by {checkpoint.stopped_by.name}" if stopped else "training finished"
+        lines = ["", f"lightning-troll: {how}"]
         metrics = self.trainer.callback_metrics
-        lines = ["", "lightning-troll: training finished"]
         for name in ("reward/mean", "val/accuracy", "trust_region/kl_after_max"):
             if name in metrics:
                 lines.append(f"  {name:<28} {float(metrics[name]):.4f}")
@@ -107,7 +137,17 @@ class TrollCLI(LightningCLI):
         if logger is not None and logger.log_dir:
             lines.append(f"  logs: {logger.log_dir}")
             lines.append(f"  view: tensorboard --logdir {logger.save_dir}")
+        if checkpoint is not None and checkpoint.last_model_path:
+            path = checkpoint.last_model_path
+            lines.append(f"  checkpoint: {path}")
+            lines.append(f"  resume: the same command with --ckpt_path {path}")
         print("\n".join(lines))
+
+    @property
+    def checkpoint_callback(self) -> RolloutCheckpoint | None:
+        """The run's :class:`RolloutCheckpoint`, if it has one."""
+        callbacks = self.trainer.callbacks
+        return next((c for c in callbacks if isinstance(c, RolloutCheckpoint)), None)
 
 
 def run(args: list[str] | None = None) -> TrollCLI:
@@ -130,8 +170,11 @@ def run(args: list[str] | None = None) -> TrollCLI:
 
 
 def main() -> None:
-    """Entry point of the ``lightning-troll`` console script."""
-    run()
+    """Entry point of the ``lightning-troll`` console script. A run stopped by Ctrl-C or SIGTERM,
+    after saving its checkpoint, exits with 128 + the signal."""
+    checkpoint = run().checkpoint_callback
+    if checkpoint is not None and checkpoint.stopped_by is not None:
+        raise SystemExit(128 + int(checkpoint.stopped_by))
 
 
 if __name__ == "__main__":

@@ -29,6 +29,9 @@ def run(args: list[str], tmp_path: Path, monkeypatch):
     return cli_run(args)
 
 
+LOGS = Path("runs") / "lightning_logs" / "version_0"  # the default logger's folder, relative
+
+
 def one_step(model_dir: Path) -> list[str]:
     return [
         "--model.model", str(model_dir),
@@ -95,10 +98,8 @@ def test_fsdp2_cpu_overlay_trains_with_two_processes(tmp_path, tiny_model_dir):
     done = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "lightning-troll: training finished" in done.stdout
-    checkpoints = list(
-        (tmp_path / "runs" / "lightning_troll" / "version_0" / "checkpoints").iterdir()
-    )
-    assert [c.name for c in checkpoints] == ["epoch=0-step=2.ckpt"]
+    checkpoints = list((tmp_path / LOGS / "checkpoints").iterdir())
+    assert [c.name for c in checkpoints] == ["last.ckpt"]  # the default RolloutCheckpoint
     assert checkpoints[0].is_dir() and len(list(checkpoints[0].glob("*.distcp"))) == 2
 
 
@@ -117,7 +118,7 @@ def test_tinymath_and_presets_run_one_step(preset, tmp_path, monkeypatch, tiny_m
         assert module.estimator == expected["estimator"]
         assert module.objective.importance == expected["loss"]["importance"]
         assert module.objective.aggregation == expected["loss"]["aggregation"]
-    assert (tmp_path / "runs" / "lightning_troll" / "version_0" / "config.yaml").exists()
+    assert (tmp_path / LOGS / "config.yaml").exists()
 
 
 def assert_contains(printed: dict, expected: dict, where: str = "model") -> None:
@@ -213,7 +214,7 @@ def test_bad_options_stop_before_training(
         run(base + args, tmp_path, monkeypatch)
     text = str(error.value) + capsys.readouterr().err
     assert message in text
-    assert not (tmp_path / "runs" / "lightning_troll" / "version_0" / "checkpoints").exists()
+    assert not (tmp_path / LOGS / "checkpoints").exists()
 
 
 def test_console_script_exits_zero(tmp_path, tiny_model_dir):
@@ -230,3 +231,74 @@ def test_console_script_exits_zero(tmp_path, tiny_model_dir):
     assert "lightning-troll: training finished" in done.stdout
     assert "mean reward, by quarter" not in done.stdout  # one rollout: no quarters
     assert "tensorboard --logdir runs" in done.stdout
+
+
+# -- logs and checkpoints where Lightning puts them ----------------------------------------------
+def saved_steps(monkeypatch) -> list[tuple[str, int]]:
+    """(file name, global step) of every checkpoint written through Lightning's atomic save."""
+    from lightning.fabric.plugins.io import torch_io
+
+    saved, atomic = [], torch_io._atomic_save
+
+    def spy(checkpoint, path):
+        saved.append((Path(path).name, checkpoint["global_step"]))
+        atomic(checkpoint, path)
+
+    monkeypatch.setattr(torch_io, "_atomic_save", spy)
+    return saved
+
+
+def test_logs_and_checkpoints_follow_default_root_dir(tmp_path, monkeypatch, tiny_model_dir):
+    """Lightning's rule: the default (TensorBoard) logger and the default checkpoint both live
+    under --trainer.default_root_dir; nothing is written to ./runs."""
+    args = ["fit", "--config", str(ROOT / "configs" / "tinymath.yaml"), *one_step(tiny_model_dir)]
+    args += ["--trainer.default_root_dir", "elsewhere", "--trainer.max_steps", "2"]
+    cli = run(args, tmp_path, monkeypatch)
+    logs = tmp_path / "elsewhere" / "lightning_logs" / "version_0"
+    assert type(cli.trainer.logger).__name__ == "TensorBoardLogger"
+    assert Path(cli.trainer.logger.log_dir).resolve() == logs
+    assert list(logs.glob("events.out.tfevents.*")) and (logs / "config.yaml").exists()
+    last = logs / "checkpoints" / "last.ckpt"
+    assert torch.load(last, map_location="cpu", weights_only=True)["global_step"] == 2
+    assert not (tmp_path / "runs").exists()
+
+
+def test_default_checkpoint_every_n_rollouts_at_the_end_and_resumed_in_one_line(
+    tmp_path, monkeypatch, tiny_model_dir, capsys
+):
+    """A 5-rollout run with no checkpoint configured writes last.ckpt after rollouts 2 and 4
+    (every_n_rollouts) and 5 (the end), one optimiser step per rollout; the printed resume line
+    continues it."""
+    saved = saved_steps(monkeypatch)
+    args = ["fit", "--config", str(ROOT / "configs" / "tinymath.yaml"), *one_step(tiny_model_dir)]
+    args += ["--trainer.val_check_interval", "2", "--checkpoint.every_n_rollouts", "2"]
+    cli = run([*args, "--trainer.max_steps", "5"], tmp_path, monkeypatch)
+    assert saved == [("last.ckpt", 2), ("last.ckpt", 4), ("last.ckpt", 5)]
+    last = tmp_path / LOGS / "checkpoints" / "last.ckpt"
+    assert sorted(p.name for p in last.parent.iterdir()) == ["last.ckpt"]  # no temporary files
+    assert cli.checkpoint_callback.last_model_path == str(LOGS / "checkpoints" / "last.ckpt")
+    out = capsys.readouterr().out
+    resume = next(line for line in out.splitlines() if "resume:" in line)
+    assert resume.endswith(f"--ckpt_path {cli.checkpoint_callback.last_model_path}")
+
+    saved.clear()
+    resumed = run(
+        [*args, "--trainer.max_steps", "7", "--ckpt_path", str(last)], tmp_path, monkeypatch
+    )
+    assert resumed.trainer.global_step == 7
+    assert saved == [("last.ckpt", 6), ("last.ckpt", 7)]  # rollouts 6 (every 2) and 7 (the end)
+    new_last = tmp_path / "runs" / "lightning_logs" / "version_1" / "checkpoints" / "last.ckpt"
+    assert torch.load(new_last, map_location="cpu", weights_only=True)["global_step"] == 7
+
+
+def test_no_default_checkpoint_when_checkpointing_is_off_or_one_is_given(
+    tmp_path, monkeypatch, tiny_model_dir
+):
+    saved = saved_steps(monkeypatch)
+    args = ["fit", "--config", str(ROOT / "configs" / "tinymath.yaml"), *one_step(tiny_model_dir)]
+    cli = run([*args, "--trainer.enable_checkpointing", "false"], tmp_path, monkeypatch)
+    assert cli.checkpoint_callback is None and saved == []
+    own = '{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": {"dirpath": "mine"}}'
+    cli = run([*args, "--trainer.callbacks", own], tmp_path, monkeypatch)
+    assert cli.checkpoint_callback is None
+    assert [name for name, _ in saved] == ["epoch=0-step=1.ckpt"]  # the given one's, only
