@@ -12,18 +12,28 @@ Logs and checkpoints follow Lightning's rule: TensorBoard logs in
 ``<trainer.default_root_dir>/lightning_logs/version_<n>`` (the root is ``runs`` unless given), and
 ``last.ckpt`` in its ``checkpoints`` folder (:class:`RolloutCheckpoint`, options under the
 top-level key ``checkpoint``), unless a logger or a checkpoint callback of one's own is given.
+
+Bad configuration or data, found before training starts, ends the command with
+``lightning-troll: error: <message>`` on one line and exit status 2; ``--debug`` (anywhere on the
+command line) or ``LIGHTNING_TROLL_DEBUG=1`` shows the traceback instead. Errors once training
+runs keep their traceback.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 import warnings
 from typing import Any
 
 from jsonargparse import set_parsing_settings
-from lightning.pytorch import Callback, Trainer
+from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import Checkpoint, ProgressBar
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from typing_extensions import override
 
 from lightning_troll.callbacks import (
     OldPolicyRefresh,
@@ -37,7 +47,7 @@ from lightning_troll.checkpoints import changed_options, check_checkpoint_file, 
 from lightning_troll.data import PromptDataModule
 from lightning_troll.module import TrollModule
 
-__all__ = ["TrollCLI", "main", "run"]
+__all__ = ["BAD_INPUT", "TrollCLI", "main", "run"]
 
 TRAINER_DEFAULTS = {
     # Lightning's default logger (TensorBoard) writes to <default_root_dir>/lightning_logs
@@ -45,6 +55,33 @@ TRAINER_DEFAULTS = {
     "log_every_n_steps": 1,
     "num_sanity_val_steps": 0,
 }
+
+BAD_INPUT: tuple[type[BaseException], ...] = (ValueError, OSError, MisconfigurationException)
+"""Errors that, raised before training starts, are bad configuration or data: the options'
+checks (``ValueError``, ``CheckpointError``), missing or unreadable files (``OSError``) and
+Lightning's own configuration checks."""
+
+DEBUG_FLAG = "--debug"
+DEBUG_VARIABLE = "LIGHTNING_TROLL_DEBUG"
+
+
+class _TrainingStarted(Callback):
+    """Marks an exception raised once training has started: a crash, not bad input."""
+
+    def __init__(self) -> None:
+        self.started = False
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.started = True
+
+    @override
+    def on_exception(
+        self, trainer: Trainer, pl_module: LightningModule, exception: BaseException
+    ) -> None:
+        if self.started:
+            with contextlib.suppress(AttributeError):
+                exception.during_training = True  # read by main()
 
 
 class TrollCLI(LightningCLI):
@@ -65,7 +102,7 @@ class TrollCLI(LightningCLI):
         config = self._get(self.config_init, "trainer", default={})
         given = config.get("callbacks") or []
         given = list(given) if isinstance(given, list) else [given]
-        extra: list[Callback] = []
+        extra: list[Callback] = [_TrainingStarted()]
         if config.get("enable_checkpointing") is not False and not any(
             isinstance(c, Checkpoint) for c in given
         ):
@@ -169,10 +206,27 @@ def run(args: list[str] | None = None) -> TrollCLI:
     )
 
 
-def main() -> None:
-    """Entry point of the ``lightning-troll`` console script. A run stopped by Ctrl-C or SIGTERM,
-    after saving its checkpoint, exits with 128 + the signal."""
-    checkpoint = run().checkpoint_callback
+def main(args: list[str] | None = None) -> None:
+    """Entry point of the ``lightning-troll`` console script.
+
+    Bad input found before training (:data:`BAD_INPUT`) prints one line and exits with status 2,
+    unless ``--debug`` is given or ``LIGHTNING_TROLL_DEBUG`` is set (then the traceback shows). A
+    run stopped by Ctrl-C or SIGTERM, after saving its checkpoint, exits with 128 + the signal.
+    """
+    given = sys.argv[1:] if args is None else args
+    debug = DEBUG_FLAG in given or os.environ.get(DEBUG_VARIABLE, "") not in ("", "0")
+    rest = [a for a in given if a != DEBUG_FLAG]
+    if args is None:  # LightningCLI reads sys.argv itself (and warns when both are given)
+        sys.argv[1:] = rest
+    try:
+        cli = run(None if args is None else rest)
+    except BAD_INPUT as error:
+        if debug or getattr(error, "during_training", False):
+            raise
+        message = " ".join(str(error).split()) or type(error).__name__
+        print(f"lightning-troll: error: {message}", file=sys.stderr)
+        raise SystemExit(2) from None
+    checkpoint = cli.checkpoint_callback
     if checkpoint is not None and checkpoint.stopped_by is not None:
         raise SystemExit(128 + int(checkpoint.stopped_by))
 

@@ -8,8 +8,10 @@ import pytest
 import torch
 import yaml
 
+from lightning_troll.cli import main as cli_main
 from lightning_troll.cli import run as cli_run
 from lightning_troll.objectives import ClipObjective, TrollObjective
+from lightning_troll.rewards import RewardError
 
 pytestmark = pytest.mark.slow  # whole fits: seconds each
 
@@ -302,3 +304,93 @@ def test_no_default_checkpoint_when_checkpointing_is_off_or_one_is_given(
     cli = run([*args, "--trainer.callbacks", own], tmp_path, monkeypatch)
     assert cli.checkpoint_callback is None
     assert [name for name, _ in saved] == ["epoch=0-step=1.ckpt"]  # the given one's, only
+
+
+# -- bad input: one line and exit status 2; crashes keep their traceback -------------------------
+def main_exit(args: list[str], tmp_path: Path, monkeypatch, capsys) -> tuple[int, str]:
+    """Runs ``main`` as the console script does; returns its exit status and stderr."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exited:
+        cli_main(args)
+    return exited.value.code, capsys.readouterr().err
+
+
+def broken_jsonl(tmp_path: Path) -> str:
+    path = tmp_path / "broken.jsonl"
+    path.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", \n')
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        pytest.param(["--model.trust_region.eps", "-1"],
+                     "model: eps must be a number > 0 (the KL bound); got -1.0", id="option"),
+        pytest.param(["--data.source", "missing.jsonl"], "data.source: file 'missing.jsonl'",
+                     id="missing-file"),
+        pytest.param(["--data.source", broken_jsonl], "broken.jsonl, line 2: not valid JSON",
+                     id="broken-json-line"),
+        pytest.param(["--ckpt_path", "gone.ckpt"], "--ckpt_path 'gone.ckpt': no such file",
+                     id="missing-checkpoint"),
+        pytest.param(["--trainer.enable_checkpointing", "false", "--trainer.callbacks",
+                      "lightning.pytorch.callbacks.ModelCheckpoint"],
+                     "enable_checkpointing=False", id="lightning-check"),
+    ],
+)  # fmt: skip
+def test_bad_input_prints_one_line_and_exits_2(
+    args, message, tmp_path, monkeypatch, capsys, tiny_model_dir
+):
+    args = [a(tmp_path) if callable(a) else a for a in args]
+    base = ["fit", "--config", str(ROOT / "configs" / "tinymath.yaml"), *one_step(tiny_model_dir)]
+    status, err = main_exit(base + args, tmp_path, monkeypatch, capsys)
+    assert status == 2
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("lightning-troll: error: ") and message in last
+    assert "Traceback" not in err
+    assert not (tmp_path / LOGS / "checkpoints").exists()  # stopped before any training
+
+
+def test_debug_brings_the_traceback_back(tmp_path, monkeypatch, tiny_model_dir):
+    args = ["fit", "--config", str(ROOT / "configs" / "tinymath.yaml"), *one_step(tiny_model_dir)]
+    args += ["--model.trust_region.eps", "-1"]
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="eps must be a number > 0"):
+        cli_main(["--debug", *args])
+    monkeypatch.setenv("LIGHTNING_TROLL_DEBUG", "1")
+    with pytest.raises(ValueError, match="eps must be a number > 0"):
+        cli_main(args)
+
+
+def test_an_error_once_training_runs_keeps_its_traceback(tmp_path, monkeypatch, tiny_model_dir):
+    """A reward function that raises in the first rollout is a crash of the user's code, not bad
+    configuration: its RewardError (a ValueError) comes through with the traceback."""
+    args = ["fit", "--config", str(ROOT / "configs" / "tinymath.yaml"), *one_step(tiny_model_dir)]
+    args += ["--model.rewards", '{"tests.reward_helpers:raises": 1.0}']
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(RewardError, match="raised KeyError") as error:
+        cli_main(args)
+    assert error.value.during_training
+
+
+def test_console_script_reports_a_folder_that_is_not_a_model(tmp_path):
+    """As a user sees it: one line on stderr naming the folder and what it lacks, status 2."""
+    import subprocess
+    import sys
+
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "README.md").write_text("not a model")
+    script = Path(sys.executable).parent / "lightning-troll"
+    args = [str(script), "fit", "--config", str(ROOT / "configs" / "tinymath.yaml")]
+    args += ["--model.model", "notes"]
+    done = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"lightning-troll: error: 'notes' is not a model folder: {tmp_path / 'notes'} has no "
+        "config.json and no tokenizer (none of tokenizer.json, tokenizer_config.json, "
+        "tokenizer.model, vocab.json, *.model). A model folder holds what save_pretrained "
+        "writes for a causal LM and its tokenizer: config.json, the weights "
+        "(model.safetensors or pytorch_model.bin, or shards with their index) and the tokenizer "
+        "files (tokenizer.json and tokenizer_config.json, or a tokenizer.model); give such a "
+        "folder, a hub id, or 'tinymath'"
+    )
