@@ -11,9 +11,10 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
-# Where a CPU-only torch comes from when no local wheel of it is on pip's find-links.
-TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
-PYPI_INDEX ?= https://pypi.org/simple
+# A package index of CPU-only torch wheels (PyTorch publishes one), used only where there is no
+# CUDA driver and no local CPU wheel: make setup TORCH_CPU_INDEX=<url>. Left empty, torch comes
+# from pip's own configuration like everything else.
+TORCH_CPU_INDEX ?=
 STAMP := $(VENV)/.installed
 
 .PHONY: setup test demo lint format bench smollm2 clean
@@ -25,9 +26,14 @@ $(PY):
 
 # torch is installed first and on its own: with no torch present, the range in pyproject.toml
 # would pull a CUDA build of several GB even on a machine without a GPU. Without a CUDA driver:
-# a CPU wheel on pip's find-links if there is one, else PyTorch's CPU index (dependencies from
-# PyPI).
+# a CPU wheel on pip's find-links if there is one, else torch alone (--no-deps) from
+# TORCH_CPU_INDEX if given, else pip's configured index. Everything else comes from pip's
+# configured index, with torch pinned to the version present: a torch that imports is never
+# replaced.
 PROBE := $(VENV)/.torch-wheel
+# the installed distribution's version, read without importing torch (whose dependencies may
+# not be there yet)
+TORCH_PRESENT = $$($(PY) -c "from importlib.metadata import version; print(version('torch'))")
 $(STAMP): pyproject.toml | $(PY)
 	@if ! $(PY) -c "import torch" 2>/dev/null; then \
 	  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
@@ -37,14 +43,18 @@ $(STAMP): pyproject.toml | $(PY)
 	      "torch==$(TORCH_VERSION)" 2>/dev/null && ls $(PROBE)/torch-*+cpu-*.whl >/dev/null 2>&1; then \
 	    echo "no CUDA driver: installing the local CPU wheel $$(ls $(PROBE))"; \
 	    $(PY) -m pip install $(PROBE)/torch-*+cpu-*.whl && rm -rf $(PROBE); \
-	  else \
+	  elif [ -n "$(TORCH_CPU_INDEX)" ]; then \
 	    echo "no CUDA driver: installing torch==$(TORCH_VERSION) from $(TORCH_CPU_INDEX)"; \
 	    rm -rf $(PROBE); \
-	    $(PY) -m pip install "torch==$(TORCH_VERSION)" --index-url "$(TORCH_CPU_INDEX)" \
-	      --extra-index-url "$(PYPI_INDEX)"; \
+	    $(PY) -m pip install --no-deps "torch==$(TORCH_VERSION)" --index-url "$(TORCH_CPU_INDEX)"; \
+	  else \
+	    echo "no CUDA driver and no local CPU wheel of torch $(TORCH_VERSION): installing it from"; \
+	    echo "pip's configured index (for a CPU-only build: make setup TORCH_CPU_INDEX=<url>)"; \
+	    rm -rf $(PROBE); \
+	    $(PY) -m pip install "torch==$(TORCH_VERSION)"; \
 	  fi; \
 	fi
-	$(PY) -m pip install -e ".[dev]"
+	$(PY) -m pip install -e ".[dev]" "torch==$(TORCH_PRESENT)"
 	@touch $(STAMP)
 
 test: setup

@@ -4,10 +4,21 @@
 - :class:`OldPolicyRefresh`: copies the policy into the frozen snapshot every N rollouts.
 - :class:`TrustRegionMonitor`: per-token KL before/after projection, eta, clipping statistics.
 - :class:`SparsityCoverageMonitor`: coverage of the sparse supports and their sizes.
+- :class:`RolloutCheckpoint`: ``last.ckpt`` every N rollouts, at the end and on Ctrl-C or SIGTERM.
+- :class:`RolloutProgressBar`: progress in rollouts, seconds per rollout and time left.
 """
 
+from lightning_troll.callbacks.checkpoint import RolloutCheckpoint
 from lightning_troll.callbacks.monitors import SparsityCoverageMonitor, TrustRegionMonitor
 from lightning_troll.callbacks.old_policy import OldPolicyRefresh
+from lightning_troll.callbacks.progress import RolloutProgressBar
 from lightning_troll.callbacks.rollout import RolloutGeneration
 
-__all__ = ["OldPolicyRefresh", "RolloutGeneration", "SparsityCoverageMonitor", "TrustRegionMonitor"]
+__all__ = [
+    "OldPolicyRefresh",
+    "RolloutCheckpoint",
+    "RolloutGeneration",
+    "RolloutProgressBar",
+    "SparsityCoverageMonitor",
+    "TrustRegionMonitor",
+]

@@ -7,19 +7,39 @@
 The rollout callback, the snapshot refresh and both monitors are always present; their options
 are the top-level keys ``rollout``, ``old_policy``, ``trust_region_monitor`` and
 ``sparsity_monitor``. ``model.model`` also names the tokenizer of ``data``.
+
+Logs and checkpoints follow Lightning's rule: TensorBoard logs in
+``<trainer.default_root_dir>/lightning_logs/version_<n>`` (the root is ``runs`` unless given), and
+``last.ckpt`` in its ``checkpoints`` folder (:class:`RolloutCheckpoint`, options under the
+top-level key ``checkpoint``), unless a logger or a checkpoint callback of one's own is given.
+
+Bad configuration or data, found before training starts, ends the command with
+``lightning-troll: error: <message>`` on one line and exit status 2; ``--debug`` (anywhere on the
+command line) or ``LIGHTNING_TROLL_DEBUG=1`` shows the traceback instead. Errors once training
+runs keep their traceback.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 import warnings
+from typing import Any
 
 from jsonargparse import set_parsing_settings
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import Checkpoint, ProgressBar
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from typing_extensions import override
 
 from lightning_troll.callbacks import (
     OldPolicyRefresh,
+    RolloutCheckpoint,
     RolloutGeneration,
+    RolloutProgressBar,
     SparsityCoverageMonitor,
     TrustRegionMonitor,
 )
@@ -27,16 +47,41 @@ from lightning_troll.checkpoints import changed_options, check_checkpoint_file, 
 from lightning_troll.data import PromptDataModule
 from lightning_troll.module import TrollModule
 
-__all__ = ["TrollCLI", "main", "run"]
+__all__ = ["BAD_INPUT", "TrollCLI", "main", "run"]
 
 TRAINER_DEFAULTS = {
-    "logger": {
-        "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
-        "init_args": {"save_dir": "runs", "name": "lightning_troll"},
-    },
+    # Lightning's default logger (TensorBoard) writes to <default_root_dir>/lightning_logs
+    "default_root_dir": "runs",
     "log_every_n_steps": 1,
     "num_sanity_val_steps": 0,
 }
+
+BAD_INPUT: tuple[type[BaseException], ...] = (ValueError, OSError, MisconfigurationException)
+"""Errors that, raised before training starts, are bad configuration or data: the options'
+checks (``ValueError``, ``CheckpointError``), missing or unreadable files (``OSError``) and
+Lightning's own configuration checks."""
+
+DEBUG_FLAG = "--debug"
+DEBUG_VARIABLE = "LIGHTNING_TROLL_DEBUG"
+
+
+class _TrainingStarted(Callback):
+    """Marks an exception raised once training has started: a crash, not bad input."""
+
+    def __init__(self) -> None:
+        self.started = False
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.started = True
+
+    @override
+    def on_exception(
+        self, trainer: Trainer, pl_module: LightningModule, exception: BaseException
+    ) -> None:
+        if self.started:
+            with contextlib.suppress(AttributeError):
+                exception.during_training = True  # read by main()
 
 
 class TrollCLI(LightningCLI):
@@ -47,7 +92,26 @@ class TrollCLI(LightningCLI):
         parser.add_lightning_class_args(OldPolicyRefresh, "old_policy")
         parser.add_lightning_class_args(TrustRegionMonitor, "trust_region_monitor")
         parser.add_lightning_class_args(SparsityCoverageMonitor, "sparsity_monitor")
+        parser.add_class_arguments(RolloutCheckpoint, "checkpoint", fail_untyped=False)
         parser.link_arguments("model.model", "data.tokenizer")
+
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        """Adds the project's defaults, as Lightning adds its own: :class:`RolloutCheckpoint`
+        unless checkpointing is off or a checkpoint callback is given, and
+        :class:`RolloutProgressBar` unless the bar is off or another one is given."""
+        config = self._get(self.config_init, "trainer", default={})
+        given = config.get("callbacks") or []
+        given = list(given) if isinstance(given, list) else [given]
+        extra: list[Callback] = [_TrainingStarted()]
+        if config.get("enable_checkpointing") is not False and not any(
+            isinstance(c, Checkpoint) for c in given
+        ):
+            extra.append(self._get(self.config_init, "checkpoint"))
+        if config.get("enable_progress_bar") is not False and not any(
+            isinstance(c, ProgressBar) for c in given
+        ):
+            extra.append(RolloutProgressBar())
+        return super().instantiate_trainer(**kwargs, callbacks=given + extra)
 
     def parse_arguments(self, parser, args) -> None:
         """Parses, then refuses an unreadable ``--ckpt_path`` before anything is loaded."""
@@ -86,8 +150,11 @@ class TrollCLI(LightningCLI):
     def after_fit(self) -> None:
         if not self.trainer.is_global_zero:
             return
+        checkpoint = self.checkpoint_callback
+        stopped = checkpoint is not None and checkpoint.stopped_by is not None
+        how = f"stopped by {checkpoint.stopped_by.name}" if stopped else "training finished"
+        lines = ["", f"lightning-troll: {how}"]
         metrics = self.trainer.callback_metrics
-        lines = ["", "lightning-troll: training finished"]
         for name in ("reward/mean", "val/accuracy", "trust_region/kl_after_max"):
             if name in metrics:
                 lines.append(f"  {name:<28} {float(metrics[name]):.4f}")
@@ -107,7 +174,17 @@ class TrollCLI(LightningCLI):
         if logger is not None and logger.log_dir:
             lines.append(f"  logs: {logger.log_dir}")
             lines.append(f"  view: tensorboard --logdir {logger.save_dir}")
+        if checkpoint is not None and checkpoint.last_model_path:
+            path = checkpoint.last_model_path
+            lines.append(f"  checkpoint: {path}")
+            lines.append(f"  resume: the same command with --ckpt_path {path}")
         print("\n".join(lines))
+
+    @property
+    def checkpoint_callback(self) -> RolloutCheckpoint | None:
+        """The run's :class:`RolloutCheckpoint`, if it has one."""
+        callbacks = self.trainer.callbacks
+        return next((c for c in callbacks if isinstance(c, RolloutCheckpoint)), None)
 
 
 def run(args: list[str] | None = None) -> TrollCLI:
@@ -129,9 +206,29 @@ def run(args: list[str] | None = None) -> TrollCLI:
     )
 
 
-def main() -> None:
-    """Entry point of the ``lightning-troll`` console script."""
-    run()
+def main(args: list[str] | None = None) -> None:
+    """Entry point of the ``lightning-troll`` console script.
+
+    Bad input found before training (:data:`BAD_INPUT`) prints one line and exits with status 2,
+    unless ``--debug`` is given or ``LIGHTNING_TROLL_DEBUG`` is set (then the traceback shows). A
+    run stopped by Ctrl-C or SIGTERM, after saving its checkpoint, exits with 128 + the signal.
+    """
+    given = sys.argv[1:] if args is None else args
+    debug = DEBUG_FLAG in given or os.environ.get(DEBUG_VARIABLE, "") not in ("", "0")
+    rest = [a for a in given if a != DEBUG_FLAG]
+    if args is None:  # LightningCLI reads sys.argv itself (and warns when both are given)
+        sys.argv[1:] = rest
+    try:
+        cli = run(None if args is None else rest)
+    except BAD_INPUT as error:
+        if debug or getattr(error, "during_training", False):
+            raise
+        message = " ".join(str(error).split()) or type(error).__name__
+        print(f"lightning-troll: error: {message}", file=sys.stderr)
+        raise SystemExit(2) from None
+    checkpoint = cli.checkpoint_callback
+    if checkpoint is not None and checkpoint.stopped_by is not None:
+        raise SystemExit(128 + int(checkpoint.stopped_by))
 
 
 if __name__ == "__main__":

@@ -84,6 +84,42 @@ def _resolve(name_or_path: str | Path) -> str:
     return str(name_or_path)
 
 
+# Files that hold a tokenizer's vocabulary (fast, sentencepiece, BPE, WordPiece, tiktoken), or
+# the config that names them for a tokenizer class of its own.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+_TOKENIZER_PATTERNS = ("*.model", "*.tiktoken", "vocab.txt")
+
+
+def _check_model_folder(path: str, given: str | Path, needs: str) -> None:
+    """For a folder ``path``: raises ``FileNotFoundError`` naming it and all it lacks when it has
+    no ``needs`` (``"config"``: config.json, for the model; ``"tokenizer"``: tokenizer files)."""
+    folder = Path(path)
+    if not folder.is_dir():
+        return
+    has = {
+        "config": (folder / "config.json").is_file(),
+        "tokenizer": any((folder / name).is_file() for name in _TOKENIZER_FILES)
+        or any(any(folder.glob(pattern)) for pattern in _TOKENIZER_PATTERNS),
+    }
+    if has[needs]:
+        return
+    missing = [
+        text
+        for key, text in (
+            ("config", "no config.json"),
+            ("tokenizer", f"no tokenizer (none of {', '.join(_TOKENIZER_FILES)}, *.model)"),
+        )
+        if not has[key]
+    ]
+    raise FileNotFoundError(
+        f"{str(given)!r} is not a model folder: {folder.resolve()} has {' and '.join(missing)}. "
+        "A model folder holds what save_pretrained writes for a causal LM and its tokenizer: "
+        "config.json, the weights (model.safetensors or pytorch_model.bin, or shards with their "
+        "index) and the tokenizer files (tokenizer.json and tokenizer_config.json, or a "
+        "tokenizer.model); give such a folder, a hub id, a .gguf file, or 'tinymath'"
+    )
+
+
 def load_tokenizer(name_or_path: str | Path, padding_side: str = "left") -> PreTrainedTokenizerBase:
     """The tokenizer of ``name_or_path`` (a directory, a hub id or ``"tinymath"``).
 
@@ -95,8 +131,11 @@ def load_tokenizer(name_or_path: str | Path, padding_side: str = "left") -> PreT
     if padding_side not in PADDING_SIDES:
         raise ValueError(f"padding_side must be one of {list(PADDING_SIDES)}; got {padding_side!r}")
     path = _resolve(name_or_path)
-    load = load_gguf_tokenizer if is_gguf(path) else AutoTokenizer.from_pretrained
-    tokenizer = load(path)
+    if is_gguf(path):
+        tokenizer = load_gguf_tokenizer(path)
+    else:
+        _check_model_folder(path, name_or_path, needs="tokenizer")
+        tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.padding_side = padding_side
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
@@ -136,6 +175,7 @@ def load_policy(
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {list(DTYPES)}; got {dtype!r}")
     path = _resolve(name_or_path)
+    _check_model_folder(path, name_or_path, needs="config")
     kwargs: dict = {"dtype": DTYPES[dtype], "trust_remote_code": trust_remote_code}
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation

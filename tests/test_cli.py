@@ -8,8 +8,10 @@ import pytest
 import torch
 import yaml
 
+from lightning_troll.cli import main as cli_main
 from lightning_troll.cli import run as cli_run
 from lightning_troll.objectives import ClipObjective, TrollObjective
+from lightning_troll.rewards import RewardError
 
 pytestmark = pytest.mark.slow  # whole fits: seconds each
 
@@ -28,6 +30,9 @@ MEMORY_OVERLAYS = ["memory.yaml", "lora.yaml"]
 def run(args: list[str], tmp_path: Path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # logs and checkpoints go to tmp_path/runs
     return cli_run(args)
+
+
+LOGS = Path("runs") / "lightning_logs" / "version_0"  # the default logger's folder, relative
 
 
 def one_step(model_dir: Path) -> list[str]:
@@ -96,10 +101,8 @@ def test_fsdp2_cpu_overlay_trains_with_two_processes(tmp_path, tiny_model_dir):
     done = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "lightning-troll: training finished" in done.stdout
-    checkpoints = list(
-        (tmp_path / "runs" / "lightning_troll" / "version_0" / "checkpoints").iterdir()
-    )
-    assert [c.name for c in checkpoints] == ["epoch=0-step=2.ckpt"]
+    checkpoints = list((tmp_path / LOGS / "checkpoints").iterdir())
+    assert [c.name for c in checkpoints] == ["last.ckpt"]  # the default RolloutCheckpoint
     assert checkpoints[0].is_dir() and len(list(checkpoints[0].glob("*.distcp"))) == 2
 
 
@@ -120,7 +123,7 @@ def test_tinymath_and_presets_run_one_step(preset, tmp_path, monkeypatch, tiny_m
         assert module.objective.aggregation == expected["loss"]["aggregation"]
         assert module.dynamic_sampling == expected.get("dynamic_sampling", False)
         assert module.scale_rewards == expected.get("scale_rewards")
-    assert (tmp_path / "runs" / "lightning_troll" / "version_0" / "config.yaml").exists()
+    assert (tmp_path / LOGS / "config.yaml").exists()
 
 
 def assert_contains(printed: dict, expected: dict, where: str = "model") -> None:
@@ -239,7 +242,7 @@ def test_bad_options_stop_before_training(
         run(base + args, tmp_path, monkeypatch)
     text = str(error.value) + capsys.readouterr().err
     assert message in text
-    assert not (tmp_path / "runs" / "lightning_troll" / "version_0" / "checkpoints").exists()
+    assert not (tmp_path / LOGS / "checkpoints").exists()
 
 
 def test_console_script_exits_zero(tmp_path, tiny_model_dir):
@@ -256,3 +259,164 @@ def test_console_script_exits_zero(tmp_path, tiny_model_dir):
     assert "lightning-troll: training finished" in done.stdout
     assert "mean reward, by quarter" not in done.stdout  # one rollout: no quarters
     assert "tensorboard --logdir runs" in done.stdout
+
+
+# -- logs and checkpoints where Lightning puts them ----------------------------------------------
+def saved_steps(monkeypatch) -> list[tuple[str, int]]:
+    """(file name, global step) of every checkpoint written through Lightning's atomic save."""
+    from lightning.fabric.plugins.io import torch_io
+
+    saved, atomic = [], torch_io._atomic_save
+
+    def spy(checkpoint, path):
+        saved.append((Path(path).name, checkpoint["global_step"]))
+        atomic(checkpoint, path)
+
+    monkeypatch.setattr(torch_io, "_atomic_save", spy)
+    return saved
+
+
+def test_logs_and_checkpoints_follow_default_root_dir(tmp_path, monkeypatch, tiny_model_dir):
+    """Lightning's rule: the default (TensorBoard) logger and the default checkpoint both live
+    under --trainer.default_root_dir; nothing is written to ./runs."""
+    args = ["fit", "--config", str(ROOT / "configs" / "tinymath.yaml"), *one_step(tiny_model_dir)]
+    args += ["--trainer.default_root_dir", "elsewhere", "--trainer.max_steps", "2"]
+    cli = run(args, tmp_path, monkeypatch)
+    logs = tmp_path / "elsewhere" / "lightning_logs" / "version_0"
+    assert type(cli.trainer.logger).__name__ == "TensorBoardLogger"
+    assert Path(cli.trainer.logger.log_dir).resolve() == logs
+    assert list(logs.glob("events.out.tfevents.*")) and (logs / "config.yaml").exists()
+    last = logs / "checkpoints" / "last.ckpt"
+    assert torch.load(last, map_location="cpu", weights_only=True)["global_step"] == 2
+    assert not (tmp_path / "runs").exists()
+
+
+def test_default_checkpoint_every_n_rollouts_at_the_end_and_resumed_in_one_line(
+    tmp_path, monkeypatch, tiny_model_dir, capsys
+):
+    """A 5-rollout run with no checkpoint configured writes last.ckpt after rollouts 2 and 4
+    (every_n_rollouts) and 5 (the end), one optimiser step per rollout; the printed resume line
+    continues it."""
+    saved = saved_steps(monkeypatch)
+    args = ["fit", "--config", str(ROOT / "configs" / "tinymath.yaml"), *one_step(tiny_model_dir)]
+    args += ["--trainer.val_check_interval", "2", "--checkpoint.every_n_rollouts", "2"]
+    cli = run([*args, "--trainer.max_steps", "5"], tmp_path, monkeypatch)
+    assert saved == [("last.ckpt", 2), ("last.ckpt", 4), ("last.ckpt", 5)]
+    last = tmp_path / LOGS / "checkpoints" / "last.ckpt"
+    assert sorted(p.name for p in last.parent.iterdir()) == ["last.ckpt"]  # no temporary files
+    assert cli.checkpoint_callback.last_model_path == str(LOGS / "checkpoints" / "last.ckpt")
+    out = capsys.readouterr().out
+    resume = next(line for line in out.splitlines() if "resume:" in line)
+    assert resume.endswith(f"--ckpt_path {cli.checkpoint_callback.last_model_path}")
+
+    saved.clear()
+    resumed = run(
+        [*args, "--trainer.max_steps", "7", "--ckpt_path", str(last)], tmp_path, monkeypatch
+    )
+    assert resumed.trainer.global_step == 7
+    assert saved == [("last.ckpt", 6), ("last.ckpt", 7)]  # rollouts 6 (every 2) and 7 (the end)
+    new_last = tmp_path / "runs" / "lightning_logs" / "version_1" / "checkpoints" / "last.ckpt"
+    assert torch.load(new_last, map_location="cpu", weights_only=True)["global_step"] == 7
+
+
+def test_no_default_checkpoint_when_checkpointing_is_off_or_one_is_given(
+    tmp_path, monkeypatch, tiny_model_dir
+):
+    saved = saved_steps(monkeypatch)
+    args = ["fit", "--config", str(ROOT / "configs" / "tinymath.yaml"), *one_step(tiny_model_dir)]
+    cli = run([*args, "--trainer.enable_checkpointing", "false"], tmp_path, monkeypatch)
+    assert cli.checkpoint_callback is None and saved == []
+    own = '{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": {"dirpath": "mine"}}'
+    cli = run([*args, "--trainer.callbacks", own], tmp_path, monkeypatch)
+    assert cli.checkpoint_callback is None
+    assert [name for name, _ in saved] == ["epoch=0-step=1.ckpt"]  # the given one's, only
+
+
+# -- bad input: one line and exit status 2; crashes keep their traceback -------------------------
+def main_exit(args: list[str], tmp_path: Path, monkeypatch, capsys) -> tuple[int, str]:
+    """Runs ``main`` as the console script does; returns its exit status and stderr."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exited:
+        cli_main(args)
+    return exited.value.code, capsys.readouterr().err
+
+
+def broken_jsonl(tmp_path: Path) -> str:
+    path = tmp_path / "broken.jsonl"
+    path.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", \n')
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        pytest.param(["--model.trust_region.eps", "-1"],
+                     "model: eps must be a number > 0 (the KL bound); got -1.0", id="option"),
+        pytest.param(["--data.source", "missing.jsonl"], "data.source: file 'missing.jsonl'",
+                     id="missing-file"),
+        pytest.param(["--data.source", broken_jsonl], "broken.jsonl, line 2: not valid JSON",
+                     id="broken-json-line"),
+        pytest.param(["--ckpt_path", "gone.ckpt"], "--ckpt_path 'gone.ckpt': no such file",
+                     id="missing-checkpoint"),
+        pytest.param(["--trainer.enable_checkpointing", "false", "--trainer.callbacks",
+                      "lightning.pytorch.callbacks.ModelCheckpoint"],
+                     "enable_checkpointing=False", id="lightning-check"),
+    ],
+)  # fmt: skip
+def test_bad_input_prints_one_line_and_exits_2(
+    args, message, tmp_path, monkeypatch, capsys, tiny_model_dir
+):
+    args = [a(tmp_path) if callable(a) else a for a in args]
+    base = ["fit", "--config", str(ROOT / "configs" / "tinymath.yaml"), *one_step(tiny_model_dir)]
+    status, err = main_exit(base + args, tmp_path, monkeypatch, capsys)
+    assert status == 2
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("lightning-troll: error: ") and message in last
+    assert "Traceback" not in err
+    assert not (tmp_path / LOGS / "checkpoints").exists()  # stopped before any training
+
+
+def test_debug_brings_the_traceback_back(tmp_path, monkeypatch, tiny_model_dir):
+    args = ["fit", "--config", str(ROOT / "configs" / "tinymath.yaml"), *one_step(tiny_model_dir)]
+    args += ["--model.trust_region.eps", "-1"]
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="eps must be a number > 0"):
+        cli_main(["--debug", *args])
+    monkeypatch.setenv("LIGHTNING_TROLL_DEBUG", "1")
+    with pytest.raises(ValueError, match="eps must be a number > 0"):
+        cli_main(args)
+
+
+def test_an_error_once_training_runs_keeps_its_traceback(tmp_path, monkeypatch, tiny_model_dir):
+    """A reward function that raises in the first rollout is a crash of the user's code, not bad
+    configuration: its RewardError (a ValueError) comes through with the traceback."""
+    args = ["fit", "--config", str(ROOT / "configs" / "tinymath.yaml"), *one_step(tiny_model_dir)]
+    args += ["--model.rewards", '{"tests.reward_helpers:raises": 1.0}']
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(RewardError, match="raised KeyError") as error:
+        cli_main(args)
+    assert error.value.during_training
+
+
+def test_console_script_reports_a_folder_that_is_not_a_model(tmp_path):
+    """As a user sees it: one line on stderr naming the folder and what it lacks, status 2."""
+    import subprocess
+    import sys
+
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "README.md").write_text("not a model")
+    script = Path(sys.executable).parent / "lightning-troll"
+    args = [str(script), "fit", "--config", str(ROOT / "configs" / "tinymath.yaml")]
+    args += ["--model.model", "notes"]
+    done = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"lightning-troll: error: 'notes' is not a model folder: {tmp_path / 'notes'} has no "
+        "config.json and no tokenizer (none of tokenizer.json, tokenizer_config.json, "
+        "tokenizer.model, vocab.json, *.model). A model folder holds what save_pretrained "
+        "writes for a causal LM and its tokenizer: config.json, the weights "
+        "(model.safetensors or pytorch_model.bin, or shards with their index) and the tokenizer "
+        "files (tokenizer.json and tokenizer_config.json, or a tokenizer.model); give such a "
+        "folder, a hub id, or 'tinymath'"
+    )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import re
 import shutil
 from pathlib import Path
 
@@ -205,6 +206,33 @@ def test_a_tokenizer_without_pad_and_eos_tokens_is_refused(tmp_path):
     path = saved_tokenizer(tmp_path, pad=False, eos=False)
     with pytest.raises(ValueError, match=r"has neither a pad token nor an eos token"):
         load_tokenizer(path)
+
+
+def test_a_folder_that_is_not_a_model_is_named_with_what_it_lacks(tmp_path, tiny_model_dir):
+    """Not a sentencepiece or tiktoken error from deep inside transformers: the folder, what it
+    lacks (config.json, a tokenizer) and what a model folder holds."""
+    empty = tmp_path / "notes"
+    empty.mkdir()
+    (empty / "README.md").write_text("notes, not a model")
+    lacks_both = re.escape(f"'{empty}' is not a model folder: {empty} has no config.json and no")
+    with pytest.raises(FileNotFoundError, match=lacks_both + r".*A model folder holds"):
+        load_tokenizer(empty)
+    with pytest.raises(FileNotFoundError, match=lacks_both):
+        load_policy(empty)
+    with pytest.raises(FileNotFoundError, match=lacks_both):
+        make_module(empty)
+
+    no_tokenizer = tmp_path / "weights_only"  # what model.save_pretrained alone writes
+    shutil.copytree(tiny_model_dir, no_tokenizer, ignore=shutil.ignore_patterns("tokenizer*"))
+    with pytest.raises(FileNotFoundError, match=r"weights_only has no tokenizer \(none of"):
+        load_tokenizer(no_tokenizer)
+    assert load_policy(no_tokenizer).config.vocab_size == 17  # the model alone needs no tokenizer
+
+    no_config = tmp_path / "tokenizer_only"  # what tokenizer.save_pretrained alone writes
+    build_tokenizer().save_pretrained(no_config)
+    with pytest.raises(FileNotFoundError, match=r"tokenizer_only has no config.json\. A model"):
+        load_policy(no_config)
+    assert len(load_tokenizer(no_config)) == 17  # the tokenizer alone needs no model config
 
 
 def test_a_policy_without_generation_config_samples_with_defaults(tmp_path, tiny_model_dir):

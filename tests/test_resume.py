@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import csv
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -11,7 +13,12 @@ from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
-from lightning_troll.callbacks import OldPolicyRefresh, RolloutGeneration, TrustRegionMonitor
+from lightning_troll.callbacks import (
+    OldPolicyRefresh,
+    RolloutCheckpoint,
+    RolloutGeneration,
+    TrustRegionMonitor,
+)
 from lightning_troll.module import OptimizationConfig
 from tests.test_training import make_data, make_module, make_trainer
 
@@ -204,3 +211,108 @@ def test_seed_per_rank_gives_each_rank_its_own_repeatable_streams():
     assert tuple(torch.rand(4).tolist()) not in {zero[0], one[0]}  # rank 0 is reseeded too
     with pytest.raises(ValueError, match="rank must be >= 0; got -1"):
         seed_per_rank(-1)
+
+
+# -- RolloutCheckpoint: last.ckpt between rollouts, on a stop signal too --------------------------
+class SignalDuring(Callback):
+    """Sends ``signum`` to this process ``times`` times before the ``at``-th optimiser step (inside
+    a rollout, where a checkpoint must not be written), or as the ``at``-th validation starts."""
+
+    def __init__(self, signum: int, at: int, times: int = 1, during: str = "rollout") -> None:
+        self.signum, self.at, self.times, self.during = signum, at, times, during
+        self.seen = {"rollout": 0, "validation": 0}
+
+    def _count(self, during: str) -> None:
+        self.seen[during] += 1
+        if during == self.during and self.seen[during] == self.at:
+            for _ in range(self.times):
+                os.kill(os.getpid(), self.signum)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self._count("rollout")
+
+    def on_validation_start(self, trainer, pl_module):
+        self._count("validation")
+
+
+@pytest.fixture
+def restore_signal_handlers():
+    """Lightning leaves SIGINT ignored after a KeyboardInterrupt; put every handler back."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    yield saved
+    for signum, handler in saved.items():
+        signal.signal(signum, handler)
+
+
+def train_with_last(
+    tmp_path, model_dir, name, max_steps, ckpt_path=None, every=0, extra=(), validate=False
+):
+    """A fit whose only checkpoint is RolloutCheckpoint's last.ckpt; one step per rollout; with
+    ``validate``, a validation after every second rollout."""
+    torch.manual_seed(0)
+    module = make_module(model_dir)
+    logger = CSVLogger(tmp_path, name=name, version=0)
+    last = RolloutCheckpoint(every_n_rollouts=every, dirpath=str(tmp_path / name / "ckpt"))
+    callbacks = [
+        RolloutGeneration(log_samples=0),
+        OldPolicyRefresh(),
+        TrustRegionMonitor(histogram_every_n_rollouts=0),
+        last,
+        *extra,
+    ]
+    trainer = make_trainer(
+        tmp_path, max_steps, callbacks=callbacks, logger=logger, enable_checkpointing=True,
+        limit_val_batches=1 if validate else 0, val_check_interval=2,
+    )  # fmt: skip
+    trainer.fit(module, datamodule=make_data(model_dir), ckpt_path=ckpt_path)
+    return trainer, module, last, logged(Path(logger.log_dir))
+
+
+@pytest.mark.parametrize(
+    ("signum", "during"),
+    [(signal.SIGINT, "rollout"), (signal.SIGTERM, "rollout"), (signal.SIGTERM, "validation")],
+)
+def test_a_stop_signal_saves_after_the_rollout_and_resumes_exactly(
+    signum, during, tmp_path, tiny_model_dir, restore_signal_handlers
+):
+    """Ctrl-C or SIGTERM during rollout 2's step, or during the validation after it: the rollout
+    (or validation) finishes, last.ckpt is written and the fit ends cleanly; resumed, it logs
+    rollouts 3-4 as an uninterrupted run does and ends with the same weights."""
+    validate = during == "validation"
+    _, whole, _, expected = train_with_last(tmp_path, tiny_model_dir, "whole", 4, validate=validate)
+    stop = SignalDuring(signum, at=1 if validate else 2, during=during)
+    trainer, _, last, _ = train_with_last(
+        tmp_path, tiny_model_dir, "stopped", 4, extra=[stop], validate=validate
+    )
+    assert trainer.global_step == 2 and last.stopped_by == signum
+    assert last.last_model_path == str(tmp_path / "stopped" / "ckpt" / "last.ckpt")
+    assert torch.load(last.last_model_path, weights_only=True)["global_step"] == 2
+    for s, handler in restore_signal_handlers.items():  # the fit's handlers are gone
+        assert signal.getsignal(s) == handler
+    _, resumed, _, got = train_with_last(
+        tmp_path, tiny_model_dir, "resumed", 4, ckpt_path=last.last_model_path, validate=validate
+    )
+    assert sorted(step for step in got if "loss/total" in got[step]) == [2, 3]
+    assert_same_steps(expected, got, range(2, 4))
+    torch.testing.assert_close(weights(resumed), weights(whole), rtol=0, atol=0)
+
+
+def test_a_second_ctrl_c_stops_at_once_and_keeps_the_last_checkpoint(
+    tmp_path, tiny_model_dir, restore_signal_handlers
+):
+    """Two Ctrl-C inside rollout 3: Lightning's KeyboardInterrupt exit, nothing written inside
+    the rollout; last.ckpt is the one saved after rollout 2 (every_n_rollouts=1)."""
+    stop = SignalDuring(signal.SIGINT, at=3, times=2)
+    with pytest.raises(SystemExit) as exited:
+        train_with_last(tmp_path, tiny_model_dir, "stopped", 5, every=1, extra=[stop])
+    assert exited.value.code == 1
+    path = tmp_path / "stopped" / "ckpt" / "last.ckpt"
+    assert torch.load(path, weights_only=True)["global_step"] == 2
+    assert sorted(p.name for p in path.parent.iterdir()) == ["last.ckpt"]
+
+
+def test_rollout_checkpoint_rejects_a_negative_interval():
+    with pytest.raises(
+        ValueError, match=r"checkpoint.every_n_rollouts must be an integer >= 0; got -1"
+    ):
+        RolloutCheckpoint(every_n_rollouts=-1)

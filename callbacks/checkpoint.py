@@ -1,0 +1,173 @@
+"""RolloutCheckpoint: ``last.ckpt`` every N rollouts, at the end of a fit, and when it is stopped.
+
+The command line adds it when checkpointing is on and no other checkpoint callback is given,
+as Lightning adds its own ``ModelCheckpoint``. It writes only between two rollouts, where a
+resumed run continues step for step (a checkpoint inside a rollout would make it sample that
+rollout again; see the README, "Resuming and faults").
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from typing import Any
+
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import Checkpoint
+from lightning.pytorch.utilities import rank_zero_info
+from typing_extensions import override
+
+__all__ = ["RolloutCheckpoint"]
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class RolloutCheckpoint(Checkpoint):
+    """Keeps ``<dirpath>/last.ckpt`` up to date, always between two rollouts.
+
+    Saves after every ``every_n_rollouts``-th rollout, after the last rollout of the fit
+    (``max_steps``, ``max_epochs``, or a stop set by another callback) and when the run is asked
+    to stop: the first Ctrl-C (SIGINT) or SIGTERM lets the rollout in progress (and a
+    validation in progress) finish, then saves and ends the fit cleanly. A second Ctrl-C stops at
+    once without saving: ``last.ckpt`` is then the one written last. Saves go through
+    ``Trainer.save_checkpoint``, which writes a temporary file and moves it into place, so a
+    process killed while saving leaves the previous ``last.ckpt`` whole.
+
+    Args:
+        every_n_rollouts: rollouts between two saves, >= 0; 0 saves only when the fit ends or
+            is stopped.
+        dirpath: folder of ``last.ckpt``; null follows Lightning's rule: ``checkpoints`` in the
+            logger's version folder, or in ``trainer.default_root_dir`` without a logger.
+    """
+
+    FILENAME = "last.ckpt"
+
+    def __init__(self, every_n_rollouts: int = 10, dirpath: str | None = None) -> None:
+        if isinstance(every_n_rollouts, bool) or every_n_rollouts < 0:
+            raise ValueError(
+                f"checkpoint.every_n_rollouts must be an integer >= 0; got {every_n_rollouts!r}"
+            )
+        self.every_n_rollouts = every_n_rollouts
+        self.dirpath = dirpath
+        self.rollouts = 0
+        self.last_model_path: str | None = None
+        """The file written last, or None before the first save."""
+        self.stopped_by: signal.Signals | None = None
+        """The signal that stopped the fit (SIGTERM when another process received it)."""
+        self._requested: int | None = None  # the signal this process received
+        self._saved_at = -1  # the rollout count of the last save
+        self._previous_handlers: dict[int, Any] = {}
+
+    @property
+    def path(self) -> str | None:
+        """Where ``last.ckpt`` is written (known once the fit has started)."""
+        return None if self.dirpath is None else os.path.join(self.dirpath, self.FILENAME)
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if self.dirpath is None:
+            self.dirpath = os.path.join(trainer.log_dir or trainer.default_root_dir, "checkpoints")
+        # all processes must agree: only the first one's log folder exists
+        self.dirpath = trainer.strategy.broadcast(self.dirpath)
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.stopped_by = None
+        self._requested = None
+        if threading.current_thread() is threading.main_thread():
+            for signum in STOP_SIGNALS:
+                self._previous_handlers[signum] = signal.signal(signum, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if self._requested is None:
+            self._requested = signum
+            rank_zero_info(
+                f"\nlightning-troll: {signal.Signals(signum).name} received: the rollout in "
+                f"progress finishes, then {self.path} is saved and the run stops. Press Ctrl-C "
+                "again to stop at once without saving."
+            )
+        elif signum == signal.SIGINT:
+            self._restore_handlers()
+            raise KeyboardInterrupt
+
+    def _restore_handlers(self) -> None:
+        for signum, handler in self._previous_handlers.items():
+            signal.signal(signum, handler)
+        self._previous_handlers = {}
+
+    def _stop_requested(self, trainer: Trainer) -> bool:
+        """Whether any process received a stop signal; every process must call this."""
+        requested = self._requested is not None
+        if trainer.world_size > 1:
+            requested = trainer.strategy.reduce_boolean_decision(requested, all=False)
+        if requested and self.stopped_by is None:
+            self.stopped_by = signal.Signals(self._requested or signal.SIGTERM)
+        return requested
+
+    @override
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self.rollouts += 1  # one training batch is one rollout
+        if self._stop_requested(trainer):
+            trainer.should_stop = True
+        due = self.every_n_rollouts > 0 and self.rollouts % self.every_n_rollouts == 0
+        if due or trainer.should_stop or self._fit_ends_here(trainer):
+            self._save(trainer)
+
+    @override
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """A stop asked for (or set by an early-stopping callback) during a validation that
+        runs after a rollout: saved here, where Lightning's own checkpoints are written."""
+        if trainer.sanity_checking or trainer.state.fn != "fit":
+            return
+        if self._stop_requested(trainer):
+            trainer.should_stop = True
+        if trainer.should_stop:
+            self._save(trainer)
+
+    @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Whatever ended the fit after the last save, nothing trained is left unsaved."""
+        self._restore_handlers()
+        self._save(trainer)
+
+    @override
+    def on_exception(
+        self, trainer: Trainer, pl_module: LightningModule, exception: BaseException
+    ) -> None:
+        self._restore_handlers()  # an exception may strike inside a rollout: nothing is saved
+
+    @override
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._restore_handlers()
+
+    @staticmethod
+    def _fit_ends_here(trainer: Trainer) -> bool:
+        """Whether this rollout is the fit's last (max_steps reached, or the last epoch's end)."""
+        if 0 <= trainer.max_steps <= trainer.global_step:
+            return True
+        epochs = trainer.max_epochs
+        if epochs is None or epochs < 0:
+            return False
+        last_batch = trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+        return last_batch and trainer.current_epoch + 1 >= epochs
+
+    def _save(self, trainer: Trainer) -> None:
+        """Writes last.ckpt unless it already holds this rollout."""
+        if self._saved_at == self.rollouts:
+            return
+        trainer.save_checkpoint(
+            self.path, weights_only=False
+        )  # every process: sharded strategies write their part
+        self._saved_at = self.rollouts
+        self.last_model_path = self.path
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"rollouts": self.rollouts}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.rollouts = state_dict["rollouts"]

@@ -1,0 +1,89 @@
+"""RolloutProgressBar: rollouts done / total, seconds per rollout, time left, reward and KL."""
+
+from __future__ import annotations
+
+import re
+from types import SimpleNamespace
+
+import pytest
+
+from lightning_troll.callbacks import RolloutProgressBar
+from lightning_troll.callbacks.progress import steps_per_rollout, total_rollouts
+from lightning_troll.module import OptimizationConfig
+
+
+def fakes(prompts=256, group=8, minibatch=1024, epochs=1, max_steps=400, max_epochs=-1, batches=62):
+    module = SimpleNamespace(
+        group_size=group,
+        optimization=OptimizationConfig(epochs_per_rollout=epochs, minibatch_size=minibatch),
+    )
+    trainer = SimpleNamespace(
+        datamodule=SimpleNamespace(batch_size=prompts),
+        max_steps=max_steps,
+        max_epochs=max_epochs,
+        num_training_batches=batches,
+    )
+    return trainer, module
+
+
+@pytest.mark.parametrize(
+    ("options", "steps", "total"),
+    [
+        ({}, 2, 200),  # the demo: 2048 sequences in minibatches of 1024; 400 steps
+        ({"minibatch": 768}, 3, 134),  # 768 + 768 + 512 sequences; ceil(400 / 3)
+        ({"minibatch": None}, 1, 400),  # the whole rollout in one step
+        ({"minibatch": 4096}, 1, 400),  # larger than the rollout: one step
+        ({"epochs": 2, "minibatch": 512}, 8, 50),
+        ({"max_steps": -1, "max_epochs": 3}, 2, 186),  # 3 epochs of 62 rollouts
+        ({"max_steps": 1000, "max_epochs": 2}, 2, 124),  # the epochs end first
+    ],
+)
+def test_steps_per_rollout_and_total_rollouts(options, steps, total):
+    trainer, module = fakes(**options)
+    assert steps_per_rollout(trainer, module) == steps
+    assert total_rollouts(trainer, module) == total
+
+
+def test_unknown_totals_are_none():
+    trainer, module = fakes(max_steps=-1, max_epochs=-1)
+    assert total_rollouts(trainer, module) is None  # runs until stopped
+    trainer.num_training_batches = float("inf")
+    assert total_rollouts(trainer, module) is None
+    trainer.max_steps = 10
+    assert steps_per_rollout(trainer, SimpleNamespace()) is None  # not a TrollModule
+    assert total_rollouts(trainer, SimpleNamespace()) is None
+
+
+@pytest.mark.slow
+def test_bar_counts_rollouts_with_seconds_per_rollout_reward_and_kl(
+    tmp_path, tiny_model_dir, capsys
+):
+    """Three rollouts of two optimiser steps each: the bar ends at 3/3 rollouts (not Lightning's
+    'Epoch 0' of batches, nor it/s) and shows reward and KL; a resumed run starts at 3 of 5."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from tests.test_training import fit, make_data, make_module, make_trainer
+
+    options = {"optimization": OptimizationConfig(minibatch_size=8)}  # 16 sequences: 2 steps
+    bar = RolloutProgressBar()
+    saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", filename="{step}", every_n_train_steps=2)
+    trainer, _, _ = fit(
+        tmp_path, tiny_model_dir, max_steps=6, module=make_module(tiny_model_dir, **options),
+        extra=[bar, saver], enable_progress_bar=True, enable_checkpointing=True,
+    )  # fmt: skip
+    assert bar.total == 3 and bar.rollouts == 3
+    out = capsys.readouterr().out
+    final = out.replace("\r", "\n").strip().splitlines()[-1]
+    assert re.search(r"\| 3/3 rollouts \[\d\d:\d\d<00:00, +\d+\.\d\ds/rollout, ", final), final
+    assert "reward/mean=" in final and "kl=" in final and "coverage=" in final
+    assert "Epoch" not in out and "it/s" not in final and "v_num" not in final
+
+    resumed = RolloutProgressBar()
+    trainer = make_trainer(tmp_path, 10, resumed, enable_progress_bar=True)
+    trainer.fit(
+        make_module(tiny_model_dir, **options), datamodule=make_data(tiny_model_dir),
+        ckpt_path=tmp_path / "ckpt" / "step=6.ckpt",
+    )  # fmt: skip
+    assert resumed.total == 5 and resumed.rollouts == 5
+    final = capsys.readouterr().out.replace("\r", "\n").strip().splitlines()[-1]
+    assert "| 5/5 rollouts [" in final
