@@ -418,5 +418,5 @@ def test_console_script_reports_a_folder_that_is_not_a_model(tmp_path):
         "writes for a causal LM and its tokenizer: config.json, the weights "
         "(model.safetensors or pytorch_model.bin, or shards with their index) and the tokenizer "
         "files (tokenizer.json and tokenizer_config.json, or a tokenizer.model); give such a "
-        "folder, a hub id, or 'tinymath'"
+        "folder, a hub id, a .gguf file, or 'tinymath'"
     )
