@@ -529,7 +529,7 @@ def tinymath_demo(results: Results, tiny: bool) -> None:
     with tempfile.TemporaryDirectory() as logs:
         args = ["fit", "--config", str(ROOT / "configs" / "tinymath.yaml"),
                 f"--trainer.accelerator={accelerator}", f"--trainer.max_steps={2 * rollouts}",
-                f"--trainer.val_check_interval={rollouts}", f"--trainer.logger.init_args.save_dir={logs}",
+                f"--trainer.val_check_interval={rollouts}", f"--trainer.default_root_dir={logs}",
                 "--trainer.enable_progress_bar=false", "--trainer.enable_checkpointing=false"]  # fmt: skip
         if tiny:  # 16 prompts x 8 completions, two minibatches of 64 sequences
             args += ["--data.batch_size=16", "--data.num_val=32", "--data.val_batch_size=32",
