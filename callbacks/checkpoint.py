@@ -83,9 +83,9 @@ class RolloutCheckpoint(Checkpoint):
         if self._requested is None:
             self._requested = signum
             rank_zero_info(
-                f"\nlightning-troll: {signal.Signals(signum).name} received: the rollout in "
-                f"progress finishes, then {self.path} is saved and the run stops. Press Ctrl-C "
-                "again to stop at once without saving."
+                f"\nlightning-troll: {signal.Signals(signum).name} received: the rollout (or "
+                f"validation) in progress finishes, then {self.path} is saved and the run stops. "
+                "Press Ctrl-C again to stop at once without saving."
             )
         elif signum == signal.SIGINT:
             self._restore_handlers()

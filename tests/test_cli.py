@@ -420,3 +420,40 @@ def test_console_script_reports_a_folder_that_is_not_a_model(tmp_path):
         "files (tokenizer.json and tokenizer_config.json, or a tokenizer.model); give such a "
         "folder, a hub id, a .gguf file, or 'tinymath'"
     )
+
+
+def test_console_script_stopped_by_sigterm_saves_and_exits_143(tmp_path, tiny_model_dir):
+    """SIGTERM (a scheduler's stop) to a real process: the rollout in progress finishes,
+    last.ckpt is written whole, the summary says so and names it, and the status is 128 + 15."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from lightning_troll.checkpoints import check_checkpoint_file
+
+    script = Path(sys.executable).parent / "lightning-troll"
+    args = [str(script), "fit", "--config", str(ROOT / "configs" / "tinymath.yaml")]
+    args += one_step(tiny_model_dir) + ["--trainer.max_steps", "100000"]
+    args += ["--trainer.limit_val_batches", "0", "--checkpoint.every_n_rollouts", "1"]
+    last = tmp_path / LOGS / "checkpoints" / "last.ckpt"
+    process = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 300
+        while not last.exists():
+            assert process.poll() is None, process.stderr.read().decode()[-2000:]
+            assert time.monotonic() < deadline, "no checkpoint within 5 minutes"
+            time.sleep(0.05)
+        process.send_signal(signal.SIGTERM)
+        out, err = process.communicate(timeout=300)
+    finally:
+        process.kill()
+    assert process.returncode == 128 + signal.SIGTERM, err.decode()[-2000:]
+    check_checkpoint_file(last)
+    steps = torch.load(last, map_location="cpu", weights_only=True)["global_step"]
+    assert steps >= 1
+    assert "SIGTERM received" in err.decode() + out.decode()
+    summary = out.decode()[out.decode().index("lightning-troll: stopped by SIGTERM") :]
+    assert (
+        f"resume: the same command with --ckpt_path {LOGS / 'checkpoints' / 'last.ckpt'}" in summary
+    )
