@@ -36,9 +36,11 @@ STEPS_PER_ROLLOUT = 2  # epochs_per_rollout: the second pass over a rollout is o
 
 def scripted_sample(model, prompt_ids, group_size, sampling, pad_id, eos_id, do_sample=True):
     """Stands in for :func:`lightning_troll.rollout.sample`: the j-th completion of a prompt is
-    a fixed function of (prompt, j), of varying length, ended by EOS unless it fills the budget."""
+    a fixed function of (prompt, j), of varying length, ended by EOS unless it fills the budget.
+    ``eos_id`` is one id or several (the module's stop ids); the first ends the completions."""
     from lightning_troll.rollout import left_pad, response_mask_of
 
+    stop = eos_id if isinstance(eos_id, int) else eos_id[0]
     budget = sampling.max_new_tokens
     vocab = model.config.vocab_size
     rows = []
@@ -47,7 +49,7 @@ def scripted_sample(model, prompt_ids, group_size, sampling, pad_id, eos_id, do_
             key = sum(ids) * 31 + 7 * j
             length = 1 + (sum(ids) + j * j) % budget  # groups differ in their token counts
             tokens = [4 + (key + 13 * t) % (vocab - 4) for t in range(length)]
-            rows.append((ids, tokens + ([eos_id] if length < budget else [])))
+            rows.append((ids, tokens + ([stop] if length < budget else [])))
     device = next(model.parameters()).device
     prompts, prompt_mask = left_pad([p for p, _ in rows], pad_id, device)
     responses = torch.full((len(rows), budget), pad_id, dtype=torch.long, device=device)
