@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -14,11 +14,13 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_troll.advantages import flat_groups
+from lightning_troll.behaviour import BehaviourRecord, BehaviourRecorder
 from lightning_troll.dynamic_sampling import cat_sequences, choose_groups, group_rows
 from lightning_troll.prompts import PromptBatch, draw_prompts
 from lightning_troll.rewards import RewardOutput, reward_tag
 from lightning_troll.rollout import Rollout, behaviour_outputs, sample
-from lightning_troll.sharding import gathered
+from lightning_troll.sharding import gathered, is_sharded
+from lightning_troll.timing import clock
 
 __all__ = ["RolloutGeneration", "RolloutReport", "Samples", "samples_table"]
 
@@ -59,6 +61,10 @@ class Samples:
     prompts: list[str]
     rows: list[dict[str, Any]]
     group_size: int
+    behaviour: BehaviourRecord | None = None
+    """The behaviour policy's log-probs (and sparse rows) recorded while sampling, if it was."""
+    seconds: float = 0.0
+    """Wall time of the generation that sampled this round (recording included)."""
 
     @property
     def informative(self) -> Tensor:
@@ -82,6 +88,7 @@ class Samples:
             completions=[self.completions[i] for i in keep],
             prompts=[self.prompts[i] for i in keep],
             rows=[self.rows[i] for i in keep],
+            behaviour=None if self.behaviour is None else self.behaviour.select(rows),
         )
 
     @staticmethod
@@ -109,6 +116,11 @@ class Samples:
             prompts=[x for p in parts for x in p.prompts],
             rows=[r for p in parts for r in p.rows],
             group_size=parts[0].group_size,
+            behaviour=(
+                None
+                if parts[0].behaviour is None
+                else BehaviourRecord.cat([p.behaviour for p in parts])
+            ),
         )
 
 
@@ -123,6 +135,10 @@ class RolloutReport:
     capped: bool
     """True when dynamic sampling ran out of rounds before it had enough informative groups (on
     any process)."""
+    seconds: dict[str, float] = field(default_factory=dict)
+    """Wall time of this process's ``generation`` (every round), ``forward_passes`` (the
+    teacher-forced passes after sampling: the behaviour policy's unless it was recorded while
+    sampling, the reference policy's) and the whole ``rollout``."""
 
     @property
     def rewards(self) -> Tensor:
@@ -147,6 +163,12 @@ class RolloutGeneration(Callback):
     ``completion/{mean,max}_length`` and ``completion/truncated_frac``; with dynamic sampling
     ``dynamic_sampling/prompts_sampled``, ``dynamic_sampling/rounds`` (extra rounds) and
     ``dynamic_sampling/frac_dropped`` (sampled groups left out); and a few completions as text.
+    Where the rollout's time goes, in seconds: ``time/generation`` (sampling, every round, in the
+    progress bar), ``time/forward_passes`` (teacher-forced passes after sampling: the behaviour
+    policy's with ``model.behaviour_logprobs: forward``, the reference policy's with
+    ``model.loss.ref_kl_coef`` > 0), ``time/rollout`` (all of it, rewards included), and
+    ``throughput/generated_tokens_per_s`` (response tokens up to EOS per second of generation).
+    The optimiser steps' time is the module's ``time/training``.
 
     Args:
         log_samples: completions shown as text in TensorBoard per rollout; 0 switches it off.
@@ -223,6 +245,7 @@ class RolloutGeneration(Callback):
         sampled while some process has fewer informative groups than ``len(batch)``, at most
         ``module.dynamic_sampling_max_rounds`` of them; the rollout keeps ``len(batch)`` groups.
         """
+        start = clock(module.device)
         rounds = [_sample(module, batch)]
         kept, capped = rounds[0], False
         if more_prompts is not None:
@@ -243,12 +266,21 @@ class RolloutGeneration(Callback):
         temperature = module.sampling.temperature
         inputs = (kept.input_ids, kept.attention_mask, response_mask, temperature)
         chunks = module.logits_chunk_size
-        with module.behaviour_policy() as snapshot:
-            old_logprobs, old = behaviour_outputs(snapshot, *inputs, module.sparsify_old, chunks)
+        passes = clock(module.device)
+        if kept.behaviour is not None:  # recorded while sampling: no second pass
+            old_logprobs, old = kept.behaviour.outputs(response_mask)
+        else:
+            with module.behaviour_policy() as snapshot:
+                share = module.share_prompts and not is_sharded(snapshot)
+                old_logprobs, old = behaviour_outputs(
+                    snapshot, *inputs, module.sparsify_old, chunks, share
+                )
         ref_logprobs = None
         with module.reference_policy() as reference:
             if reference is not None:
-                ref_logprobs = behaviour_outputs(reference, *inputs, None, chunks)[0]
+                share = module.share_prompts and not is_sharded(reference)
+                ref_logprobs = behaviour_outputs(reference, *inputs, None, chunks, share)[0]
+        end = clock(module.device)
         rollout = Rollout(
             input_ids=kept.input_ids,
             attention_mask=kept.attention_mask,
@@ -262,7 +294,12 @@ class RolloutGeneration(Callback):
             group_size=module.group_size,
             ref_logprobs=ref_logprobs,
         )
-        return rollout, RolloutReport(rounds=rounds, kept=kept, capped=capped)
+        seconds = {
+            "generation": sum(s.seconds for s in rounds),
+            "forward_passes": end - passes,
+            "rollout": end - start,
+        }
+        return rollout, RolloutReport(rounds=rounds, kept=kept, capped=capped, seconds=seconds)
 
     @staticmethod
     def _log_metrics(module: LightningModule, report: RolloutReport) -> None:
@@ -292,7 +329,17 @@ class RolloutGeneration(Callback):
             values["dynamic_sampling/prompts_sampled"] = torch.tensor(float(groups))
             values["dynamic_sampling/rounds"] = torch.tensor(float(len(report.rounds) - 1))
             values["dynamic_sampling/frac_dropped"] = torch.tensor(1.0 - kept / groups)
+        seconds = dict(report.seconds)
+        for name in ("forward_passes", "rollout"):
+            if name in seconds:
+                values[f"time/{name}"] = torch.tensor(seconds[name])
+        generation = seconds.get("generation", 0.0)
+        if generation > 0:
+            speed = float(lengths.sum()) / generation
+            values["throughput/generated_tokens_per_s"] = torch.tensor(speed)
         module.log("reward/mean", rewards.mean(), prog_bar=True, sync_dist=True, batch_size=size)
+        if "generation" in seconds:
+            module.log("time/generation", generation, prog_bar=True, sync_dist=True, batch_size=size)
         module.log_dict(values, sync_dist=True, batch_size=size)
         module.log(
             "completion/max_length", lengths.max(), sync_dist=True, reduce_fx="max", batch_size=size
@@ -321,13 +368,25 @@ class RolloutGeneration(Callback):
 def _sample(module: LightningModule, batch: Any) -> Samples:
     """One round: G completions per prompt of ``batch`` from the snapshot, decoded and scored."""
     group = module.group_size
+    recorder = None
+    if module.behaviour_logprobs == "sampling":
+        recorder = BehaviourRecorder(module.sampling.temperature, module.sparsify_old)
+    start = clock(module.device)
     with module.behaviour_policy() as snapshot, gathered(snapshot):
         # sharded weights are gathered once for the whole generation, not once per token
         input_ids, attention_mask, response_mask, truncated = sample(
-            snapshot, batch.prompt_ids, group, module.sampling, module.pad_id, module.stop_ids
+            snapshot,
+            batch.prompt_ids,
+            group,
+            module.sampling,
+            module.pad_id,
+            module.stop_ids,
+            recorder=recorder,
         )
-    device = input_ids.device
     length = response_mask.shape[1]
+    behaviour = None if recorder is None else recorder.finish(input_ids[:, -length:])
+    seconds = clock(module.device) - start
+    device = input_ids.device
     completions = module.decode(input_ids[:, -length:], response_mask)
     prompts = [p for p in batch.prompts for _ in range(group)]
     rows = [r for r in batch.rows for _ in range(group)]
@@ -356,6 +415,8 @@ def _sample(module: LightningModule, batch: Any) -> Samples:
         prompts=prompts,
         rows=rows,
         group_size=group,
+        behaviour=behaviour,
+        seconds=seconds,
     )
 
 

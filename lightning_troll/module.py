@@ -58,6 +58,7 @@ from lightning_troll.rollout import (
 )
 from lightning_troll.sharding import is_sharded, shard_model
 from lightning_troll.snapshots import Snapshot, SnapshotConfig, build_snapshot
+from lightning_troll.timing import clock
 from lightning_troll.validation import validation_metrics
 
 __all__ = ["ClipConfig", "LossConfig", "OptimizationConfig", "TrollModule", "TrustRegionConfig"]
@@ -228,6 +229,18 @@ class TrollModule(LightningModule):
             (the loss's chunks recomputed in the backward pass), so no (tokens x vocabulary)
             float32 logits are held; null computes all logits at once. Models with soft-capped
             or scaled logits always use full logits.
+        behaviour_logprobs: where the behaviour policy's token log-probs (and TROLL's sparse old
+            distributions) come from: ``sampling`` keeps them from the logits generation computes
+            anyway, one step at a time (no second pass over the rollout, no (tokens x vocabulary)
+            tensor); ``forward`` recomputes them after sampling with a teacher-forced forward
+            pass of the snapshot. Both agree to float rounding (KV-cached attention sums in
+            another order); see the README's iteration-cost section for the measured difference.
+        share_prompts: run each distinct prompt of a micro-batch through the model once (a
+            group's completions share theirs) and its completions against its cached keys and
+            values, in the training passes and the passes after sampling; the same results up to
+            float rounding, with less compute and activation memory the longer prompts are
+            against completions. Off (or with gradient checkpointing, or under FSDP2 sharding)
+            every sequence runs whole.
         snapshot: how the behaviour-policy snapshot is held: a copy (in the policy's dtype,
             bfloat16 or int8) or the policy itself (``shared``).
         lora: low-rank adapters (peft) instead of full fine-tuning; null trains every weight.
@@ -257,6 +270,8 @@ class TrollModule(LightningModule):
         seed: int = 0,
         gradient_checkpointing: bool = False,
         logits_chunk_size: int | None = DEFAULT_CHUNK_SIZE,
+        behaviour_logprobs: Literal["sampling", "forward"] = "sampling",
+        share_prompts: bool = True,
         snapshot: SnapshotConfig = SnapshotConfig(),
         lora: LoraConfig | None = None,
     ) -> None:
@@ -264,6 +279,13 @@ class TrollModule(LightningModule):
         self.save_hyperparameters(ignore=["optimizer", "lr_scheduler"])
         check_chunk_size(logits_chunk_size, "model.logits_chunk_size")
         self.logits_chunk_size = logits_chunk_size
+        if behaviour_logprobs not in ("sampling", "forward"):
+            raise ValueError(
+                "model.behaviour_logprobs must be one of ['forward', 'sampling']; got "
+                f"{behaviour_logprobs!r}"
+            )
+        self.behaviour_logprobs = behaviour_logprobs
+        self.share_prompts = share_prompts
         get_advantage_estimator(estimator)
         if scale_rewards not in (None, *REWARD_SCALES):
             raise ValueError(
@@ -455,9 +477,12 @@ class TrollModule(LightningModule):
         rollout, self.rollout = self.rollout, None
         self.last_stats = []
         opt = self.optimizers()
+        start = clock(self.device)
         for _ in range(self.optimization.epochs_per_rollout):
             for minibatch in rollout.minibatches(self.optimization.minibatch_size, self._shuffle):
                 self._optimizer_step(minibatch, opt)
+        seconds = clock(self.device) - start  # every optimiser step of the rollout
+        self.log("time/training", seconds, prog_bar=True, sync_dist=True, batch_size=1)
 
     def _optimizer_step(self, minibatch: Rollout, opt) -> None:
         size = AGGREGATION_SIZES[self.objective.aggregation]
@@ -527,7 +552,8 @@ class TrollModule(LightningModule):
         if head is None:
             logits = response_logits(self.policy, *inputs, length, temperature)  # (B, T, V)
             return self.objective(logits, *targets)
-        hidden = response_hidden(self.policy, *inputs, length)  # (B, T, H)
+        share = self.share_prompts and not is_sharded(self.policy)
+        hidden = response_hidden(self.policy, *inputs, length, share)  # (B, T, H)
         return self.objective.forward_hidden(
             hidden, head, temperature, *targets, chunk_size=self.logits_chunk_size
         )

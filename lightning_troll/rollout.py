@@ -11,22 +11,28 @@ H hidden size.
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, fields, replace
-from functools import partial
 
 import torch
 from torch import Tensor, nn
-from transformers import GenerationConfig
+from transformers import GenerationConfig, LogitsProcessorList
 
-from lightning_troll.chunking import check_chunk_size, head_logits, map_row_chunks
+from lightning_troll.behaviour import BehaviourRecorder
+from lightning_troll.forward import (  # re-exported: the teacher-forced passes over rollouts
+    behaviour_outputs,
+    linear_head,
+    position_ids,
+    response_hidden,
+    response_logits,
+)
 from lightning_troll.projection import SparseDistribution
 
 __all__ = [
     "Rollout",
     "SamplingConfig",
+    "behaviour_outputs",
     "left_pad",
     "position_ids",
     "linear_head",
@@ -155,11 +161,6 @@ def left_pad(sequences: list[list[int]], pad_id: int, device=None) -> tuple[Tens
     return ids, mask
 
 
-def position_ids(attention_mask: Tensor) -> Tensor:
-    """Positions that skip left padding, as generation uses them: (B, L) -> (B, L)."""
-    return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
-
-
 def response_mask_of(responses: Tensor, eos_id: int | Sequence[int]) -> tuple[Tensor, Tensor]:
     """(B, T) generated tokens -> response mask (up to and including the first EOS) and
     truncated (B,) (no EOS at all). ``eos_id`` is one id or several (any of them ends a
@@ -181,11 +182,14 @@ def sample(
     pad_id: int,
     eos_id: int | Sequence[int],
     do_sample: bool = True,
+    recorder: BehaviourRecorder | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """G completions per prompt with the model's KV-cached ``generate``.
 
     A completion ends at the first of the ``eos_id`` tokens (one id or several), or after
-    ``sampling.max_new_tokens``.
+    ``sampling.max_new_tokens``. A ``recorder`` sees the raw logits of every step (it is the
+    first logits processor; temperature, top-k and top-p come after it); call its ``finish``
+    with the generated tokens afterwards.
 
     Returns input_ids (B, S + T), attention_mask (B, S + T), response_mask (B, T) and
     truncated (B,), with B = len(prompt_ids) * group_size, prompt-major.
@@ -209,6 +213,7 @@ def sample(
                 pad_token_id=pad_id,
                 eos_token_id=eos_id if isinstance(eos_id, int) else list(eos_id),
                 use_cache=True,
+                logits_processor=LogitsProcessorList([] if recorder is None else [recorder]),
                 **options,
             )  # (B, S + T')
     except RuntimeError as error:  # NaN weights surface as torch.multinomial's complaint
@@ -247,167 +252,3 @@ def _raise_if_not_finite(model: nn.Module, error: RuntimeError) -> None:
                 f"{name!r} holds NaN or inf at {int((~weight.isfinite()).sum())} entries; the "
                 "snapshot's weights are not finite, so no rollout is sampled from them"
             ) from error
-
-
-def response_logits(
-    model: nn.Module,
-    input_ids: Tensor,
-    attention_mask: Tensor,
-    response_length: int,
-    temperature: float,
-) -> Tensor:
-    """Teacher-forced logits that predict each response token, divided by the temperature.
-
-    (B, S + T) -> (B, T, V). Only the last T + 1 positions go through the output layer.
-    """
-    out = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids(attention_mask),
-        use_cache=False,
-        logits_to_keep=response_length + 1,
-    )
-    return out.logits[:, :-1] / temperature  # (B, T, V)
-
-
-# Config fields under which a model's logits are more than ``head(last hidden state)``, with the
-# value that makes them neutral (soft-capping in Gemma 2/3, a logit scale in Cohere and Granite).
-_LOGIT_TRANSFORMS: dict[str, float | None] = {
-    "final_logit_softcapping": None,
-    "logit_scale": 1.0,
-    "logits_scaling": 1.0,
-}
-_warned: set[str] = set()
-"""Model classes already warned about falling back to full logits (one warning each)."""
-
-
-def linear_head(model: nn.Module) -> nn.Module | None:
-    """The output layer if the model's logits are ``head(last hidden state)``, else None.
-
-    A model whose config sets a logit transform (soft-capping, a logit scale) or that has no
-    output embeddings gets None, with a one-time warning: its log-probs must come from the full
-    logits of :func:`response_logits`.
-    """
-    head = None
-    if hasattr(model, "get_output_embeddings") and hasattr(model, "get_decoder"):
-        head = model.get_output_embeddings()
-    config = getattr(model, "config", None)
-    if config is not None and hasattr(config, "get_text_config"):
-        config = config.get_text_config()
-    transforms = [
-        f"{name}={getattr(config, name)!r}"
-        for name, neutral in _LOGIT_TRANSFORMS.items()
-        if getattr(config, name, neutral) not in (neutral, None)
-    ]
-    if head is not None and not transforms:
-        return head
-    kind = type(model).__name__
-    if kind not in _warned:
-        _warned.add(kind)
-        why = ", ".join(transforms) if transforms else "it has no output embeddings or decoder"
-        warnings.warn(
-            f"{kind}: logits are not a plain output layer of the last hidden state ({why}); "
-            "log-probs come from the full (tokens x vocabulary) logits instead of chunks",
-            UserWarning,
-            stacklevel=2,
-        )
-    return None
-
-
-def response_hidden(
-    model: nn.Module, input_ids: Tensor, attention_mask: Tensor, response_length: int
-) -> Tensor:
-    """The last hidden states (after the final norm) that predict each response token.
-
-    (B, S + T) -> (B, T, H). The model's own (root) forward runs, so wrappers that act on it
-    (FSDP2 gathers the root's parameters, the output layer's among them, and keeps them
-    gathered until the backward pass) see an ordinary call; an empty ``logits_to_keep`` makes
-    its output layer compute no logits at all. The hidden states are the output of the model's
-    decoder (``get_decoder()``), taken by a forward hook, so no other layer's output is kept.
-    """
-    captured: list[Tensor] = []
-
-    def keep(module: nn.Module, args, output) -> None:
-        hidden = getattr(output, "last_hidden_state", None)
-        captured.append(output[0] if hidden is None else hidden)
-
-    handle = model.get_decoder().register_forward_hook(keep)
-    try:
-        model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids(attention_mask),
-            use_cache=False,
-            logits_to_keep=torch.zeros(0, dtype=torch.long, device=input_ids.device),
-        )
-    finally:
-        handle.remove()
-    return captured[-1][:, -response_length - 1 : -1]  # (B, T, H)
-
-
-@torch.no_grad()
-def behaviour_outputs(
-    model: nn.Module,
-    input_ids: Tensor,
-    attention_mask: Tensor,
-    response_mask: Tensor,
-    temperature: float,
-    sparsify_fn: Callable[[Tensor, Tensor], SparseDistribution] | None,
-    chunk_size: int | None = None,
-) -> tuple[Tensor, SparseDistribution | None]:
-    """The behaviour policy's token log-probs (B, T) and, if asked, sparse distributions.
-
-    With ``chunk_size`` (response tokens per chunk) and a model whose logits are a plain output
-    layer (:func:`linear_head`), the hidden states are computed once and the output layer runs
-    on ``chunk_size`` response tokens at a time, so at most ``(chunk_size, V)`` logits exist at
-    once; otherwise (or with ``chunk_size=None``) the ``(B, T, V)`` logits are computed whole.
-    Both give the same results up to float rounding.
-
-    Logits of ``-inf`` (a vocabulary masked by the model) are accepted: those tokens have no
-    mass, and the sparse projection handles them. Raises ``FloatingPointError`` if the logits at a
-    response token hold NaN or ``+inf``, are ``-inf`` everywhere or at the sampled token: a
-    rollout cached from them would train on garbage.
-    """
-    check_chunk_size(chunk_size, "chunk_size")
-    length = response_mask.shape[1]
-    tokens = input_ids[:, -length:][response_mask]  # (N,)
-    head = None if chunk_size is None else linear_head(model)
-    if head is None:
-        logits = response_logits(model, input_ids, attention_mask, length, temperature)
-        rows, fn = logits[response_mask], partial(_behaviour_rows, sparsify_fn=sparsify_fn)
-    else:
-        rows = response_hidden(model, input_ids, attention_mask, length)[response_mask]  # (N, H)
-        fn = partial(_behaviour_hidden, head=head, temperature=temperature, sparsify_fn=sparsify_fn)
-    parts = map_row_chunks(fn, rows, chunk_size, tokens)
-    bad = torch.cat([p[2] for p in parts]).nonzero()  # (bad rows, 1)
-    if bad.numel():
-        seq, pos = response_mask.nonzero()[bad[0, 0]].tolist()
-        raise FloatingPointError(
-            f"the behaviour policy's logits hold NaN or +inf (or -inf at the sampled token) at "
-            f"{bad.shape[0]} response tokens (first: sequence {seq}, position {pos}); the "
-            "snapshot's weights are not finite, so no rollout is cached from them"
-        )
-    logp = torch.cat([p[0] for p in parts])  # (N,)
-    old_logprobs = logp.new_zeros(response_mask.shape).index_put((response_mask,), logp)
-    sparse = [p[1] for p in parts]  # sparsify_fn may decline (None), as it does for clipping
-    old = None if sparse[0] is None else SparseDistribution.cat(sparse)
-    return old_logprobs, old
-
-
-def _behaviour_hidden(hidden: Tensor, tokens: Tensor, *, head, temperature, sparsify_fn):
-    return _behaviour_rows(head_logits(head, hidden, temperature), tokens, sparsify_fn=sparsify_fn)
-
-
-def _behaviour_rows(
-    rows: Tensor, tokens: Tensor, *, sparsify_fn
-) -> tuple[Tensor, SparseDistribution | None, Tensor]:
-    """(n, V) logit rows -> token log-probs (n,), sparse rows (or None), bad-row flags (n,).
-
-    A row is bad if it holds NaN or +inf, or -inf at the sampled token; other -inf entries are a
-    masked vocabulary and stay."""
-    at_token = rows.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # (n,)
-    bad = (rows.isnan() | rows.isposinf()).any(-1) | at_token.isneginf()  # (n,)
-    if bool(bad.any()):  # nothing below is computed from garbage
-        return rows.new_zeros(bad.shape, dtype=torch.float32), None, bad
-    logp = rows.float().log_softmax(-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # (n,)
-    return logp, None if sparsify_fn is None else sparsify_fn(rows, tokens), bad

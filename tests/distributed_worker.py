@@ -34,11 +34,14 @@ if str(ROOT) not in sys.path:  # for tests.reward_helpers when run as a script
 STEPS_PER_ROLLOUT = 2  # epochs_per_rollout: the second pass over a rollout is off-policy
 
 
-def scripted_sample(model, prompt_ids, group_size, sampling, pad_id, eos_id, do_sample=True):
+def scripted_sample(
+    model, prompt_ids, group_size, sampling, pad_id, eos_id, do_sample=True, recorder=None
+):
     """Stands in for :func:`lightning_troll.rollout.sample`: the j-th completion of a prompt is
     a fixed function of (prompt, j), of varying length, ended by EOS unless it fills the budget.
-    ``eos_id`` is one id or several (the module's stop ids); the first ends the completions."""
-    from lightning_troll.rollout import left_pad, response_mask_of
+    ``eos_id`` is one id or several (the module's stop ids); the first ends the completions.
+    A ``recorder`` is fed the model's logits position by position, as ``generate`` feeds it."""
+    from lightning_troll.rollout import left_pad, position_ids, response_mask_of
 
     stop = eos_id if isinstance(eos_id, int) else eos_id[0]
     budget = sampling.max_new_tokens
@@ -57,7 +60,16 @@ def scripted_sample(model, prompt_ids, group_size, sampling, pad_id, eos_id, do_
         responses[i, : len(tokens)] = torch.tensor(tokens[:budget])
     response_mask, truncated = response_mask_of(responses, eos_id)
     attention_mask = torch.cat([prompt_mask, response_mask.long()], dim=-1)
-    return torch.cat([prompts, responses], dim=-1), attention_mask, response_mask, truncated
+    input_ids = torch.cat([prompts, responses], dim=-1)
+    if recorder is not None:
+        full = torch.cat([prompt_mask, torch.ones_like(responses)], dim=-1)
+        with torch.no_grad():
+            logits = model(
+                input_ids=input_ids, attention_mask=full, position_ids=position_ids(full)
+            ).logits[:, prompts.shape[1] - 1 : -1]  # (B, T, V)
+        for t in range(budget):
+            recorder(input_ids[:, : prompts.shape[1] + t], logits[:, t])
+    return input_ids, attention_mask, response_mask, truncated
 
 
 def full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
