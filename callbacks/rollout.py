@@ -339,7 +339,9 @@ class RolloutGeneration(Callback):
             values["throughput/generated_tokens_per_s"] = torch.tensor(speed)
         module.log("reward/mean", rewards.mean(), prog_bar=True, sync_dist=True, batch_size=size)
         if "generation" in seconds:
-            module.log("time/generation", generation, prog_bar=True, sync_dist=True, batch_size=size)
+            module.log(
+                "time/generation", generation, prog_bar=True, sync_dist=True, batch_size=size
+            )
         module.log_dict(values, sync_dist=True, batch_size=size)
         module.log(
             "completion/max_length", lengths.max(), sync_dist=True, reduce_fx="max", batch_size=size

@@ -74,7 +74,11 @@ class BehaviourRecord:
 
         def pad(t: Tensor, value: float, k: int | None = None) -> Tensor:
             # (B, T) -> (B, length); (B, T, K) -> (B, length, k)
-            grow = (0, length - t.shape[1]) if k is None else (0, k - t.shape[2], 0, length - t.shape[1])
+            grow = (
+                (0, length - t.shape[1])
+                if k is None
+                else (0, k - t.shape[2], 0, length - t.shape[1])
+            )
             return nn.functional.pad(t, grow, value=value)
 
         return BehaviourRecord(
@@ -172,7 +176,10 @@ class BehaviourRecorder(LogitsProcessor):
         width = max(s.indices.shape[1] for s in sparse)  # K
 
         def stacked(name: str, value: float) -> Tensor:
-            rows = [nn.functional.pad(getattr(s, name), (0, width - s.indices.shape[1]), value=value) for s in sparse]
+            rows = [
+                nn.functional.pad(getattr(s, name), (0, width - s.indices.shape[1]), value=value)
+                for s in sparse
+            ]
             return torch.stack(rows, dim=1)  # (B, T, K)
 
         return BehaviourRecord(

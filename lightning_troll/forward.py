@@ -38,7 +38,6 @@ def position_ids(attention_mask: Tensor) -> Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
 
 
-
 def response_logits(
     model: nn.Module,
     input_ids: Tensor,

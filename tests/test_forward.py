@@ -124,4 +124,7 @@ def test_training_with_shared_prompts_takes_the_same_steps(tmp_path, tiny_model_
     assert losses[0].shape == (8,)  # 2 rollouts x 2 minibatches x 2 micro-batches
     torch.testing.assert_close(losses[0], losses[1], rtol=0, atol=1e-5)
     torch.testing.assert_close(weights[0], weights[1], rtol=0, atol=1e-5)
-    assert not torch.equal(weights[0], torch.cat([p.detach().flatten() for p in make_module(tiny_model_dir).policy.parameters()]))
+    assert not torch.equal(
+        weights[0],
+        torch.cat([p.detach().flatten() for p in make_module(tiny_model_dir).policy.parameters()]),
+    )
