@@ -40,8 +40,10 @@ takes 3-15 minutes, so the whole run takes about an hour)::
     python examples/benchmark_iteration.py --steps 1 --objectives troll --no-trl   # one config
     python examples/benchmark_iteration.py --tiny --iterations 2 --no-trl          # TinyMath smoke
     python examples/benchmark_iteration.py --behaviour-error   # recorded vs recomputed log-probs
+    python examples/benchmark_iteration.py --generation        # generation alone, two ways
 
-``--behaviour-error`` samples one rollout of the benchmark's prompts with the behaviour log-probs
+``--generation`` times one rollout's generation alone, two ways (``generate`` with its dynamic
+KV cache, as the library samples, and with a static cache), in response tokens per second. ``--behaviour-error`` samples one rollout of the benchmark's prompts with the behaviour log-probs
 and TROLL's sparse rows recorded, recomputes them with a teacher-forced pass of the same weights
 (float32, then bfloat16), and prints how far apart they are.
 """
@@ -365,6 +367,87 @@ def behaviour_error(model_dir: str, dtype: str, threads: int, max_new_tokens: in
     }
 
 
+# ------------------------------------------------------------------------------- generation
+
+
+def generation_speed(model_dir: str, threads: int, max_new_tokens: int, repeats: int) -> list:
+    """Response tokens per second of one rollout's generation (the benchmark's 64 sequences) by
+    ``generate`` with its dynamic KV cache (what the library uses) and with a static cache, each
+    ``repeats`` times interleaved after one warm-up; the median is reported."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    from lightning_troll.models import stop_token_ids
+    from lightning_troll.rollout import left_pad
+
+    torch.set_num_threads(threads)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": r["question"] + INSTRUCTION}],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+        )
+        for r in pick_rows()
+        for _ in range(GROUP)
+    ]
+    stops = stop_token_ids(tokenizer, model)
+    config = GenerationConfig(
+        do_sample=True,
+        temperature=TEMPERATURE,
+        top_k=None,
+        top_p=None,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=stops,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+    def padded(cache: str | None) -> int:
+        ids, mask = left_pad(prompts, tokenizer.pad_token_id)
+        config.cache_implementation = cache
+        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+        new = out[:, ids.shape[1] :]
+        done = torch.isin(new, torch.tensor(stops)).long().cumsum(-1)
+        return int(((done == 0) | ((done == 1) & torch.isin(new, torch.tensor(stops)))).sum())
+
+    ways = {"generate, dynamic cache": lambda: padded(None)}
+    ways["generate, static cache"] = lambda: padded("static")
+    times: dict[str, list[float]] = {name: [] for name in ways}
+    tokens: dict[str, list[int]] = {name: [] for name in ways}
+    errors: dict[str, str] = {}
+    for attempt in range(repeats + 1):
+        for name, run in ways.items():
+            if name in errors:
+                continue
+            torch.manual_seed(attempt)
+            start = time.perf_counter()
+            try:
+                count = run()
+            except Exception as error:  # a way this transformers or device does not support
+                errors[name] = f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"
+                continue
+            if attempt:  # the first round warms up
+                times[name].append(time.perf_counter() - start)
+                tokens[name].append(count)
+    rows = []
+    for name in ways:
+        if name in errors:
+            rows.append({"way": name, "error": errors[name]})
+            continue
+        speed = statistics.median(t / s for t, s in zip(tokens[name], times[name], strict=True))
+        rows.append(
+            {
+                "way": name,
+                "seconds": statistics.median(times[name]),
+                "tokens": statistics.median(tokens[name]),
+                "tokens_per_s": speed,
+            }
+        )
+    return rows
+
+
 # ----------------------------------------------------------------------------- orchestration
 
 
@@ -458,6 +541,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--behaviour-error",
         action="store_true",
         help="only measure recorded against recomputed behaviour log-probs (float32, bfloat16)",
+    )
+    parser.add_argument(
+        "--generation",
+        action="store_true",
+        help="only time generation: dynamic and static KV cache",
     )
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -555,6 +643,22 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.behaviour_error:
         print_behaviour_error(args)
+        return 0
+    if args.generation:
+        rows = generation_speed(str(args.model), args.threads, args.max_new_tokens, 3)
+        print("| generation | s / rollout | response tokens | tokens/s |")
+        print("| --- | ---: | ---: | ---: |")
+        for r in rows:
+            if "error" in r:
+                print(f"| {r['way']} | failed: {r['error']} | | |")
+            else:
+                print(
+                    f"| {r['way']} | {r['seconds']:.1f} | {r['tokens']:.0f} | "
+                    f"{r['tokens_per_s']:.0f} |"
+                )
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(rows, indent=1))
         return 0
     results = run_all(configurations(args), args.json)
     print()

@@ -1,0 +1,126 @@
+"""The iteration benchmark: a TinyMath run end to end, its summary and table, resuming from its
+JSON, and clear refusals of bad arguments."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "benchmark_iteration.py"
+
+
+def load():
+    spec = importlib.util.spec_from_file_location("benchmark_iteration", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def row(total, generation, rest, training, length=10.0, speed=50.0):
+    return {
+        "total": total,
+        "generation": generation,
+        "rest_of_rollout": rest,
+        "training": training,
+        "mean_length": length,
+        "tokens_per_s": speed,
+    }
+
+
+def test_summary_leaves_out_the_first_iteration_and_takes_medians():
+    bench = load()
+    result = {
+        "iterations": [row(99, 50, 9, 40), row(10, 4, 1, 5), row(12, 6, 1, 5), row(30, 9, 3, 18)],
+        "peak_memory_gib": 3.5,
+    }
+    summary = bench.summarise(result)
+    assert summary["total"] == 12 and summary["generation"] == 6 and summary["training"] == 5
+    assert summary["first_iteration_s"] == 99 and summary["peak_memory_gib"] == 3.5
+
+
+def test_table_gives_ratios_to_the_fastest_trl_configuration_per_step_count():
+    bench = load()
+
+    def result(name, library, steps, total):
+        summary = bench.summarise({"iterations": [row(1, 1, 0, 0), row(total, 1, 0, 1)],
+                                   "peak_memory_gib": 1.0})  # fmt: skip
+        return {"name": name, "spec": {"library": library, "steps": steps}, "summary": summary}
+
+    text = bench.table(
+        [
+            result("TRL off", "trl", 1, 70.0),
+            result("TRL on", "trl", 1, 80.0),
+            result("ours", "ours", 1, 35.0),
+            result("ours 4", "ours", 4, 50.0),
+            {"name": "broken", "spec": {"library": "ours", "steps": 1}, "error": "boom"},
+        ]
+    )
+    lines = {
+        line.split("|")[1].strip(): line for line in text.splitlines() if line.startswith("| ")
+    }
+    assert lines["ours"].rstrip(" |").endswith("0.50x")
+    assert lines["TRL on"].rstrip(" |").endswith("1.14x")
+    assert lines["ours 4"].rstrip(" |").endswith("-")  # no TRL run at 4 steps
+    assert "broken (steps 1) failed:\nboom" in text
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--iterations", "1"], "--iterations must be >= 2 (the first is left out); got 1"),
+        (["--steps", "0"], "--steps must be >= 1; got [0]"),
+        (["--model", "/nowhere"], "--model /nowhere: no model folder there; run `make smollm2`"),
+        (["--variants", "fast"], "argument --variants: invalid choice: 'fast'"),
+    ],
+)
+def test_bad_arguments_are_refused(args, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        load().main(args)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_tiny_run_times_both_variants_and_resumes_from_its_json(tmp_path):
+    out = tmp_path / "iteration.json"
+    args = ["--tiny", "--iterations", "2", "--steps", "2", "--objectives", "troll", "--no-trl"]
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            *args,
+            "--variants",
+            "default",
+            "baseline",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert [r["spec"]["variant"] for r in results] == ["default", "baseline"]
+    for r in results:
+        assert len(r["iterations"]) == 2 and r["peak_memory_gib"] > 0
+        for it in r["iterations"]:
+            parts = it["generation"] + it["rest_of_rollout"] + it["training"]
+            assert it["generation"] > 0 and it["training"] > 0 and parts <= it["total"]
+            assert it["mean_length"] >= 1
+    assert "| ours, troll, default | 2 |" in done.stdout
+    # a second run keeps what the JSON holds and times nothing again
+    again = subprocess.run(
+        [sys.executable, str(SCRIPT), *args, "--variants", "default", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "measured before (in --json): kept" in again.stdout
+    assert json.loads(out.read_text()) == results
