@@ -1,11 +1,11 @@
 """Benchmark: what TROLL costs over ratio clipping in one whole training step.
 
-A training step is what ``TrollModule._optimizer_step`` runs on one minibatch: the policy's
-forward over prompt + response (hidden states; the output layer on ``--chunk-size`` response
-tokens at a time, the default chunked log-prob path of ``model.logits_chunk_size``), the
-objective, the backward pass, gradient-norm clipping and an AdamW step. Both objectives run on
-the same model (same weights), the same synthetic rollout and the same seed, at vocabularies
-V = 151,936 (Qwen's) and 32,000.
+A training step is what ``MinibatchLoop.step`` (``lightning_troll.optimization``) runs on one
+minibatch: the policy's forward over prompt + response (hidden states; the output layer on
+``--chunk-size`` response tokens at a time, the default chunked log-prob path of
+``model.logits_chunk_size``), the objective, the backward pass, gradient-norm clipping and an
+AdamW step. Both objectives run on the same model (same weights), the same synthetic rollout
+and the same seed, at vocabularies V = 151,936 (Qwen's) and 32,000.
 
 The rollout: ``--sequences`` random prompts of 16 tokens and responses of ``--length`` tokens
 (seed 0); the old log-probs and, for TROLL, the cached sparse rows come from

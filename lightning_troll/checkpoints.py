@@ -1,8 +1,9 @@
 """What a checkpoint carries beyond Lightning's own state, and the checks made before resuming.
 
 - :func:`rng_states` / :func:`restore_rng_states`: the global torch (CPU and CUDA), Python and
-  NumPy random states, kept per global rank. Sampling draws from torch's global generator
-  (through ``generate``), so a resumed run samples the same completions only if these come back.
+  NumPy random states, kept per global rank (:func:`rng_states_by_rank` gathers them). Sampling
+  draws from torch's global generator (through ``generate``), so a resumed run samples the same
+  completions only if these come back.
 - :func:`seed_per_rank`: gives every process random streams of its own, derived from the
   shared seed, so that processes do not sample their completions from the same numbers.
 - :func:`check_checkpoint_file`: a ``--ckpt_path`` that is missing, truncated or not a
@@ -12,7 +13,7 @@
 - :func:`non_atomic_saves`: Lightning saves a checkpoint to a temporary file and moves it into
   place; the move is an atomic rename only within one file system.
 
-Nothing here imports Lightning.
+Nothing here imports Lightning; the hooks that use these are in :mod:`lightning_troll.resume`.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ __all__ = [
     "non_atomic_saves",
     "restore_rng_states",
     "rng_states",
+    "rng_states_by_rank",
     "seed_per_rank",
 ]
 
@@ -65,6 +67,17 @@ def rng_states() -> dict[str, Any]:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         states["cuda"] = torch.cuda.get_rng_state_all()
     return states
+
+
+def rng_states_by_rank(rank: int, world_size: int) -> dict[int, dict[str, Any]]:
+    """Every process's :func:`rng_states` by global rank; with several processes, all of them
+    must call this (the states are gathered to each)."""
+    states = rng_states()
+    if world_size == 1:
+        return {rank: states}
+    everyone: list[Any] = [None] * world_size
+    torch.distributed.all_gather_object(everyone, states)
+    return dict(enumerate(everyone))
 
 
 def restore_rng_states(states: Mapping[str, Any]) -> None:

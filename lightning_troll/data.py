@@ -1,17 +1,17 @@
 """Prompt data for rollouts: a LightningDataModule that yields batches of P prompts.
 
 Rows come from the built-in TinyMath generator, a local ``.json``/``.jsonl``/``.parquet`` file
-or a hub dataset. ``setup`` formats every row with ``template`` (optionally inside the
-tokenizer's chat template), tokenizes it once and checks it against ``max_prompt_tokens``; the
-dataloaders then yield :class:`PromptBatch` records: the prompt texts, their unpadded token ids
-and the rows, whose gold answer reward functions read from ``row["answer"]``.
+or a hub dataset, read by :class:`~lightning_troll.sources.PromptSource`. ``setup`` formats every
+row with ``template`` (optionally inside the tokenizer's chat template), tokenizes it once and
+checks it against ``max_prompt_tokens``; the dataloaders then yield :class:`PromptBatch`
+records: the prompt texts, their unpadded token ids and the rows, whose gold answer reward
+functions read from ``row["answer"]``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,14 +26,12 @@ from lightning_troll.prompts import (
     PromptItem,
     ResumableLoader,
     check_count,
-    check_file,
     collate_prompts,
-    looks_like_file,
     read_rows,
-    seeded_generator,
     template_fields,
     write_jsonl,
 )
+from lightning_troll.sources import PromptSource
 
 __all__ = [
     "EpochShuffleSampler",
@@ -106,22 +104,10 @@ class PromptDataModule(LightningDataModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=[] if isinstance(tokenizer, str) else ["tokenizer"])
-        if not isinstance(source, str) or not source:
-            raise ValueError(f"data.source must be a non-empty string; got {source!r}")
-        if source == "tinymath":
-            self._kind = "tinymath"
-            check_count("num_train", num_train, 1, none_ok=False)
-            check_count("num_val", num_val, 0, none_ok=False)
-        else:
-            path = Path(source).expanduser()
-            self._kind = "file" if path.is_file() or looks_like_file(source) else "hub"
-            if self._kind == "file":
-                check_file("data.source", source)
-            check_count("num_train", num_train, 0, none_ok=True)
-            holdout = self._kind == "file" and val_file is None
-            check_count("num_val", num_val, 0, none_ok=not holdout)
-        if val_file is not None:
-            check_file("data.val_file", val_file)
+        self.row_source = PromptSource(
+            source, dataset_config, train_split, val_split, num_train, num_val, seed, val_file
+        )
+        """Reads the rows; checks the options that say where they are and how many to take."""
         for option, value in (("batch_size", batch_size), ("val_batch_size", val_batch_size)):
             check_count(option, value, 1, none_ok=False)
         check_count("max_prompt_tokens", max_prompt_tokens, 1, none_ok=False)
@@ -176,15 +162,12 @@ class PromptDataModule(LightningDataModule):
 
     def prepare_data(self) -> None:
         """Downloads a hub dataset once (on global rank 0) so ``setup`` reads it from the cache."""
-        if self._kind == "hub":
-            self._load_hub(self.train_split, None)
-            if self.val_file is None and self.num_val != 0:
-                self._load_hub(self.val_split, None)
+        self.row_source.download()
 
     def setup(self, stage: str | None = None) -> None:
         """Loads, formats, tokenizes and checks the rows (once)."""
         if self.train_items is None and stage in (None, "fit"):
-            rows = self._train_rows()
+            rows = self.row_source.train_rows()
             if len(rows) < self.batch_size:
                 raise ValueError(
                     f"data.batch_size={self.batch_size} is larger than the {len(rows)} training rows "
@@ -192,63 +175,10 @@ class PromptDataModule(LightningDataModule):
                 )
             self.train_items = self._prepare(rows, "train")
         if self.val_items is None:
-            self.val_items = self._prepare(self._val_rows(), "validation")
+            self.val_items = self._prepare(self.row_source.val_rows(), "validation")
 
     def _describe(self, split: str = "train") -> str:
-        if split == "validation" and self.val_file is not None:
-            return repr(self.val_file)
-        return repr(self.source)
-
-    def _train_rows(self) -> list[dict[str, Any]]:
-        if self._kind == "tinymath":
-            from lightning_troll.tinymath import generate_problems
-
-            return generate_problems(self.num_train, seed=self.seed, split=self.train_split)
-        if self._kind == "hub":
-            return self._load_hub(self.train_split, self.num_train)
-        rows = read_rows(self.source)
-        if self.val_file is None:
-            rows = [rows[i] for i in self._holdout(len(rows))[0]]
-        return rows[: self.num_train or None]
-
-    def _val_rows(self) -> list[dict[str, Any]]:
-        if self.num_val == 0:
-            return []
-        if self.val_file is not None:
-            return read_rows(self.val_file)[: self.num_val]
-        if self._kind == "tinymath":
-            from lightning_troll.tinymath import generate_problems
-
-            return generate_problems(self.num_val, seed=self.seed, split=self.val_split)
-        if self._kind == "hub":
-            return self._load_hub(self.val_split, self.num_val)
-        rows = read_rows(self.source)
-        return [rows[i] for i in self._holdout(len(rows))[1]]
-
-    def _holdout(self, size: int) -> tuple[list[int], list[int]]:
-        """(train indices, validation indices) of a local file, both in file order."""
-        if self.num_val >= size:
-            raise ValueError(
-                f"data.num_val={self.num_val} would hold out every row of {self.source!r} "
-                f"({size} rows); lower it, or give data.val_file"
-            )
-        order = torch.randperm(size, generator=seeded_generator(self.seed, "holdout")).tolist()
-        return sorted(order[self.num_val :]), sorted(order[: self.num_val])
-
-    def _load_hub(self, split: str, cap: int | None) -> list[dict[str, Any]]:
-        import datasets
-
-        try:
-            data = datasets.load_dataset(self.source, self.dataset_config, split=split)
-        except Exception as exc:  # not found, offline, bad config or split: say which option
-            raise ValueError(
-                f"data.source={self.source!r} (data.dataset_config={self.dataset_config!r}, "
-                f"split {split!r}): datasets.load_dataset failed: {exc}. Local files need a "
-                ".json, .jsonl or .parquet suffix"
-            ) from exc
-        if cap:
-            data = data.select(range(min(cap, len(data))))
-        return data.to_list()
+        return self.row_source.describe(split)
 
     # ------------------------------------------------------------------------- preparation
 

@@ -4,50 +4,48 @@ The module wires; it does not compute: the loss comes from :mod:`lightning_troll
 rollouts from the :class:`~lightning_troll.callbacks.RolloutGeneration` callback, which puts a
 :class:`~lightning_troll.rollout.Rollout` on ``module.rollout`` before every training step.
 Optimisation is manual: per rollout, ``epochs_per_rollout`` passes over shuffled minibatches,
-each minibatch one optimiser step, accumulated over micro-batches.
+each minibatch one optimiser step, accumulated over micro-batches; the loop that does this is
+:class:`~lightning_troll.optimization.MinibatchLoop`. The checkpoint hooks (what a resumed run
+needs beyond the weights) are :class:`~lightning_troll.resume.ResumeHooks`. The option records
+live beside the code they configure (``TrustRegionConfig``, ``ClipConfig`` and ``LossConfig`` in
+:mod:`~lightning_troll.objectives`, ``OptimizationConfig`` in
+:mod:`~lightning_troll.optimization`) and are importable from here too.
 """
 
 from __future__ import annotations
 
 import copy
-import math
-import warnings
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
-from dataclasses import asdict, dataclass
+from contextlib import contextmanager
+from dataclasses import asdict
 from typing import Any, Literal
 
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.strategies import FSDPStrategy, Strategy
-from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 
 from lightning_troll.advantages import (
     REWARD_SCALES,
     compute_advantages,
     get_advantage_estimator,
 )
-from lightning_troll.checkpoints import (
-    changed_options,
-    check_compatible,
-    restore_rng_states,
-    rng_states,
-    seed_per_rank,
-)
 from lightning_troll.chunking import DEFAULT_CHUNK_SIZE, check_chunk_size
 from lightning_troll.dynamic_sampling import check_dynamic_sampling
 from lightning_troll.lora import LoraConfig, adapters_disabled, apply_lora
 from lightning_troll.models import load_policy, load_tokenizer, stop_token_ids
 from lightning_troll.objectives import (
-    AGGREGATION_SIZES,
+    ClipConfig,
+    LossConfig,
     ObjectiveStats,
     PolicyObjective,
+    TrustRegionConfig,
     build_objective,
 )
+from lightning_troll.optimization import MinibatchLoop, OptimizationConfig
 from lightning_troll.projection import SparseDistribution, sparsify
+from lightning_troll.resume import ResumeHooks
 from lightning_troll.rewards import RewardScorer
 from lightning_troll.rollout import (
     Rollout,
@@ -56,106 +54,12 @@ from lightning_troll.rollout import (
     response_hidden,
     response_logits,
 )
-from lightning_troll.sharding import is_sharded, shard_model
+from lightning_troll.sharding import check_shardable, data_parallel_mesh, is_sharded, shard_model
 from lightning_troll.snapshots import Snapshot, SnapshotConfig, build_snapshot
 from lightning_troll.timing import clock
 from lightning_troll.validation import validation_metrics
 
 __all__ = ["ClipConfig", "LossConfig", "OptimizationConfig", "TrollModule", "TrustRegionConfig"]
-
-
-@dataclass(frozen=True)
-class TrustRegionConfig:
-    """TROLL's projection (used when ``objective: troll``)."""
-
-    eps: float = 0.05
-    """KL bound per token, > 0."""
-    alpha: float = 1.0
-    """Weight of the regression KL(pi_new || sg(pi_proj)), >= 0."""
-    max_tokens: int = 64
-    """The most tokens kept per distribution, >= 1."""
-    mass_delta: float = 1e-5
-    """Keep tokens until their mass reaches 1 - mass_delta, in [0, 1)."""
-    keep_sampled_token: bool = True
-    """Always add the sampled token to the sparse supports (old and projected); false keeps only
-    the most probable tokens, and a sampled token outside them shares the rest bucket's mass."""
-
-
-@dataclass(frozen=True)
-class ClipConfig:
-    """PPO-style ratio clipping (used when ``objective: clip``)."""
-
-    eps_low: float = 0.2
-    """Lower clip range: the ratio is clipped at 1 - eps_low; in (0, 1)."""
-    eps_high: float | None = None
-    """Upper clip range: 1 + eps_high, > 0; null means eps_low (symmetric)."""
-    dual_clip: float | None = None
-    """Dual-clip constant c > 1 for negative advantages; null switches it off."""
-
-
-@dataclass(frozen=True)
-class LossConfig:
-    """What both objectives share."""
-
-    importance: Literal["token", "sequence"] = "token"
-    """Importance ratio per token, or per sequence (GSPO)."""
-    aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = (
-        "token_mean"
-    )
-    """How token losses become one number; seq_mean_token_sum_norm is Dr.GRPO's."""
-    norm_length: int | None = None
-    """Constant length for seq_mean_token_sum_norm; null uses sampling.max_new_tokens."""
-    ref_kl_coef: float = 0.0
-    """Weight of a KL penalty to the initial policy (k3 estimator); 0 switches it off."""
-    entropy_coef: float = 0.0
-    """Weight of an entropy bonus; 0 switches it off."""
-    mask_truncated: bool = False
-    """Leave completions that hit sampling.max_new_tokens without EOS out of the loss (TRL's
-    mask_truncated_completions, DAPO's overlong filtering); their rewards still count in their
-    group's baseline."""
-
-
-@dataclass(frozen=True)
-class OptimizationConfig:
-    """How each rollout becomes optimiser steps."""
-
-    epochs_per_rollout: int = 1
-    """Passes (mu) over each rollout."""
-    minibatch_size: int | None = None
-    """Sequences per optimiser step; null uses the whole rollout."""
-    micro_batch_size: int | None = None
-    """Sequences per forward pass (gradient accumulation); null uses the whole minibatch."""
-    gradient_clip_norm: float | None = 1.0
-    """Clip the gradient norm to this value; null switches clipping off."""
-    max_bad_steps: int = 3
-    """Stop the run after this many optimiser steps in a row with a non-finite loss or gradient."""
-
-    def __post_init__(self) -> None:
-        for name in ("epochs_per_rollout", "max_bad_steps"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"optimization.{name} must be >= 1; got {getattr(self, name)!r}")
-        for name in ("minibatch_size", "micro_batch_size"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"optimization.{name} must be null or >= 1; got {value!r}")
-        clip = self.gradient_clip_norm
-        if clip is not None and not clip > 0:
-            raise ValueError(f"optimization.gradient_clip_norm must be null or > 0; got {clip!r}")
-
-
-# The configs are saved with the hyperparameters; checkpoints are loaded with weights_only=True,
-# which accepts only allow-listed classes.
-torch.serialization.add_safe_globals(
-    [
-        TrustRegionConfig,
-        ClipConfig,
-        LossConfig,
-        OptimizationConfig,
-        SamplingConfig,
-        SnapshotConfig,
-        LoraConfig,
-    ]
-)
 
 
 def _default_optimizer(params) -> torch.optim.Optimizer:
@@ -173,21 +77,7 @@ def check_strategy(strategy: Strategy) -> None:
         )
 
 
-def check_shardable(snapshot: SnapshotConfig, lora: LoraConfig | None) -> None:
-    """Refuses the memory options that FSDP2 sharding does not support (yet)."""
-    if lora is not None:
-        raise ValueError(
-            "model.lora is not supported with FSDP2 sharding (ModelParallelStrategy): adapters "
-            "are small, so train them with the ddp strategy, or set model.lora: null"
-        )
-    if snapshot.dtype == "int8":
-        raise ValueError(
-            "model.snapshot.dtype='int8' is not supported with FSDP2 sharding "
-            "(ModelParallelStrategy); use 'bfloat16' or 'same', or snapshot.mode: shared"
-        )
-
-
-class TrollModule(LightningModule):
+class TrollModule(ResumeHooks, LightningModule):
     """RL fine-tuning of a causal LM with TROLL (or clipping) from one switch.
 
     Args:
@@ -345,9 +235,8 @@ class TrollModule(LightningModule):
         self.automatic_optimization = False
 
         self.rollout: Rollout | None = None
-        self.last_stats: list[ObjectiveStats] = []
-        self._shuffle = torch.Generator().manual_seed(seed)
-        self._bad_steps = 0
+        self.minibatch_loop = MinibatchLoop(optimization, seed)
+        """Turns each rollout into optimiser steps; holds the shuffle generator and bad steps."""
         self._rng_to_restore: dict[str, Any] | None = None
 
     # -- construction ----------------------------------------------------------------------------
@@ -442,15 +331,8 @@ class TrollModule(LightningModule):
         mesh = self._device_mesh
         if mesh is None:
             return
-        names = mesh.mesh_dim_names or ()
-        if "tensor_parallel" in names and mesh["tensor_parallel"].size() > 1:
-            raise ValueError(
-                "trainer.strategy: ModelParallelStrategy with tensor_parallel_size="
-                f"{mesh['tensor_parallel'].size()} is not supported; lightning-troll shards with "
-                "FSDP2 only: set tensor_parallel_size: 1 and data_parallel_size: <processes>"
-            )
+        data_parallel = data_parallel_mesh(mesh)
         check_shardable(self.snapshot_config, self.lora)
-        data_parallel = mesh["data_parallel"] if "data_parallel" in names else mesh
         for model in (self.policy, self.old_policy, self.ref_policy):
             if model is not None:
                 shard_model(model, data_parallel)
@@ -469,72 +351,17 @@ class TrollModule(LightningModule):
 
     # -- training --------------------------------------------------------------------------------
     def training_step(self, batch: Any, batch_idx: int) -> None:
+        """The optimiser steps of one rollout (see :mod:`lightning_troll.optimization`)."""
         if self.rollout is None:
             raise RuntimeError(
                 "TrollModule found no rollout: add lightning_troll.callbacks.RolloutGeneration "
                 "to the trainer's callbacks (the lightning-troll command adds it)"
             )
         rollout, self.rollout = self.rollout, None
-        self.last_stats = []
-        opt = self.optimizers()
         start = clock(self.device)
-        for _ in range(self.optimization.epochs_per_rollout):
-            for minibatch in rollout.minibatches(self.optimization.minibatch_size, self._shuffle):
-                self._optimizer_step(minibatch, opt)
+        self.minibatch_loop.run(self, rollout)
         seconds = clock(self.device) - start  # every optimiser step of the rollout
         self.log("time/training", seconds, prog_bar=True, sync_dist=True, batch_size=1)
-
-    def _optimizer_step(self, minibatch: Rollout, opt) -> None:
-        size = AGGREGATION_SIZES[self.objective.aggregation]
-        # Each process weighs its part by the global total, times the world size because
-        # DDP and FSDP average gradients: the step equals a single-process step on the union.
-        world = self.trainer.world_size
-        total = self._sum_over_processes(size(minibatch.response_mask).float()).clamp_min(1)
-        parts = minibatch.chunks(self.optimization.micro_batch_size)
-        losses, step_stats = [], []
-        for i, part in enumerate(parts):
-            loss, stats = self.loss_of(part)
-            weighted = loss * (size(part.response_mask) * world / total)
-            with self._gradient_sync(i == len(parts) - 1):
-                self.manual_backward(weighted)
-            losses.append(weighted.detach())
-            step_stats.append(stats)
-        loss = torch.stack(losses).sum()
-        grad_norm = self._grad_norm()
-        # One decision for all processes: a step is skipped everywhere or nowhere.
-        bad_loss = self._sum_over_processes((~torch.isfinite(loss)).float()) > 0
-        if bad_loss or not torch.isfinite(grad_norm):
-            self._skip_step(opt, "loss" if bad_loss else "gradient")
-            return
-        self._bad_steps = 0
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        scheduler = self.lr_schedulers()
-        if scheduler is not None:
-            scheduler.step()
-        self.last_stats.extend(step_stats)
-        self._log_step(loss, step_stats, grad_norm)
-
-    def _sum_over_processes(self, value: Tensor) -> Tensor:
-        if self.trainer.world_size == 1:
-            return value
-        return self.trainer.strategy.reduce(value.clone(), reduce_op="sum")
-
-    @contextmanager
-    def _gradient_sync(self, sync: bool) -> Iterator[None]:
-        """Gradients are reduced across processes only at the last micro-batch of a step."""
-        if sync or self.trainer.world_size == 1:
-            yield
-        elif is_sharded(self.policy):
-            self.policy.set_requires_gradient_sync(False)
-            try:
-                yield
-            finally:
-                self.policy.set_requires_gradient_sync(True)
-        else:
-            block = getattr(self.trainer.strategy, "block_backward_sync", nullcontext)
-            with block():
-                yield
 
     def loss_of(self, rollout: Rollout) -> tuple[Tensor, ObjectiveStats]:
         """The objective on a (part of a) rollout, with the policy's current weights."""
@@ -558,46 +385,10 @@ class TrollModule(LightningModule):
             hidden, head, temperature, *targets, chunk_size=self.logits_chunk_size
         )
 
-    def _grad_norm(self) -> Tensor:
-        params = [p for p in self.policy.parameters() if p.grad is not None]
-        clip = self.optimization.gradient_clip_norm
-        if not params:
-            return torch.tensor(0.0)
-        norm = torch.nn.utils.clip_grad_norm_(params, clip if clip is not None else math.inf)
-        return norm.full_tensor() if isinstance(norm, DTensor) else norm
-
-    def _skip_step(self, opt, what: str) -> None:
-        opt.zero_grad(set_to_none=True)
-        self._bad_steps += 1
-        limit = self.optimization.max_bad_steps
-        if self._bad_steps >= limit:
-            raise RuntimeError(
-                f"{self._bad_steps} optimiser steps in a row had a non-finite {what}; stopping "
-                f"(optimization.max_bad_steps={limit}). The weights are those of the last good step."
-            )
-        warnings.warn(
-            f"non-finite {what} at global step {self.global_step}: optimiser step skipped, "
-            f"weights untouched ({self._bad_steps} of {limit} allowed in a row)",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-
-    def _log_step(self, loss: Tensor, stats: list[ObjectiveStats], grad_norm: Tensor) -> None:
-        def mean(name: str) -> Tensor:
-            return torch.stack([getattr(s, name) for s in stats]).mean()
-
-        self.log_dict(
-            {
-                "loss/total": loss,
-                "loss/policy": mean("policy_loss"),
-                "loss/regression": mean("regression_loss"),
-                "entropy": mean("entropy"),
-                "grad_norm": grad_norm,
-            },
-            on_step=True,
-            on_epoch=False,
-            sync_dist=True,  # the mean over processes of their weighted parts is the global loss
-        )
+    @property
+    def last_stats(self) -> list[ObjectiveStats]:
+        """The detached statistics of every optimiser step of the last rollout (for monitors)."""
+        return self.minibatch_loop.last_stats
 
     # -- validation ------------------------------------------------------------------------------
     def validation_step(self, batch: Any, batch_idx: int) -> None:
@@ -615,67 +406,3 @@ class TrollModule(LightningModule):
             self.tokenizer.decode(row[m].tolist(), skip_special_tokens=True)
             for row, m in zip(responses, keep, strict=True)
         ]
-
-    # -- checkpoints -----------------------------------------------------------------------------
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Adds the shuffle generator, the bad-step count and every rank's global RNG states.
-
-        Only one process writes the checkpoint (or its metadata, when sharded), so the states
-        of all of them are gathered first; every process runs this hook.
-        """
-        states = rng_states()
-        if self._trainer is not None and self.trainer.world_size > 1:
-            everyone: list[Any] = [None] * self.trainer.world_size
-            torch.distributed.all_gather_object(everyone, states)
-            by_rank = dict(enumerate(everyone))
-        else:
-            by_rank = {self.global_rank: states}
-        checkpoint["lightning_troll"] = {
-            "shuffle_rng": self._shuffle.get_state(),
-            "bad_steps": self._bad_steps,
-            "rng": by_rank,
-        }
-
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Checks the checkpoint fits this model, then restores what ``on_save_checkpoint`` added.
-
-        The global RNG states are set in ``on_train_start``, after Lightning has built the
-        dataloaders, so a resumed run draws the numbers the interrupted one would have drawn.
-        """
-        if "state_dict" in checkpoint:  # sharded strategies load the weights elsewhere
-            check_compatible(
-                self.state_dict(), checkpoint["state_dict"], f"model {self.hparams.model!r}"
-            )
-        self._warn_changed_options(checkpoint.get("hyper_parameters", {}))
-        state = checkpoint.get("lightning_troll", {})
-        if "shuffle_rng" in state:
-            self._shuffle.set_state(state["shuffle_rng"])
-            self._bad_steps = state["bad_steps"]
-        saved = state.get("rng", {})
-        self._rng_to_restore = saved.get(self.global_rank)
-        ranks = self.trainer.world_size if self._trainer is not None else 1
-        missing = [rank for rank in range(ranks) if rank not in saved]
-        if missing:
-            rank_zero_warn(
-                f"the checkpoint holds no random state for global ranks {missing} (it was written "
-                "by fewer processes): they sample other completions than the interrupted run "
-                "would have"
-            )
-
-    def on_train_start(self) -> None:
-        """Restores the global RNG states of a checkpoint being resumed; in a new run of several
-        processes, gives each its own random streams (:func:`seed_per_rank`)."""
-        if self._rng_to_restore is not None:
-            restore_rng_states(self._rng_to_restore)
-            self._rng_to_restore = None
-        elif self.trainer.world_size > 1:
-            seed_per_rank(self.global_rank)
-
-    def _warn_changed_options(self, saved: dict[str, Any]) -> None:
-        changed = changed_options(self.hparams, saved)
-        if changed:
-            rank_zero_warn(
-                "resuming with other options than the checkpoint was written with (weights, "
-                "snapshot and optimiser carry over; the new options apply from here on): "
-                + "; ".join(changed)
-            )

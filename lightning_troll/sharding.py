@@ -4,19 +4,32 @@
 layout transformers' models are built for (their ``_no_split_modules`` names the layer class).
 :func:`gathered` keeps a sharded model's weights gathered for a block of forwards, such as the
 one forward per generated token of ``generate``, and shards them again afterwards.
-Nothing here imports Lightning.
+:func:`data_parallel_mesh` and :func:`check_shardable` refuse the layouts and memory options
+sharding does not support. Nothing here imports Lightning.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-__all__ = ["decoder_layers", "gathered", "is_sharded", "shard_model"]
+if TYPE_CHECKING:
+    from lightning_troll.lora import LoraConfig
+    from lightning_troll.snapshots import SnapshotConfig
+
+__all__ = [
+    "check_shardable",
+    "data_parallel_mesh",
+    "decoder_layers",
+    "gathered",
+    "is_sharded",
+    "shard_model",
+]
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -53,6 +66,32 @@ def shard_model(
         fully_shard(layer, **options)
     fully_shard(model, **options)
     return model
+
+
+def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The data-parallel part of ``ModelParallelStrategy``'s mesh; refuses tensor parallelism."""
+    names = mesh.mesh_dim_names or ()
+    if "tensor_parallel" in names and mesh["tensor_parallel"].size() > 1:
+        raise ValueError(
+            "trainer.strategy: ModelParallelStrategy with tensor_parallel_size="
+            f"{mesh['tensor_parallel'].size()} is not supported; lightning-troll shards with "
+            "FSDP2 only: set tensor_parallel_size: 1 and data_parallel_size: <processes>"
+        )
+    return mesh["data_parallel"] if "data_parallel" in names else mesh
+
+
+def check_shardable(snapshot: SnapshotConfig, lora: LoraConfig | None) -> None:
+    """Refuses the memory options that FSDP2 sharding does not support (yet)."""
+    if lora is not None:
+        raise ValueError(
+            "model.lora is not supported with FSDP2 sharding (ModelParallelStrategy): adapters "
+            "are small, so train them with the ddp strategy, or set model.lora: null"
+        )
+    if snapshot.dtype == "int8":
+        raise ValueError(
+            "model.snapshot.dtype='int8' is not supported with FSDP2 sharding "
+            "(ModelParallelStrategy); use 'bfloat16' or 'same', or snapshot.mode: shared"
+        )
 
 
 def _groups_reshard_after_forward(module: FSDPModule) -> bool:
