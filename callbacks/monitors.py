@@ -42,9 +42,12 @@ class TrustRegionMonitor(Callback):
     """Logs how the trust region behaves, per rollout.
 
     TROLL runs: ``trust_region/kl_before_{mean,max}``, ``trust_region/kl_after_{mean,max}``,
-    ``trust_region/bound``, ``trust_region/active_frac``, ``trust_region/eta_{mean,max}`` and
-    ``trust_region/max_violation`` (largest kl_after / bound - 1, 0 when the bound holds), plus
-    histograms of per-token KL and a TensorBoard chart of kl_after against the bound. Clip runs:
+    ``trust_region/bound``, ``trust_region/active_frac``, ``trust_region/infeasible_frac`` (tokens
+    whose bound no interpolation reaches: they keep the smallest KL reachable, above the bound),
+    ``trust_region/eta_{mean,max}`` (over the tokens with a finite eta*, infeasible ones left
+    out) and ``trust_region/max_violation`` (largest kl_after / bound - 1, 0 when the bound
+    holds), plus histograms of per-token KL and a TensorBoard chart of kl_after against the
+    bound. Clip runs:
     ``clip/active_frac``, ``clip/low_frac``, ``clip/high_frac`` and ``clip/approx_kl`` (the k3
     estimate of KL(old || new) from the ratios).
 
@@ -67,6 +70,7 @@ class TrustRegionMonitor(Callback):
                 "trust_region/kl_after_mean": MeanMetric,
                 "trust_region/kl_after_max": MaxMetric,
                 "trust_region/active_frac": MeanMetric,
+                "trust_region/infeasible_frac": MeanMetric,
                 "trust_region/eta_mean": MeanMetric,
                 "trust_region/eta_max": MaxMetric,
             }
@@ -127,6 +131,8 @@ class TrustRegionMonitor(Callback):
     def _log_troll(self, trainer, pl_module, stats: list[TrollStats]) -> None:
         cat = lambda name: torch.cat([getattr(s.projection, name) for s in stats])  # noqa: E731
         kl_before, kl_after, eta = cat("kl_before"), cat("kl_after"), cat("eta")
+        infeasible = eta.isinf()  # (N,)
+        finite_eta = eta[~infeasible]
         values = self.troll.compute(
             {
                 "trust_region/kl_before_mean": kl_before,
@@ -134,8 +140,9 @@ class TrustRegionMonitor(Callback):
                 "trust_region/kl_after_mean": kl_after,
                 "trust_region/kl_after_max": kl_after,
                 "trust_region/active_frac": (eta > 0).float(),
-                "trust_region/eta_mean": eta,
-                "trust_region/eta_max": eta,
+                "trust_region/infeasible_frac": infeasible.float(),
+                "trust_region/eta_mean": finite_eta,
+                "trust_region/eta_max": finite_eta,
             }
         )
         bound = pl_module.objective.projection.eps

@@ -125,6 +125,9 @@ class TrollStats(ObjectiveStats):
     """Per-token projection outputs (kl_before, kl_after, eta, coverage, support_size), detached."""
     active_frac: Tensor
     """Fraction of tokens whose distribution was projected (eta > 0)."""
+    infeasible_frac: Tensor
+    """Fraction of tokens whose bound no interpolation reaches (eta = inf; see
+    :attr:`~lightning_troll.projection.ProjectionResult.infeasible`)."""
 
 
 def _masked_stats(values: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -499,9 +502,11 @@ class TrollObjective(PolicyObjective):
 
     def _token_stats(self, terms: _TokenTerms) -> dict:
         projected = terms.projection.eta > 0  # (N,)
+        count = max(projected.numel(), 1)
         return {
             "projection": terms.projection,
-            "active_frac": projected.sum() / max(projected.numel(), 1),
+            "active_frac": projected.sum() / count,
+            "infeasible_frac": terms.projection.infeasible.sum() / count,
         }
 
     def _surrogate(self, ratio, adv, mask):

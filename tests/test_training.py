@@ -112,7 +112,8 @@ def test_fit_logs_the_documented_tags(tmp_path, tiny_model_dir):
     documented = {
         "trust_region/kl_before_mean", "trust_region/kl_before_max",
         "trust_region/kl_after_mean", "trust_region/kl_after_max", "trust_region/bound",
-        "trust_region/active_frac", "trust_region/eta_mean", "trust_region/eta_max",
+        "trust_region/active_frac", "trust_region/infeasible_frac", "trust_region/eta_mean",
+        "trust_region/eta_max",
         "trust_region/max_violation", "sparsity/coverage_mean", "sparsity/coverage_min",
         "sparsity/coverage_max", "sparsity/support_min", "sparsity/support_mean",
         "sparsity/support_max", "reward/mean", "reward/std",
@@ -132,6 +133,8 @@ def test_fit_logs_the_documented_tags(tmp_path, tiny_model_dir):
         assert all(a >= 1 for a in low) if name == "support" else all(c <= 1 + 1e-5 for c in high)
     bound = events.Scalars("trust_region/bound")
     assert all(e.value == pytest.approx(0.05) for e in bound)
+    # finite logits: every token's bound is reachable
+    assert [e.value for e in events.Scalars("trust_region/infeasible_frac")] == [0.0] * 3
     assert {"trust_region/kl_after_per_token", "trust_region/kl_before_per_token"} <= set(
         events.Tags()["histograms"]
     )
