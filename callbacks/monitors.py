@@ -51,17 +51,29 @@ class TrustRegionMonitor(Callback):
     ``clip/active_frac``, ``clip/low_frac``, ``clip/high_frac`` and ``clip/approx_kl`` (the k3
     estimate of KL(old || new) from the ratios).
 
+    With ``kl_end``, both kinds of run also log how far the policy has moved from the behaviour
+    policy by the end of each rollout: after its last optimiser step, a forward pass without
+    gradients over that step's minibatch gives per token KL(pi || pi_old), as
+    ``trust_region/kl_end_{mean,max}`` (between the lumped sparse distributions of
+    ``model.trust_region``'s rule, like ``kl_before``; clipping runs then cache those
+    distributions too) and ``trust_region/kl_end_sampled`` (the mean of ``r log r - r + 1`` over
+    the sampled tokens, an unbiased estimate of the mean KL over the whole vocabulary).
+
     Args:
         histogram_every_n_rollouts: how often per-token KL histograms are written; 0 = never.
+        kl_end: log the KL at the end of each rollout (one more forward pass per rollout).
     """
 
-    def __init__(self, histogram_every_n_rollouts: int = 10) -> None:
+    def __init__(self, histogram_every_n_rollouts: int = 10, kl_end: bool = False) -> None:
         if histogram_every_n_rollouts < 0:
             raise ValueError(
                 "TrustRegionMonitor: histogram_every_n_rollouts must be >= 0; got "
                 f"{histogram_every_n_rollouts}"
             )
+        if not isinstance(kl_end, bool):
+            raise ValueError(f"TrustRegionMonitor: kl_end must be true or false; got {kl_end!r}")
         self.histogram_every_n_rollouts = histogram_every_n_rollouts
+        self.kl_end = kl_end
         self.rollouts = 0
         self.troll = _Reductions(
             {
@@ -73,6 +85,13 @@ class TrustRegionMonitor(Callback):
                 "trust_region/infeasible_frac": MeanMetric,
                 "trust_region/eta_mean": MeanMetric,
                 "trust_region/eta_max": MaxMetric,
+            }
+        )
+        self.end = _Reductions(
+            {
+                "trust_region/kl_end_mean": MeanMetric,
+                "trust_region/kl_end_max": MaxMetric,
+                "trust_region/kl_end_sampled": MeanMetric,
             }
         )
         self.clip = _Reductions(
@@ -88,6 +107,9 @@ class TrustRegionMonitor(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self.troll.to(pl_module.device)
         self.clip.to(pl_module.device)
+        self.end.to(pl_module.device)
+        if self.kl_end and stage == "fit":
+            pl_module.cache_old_distributions = True
 
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -127,6 +149,16 @@ class TrustRegionMonitor(Callback):
             self._log_troll(trainer, pl_module, stats)
         elif isinstance(stats[0], ClipStats):
             self._log_clip(pl_module, stats)
+        if self.kl_end and pl_module.last_minibatch is not None:
+            lumped, sampled = pl_module.kl_to_behaviour(pl_module.last_minibatch)
+            values = self.end.compute(
+                {
+                    "trust_region/kl_end_mean": lumped,
+                    "trust_region/kl_end_max": lumped,
+                    "trust_region/kl_end_sampled": sampled,
+                }
+            )
+            pl_module.log_dict(values)
 
     def _log_troll(self, trainer, pl_module, stats: list[TrollStats]) -> None:
         cat = lambda name: torch.cat([getattr(s.projection, name) for s in stats])  # noqa: E731

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -147,6 +148,9 @@ class RolloutGeneration(Callback):
     ``completion/{mean,max}_length`` and ``completion/truncated_frac``; with dynamic sampling
     ``dynamic_sampling/prompts_sampled``, ``dynamic_sampling/rounds`` (extra rounds) and
     ``dynamic_sampling/frac_dropped`` (sampled groups left out); and a few completions as text.
+    Wall time: ``time/sample_s`` (sampling, scoring and caching the rollout) and
+    ``time/rollout_s`` (that and the rollout's optimiser steps, until this callback's
+    ``on_train_batch_end``; validation is not counted).
 
     Args:
         log_samples: completions shown as text in TensorBoard per rollout; 0 switches it off.
@@ -165,6 +169,7 @@ class RolloutGeneration(Callback):
         self.mean_rewards: list[float] = []
         """Mean reward of every rollout so far (this process's completions)."""
         self._warned_cap = False
+        self._started: float | None = None
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -182,12 +187,14 @@ class RolloutGeneration(Callback):
     def on_train_batch_start(
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        self._started = time.perf_counter()
         more = self._extra_prompts(trainer, len(batch)) if pl_module.dynamic_sampling else None
         rollout, report = self.collect(pl_module, batch, more)
         pl_module.rollout = rollout
         self.rollouts += 1
         self.mean_rewards.append(float(report.rewards.mean()))
         self._log_metrics(pl_module, report)
+        pl_module.log("time/sample_s", time.perf_counter() - self._started)
         if report.capped and not self._warned_cap:
             self._warned_cap = True
             rank_zero_warn(
@@ -199,6 +206,14 @@ class RolloutGeneration(Callback):
             )
         if self.log_samples and (self.rollouts - 1) % self.log_samples_every_n_rollouts == 0:
             self._log_text(trainer, report.kept)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._started is not None:
+            pl_module.log("time/rollout_s", time.perf_counter() - self._started)
+            self._started = None
 
     def _extra_prompts(self, trainer: Trainer, count: int) -> Callable[[int], PromptBatch]:
         """Extra round r of this rollout: ``count`` training prompts drawn by a generator seeded

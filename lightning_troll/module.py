@@ -15,6 +15,7 @@ import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass
+from functools import partial
 from typing import Any, Literal
 
 import torch
@@ -37,7 +38,12 @@ from lightning_troll.checkpoints import (
     rng_states,
     seed_per_rank,
 )
-from lightning_troll.chunking import DEFAULT_CHUNK_SIZE, check_chunk_size
+from lightning_troll.chunking import (
+    DEFAULT_CHUNK_SIZE,
+    check_chunk_size,
+    head_logits,
+    map_row_chunks,
+)
 from lightning_troll.dynamic_sampling import check_dynamic_sampling
 from lightning_troll.lora import LoraConfig, adapters_disabled, apply_lora
 from lightning_troll.models import load_policy, load_tokenizer, stop_token_ids
@@ -47,7 +53,7 @@ from lightning_troll.objectives import (
     PolicyObjective,
     build_objective,
 )
-from lightning_troll.projection import SparseDistribution, sparsify
+from lightning_troll.projection import SparseDistribution, TrustRegionProjection, sparsify
 from lightning_troll.rewards import RewardScorer
 from lightning_troll.rollout import (
     Rollout,
@@ -292,6 +298,10 @@ class TrollModule(LightningModule):
         self.dynamic_sampling = dynamic_sampling
         self.dynamic_sampling_max_rounds = dynamic_sampling_max_rounds
         self.objective: PolicyObjective = self._build_objective(objective, trust_region, clip, loss)
+        self._trust_region = trust_region
+        self.cache_old_distributions = objective == "troll"
+        """Cache the behaviour policy's sparse distributions in every rollout: always for TROLL;
+        for clipping only when something needs them (the trust-region monitor's ``kl_end``)."""
         self._optimizer_factory = optimizer
         self._scheduler_factory = lr_scheduler
 
@@ -324,6 +334,8 @@ class TrollModule(LightningModule):
 
         self.rollout: Rollout | None = None
         self.last_stats: list[ObjectiveStats] = []
+        self.last_minibatch: Rollout | None = None
+        """The minibatch of the last rollout's last optimiser step (None before one is taken)."""
         self._shuffle = torch.Generator().manual_seed(seed)
         self._bad_steps = 0
         self._rng_to_restore: dict[str, Any] | None = None
@@ -374,13 +386,62 @@ class TrollModule(LightningModule):
     def eos_id(self) -> int:
         return int(self.tokenizer.eos_token_id)
 
+    @property
+    def support_rule(self) -> TrustRegionProjection:
+        """The sparse rows' rule, ``model.trust_region``'s: TROLL's projection, or for clipping
+        one built from the same settings (it caches and measures the rows when
+        ``cache_old_distributions`` is on)."""
+        if self.objective_name == "troll":
+            return self.objective.projection
+        region = self._trust_region
+        try:
+            return TrustRegionProjection(
+                region.eps, region.max_tokens, region.mass_delta, region.keep_sampled_token
+            )
+        except ValueError as error:
+            raise ValueError(f"model.trust_region: {error}") from None
+
     def sparsify_old(self, logits: Tensor, tokens: Tensor) -> SparseDistribution | None:
-        """The behaviour policy's sparse distributions for TROLL; None for clipping."""
-        if self.objective_name != "troll":
+        """The behaviour policy's sparse distributions (``model.trust_region``'s rule) for TROLL,
+        or when ``cache_old_distributions`` is on; None otherwise."""
+        if not self.cache_old_distributions:
             return None
-        projection = self.objective.projection
-        keep = tokens if projection.keep_token else None
-        return sparsify(logits, projection.max_tokens, projection.mass_delta, keep=keep)
+        rule = self.support_rule
+        keep = tokens if rule.keep_token else None
+        return sparsify(logits, rule.max_tokens, rule.mass_delta, keep=keep)
+
+    @torch.no_grad()
+    def kl_to_behaviour(self, rollout: Rollout) -> tuple[Tensor, Tensor]:
+        """Per response token of ``rollout``, how far the policy's current weights are from the
+        behaviour policy that sampled it: two ``(N,)`` tensors.
+
+        The first is KL(pi || pi_old) between the lumped sparse distributions (support U plus
+        the rest bucket, ``model.trust_region``'s rule: what TROLL's ``kl_before`` measures);
+        the second the sampled estimate ``r log r - r + 1`` with ``r = pi(o_t) / pi_old(o_t)``,
+        whose mean is an unbiased estimate of the mean KL(pi || pi_old) over the whole
+        vocabulary (the tokens come from pi_old). Needs ``rollout.old``.
+        """
+        if rollout.old is None:
+            raise ValueError(
+                "kl_to_behaviour needs the rollout's sparse old distributions: set "
+                "cache_old_distributions (clipping runs do not cache them otherwise)"
+            )
+        mask = rollout.response_mask
+        tokens = rollout.tokens[mask]  # (N,)
+        inputs = (self.policy, rollout.input_ids, rollout.attention_mask, mask.shape[1])
+        head = None if self.logits_chunk_size is None else linear_head(self.policy)
+        rule = self.support_rule
+        if head is None:
+            rows = response_logits(*inputs, rollout.temperature)[mask]  # (N, V)
+            fn = partial(_kl_rows, rule=rule)
+        else:
+            rows = response_hidden(*inputs)[mask]  # (N, H)
+            fn = partial(_kl_hidden, rule=rule, head=head, temperature=rollout.temperature)
+        parts = map_row_chunks(fn, rows, self.logits_chunk_size, tokens, rollout.old)
+        lumped, new_logp = (torch.cat(values) for values in zip(*parts, strict=True))
+        log_ratio = new_logp - rollout.old_logprobs[mask].to(new_logp.dtype)
+        ratio = log_ratio.exp()
+        return lumped, ratio * log_ratio - ratio + 1
 
     def compute_advantages(self, rewards: Tensor) -> Tensor:
         """Advantages of this process's rewards, computed over the global batch.
@@ -454,6 +515,7 @@ class TrollModule(LightningModule):
             )
         rollout, self.rollout = self.rollout, None
         self.last_stats = []
+        self.last_minibatch = None
         opt = self.optimizers()
         for _ in range(self.optimization.epochs_per_rollout):
             for minibatch in rollout.minibatches(self.optimization.minibatch_size, self._shuffle):
@@ -488,6 +550,7 @@ class TrollModule(LightningModule):
         if scheduler is not None:
             scheduler.step()
         self.last_stats.extend(step_stats)
+        self.last_minibatch = minibatch
         self._log_step(loss, step_stats, grad_norm)
 
     def _sum_over_processes(self, value: Tensor) -> Tensor:
@@ -653,3 +716,13 @@ class TrollModule(LightningModule):
                 "snapshot and optimiser carry over; the new options apply from here on): "
                 + "; ".join(changed)
             )
+
+
+def _kl_rows(rows: Tensor, tokens: Tensor, old: SparseDistribution, *, rule):
+    """(n, V) logit rows -> lumped KL to the old rows (n,) and the tokens' log-probs (n,)."""
+    logp = rows.float().log_softmax(-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    return rule.kl_to_old(rows, old, tokens), logp
+
+
+def _kl_hidden(hidden: Tensor, tokens: Tensor, old: SparseDistribution, *, rule, head, temperature):
+    return _kl_rows(head_logits(head, hidden, temperature), tokens, old, rule=rule)

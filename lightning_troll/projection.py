@@ -41,11 +41,12 @@ Nothing here imports Lightning or transformers.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
 
-from lightning_troll.kl_solver import project_log_probs
+from lightning_troll.kl_solver import kl_terms, project_log_probs
 from lightning_troll.sparse import (
     LINEAR_MASS_MIN,
     SparseDistribution,
@@ -192,6 +193,18 @@ class _SupportLogProbs(torch.autograd.Function):
         return grad.to(ctx.x_dtype), *([None] * 8)
 
 
+class _Lumped(NamedTuple):
+    """The lumped problem of n rows (see :meth:`TrustRegionProjection._lumped`)."""
+
+    a: Tensor  # (n, L+1) log pi_new on U and the rest bucket, differentiable
+    b: Tensor  # (n, L+1) log pi_old on the same categories
+    a_rest: Tensor  # (n,) log pi_new of the rest bucket
+    spread: Tensor  # (n, 1) log pi_old of one token outside S_old
+    support: Tensor  # (n,) |U|
+    token_pos: Tensor  # (n,) the sampled token's column
+    in_u: Tensor  # (n,) whether U holds the sampled token
+
+
 class TrustRegionProjection(nn.Module):
     """Projects each row's new token distribution onto ``KL(. || pi_old) <= eps``, sparsely.
 
@@ -288,9 +301,22 @@ class TrustRegionProjection(nn.Module):
                 f"mask must be a ({n},) bool tensor; got {tuple(mask.shape)} {mask.dtype}"
             )
 
-    def _project_rows(self, x: Tensor, old: SparseDistribution, tokens: Tensor) -> ProjectionResult:
-        dtype = compute_dtype(x)
-        n, vocab = x.shape
+    @torch.no_grad()
+    def kl_to_old(self, new_logits: Tensor, old: SparseDistribution, tokens: Tensor) -> Tensor:
+        """(N,) KL(pi_new || pi_old) between the lumped distributions the projection works on (the
+        support U plus the rest bucket): :meth:`forward`'s ``kl_before``, without projecting.
+
+        Arguments as in :meth:`forward` (no mask); no gradient.
+        """
+        self._check_inputs(new_logits, old, tokens, None)
+        lumped = self._lumped(new_logits, old, tokens, compute_dtype(new_logits))
+        return kl_terms(lumped.a, lumped.b)[2]
+
+    def _lumped(
+        self, x: Tensor, old: SparseDistribution, tokens: Tensor, dtype: torch.dtype
+    ) -> _Lumped:
+        """The (|U| + 1)-category problem of each row: new log-probs (differentiable) and old."""
+        vocab = x.shape[1]
         with torch.no_grad():
             index, valid, old_lp, in_old, token_pos, in_u, logz, p, p_u, rest = self._support(
                 x, old, tokens, dtype
@@ -306,6 +332,12 @@ class TrustRegionProjection(nn.Module):
             b = torch.cat([b_u, b_rest.unsqueeze(-1)], dim=-1)  # (n, L+1)
         a_u, a_rest = _SupportLogProbs.apply(x, logz, index, valid, p, p_u, *rest)
         a = torch.cat([a_u, a_rest.unsqueeze(-1)], dim=-1)  # (n, L+1)
+        return _Lumped(a, b, a_rest, spread, support, token_pos, in_u)
+
+    def _project_rows(self, x: Tensor, old: SparseDistribution, tokens: Tensor) -> ProjectionResult:
+        dtype = compute_dtype(x)
+        n = x.shape[0]
+        a, b, a_rest, spread, support, token_pos, in_u = self._lumped(x, old, tokens, dtype)
         eps = torch.full((n,), self.eps, dtype=dtype, device=x.device)
         logp, eta, kl_before, kl_after = project_log_probs(a, b, eps)  # (n, L+1), (n,) x 3
 

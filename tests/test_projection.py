@@ -757,3 +757,13 @@ def test_gradcheck_with_rest_mass_below_float64_range():
     assert result.eta.item() > 0 and not result.infeasible.any()
     new.requires_grad_(True)
     assert gradcheck(lambda x: layer(x, old, tokens).logprob, (new,), atol=1e-7, rtol=1e-5)
+
+
+def test_kl_to_old_is_the_kl_before_projection():
+    new, old, tokens = sparse_case(n=8, shift=2.0)
+    layer = TrustRegionProjection(0.05, max_tokens=3, mass_delta=1e-3)
+    kl = layer.kl_to_old(new, old, tokens)
+    torch.testing.assert_close(kl, layer(new, old, tokens).kl_before, rtol=0, atol=1e-12)
+    assert (kl > 0.05).any() and not kl.requires_grad
+    with pytest.raises(ValueError, match=r"tokens must be \(8,\)"):
+        layer.kl_to_old(new, old, tokens[:2])
