@@ -119,7 +119,10 @@ def kl_projection(new_logits: Tensor, old_logits: Tensor, eps: float | Tensor) -
 
     Returns:
         ``(..., V)`` projected log-probabilities, in float32 (float64 for float64 inputs). Rows
-        with ``KL(new || old) <= eps`` are returned unchanged (the log-softmax of new_logits).
+        with ``KL(new || old) <= eps`` are returned unchanged (the log-softmax of new_logits);
+        rows no interpolation brings within ``eps`` (infeasible: new has no mass on tokens
+        holding ``1 - exp(-eps)`` or more of old's) get old restricted to new's support, as a
+        constant.
     """
     if new_logits.shape != old_logits.shape or new_logits.dim() < 1:
         raise ValueError(
@@ -213,7 +216,8 @@ class TrustRegionProjection(nn.Module):
     chosen with the same ``max_tokens`` / ``mass_delta`` rule. Old mass outside S_old is spread
     uniformly over the ``V - |S_old|`` tokens it covers; the new rest mass is summed from the
     logits outside U. With ``max_tokens >= V`` and ``mass_delta = 0`` this equals
-    :func:`kl_projection`.
+    :func:`kl_projection`. Rows whose bound no interpolation reaches get the limit eta* = inf
+    (:attr:`ProjectionResult.infeasible`).
 
     With ``keep_token=False`` the sampled token joins U only if S_old or S_new holds it; otherwise
     it lies in the rest bucket, and the bucket's projected mass is shared out in proportion to the
