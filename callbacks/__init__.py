@@ -2,7 +2,8 @@
 
 - :class:`RolloutGeneration`: samples, scores and caches a rollout before each training step.
 - :class:`OldPolicyRefresh`: copies the policy into the frozen snapshot every N rollouts.
-- :class:`TrustRegionMonitor`: per-token KL before/after projection, eta, clipping statistics.
+- :class:`TrustRegionMonitor`: per-token KL before/after projection, eta, infeasible tokens,
+  clipping statistics, and (``kl_end``) the KL to the behaviour policy at a rollout's end.
 - :class:`SparsityCoverageMonitor`: coverage of the sparse supports and their sizes.
 - :class:`RolloutCheckpoint`: ``last.ckpt`` every N rollouts, at the end and on Ctrl-C or SIGTERM.
 - :class:`RolloutProgressBar`: progress in rollouts, seconds per rollout and time left.

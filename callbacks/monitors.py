@@ -42,23 +42,38 @@ class TrustRegionMonitor(Callback):
     """Logs how the trust region behaves, per rollout.
 
     TROLL runs: ``trust_region/kl_before_{mean,max}``, ``trust_region/kl_after_{mean,max}``,
-    ``trust_region/bound``, ``trust_region/active_frac``, ``trust_region/eta_{mean,max}`` and
-    ``trust_region/max_violation`` (largest kl_after / bound - 1, 0 when the bound holds), plus
-    histograms of per-token KL and a TensorBoard chart of kl_after against the bound. Clip runs:
+    ``trust_region/bound``, ``trust_region/active_frac``, ``trust_region/infeasible_frac`` (tokens
+    whose bound no interpolation reaches: they keep the smallest KL reachable, above the bound),
+    ``trust_region/eta_{mean,max}`` (over the tokens with a finite eta*, infeasible ones left
+    out) and ``trust_region/max_violation`` (largest kl_after / bound - 1, 0 when the bound
+    holds), plus histograms of per-token KL and a TensorBoard chart of kl_after against the
+    bound. Clip runs:
     ``clip/active_frac``, ``clip/low_frac``, ``clip/high_frac`` and ``clip/approx_kl`` (the k3
     estimate of KL(old || new) from the ratios).
 
+    With ``kl_end``, both kinds of run also log how far the policy has moved from the behaviour
+    policy by the end of each rollout: after its last optimiser step, a forward pass without
+    gradients over that step's minibatch gives per token KL(pi || pi_old), as
+    ``trust_region/kl_end_{mean,max}`` (between the lumped sparse distributions of
+    ``model.trust_region``'s rule, like ``kl_before``; clipping runs then cache those
+    distributions too) and ``trust_region/kl_end_sampled`` (the mean of ``r log r - r + 1`` over
+    the sampled tokens, an unbiased estimate of the mean KL over the whole vocabulary).
+
     Args:
         histogram_every_n_rollouts: how often per-token KL histograms are written; 0 = never.
+        kl_end: log the KL at the end of each rollout (one more forward pass per rollout).
     """
 
-    def __init__(self, histogram_every_n_rollouts: int = 10) -> None:
+    def __init__(self, histogram_every_n_rollouts: int = 10, kl_end: bool = False) -> None:
         if histogram_every_n_rollouts < 0:
             raise ValueError(
                 "TrustRegionMonitor: histogram_every_n_rollouts must be >= 0; got "
                 f"{histogram_every_n_rollouts}"
             )
+        if not isinstance(kl_end, bool):
+            raise ValueError(f"TrustRegionMonitor: kl_end must be true or false; got {kl_end!r}")
         self.histogram_every_n_rollouts = histogram_every_n_rollouts
+        self.kl_end = kl_end
         self.rollouts = 0
         self.troll = _Reductions(
             {
@@ -67,8 +82,16 @@ class TrustRegionMonitor(Callback):
                 "trust_region/kl_after_mean": MeanMetric,
                 "trust_region/kl_after_max": MaxMetric,
                 "trust_region/active_frac": MeanMetric,
+                "trust_region/infeasible_frac": MeanMetric,
                 "trust_region/eta_mean": MeanMetric,
                 "trust_region/eta_max": MaxMetric,
+            }
+        )
+        self.end = _Reductions(
+            {
+                "trust_region/kl_end_mean": MeanMetric,
+                "trust_region/kl_end_max": MaxMetric,
+                "trust_region/kl_end_sampled": MeanMetric,
             }
         )
         self.clip = _Reductions(
@@ -84,6 +107,9 @@ class TrustRegionMonitor(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self.troll.to(pl_module.device)
         self.clip.to(pl_module.device)
+        self.end.to(pl_module.device)
+        if self.kl_end and stage == "fit":
+            pl_module.cache_old_distributions = True
 
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -123,10 +149,22 @@ class TrustRegionMonitor(Callback):
             self._log_troll(trainer, pl_module, stats)
         elif isinstance(stats[0], ClipStats):
             self._log_clip(pl_module, stats)
+        if self.kl_end and pl_module.last_minibatch is not None:
+            lumped, sampled = pl_module.kl_to_behaviour(pl_module.last_minibatch)
+            values = self.end.compute(
+                {
+                    "trust_region/kl_end_mean": lumped,
+                    "trust_region/kl_end_max": lumped,
+                    "trust_region/kl_end_sampled": sampled,
+                }
+            )
+            pl_module.log_dict(values)
 
     def _log_troll(self, trainer, pl_module, stats: list[TrollStats]) -> None:
         cat = lambda name: torch.cat([getattr(s.projection, name) for s in stats])  # noqa: E731
         kl_before, kl_after, eta = cat("kl_before"), cat("kl_after"), cat("eta")
+        infeasible = eta.isinf()  # (N,)
+        finite_eta = eta[~infeasible]
         values = self.troll.compute(
             {
                 "trust_region/kl_before_mean": kl_before,
@@ -134,8 +172,9 @@ class TrustRegionMonitor(Callback):
                 "trust_region/kl_after_mean": kl_after,
                 "trust_region/kl_after_max": kl_after,
                 "trust_region/active_frac": (eta > 0).float(),
-                "trust_region/eta_mean": eta,
-                "trust_region/eta_max": eta,
+                "trust_region/infeasible_frac": infeasible.float(),
+                "trust_region/eta_mean": finite_eta,
+                "trust_region/eta_max": finite_eta,
             }
         )
         bound = pl_module.objective.projection.eps

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -13,9 +12,9 @@ from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_troll.advantages import flat_groups
-from lightning_troll.behaviour import BehaviourRecord, BehaviourRecorder
-from lightning_troll.dynamic_sampling import cat_sequences, choose_groups, group_rows
+from lightning_troll.behaviour import BehaviourRecorder
+from lightning_troll.callbacks.samples import RolloutReport, Samples, samples_table
+from lightning_troll.dynamic_sampling import choose_groups
 from lightning_troll.prompts import PromptBatch, draw_prompts
 from lightning_troll.rewards import RewardOutput, reward_tag
 from lightning_troll.rollout import Rollout, behaviour_outputs, sample
@@ -23,127 +22,6 @@ from lightning_troll.sharding import gathered, is_sharded
 from lightning_troll.timing import clock
 
 __all__ = ["RolloutGeneration", "RolloutReport", "Samples", "samples_table"]
-
-
-def samples_table(prompts: list[str], completions: list[str], rewards: list[float]) -> str:
-    """A Markdown table of prompts, completions and rewards, one row each.
-
-    Chat-template prompts span several lines and may hold ``|``: both are escaped in every cell,
-    so each sample stays one row of the table.
-    """
-
-    def cell(text: str) -> str:
-        return text.replace("|", "\\|").replace("\r", "").replace("\n", "⏎")
-
-    lines = ["| prompt | completion | reward |", "| --- | --- | --- |"]
-    for prompt, completion, reward in zip(prompts, completions, rewards, strict=True):
-        lines.append(f"| `{cell(prompt)}` | `{cell(completion)}` | {reward:.3g} |")
-    return "\n".join(lines)
-
-
-@dataclass(frozen=True)
-class Samples:
-    """One or more rounds of sampled, scored completions; per sequence, prompt-major (B = P * G)."""
-
-    input_ids: Tensor
-    """(B, S + T) prompt (left padded) followed by the response (right padded)."""
-    attention_mask: Tensor
-    """(B, S + T) 1 at prompt and response tokens."""
-    response_mask: Tensor
-    """(B, T) bool, response tokens up to and including the first EOS (nothing masked out yet)."""
-    truncated: Tensor
-    """(B,) bool, True where the completion hit the token budget without an EOS."""
-    rewards: Tensor
-    """(B,) float32 total reward; a dropped completion has its group's mean over the valid ones."""
-    scored: RewardOutput
-    """The reward functions' output (total, per function, valid), on the device of the ids."""
-    completions: list[str]
-    prompts: list[str]
-    rows: list[dict[str, Any]]
-    group_size: int
-    behaviour: BehaviourRecord | None = None
-    """The behaviour policy's log-probs (and sparse rows) recorded while sampling, if it was."""
-    seconds: float = 0.0
-    """Wall time of the generation that sampled this round (recording included)."""
-
-    @property
-    def informative(self) -> Tensor:
-        """(P,) bool, True where the group's rewards have spread (a nonzero advantage)."""
-        return ~flat_groups(self.rewards, self.group_size)
-
-    def select(self, groups: Tensor) -> Samples:
-        """The samples of ``groups`` (ascending group indices)."""
-        rows = group_rows(groups.to(self.rewards.device), self.group_size)  # (g * G,)
-        keep = rows.tolist()
-        scored = RewardOutput(
-            total=self.scored.total[rows],
-            per_function={k: v[rows] for k, v in self.scored.per_function.items()},
-            valid=self.scored.valid[rows],
-        )
-        tensors = ("input_ids", "attention_mask", "response_mask", "truncated", "rewards")
-        return replace(
-            self,
-            **{name: getattr(self, name)[rows] for name in tensors},
-            scored=scored,
-            completions=[self.completions[i] for i in keep],
-            prompts=[self.prompts[i] for i in keep],
-            rows=[self.rows[i] for i in keep],
-            behaviour=None if self.behaviour is None else self.behaviour.select(rows),
-        )
-
-    @staticmethod
-    def cat(parts: list[Samples], pad_id: int) -> Samples:
-        """Concatenates samples of several rounds (prompts and responses padded to the widest)."""
-        if len(parts) == 1:
-            return parts[0]
-        ids, attention, response = cat_sequences(
-            [(p.input_ids, p.attention_mask, p.response_mask) for p in parts], pad_id
-        )
-        names = parts[0].scored.per_function
-        scored = RewardOutput(
-            total=torch.cat([p.scored.total for p in parts]),
-            per_function={k: torch.cat([p.scored.per_function[k] for p in parts]) for k in names},
-            valid=torch.cat([p.scored.valid for p in parts]),
-        )
-        return Samples(
-            input_ids=ids,
-            attention_mask=attention,
-            response_mask=response,
-            truncated=torch.cat([p.truncated for p in parts]),
-            rewards=torch.cat([p.rewards for p in parts]),
-            scored=scored,
-            completions=[c for p in parts for c in p.completions],
-            prompts=[x for p in parts for x in p.prompts],
-            rows=[r for p in parts for r in p.rows],
-            group_size=parts[0].group_size,
-            behaviour=(
-                None
-                if parts[0].behaviour is None
-                else BehaviourRecord.cat([p.behaviour for p in parts])
-            ),
-        )
-
-
-@dataclass(frozen=True)
-class RolloutReport:
-    """What :meth:`RolloutGeneration.collect` sampled for one rollout, for logging."""
-
-    rounds: list[Samples]
-    """Every round sampled (one without dynamic sampling), before any group was left out."""
-    kept: Samples
-    """The samples the rollout trains on."""
-    capped: bool
-    """True when dynamic sampling ran out of rounds before it had enough informative groups (on
-    any process)."""
-    seconds: dict[str, float] = field(default_factory=dict)
-    """Wall time of this process's ``generation`` (every round), ``forward_passes`` (the
-    teacher-forced passes after sampling: the behaviour policy's unless it was recorded while
-    sampling, the reference policy's) and the whole ``rollout``."""
-
-    @property
-    def rewards(self) -> Tensor:
-        """(all sampled,) total rewards of every completion sampled."""
-        return torch.cat([s.rewards for s in self.rounds])
 
 
 class RolloutGeneration(Callback):
@@ -168,7 +46,9 @@ class RolloutGeneration(Callback):
     policy's with ``model.behaviour_logprobs: forward``, the reference policy's with
     ``model.loss.ref_kl_coef`` > 0), ``time/rollout`` (all of it, rewards included), and
     ``throughput/generated_tokens_per_s`` (response tokens up to EOS per second of generation).
-    The optimiser steps' time is the module's ``time/training``.
+    The optimiser steps' time is the module's ``time/training``; ``time/iteration`` is the whole
+    of it, rollout and optimiser steps, until this callback's ``on_train_batch_end`` (validation
+    is not counted).
 
     Args:
         log_samples: completions shown as text in TensorBoard per rollout; 0 switches it off.
@@ -187,6 +67,7 @@ class RolloutGeneration(Callback):
         self.mean_rewards: list[float] = []
         """Mean reward of every rollout so far (this process's completions)."""
         self._warned_cap = False
+        self._started: float | None = None
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -204,6 +85,7 @@ class RolloutGeneration(Callback):
     def on_train_batch_start(
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        self._started = clock(pl_module.device)
         more = self._extra_prompts(trainer, len(batch)) if pl_module.dynamic_sampling else None
         rollout, report = self.collect(pl_module, batch, more)
         pl_module.rollout = rollout
@@ -221,6 +103,14 @@ class RolloutGeneration(Callback):
             )
         if self.log_samples and (self.rollouts - 1) % self.log_samples_every_n_rollouts == 0:
             self._log_text(trainer, report.kept)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._started is not None:
+            pl_module.log("time/iteration", clock(pl_module.device) - self._started)
+            self._started = None
 
     def _extra_prompts(self, trainer: Trainer, count: int) -> Callable[[int], PromptBatch]:
         """Extra round r of this rollout: ``count`` training prompts drawn by a generator seeded

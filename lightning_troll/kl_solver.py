@@ -5,6 +5,14 @@ and the sparse :class:`~lightning_troll.projection.TrustRegionProjection`.
 Notation: M rows (only rows that violate the bound reach the root finder), C categories per row
 (V for the dense projection, |U| + 1 for the sparse one). ``a`` is log pi_new, differentiable;
 ``b`` is log pi_old, constant; ``-inf`` marks a category a distribution does not have.
+
+Reachability. For eta > 0 the interpolation ``pi_eta`` lives on S = supp(pi_new) n supp(pi_old),
+and as eta -> inf it tends to pi_old restricted to S and renormalised, whose KL to pi_old is
+``kl_floor = -log pi_old(S)``. KL(pi_eta || pi_old) falls monotonically towards that floor
+(strictly, unless pi_new is proportional to pi_old on S, when it is constant), so the bound eps
+is reached by a finite eta exactly when ``kl_floor < eps``: when pi_new gives zero probability to
+tokens that hold ``1 - exp(-eps)`` or more of pi_old's mass, no interpolation reaches it. Such a
+row is *infeasible*: it gets the limit (eta* = inf), the closest any interpolation comes.
 """
 
 from __future__ import annotations
@@ -44,14 +52,16 @@ def kl_and_var(logp: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
 
 @torch.no_grad()
 def solve_eta(a: Tensor, b: Tensor, eps: Tensor) -> Tensor:
-    """Root eta* of KL(pi_eta || pi_old) = eps for rows that violate the bound.
+    """Root eta* of KL(pi_eta || pi_old) = eps for rows that violate the bound and can reach it.
 
-    a, b: (M, C) log-probs, eps: (M,). Works on t = log(eta) and f(t) = log KL(t) - log eps,
-    which is close to linear in t (KL ~ 1 / (1 + eta)^2 for large eta), so Newton steps converge
-    in a few iterations; a bracket [t_lo, t_hi] with f(t_lo) > 0 >= f(t_hi) is kept and a step
-    that leaves it is replaced by bisection. Stops on a relative tolerance on KL (|f| <= ftol) or
-    on the bracket width, never on a fixed step count; a row that stops on the width returns
-    t_hi, whose KL meets the bound.
+    a, b: (M, C) log-probs, eps: (M,); every row must have ``kl_floor(a, b) < eps`` (see the
+    module docstring). Works on t = log(eta) and f(t) = log KL(t) - log eps, which is close to
+    linear in t (KL - kl_floor ~ 1 / (1 + eta)^2 for large eta), so Newton steps converge in a
+    few iterations; a bracket [t_lo, t_hi] with f(t_lo) > 0 >= f(t_hi) is kept and a step that
+    leaves it is replaced by bisection. Stops on a relative tolerance on KL (|f| <= ftol) or on
+    the bracket width, never on a fixed step count; a row that stops on the width returns t_hi:
+    a probe whose KL met the bound, or, if none did, the bracket's end t = 84 (eta ~ 3e36), where
+    the KL equals kl_floor < eps up to float rounding.
     """
     dtype = a.dtype
     ftol = 1e-12 if dtype == torch.float64 else 1e-6
@@ -105,21 +115,53 @@ def solve_eta(a: Tensor, b: Tensor, eps: Tensor) -> Tensor:
     return t.exp()
 
 
+def kl_floor(a: Tensor, b: Tensor) -> Tensor:
+    """(M,) the infimum over eta of KL(pi_eta || pi_old): -log pi_old(supp(pi_new)).
+
+    a, b: (M, C) log-probs. +inf when the two supports share no category.
+    """
+    return -torch.logsumexp(torch.where(a > _NEG_INF, b, _NEG_INF), dim=-1)
+
+
+def limit_log_probs(a: Tensor, b: Tensor) -> Tensor:
+    """log pi_eta as eta -> inf: pi_old restricted to supp(pi_new) and renormalised, (M, C).
+
+    Rows whose supports share no category have no limit; they are returned as ``a``.
+    """
+    z = torch.where(a > _NEG_INF, b, _NEG_INF)  # (M, C)
+    logz = torch.logsumexp(z, dim=-1, keepdim=True)  # (M, 1)
+    return torch.where(logz > _NEG_INF, z - logz, a)
+
+
 def project_log_probs(a: Tensor, b: Tensor, eps: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Projects rows of a onto {pi : KL(pi || exp(b)) <= eps}.
 
     a: (M, C) log-probs of the new policy (differentiable), -inf where it has no category;
     b: (M, C) log-probs of the old policy (constant); eps: (M,).
     Returns log pi_proj (M, C) with the exact implicit gradient, eta* (M,), KL before and after.
+
+    A row over the bound whose :func:`kl_floor` is >= eps (infeasible: no finite eta reaches the
+    bound) gets the limit :func:`limit_log_probs` as a constant (no gradient flows through it),
+    eta* = inf and KL after = its floor, which is >= eps.
     """
     b = b.detach()
     with torch.no_grad():
         kl_before = kl_terms(a.detach(), b)[2]  # (M,)
         active = kl_before > eps  # (M,)
-        rows = active.nonzero().squeeze(-1)  # (m,)
+        infeasible = active & (kl_floor(a.detach(), b) >= eps)  # (M,)
+        rows = (active & ~infeasible).nonzero().squeeze(-1)  # (m,)
     eta = torch.zeros_like(kl_before)
+    logp_out, kl_after = a, kl_before
+    if bool(infeasible.any()):
+        with torch.no_grad():
+            bad = infeasible.nonzero().squeeze(-1)  # (r,)
+            limit = limit_log_probs(a[bad].detach(), b[bad])  # (r, C)
+            kl_limit = kl_terms(limit, b[bad])[2]  # (r,) the floor
+        logp_out = a.index_put((bad,), limit)
+        eta = eta.index_put((bad,), torch.full_like(kl_limit, float("inf")))
+        kl_after = kl_after.index_put((bad,), kl_limit)
     if rows.numel() == 0:
-        return a, eta, kl_before, kl_before
+        return logp_out, eta, kl_before, kl_after
 
     a_act, b_act = a[rows], b[rows]  # (m, C)
     eta_act = solve_eta(a_act.detach(), b_act, eps[rows])  # (m,)
@@ -135,7 +177,7 @@ def project_log_probs(a: Tensor, b: Tensor, eps: Tensor) -> tuple[Tensor, Tensor
     # eta_dot has value 0 and exactly that gradient, so the value of logp is unchanged.
     eta_dot = (kl - kl.detach()) / (s * var).clamp_min(torch.finfo(var.dtype).tiny)  # (m,)
     logp = logp + dlogp_deta * eta_dot.unsqueeze(-1)
-    logp_out = a.index_put((rows,), logp)  # (M, C)
+    logp_out = logp_out.index_put((rows,), logp)  # (M, C)
     eta = eta.index_put((rows,), eta_act)
-    kl_after = kl_before.index_put((rows,), kl.detach())
+    kl_after = kl_after.index_put((rows,), kl.detach())
     return logp_out, eta, kl_before, kl_after

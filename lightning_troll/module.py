@@ -23,7 +23,6 @@ from typing import Any, Literal
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
-from lightning.pytorch.strategies import FSDPStrategy, Strategy
 from torch import Tensor
 
 from lightning_troll.advantages import (
@@ -32,6 +31,7 @@ from lightning_troll.advantages import (
     get_advantage_estimator,
 )
 from lightning_troll.chunking import DEFAULT_CHUNK_SIZE, check_chunk_size
+from lightning_troll.drift import kl_to_behaviour, support_rule
 from lightning_troll.dynamic_sampling import check_dynamic_sampling
 from lightning_troll.lora import LoraConfig, adapters_disabled, apply_lora
 from lightning_troll.models import load_policy, load_tokenizer, stop_token_ids
@@ -44,7 +44,7 @@ from lightning_troll.objectives import (
     build_objective,
 )
 from lightning_troll.optimization import MinibatchLoop, OptimizationConfig
-from lightning_troll.projection import SparseDistribution, sparsify
+from lightning_troll.projection import SparseDistribution, TrustRegionProjection, sparsify
 from lightning_troll.resume import ResumeHooks
 from lightning_troll.rewards import RewardScorer
 from lightning_troll.rollout import (
@@ -54,7 +54,13 @@ from lightning_troll.rollout import (
     response_hidden,
     response_logits,
 )
-from lightning_troll.sharding import check_shardable, data_parallel_mesh, is_sharded, shard_model
+from lightning_troll.sharding import (  # check_strategy: re-exported from here
+    check_shardable,
+    check_strategy,
+    data_parallel_mesh,
+    is_sharded,
+    shard_model,
+)
 from lightning_troll.snapshots import Snapshot, SnapshotConfig, build_snapshot
 from lightning_troll.timing import clock
 from lightning_troll.validation import validation_metrics
@@ -64,17 +70,6 @@ __all__ = ["ClipConfig", "LossConfig", "OptimizationConfig", "TrollModule", "Tru
 
 def _default_optimizer(params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-6)
-
-
-def check_strategy(strategy: Strategy) -> None:
-    """Refuses Lightning's FSDPStrategy (FSDP1), whose root wrapper gathers the weights outside
-    the decoder layers only inside the module's own forward: rollouts sample outside it."""
-    if isinstance(strategy, FSDPStrategy):
-        raise ValueError(
-            "trainer.strategy: FSDPStrategy (FSDP1) is not supported; shard with FSDP2 instead: "
-            "lightning.pytorch.strategies.ModelParallelStrategy with tensor_parallel_size: 1 and "
-            "data_parallel_size: <processes> (see configs/fsdp2.yaml), or use ddp"
-        )
 
 
 class TrollModule(ResumeHooks, LightningModule):
@@ -204,6 +199,10 @@ class TrollModule(ResumeHooks, LightningModule):
         self.dynamic_sampling = dynamic_sampling
         self.dynamic_sampling_max_rounds = dynamic_sampling_max_rounds
         self.objective: PolicyObjective = self._build_objective(objective, trust_region, clip, loss)
+        self._trust_region = trust_region
+        self.cache_old_distributions = objective == "troll"
+        """Cache the behaviour policy's sparse distributions in every rollout: always for TROLL;
+        for clipping only when something needs them (the trust-region monitor's ``kl_end``)."""
         self._optimizer_factory = optimizer
         self._scheduler_factory = lr_scheduler
 
@@ -285,13 +284,31 @@ class TrollModule(ResumeHooks, LightningModule):
     def eos_id(self) -> int:
         return int(self.tokenizer.eos_token_id)
 
+    @property
+    def support_rule(self) -> TrustRegionProjection:
+        """The sparse rows' rule (see :func:`lightning_troll.drift.support_rule`)."""
+        return support_rule(self.objective, self._trust_region)
+
     def sparsify_old(self, logits: Tensor, tokens: Tensor) -> SparseDistribution | None:
-        """The behaviour policy's sparse distributions for TROLL; None for clipping."""
-        if self.objective_name != "troll":
+        """The behaviour policy's sparse distributions (``model.trust_region``'s rule) for TROLL,
+        or when ``cache_old_distributions`` is on; None otherwise."""
+        if not self.cache_old_distributions:
             return None
-        projection = self.objective.projection
-        keep = tokens if projection.keep_token else None
-        return sparsify(logits, projection.max_tokens, projection.mass_delta, keep=keep)
+        rule = self.support_rule
+        keep = tokens if rule.keep_token else None
+        return sparsify(logits, rule.max_tokens, rule.mass_delta, keep=keep)
+
+    def kl_to_behaviour(self, rollout: Rollout) -> tuple[Tensor, Tensor]:
+        """Per response token of ``rollout``, how far the policy's current weights are from the
+        behaviour policy that sampled it (see :func:`lightning_troll.drift.kl_to_behaviour`)."""
+        return kl_to_behaviour(
+            self.policy, rollout, self.support_rule, self.logits_chunk_size, self.share_prompts
+        )
+
+    @property
+    def last_minibatch(self) -> Rollout | None:
+        """The minibatch of the last rollout's last optimiser step (None before one is taken)."""
+        return self.minibatch_loop.last_minibatch
 
     def compute_advantages(self, rewards: Tensor) -> Tensor:
         """Advantages of this process's rewards, computed over the global batch.

@@ -53,3 +53,6 @@ class TrollStats(ObjectiveStats):
     """Per-token projection outputs (kl_before, kl_after, eta, coverage, support_size), detached."""
     active_frac: Tensor
     """Fraction of tokens whose distribution was projected (eta > 0)."""
+    infeasible_frac: Tensor
+    """Fraction of tokens whose bound no interpolation reaches (eta = inf; see
+    :attr:`~lightning_troll.projection.ProjectionResult.infeasible`)."""

@@ -232,9 +232,11 @@ class TrollObjective(PolicyObjective):
 
     def _token_stats(self, terms: TokenTerms) -> dict:
         projected = terms.projection.eta > 0  # (N,)
+        count = max(projected.numel(), 1)
         return {
             "projection": terms.projection,
-            "active_frac": projected.sum() / max(projected.numel(), 1),
+            "active_frac": projected.sum() / count,
+            "infeasible_frac": terms.projection.infeasible.sum() / count,
         }
 
     def _surrogate(self, ratio, adv, mask):

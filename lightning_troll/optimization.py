@@ -80,10 +80,13 @@ class MinibatchLoop:
         """Optimiser steps skipped in a row (non-finite loss or gradient); saved in checkpoints."""
         self.last_stats: list[ObjectiveStats] = []
         """The detached statistics of every part of every optimiser step of the last rollout."""
+        self.last_minibatch: Rollout | None = None
+        """The minibatch of the last rollout's last optimiser step (None before one is taken)."""
 
     def run(self, module: LightningModule, rollout: Rollout) -> None:
         """``epochs_per_rollout`` passes over shuffled minibatches, one optimiser step each."""
         self.last_stats = []
+        self.last_minibatch = None
         opt = module.optimizers()
         for _ in range(self.config.epochs_per_rollout):
             for minibatch in rollout.minibatches(self.config.minibatch_size, self.shuffle):
@@ -120,6 +123,7 @@ class MinibatchLoop:
         if scheduler is not None:
             scheduler.step()
         self.last_stats.extend(step_stats)
+        self.last_minibatch = minibatch
         log_step(module, loss, step_stats, norm)
 
     def _skip_step(self, module: LightningModule, opt, what: str) -> None:

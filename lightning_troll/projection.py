@@ -14,6 +14,15 @@ with ``eta* = 0`` when ``KL(pi_new || pi_old) <= eps`` (the identity) and otherw
 safeguarded Newton iteration in ``log eta`` and the gradient flows through ``eta*`` by implicit
 differentiation (the exact gradient, not the "eta held fixed" shortcut).
 
+No root exists when pi_new gives zero probability to tokens that hold ``1 - exp(-eps)`` or more
+of pi_old's mass: every interpolation keeps those zeros, so its KL to pi_old never falls below
+``-log pi_old(supp(pi_new)) >= eps``. Such a row is *infeasible*
+(:attr:`ProjectionResult.infeasible`): it gets the limit ``eta* = inf``, pi_old restricted to
+pi_new's support, as a constant (no gradient through its log-probs), and its KL after projection
+is that floor, at or above the bound. Finite logits give every token some probability (the
+sparse layer sums a rest mass too small for linear sums in log space), so only logits of -inf in
+the new policy make a row infeasible (see :mod:`lightning_troll.kl_solver`).
+
 :func:`sparsify` keeps, per row, the most probable tokens of a distribution; the sparse layer
 :class:`TrustRegionProjection` runs the projection on the union of the old and new supports plus
 one lumped "rest" bucket, so its cost is ``O(N * K)`` after one pass over the vocabulary.
@@ -32,12 +41,14 @@ Nothing here imports Lightning or transformers.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
 
-from lightning_troll.kl_solver import project_log_probs
+from lightning_troll.kl_solver import kl_terms, project_log_probs
 from lightning_troll.sparse import (
+    LINEAR_MASS_MIN,
     SparseDistribution,
     check_sparsity,
     check_tokens,
@@ -74,13 +85,19 @@ class ProjectionResult:
     kl_before: Tensor
     """(N,) KL(pi_new || pi_old) before projection."""
     kl_after: Tensor
-    """(N,) KL(pi_proj || pi_old) after projection (<= eps up to solver tolerance)."""
+    """(N,) KL(pi_proj || pi_old) after projection: <= eps up to solver tolerance, except on
+    infeasible rows, where it is the smallest KL any interpolation reaches (>= eps)."""
     eta: Tensor
-    """(N,) the dual variable eta* (0 where the bound was already met)."""
+    """(N,) the dual variable eta* (0 where the bound was already met, inf on infeasible rows)."""
     coverage: Tensor
     """(N,) old-policy mass covered by its kept tokens."""
     support_size: Tensor
     """(N,) number of tokens |U| the projection ran on (the rest bucket not counted)."""
+
+    @property
+    def infeasible(self) -> Tensor:
+        """(N,) bool: rows whose bound no interpolation reaches (eta* = inf)."""
+        return self.eta.isinf()
 
     def detach(self) -> ProjectionResult:
         return ProjectionResult(**{f.name: getattr(self, f.name).detach() for f in fields(self)})
@@ -102,7 +119,10 @@ def kl_projection(new_logits: Tensor, old_logits: Tensor, eps: float | Tensor) -
 
     Returns:
         ``(..., V)`` projected log-probabilities, in float32 (float64 for float64 inputs). Rows
-        with ``KL(new || old) <= eps`` are returned unchanged (the log-softmax of new_logits).
+        with ``KL(new || old) <= eps`` are returned unchanged (the log-softmax of new_logits);
+        rows no interpolation brings within ``eps`` (infeasible: new has no mass on tokens
+        holding ``1 - exp(-eps)`` or more of old's) get old restricted to new's support, as a
+        constant.
     """
     if new_logits.shape != old_logits.shape or new_logits.dim() < 1:
         raise ValueError(
@@ -142,33 +162,50 @@ class _SupportLogProbs(torch.autograd.Function):
     """log pi_new on a support U and on the rest bucket, with a one-buffer backward.
 
     The forward receives what was computed without gradient: logZ, the softmax ``p`` (zeroed
-    inside U), ``p`` on U and the rest mass R (summed from the rest itself). It gathers the
+    inside U), ``p`` on U and the rest bucket's terms (:class:`_RestMass`). It gathers the
     support; the backward writes the gradient from the saved softmax buffer, so a projection
     keeps one (n, V) buffer for its backward, as a log-softmax does:
 
         d a_j / d x_k    = [k = j] - p_k                  (a_j = x_j - logZ, j in U)
         d rest / d x_k   = [k not in U] p_k / R - p_k      (rest = log R, R = sum_{k not in U} p_k)
+
+    On a row whose rest mass is too small for linear sums the buffer holds p_k / R instead of
+    p_k outside U (``share`` = 1, ``scale`` = R); elsewhere ``share`` = 1 / R and ``scale`` = 1,
+    so in both cases the gradient outside U is ``buffer * (g_R * share - G * scale)``.
     """
 
     @staticmethod
-    def forward(ctx, x, logz, index, valid, p_outside, p_u, rest):
-        # x (n, V) logits; logz (n,); index, valid (n, L); p_outside (n, V); p_u (n, L); rest (n,)
+    def forward(ctx, x, logz, index, valid, p_outside, p_u, log_rest, share, scale):
+        # x (n, V) logits; logz (n,); index, valid (n, L); p_outside (n, V); p_u (n, L);
+        # log_rest, share, scale (n,)
         a = x.gather(-1, index).to(logz.dtype) - logz.unsqueeze(-1)  # (n, L)
         a = a.masked_fill(~valid, _NEG_INF)
-        ctx.save_for_backward(index, valid, p_outside, p_u, rest)
+        ctx.save_for_backward(index, valid, p_outside, p_u, share, scale)
         ctx.x_dtype = x.dtype
-        return a, rest.log()
+        return a, log_rest.clone()
 
     @staticmethod
     def backward(ctx, grad_a: Tensor, grad_rest: Tensor):
-        index, valid, p_outside, p_u, rest = ctx.saved_tensors
+        index, valid, p_outside, p_u, share, scale = ctx.saved_tensors
         grad_a = torch.where(valid, grad_a, 0.0)  # (n, L)
-        per_rest = torch.where(rest > 0, grad_rest / rest, 0.0)  # (n,)
         total = grad_a.sum(-1) + grad_rest  # (n,)
-        grad = p_outside * (per_rest - total).unsqueeze(-1)  # outside U: p_k (g_R / R - G)
+        # outside U: p_k (g_R / R - G)
+        grad = p_outside * (grad_rest * share - total * scale).unsqueeze(-1)  # (n, V)
         inside = torch.where(valid, grad_a - p_u * total.unsqueeze(-1), 0.0)  # g_a - p G
         grad.scatter_add_(-1, index, inside)  # the buffer is 0 inside U
-        return grad.to(ctx.x_dtype), None, None, None, None, None, None
+        return grad.to(ctx.x_dtype), *([None] * 8)
+
+
+class _Lumped(NamedTuple):
+    """The lumped problem of n rows (see :meth:`TrustRegionProjection._lumped`)."""
+
+    a: Tensor  # (n, L+1) log pi_new on U and the rest bucket, differentiable
+    b: Tensor  # (n, L+1) log pi_old on the same categories
+    a_rest: Tensor  # (n,) log pi_new of the rest bucket
+    spread: Tensor  # (n, 1) log pi_old of one token outside S_old
+    support: Tensor  # (n,) |U|
+    token_pos: Tensor  # (n,) the sampled token's column
+    in_u: Tensor  # (n,) whether U holds the sampled token
 
 
 class TrustRegionProjection(nn.Module):
@@ -179,7 +216,8 @@ class TrustRegionProjection(nn.Module):
     chosen with the same ``max_tokens`` / ``mass_delta`` rule. Old mass outside S_old is spread
     uniformly over the ``V - |S_old|`` tokens it covers; the new rest mass is summed from the
     logits outside U. With ``max_tokens >= V`` and ``mass_delta = 0`` this equals
-    :func:`kl_projection`.
+    :func:`kl_projection`. Rows whose bound no interpolation reaches get the limit eta* = inf
+    (:attr:`ProjectionResult.infeasible`).
 
     With ``keep_token=False`` the sampled token joins U only if S_old or S_new holds it; otherwise
     it lies in the rest bucket, and the bucket's projected mass is shared out in proportion to the
@@ -267,9 +305,22 @@ class TrustRegionProjection(nn.Module):
                 f"mask must be a ({n},) bool tensor; got {tuple(mask.shape)} {mask.dtype}"
             )
 
-    def _project_rows(self, x: Tensor, old: SparseDistribution, tokens: Tensor) -> ProjectionResult:
-        dtype = compute_dtype(x)
-        n, vocab = x.shape
+    @torch.no_grad()
+    def kl_to_old(self, new_logits: Tensor, old: SparseDistribution, tokens: Tensor) -> Tensor:
+        """(N,) KL(pi_new || pi_old) between the lumped distributions the projection works on (the
+        support U plus the rest bucket): :meth:`forward`'s ``kl_before``, without projecting.
+
+        Arguments as in :meth:`forward` (no mask); no gradient.
+        """
+        self._check_inputs(new_logits, old, tokens, None)
+        lumped = self._lumped(new_logits, old, tokens, compute_dtype(new_logits))
+        return kl_terms(lumped.a, lumped.b)[2]
+
+    def _lumped(
+        self, x: Tensor, old: SparseDistribution, tokens: Tensor, dtype: torch.dtype
+    ) -> _Lumped:
+        """The (|U| + 1)-category problem of each row: new log-probs (differentiable) and old."""
+        vocab = x.shape[1]
         with torch.no_grad():
             index, valid, old_lp, in_old, token_pos, in_u, logz, p, p_u, rest = self._support(
                 x, old, tokens, dtype
@@ -283,8 +334,14 @@ class TrustRegionProjection(nn.Module):
             n_rest = (vocab - support).to(dtype)  # tokens in the rest bucket
             b_rest = torch.where(n_rest > 0, tail + n_rest.log() - outside, _NEG_INF)  # (n,)
             b = torch.cat([b_u, b_rest.unsqueeze(-1)], dim=-1)  # (n, L+1)
-        a_u, a_rest = _SupportLogProbs.apply(x, logz, index, valid, p, p_u, rest)
+        a_u, a_rest = _SupportLogProbs.apply(x, logz, index, valid, p, p_u, *rest)
         a = torch.cat([a_u, a_rest.unsqueeze(-1)], dim=-1)  # (n, L+1)
+        return _Lumped(a, b, a_rest, spread, support, token_pos, in_u)
+
+    def _project_rows(self, x: Tensor, old: SparseDistribution, tokens: Tensor) -> ProjectionResult:
+        dtype = compute_dtype(x)
+        n = x.shape[0]
+        a, b, a_rest, spread, support, token_pos, in_u = self._lumped(x, old, tokens, dtype)
         eps = torch.full((n,), self.eps, dtype=dtype, device=x.device)
         logp, eta, kl_before, kl_after = project_log_probs(a, b, eps)  # (n, L+1), (n,) x 3
 
@@ -321,7 +378,7 @@ class TrustRegionProjection(nn.Module):
         old log-prob of entries from S_old (n, L), in_old (n, L), the token's position (n,) and
         whether U holds it (n,) (always, unless ``keep_token`` is False), and for
         :class:`_SupportLogProbs`: logZ (n,), softmax zeroed inside U (n, V), softmax on U (n, L)
-        and the mass outside U (n,).
+        and the rest bucket's (log R, share, scale), each (n,).
         """
         n, vocab = x.shape
         top_val, top_idx = top_tokens(x, min(self.max_tokens, vocab))  # (n, k)
@@ -348,7 +405,22 @@ class TrustRegionProjection(nn.Module):
         old_lp = cand_lp.gather(-1, order)
         is_token = (key == tokens.unsqueeze(-1)) & valid  # (n, L)
         token_pos = is_token.to(torch.int8).argmax(-1)  # (n,)
-        # New mass outside U, summed from those tokens (exact however small it is).
+        # New mass outside U, summed from those tokens (exact however small it is) ...
         p_u = p.gather(-1, index)  # (n, L)
         rest = p.scatter_(-1, index, 0.0).sum(-1)  # (n,)
-        return index, valid, old_lp, in_old, token_pos, is_token.any(-1), logz, p, p_u, rest
+        log_rest, scale = rest.log(), torch.ones_like(rest)  # (n,)
+        share = torch.where(rest > 0, 1 / rest, 0.0)  # (n,)
+        # ... and in log space where it is too small for linear sums: underflowing to 0, it would
+        # make the bound look unreachable (a new policy with no mass where the old one has some).
+        tiny = (rest < LINEAR_MASS_MIN) & (valid.sum(-1) < vocab)  # (n,)
+        if bool(tiny.any()):
+            rows = tiny.nonzero().squeeze(-1)  # (r,)
+            outside = x[rows].to(dtype).scatter(-1, index[rows], _NEG_INF)  # (r, V)
+            lse = outside.logsumexp(-1)  # (r,) -inf only when every logit outside U is -inf
+            found = lse > _NEG_INF
+            p[rows] = torch.where(found.unsqueeze(-1), (outside - lse.unsqueeze(-1)).exp(), 0.0)
+            log_rest[rows] = lse - logz[rows]
+            share[rows] = found.to(dtype)
+            scale[rows] = log_rest[rows].exp()
+        rest_terms = (log_rest, share, scale)
+        return index, valid, old_lp, in_old, token_pos, is_token.any(-1), logz, p, p_u, rest_terms

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from lightning_troll.snapshots import SnapshotConfig
 
 __all__ = [
+    "check_strategy",
     "check_shardable",
     "data_parallel_mesh",
     "decoder_layers",
@@ -125,3 +126,16 @@ def gathered(model: nn.Module) -> Iterator[nn.Module]:
         for m, setting in zip(modules, before, strict=True):
             m.set_reshard_after_forward(setting, recurse=False)
             m.reshard()
+
+
+def check_strategy(strategy) -> None:
+    """Refuses Lightning's FSDPStrategy (FSDP1), whose root wrapper gathers the weights outside
+    the decoder layers only inside the module's own forward: rollouts sample outside it."""
+    from lightning.pytorch.strategies import FSDPStrategy  # the maths here needs no Lightning
+
+    if isinstance(strategy, FSDPStrategy):
+        raise ValueError(
+            "trainer.strategy: FSDPStrategy (FSDP1) is not supported; shard with FSDP2 instead: "
+            "lightning.pytorch.strategies.ModelParallelStrategy with tensor_parallel_size: 1 and "
+            "data_parallel_size: <processes> (see configs/fsdp2.yaml), or use ddp"
+        )

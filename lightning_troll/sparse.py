@@ -17,8 +17,8 @@ __all__ = ["SparseDistribution", "softmax_and_logz", "sparsify", "top_tokens"]
 _NEG_INF = float("-inf")
 # Block size of the two-level top-k search (see top_tokens).
 _BLOCK = 128
-# Below this tail mass, linear sums lose precision to underflow: sum in log space instead.
-_LINEAR_TAIL_MIN = 1e-30
+# Below this mass, linear sums lose precision to underflow: sum in log space instead.
+LINEAR_MASS_MIN = 1e-30
 
 
 @dataclass(frozen=True)
@@ -244,7 +244,7 @@ def sparsify(
     tail = p.scatter_(-1, kept, 0.0).sum(-1)  # (N,)
     tail_logmass = tail.log()
     # ... and in log space where it is too small for linear sums (extreme logits).
-    tiny = (tail < _LINEAR_TAIL_MIN) & ((indices >= 0).sum(-1) < vocab)
+    tiny = (tail < LINEAR_MASS_MIN) & ((indices >= 0).sum(-1) < vocab)
     if bool(tiny.any()):
         rows = tiny.nonzero().squeeze(-1)
         masked = logits[rows].to(dtype).scatter(-1, kept[rows], _NEG_INF)

@@ -24,7 +24,7 @@ MOVED = [
     ("module", "TrustRegionConfig", "objectives"),
     ("module", "OptimizationConfig", "optimization"),
     ("module", "TrollModule", "module"),
-    ("module", "check_strategy", "module"),
+    ("module", "check_strategy", "sharding"),
     ("module", "check_shardable", "sharding"),
     ("objectives", "AGGREGATIONS", "aggregation"),
     ("objectives", "AGGREGATION_SIZES", "aggregation"),

@@ -590,3 +590,180 @@ def test_masked_vocabulary_entries_are_projected_without_nans(max_tokens):
         dense = kl_projection(new[:, :10], old_logits[:, :10], 0.05)  # the unmasked problem
         expected = dense.gather(-1, tokens[:, None]).squeeze(-1)
         torch.testing.assert_close(result.logprob, expected, rtol=0, atol=1e-10)
+
+
+# --------------------------------------------------------------------------------------------
+# Unreachable bounds: the new policy has no mass where the old one has 1 - exp(-eps) or more
+# --------------------------------------------------------------------------------------------
+
+
+def infeasible_case():
+    """Four rows over V = 4 with pi_old = [0.5, 0.2, 0.2, 0.1] and eps = 0.05 (row 3: 0.11).
+
+    row 0: pi_new = pi_old on {0, 1}, renormalised, 0 elsewhere: every interpolation is that same
+        distribution, KL = -log 0.7 = 0.3567 > eps: infeasible.
+    row 1: pi_new = [0.1, 0.9, 0, 0]: KL falls with eta towards the same floor -log 0.7, never
+        below it: infeasible; the limit is pi_old on {0, 1}: [5/7, 2/7, 0, 0].
+    row 2: pi_new = [0.5, 0.3, 0.2, 0] over {0, 1, 2}, floor -log 0.9 = 0.105 > 0.05: infeasible.
+    row 3: the same pi_new, KL = 0.3 log 1.5 = 0.1216, with eps = 0.11 between the floor and that
+        KL: a finite eta* reaches the bound (feasible).
+    """
+    old = torch.tensor([0.5, 0.2, 0.2, 0.1], dtype=torch.float64).log().expand(4, 4)
+    new = torch.tensor(
+        [[0.5, 0.2, 0.0, 0.0], [0.1, 0.9, 0.0, 0.0], [0.5, 0.3, 0.2, 0.0], [0.5, 0.3, 0.2, 0.0]],
+        dtype=torch.float64,
+    ).log()
+    eps = torch.tensor([0.05, 0.05, 0.05, 0.11], dtype=torch.float64)
+    floors = [-math.log(0.7), -math.log(0.7), -math.log(0.9), -math.log(0.9)]
+    return new, old.clone(), eps, floors
+
+
+def test_infeasible_rows_get_the_limit_by_hand():
+    from lightning_troll.kl_solver import kl_floor, project_log_probs
+
+    new, old, eps, floors = infeasible_case()
+    a = torch.log_softmax(new, -1).requires_grad_(True)
+    torch.testing.assert_close(kl_floor(a.detach(), old), torch.tensor(floors, dtype=torch.float64))
+    logp, eta, kl_before, kl_after = project_log_probs(a, old, eps)
+    assert eta[:3].isinf().all() and math.isfinite(eta[3]) and eta[3] > 0
+    assert kl_before[0].item() == pytest.approx(floors[0], abs=1e-12)  # constant along the path
+    expected = torch.tensor(
+        [[5 / 7, 2 / 7, 0, 0], [5 / 7, 2 / 7, 0, 0], [5 / 9, 2 / 9, 2 / 9, 0]], dtype=torch.float64
+    )
+    torch.testing.assert_close(logp[:3].detach().exp(), expected, rtol=0, atol=1e-12)
+    torch.testing.assert_close(kl_after[:3], torch.tensor(floors[:3], dtype=torch.float64))
+    assert (kl_after[:3] > eps[:3]).all()
+    # the feasible row: on the bound, as the bisection reference finds it
+    assert kl_after[3].item() == pytest.approx(0.11, abs=1e-8)
+    proj, ref_eta = reference.project_row(a.detach()[3], old[3], 0.11)
+    torch.testing.assert_close(logp[3].detach(), proj, rtol=0, atol=1e-8)
+    assert eta[3].item() == pytest.approx(ref_eta, rel=1e-6)
+    # no gradient through the limits, a finite one elsewhere
+    weights = torch.arange(1.0, 5.0, dtype=torch.float64)
+    (logp.exp() * weights).sum().backward()
+    assert (a.grad[:3] == 0).all() and torch.isfinite(a.grad).all() and a.grad[3].abs().sum() > 0
+
+
+def test_a_row_just_inside_reach_is_projected_onto_the_bound():
+    """pi_new = [0.5, 0.3, 0.2, 0]: floor -log 0.9 = 0.10536; eps = 0.1054 lies just above it, so
+    eta* is large but finite and the KL after projection is eps."""
+    from lightning_troll.kl_solver import project_log_probs
+
+    new, old, _, floors = infeasible_case()
+    a = torch.log_softmax(new[2:3], -1)
+    eps = torch.tensor([floors[2] + 1e-4], dtype=torch.float64)
+    _, eta, _, kl_after = project_log_probs(a, old[:1], eps)
+    assert math.isfinite(eta.item()) and eta.item() > 10
+    assert kl_after.item() == pytest.approx(eps.item(), abs=1e-8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_dense_projection_of_infeasible_rows_is_finite(dtype):
+    new, old, eps, _ = infeasible_case()
+    x = new.to(dtype).requires_grad_(True)
+    got = kl_projection(x, old.to(dtype), eps.to(dtype))
+    assert not torch.isnan(got).any()
+    got.exp().sum(-1).sum().backward()
+    assert torch.isfinite(x.grad).all()
+    torch.testing.assert_close(got.exp().sum(-1), torch.ones(4, dtype=dtype))
+
+
+def test_dense_gradcheck_with_infeasible_rows():
+    """Probabilities (exp of the log-probs, 0 where they are -inf) of feasible and infeasible
+    rows; finite differences of an infeasible row's finite logits keep it infeasible: 0."""
+    new, old, eps, _ = infeasible_case()
+    g = generator(4)
+    new = torch.where(new.isinf(), new, new + 0.1 * torch.randn(4, 4, generator=g, dtype=new.dtype))
+    new.requires_grad_(True)
+    assert gradcheck(lambda x: kl_projection(x, old, eps).exp(), (new,), atol=1e-7, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_sparse_infeasible_rows_are_counted_and_finite(dtype):
+    """The sparse layer with nothing dropped equals the dense projection on infeasible rows too;
+    ``infeasible`` flags rows 0-2 (row 3 is pi_new = [0.3, 0.3, 0.2, 0.2], KL 0.107 > 0.05, with
+    no zeros: feasible), the loss of TrollObjective and its gradient stay finite."""
+    from lightning_troll.objectives import TrollObjective
+
+    new, old_logits, _, floors = infeasible_case()
+    new[3] = torch.tensor([0.3, 0.3, 0.2, 0.2], dtype=torch.float64).log()
+    new, old_logits = new.to(dtype), old_logits.to(dtype)
+    tokens = torch.tensor([0, 1, 2, 1])
+    old = sparsify(old_logits, max_tokens=4, mass_delta=0.0, keep=tokens)
+    layer = TrustRegionProjection(0.05, max_tokens=4, mass_delta=0.0)
+    x = new.clone().requires_grad_(True)
+    result = layer(x, old, tokens)
+    assert result.infeasible.tolist() == [True, True, True, False]
+    dense = kl_projection(new, old_logits, 0.05).gather(-1, tokens[:, None]).squeeze(-1)
+    tol = 1e-12 if dtype == torch.float64 else 1e-6
+    torch.testing.assert_close(result.logprob, dense, rtol=0, atol=tol)
+    torch.testing.assert_close(result.kl_after[:3], torch.tensor(floors[:3], dtype=dtype))
+    (result.logprob.sum() + result.regression_kl.sum()).backward()
+    assert torch.isfinite(x.grad).all() and torch.isfinite(result.regression_kl).all()
+
+    objective = TrollObjective(eps=0.05, max_tokens=4, mass_delta=0.0)
+    logits = new.clone().reshape(2, 2, 4).requires_grad_(True)
+    mask = torch.ones(2, 2, dtype=torch.bool)
+    old_lp = torch.log_softmax(old_logits, -1).gather(-1, tokens[:, None]).reshape(2, 2)
+    loss, stats = objective(
+        logits, tokens.reshape(2, 2), mask, torch.tensor([1.0, -1.0]), old_lp, old
+    )
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(logits.grad).all()
+    assert stats.infeasible_frac.item() == 0.75 and stats.active_frac.item() == 1.0
+
+
+def underflow_case(gap: float, dtype=torch.float64):
+    """V = 50: the old policy holds 0.9 on tokens 0-2 and 0.1 spread over the others; the new one
+    puts logits ``gap`` below its top three on the others, so its rest mass, 47 e^-gap, underflows
+    to 0 in linear sums (below 1e-45 in float32 for gap = 110, below 1e-323 in float64 for 800)."""
+    old_p = torch.full((1, 50), 0.1 / 47, dtype=torch.float64)
+    old_p[0, :3] = torch.tensor([0.5, 0.3, 0.1], dtype=torch.float64)
+    new = torch.full((1, 50), -gap, dtype=torch.float64)
+    new[0, :3] = torch.tensor([0.0, 0.5, 1.0], dtype=torch.float64)
+    return new.to(dtype), old_p.log().to(dtype), torch.tensor([1])
+
+
+def test_rest_mass_below_float32_range_is_summed_in_log_space():
+    """Summed linearly, the rest bucket would hold no new mass, and the bound would look
+    unreachable (floor -log 0.9 = 0.105 > 0.05). In log space the float32 layer finds the finite
+    eta* of float64 (where the rest mass, 47 e^-110 = 6e-47, is representable) and its gradient."""
+    results, grads = {}, {}
+    for dtype in (torch.float32, torch.float64):
+        new, old_logits, tokens = underflow_case(110.0, dtype)
+        old = sparsify(old_logits, max_tokens=3, mass_delta=1e-3, keep=tokens)
+        x = new.clone().requires_grad_(True)
+        result = TrustRegionProjection(0.05, max_tokens=3, mass_delta=1e-3)(x, old, tokens)
+        (result.logprob.sum() + 0.5 * result.regression_kl.sum()).backward()
+        results[dtype], grads[dtype] = result, x.grad
+    r32, r64 = results[torch.float32], results[torch.float64]
+    assert not r32.infeasible.any() and math.isfinite(r64.eta.item()) and r64.eta.item() > 1
+    assert r64.kl_after.item() == pytest.approx(0.05, abs=1e-8)
+    for name in ("logprob", "kl_after", "regression_kl"):
+        torch.testing.assert_close(
+            getattr(r32, name).double(), getattr(r64, name), rtol=0, atol=1e-5
+        )
+    assert r32.eta.item() == pytest.approx(r64.eta.item(), rel=1e-4)
+    torch.testing.assert_close(
+        grads[torch.float32].double(), grads[torch.float64], rtol=0, atol=1e-5
+    )
+
+
+def test_gradcheck_with_rest_mass_below_float64_range():
+    new, old_logits, tokens = underflow_case(800.0)
+    old = sparsify(old_logits, max_tokens=3, mass_delta=1e-3, keep=tokens)
+    layer = TrustRegionProjection(0.05, max_tokens=3, mass_delta=1e-3)
+    result = layer(new, old, tokens)
+    assert result.eta.item() > 0 and not result.infeasible.any()
+    new.requires_grad_(True)
+    assert gradcheck(lambda x: layer(x, old, tokens).logprob, (new,), atol=1e-7, rtol=1e-5)
+
+
+def test_kl_to_old_is_the_kl_before_projection():
+    new, old, tokens = sparse_case(n=8, shift=2.0)
+    layer = TrustRegionProjection(0.05, max_tokens=3, mass_delta=1e-3)
+    kl = layer.kl_to_old(new, old, tokens)
+    torch.testing.assert_close(kl, layer(new, old, tokens).kl_before, rtol=0, atol=1e-12)
+    assert (kl > 0.05).any() and not kl.requires_grad
+    with pytest.raises(ValueError, match=r"tokens must be \(8,\)"):
+        layer.kl_to_old(new, old, tokens[:2])

@@ -112,13 +112,14 @@ def test_fit_logs_the_documented_tags(tmp_path, tiny_model_dir):
     documented = {
         "trust_region/kl_before_mean", "trust_region/kl_before_max",
         "trust_region/kl_after_mean", "trust_region/kl_after_max", "trust_region/bound",
-        "trust_region/active_frac", "trust_region/eta_mean", "trust_region/eta_max",
+        "trust_region/active_frac", "trust_region/infeasible_frac", "trust_region/eta_mean",
+        "trust_region/eta_max",
         "trust_region/max_violation", "sparsity/coverage_mean", "sparsity/coverage_min",
         "sparsity/coverage_max", "sparsity/support_min", "sparsity/support_mean",
         "sparsity/support_max", "reward/mean", "reward/std",
         "reward/frac_zero_std", "completion/mean_length", "completion/max_length",
         "completion/truncated_frac", "loss/policy", "loss/regression", "loss/total",
-        "entropy", "grad_norm", "val/accuracy", "val/reward",
+        "entropy", "grad_norm", "val/accuracy", "val/reward", "time/rollout", "time/iteration",
     }  # fmt: skip
     assert documented <= scalars, documented - scalars
     assert len(events.Scalars("reward/mean")) == 3
@@ -132,6 +133,12 @@ def test_fit_logs_the_documented_tags(tmp_path, tiny_model_dir):
         assert all(a >= 1 for a in low) if name == "support" else all(c <= 1 + 1e-5 for c in high)
     bound = events.Scalars("trust_region/bound")
     assert all(e.value == pytest.approx(0.05) for e in bound)
+    for sample, whole in zip(
+        events.Scalars("time/rollout"), events.Scalars("time/iteration"), strict=True
+    ):
+        assert 0 < sample.value < whole.value
+    # finite logits: every token's bound is reachable
+    assert [e.value for e in events.Scalars("trust_region/infeasible_frac")] == [0.0] * 3
     assert {"trust_region/kl_after_per_token", "trust_region/kl_before_per_token"} <= set(
         events.Tags()["histograms"]
     )
@@ -270,6 +277,73 @@ def test_clip_objective_logs_clip_statistics(tmp_path, tiny_model_dir):
     metrics = trainer.callback_metrics
     assert {"clip/active_frac", "clip/approx_kl"} <= set(metrics)
     assert not any(k.startswith("trust_region/") for k in metrics)
+
+
+@pytest.mark.parametrize("objective", ["troll", "clip"])
+def test_kl_end_is_the_last_weights_against_the_behaviour_policy(
+    tmp_path, tiny_model_dir, objective
+):
+    """One rollout of 16 sequences in two steps of 8; kl_end is computed after the second from its
+    minibatch. Recomputed here from full logits (the monitor's path is chunked from hidden
+    states): the lumped KL of TrustRegionConfig's rule and the sampled r log r - r + 1."""
+    from lightning_troll.projection import TrustRegionProjection
+    from lightning_troll.rollout import response_logits
+
+    module = make_module(
+        tiny_model_dir,
+        objective=objective,
+        optimization=OptimizationConfig(minibatch_size=8),
+        optimizer=lambda params: torch.optim.AdamW(params, lr=3e-2),
+        logits_chunk_size=5,
+    )
+    recorder = Recorder()
+    callbacks = [
+        RolloutGeneration(log_samples=0),
+        OldPolicyRefresh(),
+        TrustRegionMonitor(histogram_every_n_rollouts=0, kl_end=True),
+        recorder,
+    ]
+    trainer = make_trainer(tmp_path, 2, callbacks=callbacks, limit_val_batches=0)
+    torch.manual_seed(0)
+    trainer.fit(module, datamodule=make_data(tiny_model_dir))
+    assert len(recorder.stats) == 1 and len(recorder.stats[0]) == 2
+    last = module.last_minibatch
+    assert last is not None and last.num_sequences == 8 and last.old is not None
+    mask = last.response_mask
+    tokens = last.tokens[mask]
+    with torch.no_grad():
+        logits = response_logits(
+            module.policy, last.input_ids, last.attention_mask, mask.shape[1], last.temperature
+        )[mask]
+    lumped = TrustRegionProjection(0.05, 64, 1e-5).kl_to_old(logits, last.old, tokens)
+    log_ratio = torch.log_softmax(logits, -1).gather(-1, tokens[:, None]).squeeze(-1)
+    log_ratio = log_ratio - last.old_logprobs[mask]
+    sampled = log_ratio.exp() * log_ratio - log_ratio.exp() + 1
+    metrics = trainer.callback_metrics
+    assert float(metrics["trust_region/kl_end_mean"]) == pytest.approx(
+        float(lumped.mean()), rel=1e-4
+    )
+    assert float(metrics["trust_region/kl_end_max"]) == pytest.approx(float(lumped.max()), rel=1e-4)
+    assert float(metrics["trust_region/kl_end_sampled"]) == pytest.approx(
+        float(sampled.mean()), rel=1e-4
+    )
+    assert float(lumped.mean()) > 1e-4, "two steps at a large learning rate move the policy"
+    assert recorder.rollouts[0].old is not None  # clipping caches the sparse rows for kl_end
+
+
+def test_kl_to_behaviour_is_zero_before_any_step(tiny_model_dir):
+    module = make_module(tiny_model_dir, objective="clip")
+    data = make_data(tiny_model_dir)
+    data.setup("fit")
+    batch = next(iter(data.train_dataloader()))
+    assert RolloutGeneration.collect(module, batch)[0].old is None
+    with pytest.raises(ValueError, match="cache_old_distributions"):
+        module.kl_to_behaviour(RolloutGeneration.collect(module, batch)[0])
+    module.cache_old_distributions = True
+    rollout = RolloutGeneration.collect(module, batch)[0]
+    lumped, sampled = module.kl_to_behaviour(rollout)
+    assert lumped.shape == sampled.shape == (int(rollout.response_mask.sum()),)
+    assert lumped.abs().max() < 1e-5 and sampled.abs().max() < 1e-5
 
 
 def test_gradient_accumulation_equals_the_whole_minibatch(tmp_path, tiny_model_dir):

@@ -1,0 +1,144 @@
+"""What one rollout sampled: the completions of every round, scored, and the report logged.
+
+:class:`Samples` are one or more rounds of sampled completions with their rewards (and the
+behaviour policy's view when it was recorded while sampling); :class:`RolloutReport` is what
+:meth:`~lightning_troll.callbacks.RolloutGeneration.collect` hands to logging. Notation: P
+prompts, G completions per prompt, B = P * G sequences (prompt-major), S prompt length, T
+response length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_troll.advantages import flat_groups
+from lightning_troll.behaviour import BehaviourRecord
+from lightning_troll.dynamic_sampling import cat_sequences, group_rows
+from lightning_troll.rewards import RewardOutput
+
+__all__ = ["RolloutReport", "Samples", "samples_table"]
+
+
+def samples_table(prompts: list[str], completions: list[str], rewards: list[float]) -> str:
+    """A Markdown table of prompts, completions and rewards, one row each.
+
+    Chat-template prompts span several lines and may hold ``|``: both are escaped in every cell,
+    so each sample stays one row of the table.
+    """
+
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|").replace("\r", "").replace("\n", "⏎")
+
+    lines = ["| prompt | completion | reward |", "| --- | --- | --- |"]
+    for prompt, completion, reward in zip(prompts, completions, rewards, strict=True):
+        lines.append(f"| `{cell(prompt)}` | `{cell(completion)}` | {reward:.3g} |")
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class Samples:
+    """One or more rounds of sampled, scored completions; per sequence, prompt-major (B = P * G)."""
+
+    input_ids: Tensor
+    """(B, S + T) prompt (left padded) followed by the response (right padded)."""
+    attention_mask: Tensor
+    """(B, S + T) 1 at prompt and response tokens."""
+    response_mask: Tensor
+    """(B, T) bool, response tokens up to and including the first EOS (nothing masked out yet)."""
+    truncated: Tensor
+    """(B,) bool, True where the completion hit the token budget without an EOS."""
+    rewards: Tensor
+    """(B,) float32 total reward; a dropped completion has its group's mean over the valid ones."""
+    scored: RewardOutput
+    """The reward functions' output (total, per function, valid), on the device of the ids."""
+    completions: list[str]
+    prompts: list[str]
+    rows: list[dict[str, Any]]
+    group_size: int
+    behaviour: BehaviourRecord | None = None
+    """The behaviour policy's log-probs (and sparse rows) recorded while sampling, if it was."""
+    seconds: float = 0.0
+    """Wall time of the generation that sampled this round (recording included)."""
+
+    @property
+    def informative(self) -> Tensor:
+        """(P,) bool, True where the group's rewards have spread (a nonzero advantage)."""
+        return ~flat_groups(self.rewards, self.group_size)
+
+    def select(self, groups: Tensor) -> Samples:
+        """The samples of ``groups`` (ascending group indices)."""
+        rows = group_rows(groups.to(self.rewards.device), self.group_size)  # (g * G,)
+        keep = rows.tolist()
+        scored = RewardOutput(
+            total=self.scored.total[rows],
+            per_function={k: v[rows] for k, v in self.scored.per_function.items()},
+            valid=self.scored.valid[rows],
+        )
+        tensors = ("input_ids", "attention_mask", "response_mask", "truncated", "rewards")
+        return replace(
+            self,
+            **{name: getattr(self, name)[rows] for name in tensors},
+            scored=scored,
+            completions=[self.completions[i] for i in keep],
+            prompts=[self.prompts[i] for i in keep],
+            rows=[self.rows[i] for i in keep],
+            behaviour=None if self.behaviour is None else self.behaviour.select(rows),
+        )
+
+    @staticmethod
+    def cat(parts: list[Samples], pad_id: int) -> Samples:
+        """Concatenates samples of several rounds (prompts and responses padded to the widest)."""
+        if len(parts) == 1:
+            return parts[0]
+        ids, attention, response = cat_sequences(
+            [(p.input_ids, p.attention_mask, p.response_mask) for p in parts], pad_id
+        )
+        names = parts[0].scored.per_function
+        scored = RewardOutput(
+            total=torch.cat([p.scored.total for p in parts]),
+            per_function={k: torch.cat([p.scored.per_function[k] for p in parts]) for k in names},
+            valid=torch.cat([p.scored.valid for p in parts]),
+        )
+        return Samples(
+            input_ids=ids,
+            attention_mask=attention,
+            response_mask=response,
+            truncated=torch.cat([p.truncated for p in parts]),
+            rewards=torch.cat([p.rewards for p in parts]),
+            scored=scored,
+            completions=[c for p in parts for c in p.completions],
+            prompts=[x for p in parts for x in p.prompts],
+            rows=[r for p in parts for r in p.rows],
+            group_size=parts[0].group_size,
+            behaviour=(
+                None
+                if parts[0].behaviour is None
+                else BehaviourRecord.cat([p.behaviour for p in parts])
+            ),
+        )
+
+
+@dataclass(frozen=True)
+class RolloutReport:
+    """What :meth:`RolloutGeneration.collect` sampled for one rollout, for logging."""
+
+    rounds: list[Samples]
+    """Every round sampled (one without dynamic sampling), before any group was left out."""
+    kept: Samples
+    """The samples the rollout trains on."""
+    capped: bool
+    """True when dynamic sampling ran out of rounds before it had enough informative groups (on
+    any process)."""
+    seconds: dict[str, float] = field(default_factory=dict)
+    """Wall time of this process's ``generation`` (every round), ``forward_passes`` (the
+    teacher-forced passes after sampling: the behaviour policy's unless it was recorded while
+    sampling, the reference policy's) and the whole ``rollout``."""
+
+    @property
+    def rewards(self) -> Tensor:
+        """(all sampled,) total rewards of every completion sampled."""
+        return torch.cat([s.rewards for s in self.rounds])

@@ -1,0 +1,681 @@
+"""TROLL against PPO-style clipping with GRPO on SmolLM2-135M-Instruct, over seeds.
+
+    python examples/smollm2_study.py                        # the grid (hours; make smollm2 first)
+    nohup python examples/smollm2_study.py > study.log 2>&1 &   # the same, in the background
+    python examples/smollm2_study.py --estimate             # how long the grid takes, then stop
+    python examples/smollm2_study.py --dry-run --out /tmp/dry   # the machinery on TinyMath
+
+Every run is ``configs/smollm2.yaml`` (GRPO on small-number arithmetic in the chat template, the
+``last_number`` reward; TROLL with eps 0.05, alpha 1, K 64, delta 1e-5; clip range 0.2; AdamW at
+1e-5 after a 5-step warm-up; a shared snapshot) with ``--steps`` optimiser steps per rollout
+instead of its two (the rollout's 64 sequences in minibatches of 64 / steps: the first
+minibatch on-policy, the others off-policy, where the trust region and the clip act) and
+``--rollouts`` rollouts, validated every ``--val-every`` rollouts on all 115 held-out problems
+(greedy). The grid: {clip, TROLL} x ``--seeds``, plus a stress cell on seed 0 for both
+objectives: ``--stress steps`` (the default) takes ``--stress-steps`` optimiser steps per rollout
+(8: minibatches of 8, further off-policy), ``--stress lr`` trains at 3x the config's learning
+rate, ``--stress none`` leaves it out.
+
+Per rollout each run logs (a CSV logger), and the study keeps: ``reward/mean``,
+``val/accuracy``, the KL of the weights after the rollout's last optimiser step to the behaviour
+policy for both objectives (``trust_region/kl_end_{mean,max}`` between the sparse supports and
+``trust_region/kl_end_sampled``, an unbiased estimate over the whole vocabulary;
+``trust_region_monitor.kl_end``), TROLL's KL after projection, projected and infeasible shares,
+clip's k3 estimate and clipped share, ``entropy``, completion length and ``time/iteration``
+(sampling and optimiser steps of the rollout).
+
+Runs go one after another, in-process. Each keeps ``runs/<name>/checkpoints/last.ckpt``, written
+every ``--checkpoint-every`` rollouts and when the run is stopped: Ctrl-C or SIGTERM lets the
+rollout in progress finish, saves, and ends the study (exit status 130 or 143). Running the same
+command again skips the runs whose ``result.json`` exists and resumes an interrupted one from its
+``last.ckpt`` (each attempt logs to a new ``logs/version_<k>``; the history merges them, the later
+attempt's rows replacing the rollouts it ran again). A finished run's checkpoint is deleted
+(``--keep-checkpoints`` keeps it). The study prints an estimate of the whole grid's time before
+the first run (from the runs done, else from ``--prior-seconds`` per rollout) and how long it took
+at the end.
+
+Outputs in ``--out`` (default ``examples/results/smollm2/study``): ``runs/``, ``metrics.csv``
+(one row per run and rollout), ``results.json`` (per run: settings, final and late accuracy,
+seconds), ``table.md`` and the plots ``reward.png``, ``accuracy.png``, ``kl_end.png``,
+``kl_end_max.png``, ``entropy.png`` and ``time.png`` (one panel per cell, clip against TROLL,
+mean and standard deviation over seeds).
+
+``--dry-run`` runs the same machinery on ``configs/tinymath.yaml`` with the shipped TinyMath
+policy (or ``--model``), 3 rollouts of 2 prompts, seconds per run; its output is no evidence of
+anything. Needs matplotlib (``pip install lightning-troll[study]``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import gc
+import json
+import math
+import re
+import shutil
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from functools import partial
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "configs"
+OBJECTIVES = ("clip", "troll")
+STRESS = ("steps", "lr", "none")
+STRESS_LR_FACTOR = 3.0
+ACCURACY = "val/accuracy"
+LATE = 3
+"""Validations at the end of a run that the table's late accuracy averages."""
+METRICS = (
+    ACCURACY,
+    "reward/mean",
+    "entropy",
+    "completion/mean_length",
+    "trust_region/kl_end_mean",
+    "trust_region/kl_end_max",
+    "trust_region/kl_end_sampled",
+    "trust_region/kl_after_mean",
+    "trust_region/kl_after_max",
+    "trust_region/bound",
+    "trust_region/active_frac",
+    "trust_region/infeasible_frac",
+    "clip/active_frac",
+    "clip/approx_kl",
+    "time/rollout",
+    "time/iteration",
+)
+"""The logged metrics kept per rollout (a run logs only some: clip or trust region)."""
+PRIOR_SECONDS = 60.0
+"""Seconds per rollout, validation included, before any run has been timed: the README's
+``configs/smollm2.yaml`` run took 58 s per rollout on the project's 2-core CPU under load."""
+
+
+class Interrupted(RuntimeError):
+    """A run stopped before its last rollout (a signal); its ``last.ckpt`` resumes it."""
+
+    def __init__(self, name: str, exit_code: int) -> None:
+        super().__init__(f"{name} stopped before its last rollout")
+        self.name, self.exit_code = name, exit_code
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How much each run trains and validates."""
+
+    rollouts: int = 30
+    steps: int = 4
+    """Optimiser steps per rollout of the main cells (the rollout split evenly)."""
+    val_every: int = 5
+    prompts: int = 8
+    """Prompts per rollout (``data.batch_size``), each with the config's group_size completions."""
+    num_val: int | None = None
+    """Held-out prompts per validation; None: the config's (all of them)."""
+    checkpoint_every: int = 5
+    dry_run: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("rollouts", "steps", "val_every", "prompts", "checkpoint_every"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(
+                    f"--{name.replace('_', '-')} must be an integer >= 1; got {value!r}"
+                )
+        self.minibatch(self.steps)
+
+    @property
+    def config(self) -> Path:
+        return CONFIGS / ("tinymath.yaml" if self.dry_run else "smollm2.yaml")
+
+    def sequences(self) -> int:
+        return self.prompts * yaml.safe_load(self.config.read_text())["model"]["group_size"]
+
+    def minibatch(self, steps: int) -> int:
+        """Sequences per optimiser step for ``steps`` steps per rollout."""
+        if self.sequences() % steps:
+            raise ValueError(
+                f"--steps and --stress-steps must divide the {self.sequences()} sequences of a "
+                f"rollout (--prompts x group size); got {steps}"
+            )
+        return self.sequences() // steps
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One training run of the grid."""
+
+    objective: str
+    seed: int
+    steps: int
+    lr: float | None = None
+    """AdamW's learning rate; None: the config's."""
+
+    @property
+    def name(self) -> str:
+        lr = "" if self.lr is None else f"-lr{self.lr:g}"
+        return f"{self.objective}-steps{self.steps}{lr}-s{self.seed}"
+
+
+def config_lr(budget: Budget) -> float:
+    return float(yaml.safe_load(budget.config.read_text())["model"]["optimizer"]["init_args"]["lr"])
+
+
+def grid(seeds: Sequence[int], budget: Budget, stress: str, stress_steps: int) -> list[RunSpec]:
+    """Clip and TROLL for each seed (in pairs, so a partial grid compares like with like), then
+    the stress cell's two runs on seed 0."""
+    if stress not in STRESS:
+        raise ValueError(f"--stress must be one of {list(STRESS)}; got {stress!r}")
+    specs = [RunSpec(o, s, budget.steps) for s in dict.fromkeys(seeds) for o in OBJECTIVES]
+    if stress == "steps":
+        budget.minibatch(stress_steps)
+        specs += [RunSpec(o, 0, stress_steps) for o in OBJECTIVES]
+    elif stress == "lr":
+        lr = float(
+            f"{STRESS_LR_FACTOR * config_lr(budget):.6g}"
+        )  # 3e-05, not 3.0000000000000004e-05
+        specs += [RunSpec(o, 0, budget.steps, lr) for o in OBJECTIVES]
+    return specs
+
+
+def training_args(
+    spec: RunSpec, budget: Budget, model: str | None, run_dir: Path, version: int = 0
+) -> list[str]:
+    """The ``lightning-troll fit`` arguments of one attempt at a run (``version``: its log)."""
+    logger = {
+        "class_path": "lightning.pytorch.loggers.CSVLogger",
+        "init_args": {"save_dir": str(run_dir), "name": "logs", "version": version},
+    }
+    args = [
+        "fit",
+        "--config", str(budget.config),
+        "--seed_everything", str(spec.seed),
+        "--model.objective", spec.objective,
+        "--model.optimization.minibatch_size", str(budget.minibatch(spec.steps)),
+        "--trainer.max_steps", str(spec.steps * budget.rollouts),
+        "--trainer.val_check_interval", str(budget.val_every),
+        "--trainer.check_val_every_n_epoch", "null",
+        "--trainer.logger", json.dumps(logger),
+        "--trainer.enable_progress_bar", "false",
+        "--trainer.enable_model_summary", "false",
+        "--checkpoint.dirpath", str(run_dir / "checkpoints"),
+        "--checkpoint.every_n_rollouts", str(budget.checkpoint_every),
+        "--trust_region_monitor.kl_end", "true",
+        "--trust_region_monitor.histogram_every_n_rollouts", "0",
+        "--rollout.log_samples", "0",
+        "--data.batch_size", str(budget.prompts),
+    ]  # fmt: skip
+    if model is not None:
+        args += ["--model.model", model]
+    if budget.num_val is not None:
+        args += [
+            "--data.num_val",
+            str(budget.num_val),
+            "--data.val_batch_size",
+            str(budget.num_val),
+        ]
+    if budget.dry_run:
+        args += ["--data.num_train", "64"]
+    if spec.lr is not None:
+        args += ["--model.optimizer.init_args.lr", str(spec.lr)]
+    return args
+
+
+def read_history(log_root: Path) -> list[dict[str, float]]:
+    """Per rollout, the metrics of every attempt's CSV log (``log_root/version_<k>``) merged in
+    attempt order, so a later attempt's rows replace the rollouts it ran again.
+
+    Lightning's logging step counts rollouts from 0 (a validation after a rollout logs at that
+    rollout's step): rollout r (from 1) is logging step r - 1.
+    """
+    versions = sorted(
+        (int(m.group(1)), p)
+        for p in log_root.glob("version_*")
+        if (m := re.fullmatch(r"version_(\d+)", p.name)) and (p / "metrics.csv").exists()
+    )
+    rollouts: dict[int, dict[str, float]] = {}
+    for _, path in versions:
+        rows: dict[int, dict[str, float]] = {}
+        with (path / "metrics.csv").open() as f:
+            for row in csv.DictReader(f):
+                rollout = int(row["step"]) + 1
+                merged = rows.setdefault(rollout, {"rollout": rollout})
+                merged.update({k: float(v) for k, v in row.items() if k in METRICS and v != ""})
+        rollouts.update(rows)
+    return [rollouts[r] for r in sorted(rollouts)]
+
+
+def cli(args: list[str]):
+    """``lightning_troll.cli.run(args)`` with this script's own arguments hidden from it."""
+    from lightning_troll.cli import run as cli_run
+
+    saved, sys.argv = sys.argv, sys.argv[:1]
+    try:
+        return cli_run(args)
+    finally:
+        sys.argv = saved
+
+
+def attempts(run_dir: Path) -> list[float]:
+    path = run_dir / "attempts.json"
+    return json.loads(path.read_text()) if path.exists() else []
+
+
+def train(spec: RunSpec, budget: Budget, model: str | None, run_dir: Path, start: dict) -> dict:
+    """Trains (or resumes) one run and returns its record; raises :class:`Interrupted` if the
+    run stops early (its checkpoint then resumes it on the next call)."""
+    logs = run_dir / "logs"
+    version = len(list(logs.glob("version_*"))) if logs.exists() else 0
+    args = training_args(spec, budget, model, run_dir, version)
+    checkpoint = run_dir / "checkpoints" / "last.ckpt"
+    if checkpoint.exists():
+        args += ["--ckpt_path", str(checkpoint)]
+    began = time.perf_counter()
+    done = cli(args)
+    seconds = [*attempts(run_dir), time.perf_counter() - began]
+    (run_dir / "attempts.json").write_text(json.dumps(seconds))
+    steps, stopped = done.trainer.global_step, done.checkpoint_callback
+    signal = stopped.stopped_by if stopped is not None else None
+    del done
+    gc.collect()
+    if steps < spec.steps * budget.rollouts:
+        raise Interrupted(spec.name, 128 + int(signal) if signal else 1)
+    history = [start, *read_history(logs)]
+    return {
+        **asdict(spec),
+        "name": spec.name,
+        "seconds": sum(seconds),
+        "attempts": len(seconds),
+        "final_accuracy": final_accuracy(history),
+        "late_accuracy": final_accuracy(history, LATE),
+        "history": history,
+    }
+
+
+def final_accuracy(history: Sequence[dict], last: int = 1) -> float:
+    """The mean of the ``last`` logged held-out accuracies."""
+    values = [row[ACCURACY] for row in history if ACCURACY in row]
+    if not values:
+        raise ValueError("the run logged no val/accuracy")
+    return statistics.fmean(values[-last:])
+
+
+def initial_accuracy(budget: Budget, model: str | None, run_dir: Path) -> dict[str, float]:
+    """The start's held-out accuracy, as the history row of rollout 0 (the same for every run)."""
+    args = training_args(RunSpec("troll", 0, budget.steps), budget, model, run_dir)
+    done = cli(["validate", *args[1:]])
+    return {"rollout": 0, ACCURACY: float(done.trainer.callback_metrics[ACCURACY])}
+
+
+def check_settings(path: Path, settings: dict) -> None:
+    """Records the settings in ``path``, or refuses to continue runs made with others."""
+    if path.exists():
+        stored = json.loads(path.read_text())
+        if stored != settings:
+            raise ValueError(
+                f"--out: {path.parent} holds runs made with {stored}, not {settings}; use another "
+                "--out or the same settings"
+            )
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(settings))
+
+
+def estimate_seconds(
+    specs: Sequence[RunSpec], budget: Budget, records: Sequence[dict], prior: float
+):
+    """(seconds for the whole grid, seconds per rollout used): the mean over finished runs of
+    their wall time per rollout (validation included), else ``prior``."""
+    per_rollout = [r["seconds"] / budget.rollouts for r in records]
+    rate = statistics.fmean(per_rollout) if per_rollout else prior
+    return rate * budget.rollouts * len(specs), rate
+
+
+def run_all(
+    specs: Sequence[RunSpec],
+    budget: Budget,
+    model: str | None,
+    out: Path,
+    prior: float = PRIOR_SECONDS,
+    keep_checkpoints: bool = False,
+) -> list[dict]:
+    """Trains every run without a ``result.json`` (resuming interrupted ones); returns all
+    records. Prints the grid's estimated time first and the time taken at the end."""
+    runs = out / "runs"
+    check_settings(runs / "settings.json", {"model": model, "budget": asdict(budget)})
+    finished = [runs / s.name / "result.json" for s in specs]
+    done = [json.loads(p.read_text()) for p in finished if p.exists()]
+    total, rate = estimate_seconds(specs, budget, done, prior)
+    source = f"{len(done)} runs done" if done else "--prior-seconds"
+    print(
+        f"grid: {len(specs)} runs x {budget.rollouts} rollouts, about {rate:.0f} s per rollout "
+        f"({source}): {total / 3600:.1f} h in all, {(len(specs) - len(done)) * budget.rollouts * rate / 3600:.1f} h left",
+        flush=True,
+    )
+    start_file = runs / "start.json"
+    if not start_file.exists():
+        shutil.rmtree(runs / "start", ignore_errors=True)
+        began = time.perf_counter()
+        start = initial_accuracy(budget, model, runs / "start")
+        start["seconds"] = time.perf_counter() - began
+        start_file.write_text(json.dumps(start))
+    start = json.loads(start_file.read_text())
+    start_row = {"rollout": 0, ACCURACY: start[ACCURACY]}
+    records = []
+    for i, spec in enumerate(specs):
+        result = runs / spec.name / "result.json"
+        if result.exists():
+            print(f"[{i + 1}/{len(specs)}] {spec.name}: done before, skipped", flush=True)
+        else:
+            run_dir = result.parent
+            resumed = (run_dir / "checkpoints" / "last.ckpt").exists()
+            if not resumed:
+                shutil.rmtree(run_dir, ignore_errors=True)  # no checkpoint: start over
+            run_dir.mkdir(parents=True, exist_ok=True)
+            print(
+                f"[{i + 1}/{len(specs)}] {spec.name}: {'resumed' if resumed else 'started'}",
+                flush=True,
+            )
+            record = train(spec, budget, model, run_dir, start_row)
+            result.write_text(json.dumps(record, indent=1))
+            if not keep_checkpoints:
+                shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+            print(
+                f"[{i + 1}/{len(specs)}] {spec.name}: accuracy {record['final_accuracy']:.3f} in "
+                f"{record['seconds'] / 60:.1f} min",
+                flush=True,
+            )
+        records.append(json.loads(result.read_text()))
+    hours = (start.get("seconds", 0.0) + sum(r["seconds"] for r in records)) / 3600
+    print(f"the grid took {hours:.2f} h of training and validation", flush=True)
+    return records
+
+
+# --------------------------------------------------------------------------------------------
+# Summary, table, plots
+# --------------------------------------------------------------------------------------------
+
+
+def mean_std(values: Sequence[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (0 for a single value); NaN for none."""
+    if not values:
+        return math.nan, math.nan
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def run_mean(record: dict, metric: str, last: int | None = None) -> float | None:
+    """The mean of ``metric`` over a run's rollouts (the last ``last`` of those that log it)."""
+    values = [row[metric] for row in record["history"] if metric in row]
+    values = values[-last:] if last else values
+    return statistics.fmean(values) if values else None
+
+
+def cell_of(record: dict) -> tuple:
+    return record["steps"], record.get("lr")
+
+
+def _over_seeds(members: Sequence[dict], fn) -> tuple[float, float]:
+    """Mean and std over runs of ``fn(run)`` (runs where it is None left out)."""
+    return mean_std([v for v in (fn(r) for r in members) if v is not None])
+
+
+def summarise(records: Sequence[dict]) -> list[dict]:
+    """One row per (cell, objective): means over seeds of what each run did."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in records:
+        groups.setdefault((*cell_of(r), r["objective"]), []).append(r)
+    rows = []
+    for (steps, lr, objective), members in groups.items():
+        over_seeds = partial(_over_seeds, members)
+
+        kl_max = [
+            max(
+                row["trust_region/kl_end_max"]
+                for row in r["history"]
+                if "trust_region/kl_end_max" in row
+            )
+            for r in members
+            if any("trust_region/kl_end_max" in row for row in r["history"])
+        ]
+        rows.append(
+            {
+                "objective": objective,
+                "steps": steps,
+                "lr": lr,
+                "seeds": len(members),
+                "accuracy": over_seeds(lambda r: r["final_accuracy"]),
+                "late_accuracy": over_seeds(lambda r: r["late_accuracy"]),
+                "late_reward": over_seeds(lambda r: run_mean(r, "reward/mean", 5)),
+                "kl_end": over_seeds(lambda r: run_mean(r, "trust_region/kl_end_mean")),
+                "kl_end_sampled": over_seeds(lambda r: run_mean(r, "trust_region/kl_end_sampled")),
+                "kl_end_max": max(kl_max) if kl_max else math.nan,
+                "rollout_s": over_seeds(lambda r: run_mean(r, "time/iteration")),
+                "minutes": over_seeds(lambda r: r["seconds"] / 60),
+            }
+        )
+    return rows
+
+
+def format_table(rows: Sequence[dict], budget: Budget) -> str:
+    """A Markdown table of ``summarise``'s rows."""
+    lr0 = config_lr(budget)
+    lines = [
+        "| objective | steps / rollout | lr | seeds | final accuracy | last 3 validations "
+        "| reward, last 5 rollouts | KL end (support) | KL end (sampled) | max KL end "
+        "| s / rollout | minutes / run |",
+        "| --- | ---: | ---: | ---: | --- | --- | --- | --- | --- | ---: | ---: | ---: |",
+    ]
+
+    def pm(pair: tuple[float, float], spec: str = ".3f") -> str:
+        return f"{pair[0]:{spec}} ± {pair[1]:{spec}}"
+
+    for r in rows:
+        lr = lr0 if r["lr"] is None else r["lr"]
+        lines.append(
+            f"| {r['objective']} | {r['steps']} | {lr:g} | {r['seeds']} | {pm(r['accuracy'])} | "
+            f"{pm(r['late_accuracy'])} | {pm(r['late_reward'])} | {pm(r['kl_end'], '.4f')} | "
+            f"{pm(r['kl_end_sampled'], '.4f')} | {r['kl_end_max']:.3f} | "
+            f"{r['rollout_s'][0]:.0f} | {r['minutes'][0]:.0f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def write_metrics_csv(records: Sequence[dict], path: Path) -> None:
+    """One row per run and rollout: the run's settings, the rollout and ``METRICS``."""
+    keys = ["name", "objective", "seed", "steps", "lr", "rollout"]
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=[*keys, *METRICS])
+        writer.writeheader()
+        for r in records:
+            for row in r["history"]:
+                writer.writerow({**{k: r.get(k) for k in keys[:5]}, **row})
+
+
+def curve(records: Sequence[dict], metric: str) -> tuple[list[int], list[float], list[float]]:
+    """Mean and standard deviation over runs of ``metric`` at each rollout every run logged it."""
+    per_run = [
+        {row["rollout"]: row[metric] for row in r["history"] if metric in row} for r in records
+    ]
+    steps = sorted(set.intersection(*(set(p) for p in per_run))) if per_run else []
+    stats = [mean_std([p[s] for p in per_run]) for s in steps]
+    return steps, [m for m, _ in stats], [s for _, s in stats]
+
+
+COLOURS = {"clip": "tab:blue", "troll": "tab:orange"}
+
+
+def pyplot():
+    """``matplotlib.pyplot`` on the file-only Agg backend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def cell_title(cell: tuple, budget: Budget) -> str:
+    steps, lr = cell
+    return f"{steps} steps / rollout, lr {config_lr(budget) if lr is None else lr:g}"
+
+
+def plot_cells(
+    records: Sequence[dict],
+    series: Sequence[tuple[str, str]],
+    ylabel: str,
+    path: Path,
+    budget: Budget,
+    bound: float | None = None,
+    log: bool = False,
+) -> None:
+    """One panel per cell; in each, per objective and ``(metric, label)`` of ``series``, the mean
+    over seeds with a +-1 std band (later series of an objective dashed, then dotted)."""
+    plt = pyplot()
+    cells = list(dict.fromkeys(cell_of(r) for r in records))
+    fig, axes = plt.subplots(1, len(cells), figsize=(4.5 * len(cells), 3.3), squeeze=False)
+    for ax, cell in zip(axes[0], cells, strict=True):
+        for objective in OBJECTIVES:
+            runs = [r for r in records if cell_of(r) == cell and r["objective"] == objective]
+            drawn = 0
+            for metric, label in series:
+                steps, mean, std = curve(runs, metric)
+                if not steps:
+                    continue
+                colour = COLOURS[objective]
+                style = ("-", "--", ":")[drawn % 3]
+                drawn += 1
+                seeds = f" ({len(runs)} seeds)" if len(runs) > 1 else ""
+                ax.plot(steps, mean, style, color=colour, label=f"{objective}: {label}{seeds}")
+                low = [m - s for m, s in zip(mean, std, strict=True)]
+                high = [m + s for m, s in zip(mean, std, strict=True)]
+                ax.fill_between(steps, low, high, color=colour, alpha=0.2)
+        if bound is not None:
+            ax.axhline(bound, color="k", linestyle="--", linewidth=1, label="TROLL's bound eps")
+        if log:
+            ax.set_yscale("log")
+        ax.set_title(cell_title(cell, budget), fontsize="small")
+        ax.set_xlabel("rollout")
+        ax.set_ylabel(ylabel)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize="x-small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write_plots(records: Sequence[dict], out: Path, budget: Budget) -> list[Path]:
+    """The study's PNGs in ``out``; returns their paths."""
+    bounds = [
+        row["trust_region/bound"]
+        for r in records
+        for row in r["history"]
+        if "trust_region/bound" in row
+    ]
+    eps = bounds[0] if bounds else None
+    plots = {
+        "reward.png": ([("reward/mean", "mean sampled reward")], "reward", None, False),
+        "accuracy.png": ([(ACCURACY, "held-out accuracy")], "accuracy", None, False),
+        "kl_end.png": (
+            [
+                ("trust_region/kl_end_mean", "mean KL(new || old), support"),
+                ("trust_region/kl_end_sampled", "mean KL(new || old), sampled"),
+            ],
+            "per-token KL at the rollout's end",
+            eps,
+            True,
+        ),
+        "kl_end_max.png": (
+            [
+                ("trust_region/kl_end_max", "max KL(new || old), support"),
+                ("trust_region/kl_after_max", "max KL(proj || old)"),
+            ],
+            "largest per-token KL",
+            eps,
+            True,
+        ),
+        "entropy.png": ([("entropy", "entropy")], "entropy per token", None, False),
+        "time.png": ([("time/iteration", "s / rollout")], "wall seconds per rollout", None, False),
+    }
+    paths = []
+    for name, (series, ylabel, bound, log) in plots.items():
+        plot_cells(records, series, ylabel, out / name, budget, bound=bound, log=log)
+        paths.append(out / name)
+    return paths
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", type=Path, default=None, help="output folder")
+    p.add_argument("--model", default=None, help="model folder (default: the config's)")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--rollouts", type=int, default=None, help="rollouts per run (30)")
+    p.add_argument("--steps", type=int, default=Budget.steps, help="optimiser steps per rollout")
+    p.add_argument("--val-every", type=int, default=None, help="rollouts between validations (5)")
+    p.add_argument("--prompts", type=int, default=None, help="prompts per rollout (config's 8)")
+    p.add_argument("--num-val", type=int, default=None, help="held-out prompts (config's: all)")
+    p.add_argument("--checkpoint-every", type=int, default=None, help="rollouts between saves (5)")
+    p.add_argument("--stress", choices=STRESS, default="steps", help="the stress cell")
+    p.add_argument("--stress-steps", type=int, default=8, help="its steps per rollout")
+    p.add_argument("--prior-seconds", type=float, default=PRIOR_SECONDS, help="s / rollout guess")
+    p.add_argument("--keep-checkpoints", action="store_true", help="keep finished runs' last.ckpt")
+    p.add_argument("--estimate", action="store_true", help="print the estimate only")
+    p.add_argument("--dry-run", action="store_true", help="TinyMath, 3 tiny rollouts per run")
+    args = p.parse_args(argv)
+    tiny = args.dry_run
+    args.out = args.out or ROOT / "examples" / "results" / "smollm2" / (
+        "dry_run" if tiny else "study"
+    )
+    args.rollouts = args.rollouts or (3 if tiny else Budget.rollouts)
+    args.val_every = args.val_every or (1 if tiny else Budget.val_every)
+    args.prompts = args.prompts or (2 if tiny else Budget.prompts)
+    args.num_val = args.num_val or (4 if tiny else None)
+    args.checkpoint_every = args.checkpoint_every or (1 if tiny else Budget.checkpoint_every)
+    if tiny and args.model is None:
+        args.model = "tinymath"
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> list[dict]:
+    """Runs (or resumes) the study; returns the run records."""
+    args = parse_args(argv)
+    budget = Budget(
+        rollouts=args.rollouts,
+        steps=args.steps,
+        val_every=args.val_every,
+        prompts=args.prompts,
+        num_val=args.num_val,
+        checkpoint_every=args.checkpoint_every,
+        dry_run=args.dry_run,
+    )
+    specs = grid(args.seeds, budget, args.stress, args.stress_steps)
+    if args.estimate:
+        finished = [args.out / "runs" / s.name / "result.json" for s in specs]
+        done = [json.loads(p.read_text()) for p in finished if p.exists()]
+        total, rate = estimate_seconds(specs, budget, done, args.prior_seconds)
+        print(
+            f"{len(specs)} runs x {budget.rollouts} rollouts x {rate:.0f} s: {total / 3600:.1f} h"
+        )
+        return []
+    try:
+        records = run_all(
+            specs, budget, args.model, args.out, args.prior_seconds, args.keep_checkpoints
+        )
+    except Interrupted as stop:
+        print(f"{stop}; run the same command again to resume it", flush=True)
+        sys.exit(stop.exit_code)
+    write_metrics_csv(records, args.out / "metrics.csv")
+    results = [{k: v for k, v in r.items() if k != "history"} for r in records]
+    (args.out / "results.json").write_text(json.dumps(results, indent=1))
+    table = format_table(summarise(records), budget)
+    (args.out / "table.md").write_text(table)
+    write_plots(records, args.out, budget)
+    print(table)
+    return records
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,504 @@
+"""The sparse support at a real vocabulary: what TROLL's projection keeps, what it loses, what it costs.
+
+    python examples/sparse_support.py                 # SmolLM2-135M-Instruct (make smollm2), ~5 min
+    python examples/sparse_support.py --prompts 4     # fewer rollouts
+
+On SmolLM2-135M-Instruct's own rollouts (V = 49,152) for ``configs/smollm2.yaml``'s prompts, at
+each sampling temperature (0.7, the config's, and 1.0): the policy samples ``--prompts`` x
+``--group-size`` completions of at most ``--max-new-tokens`` tokens; their logits at every
+response token are kept as the old (behaviour) policy; then ``--steps`` AdamW steps at ``--lr``
+(clipped GRPO on minibatches of ``--minibatch-size`` sequences, gradient norm clipped to 1, the
+config's settings otherwise) move the policy away from it, and its logits at the same tokens are
+the new policy. For every ``max_tokens`` K in {16, 64, 256} and ``mass_delta`` in {1e-3, 1e-5}
+the script then compares :class:`~lightning_troll.projection.TrustRegionProjection` (sparse; the
+old rows from :func:`~lightning_troll.projection.sparsify`, as a rollout caches them) with the
+exact dense projection :func:`~lightning_troll.projection.kl_projection` over the whole
+vocabulary, on the same (N, V) float32 logits, eps and alpha from the config:
+
+- ``cap_frac``: share of tokens whose K most probable old tokens hold less than 1 - delta of the
+  mass, so the support stops at the cap, not at the mass target;
+- ``outside_mean`` / ``outside_max``: old-policy mass outside the cached support (1 - coverage);
+- ``support_mean``: tokens |U| the projection ran on;
+- ``logprob_err``: |sparse - dense| projected log-prob of the sampled token (mean and max);
+- ``kl_after_err``: |sparse - dense| KL(pi_proj || pi_old) after projection (the sparse one is the
+  KL between the lumped distributions, the quantity its bound holds);
+- ``grad_err``: ||g_sparse - g_dense|| / ||g_dense|| of TROLL's loss (token mean of
+  ``-ratio * A + alpha * KL(pi_new || sg(pi_proj))``) with respect to the (N, V) logits;
+- ``projected`` / ``projected_dense``: share of tokens projected by each (eta* > 0);
+- ``ms_per_1k``: the sparse layer's forward and backward per 1,000 tokens (rows in chunks of
+  1,024, as ``model.logits_chunk_size`` makes them), ``dense_ms_per_1k`` the dense one's;
+- ``cache_mib_per_1m``: the cached old rows (int64 ids, float32 log-probs, the tail) per million
+  response tokens; ``peak_mib``: the resident set size above its level before the sparse forward
+  and backward over all N rows (the (n, V) buffers, which do not depend on K, dominate it).
+
+It prints a table and writes JSON (``--json``, default
+``examples/results/smollm2/sparse_support.json``). Wall-clock figures depend on the machine and
+on what else runs on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import yaml
+from torch import Tensor
+
+from lightning_troll.projection import TrustRegionProjection, kl_projection, sparsify
+
+ROOT = Path(__file__).resolve().parent.parent
+
+CONFIG = ROOT / "configs" / "smollm2.yaml"
+MAX_TOKENS = (16, 64, 256)
+MASS_DELTAS = (1e-3, 1e-5)
+TEMPERATURES = (0.7, 1.0)
+CHUNK = 1024
+"""Rows per chunk of the timed projections (``model.logits_chunk_size``'s default)."""
+REFERENCE_CHUNK = 512
+"""Rows per chunk of the full-vocabulary check, which holds several (rows, V) arrays at once."""
+REPEATS = 3
+"""Timed passes per projection; the fastest counts (other work on the machine slows some)."""
+
+
+@dataclass(frozen=True)
+class Logits:
+    """Old and new policy at the response tokens of one rollout, float32 (N, V) each."""
+
+    old: Tensor
+    new: Tensor
+    tokens: Tensor
+    """(N,) sampled tokens."""
+    advantages: Tensor
+    """(N,) the advantage of each token's sequence."""
+    temperature: float
+    sequences: int
+    seconds: dict[str, float] = field(default_factory=dict)
+    """Wall time of sampling (with the old logits) and of the optimiser steps."""
+
+
+def rss_mib() -> float:
+    """The process's resident set size now (Linux), MiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+class PeakRss:
+    """Context manager: the highest resident set size while the block runs, above its level at
+    the start, in MiB (``.mib``), sampled every 2 ms by a thread (torch releases the GIL)."""
+
+    def __enter__(self) -> PeakRss:
+        self.base = self.peak = rss_mib()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.002):
+            self.peak = max(self.peak, rss_mib())
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.mib = max(self.peak, rss_mib()) - self.base
+
+
+def support_stats(old: Tensor, max_tokens: int, mass_delta: float) -> dict[str, float]:
+    """Share of rows whose support stops at the cap: the mass outside their K most probable tokens
+    (summed from those tokens themselves) exceeds mass_delta. (N, V) logits."""
+    k = min(max_tokens, old.shape[-1])
+    logp = torch.log_softmax(old, -1)  # (N, V)
+    top = logp.topk(k, dim=-1).indices  # (N, k)
+    outside = logp.scatter(-1, top, -math.inf).logsumexp(-1)  # (N,) log of the mass left out
+    capped = outside > (math.log(mass_delta) if mass_delta > 0 else -math.inf)
+    return {"cap_frac": capped.float().mean().item()}
+
+
+def _token_loss(logp: Tensor, regression: Tensor, data: Logits, old_lp: Tensor, alpha: float):
+    """TROLL's per-token loss summed over rows (the token mean's numerator)."""
+    ratio = (logp - old_lp).exp()
+    return (-(ratio * data.advantages) + alpha * regression).sum()
+
+
+def timed(fn, repeats: int = REPEATS):
+    """``fn()``'s result, its fastest time over ``repeats`` calls (s) and the first call's
+    peak resident memory above its start (MiB)."""
+    with PeakRss() as memory:
+        result = fn()
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return result, best, memory.mib
+
+
+def dense_pass(data: Logits, eps: float, alpha: float) -> dict[str, Tensor]:
+    """Dense projection of every row: projected token log-prob, KL before and after, and the
+    gradient of the loss with respect to the new logits."""
+    b_all = torch.log_softmax(data.old, -1)
+    old_lp = b_all.gather(-1, data.tokens[:, None]).squeeze(-1)
+    out = {name: [] for name in ("logprob", "kl_before", "kl_after", "grad")}
+    for s in range(0, data.new.shape[0], CHUNK):
+        rows = slice(s, s + CHUNK)
+        x = data.new[rows].clone().requires_grad_(True)
+        b = b_all[rows]
+        logp = kl_projection(x, data.old[rows], eps)  # (n, V)
+        a = torch.log_softmax(x, -1)
+        token = data.tokens[rows, None]
+        regression = (a.exp() * (a - logp.detach())).sum(-1)
+        part = Logits(data.old[rows], x, data.tokens[rows], data.advantages[rows], 0, 0)
+        logprob = logp.gather(-1, token).squeeze(-1)
+        _token_loss(logprob, regression, part, old_lp[rows], alpha).backward()
+        with torch.no_grad():
+            out["kl_after"].append(
+                torch.where(logp > -math.inf, logp.exp() * (logp - b), 0).sum(-1)
+            )
+            out["kl_before"].append((a.exp() * (a - b)).sum(-1))
+            out["logprob"].append(logprob)
+        out["grad"].append(x.grad)
+    return {name: torch.cat(values).detach() for name, values in out.items()}
+
+
+def sparse_pass(data: Logits, old, layer: TrustRegionProjection, alpha: float):
+    """The sparse layer over every row in chunks, forward and backward: its per-row results and
+    the gradient of the loss with respect to the new logits."""
+    x = data.new.clone().requires_grad_(True)
+    old_lp = torch.log_softmax(data.old, -1).gather(-1, data.tokens[:, None]).squeeze(-1)
+    results = []
+    for s in range(0, x.shape[0], CHUNK):
+        rows = slice(s, s + CHUNK)
+        idx = torch.arange(x.shape[0])[rows]
+        result = layer(x[rows], old.select(idx), data.tokens[rows])
+        part = Logits(data.old[rows], x[rows], data.tokens[rows], data.advantages[rows], 0, 0)
+        _token_loss(result.logprob, result.regression_kl, part, old_lp[rows], alpha).backward()
+        results.append(result.detach())
+    names = ("logprob", "kl_after", "eta", "support_size", "coverage")
+    out = {name: torch.cat([getattr(r, name) for r in results]) for name in names}
+    out["grad"] = x.grad
+    return out
+
+
+def members(vocab: int, *ids: Tensor) -> Tensor:
+    """(m, V) bool: the token ids of the (m, k) ``ids`` tensors; padding (-1) marks nothing."""
+    mask = torch.zeros(ids[0].shape[0], vocab + 1, dtype=torch.bool)
+    for idx in ids:
+        mask.scatter_(-1, torch.where(idx >= 0, idx, vocab), True)
+    return mask[:, :vocab]
+
+
+def full_vocabulary_kl(data: Logits, old, eps: float, max_tokens: int, mass_delta: float):
+    """(N,) KL(pi || pi_old) over the whole vocabulary of the distribution pi the sparse projection
+    stands for, and (N,) its projected token log-prob (a check on the layer).
+
+    Rebuilt here independently of the layer: U = S_old + S_new + {token}, the lumped problem on
+    U plus the rest bucket (old tail spread evenly over the V - |S_old| tokens it covers), its
+    projection, then pi = the projected mass on U, and the rest bucket's projected mass shared
+    out in proportion to pi_new; the KL is taken against the true old distribution."""
+    from lightning_troll.kl_solver import project_log_probs
+
+    n, vocab = data.new.shape
+    kl, token_lp = [], []
+    new_support = sparsify(data.new, max_tokens, mass_delta).indices
+    for s in range(0, n, REFERENCE_CHUNK):
+        rows = slice(s, s + REFERENCE_CHUNK)
+        m = data.new[rows].shape[0]
+        a_full = torch.log_softmax(data.new[rows], -1)  # (m, V)
+        b_true = torch.log_softmax(data.old[rows], -1)  # (m, V)
+
+        in_old = members(vocab, old.indices[rows])
+        in_u = members(vocab, old.indices[rows], new_support[rows], data.tokens[rows, None])
+        kept = in_old.sum(-1, keepdim=True)  # (m, 1) |S_old|
+        spread = old.tail_logmass[rows, None] - (vocab - kept).clamp_min(1).log()  # (m, 1)
+        n_rest = (vocab - in_u.sum(-1, keepdim=True)).float()
+        a_rest = torch.where(in_u, -math.inf, a_full).logsumexp(-1, keepdim=True)  # (m, 1)
+        b_u = torch.where(in_old, b_true, torch.where(in_u, spread, -math.inf))
+        b_rest = torch.where(n_rest > 0, spread + n_rest.log(), -math.inf)
+        a = torch.cat([torch.where(in_u, a_full, -math.inf), a_rest], -1)  # (m, V + 1)
+        b = torch.cat([b_u, b_rest], -1)
+        logp = project_log_probs(a, b, torch.full((m,), eps))[0]  # (m, V + 1)
+        full = torch.where(in_u, logp[:, :-1], logp[:, -1:] + a_full - a_rest)  # (m, V)
+        p = full.exp()
+        kl.append(torch.where(p > 0, p * (full - b_true), 0.0).sum(-1))
+        token_lp.append(full.gather(-1, data.tokens[rows, None]).squeeze(-1))
+    return torch.cat(kl), torch.cat(token_lp)
+
+
+def compare(
+    data: Logits,
+    eps: float,
+    alpha: float,
+    grid: Sequence[tuple[int, float]],
+    repeats: int = REPEATS,
+) -> list[dict]:
+    """One record per (max_tokens, mass_delta) of ``grid``: support, errors, time and memory."""
+    dense, dense_s, dense_mib = timed(lambda: dense_pass(data, eps, alpha), repeats)
+    n = data.tokens.numel()
+    g_dense = dense["grad"].double()
+    records = []
+    for max_tokens, mass_delta in grid:
+        old = sparsify(data.old, max_tokens, mass_delta, keep=data.tokens)  # as a rollout caches
+        layer = TrustRegionProjection(eps, max_tokens, mass_delta)
+        sparse, seconds, mib = timed(lambda: sparse_pass(data, old, layer, alpha), repeats)  # noqa: B023
+        full_kl, rebuilt = full_vocabulary_kl(data, old, eps, max_tokens, mass_delta)
+        lp_err = (sparse["logprob"] - dense["logprob"]).abs()
+        kl_err = (sparse["kl_after"] - dense["kl_after"]).abs()
+        outside = (1 - sparse["coverage"]).clamp_min(0)
+        # relative to the gradient's size; NaN when it is 0 (all advantages 0, nothing projected)
+        grad_err = (sparse["grad"].double() - g_dense).norm() / g_dense.norm()
+        cache = old.indices.numel() * 8 + (old.logprobs.numel() + old.num_rows) * 4  # bytes
+        records.append(
+            {
+                "temperature": data.temperature,
+                "max_tokens": max_tokens,
+                "mass_delta": mass_delta,
+                "tokens": n,
+                **support_stats(data.old, max_tokens, mass_delta),
+                "outside_mean": outside.mean().item(),
+                "outside_max": outside.max().item(),
+                "support_mean": sparse["support_size"].mean().item(),
+                "support_max": sparse["support_size"].max().item(),
+                "logprob_err_mean": lp_err.mean().item(),
+                "logprob_err_max": lp_err.max().item(),
+                "kl_after_err_mean": kl_err.mean().item(),
+                "kl_after_err_max": kl_err.max().item(),
+                "kl_after_max": sparse["kl_after"].max().item(),
+                "kl_after_max_dense": dense["kl_after"].max().item(),
+                "full_kl_after_mean": full_kl.mean().item(),
+                "full_kl_after_max": full_kl.max().item(),
+                "over_bound_frac": (full_kl > eps * (1 + 1e-3)).float().mean().item(),
+                "rebuilt_logprob_err_max": (rebuilt - sparse["logprob"]).abs().max().item(),
+                "grad_err": grad_err.item(),
+                "projected": (sparse["eta"] > 0).float().mean().item(),
+                "projected_dense": (dense["kl_before"] > eps).float().mean().item(),
+                "ms_per_1k": 1e6 * seconds / n,
+                "dense_ms_per_1k": 1e6 * dense_s / n,
+                "cache_mib_per_1m": cache / n * 1e6 / 2**20,
+                "peak_mib": mib,
+                "dense_peak_mib": dense_mib,
+            }
+        )
+    return records
+
+
+# --------------------------------------------------------------------------------------------
+# Rollouts of the real model
+# --------------------------------------------------------------------------------------------
+
+
+def build_module(model: str, config: dict, temperature: float, max_new_tokens: int, group: int):
+    """A clipped-GRPO TrollModule with ``config``'s reward and loss settings at ``temperature``."""
+    from lightning_troll.module import LossConfig, TrollModule
+    from lightning_troll.rollout import SamplingConfig
+    from lightning_troll.snapshots import SnapshotConfig
+
+    cfg = config["model"]
+    return TrollModule(
+        model=model,
+        objective="clip",
+        estimator=cfg.get("estimator", "grpo"),
+        group_size=group,
+        sampling=SamplingConfig(temperature=temperature, max_new_tokens=max_new_tokens),
+        rewards=cfg["rewards"],
+        loss=LossConfig(**cfg.get("loss", {})),
+        snapshot=SnapshotConfig(mode="shared"),
+    )
+
+
+def prompt_batch(model: str, config: dict, count: int, seed: int):
+    from lightning_troll.data import PromptDataModule
+    from lightning_troll.prompts import draw_prompts
+
+    data = PromptDataModule(**{**config["data"], "tokenizer": model})
+    data.setup("fit")
+    return draw_prompts(data.train_items, count, seed, "sparse-support")
+
+
+def response_rows(module, rollout) -> Tensor:
+    """(N, V) float32 logits of the policy at the rollout's response tokens, temperature applied."""
+    from lightning_troll.rollout import response_logits
+
+    module.policy.eval()
+    with torch.no_grad():
+        length = rollout.response_mask.shape[1]
+        logits = response_logits(
+            module.policy, rollout.input_ids, rollout.attention_mask, length, rollout.temperature
+        )
+    return logits[rollout.response_mask].float()
+
+
+def rollout_logits(module, batch, steps: int, lr: float, minibatch: int, seed: int) -> Logits:
+    """Samples a rollout, keeps the old logits, takes ``steps`` clipped-GRPO AdamW steps on its
+    minibatches and returns the old and new logits at its response tokens."""
+    from lightning_troll.callbacks import RolloutGeneration
+
+    torch.manual_seed(seed)
+    module.policy.eval()
+    start = time.perf_counter()
+    rollout, _ = RolloutGeneration.collect(module, batch)
+    old = response_rows(module, rollout)
+    sampled = time.perf_counter()
+    optimizer = torch.optim.AdamW(module.policy.parameters(), lr=lr, weight_decay=0.0)
+    shuffle = torch.Generator().manual_seed(seed)
+    module.policy.train()
+    done = 0
+    while done < steps:
+        for part in rollout.minibatches(minibatch, shuffle):
+            if done == steps:
+                break
+            loss, _ = module.loss_of(part)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(module.policy.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            done += 1
+    stepped = time.perf_counter()
+    new = response_rows(module, rollout)
+    seq = torch.arange(rollout.num_sequences).unsqueeze(-1).expand_as(rollout.response_mask)
+    advantages = rollout.advantages[seq[rollout.response_mask]].float()
+    return Logits(
+        old=old,
+        new=new,
+        tokens=rollout.tokens[rollout.response_mask],
+        advantages=advantages,
+        temperature=rollout.temperature,
+        sequences=rollout.num_sequences,
+        seconds={"sample": sampled - start, "steps": stepped - sampled},
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Report
+# --------------------------------------------------------------------------------------------
+
+COLUMNS = (
+    ("T", "temperature", "g"),
+    ("K", "max_tokens", "d"),
+    ("delta", "mass_delta", "g"),
+    ("capped", "cap_frac", ".3f"),
+    ("outside mean", "outside_mean", ".1e"),
+    ("outside max", "outside_max", ".3f"),
+    ("mean abs U", "support_mean", ".1f"),
+    ("logprob err mean", "logprob_err_mean", ".1e"),
+    ("logprob err max", "logprob_err_max", ".1e"),
+    ("KL after err max", "kl_after_err_max", ".1e"),
+    ("max KL after", "kl_after_max", ".4f"),
+    ("max full-vocab KL after", "full_kl_after_max", ".4f"),
+    ("over bound", "over_bound_frac", ".3f"),
+    ("grad err", "grad_err", ".1e"),
+    ("projected", "projected", ".3f"),
+    ("ms / 1k tokens", "ms_per_1k", ".0f"),
+    ("cache MiB / 1M tokens", "cache_mib_per_1m", ".0f"),
+    ("peak MiB", "peak_mib", ".0f"),
+)
+
+
+def table(records: Sequence[dict]) -> str:
+    head = "| " + " | ".join(title for title, _, _ in COLUMNS) + " |"
+    rule = "| " + " | ".join("---" for _ in COLUMNS) + " |"
+    lines = [head, rule]
+    for record in records:
+        cells = [format(record[key], spec) for _, key, spec in COLUMNS]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=None, help="model folder (default: configs/smollm2.yaml's)")
+    p.add_argument("--prompts", type=int, default=8, help="prompts per rollout")
+    p.add_argument("--group-size", type=int, default=8, help="completions per prompt")
+    p.add_argument("--max-new-tokens", type=int, default=24, help="completion budget")
+    p.add_argument("--steps", type=int, default=4, help="AdamW steps between old and new")
+    p.add_argument("--lr", type=float, default=3e-5, help="learning rate of those steps")
+    p.add_argument("--minibatch-size", type=int, default=16, help="sequences per step")
+    p.add_argument("--temperatures", type=float, nargs="+", default=list(TEMPERATURES))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--json",
+        type=Path,
+        default=ROOT / "examples" / "results" / "smollm2" / "sparse_support.json",
+        help="where the figures go",
+    )
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> list[dict]:
+    args = parse_args(argv)
+    config = yaml.safe_load(CONFIG.read_text())
+    model = args.model or str(ROOT / config["model"]["model"])
+    if not Path(model, "config.json").is_file():
+        sys.exit(f"no model folder at {model}: run `make smollm2` first, or pass --model")
+    region = config["model"]["trust_region"]
+    eps, alpha = float(region["eps"]), float(region.get("alpha", 1.0))
+    grid = [(k, d) for d in MASS_DELTAS for k in MAX_TOKENS]
+    torch.set_grad_enabled(True)
+    start = time.perf_counter()
+    records, runs = [], []
+    batch = prompt_batch(model, config, args.prompts, args.seed)
+    for temperature in args.temperatures:
+        module = build_module(model, config, temperature, args.max_new_tokens, args.group_size)
+        data = rollout_logits(module, batch, args.steps, args.lr, args.minibatch_size, args.seed)
+        del module
+        kl_new_old = (
+            torch.log_softmax(data.new, -1).exp()
+            * (torch.log_softmax(data.new, -1) - torch.log_softmax(data.old, -1))
+        ).sum(-1)
+        runs.append(
+            {
+                "temperature": temperature,
+                "sequences": data.sequences,
+                "tokens": data.tokens.numel(),
+                "kl_new_old_mean": kl_new_old.mean().item(),
+                "kl_new_old_median": kl_new_old.median().item(),
+                "kl_new_old_max": kl_new_old.max().item(),
+                "sample_s": data.seconds["sample"],
+                "steps_s": data.seconds["steps"],
+            }
+        )
+        print(
+            f"T={temperature}: {data.tokens.numel()} response tokens; KL(new || old) per token "
+            f"mean {runs[-1]['kl_new_old_mean']:.4f}, max {runs[-1]['kl_new_old_max']:.3f} "
+            f"(sampled in {data.seconds['sample']:.0f} s, {args.steps} steps in "
+            f"{data.seconds['steps']:.0f} s)",
+            flush=True,
+        )
+        records += compare(data, eps, alpha, grid)
+        vocab = data.old.shape[-1]
+        del data
+    report = {
+        "model": Path(model).name,
+        "vocab_size": vocab,
+        "settings": {
+            **{k: v for k, v in vars(args).items() if k != "json"},
+            "eps": eps,
+            "alpha": alpha,
+            "chunk_rows": CHUNK,
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+        },
+        "rollouts": runs,
+        "rows": records,
+        "seconds": time.perf_counter() - start,
+    }
+    print(table(records))
+    print(f"total {report['seconds']:.0f} s")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"wrote {args.json}")
+    return records
+
+
+if __name__ == "__main__":
+    main()

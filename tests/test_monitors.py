@@ -1,0 +1,58 @@
+"""The trust-region monitor's reductions, on hand-built statistics (no fit)."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from lightning_troll.callbacks import TrustRegionMonitor
+from lightning_troll.objectives import TrollObjective
+from lightning_troll.projection import sparsify
+
+
+class FakeModule(SimpleNamespace):
+    """What the monitor reads from a TrollModule, and what it logs."""
+
+    def log_dict(self, values):
+        self.logged.update({k: float(v) for k, v in values.items()})
+
+    def log(self, name, value, **kwargs):
+        self.logged[name] = float(value)
+
+
+def test_infeasible_tokens_are_counted_and_left_out_of_eta():
+    """pi_old = [0.5, 0.2, 0.2, 0.1]; rows 0 and 1 of pi_new have no mass on tokens 2 and 3
+    (0.3 of the old mass, floor -log 0.7 = 0.357 > eps = 0.05): infeasible, eta* = inf. Rows 2
+    and 3 are finite and feasible (row 3 is the old policy: eta* = 0)."""
+    old_logits = torch.tensor([0.5, 0.2, 0.2, 0.1], dtype=torch.float64).log().expand(4, 4)
+    new = torch.tensor(
+        [[0.5, 0.2, 0.0, 0.0], [0.1, 0.9, 0.0, 0.0], [0.3, 0.3, 0.2, 0.2], [0.5, 0.2, 0.2, 0.1]],
+        dtype=torch.float64,
+    ).log()
+    tokens = torch.tensor([0, 1, 2, 3])
+    old = sparsify(old_logits, max_tokens=4, mass_delta=0.0, keep=tokens)
+    objective = TrollObjective(eps=0.05, max_tokens=4, mass_delta=0.0)
+    old_lp = torch.log_softmax(old_logits, -1).gather(-1, tokens[:, None]).reshape(2, 2)
+    mask = torch.ones(2, 2, dtype=torch.bool)
+    _, stats = objective(
+        new.reshape(2, 2, 4), tokens.reshape(2, 2), mask, torch.ones(2), old_lp, old
+    )
+    eta = stats.projection.eta
+    assert eta[:2].isinf().all() and 0 < eta[2] < math.inf and eta[3] == 0
+
+    module = FakeModule(last_stats=[stats], objective=objective, logged={})
+    monitor = TrustRegionMonitor(histogram_every_n_rollouts=0)
+    monitor.on_train_batch_end(None, module, None, None, 0)
+    logged = module.logged
+    assert logged["trust_region/infeasible_frac"] == 0.5
+    assert logged["trust_region/active_frac"] == 0.75
+    assert logged["trust_region/eta_max"] == pytest.approx(float(eta[2]), rel=1e-6)
+    assert logged["trust_region/eta_mean"] == pytest.approx(float(eta[2]) / 2, rel=1e-6)
+    # the infeasible tokens keep their floor, above the bound, and the violation shows it
+    assert logged["trust_region/kl_after_max"] == pytest.approx(-math.log(0.7), rel=1e-6)
+    assert logged["trust_region/max_violation"] == pytest.approx(
+        -math.log(0.7) / 0.05 - 1, rel=1e-6
+    )

@@ -1,0 +1,213 @@
+"""examples/smollm2_study.py: grid, arguments, merged histories, table, and a dry run with an
+interrupted run resumed from its checkpoint."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow  # imports Lightning and matplotlib; the dry run trains
+pytest.importorskip("matplotlib")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_study():
+    spec = importlib.util.spec_from_file_location(
+        "smollm2_study", ROOT / "examples/smollm2_study.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+study = load_study()
+
+
+def options(args: list[str]) -> dict[str, str]:
+    """``["fit", "--a", "1", "--b", "2"]`` -> ``{"--a": "1", "--b": "2"}``."""
+    return dict(zip(args[1::2], args[2::2], strict=True))
+
+
+def test_grid_pairs_objectives_per_seed_and_adds_one_stress_cell():
+    budget = study.Budget()  # 8 prompts x 8 completions = 64 sequences
+    specs = study.grid([0, 1, 2], budget, "steps", 8)
+    assert [(s.objective, s.seed, s.steps) for s in specs] == [
+        ("clip", 0, 4), ("troll", 0, 4), ("clip", 1, 4), ("troll", 1, 4),
+        ("clip", 2, 4), ("troll", 2, 4), ("clip", 0, 8), ("troll", 0, 8),
+    ]  # fmt: skip
+    assert len({s.name for s in specs}) == 8
+    lr = study.grid([0], budget, "lr", 8)[2:]
+    assert [(s.objective, s.steps, s.lr) for s in lr] == [("clip", 4, 3e-5), ("troll", 4, 3e-5)]
+    assert lr[0].name == "clip-steps4-lr3e-05-s0"
+    assert len(study.grid([0, 1], budget, "none", 8)) == 4
+    with pytest.raises(ValueError, match=r"--stress must be one of"):
+        study.grid([0], budget, "more", 8)
+    with pytest.raises(ValueError, match=r"must divide the 64 sequences .* got 7"):
+        study.grid([0], budget, "steps", 7)
+    with pytest.raises(ValueError, match=r"--rollouts must be an integer >= 1; got 0"):
+        study.Budget(rollouts=0)
+
+
+def test_training_args_set_the_cell_the_logs_and_the_checkpoints(tmp_path):
+    budget = study.Budget()
+    args = study.training_args(study.RunSpec("clip", 2, 8), budget, None, tmp_path, version=1)
+    value = options(args)
+    assert value["--config"] == str(ROOT / "configs" / "smollm2.yaml")
+    assert value["--seed_everything"] == "2" and value["--model.objective"] == "clip"
+    assert value["--model.optimization.minibatch_size"] == "8"  # 64 sequences in 8 steps
+    assert value["--trainer.max_steps"] == "240"  # 30 rollouts x 8
+    assert value["--trainer.val_check_interval"] == "5"
+    assert value["--trust_region_monitor.kl_end"] == "true"
+    assert value["--checkpoint.dirpath"] == str(tmp_path / "checkpoints")
+    assert json.loads(value["--trainer.logger"])["init_args"]["version"] == 1
+    assert "--model.model" not in value and "--model.optimizer.init_args.lr" not in value
+    stress = study.RunSpec("troll", 0, 4, lr=3e-5)
+    value = options(study.training_args(stress, budget, "m", tmp_path))
+    assert float(value["--model.optimizer.init_args.lr"]) == 3e-5 and value["--model.model"] == "m"
+
+
+def write_log(path: Path, rows: list[dict]) -> None:
+    path.mkdir(parents=True)
+    keys = sorted({k for row in rows for k in row})
+    with (path / "metrics.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=keys)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def test_history_merges_attempts_the_later_one_winning(tmp_path):
+    """Attempt 0 logged rollouts 1-3 (step 0-2) and was stopped; its checkpoint was at rollout 2,
+    so attempt 1 ran rollout 3 again, then rollout 4."""
+    write_log(
+        tmp_path / "version_0",
+        [
+            {"step": 0, "reward/mean": 0.1},
+            {"step": 1, "reward/mean": 0.2, "val/accuracy": 0.5},
+            {"step": 2, "reward/mean": 0.3, "unkept/metric": 9.0},
+        ],
+    )
+    write_log(
+        tmp_path / "version_1", [{"step": 2, "reward/mean": 0.35}, {"step": 3, "entropy": 1.0}]
+    )
+    history = study.read_history(tmp_path)
+    assert history == [
+        {"rollout": 1, "reward/mean": 0.1},
+        {"rollout": 2, "reward/mean": 0.2, "val/accuracy": 0.5},
+        {"rollout": 3, "reward/mean": 0.35},
+        {"rollout": 4, "entropy": 1.0},
+    ]
+
+
+def record(objective, seed, steps, accuracies, kl, seconds=60.0):
+    history = [{"rollout": 0, "val/accuracy": accuracies[0]}]
+    for i, a in enumerate(accuracies[1:], start=1):
+        history.append(
+            {
+                "rollout": i,
+                "val/accuracy": a,
+                "reward/mean": a,
+                "trust_region/kl_end_mean": kl,
+                "trust_region/kl_end_max": 10 * kl,
+                "trust_region/kl_end_sampled": kl / 2,
+                "time/iteration": 2.0,
+                "entropy": 0.5,
+                "trust_region/bound": 0.05,
+            }
+        )
+    return {
+        **study.RunSpec(objective, seed, steps).__dict__,
+        "name": study.RunSpec(objective, seed, steps).name,
+        "seconds": seconds,
+        "final_accuracy": accuracies[-1],
+        "late_accuracy": study.final_accuracy(history, 3),
+        "history": history,
+    }
+
+
+def test_summary_table_estimate_and_plots(tmp_path):
+    records = [
+        record("clip", 0, 4, [0.4, 0.5, 0.6], 0.02),
+        record("clip", 1, 4, [0.4, 0.7, 0.8], 0.04, seconds=120.0),
+        record("troll", 0, 4, [0.4, 0.5, 0.5], 0.01),
+        record("troll", 0, 8, [0.4, 0.6, 0.6], 0.03),
+    ]
+    rows = study.summarise(records)
+    clip = rows[0]
+    assert (clip["objective"], clip["steps"], clip["seeds"]) == ("clip", 4, 2)
+    assert clip["accuracy"] == pytest.approx((0.7, 0.1414213562373095), rel=1e-12)
+    # late: mean of (0.4, 0.5, 0.6) and (0.4, 0.7, 0.8) = 0.5 and 0.6333
+    assert clip["late_accuracy"][0] == pytest.approx((0.5 + 1.9 / 3) / 2, rel=1e-12)
+    assert clip["kl_end"][0] == pytest.approx(0.03, rel=1e-12) and clip["kl_end_max"] == 0.4
+    lines = study.format_table(rows, study.Budget()).splitlines()
+    assert len(lines) == 2 + 3
+    assert lines[2].startswith("| clip | 4 | 1e-05 | 2 | 0.700 ± 0.141 |")
+    assert "| troll | 8 | 1e-05 | 1 |" in lines[4]
+    # estimate: 90 s per rollout over the 2 runs done (60 / 1 and 120 / 1 with 1 rollout each)
+    budget = study.Budget(rollouts=1)
+    total, rate = study.estimate_seconds(
+        study.grid([0, 1, 2], budget, "steps", 8), budget, records[:2], 60.0
+    )
+    assert (rate, total) == (90.0, 8 * 90.0)
+    assert study.estimate_seconds([], budget, [], 60.0) == (0.0, 60.0)
+    paths = study.write_plots(records, tmp_path, study.Budget())
+    assert [p.name for p in paths] == [
+        "reward.png", "accuracy.png", "kl_end.png", "kl_end_max.png", "entropy.png", "time.png",
+    ]  # fmt: skip
+    for path in paths:
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", path.name
+
+
+KEPT = ("reward/mean", "val/accuracy", "trust_region/kl_end_mean", "trust_region/kl_end_sampled")
+
+
+def test_dry_run_end_to_end_and_an_interrupted_run_resumes(tiny_model_dir, tmp_path, monkeypatch):
+    base = ["--dry-run", "--model", str(tiny_model_dir), "--seeds", "0", "--stress", "none"]
+    records = study.main([*base, "--out", str(tmp_path / "a")])
+    out = tmp_path / "a"
+    assert [r["objective"] for r in records] == ["clip", "troll"]
+    for r in records:
+        rows = r["history"]
+        assert [row["rollout"] for row in rows] == [0, 1, 2, 3]
+        for row in rows[1:]:  # both objectives: the KL at the rollout's end, and wall time
+            assert row["trust_region/kl_end_mean"] >= -1e-6 and row["time/iteration"] > 0
+            assert row["trust_region/kl_end_max"] >= row["trust_region/kl_end_mean"]
+        assert ("trust_region/kl_after_max" in rows[1]) == (r["objective"] == "troll")
+        assert not (out / "runs" / r["name"] / "checkpoints").exists()  # deleted when done
+    for name in ("metrics.csv", "results.json", "table.md", "kl_end.png", "time.png"):
+        assert (out / name).exists(), name
+
+    # Stop the TROLL run after 2 of its 3 rollouts, as a signal would: last.ckpt, no result.json.
+    real_args = study.training_args
+
+    def stopped_early(spec, budget, model, run_dir, version=0):
+        args = real_args(spec, budget, model, run_dir, version)
+        if spec.objective == "troll" and version == 0:
+            args[args.index("--trainer.max_steps") + 1] = str(2 * spec.steps)
+        return args
+
+    b = tmp_path / "b"  # the start's validation and the clip run taken over from a
+    for name in ("settings.json", "start.json", "clip-steps4-s0/result.json"):
+        (b / "runs" / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(out / "runs" / name, b / "runs" / name)
+    monkeypatch.setattr(study, "training_args", stopped_early)
+    with pytest.raises(SystemExit):
+        study.main([*base, "--out", str(b)])
+    troll = b / "runs" / "troll-steps4-s0"
+    assert (troll / "checkpoints" / "last.ckpt").exists() and not (troll / "result.json").exists()
+    assert (b / "runs" / "clip-steps4-s0" / "result.json").exists()
+    again = study.main([*base, "--out", str(b)])  # clip skipped, TROLL resumed at rollout 3
+    assert json.loads((troll / "attempts.json").read_text()).__len__() == 2
+    assert sorted(p.name for p in (troll / "logs").iterdir()) == ["version_0", "version_1"]
+    for resumed, whole in zip(again[1]["history"], records[1]["history"], strict=True):
+        for key in KEPT:
+            assert (key in resumed) == (key in whole), key
+            if key in whole:
+                assert resumed[key] == pytest.approx(whole[key], rel=1e-5, abs=1e-7), key
