@@ -1,16 +1,11 @@
-"""The built-in reward functions and the answer parsing they share.
+"""The built-in reward functions ``tinymath``, ``gsm8k``, ``boxed`` and ``last_number``, and the
+answer parsing they share.
 
-Each is a reward function ``fn(prompt, completion, row) -> float`` (see
-:mod:`lightning_troll.rewards`, whose registry holds them by these names):
-
-    tinymath  1.0 if ``tinymath.answer_of(completion)`` equals ``row["answer"]``
-    gsm8k     the number after the last ``####``, compared numerically with the gold answer
-    boxed     the content of the last ``\\boxed{...}``, compared after normalisation
-    last_number  the last number in the completion, compared numerically with the gold answer
-
-The fifth built-in, ``overlong`` (DAPO's soft overlong penalty), scores the completion's length,
-not its answer; it lives with the reward options it takes (:mod:`lightning_troll.reward_options`).
-Numbers are compared exactly, as fractions: ``"1,000"`` and ``"1000.0"`` are one number.
+Each is a reward function ``fn(prompt, completion, row) -> float``, registered under its name
+in :mod:`lightning_troll.rewards` (whose docstring lists what each scores). The fifth built-in,
+``overlong``, scores a completion's length, not its answer; it lives with the reward options it
+takes (:mod:`lightning_troll.reward_options`). ``gsm8k``, ``boxed`` and ``last_number`` compare
+numbers exactly, as fractions: ``"1,000"`` and ``"1000.0"`` are one number.
 """
 
 from __future__ import annotations
