@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import statistics
@@ -295,8 +296,8 @@ def run_trl(spec: dict) -> dict:
                 "generation": generation,
                 "rest_of_rollout": rollout - generation,
                 "training": total - rollout,
-                "mean_length": lengths[i * steps] if i * steps < len(lengths) else float("nan"),
-                "tokens_per_s": float("nan"),
+                "mean_length": length_of(lengths, i, steps),
+                "tokens_per_s": length_of(lengths, i, steps) * PROMPTS * GROUP / generation,
             }
         )
     return {"iterations": iterations, "peak_memory_gib": peak_memory_gib()}
@@ -448,6 +449,13 @@ def generation_speed(model_dir: str, threads: int, max_new_tokens: int, repeats:
     return rows
 
 
+def length_of(lengths: list[float], iteration: int, steps: int) -> float:
+    """TRL's logged mean completion length of an iteration: logged once per iteration, or once
+    per optimiser step (the iteration's first is taken); NaN if it was not logged."""
+    index = iteration if len(lengths) <= iteration * steps else iteration * steps
+    return lengths[index] if index < len(lengths) else float("nan")
+
+
 # ----------------------------------------------------------------------------- orchestration
 
 
@@ -481,6 +489,11 @@ def trl_python(choice: str | None) -> str | None:
     return candidate if probe.returncode == 0 else None
 
 
+def figure(value: float, digits: int) -> str:
+    """``value`` to ``digits`` decimals; "-" where it was not measured (NaN)."""
+    return "-" if math.isnan(value) else f"{value:.{digits}f}"
+
+
 def table(results: list[dict]) -> str:
     lines = [
         "| configuration | steps | s / iteration | generation | rest of rollout | training | "
@@ -495,8 +508,8 @@ def table(results: list[dict]) -> str:
             ratio = f"{s['total'] / min(trl):.2f}x" if trl else "-"
             lines.append(
                 f"| {r['name']} | {steps} | {s['total']:.1f} | {s['generation']:.1f} | "
-                f"{s['rest_of_rollout']:.1f} | {s['training']:.1f} | {s['mean_length']:.1f} | "
-                f"{s['tokens_per_s']:.0f} | {s['peak_memory_gib']:.2f} | {ratio} |"
+                f"{s['rest_of_rollout']:.1f} | {s['training']:.1f} | {figure(s['mean_length'], 1)} | "
+                f"{figure(s['tokens_per_s'], 0)} | {s['peak_memory_gib']:.2f} | {ratio} |"
             )
     for r in results:
         if "error" in r:
