@@ -640,10 +640,10 @@ def run_all(configs: list[tuple[str, str, dict]], path: Path | None) -> list[dic
         else:
             print(f"    failed: {result['error'].splitlines()[-1]}", flush=True)
         results.append(result)
-        if path:
+        if path:  # every configuration measured so far, this run's and earlier ones
+            others = [r for r in done if all(r["spec"] != x["spec"] for x in results)]
             path.parent.mkdir(parents=True, exist_ok=True)
-            kept_others = [r for r in done if all(r["spec"] != c[2] for c in configs)]
-            path.write_text(json.dumps(kept_others + results, indent=1))
+            path.write_text(json.dumps(others + results, indent=1))
     return results
 
 

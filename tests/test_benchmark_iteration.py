@@ -114,13 +114,25 @@ def test_a_tiny_run_times_both_variants_and_resumes_from_its_json(tmp_path):
             assert it["generation"] > 0 and it["training"] > 0 and parts <= it["total"]
             assert it["mean_length"] >= 1
     assert "| ours, troll, default | 2 |" in done.stdout
-    # a second run keeps what the JSON holds and times nothing again
+    # a second run keeps what the JSON holds, times only what it lacks, and loses nothing
     again = subprocess.run(
-        [sys.executable, str(SCRIPT), *args, "--variants", "default", "--json", str(out)],
+        [
+            sys.executable,
+            str(SCRIPT),
+            *args,
+            "--variants",
+            "default",
+            "recorded",
+            "--json",
+            str(out),
+        ],
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert again.returncode == 0, again.stderr[-3000:]
-    assert "measured before (in --json): kept" in again.stdout
-    assert json.loads(out.read_text()) == results
+    assert again.stdout.count("measured before (in --json): kept") == 1
+    final = json.loads(out.read_text())
+    assert sorted(r["spec"]["variant"] for r in final) == ["baseline", "default", "recorded"]
+    by_variant = {r["spec"]["variant"]: r for r in final}
+    assert [by_variant[r["spec"]["variant"]] for r in results] == results  # kept as they were
