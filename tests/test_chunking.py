@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_troll import rollout as rollout_module
+from lightning_troll import forward as forward_module
 from lightning_troll.chunking import check_chunk_size, row_chunks
 from lightning_troll.models import tiny_causal_lm
 from lightning_troll.module import OptimizationConfig, TrollModule
@@ -268,7 +268,7 @@ def soft_capped_model() -> nn.Module:
 
 
 def test_soft_capped_logits_fall_back_to_the_full_logits(monkeypatch):
-    monkeypatch.setattr(rollout_module, "_warned", set())
+    monkeypatch.setattr(forward_module, "_warned", set())
     model = soft_capped_model()
     ids, attention, response = batch()
     message = (
