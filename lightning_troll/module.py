@@ -419,7 +419,8 @@ class TrollModule(LightningModule):
         the rest bucket, ``model.trust_region``'s rule: what TROLL's ``kl_before`` measures);
         the second the sampled estimate ``r log r - r + 1`` with ``r = pi(o_t) / pi_old(o_t)``,
         whose mean is an unbiased estimate of the mean KL(pi || pi_old) over the whole
-        vocabulary (the tokens come from pi_old). Needs ``rollout.old``.
+        vocabulary (the tokens come from pi_old; with ``sampling.top_p`` or ``top_k``
+        truncating it, from a truncation of it instead). Needs ``rollout.old``.
         """
         if rollout.old is None:
             raise ValueError(
