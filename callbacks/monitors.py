@@ -57,7 +57,8 @@ class TrustRegionMonitor(Callback):
     ``trust_region/kl_end_{mean,max}`` (between the lumped sparse distributions of
     ``model.trust_region``'s rule, like ``kl_before``; clipping runs then cache those
     distributions too) and ``trust_region/kl_end_sampled`` (the mean of ``r log r - r + 1`` over
-    the sampled tokens, an unbiased estimate of the mean KL over the whole vocabulary).
+    the sampled tokens, an unbiased estimate of the mean KL over the whole vocabulary unless
+    ``sampling.top_p`` or ``top_k`` truncates the sampling).
 
     Args:
         histogram_every_n_rollouts: how often per-token KL histograms are written; 0 = never.

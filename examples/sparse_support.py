@@ -1,22 +1,22 @@
 """The sparse support at a real vocabulary: what TROLL's projection keeps, what it loses, what it costs.
 
-    python examples/sparse_support.py                 # SmolLM2-135M-Instruct (make smollm2), ~5 min
-    python examples/sparse_support.py --prompts 4     # fewer rollouts
+    python examples/sparse_support.py                  # SmolLM2-135M-Instruct (make smollm2)
+    python examples/sparse_support.py --lr 3e-5 --json examples/results/smollm2/sparse_support_lr3e-5.json
 
 On SmolLM2-135M-Instruct's own rollouts (V = 49,152) for ``configs/smollm2.yaml``'s prompts, at
 each sampling temperature (0.7, the config's, and 1.0): the policy samples ``--prompts`` x
 ``--group-size`` completions of at most ``--max-new-tokens`` tokens; their logits at every
 response token are kept as the old (behaviour) policy; then ``--steps`` AdamW steps at ``--lr``
-(clipped GRPO on minibatches of ``--minibatch-size`` sequences, gradient norm clipped to 1, the
-config's settings otherwise) move the policy away from it, and its logits at the same tokens are
-the new policy. For every ``max_tokens`` K in {16, 64, 256} and ``mass_delta`` in {1e-3, 1e-5}
-the script then compares :class:`~lightning_troll.projection.TrustRegionProjection` (sparse; the
-old rows from :func:`~lightning_troll.projection.sparsify`, as a rollout caches them) with the
-exact dense projection :func:`~lightning_troll.projection.kl_projection` over the whole
-vocabulary, on the same (N, V) float32 logits, eps and alpha from the config:
+(default: the config's, with no warm-up; clipped GRPO on minibatches of ``--minibatch-size``
+sequences, gradient norm clipped to 1) move the policy away from it, and its logits at the same
+tokens are the new policy. For every ``max_tokens`` K in {16, 64, 256} and ``mass_delta`` in
+{1e-3, 1e-5} the script then compares :class:`~lightning_troll.projection.TrustRegionProjection`
+(sparse; the old rows from :func:`~lightning_troll.projection.sparsify`, as a rollout caches them)
+with the exact dense projection :func:`~lightning_troll.projection.kl_projection` over the whole
+vocabulary, on the same (N, V) float32 logits, with eps and alpha from the config:
 
-- ``cap_frac``: share of tokens whose K most probable old tokens hold less than 1 - delta of the
-  mass, so the support stops at the cap, not at the mass target;
+- ``cap_frac`` (capped): share of tokens whose K most probable old tokens hold less than
+  1 - delta of the mass, so that the support stops at the cap, not at the mass target;
 - ``outside_mean`` / ``outside_max``: old-policy mass outside the cached support (1 - coverage);
 - ``support_mean``: tokens |U| the projection ran on;
 - ``logprob_err``: |sparse - dense| projected log-prob of the sampled token (mean and max);
@@ -24,16 +24,23 @@ vocabulary, on the same (N, V) float32 logits, eps and alpha from the config:
   KL between the lumped distributions, the quantity its bound holds);
 - ``grad_err``: ||g_sparse - g_dense|| / ||g_dense|| of TROLL's loss (token mean of
   ``-ratio * A + alpha * KL(pi_new || sg(pi_proj))``) with respect to the (N, V) logits;
-- ``projected`` / ``projected_dense``: share of tokens projected by each (eta* > 0);
-- ``ms_per_1k``: the sparse layer's forward and backward per 1,000 tokens (rows in chunks of
-  1,024, as ``model.logits_chunk_size`` makes them), ``dense_ms_per_1k`` the dense one's;
+- ``projected`` / ``projected_dense``: share of tokens each projects (eta* > 0);
+- ``full_kl_after_{mean,p90,max}``, ``over_bound_frac`` (> 1.001 eps) and
+  ``over_bound_10pct_frac`` (> 1.1 eps): the KL to the old policy, over the whole vocabulary,
+  of the distribution the sparse projection stands for (its projected mass on U, the rest
+  bucket's shared out in proportion to pi_new), rebuilt here independently of the layer
+  (``rebuilt_logprob_err_max`` checks the rebuild against the layer's token log-prob);
+- ``ms_per_1k`` / ``cpu_ms_per_1k``: wall and process CPU time of the sparse layer's forward and
+  backward per 1,000 tokens (rows in chunks of 1,024, as ``model.logits_chunk_size`` makes them;
+  the fastest of 2 passes), ``dense_*`` the dense projection's;
 - ``cache_mib_per_1m``: the cached old rows (int64 ids, float32 log-probs, the tail) per million
-  response tokens; ``peak_mib``: the resident set size above its level before the sparse forward
-  and backward over all N rows (the (n, V) buffers, which do not depend on K, dominate it).
+  response tokens; ``peak_mib``: the resident set size above its level before the sparse
+  forward and backward over all N rows (their (n, V) buffers, which do not depend on K,
+  dominate it).
 
 It prints a table and writes JSON (``--json``, default
 ``examples/results/smollm2/sparse_support.json``). Wall-clock figures depend on the machine and
-on what else runs on it.
+on what else runs on it; CPU time depends less on the latter.
 """
 
 from __future__ import annotations
@@ -64,7 +71,7 @@ CHUNK = 1024
 """Rows per chunk of the timed projections (``model.logits_chunk_size``'s default)."""
 REFERENCE_CHUNK = 512
 """Rows per chunk of the full-vocabulary check, which holds several (rows, V) arrays at once."""
-REPEATS = 3
+REPEATS = 2
 """Timed passes per projection; the fastest counts (other work on the machine slows some)."""
 
 
@@ -84,21 +91,32 @@ class Logits:
     """Wall time of sampling (with the old logits) and of the optimiser steps."""
 
 
-def rss_mib() -> float:
-    """The process's resident set size now (Linux), MiB."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
+def _status_mib(field: str) -> float:
+    """A ``/proc/self/status`` field (Linux), MiB; NaN where there is none."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     return float("nan")
 
 
 class PeakRss:
     """Context manager: the highest resident set size while the block runs, above its level at
-    the start, in MiB (``.mib``), sampled every 2 ms by a thread (torch releases the GIL)."""
+    the start, in MiB (``.mib``). The kernel's high-water mark ``VmHWM`` is reset at the start
+    (``/proc/self/clear_refs``) and read at the end; a thread also samples ``VmRSS`` every
+    2 ms, in case the reset is refused."""
 
     def __enter__(self) -> PeakRss:
-        self.base = self.peak = rss_mib()
+        self.base = self.peak = _status_mib("VmRSS")
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            self._reset = True
+        except OSError:
+            self._reset = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
@@ -106,12 +124,13 @@ class PeakRss:
 
     def _sample(self) -> None:
         while not self._stop.wait(0.002):
-            self.peak = max(self.peak, rss_mib())
+            self.peak = max(self.peak, _status_mib("VmRSS"))
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
-        self.mib = max(self.peak, rss_mib()) - self.base
+        high = _status_mib("VmHWM") if self._reset else float("nan")
+        self.mib = max(self.peak, _status_mib("VmRSS"), high if high == high else 0) - self.base
 
 
 def support_stats(old: Tensor, max_tokens: int, mass_delta: float) -> dict[str, float]:
@@ -132,16 +151,20 @@ def _token_loss(logp: Tensor, regression: Tensor, data: Logits, old_lp: Tensor, 
 
 
 def timed(fn, repeats: int = REPEATS):
-    """``fn()``'s result, its fastest time over ``repeats`` calls (s) and the first call's
+    """``fn()``'s result, its fastest wall time and process CPU time over ``repeats`` calls (s;
+    CPU time counts every thread, and waiting for a core does not count) and the first call's
     peak resident memory above its start (MiB)."""
-    with PeakRss() as memory:
-        result = fn()
-    best = math.inf
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return result, best, memory.mib
+    wall, cpu = [], []
+    for i in range(repeats):
+        start, start_cpu = time.perf_counter(), time.process_time()
+        if i == 0:
+            with PeakRss() as memory:
+                result = fn()
+        else:
+            fn()
+        wall.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
+    return result, min(wall), min(cpu), memory.mib
 
 
 def dense_pass(data: Logits, eps: float, alpha: float) -> dict[str, Tensor]:
@@ -225,10 +248,16 @@ def full_vocabulary_kl(data: Logits, old, eps: float, max_tokens: int, mass_delt
         a_rest = torch.where(in_u, -math.inf, a_full).logsumexp(-1, keepdim=True)  # (m, 1)
         b_u = torch.where(in_old, b_true, torch.where(in_u, spread, -math.inf))
         b_rest = torch.where(n_rest > 0, spread + n_rest.log(), -math.inf)
-        a = torch.cat([torch.where(in_u, a_full, -math.inf), a_rest], -1)  # (m, V + 1)
-        b = torch.cat([b_u, b_rest], -1)
-        logp = project_log_probs(a, b, torch.full((m,), eps))[0]  # (m, V + 1)
-        full = torch.where(in_u, logp[:, :-1], logp[:, -1:] + a_full - a_rest)  # (m, V)
+        # the problem on U's columns (ids ascending, padded with V) and the rest bucket
+        width = int(in_u.sum(-1).max())
+        ids = torch.where(in_u, torch.arange(vocab), vocab).sort(-1).values[:, :width]  # (m, L)
+        real = ids < vocab
+        cols = ids.clamp_max(vocab - 1)
+        a = torch.cat([torch.where(real, a_full.gather(-1, cols), -math.inf), a_rest], -1)
+        b = torch.cat([torch.where(real, b_u.gather(-1, cols), -math.inf), b_rest], -1)
+        logp = project_log_probs(a, b, torch.full((m,), eps))[0]  # (m, L + 1)
+        on_u = torch.full((m, vocab + 1), -math.inf).scatter(-1, ids, logp[:, :-1])[:, :vocab]
+        full = torch.where(in_u, on_u, logp[:, -1:] + a_full - a_rest)  # (m, V)
         p = full.exp()
         kl.append(torch.where(p > 0, p * (full - b_true), 0.0).sum(-1))
         token_lp.append(full.gather(-1, data.tokens[rows, None]).squeeze(-1))
@@ -243,14 +272,14 @@ def compare(
     repeats: int = REPEATS,
 ) -> list[dict]:
     """One record per (max_tokens, mass_delta) of ``grid``: support, errors, time and memory."""
-    dense, dense_s, dense_mib = timed(lambda: dense_pass(data, eps, alpha), repeats)
+    dense, dense_s, dense_cpu, dense_mib = timed(lambda: dense_pass(data, eps, alpha), repeats)
     n = data.tokens.numel()
     g_dense = dense["grad"].double()
     records = []
     for max_tokens, mass_delta in grid:
         old = sparsify(data.old, max_tokens, mass_delta, keep=data.tokens)  # as a rollout caches
         layer = TrustRegionProjection(eps, max_tokens, mass_delta)
-        sparse, seconds, mib = timed(lambda: sparse_pass(data, old, layer, alpha), repeats)  # noqa: B023
+        sparse, seconds, cpu, mib = timed(lambda: sparse_pass(data, old, layer, alpha), repeats)  # noqa: B023
         full_kl, rebuilt = full_vocabulary_kl(data, old, eps, max_tokens, mass_delta)
         lp_err = (sparse["logprob"] - dense["logprob"]).abs()
         kl_err = (sparse["kl_after"] - dense["kl_after"]).abs()
@@ -277,13 +306,17 @@ def compare(
                 "kl_after_max_dense": dense["kl_after"].max().item(),
                 "full_kl_after_mean": full_kl.mean().item(),
                 "full_kl_after_max": full_kl.max().item(),
+                "full_kl_after_p90": full_kl.quantile(0.9).item(),
                 "over_bound_frac": (full_kl > eps * (1 + 1e-3)).float().mean().item(),
+                "over_bound_10pct_frac": (full_kl > eps * 1.1).float().mean().item(),
                 "rebuilt_logprob_err_max": (rebuilt - sparse["logprob"]).abs().max().item(),
                 "grad_err": grad_err.item(),
                 "projected": (sparse["eta"] > 0).float().mean().item(),
                 "projected_dense": (dense["kl_before"] > eps).float().mean().item(),
                 "ms_per_1k": 1e6 * seconds / n,
+                "cpu_ms_per_1k": 1e6 * cpu / n,
                 "dense_ms_per_1k": 1e6 * dense_s / n,
+                "dense_cpu_ms_per_1k": 1e6 * dense_cpu / n,
                 "cache_mib_per_1m": cache / n * 1e6 / 2**20,
                 "peak_mib": mib,
                 "dense_peak_mib": dense_mib,
@@ -386,20 +419,22 @@ COLUMNS = (
     ("T", "temperature", "g"),
     ("K", "max_tokens", "d"),
     ("delta", "mass_delta", "g"),
-    ("capped", "cap_frac", ".3f"),
+    ("capped", "cap_frac", ".2f"),
     ("outside mean", "outside_mean", ".1e"),
     ("outside max", "outside_max", ".3f"),
-    ("mean abs U", "support_mean", ".1f"),
+    ("mean abs U", "support_mean", ".0f"),
     ("logprob err mean", "logprob_err_mean", ".1e"),
     ("logprob err max", "logprob_err_max", ".1e"),
     ("KL after err max", "kl_after_err_max", ".1e"),
-    ("max KL after", "kl_after_max", ".4f"),
-    ("max full-vocab KL after", "full_kl_after_max", ".4f"),
-    ("over bound", "over_bound_frac", ".3f"),
     ("grad err", "grad_err", ".1e"),
     ("projected", "projected", ".3f"),
-    ("ms / 1k tokens", "ms_per_1k", ".0f"),
-    ("cache MiB / 1M tokens", "cache_mib_per_1m", ".0f"),
+    ("projected dense", "projected_dense", ".3f"),
+    ("full KL p90", "full_kl_after_p90", ".4f"),
+    ("full KL max", "full_kl_after_max", ".3f"),
+    ("over 1.1 eps", "over_bound_10pct_frac", ".3f"),
+    ("CPU ms / 1k", "cpu_ms_per_1k", ".0f"),
+    ("dense CPU ms / 1k", "dense_cpu_ms_per_1k", ".0f"),
+    ("cache MiB / 1M", "cache_mib_per_1m", ".0f"),
     ("peak MiB", "peak_mib", ".0f"),
 )
 
@@ -421,7 +456,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--group-size", type=int, default=8, help="completions per prompt")
     p.add_argument("--max-new-tokens", type=int, default=24, help="completion budget")
     p.add_argument("--steps", type=int, default=4, help="AdamW steps between old and new")
-    p.add_argument("--lr", type=float, default=3e-5, help="learning rate of those steps")
+    p.add_argument("--lr", type=float, default=None, help="their learning rate (the config's)")
     p.add_argument("--minibatch-size", type=int, default=16, help="sequences per step")
     p.add_argument("--temperatures", type=float, nargs="+", default=list(TEMPERATURES))
     p.add_argument("--seed", type=int, default=0)
@@ -441,6 +476,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     if not Path(model, "config.json").is_file():
         sys.exit(f"no model folder at {model}: run `make smollm2` first, or pass --model")
     region = config["model"]["trust_region"]
+    lr = args.lr or float(config["model"]["optimizer"]["init_args"]["lr"])
     eps, alpha = float(region["eps"]), float(region.get("alpha", 1.0))
     grid = [(k, d) for d in MASS_DELTAS for k in MAX_TOKENS]
     torch.set_grad_enabled(True)
@@ -449,7 +485,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     batch = prompt_batch(model, config, args.prompts, args.seed)
     for temperature in args.temperatures:
         module = build_module(model, config, temperature, args.max_new_tokens, args.group_size)
-        data = rollout_logits(module, batch, args.steps, args.lr, args.minibatch_size, args.seed)
+        data = rollout_logits(module, batch, args.steps, lr, args.minibatch_size, args.seed)
         del module
         kl_new_old = (
             torch.log_softmax(data.new, -1).exp()
@@ -482,6 +518,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
         "vocab_size": vocab,
         "settings": {
             **{k: v for k, v in vars(args).items() if k != "json"},
+            "lr": lr,
             "eps": eps,
             "alpha": alpha,
             "chunk_rows": CHUNK,

@@ -55,7 +55,8 @@ def kl_to_behaviour(
     rest bucket, ``rule``'s supports: what TROLL's ``kl_before`` measures); the second the
     sampled estimate ``r log r - r + 1`` with ``r = pi(o_t) / pi_old(o_t)``, whose mean is an
     unbiased estimate of the mean KL(pi || pi_old) over the whole vocabulary (the tokens come
-    from pi_old). Needs ``rollout.old``. ``chunk_size`` and ``share_prompts`` are the module's
+    from pi_old; with ``sampling.top_p`` or ``top_k`` truncating it, from a truncation of it
+    instead). Needs ``rollout.old``. ``chunk_size`` and ``share_prompts`` are the module's
     ``logits_chunk_size`` and ``share_prompts``.
     """
     if rollout.old is None:
