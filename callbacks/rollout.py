@@ -12,7 +12,7 @@ from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_troll.behaviour import BehaviourRecorder
+from lightning_troll.behaviour import BehaviourRecorder, records_while_sampling
 from lightning_troll.callbacks.samples import RolloutReport, Samples, samples_table
 from lightning_troll.dynamic_sampling import choose_groups
 from lightning_troll.prompts import PromptBatch, draw_prompts
@@ -261,7 +261,7 @@ def _sample(module: LightningModule, batch: Any) -> Samples:
     """One round: G completions per prompt of ``batch`` from the snapshot, decoded and scored."""
     group = module.group_size
     recorder = None
-    if module.behaviour_logprobs == "sampling":
+    if records_while_sampling(module.behaviour_logprobs, module.policy):
         recorder = BehaviourRecorder(module.sampling.temperature, module.sparsify_old)
     start = clock(module.device)
     with module.behaviour_policy() as snapshot, gathered(snapshot):

@@ -30,6 +30,7 @@ from lightning_troll.advantages import (
     compute_advantages,
     get_advantage_estimator,
 )
+from lightning_troll.behaviour import BEHAVIOUR_LOGPROBS
 from lightning_troll.chunking import DEFAULT_CHUNK_SIZE, check_chunk_size
 from lightning_troll.drift import kl_to_behaviour, support_rule
 from lightning_troll.dynamic_sampling import check_dynamic_sampling
@@ -116,10 +117,11 @@ class TrollModule(ResumeHooks, LightningModule):
             or scaled logits always use full logits.
         behaviour_logprobs: where the behaviour policy's token log-probs (and TROLL's sparse old
             distributions) come from: ``sampling`` keeps them from the logits generation computes
-            anyway, one step at a time (no second pass over the rollout, no (tokens x vocabulary)
-            tensor); ``forward`` recomputes them after sampling with a teacher-forced forward
-            pass of the snapshot. Both agree to float rounding (KV-cached attention sums in
-            another order); see the README's iteration-cost section for the measured difference.
+            anyway, one step at a time (no second pass over the rollout); ``forward`` recomputes
+            them with a teacher-forced pass of the snapshot after sampling; ``auto`` (default):
+            ``sampling`` when the policy's weights are float32 (the two agree to 6e-5 there),
+            ``forward`` in bfloat16/float16 (they differ by up to 0.6 in log-prob there; see the
+            README's iteration-cost section).
         share_prompts: run each distinct prompt of a micro-batch through the model once (a
             group's completions share theirs) and its completions against its cached keys and
             values, in the training passes and the passes after sampling; the same results up to
@@ -155,7 +157,7 @@ class TrollModule(ResumeHooks, LightningModule):
         seed: int = 0,
         gradient_checkpointing: bool = False,
         logits_chunk_size: int | None = DEFAULT_CHUNK_SIZE,
-        behaviour_logprobs: Literal["sampling", "forward"] = "sampling",
+        behaviour_logprobs: Literal["auto", "sampling", "forward"] = "auto",
         share_prompts: bool = True,
         snapshot: SnapshotConfig = SnapshotConfig(),
         lora: LoraConfig | None = None,
@@ -164,9 +166,9 @@ class TrollModule(ResumeHooks, LightningModule):
         self.save_hyperparameters(ignore=["optimizer", "lr_scheduler"])
         check_chunk_size(logits_chunk_size, "model.logits_chunk_size")
         self.logits_chunk_size = logits_chunk_size
-        if behaviour_logprobs not in ("sampling", "forward"):
+        if behaviour_logprobs not in BEHAVIOUR_LOGPROBS:
             raise ValueError(
-                "model.behaviour_logprobs must be one of ['forward', 'sampling']; got "
+                f"model.behaviour_logprobs must be one of {list(BEHAVIOUR_LOGPROBS)}; got "
                 f"{behaviour_logprobs!r}"
             )
         self.behaviour_logprobs = behaviour_logprobs

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from lightning_troll.behaviour import BehaviourRecord, BehaviourRecorder
+from lightning_troll.behaviour import BehaviourRecord, BehaviourRecorder, records_while_sampling
 from lightning_troll.projection import SparseDistribution, sparsify
 from lightning_troll.rollout import SamplingConfig, behaviour_outputs, sample
 
@@ -198,9 +198,52 @@ def test_a_bad_behaviour_logprobs_option_is_named(tiny_model_dir):
 
     with pytest.raises(
         ValueError,
-        match=r"model.behaviour_logprobs must be one of \['forward', 'sampling'\]; got 'cached'",
+        match=r"model.behaviour_logprobs must be one of \['auto', 'forward', 'sampling'\]; got "
+        r"'cached'",
     ):
         make_module(tiny_model_dir, behaviour_logprobs="cached")
+
+
+@pytest.mark.parametrize(
+    ("option", "dtype", "expected"),
+    [
+        ("auto", torch.float32, True),
+        ("auto", torch.float64, True),
+        ("auto", torch.bfloat16, False),
+        ("auto", torch.float16, False),
+        ("sampling", torch.bfloat16, True),
+        ("forward", torch.float32, False),
+    ],
+)
+def test_auto_records_while_sampling_only_in_full_precision(model, option, dtype, expected):
+    import copy
+
+    policy = copy.deepcopy(model).to(dtype)
+    assert records_while_sampling(option, policy) is expected
+
+
+@pytest.mark.parametrize(("dtype", "recomputed"), [("float32", False), ("bfloat16", True)])
+def test_the_default_recomputes_the_behaviour_pass_of_a_bfloat16_policy(
+    tiny_model_dir, monkeypatch, dtype, recomputed
+):
+    """``auto`` (the default): a float32 policy's rollout keeps what sampling recorded, a bfloat16
+    policy's runs the teacher-forced pass of the snapshot after sampling."""
+    import lightning_troll.callbacks.rollout as rollout_callback
+    from tests.test_dynamic_sampling import collect
+
+    calls = []
+    original = rollout_callback.behaviour_outputs
+
+    def counted(*args, **kwargs):
+        calls.append(args[0])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(rollout_callback, "behaviour_outputs", counted)
+    module, rollout, _ = collect(tiny_model_dir, dtype=dtype)
+    assert module.behaviour_logprobs == "auto"
+    assert len(calls) == (1 if recomputed else 0)
+    assert rollout.old.num_rows == int(rollout.response_mask.sum())
+    assert torch.isfinite(rollout.old_logprobs[rollout.response_mask]).all()
 
 
 @pytest.mark.slow
