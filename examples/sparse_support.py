@@ -34,9 +34,10 @@ vocabulary, on the same (N, V) float32 logits, with eps and alpha from the confi
   backward per 1,000 tokens (rows in chunks of 1,024, as ``model.logits_chunk_size`` makes them;
   the fastest of 2 passes), ``dense_*`` the dense projection's;
 - ``cache_mib_per_1m``: the cached old rows (int64 ids, float32 log-probs, the tail) per million
-  response tokens; ``peak_mib``: the resident set size above its level before the sparse
-  forward and backward over all N rows (their (n, V) buffers, which do not depend on K,
-  dominate it).
+  response tokens; ``peak_mib`` (in the JSON only): the resident set size above its level
+  before the sparse forward and backward over all N rows (their (n, V) buffers, which do not
+  depend on K, dominate it); a high-water mark of the whole process, it reads 0 where an earlier
+  setting already reached it.
 
 It prints a table and writes JSON (``--json``, default
 ``examples/results/smollm2/sparse_support.json``). Wall-clock figures depend on the machine and
@@ -435,7 +436,6 @@ COLUMNS = (
     ("CPU ms / 1k", "cpu_ms_per_1k", ".0f"),
     ("dense CPU ms / 1k", "dense_cpu_ms_per_1k", ".0f"),
     ("cache MiB / 1M", "cache_mib_per_1m", ".0f"),
-    ("peak MiB", "peak_mib", ".0f"),
 )
 
 
