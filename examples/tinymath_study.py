@@ -1,6 +1,7 @@
 """TROLL against PPO-style clipping on TinyMath, across advantage estimators and seeds.
 
-    python examples/tinymath_study.py --out study            # the full grid (70 minutes)
+    python examples/tinymath_study.py --out study            # the full grid (about 95 minutes)
+    python examples/tinymath_study.py --no-main --no-ablation --out fair   # the fair baselines only
     python examples/tinymath_study.py --quick --out quick    # GRPO only, fewer rollouts
     python examples/tinymath_study.py --support-only         # the sparse support sizes only
 
@@ -11,7 +12,12 @@ The grid is {GRPO, Dr.GRPO, GSPO, REINFORCE++} x {clip, TROLL} x seeds, plus a G
 ablation over K in {4, 16, 64} and eps in {0.01, 0.05, 0.25} (seed 0; K 64 / eps 0.05 is the main
 run) and a learning-rate stress test: GRPO x {clip, TROLL} at 3x and 10x the config's learning
 rate (3e-4 and 1e-3; seed 0), where the steps grow large and the trust region or the clip has to
-hold them. Runs go one after another, in-process, through ``lightning_troll.cli.run``.
+hold them. Two fair-baseline cells over the seeds (``--fair``) complete it: GSPO + clip with
+GSPO's own clip range for sequence ratios (3e-4 below, 4e-4 above 1, as its paper uses, instead
+of the config's 0.2), and an off-policy stress cell, GRPO x {clip, TROLL} at 8 optimiser steps
+per rollout instead of 4 (minibatches of 128 sequences: seven of them off-policy). ``--no-main
+--no-ablation`` runs only those. Runs go one after another, in-process, through
+``lightning_troll.cli.run``.
 
 Budget, chosen so that a run takes about two minutes on a quiet 2-core CPU (107-140 s; 32 runs in
 about 70 minutes): 100 rollouts of 128 prompts x 8 completions, four minibatches of 256 sequences
@@ -31,7 +37,7 @@ run whose ``result.json`` exists is skipped, so an interrupted grid continues wh
 ``metrics.csv`` (one row per run and rollout), ``results.json`` (per run: settings, final
 held-out accuracy, rollouts to the threshold, seconds), ``table.md``, ``support.json`` and the plots
 ``accuracy.png``, ``kl_after.png``, ``entropy.png``, ``active_frac.png``, ``ablation.png``,
-``learning_rate.png``.
+``learning_rate.png`` and ``fair.png`` (each where its runs are in the grid).
 Needs matplotlib (``pip install lightning-troll[study]``).
 """
 
@@ -66,6 +72,10 @@ ABLATION_K = (4, 16, 64)
 ABLATION_EPS = (0.01, 0.05, 0.25)
 STRESS_LR = (3e-4, 1e-3)
 """Learning rates of the stress test (``configs/tinymath.yaml`` trains at 1e-4)."""
+GSPO_CLIP = (3e-4, 4e-4)
+"""GSPO's own clip range for its sequence ratios (low, high), as its paper uses."""
+STRESS_STEPS = 8
+"""Optimiser steps per rollout of the off-policy stress cell (the budget's minibatches: 4)."""
 ACCURACY = "val/accuracy"
 LATE = 3
 """Validations at the end of a run that the table's second accuracy column averages."""
@@ -133,23 +143,45 @@ class RunSpec:
     eps: float = 0.05
     lr: float | None = None
     """AdamW's learning rate; None: the config's."""
+    clip_low: float | None = None
+    """The clip range below 1 (``model.clip.eps_low``); None: the config's."""
+    clip_high: float | None = None
+    """The clip range above 1 (``model.clip.eps_high``); None: the config's."""
+    steps: int | None = None
+    """Optimiser steps per rollout; None: the budget's ``minibatches``."""
 
     @property
     def name(self) -> str:
         """Directory name, unique per setting."""
         lr = "" if self.lr is None else f"-lr{self.lr:g}"
+        clip = "" if self.clip_low is None else f"-clip{self.clip_low:g}_{self.clip_high:g}"
+        steps = "" if self.steps is None else f"-steps{self.steps}"
         return (
-            f"{self.estimator}-{self.objective}-K{self.max_tokens}-eps{self.eps:g}{lr}-s{self.seed}"
+            f"{self.estimator}-{self.objective}-K{self.max_tokens}-eps{self.eps:g}{lr}{clip}{steps}"
+            f"-s{self.seed}"
         )
 
 
-def grid(estimators: Sequence[str], seeds: Sequence[int], ablation: bool) -> list[RunSpec]:
+def grid(
+    estimators: Sequence[str],
+    seeds: Sequence[int],
+    ablation: bool,
+    fair: bool = False,
+    main: bool = True,
+) -> list[RunSpec]:
     """The main grid, then the ablation runs that are not already in it (no duplicates) and the
-    learning-rate stress runs."""
+    learning-rate stress runs; ``fair`` adds, over ``seeds``, GSPO + clip at GSPO's own clip range
+    and the off-policy stress cell (GRPO, clip and TROLL, ``STRESS_STEPS`` steps per rollout)."""
     unknown = [e for e in estimators if e not in ESTIMATORS]
     if unknown:
         raise ValueError(f"--estimators: unknown {unknown}; allowed: {sorted(ESTIMATORS)}")
-    specs = [RunSpec(e, o, s) for e in estimators for o in OBJECTIVES for s in seeds]
+    specs = (
+        [RunSpec(e, o, s) for e in estimators for o in OBJECTIVES for s in seeds] if main else []
+    )
+    if fair:
+        low, high = GSPO_CLIP
+        specs += [RunSpec("gspo", "clip", s, clip_low=low, clip_high=high) for s in seeds]
+        specs += [RunSpec("grpo", o, s, steps=STRESS_STEPS) for o in OBJECTIVES for s in seeds]
     if ablation:
         extra = [RunSpec("grpo", "troll", 0, max_tokens=k) for k in ABLATION_K]
         extra += [RunSpec("grpo", "troll", 0, eps=eps) for eps in ABLATION_EPS]
@@ -161,6 +193,12 @@ def grid(estimators: Sequence[str], seeds: Sequence[int], ablation: bool) -> lis
 def training_args(spec: RunSpec, budget: Budget, model: str, run_dir: Path) -> list[str]:
     """The ``lightning-troll fit`` arguments of one run."""
     group = base_config()["model"]["group_size"]
+    steps = spec.steps or budget.minibatches
+    if (budget.batch_size * group) % steps:
+        raise ValueError(
+            f"{spec.name}: {steps} steps per rollout do not divide the rollout's "
+            f"{budget.batch_size * group} sequences; change --batch-size"
+        )
     logger = {
         "class_path": "lightning.pytorch.loggers.CSVLogger",
         "init_args": {"save_dir": str(run_dir), "name": "logs", "version": 0},
@@ -174,8 +212,8 @@ def training_args(spec: RunSpec, budget: Budget, model: str, run_dir: Path) -> l
         "--model.objective", spec.objective,
         "--model.trust_region.max_tokens", str(spec.max_tokens),
         "--model.trust_region.eps", str(spec.eps),
-        "--model.optimization.minibatch_size", str(budget.batch_size * group // budget.minibatches),
-        "--trainer.max_steps", str(budget.minibatches * budget.rollouts),
+        "--model.optimization.minibatch_size", str(budget.batch_size * group // steps),
+        "--trainer.max_steps", str(steps * budget.rollouts),
         "--trainer.val_check_interval", str(budget.val_every),
         "--trainer.logger", json.dumps(logger),
         "--trainer.default_root_dir", str(run_dir),
@@ -187,6 +225,8 @@ def training_args(spec: RunSpec, budget: Budget, model: str, run_dir: Path) -> l
         "--data.num_val", str(budget.num_val),
         "--data.val_batch_size", str(budget.num_val),
         *([] if spec.lr is None else ["--model.optimizer.init_args.lr", str(spec.lr)]),
+        *([] if spec.clip_low is None else ["--model.clip.eps_low", str(spec.clip_low)]),
+        *([] if spec.clip_high is None else ["--model.clip.eps_high", str(spec.clip_high)]),
     ]  # fmt: skip
 
 
@@ -303,15 +343,16 @@ def mean_std(values: Sequence[float]) -> tuple[float, float]:
 
 
 def summarise(records: Sequence[dict], threshold: float) -> list[dict]:
-    """One row per (estimator, objective, K, eps, lr) cell: over seeds, the final accuracy and the
+    """One row per (estimator, objective, K, eps, lr, clip range, steps) cell: over seeds, the final accuracy and the
     mean of each run's last ``LATE`` validations (less noisy than one), rollouts to the threshold
     (mean over the seeds that reached it) and how many seeds reached it."""
     cells: dict[tuple, list[dict]] = {}
     for r in records:
         cell = (r["estimator"], r["objective"], r["max_tokens"], r["eps"], r.get("lr"))
+        cell += (r.get("clip_low"), r.get("clip_high"), r.get("steps"))
         cells.setdefault(cell, []).append(r)
     rows = []
-    for (estimator, objective, k, eps, lr), members in cells.items():
+    for (estimator, objective, k, eps, lr, low, high, steps), members in cells.items():
         mean, std = mean_std([r["final_accuracy"] for r in members])
         late_mean, late_std = mean_std([final_accuracy(r["history"], LATE) for r in members])
         reached = [rollouts_to_threshold(r["history"], threshold) for r in members]
@@ -323,6 +364,9 @@ def summarise(records: Sequence[dict], threshold: float) -> list[dict]:
                 "max_tokens": k,
                 "eps": eps,
                 "lr": lr,
+                "clip_low": low,
+                "clip_high": high,
+                "steps": steps,
                 "seeds": len(members),
                 "accuracy_mean": mean,
                 "accuracy_std": std,
@@ -346,12 +390,20 @@ def learning_rate(record: dict) -> float:
     return config_learning_rate() if record.get("lr") is None else record["lr"]
 
 
-def format_table(rows: Sequence[dict], threshold: float) -> str:
-    """A Markdown table of ``summarise``'s rows."""
+def clip_range(row: dict) -> str:
+    """A clip row's range as ``low`` or ``low/high`` (the config's where the run kept it)."""
+    low = row.get("clip_low")
+    low = float(base_config()["model"]["clip"]["eps_low"]) if low is None else low
+    high = row.get("clip_high")
+    return f"{low:g}" if high is None or math.isclose(high, low) else f"{low:g}/{high:g}"
+
+
+def format_table(rows: Sequence[dict], threshold: float, steps: int = Budget.minibatches) -> str:
+    """A Markdown table of ``summarise``'s rows (``steps``: the budget's steps per rollout)."""
     lines = [
-        "| estimator | objective | K | eps | lr | seeds | final accuracy "
-        f"| last {LATE} validations | rollouts to {threshold:g} |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| estimator | objective | K | eps | clip range | lr | steps / rollout | seeds "
+        f"| final accuracy | last {LATE} validations | rollouts to {threshold:g} |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         reach = (
@@ -360,9 +412,11 @@ def format_table(rows: Sequence[dict], threshold: float) -> str:
             else f"{r['rollouts_to_threshold']:.0f} ({r['reached']}/{r['seeds']})"
         )
         k, eps = (r["max_tokens"], f"{r['eps']:g}") if r["objective"] == "troll" else ("-", "-")
+        clip = clip_range(r) if r["objective"] == "clip" else "-"
         lr = learning_rate(r)
         lines.append(
-            f"| {r['estimator']} | {r['objective']} | {k} | {eps} | {lr:g} | {r['seeds']} | "
+            f"| {r['estimator']} | {r['objective']} | {k} | {eps} | {clip} | {lr:g} | "
+            f"{r.get('steps') or steps} | {r['seeds']} | "
             f"{r['accuracy_mean']:.3f} ± {r['accuracy_std']:.3f} | "
             f"{r['late_mean']:.3f} ± {r['late_std']:.3f} | {reach} |"
         )
@@ -371,13 +425,14 @@ def format_table(rows: Sequence[dict], threshold: float) -> str:
 
 def write_metrics_csv(records: Sequence[dict], path: Path) -> None:
     """One row per run and rollout: the run's settings, the rollout and ``METRICS``."""
-    keys = ["name", "estimator", "objective", "seed", "max_tokens", "eps", "lr", "rollout"]
+    keys = ["name", "estimator", "objective", "seed", "max_tokens", "eps", "lr"]
+    keys += ["clip_low", "clip_high", "steps", "rollout"]
     with path.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=[*keys, *METRICS])
         writer.writeheader()
         for r in records:
             for row in r["history"]:
-                writer.writerow({**{k: r.get(k) for k in keys[:7]}, **row})
+                writer.writerow({**{k: r.get(k) for k in keys[:-1]}, **row})
 
 
 def curve(records: Sequence[dict], metric: str) -> tuple[list[int], list[float], list[float]]:
@@ -391,12 +446,12 @@ def curve(records: Sequence[dict], metric: str) -> tuple[list[int], list[float],
 
 
 def is_main(record: dict) -> bool:
-    """True for runs with the config's trust region (K 64, eps 0.05) and learning rate, i.e. not
-    ablation or stress runs."""
+    """True for runs with the config's trust region (K 64, eps 0.05), learning rate, clip range
+    and steps per rollout, i.e. not ablation, stress or fair-baseline runs."""
     return (
         record["max_tokens"] == 64
         and math.isclose(record["eps"], 0.05)
-        and record.get("lr") is None
+        and all(record.get(key) is None for key in ("lr", "clip_low", "clip_high", "steps"))
     )
 
 
@@ -467,7 +522,9 @@ def plot_ablation(records: Sequence[dict], path: Path) -> None:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(5, 3.2))
     for r in records:
-        if (r["estimator"], r["objective"], r["seed"], r.get("lr")) == ("grpo", "troll", 0, None):
+        if (r["estimator"], r["objective"], r["seed"]) == ("grpo", "troll", 0) and all(
+            r.get(key) is None for key in ("lr", "steps")
+        ):
             steps, accuracy, _ = curve([r], ACCURACY)
             ax.plot(steps, accuracy, label=f"K {r['max_tokens']}, eps {r['eps']:g}")
     ax.set_xlabel("rollout")
@@ -481,7 +538,7 @@ def plot_learning_rates(records: Sequence[dict], path: Path) -> None:
     (the config's and the stress test's), clip against TROLL."""
     plt = pyplot()
     runs = [r for r in records if (r["estimator"], r["seed"]) == ("grpo", 0)]
-    runs = [r for r in runs if (r["max_tokens"], r["eps"]) == (64, 0.05)]
+    runs = [r for r in runs if (r["max_tokens"], r["eps"]) == (64, 0.05) and not r.get("steps")]
     rates = sorted({learning_rate(r) for r in runs}) or [learning_rate({})]
     fig, axes = plt.subplots(1, len(rates), figsize=(4 * len(rates), 3.2), squeeze=False)
     for ax, lr in zip(axes[0], rates, strict=True):
@@ -497,8 +554,66 @@ def plot_learning_rates(records: Sequence[dict], path: Path) -> None:
     save(fig, path)
 
 
+def band(ax, runs: Sequence[dict], metric: str, label: str, colour, style: str = "-") -> None:
+    """Mean over ``runs`` of ``metric`` against rollout, with a +-1 std band."""
+    steps, mean, std = curve(runs, metric)
+    if not steps:
+        return
+    ax.plot(steps, mean, style, color=colour, label=label)
+    low = [m - s for m, s in zip(mean, std, strict=True)]
+    ax.fill_between(
+        steps, low, [m + s for m, s in zip(mean, std, strict=True)], color=colour, alpha=0.2
+    )
+
+
+def plot_fair(records: Sequence[dict], path: Path) -> None:
+    """The fair-baseline cells over seeds: GSPO + clip at GSPO's clip range (against GSPO +
+    TROLL where the main grid ran it); GRPO at ``STRESS_STEPS`` steps per rollout, clip against
+    TROLL, in held-out accuracy and per-token KL."""
+    plt = pyplot()
+    narrow = [r for r in records if r["estimator"] == "gspo" and r.get("clip_low") is not None]
+    gspo_troll = [r for r in records if (r["estimator"], r["objective"]) == ("gspo", "troll")]
+    stress = [r for r in records if r["estimator"] == "grpo" and r.get("steps") == STRESS_STEPS]
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.2))
+    low, high = GSPO_CLIP
+    band(axes[0], narrow, ACCURACY, f"clip {low:g}/{high:g}", COLOURS["clip"])
+    band(axes[0], [r for r in gspo_troll if is_main(r)], ACCURACY, "troll", COLOURS["troll"])
+    axes[0].set_title("GSPO, its own clip range")
+    for objective in OBJECTIVES:
+        runs = [r for r in stress if r["objective"] == objective]
+        band(axes[1], runs, ACCURACY, objective, COLOURS[objective])
+    axes[1].set_title(f"GRPO, {STRESS_STEPS} steps per rollout")
+    clip_runs = [r for r in stress if r["objective"] == "clip"]
+    troll_runs = [r for r in stress if r["objective"] == "troll"]
+    band(axes[2], clip_runs, "clip/approx_kl", "clip: mean k3 KL(old || new)", COLOURS["clip"])
+    band(
+        axes[2],
+        troll_runs,
+        "trust_region/kl_after_max",
+        "troll: max KL(proj || old)",
+        COLOURS["troll"],
+    )
+    band(
+        axes[2],
+        troll_runs,
+        "trust_region/kl_after_mean",
+        "troll: mean KL(proj || old)",
+        COLOURS["troll"],
+        "--",
+    )
+    axes[2].set_title(f"GRPO, {STRESS_STEPS} steps per rollout: per-token KL")
+    for ax, ylabel in zip(
+        axes, ("held-out accuracy", "held-out accuracy", "per-token KL"), strict=True
+    ):
+        ax.set_xlabel("rollout")
+        ax.set_ylabel(ylabel)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize="x-small")
+    save(fig, path)
+
+
 def write_plots(records: Sequence[dict], out: Path) -> list[Path]:
-    """The study's PNGs in ``out``; returns their paths."""
+    """The study's PNGs in ``out`` (those its runs have data for); returns their paths."""
     main = [r for r in records if is_main(r)]
     panels = {
         "accuracy.png": ([(o, ACCURACY, "held-out accuracy") for o in OBJECTIVES], "accuracy"),
@@ -521,11 +636,17 @@ def write_plots(records: Sequence[dict], out: Path) -> list[Path]:
     }
     paths = []
     for name, (series, ylabel) in panels.items():
-        plot_grid(main, series, ylabel, out / name, bound=name == "kl_after.png")
-        paths.append(out / name)
-    plot_ablation(records, out / "ablation.png")
-    plot_learning_rates(records, out / "learning_rate.png")
-    return [*paths, out / "ablation.png", out / "learning_rate.png"]
+        if main:
+            plot_grid(main, series, ylabel, out / name, bound=name == "kl_after.png")
+            paths.append(out / name)
+    if main or any(r.get("lr") is not None or r["max_tokens"] != 64 for r in records):
+        plot_ablation(records, out / "ablation.png")
+        plot_learning_rates(records, out / "learning_rate.png")
+        paths += [out / "ablation.png", out / "learning_rate.png"]
+    if any(r.get("clip_low") is not None or r.get("steps") for r in records):
+        plot_fair(records, out / "fair.png")
+        paths.append(out / "fair.png")
+    return paths
 
 
 def quantile(values: Sequence[float], q: float) -> float:
@@ -596,7 +717,22 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="the K/eps ablation and the learning-rate stress test (default: on; off with --quick)",
     )
     p.add_argument(
-        "--quick", action="store_true", help="GRPO only, 30 rollouts, no ablation or stress test"
+        "--fair",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help=f"GSPO + clip at GSPO's clip range {GSPO_CLIP[0]:g}/{GSPO_CLIP[1]:g} and GRPO at "
+        f"{STRESS_STEPS} steps per rollout, over --seeds (default: on; off with --quick)",
+    )
+    p.add_argument(
+        "--main",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the estimator x objective x seed grid (--no-main: only --ablation and --fair)",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="GRPO only, 30 rollouts, no ablation, stress test or fair baselines",
     )
     p.add_argument("--support-only", action="store_true", help="only the support-size report")
     p.add_argument("--support-prompts", type=int, default=256, help="prompts (x group size)")
@@ -607,9 +743,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.rollouts = args.rollouts or 30
         args.val_every = args.val_every or 5
         args.ablation = bool(args.ablation)
+        args.fair = bool(args.fair)
     args.rollouts = args.rollouts or Budget.rollouts
     args.val_every = args.val_every or Budget.val_every
     args.ablation = True if args.ablation is None else args.ablation
+    args.fair = True if args.fair is None else args.fair
     if not 0 <= args.threshold <= 1:
         p.error(f"--threshold must be in [0, 1]; got {args.threshold}")
     return args
@@ -626,7 +764,9 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
         args.num_train,
         args.minibatches,
     )
-    specs = grid(args.estimators, args.seeds, args.ablation)
+    specs = grid(args.estimators, args.seeds, args.ablation, args.fair, args.main)
+    if not specs:
+        sys.exit("no runs: --no-main without --ablation or --fair leaves the grid empty")
     args.out.mkdir(parents=True, exist_ok=True)
     support = support_sizes(args.model, args.support_prompts)
     (args.out / "support.json").write_text(json.dumps(support, indent=1))
@@ -642,7 +782,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
         for r in records
     ]
     (args.out / "results.json").write_text(json.dumps(results, indent=1))
-    table = format_table(rows, args.threshold)
+    table = format_table(rows, args.threshold, budget.minibatches)
     (args.out / "table.md").write_text(table)
     write_plots(records, args.out)
     print(table)

@@ -33,12 +33,14 @@ def load_study():
 study = load_study()
 
 
-def record(estimator, objective, seed, accuracies, max_tokens=64, eps=0.05, extra=None, lr=None):
+def record(
+    estimator, objective, seed, accuracies, max_tokens=64, eps=0.05, extra=None, lr=None, **more
+):
     """A run record whose held-out accuracy is ``accuracies[i]`` at rollout 10 * i."""
     history = [{"rollout": 10 * i, "val/accuracy": a} for i, a in enumerate(accuracies)]
     for row in history:
         row.update(extra or {})
-    spec = study.RunSpec(estimator, objective, seed, max_tokens, eps, lr)
+    spec = study.RunSpec(estimator, objective, seed, max_tokens, eps, lr, **more)
     return {
         **spec.__dict__,
         "name": spec.name,
@@ -72,9 +74,16 @@ def test_summary_and_table_of_synthetic_runs():
         record("grpo", "troll", 1, [0.4, 0.5, 0.6]),  # at rollout 20
         record("grpo", "clip", 0, [0.4, 0.5, 0.5]),  # never
         record("grpo", "clip", 0, [0.4, 0.7, 0.1], lr=1e-3),  # a cell of its own
+        record("gspo", "clip", 0, [0.4, 0.6, 0.6], clip_low=3e-4, clip_high=4e-4),
+        record("gspo", "clip", 1, [0.4, 0.5, 0.7], clip_low=3e-4, clip_high=4e-4),
+        record("grpo", "clip", 0, [0.4, 0.3, 0.2], steps=8),  # not the 4-step clip cell
     ]
     rows = study.summarise(records, threshold=0.6)
-    troll, clip, stress = rows
+    troll, clip, stress, narrow, steps = rows
+    assert (narrow["clip_low"], narrow["clip_high"], narrow["seeds"]) == (3e-4, 4e-4, 2)
+    assert math.isclose(narrow["accuracy_mean"], 0.65, rel_tol=1e-12)
+    assert narrow["rollouts_to_threshold"] == 15  # (10 + 20) / 2
+    assert (steps["steps"], steps["seeds"], steps["accuracy_mean"]) == (8, 1, 0.2)
     # troll: mean (0.8 + 0.6) / 2 = 0.7; sample std sqrt(((0.1)^2 + (0.1)^2) / 1) = 0.1414...
     assert (troll["objective"], troll["seeds"], troll["reached"]) == ("troll", 2, 2)
     assert math.isclose(troll["accuracy_mean"], 0.7, rel_tol=1e-12)
@@ -93,20 +102,28 @@ def test_summary_and_table_of_synthetic_runs():
     assert math.isclose(troll["late_std"], math.sqrt(0.005), rel_tol=1e-12)
     lines = study.format_table(rows, 0.6).splitlines()
     assert lines[0] == (
-        "| estimator | objective | K | eps | lr | seeds | final accuracy | last 3 validations "
-        "| rollouts to 0.6 |"
+        "| estimator | objective | K | eps | clip range | lr | steps / rollout | seeds "
+        "| final accuracy | last 3 validations | rollouts to 0.6 |"
     )
-    # lr: the config's (1e-4) where the run did not set its own
+    # lr, clip range and steps: the config's and the budget's where the run kept them
     assert lines[2] == (
-        "| grpo | troll | 64 | 0.05 | 0.0001 | 2 | 0.700 ± 0.141 | 0.550 ± 0.071 | 15 (2/2) |"
+        "| grpo | troll | 64 | 0.05 | - | 0.0001 | 4 | 2 | 0.700 ± 0.141 | 0.550 ± 0.071 "
+        "| 15 (2/2) |"
     )
     assert lines[3] == (
-        "| grpo | clip | - | - | 0.0001 | 1 | 0.500 ± 0.000 | 0.467 ± 0.000 | not reached |"
+        "| grpo | clip | - | - | 0.2 | 0.0001 | 4 | 1 | 0.500 ± 0.000 | 0.467 ± 0.000 "
+        "| not reached |"
     )
     assert lines[4] == (
-        "| grpo | clip | - | - | 0.001 | 1 | 0.100 ± 0.000 | 0.400 ± 0.000 | 10 (1/1) |"
+        "| grpo | clip | - | - | 0.2 | 0.001 | 4 | 1 | 0.100 ± 0.000 | 0.400 ± 0.000 | 10 (1/1) |"
     )
-    assert len(lines) == 5
+    assert lines[5] == (
+        "| gspo | clip | - | - | 0.0003/0.0004 | 0.0001 | 4 | 2 | 0.650 ± 0.071 "
+        "| 0.533 ± 0.000 | 15 (2/2) |"
+    )
+    assert lines[6].startswith("| grpo | clip | - | - | 0.2 | 0.0001 | 8 | 1 | 0.200 ± 0.000 |")
+    assert len(lines) == 7
+    assert study.format_table(rows[:1], 0.6, steps=2).splitlines()[2].split(" | ")[6] == "2"
 
 
 def test_curve_averages_over_seeds_at_shared_rollouts():
@@ -136,6 +153,28 @@ def test_grid_has_every_cell_and_deduplicated_ablation():
         study.grid(["ppo"], [0], ablation=False)
 
 
+def test_the_fair_cells_run_over_the_seeds():
+    """GSPO + clip at GSPO's own clip range and GRPO x {clip, TROLL} at 8 steps per rollout, per
+    seed; without the main grid only those; names unique and telling the settings apart."""
+    specs = study.grid(["grpo", "gspo"], [0, 1, 2], ablation=True, fair=True)
+    fair = [s for s in specs if s.clip_low is not None or s.steps is not None]
+    assert len({s.name for s in specs}) == len(specs) == 12 + 3 + 6 + 4 + 4
+    narrow = [s for s in fair if s.clip_low is not None]
+    assert [(s.estimator, s.objective, s.seed) for s in narrow] == [
+        ("gspo", "clip", s) for s in range(3)
+    ]
+    assert {(s.clip_low, s.clip_high) for s in narrow} == {(3e-4, 4e-4)}
+    stress = [(s.estimator, s.objective, s.seed, s.steps) for s in fair if s.steps is not None]
+    assert stress == [("grpo", o, s, 8) for o in ("clip", "troll") for s in range(3)]
+    assert narrow[0].name == "gspo-clip-K64-eps0.05-clip0.0003_0.0004-s0"
+    assert study.RunSpec("grpo", "troll", 1, steps=8).name == "grpo-troll-K64-eps0.05-steps8-s1"
+    only = study.grid(["grpo"], [0], ablation=False, fair=True, main=False)
+    assert only == fair[:1] + [s for s in fair if s.steps is not None and s.seed == 0]
+    assert study.grid(["grpo"], [0], ablation=False, fair=False, main=False) == []
+    assert study.parse_args(["--quick"]).fair is False
+    assert study.parse_args([]).fair is True
+
+
 def options(args: list[str]) -> dict[str, str]:
     """``["fit", "--a", "1", "--b", "2"]`` -> ``{"--a": "1", "--b": "2"}``."""
     return dict(zip(args[1::2], args[2::2], strict=True))
@@ -161,6 +200,27 @@ def test_training_args_take_the_preset_from_its_file(tmp_path):
     stress = study.RunSpec("grpo", "troll", 0, lr=3e-4)
     value = options(study.training_args(stress, study.Budget(), "tinymath", tmp_path))
     assert float(value["--model.optimizer.init_args.lr"]) == 3e-4
+    assert "--model.clip.eps_low" not in value and "--model.clip.eps_high" not in value
+    narrow = study.RunSpec("gspo", "clip", 0, clip_low=3e-4, clip_high=4e-4, steps=8)
+    value = options(study.training_args(narrow, study.Budget(), "tinymath", tmp_path))
+    assert float(value["--model.clip.eps_low"]) == 3e-4
+    assert float(value["--model.clip.eps_high"]) == 4e-4
+    assert value["--model.optimization.minibatch_size"] == "128"  # 1024 sequences / 8 steps
+    assert value["--trainer.max_steps"] == "800"
+    odd = study.RunSpec("grpo", "clip", 0, steps=3)
+    with pytest.raises(ValueError, match=r"3 steps per rollout do not divide the rollout's 16"):
+        study.training_args(odd, study.Budget(batch_size=2, minibatches=2), "tinymath", tmp_path)
+
+
+def test_a_fair_run_trains_with_its_clip_range_and_steps(tmp_path):
+    """The overrides reach the module the CLI builds and the number of optimiser steps."""
+    budget = study.Budget(rollouts=1, batch_size=2, val_every=1, num_val=2, num_train=8)
+    spec = study.RunSpec("gspo", "clip", 0, clip_low=3e-4, clip_high=4e-4, steps=4)
+    done = study.cli(study.training_args(spec, budget, "tinymath", tmp_path / spec.name))
+    assert done.trainer.global_step == 4  # 16 sequences in 4 minibatches, one rollout
+    objective = done.model.objective
+    assert (objective.eps_low, objective.eps_high) == pytest.approx((3e-4, 4e-4), rel=1e-12)
+    assert done.model.loss_config.importance == "sequence"  # the GSPO preset
 
 
 def test_a_stress_run_trains_at_its_learning_rate(tmp_path):
@@ -200,6 +260,12 @@ def test_plots_are_written(tmp_path):
     for path in paths:
         data = path.read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000, path.name
+    fair = [record("gspo", "clip", s, [0.4, 0.5], clip_low=3e-4, clip_high=4e-4) for s in (0, 1)]
+    fair += [record("grpo", o, 0, [0.4, 0.5], extra=kl, steps=8) for o in ("clip", "troll")]
+    (tmp_path / "fair").mkdir()
+    paths = study.write_plots(fair, tmp_path / "fair")
+    assert [p.name for p in paths] == ["fair.png"]
+    assert paths[0].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_finished_runs_are_skipped_and_interrupted_ones_restart(tmp_path, monkeypatch):
@@ -243,13 +309,15 @@ def test_tiny_end_to_end_run(tiny_model_dir, tmp_path):
         "--num-train", "16",
         "--support-prompts", "2",
         "--no-ablation",
+        "--no-fair",
     ]  # fmt: skip
     records = study.main([*args, "--out", str(tmp_path / "a")])
     out = tmp_path / "a"
     assert [(r["objective"], r["seed"]) for r in records] == [("clip", 0), ("troll", 0)]
     with (out / "metrics.csv").open() as f:
         rows = list(csv.DictReader(f))
-    head = ["name", "estimator", "objective", "seed", "max_tokens", "eps", "lr", "rollout"]
+    head = ["name", "estimator", "objective", "seed", "max_tokens", "eps", "lr"]
+    head += ["clip_low", "clip_high", "steps", "rollout"]
     assert list(rows[0]) == head + list(study.METRICS)
     results = json.loads((out / "results.json").read_text())
     for result in results:
