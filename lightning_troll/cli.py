@@ -47,7 +47,7 @@ from lightning_troll.checkpoints import changed_options, check_checkpoint_file, 
 from lightning_troll.data import PromptDataModule
 from lightning_troll.module import TrollModule
 
-__all__ = ["BAD_INPUT", "TrollCLI", "main", "run"]
+__all__ = ["BAD_INPUT", "TrollCLI", "main", "run", "shows_help"]
 
 TRAINER_DEFAULTS = {
     # Lightning's default logger (TensorBoard) writes to <default_root_dir>/lightning_logs
@@ -187,10 +187,25 @@ class TrollCLI(LightningCLI):
         return next((c for c in callbacks if isinstance(c, RolloutCheckpoint)), None)
 
 
+def shows_help(args: list[str]) -> bool:
+    """Whether a command line prints option documentation: ``-h``, ``--help``, a ``--<key>.help``
+    or ``--print_config`` (whose comments can hold it)."""
+    return any(
+        arg in ("-h", "--help")
+        or arg.split("=", 1)[0].endswith(".help")
+        or arg.startswith("--print_config")
+        for arg in args
+    )
+
+
 def run(args: list[str] | None = None) -> TrollCLI:
     """Runs the command line (``args``, or ``sys.argv``) and returns the CLI object."""
     # The options of the config dataclasses are documented by a docstring under each field.
-    set_parsing_settings(docstring_parse_attribute_docstrings=True)
+    # Reading those means parsing the source of every class the parser covers (Trainer,
+    # LightningModule, ...), about 2 s per start on a 2-core CPU, so it is done only for a
+    # command line that shows the documentation.
+    given = sys.argv[1:] if args is None else args
+    set_parsing_settings(docstring_parse_attribute_docstrings=shows_help(given))
     # The frozen snapshots are in eval mode on purpose; Lightning warns about any such module.
     warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode")
     # ModelCheckpoint warns that a manually optimised module's checkpoint holds the weights after

@@ -10,6 +10,7 @@ import yaml
 
 from lightning_troll.cli import main as cli_main
 from lightning_troll.cli import run as cli_run
+from lightning_troll.cli import shows_help
 from lightning_troll.objectives import ClipObjective, TrollObjective
 from lightning_troll.rewards import RewardError
 
@@ -208,6 +209,48 @@ def test_help_shows_documented_options(tmp_path, monkeypatch, capsys):
         assert option in text, option
     assert "KL bound per token" in text  # a field docstring
     assert "per-row absmax" in text  # the snapshot's field docstring
+
+
+@pytest.mark.parametrize(
+    ("args", "shows"),
+    [
+        (["fit", "--config", "c.yaml"], False),
+        (["fit", "--model.objective", "clip", "--trainer.max_steps", "2"], False),
+        (["fit", "--help"], True),
+        (["-h"], True),
+        (["fit", "--model.lora.help", "LoraConfig"], True),
+        (["fit", "--model.optimizer.help=torch.optim.AdamW"], True),
+        (["fit", "--config", "c.yaml", "--print_config"], True),
+        (["fit", "--print_config=comments"], True),
+    ],
+)
+def test_shows_help(args, shows):
+    assert shows_help(args) is shows
+
+
+def test_field_docstrings_are_read_only_for_help(tmp_path, monkeypatch, capsys, tiny_model_dir):
+    """Field docstrings come from parsing the source of every class the parser covers (seconds
+    per start): a run reads none of them, ``--help`` still shows them."""
+    import docstring_parser
+
+    calls = []
+    real = docstring_parser.parse_from_object
+
+    def counted(*args, **kwargs):
+        calls.append(args[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(docstring_parser, "parse_from_object", counted)
+    args = ["fit", "--config", str(ROOT / "configs" / "tinymath.yaml"), *one_step(tiny_model_dir)]
+    status, err = main_exit(
+        args + ["--model.trust_region.eps", "-1"], tmp_path, monkeypatch, capsys
+    )
+    assert status == 2 and "eps must be a number > 0" in err  # parsed, then refused
+    assert calls == []
+    with pytest.raises(SystemExit):
+        run(["fit", "--help"], tmp_path, monkeypatch)
+    assert calls
+    assert "KL bound per token" in capsys.readouterr().out
 
 
 def test_print_config_shows_the_peer_options_with_their_defaults(tmp_path, monkeypatch, capsys):
