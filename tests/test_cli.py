@@ -9,8 +9,8 @@ import torch
 import yaml
 
 from lightning_troll.cli import main as cli_main
+from lightning_troll.cli import quarter_means, shows_help
 from lightning_troll.cli import run as cli_run
-from lightning_troll.cli import shows_help
 from lightning_troll.objectives import ClipObjective, TrollObjective
 from lightning_troll.rewards import RewardError
 
@@ -174,7 +174,27 @@ def test_summary_reports_reward_by_quarter(tmp_path, monkeypatch, tiny_model_dir
     rewards = next(c for c in cli.trainer.callbacks if hasattr(c, "mean_rewards")).mean_rewards
     assert len(rewards) == 8
     line = next(x for x in capsys.readouterr().out.splitlines() if "by quarter" in x)
-    assert f"first {sum(rewards[:2]) / 2:.3f} -> last {sum(rewards[-2:]) / 2:.3f}" in line
+    first, second, third, last = (sum(rewards[i : i + 2]) / 2 for i in (0, 2, 4, 6))
+    assert f"first {first:.3f} -> {second:.3f} -> {third:.3f} -> last {last:.3f}" in line
+    assert line.endswith("(8 rollouts)")
+
+
+@pytest.mark.parametrize(
+    ("values", "means"),
+    [
+        ([1, 2, 3, 4], [1, 2, 3, 4]),
+        ([1, 1, 2, 2, 3, 3, 4, 4], [1, 2, 3, 4]),
+        ([1, 2, 4, 6, 9], [1, 2, 5, 9]),  # the middle quarters share the odd one: [2], [4, 6]
+        ([0, 1, 2, 3, 4, 5, 6], [0, 1.5, 4, 6]),  # [0], [1, 2], [3, 4, 5], [6]
+    ],
+)
+def test_quarter_means(values, means):
+    assert quarter_means(values) == pytest.approx(means, abs=1e-12)
+
+
+def test_quarter_means_needs_four_values():
+    with pytest.raises(ValueError, match="at least 4 values; got 3"):
+        quarter_means([1.0, 2.0, 3.0])
 
 
 def test_objective_switches_from_one_key(tmp_path, monkeypatch, tiny_model_dir):
