@@ -47,7 +47,7 @@ from lightning_troll.checkpoints import changed_options, check_checkpoint_file, 
 from lightning_troll.data import PromptDataModule
 from lightning_troll.module import TrollModule
 
-__all__ = ["BAD_INPUT", "TrollCLI", "main", "run"]
+__all__ = ["BAD_INPUT", "TrollCLI", "main", "quarter_means", "run", "shows_help"]
 
 TRAINER_DEFAULTS = {
     # Lightning's default logger (TensorBoard) writes to <default_root_dir>/lightning_logs
@@ -82,6 +82,19 @@ class _TrainingStarted(Callback):
         if self.started:
             with contextlib.suppress(AttributeError):
                 exception.during_training = True  # read by main()
+
+
+def quarter_means(values: list[float]) -> list[float]:
+    """The means of the four quarters of ``values`` (at least 4); when their number is not a
+    multiple of 4, the first and the last quarter have ``len // 4`` values and the middle
+    quarters share the rest."""
+    if len(values) < 4:
+        raise ValueError(f"quarter_means needs at least 4 values; got {len(values)}")
+    size = len(values) // 4
+    middle = values[size : len(values) - size]
+    half = len(middle) // 2
+    parts = [values[:size], middle[:half], middle[half:], values[-size:]]
+    return [sum(part) / len(part) for part in parts]
 
 
 class TrollCLI(LightningCLI):
@@ -163,12 +176,10 @@ class TrollCLI(LightningCLI):
         )
         rewards = rollouts.mean_rewards if rollouts is not None else []
         if len(rewards) >= 4:
-            quarter = len(rewards) // 4
-            first = sum(rewards[:quarter]) / quarter
-            last = sum(rewards[-quarter:]) / quarter
+            first, second, third, last = quarter_means(rewards)
             lines.append(
-                f"  {'mean reward, by quarter':<28} first {first:.3f} -> last {last:.3f} "
-                f"({len(rewards)} rollouts)"
+                f"  {'mean reward, by quarter':<28} first {first:.3f} -> {second:.3f} -> "
+                f"{third:.3f} -> last {last:.3f} ({len(rewards)} rollouts)"
             )
         logger = self.trainer.logger
         if logger is not None and logger.log_dir:
@@ -187,10 +198,25 @@ class TrollCLI(LightningCLI):
         return next((c for c in callbacks if isinstance(c, RolloutCheckpoint)), None)
 
 
+def shows_help(args: list[str]) -> bool:
+    """Whether a command line prints option documentation: ``-h``, ``--help``, a ``--<key>.help``
+    or ``--print_config`` (whose comments can hold it)."""
+    return any(
+        arg in ("-h", "--help")
+        or arg.split("=", 1)[0].endswith(".help")
+        or arg.startswith("--print_config")
+        for arg in args
+    )
+
+
 def run(args: list[str] | None = None) -> TrollCLI:
     """Runs the command line (``args``, or ``sys.argv``) and returns the CLI object."""
     # The options of the config dataclasses are documented by a docstring under each field.
-    set_parsing_settings(docstring_parse_attribute_docstrings=True)
+    # Reading those means parsing the source of every class the parser covers (Trainer,
+    # LightningModule, ...), about 2 s per start on a 2-core CPU, so it is done only for a
+    # command line that shows the documentation.
+    given = sys.argv[1:] if args is None else args
+    set_parsing_settings(docstring_parse_attribute_docstrings=shows_help(given))
     # The frozen snapshots are in eval mode on purpose; Lightning warns about any such module.
     warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode")
     # ModelCheckpoint warns that a manually optimised module's checkpoint holds the weights after

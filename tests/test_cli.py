@@ -9,6 +9,7 @@ import torch
 import yaml
 
 from lightning_troll.cli import main as cli_main
+from lightning_troll.cli import quarter_means, shows_help
 from lightning_troll.cli import run as cli_run
 from lightning_troll.objectives import ClipObjective, TrollObjective
 from lightning_troll.rewards import RewardError
@@ -173,7 +174,27 @@ def test_summary_reports_reward_by_quarter(tmp_path, monkeypatch, tiny_model_dir
     rewards = next(c for c in cli.trainer.callbacks if hasattr(c, "mean_rewards")).mean_rewards
     assert len(rewards) == 8
     line = next(x for x in capsys.readouterr().out.splitlines() if "by quarter" in x)
-    assert f"first {sum(rewards[:2]) / 2:.3f} -> last {sum(rewards[-2:]) / 2:.3f}" in line
+    first, second, third, last = (sum(rewards[i : i + 2]) / 2 for i in (0, 2, 4, 6))
+    assert f"first {first:.3f} -> {second:.3f} -> {third:.3f} -> last {last:.3f}" in line
+    assert line.endswith("(8 rollouts)")
+
+
+@pytest.mark.parametrize(
+    ("values", "means"),
+    [
+        ([1, 2, 3, 4], [1, 2, 3, 4]),
+        ([1, 1, 2, 2, 3, 3, 4, 4], [1, 2, 3, 4]),
+        ([1, 2, 4, 6, 9], [1, 2, 5, 9]),  # the middle quarters share the odd one: [2], [4, 6]
+        ([0, 1, 2, 3, 4, 5, 6], [0, 1.5, 4, 6]),  # [0], [1, 2], [3, 4, 5], [6]
+    ],
+)
+def test_quarter_means(values, means):
+    assert quarter_means(values) == pytest.approx(means, abs=1e-12)
+
+
+def test_quarter_means_needs_four_values():
+    with pytest.raises(ValueError, match="at least 4 values; got 3"):
+        quarter_means([1.0, 2.0, 3.0])
 
 
 def test_objective_switches_from_one_key(tmp_path, monkeypatch, tiny_model_dir):
@@ -208,6 +229,48 @@ def test_help_shows_documented_options(tmp_path, monkeypatch, capsys):
         assert option in text, option
     assert "KL bound per token" in text  # a field docstring
     assert "per-row absmax" in text  # the snapshot's field docstring
+
+
+@pytest.mark.parametrize(
+    ("args", "shows"),
+    [
+        (["fit", "--config", "c.yaml"], False),
+        (["fit", "--model.objective", "clip", "--trainer.max_steps", "2"], False),
+        (["fit", "--help"], True),
+        (["-h"], True),
+        (["fit", "--model.lora.help", "LoraConfig"], True),
+        (["fit", "--model.optimizer.help=torch.optim.AdamW"], True),
+        (["fit", "--config", "c.yaml", "--print_config"], True),
+        (["fit", "--print_config=comments"], True),
+    ],
+)
+def test_shows_help(args, shows):
+    assert shows_help(args) is shows
+
+
+def test_field_docstrings_are_read_only_for_help(tmp_path, monkeypatch, capsys, tiny_model_dir):
+    """Field docstrings come from parsing the source of every class the parser covers (seconds
+    per start): a run reads none of them, ``--help`` still shows them."""
+    import docstring_parser
+
+    calls = []
+    real = docstring_parser.parse_from_object
+
+    def counted(*args, **kwargs):
+        calls.append(args[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(docstring_parser, "parse_from_object", counted)
+    args = ["fit", "--config", str(ROOT / "configs" / "tinymath.yaml"), *one_step(tiny_model_dir)]
+    status, err = main_exit(
+        args + ["--model.trust_region.eps", "-1"], tmp_path, monkeypatch, capsys
+    )
+    assert status == 2 and "eps must be a number > 0" in err  # parsed, then refused
+    assert calls == []
+    with pytest.raises(SystemExit):
+        run(["fit", "--help"], tmp_path, monkeypatch)
+    assert calls
+    assert "KL bound per token" in capsys.readouterr().out
 
 
 def test_print_config_shows_the_peer_options_with_their_defaults(tmp_path, monkeypatch, capsys):
