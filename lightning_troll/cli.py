@@ -97,6 +97,23 @@ def quarter_means(values: list[float]) -> list[float]:
     return [sum(part) / len(part) for part in parts]
 
 
+def check_schedule_length(config) -> None:
+    """Refuses an LR scheduler of a fixed length (``total_steps``, as ``OneCycleLR`` has) that
+    ends before ``trainer.max_steps``: it would stop the run with an error one step after its end,
+    minutes or hours in."""
+    scheduler = config.model.get("lr_scheduler")
+    total = (getattr(scheduler, "init_args", None) or {}).get("total_steps")
+    max_steps = config.trainer.get("max_steps")
+    if total is None or max_steps is None or 0 <= max_steps <= total:
+        return
+    steps = "-1 (no limit)" if max_steps < 0 else max_steps
+    raise ValueError(
+        f"model.lr_scheduler.init_args.total_steps={total} is smaller than trainer.max_steps="
+        f"{steps}: {scheduler.class_path.rsplit('.', 1)[-1]} schedules {total} optimiser steps "
+        "and raises at the next one; set total_steps to trainer.max_steps"
+    )
+
+
 class TrollCLI(LightningCLI):
     """LightningCLI with the project's callbacks always on and the tokenizer linked."""
 
@@ -140,8 +157,11 @@ class TrollCLI(LightningCLI):
         self._given_model = self.config[subcommand].model.clone()
 
     def before_instantiate_classes(self) -> None:
-        """Warns about model options the checkpoint's replaced (LightningCLI resumes with the
-        hyper-parameters stored in ``--ckpt_path``, whatever the command line says)."""
+        """Refuses a learning-rate schedule shorter than the run; warns about model options the
+        checkpoint's replaced (LightningCLI resumes with the hyper-parameters stored in
+        ``--ckpt_path``, whatever the command line says)."""
+        subcommand = self.config.get("subcommand")
+        check_schedule_length(self.config[subcommand] if subcommand else self.config)
         if self._given_model is None:
             return
         stored = dict(self.config[self.subcommand].model.items())

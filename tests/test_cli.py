@@ -26,6 +26,8 @@ PARSE_ONLY = {"gsm8k.yaml", "smollm2.yaml"}
 OVERLAYS = {"fsdp2_cpu.yaml": "tinymath.yaml", "fsdp2.yaml": "gsm8k.yaml"}
 # GPU-oriented overlays of memory options: parsed on top of gsm8k.yaml, run on tinymath on CPU
 MEMORY_OVERLAYS = ["memory.yaml", "lora.yaml"]
+# the 3-minute budget of `make demo`, on top of tinymath.yaml
+DEMO = "demo.yaml"
 
 
 def run(args: list[str], tmp_path: Path, monkeypatch):
@@ -50,12 +52,14 @@ def one_step(model_dir: Path) -> list[str]:
 
 
 def test_every_config_is_listed():
-    listed = {"tinymath.yaml", *PRESETS, *PARSE_ONLY, *OVERLAYS, *MEMORY_OVERLAYS}
+    listed = {"tinymath.yaml", DEMO, *PRESETS, *PARSE_ONLY, *OVERLAYS, *MEMORY_OVERLAYS}
     assert {c.name for c in CONFIGS} == listed
 
 
 @pytest.mark.parametrize(
-    "config", [c for c in CONFIGS if c.name not in PRESETS + MEMORY_OVERLAYS], ids=lambda c: c.name
+    "config",
+    [c for c in CONFIGS if c.name not in [*PRESETS, *MEMORY_OVERLAYS, DEMO]],
+    ids=lambda c: c.name,
 )
 def test_configs_parse(config, tmp_path, monkeypatch, capsys):
     base = OVERLAYS.get(config.name)
@@ -87,6 +91,30 @@ def test_configs_parse(config, tmp_path, monkeypatch, capsys):
             printed["model"]["optimization"]["epochs_per_rollout"]
             == base_optimization["epochs_per_rollout"]
         )
+
+
+def test_the_demo_overlay_is_what_make_demo_runs(tmp_path, monkeypatch, capsys, tiny_model_dir):
+    """`make demo` runs tinymath.yaml with demo.yaml on top; the overlay's one-cycle schedule
+    spans the run exactly, and a step of it trains with that scheduler."""
+    makefile = (ROOT / "Makefile").read_text()
+    demo = makefile[makefile.index("\ndemo:") + 1 :].splitlines()[1].split()  # its recipe
+    assert demo[1:] == ["fit", "--config", "configs/tinymath.yaml", "--config", "configs/demo.yaml"]
+    configs = ["--config", str(ROOT / "configs" / "tinymath.yaml")]
+    configs += ["--config", str(ROOT / "configs" / DEMO)]
+    with pytest.raises(SystemExit) as done:
+        run(["fit", *configs, "--print_config"], tmp_path, monkeypatch)
+    assert done.value.code == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    scheduler = printed["model"]["lr_scheduler"]
+    assert scheduler["class_path"] == "torch.optim.lr_scheduler.OneCycleLR"
+    assert scheduler["init_args"]["total_steps"] == printed["trainer"]["max_steps"] == 96
+    assert printed["model"]["sampling"]["temperature"] == 0.7
+    assert printed["model"]["trust_region"]["eps"] == 0.05  # tinymath.yaml's, kept
+    assert printed["data"]["batch_size"] == 512
+    cli = run(["fit", *configs, *one_step(tiny_model_dir)], tmp_path, monkeypatch)
+    assert cli.trainer.global_step == 1
+    (config,) = cli.trainer.lr_scheduler_configs
+    assert type(config.scheduler).__name__ == "OneCycleLR" and config.scheduler.total_steps == 96
 
 
 def test_fsdp2_cpu_overlay_trains_with_two_processes(tmp_path, tiny_model_dir):
@@ -421,6 +449,12 @@ def broken_jsonl(tmp_path: Path) -> str:
                      id="broken-json-line"),
         pytest.param(["--ckpt_path", "gone.ckpt"], "--ckpt_path 'gone.ckpt': no such file",
                      id="missing-checkpoint"),
+        pytest.param(["--config", str(ROOT / "configs" / "demo.yaml"), "--trainer.max_steps",
+                      "200"], "model.lr_scheduler.init_args.total_steps=96 is smaller than "
+                     "trainer.max_steps=200: OneCycleLR schedules 96 optimiser steps",
+                     id="schedule-shorter-than-run"),
+        pytest.param(["--config", str(ROOT / "configs" / "demo.yaml"), "--trainer.max_steps",
+                      "-1"], "trainer.max_steps=-1 (no limit)", id="schedule-without-limit"),
         pytest.param(["--trainer.enable_checkpointing", "false", "--trainer.callbacks",
                       "lightning.pytorch.callbacks.ModelCheckpoint"],
                      "enable_checkpointing=False", id="lightning-check"),

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
+
+import yaml
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -24,3 +27,57 @@ def test_readme_python_example_runs(capsys):
 def test_readme_names_the_test_command():
     text = README.read_text()
     assert "make test" in text and "make setup" in text
+
+
+def demo_config() -> dict:
+    """configs/tinymath.yaml with configs/demo.yaml on top (sections merged, later keys win)."""
+    merged: dict = {}
+    for name in ("tinymath.yaml", "demo.yaml"):
+        text = (README.parent / "configs" / name).read_text()
+        for section, values in yaml.safe_load(text).items():
+            if isinstance(values, dict):
+                merged.setdefault(section, {}).update(values)
+            else:
+                merged[section] = values
+    return merged
+
+
+def test_readme_demo_paragraph_describes_the_demo_config():
+    """The README's demo paragraph gives the demo config's numbers (rollouts: max_steps over the
+    optimiser steps per rollout; prompts; completions; the validation cadence; held-out prompts;
+    the bound), promises at most 3 minutes, and the figures it reports meet the demo's goal:
+    the reward rising from quarter to quarter, held-out accuracy at least 0.65."""
+    config = demo_config()
+    model, data, trainer = config["model"], config["data"], config["trainer"]
+    sequences = data["batch_size"] * model["group_size"]
+    optimization = model["optimization"]
+    steps = optimization["epochs_per_rollout"] * math.ceil(
+        sequences / optimization["minibatch_size"]
+    )
+    assert trainer["max_steps"] % steps == 0, "the demo ends after a whole rollout"
+    rollouts = trainer["max_steps"] // steps
+    assert rollouts % trainer["val_check_interval"] == 0, "the last rollout is validated"
+    text = " ".join(README.read_text().split())
+    start = text.index("`make demo` trains TinyMath")
+    paragraph = text[start : text.index("## Install", start)]
+    found = re.search(
+        r"about ([\d.]+) minutes? for (\d+) rollouts of (\d+) prompts x (\d+) completions",
+        paragraph,
+    )
+    assert found, paragraph
+    minutes, *numbers = found.groups()
+    assert float(minutes) <= 3
+    assert [int(n) for n in numbers] == [rollouts, data["batch_size"], model["group_size"]]
+    assert f"validated every {trainer['val_check_interval']} rollouts" in paragraph
+    assert f"greedy accuracy on {data['num_val']} held-out" in paragraph
+    assert f"never exceeds the bound {model['trust_region']['eps']}" in paragraph
+    quarters = re.search(
+        r"from ([\d.]+) over the first quarter of the rollouts through ([\d.]+) and ([\d.]+) "
+        r"to ([\d.]+) over the last",
+        paragraph,
+    )
+    assert quarters, paragraph
+    rewards = [float(x) for x in quarters.groups()]
+    assert rewards == sorted(rewards) and len(set(rewards)) == 4, "rising quarter by quarter"
+    accuracy = float(re.search(r"held-out test problems reaches ([\d.]+)", paragraph).group(1))
+    assert accuracy >= 0.65
