@@ -3,6 +3,7 @@
     python examples/smollm2_study.py                        # the grid (hours; make smollm2 first)
     nohup python examples/smollm2_study.py > study.log 2>&1 &   # the same, in the background
     python examples/smollm2_study.py --estimate             # how long the grid takes, then stop
+    python examples/smollm2_study.py --report               # outputs of the runs finished so far
     python examples/smollm2_study.py --dry-run --out /tmp/dry   # the machinery on TinyMath
 
 Every run is ``configs/smollm2.yaml`` (GRPO on small-number arithmetic in the chat template, the
@@ -623,6 +624,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prior-seconds", type=float, default=PRIOR_SECONDS, help="s / rollout guess")
     p.add_argument("--keep-checkpoints", action="store_true", help="keep finished runs' last.ckpt")
     p.add_argument("--estimate", action="store_true", help="print the estimate only")
+    p.add_argument(
+        "--report",
+        action="store_true",
+        help="write the table, CSV and plots from the runs finished so far; train nothing",
+    )
     p.add_argument("--dry-run", action="store_true", help="TinyMath, 3 tiny rollouts per run")
     args = p.parse_args(argv)
     tiny = args.dry_run
@@ -660,13 +666,20 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
             f"{len(specs)} runs x {budget.rollouts} rollouts x {rate:.0f} s: {total / 3600:.1f} h"
         )
         return []
-    try:
-        records = run_all(
-            specs, budget, args.model, args.out, args.prior_seconds, args.keep_checkpoints
-        )
-    except Interrupted as stop:
-        print(f"{stop}; run the same command again to resume it", flush=True)
-        sys.exit(stop.exit_code)
+    if args.report:
+        finished = [args.out / "runs" / s.name / "result.json" for s in specs]
+        records = [json.loads(p.read_text()) for p in finished if p.exists()]
+        if not records:
+            sys.exit(f"--report: no finished run in {args.out / 'runs'} yet")
+        print(f"{len(records)} of {len(specs)} runs finished", flush=True)
+    else:
+        try:
+            records = run_all(
+                specs, budget, args.model, args.out, args.prior_seconds, args.keep_checkpoints
+            )
+        except Interrupted as stop:
+            print(f"{stop}; run the same command again to resume it", flush=True)
+            sys.exit(stop.exit_code)
     write_metrics_csv(records, args.out / "metrics.csv")
     results = [{k: v for k, v in r.items() if k != "history"} for r in records]
     (args.out / "results.json").write_text(json.dumps(results, indent=1))

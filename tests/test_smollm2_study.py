@@ -203,6 +203,16 @@ def test_dry_run_end_to_end_and_an_interrupted_run_resumes(tiny_model_dir, tmp_p
     troll = b / "runs" / "troll-steps4-s0"
     assert (troll / "checkpoints" / "last.ckpt").exists() and not (troll / "result.json").exists()
     assert (b / "runs" / "clip-steps4-s0" / "result.json").exists()
+    # --report: the outputs of the finished runs (clip), training nothing
+    reported = study.main([*base, "--out", str(b), "--report"])
+    assert [r["objective"] for r in reported] == ["clip"]
+    assert (
+        "| clip |" in (b / "table.md").read_text()
+        and "| troll |" not in (b / "table.md").read_text()
+    )
+    assert not (troll / "result.json").exists() and len(list((troll / "logs").iterdir())) == 1
+    with pytest.raises(SystemExit, match="--report: no finished run"):
+        study.main([*base, "--out", str(tmp_path / "empty"), "--report"])
     again = study.main([*base, "--out", str(b)])  # clip skipped, TROLL resumed at rollout 3
     assert json.loads((troll / "attempts.json").read_text()).__len__() == 2
     assert sorted(p.name for p in (troll / "logs").iterdir()) == ["version_0", "version_1"]
