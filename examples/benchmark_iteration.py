@@ -303,6 +303,19 @@ def run_trl(spec: dict) -> dict:
     return {"iterations": iterations, "peak_memory_gib": peak_memory_gib()}
 
 
+def chat_prompt_ids(tokenizer) -> list[list[int]]:
+    """The benchmark's prompts in the chat template, as token ids (one per prompt)."""
+    return [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": r["question"] + INSTRUCTION}],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+        )
+        for r in pick_rows()
+    ]
+
+
 # ------------------------------------------------------- recorded against recomputed log-probs
 
 
@@ -326,15 +339,7 @@ def behaviour_error(model_dir: str, dtype: str, threads: int, max_new_tokens: in
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    prompts = [
-        tokenizer.apply_chat_template(
-            [{"role": "user", "content": r["question"] + INSTRUCTION}],
-            add_generation_prompt=True,
-            tokenize=True,
-            return_dict=False,
-        )
-        for r in pick_rows()
-    ]
+    prompts = chat_prompt_ids(tokenizer)
 
     def fn(logits, tokens):
         return sparsify(logits, max_tokens=64, mass_delta=1e-5, keep=tokens)
@@ -384,16 +389,7 @@ def generation_speed(model_dir: str, threads: int, max_new_tokens: int, repeats:
     torch.set_num_threads(threads)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    prompts = [
-        tokenizer.apply_chat_template(
-            [{"role": "user", "content": r["question"] + INSTRUCTION}],
-            add_generation_prompt=True,
-            tokenize=True,
-            return_dict=False,
-        )
-        for r in pick_rows()
-        for _ in range(GROUP)
-    ]
+    prompts = [ids for ids in chat_prompt_ids(tokenizer) for _ in range(GROUP)]
     stops = stop_token_ids(tokenizer, model)
     config = GenerationConfig(
         do_sample=True,
