@@ -476,6 +476,19 @@ COLOURS = {"clip": "tab:blue", "troll": "tab:orange"}
 """One colour per objective in every plot."""
 
 
+def band(ax, runs: Sequence[dict], metric: str, label: str, colour, style: str = "-") -> bool:
+    """Draws the mean over ``runs`` of ``metric`` against rollout, with a +-1 std band; False
+    (nothing drawn) when no rollout has it in every run."""
+    steps, mean, std = curve(runs, metric)
+    if not steps:
+        return False
+    ax.plot(steps, mean, style, color=colour, label=label)
+    low = [m - s for m, s in zip(mean, std, strict=True)]
+    high = [m + s for m, s in zip(mean, std, strict=True)]
+    ax.fill_between(steps, low, high, color=colour, alpha=0.2)
+    return True
+
+
 def plot_grid(
     records: Sequence[dict],
     series: Sequence[tuple[str, str, str]],
@@ -495,16 +508,10 @@ def plot_grid(
             runs = [
                 r for r in records if r["estimator"] == estimator and r["objective"] == objective
             ]
-            steps, mean, std = curve(runs, metric)
-            if not steps:
-                continue
             style = ("-", "--", ":")[drawn.get(objective, 0) % 3]
-            drawn[objective] = drawn.get(objective, 0) + 1
             colour = COLOURS.get(objective)
-            ax.plot(steps, mean, style, color=colour, label=f"{objective}: {label}")
-            low = [m - s for m, s in zip(mean, std, strict=True)]
-            high = [m + s for m, s in zip(mean, std, strict=True)]
-            ax.fill_between(steps, low, high, color=colour, alpha=0.2)
+            if band(ax, runs, metric, f"{objective}: {label}", colour, style):
+                drawn[objective] = drawn.get(objective, 0) + 1
         troll = [r for r in records if (r["estimator"], r["objective"]) == (estimator, "troll")]
         eps = curve(troll, "trust_region/bound")[1]
         if bound and eps:
@@ -552,18 +559,6 @@ def plot_learning_rates(records: Sequence[dict], path: Path) -> None:
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize="x-small")
     save(fig, path)
-
-
-def band(ax, runs: Sequence[dict], metric: str, label: str, colour, style: str = "-") -> None:
-    """Mean over ``runs`` of ``metric`` against rollout, with a +-1 std band."""
-    steps, mean, std = curve(runs, metric)
-    if not steps:
-        return
-    ax.plot(steps, mean, style, color=colour, label=label)
-    low = [m - s for m, s in zip(mean, std, strict=True)]
-    ax.fill_between(
-        steps, low, [m + s for m, s in zip(mean, std, strict=True)], color=colour, alpha=0.2
-    )
 
 
 def plot_fair(records: Sequence[dict], path: Path) -> None:
@@ -639,11 +634,12 @@ def write_plots(records: Sequence[dict], out: Path) -> list[Path]:
         if main:
             plot_grid(main, series, ylabel, out / name, bound=name == "kl_after.png")
             paths.append(out / name)
-    if main or any(r.get("lr") is not None or r["max_tokens"] != 64 for r in records):
+    fair = [r for r in records if r.get("clip_low") is not None or r.get("steps")]
+    if main or any(not is_main(r) and r not in fair for r in records):  # ablation, stress
         plot_ablation(records, out / "ablation.png")
         plot_learning_rates(records, out / "learning_rate.png")
         paths += [out / "ablation.png", out / "learning_rate.png"]
-    if any(r.get("clip_low") is not None or r.get("steps") for r in records):
+    if fair:
         plot_fair(records, out / "fair.png")
         paths.append(out / "fair.png")
     return paths
