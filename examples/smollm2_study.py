@@ -336,6 +336,12 @@ def estimate_seconds(
     return rate * budget.rollouts * len(specs), rate
 
 
+def finished_records(specs: Sequence[RunSpec], out: Path) -> list[dict]:
+    """The records of the runs of ``specs`` that have finished (their ``result.json``)."""
+    paths = [out / "runs" / s.name / "result.json" for s in specs]
+    return [json.loads(p.read_text()) for p in paths if p.exists()]
+
+
 def run_all(
     specs: Sequence[RunSpec],
     budget: Budget,
@@ -348,8 +354,7 @@ def run_all(
     records. Prints the grid's estimated time first and the time taken at the end."""
     runs = out / "runs"
     check_settings(runs / "settings.json", {"model": model, "budget": asdict(budget)})
-    finished = [runs / s.name / "result.json" for s in specs]
-    done = [json.loads(p.read_text()) for p in finished if p.exists()]
+    done = finished_records(specs, out)
     total, rate = estimate_seconds(specs, budget, done, prior)
     source = f"{len(done)} runs done" if done else "--prior-seconds"
     print(
@@ -659,16 +664,14 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     )
     specs = grid(args.seeds, budget, args.stress, args.stress_steps)
     if args.estimate:
-        finished = [args.out / "runs" / s.name / "result.json" for s in specs]
-        done = [json.loads(p.read_text()) for p in finished if p.exists()]
+        done = finished_records(specs, args.out)
         total, rate = estimate_seconds(specs, budget, done, args.prior_seconds)
         print(
             f"{len(specs)} runs x {budget.rollouts} rollouts x {rate:.0f} s: {total / 3600:.1f} h"
         )
         return []
     if args.report:
-        finished = [args.out / "runs" / s.name / "result.json" for s in specs]
-        records = [json.loads(p.read_text()) for p in finished if p.exists()]
+        records = finished_records(specs, args.out)
         if not records:
             sys.exit(f"--report: no finished run in {args.out / 'runs'} yet")
         print(f"{len(records)} of {len(specs)} runs finished", flush=True)
