@@ -43,7 +43,7 @@ class RolloutGeneration(Callback):
     ``dynamic_sampling/frac_dropped`` (sampled groups left out); and a few completions as text.
     Where the rollout's time goes, in seconds: ``time/generation`` (sampling, every round, in the
     progress bar), ``time/forward_passes`` (teacher-forced passes after sampling: the behaviour
-    policy's with ``model.behaviour_logprobs: forward``, the reference policy's with
+    policy's when ``model.behaviour_logprobs`` recomputes it, the reference policy's with
     ``model.loss.ref_kl_coef`` > 0), ``time/rollout`` (all of it, rewards included), and
     ``throughput/generated_tokens_per_s`` (response tokens up to EOS per second of generation).
     The optimiser steps' time is the module's ``time/training``; ``time/iteration`` is the whole
