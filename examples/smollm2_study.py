@@ -71,6 +71,7 @@ OBJECTIVES = ("clip", "troll")
 STRESS = ("steps", "lr", "none")
 STRESS_LR_FACTOR = 3.0
 ACCURACY = "val/accuracy"
+TIME = "time/iteration"
 LATE = 3
 """Validations at the end of a run that the table's late accuracy averages."""
 METRICS = (
@@ -89,7 +90,7 @@ METRICS = (
     "clip/active_frac",
     "clip/approx_kl",
     "time/rollout",
-    "time/iteration",
+    TIME,
 )
 """The logged metrics kept per rollout (a run logs only some: clip or trust region)."""
 PRIOR_SECONDS = 60.0
@@ -329,10 +330,18 @@ def check_settings(path: Path, settings: dict) -> None:
 def estimate_seconds(
     specs: Sequence[RunSpec], budget: Budget, records: Sequence[dict], prior: float
 ):
-    """(seconds for the whole grid, seconds per rollout used): the mean over finished runs of
-    their wall time per rollout (validation included), else ``prior``."""
-    per_rollout = [r["seconds"] / budget.rollouts for r in records]
-    rate = statistics.fmean(per_rollout) if per_rollout else prior
+    """(seconds for the whole grid, seconds per rollout used), from the finished runs: the median
+    rollout's ``time/iteration`` plus the median run's time outside rollouts (validation, start-up)
+    per rollout; else ``prior``. Medians, so that a run paused for a while (SIGSTOP) or a slow
+    rollout does not inflate the estimate."""
+    if not records:
+        return prior * budget.rollouts * len(specs), prior
+    rollouts = [row[TIME] for r in records for row in r["history"] if TIME in row]
+    outside = [
+        max(0.0, r["seconds"] - sum(row.get(TIME, 0.0) for row in r["history"])) / budget.rollouts
+        for r in records
+    ]
+    rate = (statistics.median(rollouts) if rollouts else 0.0) + statistics.median(outside)
     return rate * budget.rollouts * len(specs), rate
 
 
@@ -420,6 +429,12 @@ def run_mean(record: dict, metric: str, last: int | None = None) -> float | None
     return statistics.fmean(values) if values else None
 
 
+def run_median(record: dict, metric: str) -> float | None:
+    """The median of ``metric`` over a run's rollouts that log it (robust to a paused one)."""
+    values = [row[metric] for row in record["history"] if metric in row]
+    return statistics.median(values) if values else None
+
+
 def cell_of(record: dict) -> tuple:
     return record["steps"], record.get("lr")
 
@@ -459,7 +474,7 @@ def summarise(records: Sequence[dict]) -> list[dict]:
                 "kl_end": over_seeds(lambda r: run_mean(r, "trust_region/kl_end_mean")),
                 "kl_end_sampled": over_seeds(lambda r: run_mean(r, "trust_region/kl_end_sampled")),
                 "kl_end_max": max(kl_max) if kl_max else math.nan,
-                "rollout_s": over_seeds(lambda r: run_mean(r, "time/iteration")),
+                "rollout_s": over_seeds(lambda r: run_median(r, TIME)),
                 "minutes": over_seeds(lambda r: r["seconds"] / 60),
             }
         )
@@ -472,7 +487,7 @@ def format_table(rows: Sequence[dict], budget: Budget) -> str:
     lines = [
         "| objective | steps / rollout | lr | seeds | final accuracy | last 3 validations "
         "| reward, last 5 rollouts | KL end (support) | KL end (sampled) | max KL end "
-        "| s / rollout | minutes / run |",
+        "| median s / rollout | minutes / run |",
         "| --- | ---: | ---: | ---: | --- | --- | --- | --- | --- | ---: | ---: | ---: |",
     ]
 
@@ -604,7 +619,7 @@ def write_plots(records: Sequence[dict], out: Path, budget: Budget) -> list[Path
             True,
         ),
         "entropy.png": ([("entropy", "entropy")], "entropy per token", None, False),
-        "time.png": ([("time/iteration", "s / rollout")], "wall seconds per rollout", None, False),
+        "time.png": ([(TIME, "s / rollout")], "wall seconds per rollout", None, False),
     }
     paths = []
     for name, (series, ylabel, bound, log) in plots.items():

@@ -150,12 +150,17 @@ def test_summary_table_estimate_and_plots(tmp_path):
     assert len(lines) == 2 + 3
     assert lines[2].startswith("| clip | 4 | 1e-05 | 2 | 0.700 ± 0.141 |")
     assert "| troll | 8 | 1e-05 | 1 |" in lines[4]
-    # estimate: 90 s per rollout over the 2 runs done (60 / 1 and 120 / 1 with 1 rollout each)
+    # estimate: the median rollout (2 s) plus the median run's time outside rollouts per rollout:
+    # 60 and 120 s less the 2 x 2 s of rollouts, over 1 rollout each -> median 86 s
     budget = study.Budget(rollouts=1)
-    total, rate = study.estimate_seconds(
-        study.grid([0, 1, 2], budget, "steps", 8), budget, records[:2], 60.0
-    )
-    assert (rate, total) == (90.0, 8 * 90.0)
+    specs = study.grid([0, 1, 2], budget, "steps", 8)
+    total, rate = study.estimate_seconds(specs, budget, records[:2], 60.0)
+    assert (rate, total) == (2.0 + 86.0, 8 * 88.0)
+    # a rollout paused for an hour moves neither median (outside rollouts: 56, 116, 56 and 56 s)
+    assert study.estimate_seconds(specs, budget, records[:3], 60.0) == (8 * 58.0, 58.0)
+    paused = record("troll", 1, 4, [0.4, 0.5, 0.6], 0.02, seconds=3600.0 + 2.0 + 56.0)
+    paused["history"][1]["time/iteration"] = 3600.0
+    assert study.estimate_seconds(specs, budget, [*records[:3], paused], 60.0) == (8 * 58.0, 58.0)
     assert study.estimate_seconds([], budget, [], 60.0) == (0.0, 60.0)
     paths = study.write_plots(records, tmp_path, study.Budget())
     assert [p.name for p in paths] == [
