@@ -527,6 +527,8 @@ def curve(records: Sequence[dict], metric: str) -> tuple[list[int], list[float],
 
 
 COLOURS = {"clip": "tab:blue", "troll": "tab:orange"}
+TIME_CAP = 3.0
+"""The time plot's y axis ends at this multiple of the median seconds per rollout."""
 
 
 def pyplot():
@@ -552,9 +554,12 @@ def plot_cells(
     budget: Budget,
     bound: float | None = None,
     log: bool = False,
+    cap: float | None = None,
 ) -> None:
     """One panel per cell; in each, per objective and ``(metric, label)`` of ``series``, the mean
-    over seeds with a +-1 std band (later series of an objective dashed, then dotted)."""
+    over seeds with a +-1 std band (later series of an objective dashed, then dotted). ``cap``
+    ends the y axis at that multiple of the median value of the panel's runs, and says in the
+    title how many rollouts lie above it (a run paused for a while would flatten the rest)."""
     plt = pyplot()
     cells = list(dict.fromkeys(cell_of(r) for r in records))
     fig, axes = plt.subplots(1, len(cells), figsize=(4.5 * len(cells), 3.3), squeeze=False)
@@ -578,7 +583,23 @@ def plot_cells(
             ax.axhline(bound, color="k", linestyle="--", linewidth=1, label="TROLL's bound eps")
         if log:
             ax.set_yscale("log")
-        ax.set_title(cell_title(cell, budget), fontsize="small")
+        title = cell_title(cell, budget)
+        if cap is not None:
+            values = [
+                row[metric]
+                for r in records
+                if cell_of(r) == cell
+                for row in r["history"]
+                for metric, _ in series
+                if metric in row
+            ]
+            if values:
+                top = cap * statistics.median(values)
+                ax.set_ylim(0, top)
+                above = sum(v > top for v in values)
+                if above:
+                    title += f"\n{above} rollouts above {top:.0f} (paused runs) off the chart"
+        ax.set_title(title, fontsize="small")
         ax.set_xlabel("rollout")
         ax.set_ylabel(ylabel)
         if ax.get_legend_handles_labels()[0]:
@@ -623,7 +644,8 @@ def write_plots(records: Sequence[dict], out: Path, budget: Budget) -> list[Path
     }
     paths = []
     for name, (series, ylabel, bound, log) in plots.items():
-        plot_cells(records, series, ylabel, out / name, budget, bound=bound, log=log)
+        cap = TIME_CAP if name == "time.png" else None
+        plot_cells(records, series, ylabel, out / name, budget, bound=bound, log=log, cap=cap)
         paths.append(out / name)
     return paths
 

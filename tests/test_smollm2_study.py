@@ -162,7 +162,7 @@ def test_summary_table_estimate_and_plots(tmp_path):
     paused["history"][1]["time/iteration"] = 3600.0
     assert study.estimate_seconds(specs, budget, [*records[:3], paused], 60.0) == (8 * 58.0, 58.0)
     assert study.estimate_seconds([], budget, [], 60.0) == (0.0, 60.0)
-    paths = study.write_plots(records, tmp_path, study.Budget())
+    paths = study.write_plots([*records, paused], tmp_path, study.Budget())  # paused: off the chart
     assert [p.name for p in paths] == [
         "reward.png", "accuracy.png", "kl_end.png", "kl_end_max.png", "entropy.png", "time.png",
     ]  # fmt: skip
