@@ -405,9 +405,23 @@ def run_all(
                 flush=True,
             )
         records.append(json.loads(result.read_text()))
-    hours = (start.get("seconds", 0.0) + sum(r["seconds"] for r in records)) / 3600
-    print(f"the grid took {hours:.2f} h of training and validation", flush=True)
+    print(grid_time(records, start.get("seconds", 0.0)), flush=True)
     return records
+
+
+def grid_time(records: Sequence[dict], start_seconds: float = 0.0) -> str:
+    """How long the runs of ``records`` (and the start's validation) took: wall time, and without
+    pauses (each rollout above ``TIME_CAP`` x the median rollout counted at the median)."""
+    wall = start_seconds + sum(r["seconds"] for r in records)
+    times = [row[TIME] for r in records for row in r["history"] if TIME in row]
+    if not times:
+        return f"the runs took {wall / 3600:.2f} h of training and validation"
+    median = statistics.median(times)
+    paused = sum(t - median for t in times if t > TIME_CAP * median)
+    return (
+        f"the runs took {wall / 3600:.2f} h of training and validation, "
+        f"{(wall - paused) / 3600:.2f} h without the paused rollouts"
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -711,7 +725,10 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
         records = finished_records(specs, args.out)
         if not records:
             sys.exit(f"--report: no finished run in {args.out / 'runs'} yet")
+        start_file = args.out / "runs" / "start.json"
+        start = json.loads(start_file.read_text()) if start_file.exists() else {}
         print(f"{len(records)} of {len(specs)} runs finished", flush=True)
+        print(grid_time(records, start.get("seconds", 0.0)), flush=True)
     else:
         try:
             records = run_all(

@@ -162,6 +162,10 @@ def test_summary_table_estimate_and_plots(tmp_path):
     paused["history"][1]["time/iteration"] = 3600.0
     assert study.estimate_seconds(specs, budget, [*records[:3], paused], 60.0) == (8 * 58.0, 58.0)
     assert study.estimate_seconds([], budget, [], 60.0) == (0.0, 60.0)
+    # the grid's time: 3898 s of wall time, 300 s once the paused rollout counts at the median
+    assert study.grid_time([*records[:3], paused]) == (
+        "the runs took 1.08 h of training and validation, 0.08 h without the paused rollouts"
+    )
     paths = study.write_plots([*records, paused], tmp_path, study.Budget())  # paused: off the chart
     assert [p.name for p in paths] == [
         "reward.png", "accuracy.png", "kl_end.png", "kl_end_max.png", "entropy.png", "time.png",
