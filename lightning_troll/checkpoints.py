@@ -18,6 +18,7 @@ Nothing here imports Lightning; the hooks that use these are in :mod:`lightning_
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import tempfile
@@ -44,12 +45,23 @@ __all__ = [
 
 
 def changed_options(now: Mapping[str, Any], stored: Mapping[str, Any]) -> list[str]:
-    """``model.<key>: <stored> -> <now>`` for every key both have with different values."""
+    """``model.<key>: <stored> -> <now>`` for every key both have with different values.
+
+    An option record and the dict of its fields count as equal (the command line stores dicts,
+    a module built in Python or by ``load_from_checkpoint`` holds the records); keys starting
+    with ``_`` (the command line's own, such as ``_instantiator``) are left out."""
     return [
         f"model.{key}: {stored[key]!r} -> {value!r}"
         for key, value in now.items()
-        if key in stored and stored[key] != value
+        if key in stored and not key.startswith("_") and _plain(stored[key]) != _plain(value)
     ]
+
+
+def _plain(value: Any) -> Any:
+    """An option record as the dict of its fields; anything else unchanged."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    return value
 
 
 class CheckpointError(ValueError):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ import yaml
 from lightning_troll.cli import main as cli_main
 from lightning_troll.cli import quarter_means, shows_help
 from lightning_troll.cli import run as cli_run
+from lightning_troll.module import TrollModule
 from lightning_troll.objectives import ClipObjective, TrollObjective
 from lightning_troll.rewards import RewardError
 
@@ -380,6 +382,14 @@ def test_logs_and_checkpoints_follow_default_root_dir(tmp_path, monkeypatch, tin
     last = logs / "checkpoints" / "last.ckpt"
     assert torch.load(last, map_location="cpu", weights_only=True)["global_step"] == 2
     assert not (tmp_path / "runs").exists()
+
+    # loading the command line's checkpoint in Python: its stored options (dicts) equal the
+    # records the module rebuilds from them, so nothing is reported as changed
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loaded = TrollModule.load_from_checkpoint(last)
+    assert [str(w.message) for w in caught if "other options" in str(w.message)] == []
+    assert loaded.hparams.trust_region.eps == cli.model.hparams.trust_region["eps"]
 
 
 def test_default_checkpoint_every_n_rollouts_at_the_end_and_resumed_in_one_line(
