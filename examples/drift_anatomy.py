@@ -1,7 +1,8 @@
 """Where a rollout's drift from the behaviour policy comes from: clip against TROLL, step by step.
 
     python examples/drift_anatomy.py --checkpoint runs/<run>/checkpoints/last.ckpt
-    python examples/drift_anatomy.py --checkpoint ... --steps 8 --json examples/results/smollm2/drift_anatomy_8.json
+    python examples/drift_anatomy.py --checkpoint ... --alphas 10 --json examples/results/smollm2/drift_anatomy.json
+    python examples/drift_anatomy.py --report examples/results/smollm2/drift_anatomy.json   # its table
 
 TROLL bounds the KL of each step's *target*, the projection of the policy's distribution at a
 token onto the ball KL <= eps around the behaviour policy; clipping cuts the gradient of tokens
@@ -237,7 +238,10 @@ def table(results: dict) -> str:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--checkpoint", type=Path, required=True, help="a training run's last.ckpt")
+    p.add_argument("--checkpoint", type=Path, help="a training run's last.ckpt")
+    p.add_argument(
+        "--report", type=Path, default=None, help="print the table of a saved JSON; train nothing"
+    )
     p.add_argument("--model", default=None, help="model folder (default: the checkpoint's)")
     p.add_argument("--steps", type=int, default=4, help="optimiser steps per rollout")
     p.add_argument("--repeats", type=int, default=3, help="rollouts, each from the checkpoint")
@@ -246,6 +250,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--alphas", type=float, nargs="*", default=[], help="TROLL also at these alphas")
     p.add_argument("--json", type=Path, default=None, help="where the figures go")
     args = p.parse_args(argv)
+    if args.report is not None:
+        if not args.report.is_file():
+            p.error(f"--report: no file at {args.report}")
+        return args
+    if args.checkpoint is None:
+        p.error("--checkpoint is required (or --report to print a saved JSON's table)")
     if not args.checkpoint.is_file():
         p.error(f"--checkpoint: no file at {args.checkpoint}")
     for name in ("steps", "repeats"):
@@ -260,6 +270,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> dict:
     args = parse_args(argv)
+    if args.report is not None:
+        results = json.loads(args.report.read_text())
+        print(table(results))
+        return results
     results = run(args)
     text = table(results)
     print(text)

@@ -100,11 +100,16 @@ def test_the_moments_agree_where_they_must(results):
     assert all(rows[0]["end"]["mean"] > 1e-4 for rows in objectives.values())
 
 
-def test_the_table_has_a_row_per_variant_and_minibatch(results):
+def test_the_table_has_a_row_per_variant_and_minibatch(results, tmp_path, capsys):
     lines = script.table(results).splitlines()
     assert len(lines) == 2 + 3 * 4
     assert lines[2].startswith("| clip | 1 | 0.0000 / 0.000 / 0.0% |")
     assert lines[-1].startswith("| troll alpha 10 | 4 |")
+    saved = tmp_path / "saved.json"
+    saved.write_text(json.dumps(results))
+    capsys.readouterr()
+    assert script.main(["--report", str(saved)]) == json.loads(json.dumps(results))
+    assert capsys.readouterr().out.strip() == script.table(results).strip()
 
 
 @pytest.mark.parametrize(
@@ -113,6 +118,7 @@ def test_the_table_has_a_row_per_variant_and_minibatch(results):
         (["--checkpoint", "gone.ckpt"], "--checkpoint: no file at gone.ckpt"),
         (["--steps", "0"], "--steps must be >= 1; got 0"),
         (["--alphas", "-1"], "--alphas must be >= 0; got [-1.0]"),
+        (["--report", "gone.json"], "--report: no file at gone.json"),
     ],
 )
 def test_bad_arguments_are_refused(args, message, checkpoint, capsys):
@@ -121,6 +127,12 @@ def test_bad_arguments_are_refused(args, message, checkpoint, capsys):
         script.parse_args(given)
     assert stop.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_checkpoint_or_a_report_is_required(capsys):
+    with pytest.raises(SystemExit):
+        script.parse_args([])
+    assert "--checkpoint is required (or --report" in capsys.readouterr().err
 
 
 def test_steps_that_do_not_divide_the_rollout_are_refused(checkpoint):
