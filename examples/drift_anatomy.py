@@ -25,7 +25,9 @@ at three moments:
   ``trust_region_monitor.kl_end`` logs during training).
 
 Per objective and minibatch position it prints the mean, the largest and the share of tokens
-above eps of each, and, over the tokens that arrive above eps, their mean KL before and after
+above eps of each; at the rollout's end, the sampled estimate over the whole vocabulary and, of
+the sampled tokens' ratios pi(o_t) / pi_old(o_t), the share outside the checkpoint's clip range
+and the largest; and, over the tokens that arrive above eps, their mean KL before and after
 their own step: clipping cuts such a token's gradient, TROLL's loss keeps one through the
 projection and adds its regression term, ``alpha`` x KL(pi || sg(projection)), which pulls the
 policy toward the projection. ``--alphas`` adds TROLL at other regression weights. Everything
@@ -47,6 +49,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from lightning_troll.drift import drift_from_behaviour  # noqa: E402
+
 MOMENTS = ("arrive", "own", "end")
 
 
@@ -130,25 +134,50 @@ def summarise(before: torch.Tensor, after: torch.Tensor, eps: float) -> dict:
     }
 
 
+def clip_range(module) -> tuple[float, float]:
+    """(1 - eps_low, 1 + eps_high) of the checkpoint's ``model.clip``."""
+    clip = module.hparams.clip
+    clip = clip if isinstance(clip, dict) else vars(clip)
+    low = float(clip["eps_low"])
+    high = low if clip.get("eps_high") is None else float(clip["eps_high"])
+    return 1.0 - low, 1.0 + high
+
+
 def anatomy(module, optimizer, scheduler, rollout, steps: int, seed: int) -> list[dict]:
-    """Per minibatch position: KL at ``arrive``, ``own`` and ``end`` (summaries)."""
+    """Per minibatch position: KL at ``arrive``, ``own`` and ``end`` (summaries), with the
+    sampled tokens' ratios pi / pi_old."""
     clip_norm = module.minibatch_loop.config.gradient_clip_norm
     eps = module.support_rule.eps
+    low, high = clip_range(module)
     size = rollout.num_sequences // steps
     minibatches = rollout.minibatches(size, torch.Generator().manual_seed(seed))
+
+    def drift(minibatch):  # (lumped KL, log-ratio of the sampled token), per token
+        return drift_from_behaviour(
+            module.policy,
+            minibatch,
+            module.support_rule,
+            module.logits_chunk_size,
+            module.share_prompts,
+        )
+
     arrive, own = [], []
     for minibatch in minibatches:
-        arrive.append(module.kl_to_behaviour(minibatch))
+        arrive.append(drift(minibatch))
         step(module, optimizer, scheduler, minibatch, clip_norm)
-        own.append(module.kl_to_behaviour(minibatch))
-    end = [module.kl_to_behaviour(m) for m in minibatches]
+        own.append(drift(minibatch))
+    end = [drift(m) for m in minibatches]
     rows = []
     for k in range(len(minibatches)):
         row = {"position": k + 1, "tokens": int(arrive[k][0].numel())}
         first = arrive[k][0]
-        for name, kl in zip(MOMENTS, (arrive[k], own[k], end[k]), strict=True):
-            row[name] = summarise(first, kl[0], eps)
-            row[name]["sampled_mean"] = kl[1].mean().item()
+        for name, (lumped, log_ratio) in zip(MOMENTS, (arrive[k], own[k], end[k]), strict=True):
+            row[name] = summarise(first, lumped, eps)
+            ratio = log_ratio.double().exp()
+            row[name]["sampled_mean"] = (ratio * log_ratio - ratio + 1).mean().item()
+            row[name]["ratio_outside_clip"] = ((ratio < low) | (ratio > high)).float().mean().item()
+            row[name]["ratio_max"] = ratio.max().item()
+            row[name]["ratio_min"] = ratio.min().item()
         rows.append(row)
     return rows
 
@@ -207,8 +236,9 @@ def table(results: dict) -> str:
     lines = [
         f"| objective | minibatch | KL arriving: mean / max / share > {eps:g} | after its step "
         "| at the rollout's end | tokens arriving > eps: KL before -> after its step "
-        "| sampled KL at the end (mean) |",
-        "| --- | ---: | --- | --- | --- | --- | ---: |",
+        "| sampled KL at the end (mean) | sampled tokens at the end: ratio outside the clip range "
+        "/ largest ratio |",
+        "| --- | ---: | --- | --- | --- | --- | ---: | --- |",
     ]
     for objective in results["repeats"][0]["objectives"]:
         rows = [r["objectives"][objective] for r in results["repeats"]]
@@ -222,6 +252,12 @@ def table(results: dict) -> str:
                     f"{100 * mean(c[name]['over_frac'] for c in cells):.1f}%"
                 )
 
+            def ratios(cells=cells):  # older JSON has no ratios
+                if "ratio_max" not in cells[0]["end"]:
+                    return "-"
+                outside = 100 * mean(c["end"]["ratio_outside_clip"] for c in cells)
+                return f"{outside:.1f}% / {max(c['end']['ratio_max'] for c in cells):.2f}"
+
             count = sum(c["own"]["arrived_over"] for c in cells)
             pulled = (
                 f"{mean(c['own']['arrived_over_before'] for c in cells):.3f} -> "
@@ -231,7 +267,8 @@ def table(results: dict) -> str:
             )
             lines.append(
                 f"| {objective} | {k + 1} | {moment('arrive')} | {moment('own')} | "
-                f"{moment('end')} | {pulled} | {mean(c['end']['sampled_mean'] for c in cells):.4f} |"
+                f"{moment('end')} | {pulled} | {mean(c['end']['sampled_mean'] for c in cells):.4f} | "
+                f"{ratios(cells)} |"
             )
     return "\n".join(lines) + "\n"
 

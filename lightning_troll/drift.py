@@ -21,7 +21,7 @@ from lightning_troll.forward import linear_head, response_hidden, response_logit
 from lightning_troll.projection import SparseDistribution, TrustRegionProjection
 from lightning_troll.rollout import Rollout
 
-__all__ = ["kl_to_behaviour", "support_rule"]
+__all__ = ["drift_from_behaviour", "kl_to_behaviour", "support_rule"]
 
 
 def support_rule(objective: nn.Module, trust_region) -> TrustRegionProjection:
@@ -59,6 +59,21 @@ def kl_to_behaviour(
     instead). Needs ``rollout.old``. ``chunk_size`` and ``share_prompts`` are the module's
     ``logits_chunk_size`` and ``share_prompts``.
     """
+    lumped, log_ratio = drift_from_behaviour(policy, rollout, rule, chunk_size, share_prompts)
+    ratio = log_ratio.exp()
+    return lumped, ratio * log_ratio - ratio + 1
+
+
+@torch.no_grad()
+def drift_from_behaviour(
+    policy: nn.Module,
+    rollout: Rollout,
+    rule: TrustRegionProjection,
+    chunk_size: int | None,
+    share_prompts: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """Per response token: the lumped sparse KL(pi || pi_old) of :func:`kl_to_behaviour`, and
+    the log-ratio ``log pi(o_t) - log pi_old(o_t)`` of the sampled token; ``(N,)`` each."""
     if rollout.old is None:
         raise ValueError(
             "kl_to_behaviour needs the rollout's sparse old distributions: set "
@@ -76,9 +91,7 @@ def kl_to_behaviour(
         fn = partial(_kl_hidden, rule=rule, head=head, temperature=rollout.temperature)
     parts = map_row_chunks(fn, rows, chunk_size, tokens, rollout.old)
     lumped, new_logp = (torch.cat(values) for values in zip(*parts, strict=True))
-    log_ratio = new_logp - rollout.old_logprobs[mask].to(new_logp.dtype)
-    ratio = log_ratio.exp()
-    return lumped, ratio * log_ratio - ratio + 1
+    return lumped, new_logp - rollout.old_logprobs[mask].to(new_logp.dtype)
 
 
 def _kl_rows(rows: Tensor, tokens: Tensor, old: SparseDistribution, *, rule):

@@ -84,6 +84,9 @@ def test_the_moments_agree_where_they_must(results):
         # the first minibatch arrives on-policy: the policy is the behaviour policy
         assert abs(first["arrive"]["mean"]) < 1e-5 and first["arrive"]["max"] < 1e-4
         assert first["arrive"]["over_frac"] == 0.0 and first["arrive"]["arrived_over"] == 0
+        assert first["arrive"]["ratio_max"] == pytest.approx(1.0, abs=1e-3)
+        assert first["arrive"]["ratio_min"] == pytest.approx(1.0, abs=1e-3)
+        assert first["arrive"]["ratio_outside_clip"] == 0.0
         # the last minibatch's own step is the rollout's last: "own" and "end" coincide
         assert last["own"] == last["end"]
         # the first step is on-policy, where TROLL projects nothing: every variant takes clip's
@@ -96,6 +99,9 @@ def test_the_moments_agree_where_they_must(results):
                 assert figures["max"] >= figures["mean"] - 1e-7
                 if figures["arrived_over"]:
                     assert figures["arrived_over_before"] > eps
+                assert 0.0 < figures["ratio_min"] <= figures["ratio_max"]
+                assert 0.0 <= figures["ratio_outside_clip"] <= 1.0
+                assert figures["sampled_mean"] >= -1e-6  # r log r - r + 1 >= 0 per token
     # the rollout moved the policy: by its end, the first minibatch is no longer on-policy
     assert all(rows[0]["end"]["mean"] > 1e-4 for rows in objectives.values())
 

@@ -346,6 +346,43 @@ def test_kl_to_behaviour_is_zero_before_any_step(tiny_model_dir):
     assert lumped.abs().max() < 1e-5 and sampled.abs().max() < 1e-5
 
 
+def test_drift_from_behaviour_gives_the_sampled_tokens_log_ratios(tiny_model_dir):
+    """After the weights move, the log-ratio of each sampled token is its new log-prob less the
+    cached one, and the sampled KL estimate is r log r - r + 1 of it."""
+    from lightning_troll.drift import drift_from_behaviour
+    from lightning_troll.forward import response_logits
+
+    module = make_module(tiny_model_dir, objective="clip")
+    module.cache_old_distributions = True
+    data = make_data(tiny_model_dir)
+    data.setup("fit")
+    rollout = RolloutGeneration.collect(module, next(iter(data.train_dataloader())))[0]
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in module.policy.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    lumped, log_ratio = drift_from_behaviour(
+        module.policy, rollout, module.support_rule, module.logits_chunk_size
+    )
+    mask = rollout.response_mask
+    with torch.no_grad():
+        logits = response_logits(
+            module.policy,
+            rollout.input_ids,
+            rollout.attention_mask,
+            mask.shape[1],
+            rollout.temperature,
+        )
+    new = logits[mask].float().log_softmax(-1).gather(-1, rollout.tokens[mask].unsqueeze(-1))
+    expected = new.squeeze(-1) - rollout.old_logprobs[mask].float()
+    assert log_ratio.abs().max() > 1e-2  # the noise moved the policy
+    torch.testing.assert_close(log_ratio, expected, rtol=1e-4, atol=1e-5)
+    same_lumped, sampled = module.kl_to_behaviour(rollout)
+    ratio = log_ratio.exp()
+    torch.testing.assert_close(same_lumped, lumped)
+    torch.testing.assert_close(sampled, ratio * log_ratio - ratio + 1)
+
+
 def test_gradient_accumulation_equals_the_whole_minibatch(tmp_path, tiny_model_dir):
     weights = []
     for micro in (None, 3):  # 16 sequences in parts of 3, 3, 3, 3, 3, 1
