@@ -37,7 +37,8 @@ at the end.
 
 Outputs in ``--out`` (default ``examples/results/smollm2/study``): ``runs/``, ``metrics.csv``
 (one row per run and rollout), ``results.json`` (per run: settings, final and late accuracy,
-seconds), ``table.md`` and the plots ``reward.png``, ``accuracy.png``, ``kl_end.png``,
+seconds), ``table.md`` (per cell and objective, mean and spread over seeds), ``runs.md`` (per
+run, then the seeds' means) and the plots ``reward.png``, ``accuracy.png``, ``kl_end.png``,
 ``kl_end_max.png``, ``entropy.png`` and ``time.png`` (one panel per cell, clip against TROLL,
 mean and standard deviation over seeds).
 
@@ -72,6 +73,9 @@ STRESS = ("steps", "lr", "none")
 STRESS_LR_FACTOR = 3.0
 ACCURACY = "val/accuracy"
 TIME = "time/iteration"
+REWARD = "reward/mean"
+KL_END, KL_END_MAX = "trust_region/kl_end_mean", "trust_region/kl_end_max"
+KL_SAMPLED = "trust_region/kl_end_sampled"
 LATE = 3
 """Validations at the end of a run that the table's late accuracy averages."""
 METRICS = (
@@ -519,6 +523,66 @@ def format_table(rows: Sequence[dict], budget: Budget) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _values(record: dict, metric: str) -> list[float]:
+    return [row[metric] for row in record["history"] if metric in row]
+
+
+def run_figures(records: Sequence[dict]) -> dict:
+    """What one row of :func:`format_runs` shows, over the rollouts of ``records`` (one run, or
+    all seeds of a cell: then accuracies and rewards are means over the runs, KL medians over
+    the pooled rollouts)."""
+
+    def over_runs(fn) -> float:
+        return statistics.fmean(fn(r) for r in records)
+
+    accuracies = [_values(r, ACCURACY) for r in records]
+    pooled = {m: [v for r in records for v in _values(r, m)] for m in (KL_END, KL_SAMPLED)}
+    medians = [run_median(r, TIME) for r in records]
+    return {
+        "accuracy": [statistics.fmean(a) for a in zip(*accuracies, strict=True)],
+        "late": over_runs(lambda r: final_accuracy(r["history"], LATE)),
+        "reward_first": over_runs(lambda r: statistics.fmean(_values(r, REWARD)[:5])),
+        "reward_all": over_runs(lambda r: statistics.fmean(_values(r, REWARD))),
+        "reward_last": over_runs(lambda r: statistics.fmean(_values(r, REWARD)[-10:])),
+        "kl_end": statistics.median(pooled[KL_END]) if pooled[KL_END] else math.nan,
+        "kl_sampled": statistics.median(pooled[KL_SAMPLED]) if pooled[KL_SAMPLED] else math.nan,
+        "kl_end_max": max((v for r in records for v in _values(r, KL_END_MAX)), default=math.nan),
+        "entropy": over_runs(lambda r: statistics.fmean(_values(r, "entropy")[-10:])),
+        "seconds": (min(medians), max(medians)),
+    }
+
+
+def format_runs(records: Sequence[dict]) -> str:
+    """A row per run, then per cell and objective a row of the means over its seeds."""
+    lines = [
+        "| run | held-out accuracy at each validation | last 3 validations | reward: first 5 / "
+        "all / last 10 rollouts | KL end, support / sampled (median rollout) | largest KL end "
+        "| entropy, last 10 rollouts | median s / rollout |",
+        "| --- | --- | ---: | --- | --- | ---: | ---: | ---: |",
+    ]
+
+    def row(name: str, f: dict) -> str:
+        low, high = f["seconds"]
+        seconds = f"{low:.0f}" if round(low) == round(high) else f"{low:.0f}-{high:.0f}"
+        return (
+            f"| {name} | {', '.join(f'{a:.3f}' for a in f['accuracy'])} | {f['late']:.3f} | "
+            f"{f['reward_first']:.3f} / {f['reward_all']:.3f} / {f['reward_last']:.3f} | "
+            f"{f['kl_end']:.3f} / {f['kl_sampled']:.3f} | {f['kl_end_max']:.2f} | "
+            f"{f['entropy']:.3f} | {seconds} |"
+        )
+
+    groups: dict[tuple, list[dict]] = {}
+    for r in records:
+        groups.setdefault((cell_of(r), r["objective"]), []).append(r)
+    for runs in groups.values():
+        lines += [row(r["name"], run_figures([r])) for r in runs]
+    for runs in groups.values():
+        if len(runs) > 1:
+            cell = runs[0]["name"].rsplit("-s", 1)[0]
+            lines.append(row(f"{cell}, mean of {len(runs)} seeds", run_figures(runs)))
+    return "\n".join(lines) + "\n"
+
+
 def write_metrics_csv(records: Sequence[dict], path: Path) -> None:
     """One row per run and rollout: the run's settings, the rollout and ``METRICS``."""
     keys = ["name", "objective", "seed", "steps", "lr", "rollout"]
@@ -742,8 +806,11 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     (args.out / "results.json").write_text(json.dumps(results, indent=1))
     table = format_table(summarise(records), budget)
     (args.out / "table.md").write_text(table)
+    runs_table = format_runs(records)
+    (args.out / "runs.md").write_text(runs_table)
     write_plots(records, args.out, budget)
     print(table)
+    print(runs_table)
     return records
 
 

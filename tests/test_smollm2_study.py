@@ -150,6 +150,17 @@ def test_summary_table_estimate_and_plots(tmp_path):
     assert len(lines) == 2 + 3
     assert lines[2].startswith("| clip | 4 | 1e-05 | 2 | 0.700 ± 0.141 |")
     assert "| troll | 8 | 1e-05 | 1 |" in lines[4]
+    # per run, then the two clip seeds' means (rewards equal the accuracies of rollouts 1 and 2)
+    runs = study.format_runs(records).splitlines()
+    assert len(runs) == 2 + 4 + 1
+    assert runs[2] == (
+        "| clip-steps4-s0 | 0.400, 0.500, 0.600 | 0.500 | 0.550 / 0.550 / 0.550 | 0.020 / 0.010 "
+        "| 0.20 | 0.500 | 2 |"
+    )
+    assert runs[-1] == (
+        "| clip-steps4, mean of 2 seeds | 0.400, 0.600, 0.700 | 0.567 | 0.650 / 0.650 / 0.650 "
+        "| 0.030 / 0.015 | 0.40 | 0.500 | 2 |"
+    )
     # estimate: the median rollout (2 s) plus the median run's time outside rollouts per rollout:
     # 60 and 120 s less the 2 x 2 s of rollouts, over 1 rollout each -> median 86 s
     budget = study.Budget(rollouts=1)
@@ -190,7 +201,7 @@ def test_dry_run_end_to_end_and_an_interrupted_run_resumes(tiny_model_dir, tmp_p
             assert row["trust_region/kl_end_max"] >= row["trust_region/kl_end_mean"]
         assert ("trust_region/kl_after_max" in rows[1]) == (r["objective"] == "troll")
         assert not (out / "runs" / r["name"] / "checkpoints").exists()  # deleted when done
-    for name in ("metrics.csv", "results.json", "table.md", "kl_end.png", "time.png"):
+    for name in ("metrics.csv", "results.json", "table.md", "runs.md", "kl_end.png", "time.png"):
         assert (out / name).exists(), name
 
     # Stop the TROLL run after 2 of its 3 rollouts, as a signal would: last.ckpt, no result.json.
