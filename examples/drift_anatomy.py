@@ -14,9 +14,9 @@ From a training checkpoint (its weights, optimiser and scheduler state), for eac
 ``--repeats`` rollouts sampled from the checkpoint's policy (the same rollout for both
 objectives), it takes the rollout's ``--steps`` optimiser steps once with clipping and once with
 TROLL, on the same shuffled minibatches, and measures per response token KL(pi || pi_old) of
-every minibatch (:func:`lightning_troll.drift.kl_to_behaviour`: between the lumped sparse
-distributions, what TROLL's projection bounds, and the sampled estimate over the whole vocabulary)
-at three moments:
+every minibatch (:func:`lightning_troll.drift.drift_from_behaviour`: between the lumped sparse
+distributions, what TROLL's projection bounds, and the sampled estimate over the whole
+vocabulary from the sampled tokens' log-ratios) at three moments:
 
 - ``arrive``: before the minibatch's own step (what the earlier steps, on other sequences, did
   to it; zero for the first, on-policy minibatch);
@@ -107,7 +107,8 @@ def prompt_batch(module, data_options: dict, count: int, seed: int):
 
 
 def step(module, optimizer, scheduler, minibatch, clip_norm: float | None) -> None:
-    """One optimiser step on ``minibatch`` (one micro-batch), as training takes it."""
+    """One optimiser step on ``minibatch``, as training takes it (in one pass: the gradient its
+    micro-batches would accumulate), with the run's gradient clipping and scheduler."""
     module.policy.train()
     loss, _ = module.loss_of(minibatch)
     loss.backward()
