@@ -38,6 +38,7 @@ checkpoint itself is only read. JSON goes to ``--json``.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import sys
@@ -49,7 +50,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from lightning_troll.drift import drift_from_behaviour  # noqa: E402
+from lightning_troll.drift import drift_from_behaviour, sampled_kl  # noqa: E402
 
 MOMENTS = ("arrive", "own", "end")
 
@@ -62,13 +63,12 @@ def variants(alphas: Sequence[float]) -> dict[str, dict]:
     return named
 
 
-def load_module(checkpoint: Path, variant: dict, model: str | None):
+def load_module(checkpoint: Path, stored: dict, variant: dict, model: str | None):
     """(module, optimiser, scheduler or None): the checkpoint's module as ``variant`` says
     (objective, and alpha when given), caching sparse old rows for the KL, with its optimiser
-    and scheduler in the checkpoint's state."""
+    and scheduler in the checkpoint's state. ``stored`` is the checkpoint, read once."""
     from lightning_troll.module import TrollModule
 
-    stored = torch.load(checkpoint, map_location="cpu", weights_only=False, mmap=True)
     overrides: dict = {"objective": variant["objective"]}
     if "alpha" in variant:
         region = stored["hyper_parameters"]["trust_region"]
@@ -82,7 +82,8 @@ def load_module(checkpoint: Path, variant: dict, model: str | None):
     module.cache_old_distributions = True
     configured = module.configure_optimizers()
     optimizer = configured["optimizer"] if isinstance(configured, dict) else configured
-    optimizer.load_state_dict(stored["optimizer_states"][0])
+    # a copy: AdamW updates its state in place, and every variant starts from the stored one
+    optimizer.load_state_dict(copy.deepcopy(stored["optimizer_states"][0]))
     scheduler = None
     if isinstance(configured, dict):
         scheduler = configured["lr_scheduler"]["scheduler"]
@@ -175,7 +176,7 @@ def anatomy(module, optimizer, scheduler, rollout, steps: int, seed: int) -> lis
         for name, (lumped, log_ratio) in zip(MOMENTS, (arrive[k], own[k], end[k]), strict=True):
             row[name] = summarise(first, lumped, eps)
             ratio = log_ratio.double().exp()
-            row[name]["sampled_mean"] = (ratio * log_ratio - ratio + 1).mean().item()
+            row[name]["sampled_mean"] = sampled_kl(log_ratio.double()).mean().item()
             row[name]["ratio_outside_clip"] = ((ratio < low) | (ratio > high)).float().mean().item()
             row[name]["ratio_max"] = ratio.max().item()
             row[name]["ratio_min"] = ratio.min().item()
@@ -196,7 +197,6 @@ def run(args: argparse.Namespace) -> dict:
     if sequences % args.steps:
         sys.exit(f"--steps: {args.steps} does not divide the rollout's {sequences} sequences")
     results = {"checkpoint": str(args.checkpoint), "global_step": stored["global_step"]}
-    del stored
     results["variants"] = variants(args.alphas)
     results["repeats"] = []
     started = time.perf_counter()
@@ -204,7 +204,7 @@ def run(args: argparse.Namespace) -> dict:
         seed = args.seed + repeat
         entry, rollout = {"seed": seed, "objectives": {}}, None
         for name, variant in results["variants"].items():  # one module in memory at a time
-            module, optimizer, scheduler = load_module(args.checkpoint, variant, args.model)
+            module, optimizer, scheduler = load_module(args.checkpoint, stored, variant, args.model)
             if rollout is None:  # sampled once: the same rollout, old rows and advantages for all
                 batch = prompt_batch(module, data_options, prompts, seed)
                 torch.manual_seed(seed)

@@ -21,7 +21,7 @@ from lightning_troll.forward import linear_head, response_hidden, response_logit
 from lightning_troll.projection import SparseDistribution, TrustRegionProjection
 from lightning_troll.rollout import Rollout
 
-__all__ = ["drift_from_behaviour", "kl_to_behaviour", "support_rule"]
+__all__ = ["drift_from_behaviour", "kl_to_behaviour", "sampled_kl", "support_rule"]
 
 
 def support_rule(objective: nn.Module, trust_region) -> TrustRegionProjection:
@@ -60,8 +60,14 @@ def kl_to_behaviour(
     ``logits_chunk_size`` and ``share_prompts``.
     """
     lumped, log_ratio = drift_from_behaviour(policy, rollout, rule, chunk_size, share_prompts)
+    return lumped, sampled_kl(log_ratio)
+
+
+def sampled_kl(log_ratio: Tensor) -> Tensor:
+    """Per token, ``r log r - r + 1`` with ``r = exp(log_ratio)``: >= 0, and its mean over tokens
+    sampled from pi_old estimates the mean KL(pi || pi_old) without bias."""
     ratio = log_ratio.exp()
-    return lumped, ratio * log_ratio - ratio + 1
+    return ratio * log_ratio - ratio + 1
 
 
 @torch.no_grad()
