@@ -340,7 +340,7 @@ def estimate_seconds(
     rollout does not inflate the estimate."""
     if not records:
         return prior * budget.rollouts * len(specs), prior
-    rollouts = [row[TIME] for r in records for row in r["history"] if TIME in row]
+    rollouts = [t for r in records for t in _values(r, TIME)]
     outside = [
         max(0.0, r["seconds"] - sum(row.get(TIME, 0.0) for row in r["history"])) / budget.rollouts
         for r in records
@@ -417,7 +417,7 @@ def grid_time(records: Sequence[dict], start_seconds: float = 0.0) -> str:
     """How long the runs of ``records`` (and the start's validation) took: wall time, and without
     pauses (each rollout above ``TIME_CAP`` x the median rollout counted at the median)."""
     wall = start_seconds + sum(r["seconds"] for r in records)
-    times = [row[TIME] for r in records for row in r["history"] if TIME in row]
+    times = [t for r in records for t in _values(r, TIME)]
     if not times:
         return f"the runs took {wall / 3600:.2f} h of training and validation"
     median = statistics.median(times)
@@ -440,16 +440,21 @@ def mean_std(values: Sequence[float]) -> tuple[float, float]:
     return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
+def _values(record: dict, metric: str) -> list[float]:
+    """The values of ``metric`` over a run's rollouts that log it, in rollout order."""
+    return [row[metric] for row in record["history"] if metric in row]
+
+
 def run_mean(record: dict, metric: str, last: int | None = None) -> float | None:
     """The mean of ``metric`` over a run's rollouts (the last ``last`` of those that log it)."""
-    values = [row[metric] for row in record["history"] if metric in row]
+    values = _values(record, metric)
     values = values[-last:] if last else values
     return statistics.fmean(values) if values else None
 
 
 def run_median(record: dict, metric: str) -> float | None:
     """The median of ``metric`` over a run's rollouts that log it (robust to a paused one)."""
-    values = [row[metric] for row in record["history"] if metric in row]
+    values = _values(record, metric)
     return statistics.median(values) if values else None
 
 
@@ -521,10 +526,6 @@ def format_table(rows: Sequence[dict], budget: Budget) -> str:
             f"{r['rollout_s'][0]:.0f} | {r['minutes'][0]:.0f} |"
         )
     return "\n".join(lines) + "\n"
-
-
-def _values(record: dict, metric: str) -> list[float]:
-    return [row[metric] for row in record["history"] if metric in row]
 
 
 def run_figures(records: Sequence[dict]) -> dict:
