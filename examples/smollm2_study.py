@@ -15,7 +15,9 @@ minibatch on-policy, the others off-policy, where the trust region and the clip 
 (greedy). The grid: {clip, TROLL} x ``--seeds``, plus a stress cell on seed 0 for both
 objectives: ``--stress steps`` (the default) takes ``--stress-steps`` optimiser steps per rollout
 (8: minibatches of 8, further off-policy), ``--stress lr`` trains at 3x the config's learning
-rate, ``--stress none`` leaves it out.
+rate, ``--stress none`` leaves it out. Then, for each seed, a TROLL run at each KL bound of
+``--troll-eps`` (default 0.2, four times the config's: is TROLL's region what holds it back
+late in training? ``--troll-eps`` with no value leaves these out).
 
 Per rollout each run logs (a CSV logger), and the study keeps: ``reward/mean``,
 ``val/accuracy``, the KL of the weights after the rollout's last optimiser step to the behaviour
@@ -39,8 +41,8 @@ Outputs in ``--out`` (default ``examples/results/smollm2/study``): ``runs/``, ``
 (one row per run and rollout), ``results.json`` (per run: settings, final and late accuracy,
 seconds), ``table.md`` (per cell and objective, mean and spread over seeds), ``runs.md`` (per
 run, then the seeds' means) and the plots ``reward.png``, ``accuracy.png``, ``kl_end.png``,
-``kl_end_max.png``, ``entropy.png`` and ``time.png`` (one panel per cell, clip against TROLL,
-mean and standard deviation over seeds).
+``kl_end_max.png``, ``entropy.png`` and ``time.png`` (one panel per cell, clip against TROLL
+and TROLL at the other bounds, mean and standard deviation over seeds).
 
 ``--dry-run`` runs the same machinery on ``configs/tinymath.yaml`` with the shipped TinyMath
 policy (or ``--model``), 3 rollouts of 2 prompts, seconds per run; its output is no evidence of
@@ -71,6 +73,9 @@ CONFIGS = ROOT / "configs"
 OBJECTIVES = ("clip", "troll")
 STRESS = ("steps", "lr", "none")
 STRESS_LR_FACTOR = 3.0
+TROLL_EPS = (0.2,)
+"""TROLL's bound in the looser-region cell: at or above the KL that clip 0.2 lets a token of
+probability up to 0.95 reach (README, "Why TROLL loses here")."""
 ACCURACY = "val/accuracy"
 TIME = "time/iteration"
 REWARD = "reward/mean"
@@ -160,22 +165,35 @@ class RunSpec:
     steps: int
     lr: float | None = None
     """AdamW's learning rate; None: the config's."""
+    eps: float | None = None
+    """TROLL's KL bound; None: the config's."""
 
     @property
     def name(self) -> str:
         lr = "" if self.lr is None else f"-lr{self.lr:g}"
-        return f"{self.objective}-steps{self.steps}{lr}-s{self.seed}"
+        eps = "" if self.eps is None else f"-eps{self.eps:g}"
+        return f"{self.objective}-steps{self.steps}{lr}{eps}-s{self.seed}"
 
 
 def config_lr(budget: Budget) -> float:
     return float(yaml.safe_load(budget.config.read_text())["model"]["optimizer"]["init_args"]["lr"])
 
 
-def grid(seeds: Sequence[int], budget: Budget, stress: str, stress_steps: int) -> list[RunSpec]:
+def grid(
+    seeds: Sequence[int],
+    budget: Budget,
+    stress: str,
+    stress_steps: int,
+    troll_eps: Sequence[float] = (),
+) -> list[RunSpec]:
     """Clip and TROLL for each seed (in pairs, so a partial grid compares like with like), then
-    the stress cell's two runs on seed 0."""
+    the stress cell's two runs on seed 0, then a TROLL run per seed at each KL bound of
+    ``troll_eps`` (the main cells' steps)."""
     if stress not in STRESS:
         raise ValueError(f"--stress must be one of {list(STRESS)}; got {stress!r}")
+    for eps in troll_eps:
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+            raise ValueError(f"--troll-eps must be numbers > 0 (KL bounds); got {eps!r}")
     specs = [RunSpec(o, s, budget.steps) for s in dict.fromkeys(seeds) for o in OBJECTIVES]
     if stress == "steps":
         budget.minibatch(stress_steps)
@@ -185,6 +203,11 @@ def grid(seeds: Sequence[int], budget: Budget, stress: str, stress_steps: int) -
             f"{STRESS_LR_FACTOR * config_lr(budget):.6g}"
         )  # 3e-05, not 3.0000000000000004e-05
         specs += [RunSpec(o, 0, budget.steps, lr) for o in OBJECTIVES]
+    specs += [
+        RunSpec("troll", s, budget.steps, eps=float(e))
+        for e in dict.fromkeys(troll_eps)
+        for s in dict.fromkeys(seeds)
+    ]
     return specs
 
 
@@ -228,6 +251,8 @@ def training_args(
         args += ["--data.num_train", "64"]
     if spec.lr is not None:
         args += ["--model.optimizer.init_args.lr", str(spec.lr)]
+    if spec.eps is not None:
+        args += ["--model.trust_region.eps", str(spec.eps)]
     return args
 
 
@@ -459,7 +484,15 @@ def run_median(record: dict, metric: str) -> float | None:
 
 
 def cell_of(record: dict) -> tuple:
+    """The training budget a run shares with the others of its panel: steps and learning rate."""
     return record["steps"], record.get("lr")
+
+
+def arm_of(record: dict) -> str:
+    """What a run trains with inside its cell: the objective, and TROLL's bound if not the
+    config's (``troll eps 0.2``)."""
+    eps = record.get("eps")
+    return record["objective"] if eps is None else f"{record['objective']} eps {eps:g}"
 
 
 def _over_seeds(members: Sequence[dict], fn) -> tuple[float, float]:
@@ -471,7 +504,7 @@ def summarise(records: Sequence[dict]) -> list[dict]:
     """One row per (cell, objective): means over seeds of what each run did."""
     groups: dict[tuple, list[dict]] = {}
     for r in records:
-        groups.setdefault((*cell_of(r), r["objective"]), []).append(r)
+        groups.setdefault((*cell_of(r), arm_of(r)), []).append(r)
     rows = []
     for (steps, lr, objective), members in groups.items():
         over_seeds = partial(_over_seeds, members)
@@ -574,7 +607,7 @@ def format_runs(records: Sequence[dict]) -> str:
 
     groups: dict[tuple, list[dict]] = {}
     for r in records:
-        groups.setdefault((cell_of(r), r["objective"]), []).append(r)
+        groups.setdefault((cell_of(r), arm_of(r)), []).append(r)
     for runs in groups.values():
         lines += [row(r["name"], run_figures([r])) for r in runs]
     for runs in groups.values():
@@ -586,13 +619,13 @@ def format_runs(records: Sequence[dict]) -> str:
 
 def write_metrics_csv(records: Sequence[dict], path: Path) -> None:
     """One row per run and rollout: the run's settings, the rollout and ``METRICS``."""
-    keys = ["name", "objective", "seed", "steps", "lr", "rollout"]
+    keys = ["name", "objective", "seed", "steps", "lr", "eps", "rollout"]
     with path.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=[*keys, *METRICS])
         writer.writeheader()
         for r in records:
             for row in r["history"]:
-                writer.writerow({**{k: r.get(k) for k in keys[:5]}, **row})
+                writer.writerow({**{k: r.get(k) for k in keys[:-1]}, **row})
 
 
 def curve(records: Sequence[dict], metric: str) -> tuple[list[int], list[float], list[float]]:
@@ -606,6 +639,8 @@ def curve(records: Sequence[dict], metric: str) -> tuple[list[int], list[float],
 
 
 COLOURS = {"clip": "tab:blue", "troll": "tab:orange"}
+MORE_COLOURS = ("tab:green", "tab:red", "tab:purple", "tab:brown")
+"""The colours of further arms (``troll eps ...``), in the order they first appear."""
 TIME_CAP = 3.0
 """The time plot's y axis ends at this multiple of the median seconds per rollout."""
 
@@ -631,35 +666,40 @@ def plot_cells(
     ylabel: str,
     path: Path,
     budget: Budget,
-    bound: float | None = None,
+    bounds: Sequence[float] = (),
     log: bool = False,
     cap: float | None = None,
 ) -> None:
-    """One panel per cell; in each, per objective and ``(metric, label)`` of ``series``, the mean
-    over seeds with a +-1 std band (later series of an objective dashed, then dotted). ``cap``
+    """One panel per cell; in each, per arm (:func:`arm_of`) and ``(metric, label)`` of
+    ``series``, the mean over seeds with a +-1 std band (later series of an arm dashed, then
+    dotted); a horizontal line at each of TROLL's ``bounds``. ``cap``
     ends the y axis at that multiple of the median value of the panel's runs, and says in the
     title how many rollouts lie above it (a run paused for a while would flatten the rest)."""
     plt = pyplot()
     cells = list(dict.fromkeys(cell_of(r) for r in records))
+    arms = list(dict.fromkeys([*OBJECTIVES, *(arm_of(r) for r in records)]))
+    colours = {**dict(zip(arms[2:], MORE_COLOURS, strict=False)), **COLOURS}
     fig, axes = plt.subplots(1, len(cells), figsize=(4.5 * len(cells), 3.3), squeeze=False)
     for ax, cell in zip(axes[0], cells, strict=True):
-        for objective in OBJECTIVES:
-            runs = [r for r in records if cell_of(r) == cell and r["objective"] == objective]
+        for arm in arms:
+            runs = [r for r in records if cell_of(r) == cell and arm_of(r) == arm]
             drawn = 0
             for metric, label in series:
                 steps, mean, std = curve(runs, metric)
                 if not steps:
                     continue
-                colour = COLOURS[objective]
+                colour = colours.get(arm, "tab:gray")
                 style = ("-", "--", ":")[drawn % 3]
                 drawn += 1
                 seeds = f" ({len(runs)} seeds)" if len(runs) > 1 else ""
-                ax.plot(steps, mean, style, color=colour, label=f"{objective}: {label}{seeds}")
+                ax.plot(steps, mean, style, color=colour, label=f"{arm}: {label}{seeds}")
                 low = [m - s for m, s in zip(mean, std, strict=True)]
                 high = [m + s for m, s in zip(mean, std, strict=True)]
                 ax.fill_between(steps, low, high, color=colour, alpha=0.2)
-        if bound is not None:
-            ax.axhline(bound, color="k", linestyle="--", linewidth=1, label="TROLL's bound eps")
+        for bound in sorted(set(bounds)):
+            ax.axhline(
+                bound, color="k", linestyle="--", linewidth=1, label=f"TROLL's eps {bound:g}"
+            )
         if log:
             ax.set_yscale("log")
         title = cell_title(cell, budget)
@@ -690,23 +730,19 @@ def plot_cells(
 
 def write_plots(records: Sequence[dict], out: Path, budget: Budget) -> list[Path]:
     """The study's PNGs in ``out``; returns their paths."""
-    bounds = [
-        row["trust_region/bound"]
-        for r in records
-        for row in r["history"]
-        if "trust_region/bound" in row
-    ]
-    eps = bounds[0] if bounds else None
+    bounds = sorted(
+        {row.get("trust_region/bound") for r in records for row in r["history"]} - {None}
+    )
     plots = {
-        "reward.png": ([("reward/mean", "mean sampled reward")], "reward", None, False),
-        "accuracy.png": ([(ACCURACY, "held-out accuracy")], "accuracy", None, False),
+        "reward.png": ([("reward/mean", "mean sampled reward")], "reward", (), False),
+        "accuracy.png": ([(ACCURACY, "held-out accuracy")], "accuracy", (), False),
         "kl_end.png": (
             [
                 ("trust_region/kl_end_mean", "mean KL(new || old), support"),
                 ("trust_region/kl_end_sampled", "mean KL(new || old), sampled"),
             ],
             "per-token KL at the rollout's end",
-            eps,
+            bounds,
             True,
         ),
         "kl_end_max.png": (
@@ -715,16 +751,16 @@ def write_plots(records: Sequence[dict], out: Path, budget: Budget) -> list[Path
                 ("trust_region/kl_after_max", "max KL(proj || old)"),
             ],
             "largest per-token KL",
-            eps,
+            bounds,
             True,
         ),
-        "entropy.png": ([("entropy", "entropy")], "entropy per token", None, False),
-        "time.png": ([(TIME, "s / rollout")], "wall seconds per rollout", None, False),
+        "entropy.png": ([("entropy", "entropy")], "entropy per token", (), False),
+        "time.png": ([(TIME, "s / rollout")], "wall seconds per rollout", (), False),
     }
     paths = []
-    for name, (series, ylabel, bound, log) in plots.items():
+    for name, (series, ylabel, lines, log) in plots.items():
         cap = TIME_CAP if name == "time.png" else None
-        plot_cells(records, series, ylabel, out / name, budget, bound=bound, log=log, cap=cap)
+        plot_cells(records, series, ylabel, out / name, budget, bounds=lines, log=log, cap=cap)
         paths.append(out / name)
     return paths
 
@@ -742,6 +778,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--checkpoint-every", type=int, default=None, help="rollouts between saves (5)")
     p.add_argument("--stress", choices=STRESS, default="steps", help="the stress cell")
     p.add_argument("--stress-steps", type=int, default=8, help="its steps per rollout")
+    p.add_argument(
+        "--troll-eps",
+        type=float,
+        nargs="*",
+        default=list(TROLL_EPS),
+        help="a TROLL run per seed at each of these KL bounds (default: %(default)s; none: "
+        "give the option no value)",
+    )
     p.add_argument("--prior-seconds", type=float, default=PRIOR_SECONDS, help="s / rollout guess")
     p.add_argument("--keep-checkpoints", action="store_true", help="keep finished runs' last.ckpt")
     p.add_argument("--estimate", action="store_true", help="print the estimate only")
@@ -778,7 +822,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
         checkpoint_every=args.checkpoint_every,
         dry_run=args.dry_run,
     )
-    specs = grid(args.seeds, budget, args.stress, args.stress_steps)
+    specs = grid(args.seeds, budget, args.stress, args.stress_steps, args.troll_eps)
     if args.estimate:
         done = finished_records(specs, args.out)
         total, rate = estimate_seconds(specs, budget, done, args.prior_seconds)

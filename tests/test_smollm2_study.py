@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import importlib.util
 import json
+import math
 import shutil
 import sys
 from pathlib import Path
@@ -48,6 +49,14 @@ def test_grid_pairs_objectives_per_seed_and_adds_one_stress_cell():
     assert [(s.objective, s.steps, s.lr) for s in lr] == [("clip", 4, 3e-5), ("troll", 4, 3e-5)]
     assert lr[0].name == "clip-steps4-lr3e-05-s0"
     assert len(study.grid([0, 1], budget, "none", 8)) == 4
+    looser = study.grid([0, 1], budget, "none", 8, troll_eps=[0.2, 0.1, 0.2])[4:]
+    assert [(s.objective, s.seed, s.steps, s.eps) for s in looser] == [
+        ("troll", 0, 4, 0.2), ("troll", 1, 4, 0.2), ("troll", 0, 4, 0.1), ("troll", 1, 4, 0.1),
+    ]  # fmt: skip
+    assert looser[0].name == "troll-steps4-eps0.2-s0"
+    for bad in (0, -0.1, math.nan, True):
+        with pytest.raises(ValueError, match=r"--troll-eps must be numbers > 0"):
+            study.grid([0], budget, "none", 8, troll_eps=[bad])
     with pytest.raises(ValueError, match=r"--stress must be one of"):
         study.grid([0], budget, "more", 8)
     with pytest.raises(ValueError, match=r"must divide the 64 sequences .* got 7"):
@@ -72,6 +81,11 @@ def test_training_args_set_the_cell_the_logs_and_the_checkpoints(tmp_path):
     stress = study.RunSpec("troll", 0, 4, lr=3e-5)
     value = options(study.training_args(stress, budget, "m", tmp_path))
     assert float(value["--model.optimizer.init_args.lr"]) == 3e-5 and value["--model.model"] == "m"
+    assert "--model.trust_region.eps" not in value
+    looser = options(
+        study.training_args(study.RunSpec("troll", 0, 4, eps=0.2), budget, None, tmp_path)
+    )
+    assert float(looser["--model.trust_region.eps"]) == 0.2
 
 
 def write_log(path: Path, rows: list[dict]) -> None:
@@ -106,7 +120,7 @@ def test_history_merges_attempts_the_later_one_winning(tmp_path):
     ]
 
 
-def record(objective, seed, steps, accuracies, kl, seconds=60.0):
+def record(objective, seed, steps, accuracies, kl, seconds=60.0, eps=None):
     history = [{"rollout": 0, "val/accuracy": accuracies[0]}]
     for i, a in enumerate(accuracies[1:], start=1):
         history.append(
@@ -119,12 +133,12 @@ def record(objective, seed, steps, accuracies, kl, seconds=60.0):
                 "trust_region/kl_end_sampled": kl / 2,
                 "time/iteration": 2.0,
                 "entropy": 0.5,
-                "trust_region/bound": 0.05,
+                "trust_region/bound": eps or 0.05,
             }
         )
     return {
-        **study.RunSpec(objective, seed, steps).__dict__,
-        "name": study.RunSpec(objective, seed, steps).name,
+        **study.RunSpec(objective, seed, steps, eps=eps).__dict__,
+        "name": study.RunSpec(objective, seed, steps, eps=eps).name,
         "seconds": seconds,
         "final_accuracy": accuracies[-1],
         "late_accuracy": study.final_accuracy(history, 3),
@@ -138,8 +152,12 @@ def test_summary_table_estimate_and_plots(tmp_path):
         record("clip", 1, 4, [0.4, 0.7, 0.8], 0.04, seconds=120.0),
         record("troll", 0, 4, [0.4, 0.5, 0.5], 0.01),
         record("troll", 0, 8, [0.4, 0.6, 0.6], 0.03),
+        record("troll", 0, 4, [0.4, 0.6, 0.7], 0.05, eps=0.2),
     ]
     rows = study.summarise(records)
+    assert [(r["objective"], r["steps"], r["seeds"]) for r in rows] == [
+        ("clip", 4, 2), ("troll", 4, 1), ("troll", 8, 1), ("troll eps 0.2", 4, 1),
+    ]  # fmt: skip
     clip = rows[0]
     assert (clip["objective"], clip["steps"], clip["seeds"]) == ("clip", 4, 2)
     assert clip["accuracy"] == pytest.approx((0.7, 0.1414213562373095), rel=1e-12)
@@ -147,12 +165,14 @@ def test_summary_table_estimate_and_plots(tmp_path):
     assert clip["late_accuracy"][0] == pytest.approx((0.5 + 1.9 / 3) / 2, rel=1e-12)
     assert clip["kl_end"][0] == pytest.approx(0.03, rel=1e-12) and clip["kl_end_max"] == 0.4
     lines = study.format_table(rows, study.Budget()).splitlines()
-    assert len(lines) == 2 + 3
+    assert len(lines) == 2 + 4
     assert lines[2].startswith("| clip | 4 | 1e-05 | 2 | 0.700 ± 0.141 |")
     assert "| troll | 8 | 1e-05 | 1 |" in lines[4]
+    assert lines[5].startswith("| troll eps 0.2 | 4 | 1e-05 | 1 | 0.700 ± 0.000 |")
     # per run, then the two clip seeds' means (rewards equal the accuracies of rollouts 1 and 2)
     runs = study.format_runs(records).splitlines()
-    assert len(runs) == 2 + 4 + 1
+    assert len(runs) == 2 + 5 + 1
+    assert runs[6].startswith("| troll-steps4-eps0.2-s0 | 0.400, 0.600, 0.700 | 0.567 |")
     assert runs[2] == (
         "| clip-steps4-s0 | 0.400, 0.500, 0.600 | 0.500 | 0.550 / 0.550 / 0.550 | 0.020 / 0.010 "
         "| 0.20 | 0.500 | 2 |"
@@ -190,9 +210,16 @@ KEPT = ("reward/mean", "val/accuracy", "trust_region/kl_end_mean", "trust_region
 
 def test_dry_run_end_to_end_and_an_interrupted_run_resumes(tiny_model_dir, tmp_path, monkeypatch):
     base = ["--dry-run", "--model", str(tiny_model_dir), "--seeds", "0", "--stress", "none"]
-    records = study.main([*base, "--out", str(tmp_path / "a")])
+    records = study.main([*base, "--troll-eps", "0.2", "--out", str(tmp_path / "a")])
     out = tmp_path / "a"
-    assert [r["objective"] for r in records] == ["clip", "troll"]
+    assert [(r["objective"], r["eps"]) for r in records] == [
+        ("clip", None), ("troll", None), ("troll", 0.2),
+    ]  # fmt: skip
+    bounds = [{row.get("trust_region/bound") for row in r["history"][1:]} for r in records]
+    assert bounds[0] == {None} and [len(b) for b in bounds] == [1, 1, 1]
+    # tinymath.yaml's eps, then the option's (logged in float32)
+    assert [b.pop() for b in bounds[1:]] == pytest.approx([0.05, 0.2], rel=1e-6)
+    assert "| troll eps 0.2 | 4 |" in (out / "table.md").read_text()
     for r in records:
         rows = r["history"]
         assert [row["rollout"] for row in rows] == [0, 1, 2, 3]
@@ -218,6 +245,7 @@ def test_dry_run_end_to_end_and_an_interrupted_run_resumes(tiny_model_dir, tmp_p
         (b / "runs" / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(out / "runs" / name, b / "runs" / name)
     monkeypatch.setattr(study, "training_args", stopped_early)
+    base.append("--troll-eps")  # no value: no run at another bound
     with pytest.raises(SystemExit):
         study.main([*base, "--out", str(b)])
     troll = b / "runs" / "troll-steps4-s0"
