@@ -3,6 +3,7 @@
     python examples/drift_anatomy.py --checkpoint runs/<run>/checkpoints/last.ckpt
     python examples/drift_anatomy.py --checkpoint ... --alphas 10 --json examples/results/smollm2/drift_anatomy.json
     python examples/drift_anatomy.py --report examples/results/smollm2/drift_anatomy.json   # its table
+    python examples/drift_anatomy.py --boundary     # the KL clip's range allows, against eps
 
 TROLL bounds the KL of each step's *target*, the projection of the policy's distribution at a
 token onto the ball KL <= eps around the behaviour policy; clipping cuts the gradient of tokens
@@ -33,6 +34,11 @@ projection and adds its regression term, ``alpha`` x KL(pi || sg(projection)), w
 policy toward the projection. ``--alphas`` adds TROLL at other regression weights. Everything
 else follows the checkpoint's options (``model.*`` as stored in it, eps and alpha included); the
 checkpoint itself is only read. JSON goes to ``--json``.
+
+``--boundary`` needs no checkpoint: for a token of probability p under the behaviour policy
+whose ratio moves to clip's boundary (the other tokens scaled to keep the sum, as the lumped
+distribution does), it prints the KL that costs, and the ratios a KL bound eps allows that token
+(``--bounds``), next to clip's range (``--clip-range``).
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import statistics
 import sys
 import time
@@ -143,6 +150,58 @@ def clip_range(module) -> tuple[float, float]:
     low = float(clip["eps_low"])
     high = low if clip.get("eps_high") is None else float(clip["eps_high"])
     return 1.0 - low, 1.0 + high
+
+
+def moved_kl(p: float, ratio: float) -> float:
+    """KL(new || old) when a token of old probability ``p`` takes ``min(p * ratio, 1)`` and every
+    other token is scaled by one factor to keep the sum: the two-point KL of the token against
+    the rest, which such a scaling leaves exact."""
+    if not (0 < p < 1 and ratio >= 0):
+        raise ValueError(f"need 0 < p < 1 and ratio >= 0; got p={p!r}, ratio={ratio!r}")
+    q = min(p * ratio, 1.0)
+
+    def term(a: float, b: float) -> float:
+        return a * math.log(a / b) if a > 0 else 0.0
+
+    return term(q, p) + term(1.0 - q, 1.0 - p)
+
+
+def allowed_ratios(p: float, eps: float) -> tuple[float, float]:
+    """The smallest and largest ratio ``moved_kl(p, ratio) <= eps`` allows (bisection; the
+    largest is ``1 / p`` when even all the mass on the token stays within eps)."""
+    if not eps > 0:
+        raise ValueError(f"eps must be > 0; got {eps!r}")
+
+    def edge(inside: float, outside: float) -> float:  # moved_kl rises from inside to outside
+        for _ in range(200):
+            middle = (inside + outside) / 2
+            inside, outside = (middle, outside) if moved_kl(p, middle) <= eps else (inside, middle)
+        return inside
+
+    low = 0.0 if moved_kl(p, 0.0) <= eps else edge(1.0, 0.0)
+    high = 1.0 / p if moved_kl(p, 1.0 / p) <= eps else edge(1.0, 1.0 / p)
+    return low, high
+
+
+BOUNDARY_PROBS = (0.1, 0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 0.99)
+
+
+def boundary_table(
+    low: float, high: float, bounds: Sequence[float], probs: Sequence[float] = BOUNDARY_PROBS
+) -> str:
+    """Per token probability: the KL at clip's range [low, high] and the ratios each bound
+    allows, in Markdown. A token whose ratio cannot reach ``high`` (p * high > 1) is not clipped
+    upward: its KL there is that of all the mass on it, and the cell says so."""
+    head = " | ".join(f"ratios eps {e:g} allows" for e in bounds)
+    lines = [
+        f"| p under pi_old | KL at ratio {low:g} | KL at ratio {high:g} | {head} |",
+        "| ---: | ---: | ---: |" + " --- |" * len(bounds),
+    ]
+    for p in probs:
+        up = f"{moved_kl(p, high):.4f}" + (" (p -> 1)" if p * high > 1 else "")
+        cells = " | ".join("{:.3f} - {:.3f}".format(*allowed_ratios(p, e)) for e in bounds)
+        lines.append(f"| {p:g} | {moved_kl(p, low):.4f} | {up} | {cells} |")
+    return "\n".join(lines) + "\n"
 
 
 def anatomy(module, optimizer, scheduler, rollout, steps: int, seed: int) -> list[dict]:
@@ -287,7 +346,24 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="seed of the first rollout")
     p.add_argument("--alphas", type=float, nargs="*", default=[], help="TROLL also at these alphas")
     p.add_argument("--json", type=Path, default=None, help="where the figures go")
+    p.add_argument(
+        "--boundary", action="store_true", help="print the KL at clip's range against eps; no run"
+    )
+    p.add_argument(
+        "--clip-range", type=float, nargs=2, default=[0.8, 1.2], metavar=("LOW", "HIGH"),
+        help="--boundary: clip's ratio range (0.8 1.2)",
+    )  # fmt: skip
+    p.add_argument(
+        "--bounds", type=float, nargs="+", default=[0.05, 0.2], help="--boundary: KL bounds"
+    )
     args = p.parse_args(argv)
+    if args.boundary:
+        low, high = args.clip_range
+        if not 0 <= low < 1 < high:
+            p.error(f"--clip-range must satisfy 0 <= LOW < 1 < HIGH; got {low:g} {high:g}")
+        if any(not e > 0 for e in args.bounds):
+            p.error(f"--bounds must be > 0; got {args.bounds}")
+        return args
     if args.report is not None:
         if not args.report.is_file():
             p.error(f"--report: no file at {args.report}")
@@ -308,6 +384,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> dict:
     args = parse_args(argv)
+    if args.boundary:
+        print(boundary_table(*args.clip_range, args.bounds))
+        return {}
     if args.report is not None:
         results = json.loads(args.report.read_text())
         print(table(results))

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from lightning_troll.cli import run as cli_run
 
@@ -144,3 +146,59 @@ def test_a_checkpoint_or_a_report_is_required(capsys):
 def test_steps_that_do_not_divide_the_rollout_are_refused(checkpoint):
     with pytest.raises(SystemExit, match="--steps: 5 does not divide the rollout's 32 sequences"):
         script.main(["--checkpoint", str(checkpoint), "--repeats", "1", "--steps", "5"])
+
+
+def test_moved_kl_is_the_whole_distributions_kl():
+    """A token of a 5-token distribution moves to ratio r, the rest scaled to keep the sum: the
+    KL over all 5 tokens equals the two-point ``moved_kl``."""
+    old = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05], dtype=torch.float64)
+    for token, ratio in ((0, 1.2), (0, 0.8), (3, 2.5), (4, 0.0)):
+        new = old * (1 - old[token] * ratio) / (1 - old[token])
+        new[token] = old[token] * ratio
+        whole = torch.where(new > 0, new * (new / old).log(), torch.zeros_like(new)).sum()
+        assert script.moved_kl(old[token].item(), ratio) == pytest.approx(whole.item(), rel=1e-12)
+    assert script.moved_kl(0.5, 1.2) == pytest.approx(
+        0.6 * math.log(1.2) + 0.4 * math.log(0.8), rel=1e-12
+    )
+    assert script.moved_kl(0.9, 1.0) == 0.0
+    assert script.moved_kl(0.9, 1.2) == pytest.approx(-math.log(0.9), rel=1e-12)  # all mass: p -> 1
+    with pytest.raises(ValueError, match=r"need 0 < p < 1 and ratio >= 0; got p=1.0"):
+        script.moved_kl(1.0, 1.2)
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9, 0.99])
+@pytest.mark.parametrize("eps", [0.05, 0.2])
+def test_allowed_ratios_reach_the_bound(p, eps):
+    low, high = script.allowed_ratios(p, eps)
+    assert 0 <= low < 1 < high <= 1 / p
+    for ratio in (low, high):
+        at_edge = (ratio == 0 and script.moved_kl(p, 0) <= eps) or (ratio == 1 / p)
+        if not at_edge:
+            assert script.moved_kl(p, ratio) == pytest.approx(eps, rel=1e-9)
+    assert script.moved_kl(p, low * 0.99) > eps or low == 0
+    assert high == 1 / p or script.moved_kl(p, high * 1.01) > eps
+    with pytest.raises(ValueError, match=r"eps must be > 0; got 0"):
+        script.allowed_ratios(p, 0)
+
+
+def test_boundary_table_printed_without_a_checkpoint(capsys):
+    assert script.main(["--boundary", "--bounds", "0.05"]) == {}
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert (
+        lines[0]
+        == "| p under pi_old | KL at ratio 0.8 | KL at ratio 1.2 | ratios eps 0.05 allows |"
+    )
+    assert len(lines) == 2 + len(script.BOUNDARY_PROBS)
+    # p = 0.5: 0.6 ln 1.2 + 0.4 ln 0.8 = 0.0201 either way; p = 0.9 cannot reach 1.2
+    assert lines[4].startswith("| 0.5 | 0.0201 | 0.0201 | 0.686 - 1.314 |")
+    assert "| 0.9 | 0.1276 | 0.1054 (p -> 1) |" in lines[7]
+    for args, message in (
+        (
+            ["--clip-range", "1.1", "1.2"],
+            "--clip-range must satisfy 0 <= LOW < 1 < HIGH; got 1.1 1.2",
+        ),
+        (["--bounds", "0"], "--bounds must be > 0; got [0.0]"),
+    ):
+        with pytest.raises(SystemExit):
+            script.parse_args(["--boundary", *args])
+        assert message in capsys.readouterr().err
