@@ -35,6 +35,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
+from lightning_troll import export
 from lightning_troll.callbacks import (
     OldPolicyRefresh,
     RolloutCheckpoint,
@@ -209,6 +210,9 @@ class TrollCLI(LightningCLI):
             path = checkpoint.last_model_path
             lines.append(f"  checkpoint: {path}")
             lines.append(f"  resume: the same command with --ckpt_path {path}")
+            lines.append(
+                f"  export: lightning-troll export --ckpt_path {path} --output_dir <model folder>"
+            )
         print("\n".join(lines))
 
     @property
@@ -252,6 +256,13 @@ def run(args: list[str] | None = None) -> TrollCLI:
     )
 
 
+def _refuse(error: BaseException) -> None:
+    """Prints ``error`` as one line and exits with status 2."""
+    message = " ".join(str(error).split()) or type(error).__name__
+    print(f"lightning-troll: error: {message}", file=sys.stderr)
+    raise SystemExit(2) from None
+
+
 def main(args: list[str] | None = None) -> None:
     """Entry point of the ``lightning-troll`` console script.
 
@@ -262,6 +273,14 @@ def main(args: list[str] | None = None) -> None:
     given = sys.argv[1:] if args is None else args
     debug = DEBUG_FLAG in given or os.environ.get(DEBUG_VARIABLE, "") not in ("", "0")
     rest = [a for a in given if a != DEBUG_FLAG]
+    if rest[:1] == ["export"]:
+        try:
+            export.main(rest[1:])
+        except BAD_INPUT as error:
+            if debug:
+                raise
+            _refuse(error)
+        return
     if args is None:  # LightningCLI reads sys.argv itself (and warns when both are given)
         sys.argv[1:] = rest
     try:
@@ -269,9 +288,7 @@ def main(args: list[str] | None = None) -> None:
     except BAD_INPUT as error:
         if debug or getattr(error, "during_training", False):
             raise
-        message = " ".join(str(error).split()) or type(error).__name__
-        print(f"lightning-troll: error: {message}", file=sys.stderr)
-        raise SystemExit(2) from None
+        _refuse(error)
     checkpoint = cli.checkpoint_callback
     if checkpoint is not None and checkpoint.stopped_by is not None:
         raise SystemExit(128 + int(checkpoint.stopped_by))

@@ -561,6 +561,6 @@ def test_console_script_stopped_by_sigterm_saves_and_exits_143(tmp_path, tiny_mo
     assert steps >= 1
     assert "SIGTERM received" in err.decode() + out.decode()
     summary = out.decode()[out.decode().index("lightning-troll: stopped by SIGTERM") :]
-    assert (
-        f"resume: the same command with --ckpt_path {LOGS / 'checkpoints' / 'last.ckpt'}" in summary
-    )
+    last_path = LOGS / "checkpoints" / "last.ckpt"
+    assert f"resume: the same command with --ckpt_path {last_path}" in summary
+    assert f"export: lightning-troll export --ckpt_path {last_path} --output_dir" in summary

@@ -255,3 +255,20 @@ def test_fsdp2_with_a_shared_snapshot_matches_the_copy(single, tmp_path):
     out = launch(tmp_path, "--strategy", "fsdp2", "--micro-batch-size", "3",
                  "--snapshot", "shared:same")  # fmt: skip
     assert_same_run(single, out)
+
+
+@pytest.mark.slow  # uses the FSDP2 run's checkpoint
+def test_a_sharded_checkpoint_exports_whole(fsdp2, tmp_path):
+    """``lightning-troll export`` gathers the folder of shards into one model folder: the
+    policy's full weights as the two processes ended with them."""
+    from transformers import AutoModelForCausalLM
+
+    from lightning_troll.cli import main as cli_main
+
+    out, ckpt = fsdp2
+    cli_main(["export", "--ckpt_path", str(ckpt), "--output_dir", str(tmp_path / "exported")])
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "exported").state_dict()
+    saved = weights(out)["policy"]
+    assert exported.keys() == saved.keys()
+    for name, value in saved.items():
+        assert torch.equal(exported[name], value), name

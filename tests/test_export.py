@@ -1,0 +1,137 @@
+"""lightning-troll export: a fit checkpoint's policy as a Hugging Face model folder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from lightning_troll.cli import main as cli_main
+from lightning_troll.cli import run as cli_run
+from lightning_troll.module import TrollModule
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.slow  # short fits
+
+
+def fit(folder: Path, model_dir: Path, *extra: str) -> Path:
+    """Two rollouts of TinyMath on ``model_dir`` at a learning rate that moves every weight; the
+    path of its last.ckpt."""
+    cli_run(
+        [
+            "fit", "--config", str(ROOT / "configs" / "tinymath.yaml"),
+            "--model.model", str(model_dir),
+            "--model.optimizer.init_args.lr", "1e-2",
+            "--trainer.max_steps", "4",
+            "--trainer.limit_val_batches", "0",
+            "--trainer.enable_progress_bar", "false",
+            "--trainer.logger", "false",
+            "--trainer.default_root_dir", str(folder),
+            "--data.batch_size", "2",
+            "--data.num_train", "16",
+            "--model.optimization.minibatch_size", "8",
+            "--checkpoint.dirpath", str(folder),
+            *extra,
+        ]
+    )  # fmt: skip
+    return folder / "last.ckpt"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, tiny_model_dir) -> Path:
+    return fit(tmp_path_factory.mktemp("export_fit"), tiny_model_dir)
+
+
+def logits(model, ids: torch.Tensor) -> torch.Tensor:
+    model.eval()
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+IDS = torch.tensor([[1, 5, 6, 7, 8, 9, 10]])
+
+
+def test_the_exported_folder_is_the_trained_policy(checkpoint, tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "exported"
+    cli_main(["export", "--ckpt_path", str(checkpoint), "--output_dir", str(out)])
+    assert f"to {out}" in capsys.readouterr().out
+    exported = AutoModelForCausalLM.from_pretrained(out)
+    trained = TrollModule.load_from_checkpoint(checkpoint).policy
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert exported.state_dict().keys() == trained.state_dict().keys()
+    for name, value in trained.state_dict().items():
+        assert torch.equal(exported.state_dict()[name], value), name
+    moved = max((exported.state_dict()[n] - w).abs().max() for n, w in base.state_dict().items())
+    assert moved > 1e-3  # the fit trained it: this is not the base model
+    torch.testing.assert_close(logits(exported, IDS), logits(trained, IDS), rtol=0, atol=0)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert tokenizer.get_vocab() == AutoTokenizer.from_pretrained(tiny_model_dir).get_vocab()
+    assert [p.name for p in tmp_path.iterdir()] == ["exported"]  # no staging folder left
+
+
+def test_an_existing_folder_is_kept_unless_overwrite(checkpoint, tmp_path, capsys):
+    out = tmp_path / "exported"
+    out.mkdir()
+    (out / "mine.txt").write_text("keep me")
+    args = ["export", "--ckpt_path", str(checkpoint), "--output_dir", str(out)]
+    with pytest.raises(SystemExit) as stop:
+        cli_main(args)
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert "--output_dir" in err and "exists and is not empty" in err and "--overwrite" in err
+    assert (out / "mine.txt").read_text() == "keep me"
+    cli_main([*args, "--overwrite"])
+    assert not (out / "mine.txt").exists() and (out / "config.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exported"]
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--adapters_only"], "--adapters_only: the checkpoint"),
+        (["--ckpt_path", "gone.ckpt"], "--ckpt_path 'gone.ckpt': no such file"),
+    ],
+)
+def test_bad_input_is_refused_before_anything_is_written(
+    checkpoint, tmp_path, capsys, extra, message
+):
+    out = tmp_path / "exported"
+    args = ["export", "--ckpt_path", str(checkpoint), "--output_dir", str(out), *extra]
+    with pytest.raises(SystemExit) as stop:
+        cli_main(args)
+    assert stop.value.code == 2
+    assert message in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_folder_that_is_no_checkpoint_is_refused(tmp_path, capsys):
+    (tmp_path / "notes").mkdir()
+    with pytest.raises(SystemExit):
+        cli_main(["export", "--ckpt_path", str(tmp_path / "notes"), "--output_dir", "x"])
+    assert "is a folder but not a sharded checkpoint" in capsys.readouterr().err
+
+
+def test_lora_exports_merged_or_as_adapters(tmp_path, tiny_model_dir):
+    peft = pytest.importorskip("peft")
+    ckpt = fit(tmp_path / "fit", tiny_model_dir, "--model.lora.r", "4")
+    trained = TrollModule.load_from_checkpoint(ckpt).policy
+    expected = logits(trained, IDS)
+    base_logits = logits(AutoModelForCausalLM.from_pretrained(tiny_model_dir), IDS)
+    assert (expected - base_logits).abs().max() > 1e-3  # the adapters changed the policy
+
+    merged = tmp_path / "merged"
+    cli_main(["export", "--ckpt_path", str(ckpt), "--output_dir", str(merged)])
+    assert not (merged / "adapter_config.json").exists()
+    plain = AutoModelForCausalLM.from_pretrained(merged)
+    assert not any("lora_" in name for name in plain.state_dict())
+    torch.testing.assert_close(logits(plain, IDS), expected, rtol=1e-5, atol=1e-5)
+
+    adapters = tmp_path / "adapters"
+    cli_main(["export", "--ckpt_path", str(ckpt), "--output_dir", str(adapters), "--adapters_only"])
+    assert (adapters / "adapter_config.json").is_file() and not (adapters / "snapshot").exists()
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    loaded = peft.PeftModel.from_pretrained(base, adapters)
+    torch.testing.assert_close(logits(loaded, IDS), expected, rtol=1e-5, atol=1e-5)
