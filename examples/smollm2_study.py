@@ -81,13 +81,14 @@ TIME = "time/iteration"
 REWARD = "reward/mean"
 KL_END, KL_END_MAX = "trust_region/kl_end_mean", "trust_region/kl_end_max"
 KL_SAMPLED = "trust_region/kl_end_sampled"
+LENGTH = "completion/mean_length"
 LATE = 3
 """Validations at the end of a run that the table's late accuracy averages."""
 METRICS = (
     ACCURACY,
     "reward/mean",
     "entropy",
-    "completion/mean_length",
+    LENGTH,
     "trust_region/kl_end_mean",
     "trust_region/kl_end_max",
     "trust_region/kl_end_sampled",
@@ -582,6 +583,7 @@ def run_figures(records: Sequence[dict]) -> dict:
         "kl_sampled": statistics.median(pooled[KL_SAMPLED]) if pooled[KL_SAMPLED] else math.nan,
         "kl_end_max": max((v for r in records for v in _values(r, KL_END_MAX)), default=math.nan),
         "entropy": over_runs(lambda r: statistics.fmean(_values(r, "entropy")[-10:])),
+        "length": over_runs(lambda r: statistics.fmean(_values(r, LENGTH)[-10:])),
         "seconds": (min(medians), max(medians)),
     }
 
@@ -591,8 +593,8 @@ def format_runs(records: Sequence[dict]) -> str:
     lines = [
         "| run | held-out accuracy at each validation | last 3 validations | reward: first 5 / "
         "all / last 10 rollouts | KL end, support / sampled (median rollout) | largest KL end "
-        "| entropy, last 10 rollouts | median s / rollout |",
-        "| --- | --- | ---: | --- | --- | ---: | ---: | ---: |",
+        "| entropy, last 10 rollouts | completion tokens, last 10 rollouts | median s / rollout |",
+        "| --- | --- | ---: | --- | --- | ---: | ---: | ---: | ---: |",
     ]
 
     def row(name: str, f: dict) -> str:
@@ -602,7 +604,7 @@ def format_runs(records: Sequence[dict]) -> str:
             f"| {name} | {', '.join(f'{a:.3f}' for a in f['accuracy'])} | {f['late']:.3f} | "
             f"{f['reward_first']:.3f} / {f['reward_all']:.3f} / {f['reward_last']:.3f} | "
             f"{f['kl_end']:.3f} / {f['kl_sampled']:.3f} | {f['kl_end_max']:.2f} | "
-            f"{f['entropy']:.3f} | {seconds} |"
+            f"{f['entropy']:.3f} | {f['length']:.1f} | {seconds} |"
         )
 
     groups: dict[tuple, list[dict]] = {}

@@ -133,6 +133,7 @@ def record(objective, seed, steps, accuracies, kl, seconds=60.0, eps=None):
                 "trust_region/kl_end_sampled": kl / 2,
                 "time/iteration": 2.0,
                 "entropy": 0.5,
+                "completion/mean_length": 10.0 + i,
                 "trust_region/bound": eps or 0.05,
             }
         )
@@ -175,11 +176,11 @@ def test_summary_table_estimate_and_plots(tmp_path):
     assert runs[6].startswith("| troll-steps4-eps0.2-s0 | 0.400, 0.600, 0.700 | 0.567 |")
     assert runs[2] == (
         "| clip-steps4-s0 | 0.400, 0.500, 0.600 | 0.500 | 0.550 / 0.550 / 0.550 | 0.020 / 0.010 "
-        "| 0.20 | 0.500 | 2 |"
+        "| 0.20 | 0.500 | 11.5 | 2 |"
     )
     assert runs[-1] == (
         "| clip-steps4, mean of 2 seeds | 0.400, 0.600, 0.700 | 0.567 | 0.650 / 0.650 / 0.650 "
-        "| 0.030 / 0.015 | 0.40 | 0.500 | 2 |"
+        "| 0.030 / 0.015 | 0.40 | 0.500 | 11.5 | 2 |"
     )
     # estimate: the median rollout (2 s) plus the median run's time outside rollouts per rollout:
     # 60 and 120 s less the 2 x 2 s of rollouts, over 1 rollout each -> median 86 s
