@@ -502,7 +502,7 @@ def _over_seeds(members: Sequence[dict], fn) -> tuple[float, float]:
 
 
 def summarise(records: Sequence[dict]) -> list[dict]:
-    """One row per (cell, objective): means over seeds of what each run did."""
+    """One row per (cell, arm): means over seeds of what each run did (``objective``: the arm)."""
     groups: dict[tuple, list[dict]] = {}
     for r in records:
         groups.setdefault((*cell_of(r), arm_of(r)), []).append(r)
