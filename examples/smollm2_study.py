@@ -17,7 +17,8 @@ objectives: ``--stress steps`` (the default) takes ``--stress-steps`` optimiser 
 (8: minibatches of 8, further off-policy), ``--stress lr`` trains at 3x the config's learning
 rate, ``--stress none`` leaves it out. Then, for each seed, a TROLL run at each KL bound of
 ``--troll-eps`` (default 0.2, four times the config's: is TROLL's region what holds it back
-late in training? ``--troll-eps`` with no value leaves these out).
+late in training?) and at each regression weight of ``--troll-alpha`` (default 0: no pull
+toward the projection); either option with no value leaves its runs out.
 
 Per rollout each run logs (a CSV logger), and the study keeps: ``reward/mean``,
 ``val/accuracy``, the KL of the weights after the rollout's last optimiser step to the behaviour
@@ -76,6 +77,9 @@ STRESS_LR_FACTOR = 3.0
 TROLL_EPS = (0.2,)
 """TROLL's bound in the looser-region cell: at or above the KL that clip 0.2 lets a token of
 probability up to 0.95 reach (README, "Why TROLL loses here")."""
+TROLL_ALPHA = (0.0,)
+"""TROLL's regression weight in the no-pull cell: the policy is not drawn toward the projection
+(README, "Why TROLL loses here")."""
 ACCURACY = "val/accuracy"
 TIME = "time/iteration"
 REWARD = "reward/mean"
@@ -168,12 +172,15 @@ class RunSpec:
     """AdamW's learning rate; None: the config's."""
     eps: float | None = None
     """TROLL's KL bound; None: the config's."""
+    alpha: float | None = None
+    """TROLL's regression weight; None: the config's."""
 
     @property
     def name(self) -> str:
         lr = "" if self.lr is None else f"-lr{self.lr:g}"
         eps = "" if self.eps is None else f"-eps{self.eps:g}"
-        return f"{self.objective}-steps{self.steps}{lr}{eps}-s{self.seed}"
+        alpha = "" if self.alpha is None else f"-alpha{self.alpha:g}"
+        return f"{self.objective}-steps{self.steps}{lr}{eps}{alpha}-s{self.seed}"
 
 
 def config_lr(budget: Budget) -> float:
@@ -186,15 +193,19 @@ def grid(
     stress: str,
     stress_steps: int,
     troll_eps: Sequence[float] = (),
+    troll_alpha: Sequence[float] = (),
 ) -> list[RunSpec]:
     """Clip and TROLL for each seed (in pairs, so a partial grid compares like with like), then
     the stress cell's two runs on seed 0, then a TROLL run per seed at each KL bound of
-    ``troll_eps`` (the main cells' steps)."""
+    ``troll_eps`` and at each regression weight of ``troll_alpha`` (the main cells' steps)."""
     if stress not in STRESS:
         raise ValueError(f"--stress must be one of {list(STRESS)}; got {stress!r}")
     for eps in troll_eps:
         if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
             raise ValueError(f"--troll-eps must be numbers > 0 (KL bounds); got {eps!r}")
+    for alpha in troll_alpha:
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha >= 0:
+            raise ValueError(f"--troll-alpha must be numbers >= 0 (weights); got {alpha!r}")
     specs = [RunSpec(o, s, budget.steps) for s in dict.fromkeys(seeds) for o in OBJECTIVES]
     if stress == "steps":
         budget.minibatch(stress_steps)
@@ -207,6 +218,11 @@ def grid(
     specs += [
         RunSpec("troll", s, budget.steps, eps=float(e))
         for e in dict.fromkeys(troll_eps)
+        for s in dict.fromkeys(seeds)
+    ]
+    specs += [
+        RunSpec("troll", s, budget.steps, alpha=float(a))
+        for a in dict.fromkeys(troll_alpha)
         for s in dict.fromkeys(seeds)
     ]
     return specs
@@ -254,6 +270,8 @@ def training_args(
         args += ["--model.optimizer.init_args.lr", str(spec.lr)]
     if spec.eps is not None:
         args += ["--model.trust_region.eps", str(spec.eps)]
+    if spec.alpha is not None:
+        args += ["--model.trust_region.alpha", str(spec.alpha)]
     return args
 
 
@@ -490,10 +508,10 @@ def cell_of(record: dict) -> tuple:
 
 
 def arm_of(record: dict) -> str:
-    """What a run trains with inside its cell: the objective, and TROLL's bound if not the
-    config's (``troll eps 0.2``)."""
-    eps = record.get("eps")
-    return record["objective"] if eps is None else f"{record['objective']} eps {eps:g}"
+    """What a run trains with inside its cell: the objective, and TROLL's bound and regression
+    weight where not the config's (``troll eps 0.2``, ``troll alpha 0``)."""
+    changed = [f"{k} {record[k]:g}" for k in ("eps", "alpha") if record.get(k) is not None]
+    return " ".join([record["objective"], *changed])
 
 
 def _over_seeds(members: Sequence[dict], fn) -> tuple[float, float]:
@@ -621,7 +639,7 @@ def format_runs(records: Sequence[dict]) -> str:
 
 def write_metrics_csv(records: Sequence[dict], path: Path) -> None:
     """One row per run and rollout: the run's settings, the rollout and ``METRICS``."""
-    keys = ["name", "objective", "seed", "steps", "lr", "eps", "rollout"]
+    keys = ["name", "objective", "seed", "steps", "lr", "eps", "alpha", "rollout"]
     with path.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=[*keys, *METRICS])
         writer.writeheader()
@@ -781,6 +799,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stress", choices=STRESS, default="steps", help="the stress cell")
     p.add_argument("--stress-steps", type=int, default=8, help="its steps per rollout")
     p.add_argument(
+        "--troll-alpha",
+        type=float,
+        nargs="*",
+        default=list(TROLL_ALPHA),
+        help="a TROLL run per seed at each of these regression weights (default: %(default)s; "
+        "none: give the option no value)",
+    )
+    p.add_argument(
         "--troll-eps",
         type=float,
         nargs="*",
@@ -824,7 +850,9 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
         checkpoint_every=args.checkpoint_every,
         dry_run=args.dry_run,
     )
-    specs = grid(args.seeds, budget, args.stress, args.stress_steps, args.troll_eps)
+    specs = grid(
+        args.seeds, budget, args.stress, args.stress_steps, args.troll_eps, args.troll_alpha
+    )
     if args.estimate:
         done = finished_records(specs, args.out)
         total, rate = estimate_seconds(specs, budget, done, args.prior_seconds)

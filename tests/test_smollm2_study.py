@@ -57,6 +57,14 @@ def test_grid_pairs_objectives_per_seed_and_adds_one_stress_cell():
     for bad in (0, -0.1, math.nan, True):
         with pytest.raises(ValueError, match=r"--troll-eps must be numbers > 0"):
             study.grid([0], budget, "none", 8, troll_eps=[bad])
+    both = study.grid([0, 1], budget, "none", 8, troll_eps=[0.2], troll_alpha=[0.0])[4:]
+    assert [(s.seed, s.eps, s.alpha) for s in both] == [
+        (0, 0.2, None), (1, 0.2, None), (0, None, 0.0), (1, None, 0.0),
+    ]  # fmt: skip
+    assert both[2].name == "troll-steps4-alpha0-s0"
+    for bad in (-1.0, math.nan, True):
+        with pytest.raises(ValueError, match=r"--troll-alpha must be numbers >= 0"):
+            study.grid([0], budget, "none", 8, troll_alpha=[bad])
     with pytest.raises(ValueError, match=r"--stress must be one of"):
         study.grid([0], budget, "more", 8)
     with pytest.raises(ValueError, match=r"must divide the 64 sequences .* got 7"):
@@ -86,6 +94,16 @@ def test_training_args_set_the_cell_the_logs_and_the_checkpoints(tmp_path):
         study.training_args(study.RunSpec("troll", 0, 4, eps=0.2), budget, None, tmp_path)
     )
     assert float(looser["--model.trust_region.eps"]) == 0.2
+    assert "--model.trust_region.alpha" not in looser
+    no_pull = study.RunSpec("troll", 0, 4, alpha=0.0)
+    assert (
+        float(
+            options(study.training_args(no_pull, budget, None, tmp_path))[
+                "--model.trust_region.alpha"
+            ]
+        )
+        == 0.0
+    )
 
 
 def write_log(path: Path, rows: list[dict]) -> None:
@@ -211,16 +229,19 @@ KEPT = ("reward/mean", "val/accuracy", "trust_region/kl_end_mean", "trust_region
 
 def test_dry_run_end_to_end_and_an_interrupted_run_resumes(tiny_model_dir, tmp_path, monkeypatch):
     base = ["--dry-run", "--model", str(tiny_model_dir), "--seeds", "0", "--stress", "none"]
-    records = study.main([*base, "--troll-eps", "0.2", "--out", str(tmp_path / "a")])
+    records = study.main(
+        [*base, "--troll-eps", "0.2", "--troll-alpha", "0", "--out", str(tmp_path / "a")]
+    )
     out = tmp_path / "a"
-    assert [(r["objective"], r["eps"]) for r in records] == [
-        ("clip", None), ("troll", None), ("troll", 0.2),
+    assert [(r["objective"], r["eps"], r["alpha"]) for r in records] == [
+        ("clip", None, None), ("troll", None, None), ("troll", 0.2, None), ("troll", None, 0.0),
     ]  # fmt: skip
     bounds = [{row.get("trust_region/bound") for row in r["history"][1:]} for r in records]
-    assert bounds[0] == {None} and [len(b) for b in bounds] == [1, 1, 1]
-    # tinymath.yaml's eps, then the option's (logged in float32)
-    assert [b.pop() for b in bounds[1:]] == pytest.approx([0.05, 0.2], rel=1e-6)
-    assert "| troll eps 0.2 | 4 |" in (out / "table.md").read_text()
+    assert bounds[0] == {None} and [len(b) for b in bounds] == [1, 1, 1, 1]
+    # tinymath.yaml's eps, then the option's (logged in float32), then the config's again
+    assert [b.pop() for b in bounds[1:]] == pytest.approx([0.05, 0.2, 0.05], rel=1e-6)
+    table = (out / "table.md").read_text()
+    assert "| troll eps 0.2 | 4 |" in table and "| troll alpha 0 | 4 |" in table
     for r in records:
         rows = r["history"]
         assert [row["rollout"] for row in rows] == [0, 1, 2, 3]
@@ -246,7 +267,7 @@ def test_dry_run_end_to_end_and_an_interrupted_run_resumes(tiny_model_dir, tmp_p
         (b / "runs" / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(out / "runs" / name, b / "runs" / name)
     monkeypatch.setattr(study, "training_args", stopped_early)
-    base.append("--troll-eps")  # no value: no run at another bound
+    base += ["--troll-eps", "--troll-alpha"]  # no value: no run at another bound or weight
     with pytest.raises(SystemExit):
         study.main([*base, "--out", str(b)])
     troll = b / "runs" / "troll-steps4-s0"
