@@ -95,6 +95,9 @@ def export_policy(
             "the checkpoint's LoRA adapters sit on a 4-bit base (model.lora.load_in_4bit), which "
             "cannot take the merged update without rounding it away; export with --adapters_only"
         )
+    # Lightning's own loader of a checkpoint dict (load_from_checkpoint reads only files, and a
+    # sharded checkpoint is a folder): rebuilds the module from its hyper-parameters, then loads
+    # the weights and runs on_load_checkpoint.
     module = _load_state(TrollModule, checkpoint, strict=True)
     policy = module.policy
     if lora is not None and not adapters_only:
