@@ -34,16 +34,20 @@ rollout in progress finish, saves, and ends the study (exit status 130 or 143). 
 command again skips the runs whose ``result.json`` exists and resumes an interrupted one from its
 ``last.ckpt`` (each attempt logs to a new ``logs/version_<k>``; the history merges them, the later
 attempt's rows replacing the rollouts it ran again). A finished run's checkpoint is deleted
-(``--keep-checkpoints`` keeps it). The study prints an estimate of the whole grid's time before
-the first run (from the runs done, else from ``--prior-seconds`` per rollout) and how long it took
-at the end.
+(``--keep-checkpoints`` keeps it). ``runs/`` need not be kept: a copy of the other outputs
+(``results.json`` with ``metrics.csv``, ``settings.json``, ``start.json``) holds the finished runs,
+and the study and ``--report`` take them from there. The study prints an estimate of the whole
+grid's time before the first run (from the runs done, else from ``--prior-seconds`` per rollout) and
+how long it took at the end.
 
-Outputs in ``--out`` (default ``examples/results/smollm2/study``): ``runs/``, ``metrics.csv``
-(one row per run and rollout), ``results.json`` (per run: settings, final and late accuracy,
-seconds), ``table.md`` (per cell and objective, mean and spread over seeds), ``runs.md`` (per
-run, then the seeds' means) and the plots ``reward.png``, ``accuracy.png``, ``kl_end.png``,
-``kl_end_max.png``, ``entropy.png`` and ``time.png`` (one panel per cell, clip against TROLL
-and TROLL at the other bounds, mean and standard deviation over seeds).
+Outputs in ``--out`` (default ``examples/results/smollm2/study``): ``runs/``, ``settings.json`` (the
+budget; another refuses to continue), ``start.json`` (the start's validation), ``metrics.csv`` (one
+row per run and rollout), ``results.json`` (per run: settings, final and late accuracy, seconds;
+both rewritten as each run finishes, keeping runs of other grids), ``table.md`` (per cell and
+objective, mean and spread over seeds), ``runs.md`` (per run, then the seeds' means) and the plots
+``reward.png``, ``accuracy.png``, ``kl_end.png``, ``kl_end_max.png``, ``entropy.png`` and
+``time.png`` (one panel per cell, clip against TROLL and TROLL at the other bounds, mean and
+standard deviation over seeds).
 
 ``--dry-run`` runs the same machinery on ``configs/tinymath.yaml`` with the shipped TinyMath
 policy (or ``--model``), 3 rollouts of 2 prompts, seconds per run; its output is no evidence of
@@ -393,6 +397,51 @@ def estimate_seconds(
     return rate * budget.rollouts * len(specs), rate
 
 
+def recorded_runs(out: Path) -> dict[str, dict]:
+    """The finished runs that the study's own outputs hold, by name: ``results.json`` with each
+    run's history read back from ``metrics.csv``. These outputs are what a copy of the study
+    keeps (``runs/``, with the checkpoints, logs and each run's ``result.json``, is not kept
+    under version control)."""
+    results, metrics = out / "results.json", out / "metrics.csv"
+    if not (results.exists() and metrics.exists()):
+        return {}
+    histories: dict[str, list[dict]] = {}
+    with metrics.open(newline="") as f:
+        for row in csv.DictReader(f):
+            entry: dict = {"rollout": int(row["rollout"])}
+            entry.update({k: float(row[k]) for k in METRICS if row.get(k, "") != ""})
+            histories.setdefault(row["name"], []).append(entry)
+    return {
+        r["name"]: {**r, "history": histories[r["name"]]}
+        for r in json.loads(results.read_text())
+        if r["name"] in histories
+    }
+
+
+def restore_runs(specs: Sequence[RunSpec], out: Path) -> list[str]:
+    """Writes ``runs/<name>/result.json`` for each run of ``specs`` that the outputs record as
+    finished but ``runs/`` lacks (a fresh copy of the study); returns their names."""
+    recorded = recorded_runs(out)
+    restored = []
+    for spec in specs:
+        result = out / "runs" / spec.name / "result.json"
+        if spec.name in recorded and not result.exists():
+            result.parent.mkdir(parents=True, exist_ok=True)
+            result.write_text(json.dumps(recorded[spec.name], indent=1))
+            restored.append(spec.name)
+    return restored
+
+
+def kept(out: Path, name: str) -> Path:
+    """``out/<name>``, a file the study keeps beside its outputs; one that an earlier version
+    kept in ``out/runs/`` is moved there first."""
+    path, legacy = out / name, out / "runs" / name
+    if legacy.exists() and not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        legacy.replace(path)
+    return path
+
+
 def finished_records(specs: Sequence[RunSpec], out: Path) -> list[dict]:
     """The records of the runs of ``specs`` that have finished (their ``result.json``)."""
     paths = [out / "runs" / s.name / "result.json" for s in specs]
@@ -410,7 +459,10 @@ def run_all(
     """Trains every run without a ``result.json`` (resuming interrupted ones); returns all
     records. Prints the grid's estimated time first and the time taken at the end."""
     runs = out / "runs"
-    check_settings(runs / "settings.json", {"model": model, "budget": asdict(budget)})
+    check_settings(kept(out, "settings.json"), {"model": model, "budget": asdict(budget)})
+    restored = restore_runs(specs, out)
+    if restored:
+        print(f"taken from {out}'s results: {', '.join(restored)}", flush=True)
     done = finished_records(specs, out)
     total, rate = estimate_seconds(specs, budget, done, prior)
     source = f"{len(done)} runs done" if done else "--prior-seconds"
@@ -419,7 +471,7 @@ def run_all(
         f"({source}): {total / 3600:.1f} h in all, {(len(specs) - len(done)) * budget.rollouts * rate / 3600:.1f} h left",
         flush=True,
     )
-    start_file = runs / "start.json"
+    start_file = kept(out, "start.json")
     if not start_file.exists():
         shutil.rmtree(runs / "start", ignore_errors=True)
         began = time.perf_counter()
@@ -445,6 +497,7 @@ def run_all(
             )
             record = train(spec, budget, model, run_dir, start_row)
             result.write_text(json.dumps(record, indent=1))
+            write_records(finished_records(specs, out), out)
             if not keep_checkpoints:
                 shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
             print(
@@ -635,6 +688,16 @@ def format_runs(records: Sequence[dict]) -> str:
             cell = runs[0]["name"].rsplit("-s", 1)[0]
             lines.append(row(f"{cell}, mean of {len(runs)} seeds", run_figures(runs)))
     return "\n".join(lines) + "\n"
+
+
+def write_records(records: Sequence[dict], out: Path) -> None:
+    """``results.json`` and ``metrics.csv``: ``records``, then the runs the outputs already held
+    that ``records`` lacks (a run of another grid is kept, not dropped)."""
+    names = {r["name"] for r in records}
+    records = [*records, *(r for n, r in recorded_runs(out).items() if n not in names)]
+    write_metrics_csv(records, out / "metrics.csv")
+    results = [{k: v for k, v in r.items() if k != "history"} for r in records]
+    (out / "results.json").write_text(json.dumps(results, indent=1))
 
 
 def write_metrics_csv(records: Sequence[dict], path: Path) -> None:
@@ -861,10 +924,11 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
         )
         return []
     if args.report:
+        restore_runs(specs, args.out)
         records = finished_records(specs, args.out)
         if not records:
-            sys.exit(f"--report: no finished run in {args.out / 'runs'} yet")
-        start_file = args.out / "runs" / "start.json"
+            sys.exit(f"--report: no finished run in {args.out} yet")
+        start_file = kept(args.out, "start.json")
         start = json.loads(start_file.read_text()) if start_file.exists() else {}
         print(f"{len(records)} of {len(specs)} runs finished", flush=True)
         print(grid_time(records, start.get("seconds", 0.0)), flush=True)
@@ -876,9 +940,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
         except Interrupted as stop:
             print(f"{stop}; run the same command again to resume it", flush=True)
             sys.exit(stop.exit_code)
-    write_metrics_csv(records, args.out / "metrics.csv")
-    results = [{k: v for k, v in r.items() if k != "history"} for r in records]
-    (args.out / "results.json").write_text(json.dumps(results, indent=1))
+    write_records(records, args.out)
     table = format_table(summarise(records), budget)
     (args.out / "table.md").write_text(table)
     runs_table = format_runs(records)

@@ -253,6 +253,25 @@ def test_dry_run_end_to_end_and_an_interrupted_run_resumes(tiny_model_dir, tmp_p
     for name in ("metrics.csv", "results.json", "table.md", "runs.md", "kl_end.png", "time.png"):
         assert (out / name).exists(), name
 
+    # A copy of the outputs without runs/ (what version control keeps) holds the finished runs:
+    # --report and a resumed study read them back exactly, and train nothing.
+    c = tmp_path / "c"
+    c.mkdir()
+    for name in ("metrics.csv", "results.json", "settings.json", "start.json"):
+        shutil.copy(out / name, c / name)
+    full = [*base, "--troll-eps", "0.2", "--troll-alpha", "0", "--out", str(c)]
+    assert study.main([*full, "--report"]) == records
+    monkeypatch.setattr(study, "train", None)  # calling it would fail
+    assert study.main(full) == records
+    assert (c / "runs" / "clip-steps4-s0" / "result.json").exists()
+    # A narrower grid reports its own runs and keeps the others' in the outputs.
+    narrow = study.main([*base, "--troll-eps", "--troll-alpha", "--out", str(c), "--report"])
+    assert [r["name"] for r in narrow] == ["clip-steps4-s0", "troll-steps4-s0"]
+    kept = [r["name"] for r in json.loads((c / "results.json").read_text())]
+    assert sorted(kept) == sorted(r["name"] for r in records)
+    assert "| troll eps 0.2 |" not in (c / "table.md").read_text()
+    monkeypatch.undo()
+
     # Stop the TROLL run after 2 of its 3 rollouts, as a signal would: last.ckpt, no result.json.
     real_args = study.training_args
 
@@ -262,10 +281,11 @@ def test_dry_run_end_to_end_and_an_interrupted_run_resumes(tiny_model_dir, tmp_p
             args[args.index("--trainer.max_steps") + 1] = str(2 * spec.steps)
         return args
 
-    b = tmp_path / "b"  # the start's validation and the clip run taken over from a
-    for name in ("settings.json", "start.json", "clip-steps4-s0/result.json"):
-        (b / "runs" / name).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(out / "runs" / name, b / "runs" / name)
+    b = tmp_path / "b"  # the start's validation and the clip run taken over from a, the
+    (b / "runs" / "clip-steps4-s0").mkdir(parents=True)  # settings where they used to be kept
+    for name in ("settings.json", "start.json"):
+        shutil.copy(out / name, b / "runs" / name)
+    shutil.copy(out / "runs/clip-steps4-s0/result.json", b / "runs/clip-steps4-s0/result.json")
     monkeypatch.setattr(study, "training_args", stopped_early)
     base += ["--troll-eps", "--troll-alpha"]  # no value: no run at another bound or weight
     with pytest.raises(SystemExit):
@@ -273,6 +293,10 @@ def test_dry_run_end_to_end_and_an_interrupted_run_resumes(tiny_model_dir, tmp_p
     troll = b / "runs" / "troll-steps4-s0"
     assert (troll / "checkpoints" / "last.ckpt").exists() and not (troll / "result.json").exists()
     assert (b / "runs" / "clip-steps4-s0" / "result.json").exists()
+    assert (b / "start.json").exists() and not (b / "runs" / "start.json").exists()  # moved
+    assert json.loads((b / "settings.json").read_text()) == json.loads(
+        (out / "settings.json").read_text()
+    )
     # --report: the outputs of the finished runs (clip), training nothing
     reported = study.main([*base, "--out", str(b), "--report"])
     assert [r["objective"] for r in reported] == ["clip"]
