@@ -692,23 +692,29 @@ def format_runs(records: Sequence[dict]) -> str:
 
 def write_records(records: Sequence[dict], out: Path) -> None:
     """``results.json`` and ``metrics.csv``: ``records``, then the runs the outputs already held
-    that ``records`` lacks (a run of another grid is kept, not dropped)."""
+    that ``records`` lacks (a run of another grid is kept, not dropped). Each file is written
+    beside its place and then moved there, so a stop mid-write leaves the old one whole."""
     names = {r["name"] for r in records}
     records = [*records, *(r for n, r in recorded_runs(out).items() if n not in names)]
     write_metrics_csv(records, out / "metrics.csv")
     results = [{k: v for k, v in r.items() if k != "history"} for r in records]
-    (out / "results.json").write_text(json.dumps(results, indent=1))
+    partial = out / "results.json.partial"
+    partial.write_text(json.dumps(results, indent=1))
+    partial.replace(out / "results.json")
 
 
 def write_metrics_csv(records: Sequence[dict], path: Path) -> None:
-    """One row per run and rollout: the run's settings, the rollout and ``METRICS``."""
+    """One row per run and rollout: the run's settings, the rollout and ``METRICS`` (written to
+    ``<path>.partial``, then moved to ``path``)."""
     keys = ["name", "objective", "seed", "steps", "lr", "eps", "alpha", "rollout"]
-    with path.open("w", newline="") as f:
+    partial = path.with_name(path.name + ".partial")
+    with partial.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=[*keys, *METRICS])
         writer.writeheader()
         for r in records:
             for row in r["history"]:
                 writer.writerow({**{k: r.get(k) for k in keys[:-1]}, **row})
+    partial.replace(path)
 
 
 def curve(records: Sequence[dict], metric: str) -> tuple[list[int], list[float], list[float]]:
@@ -917,6 +923,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
         args.seeds, budget, args.stress, args.stress_steps, args.troll_eps, args.troll_alpha
     )
     if args.estimate:
+        restore_runs(specs, args.out)
         done = finished_records(specs, args.out)
         total, rate = estimate_seconds(specs, budget, done, args.prior_seconds)
         print(
