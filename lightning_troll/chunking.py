@@ -11,13 +11,21 @@ Notation: N response tokens (rows), n rows of one chunk, H hidden size, V vocabu
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["DEFAULT_CHUNK_SIZE", "check_chunk_size", "head_logits", "map_row_chunks", "row_chunks"]
+__all__ = [
+    "DEFAULT_CHUNK_SIZE",
+    "HiddenRows",
+    "check_chunk_size",
+    "head_logits",
+    "map_row_chunks",
+    "row_chunks",
+]
 
 T = TypeVar("T")
 
@@ -43,6 +51,29 @@ def head_logits(head: Callable[[Tensor], Tensor], hidden: Tensor, temperature: f
     """``head(hidden) / temperature``: ``(n, H)`` hidden states -> ``(n, V)`` logits."""
     logits = head(hidden)  # (n, V)
     return logits if temperature == 1 else logits / temperature
+
+
+@dataclass(frozen=True)
+class HiddenRows:
+    """Logit rows held as hidden states: ``head(hidden) / temperature`` made on demand, so a
+    chunk of rows (:meth:`select`) costs ``(n, V)`` logits only when :meth:`logits` is called."""
+
+    hidden: Tensor
+    """(N, H) hidden states (the output layer's input)."""
+    head: Callable[[Tensor], Tensor]
+    """The output layer, ``(n, H) -> (n, V)``."""
+    temperature: float = 1.0
+
+    @property
+    def num_rows(self) -> int:
+        return self.hidden.shape[0]
+
+    def select(self, rows: Tensor | slice) -> HiddenRows:
+        return HiddenRows(self.hidden[rows], self.head, self.temperature)
+
+    def logits(self) -> Tensor:
+        """(N, V) the rows' logits."""
+        return head_logits(self.head, self.hidden, self.temperature)
 
 
 def map_row_chunks(fn: Callable[..., T], rows: Tensor, size: int | None, *per_row: Any) -> list[T]:

@@ -30,7 +30,7 @@ from typing import Any
 from jsonargparse import set_parsing_settings
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import Checkpoint, ProgressBar
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
@@ -115,6 +115,30 @@ def check_schedule_length(config) -> None:
     )
 
 
+def follow_run_seed(config) -> None:
+    """Sets ``data.seed`` and ``model.seed`` to the run's seed (``seed_everything``) where they
+    are unset (null) and the run's seed is an integer, so that runs with different seeds see
+    different prompts in a different order, not only different samples."""
+    seed = config.get("seed_everything")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        return
+    for section in ("data", "model"):
+        if config.get(section) is not None and config.get(f"{section}.seed") is None:
+            config[f"{section}.seed"] = seed
+
+
+class TrollArgumentParser(LightningArgumentParser):
+    """Fills in ``data.seed`` from ``seed_everything`` while parsing, before ``--print_config``
+    prints, so that the printed config shows the seed used."""
+
+    def _parse_common(self, cfg, *args, **kwargs):
+        # Only on the whole parse (defaults merged): a config file's part of it, parsed first
+        # without defaults, may have its seed_everything replaced by the command line's.
+        if kwargs.get("defaults") and not kwargs.get("nested_parse"):
+            follow_run_seed(cfg)
+        return super()._parse_common(cfg, *args, **kwargs)
+
+
 class TrollCLI(LightningCLI):
     """LightningCLI with the project's callbacks always on and the tokenizer linked."""
 
@@ -162,7 +186,9 @@ class TrollCLI(LightningCLI):
         checkpoint's replaced (LightningCLI resumes with the hyper-parameters stored in
         ``--ckpt_path``, whatever the command line says)."""
         subcommand = self.config.get("subcommand")
-        check_schedule_length(self.config[subcommand] if subcommand else self.config)
+        config = self.config[subcommand] if subcommand else self.config
+        follow_run_seed(config)  # seed_everything: true is drawn after parsing
+        check_schedule_length(config)
         if self._given_model is None:
             return
         stored = dict(self.config[self.subcommand].model.items())
@@ -251,6 +277,7 @@ def run(args: list[str] | None = None) -> TrollCLI:
         PromptDataModule,
         trainer_defaults=TRAINER_DEFAULTS,
         save_config_kwargs={"overwrite": True},
+        parser_class=TrollArgumentParser,
         auto_configure_optimizers=False,
         args=args,
     )

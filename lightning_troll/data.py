@@ -10,6 +10,7 @@ functions read from ``row["answer"]``.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from functools import partial
 from typing import Any
@@ -74,7 +75,9 @@ class PromptDataModule(LightningDataModule):
             source file (chosen with ``seed``) when there is no ``val_file``; otherwise the first
             ``num_val`` rows of the validation split or file (None: all). 0 turns validation off.
         max_prompt_tokens: Longest prompt allowed, in tokens; a longer one stops ``setup``.
-        seed: Seed of the per-epoch shuffle, the TinyMath problems and the held-out rows.
+        seed: Seed of the per-epoch shuffle, the TinyMath problems and the held-out rows; null
+            follows the run's seed (``seed_everything``, which ``lightning-troll`` fills in and
+            ``--print_config`` shows; else the seed Lightning's ``seed_everything`` set, or 0).
         val_file: A local ``.json``/``.jsonl``/``.parquet`` file of validation rows (any source).
         val_samples: Completions sampled per validation prompt (at ``model.sampling``) besides
             the greedy one, logged as ``val/pass@k`` and ``val/mean@k`` with k = val_samples;
@@ -98,11 +101,13 @@ class PromptDataModule(LightningDataModule):
         num_train: int | None = 20000,
         num_val: int | None = 200,
         max_prompt_tokens: int = 64,
-        seed: int = 0,
+        seed: int | None = None,
         val_file: str | None = None,
         val_samples: int = 0,
     ) -> None:
         super().__init__()
+        if seed is None:  # the run's seed, as Lightning's seed_everything recorded it
+            seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
         self.save_hyperparameters(ignore=[] if isinstance(tokenizer, str) else ["tokenizer"])
         self.row_source = PromptSource(
             source, dataset_config, train_split, val_split, num_train, num_val, seed, val_file

@@ -21,12 +21,13 @@ import torch
 from torch import Tensor, nn
 
 from lightning_troll.behaviour import behaviour_rows
-from lightning_troll.chunking import check_chunk_size, head_logits, map_row_chunks
+from lightning_troll.chunking import HiddenRows, check_chunk_size, head_logits, map_row_chunks
 from lightning_troll.sparse import SparseDistribution
 
 __all__ = [
     "behaviour_outputs",
     "linear_head",
+    "old_logit_rows",
     "position_ids",
     "response_hidden",
     "response_logits",
@@ -266,3 +267,26 @@ def behaviour_outputs(
 
 def _behaviour_hidden(hidden: Tensor, tokens: Tensor, *, head, temperature, sparsify_fn):
     return behaviour_rows(head_logits(head, hidden, temperature), tokens, sparsify_fn=sparsify_fn)
+
+
+@torch.no_grad()
+def old_logit_rows(
+    model: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    response_mask: Tensor,
+    temperature: float,
+    chunked: bool,
+    share_prompts: bool = False,
+) -> HiddenRows | Tensor:
+    """The snapshot's logit rows at the response tokens (``response_mask``, (B, T)), for the dense
+    projection: as (N, H) hidden states with the output layer (:class:`HiddenRows`, logits made
+    chunk by chunk) when ``chunked`` and the model has a plain linear output layer, else as
+    (N, V) logits. No gradient: the old policy is a constant."""
+    length = response_mask.shape[1]
+    head = linear_head(model) if chunked else None
+    if head is None:
+        logits = response_logits(model, input_ids, attention_mask, length, temperature)
+        return logits[response_mask]  # (N, V)
+    hidden = response_hidden(model, input_ids, attention_mask, length, share_prompts)  # (B, T, H)
+    return HiddenRows(hidden[response_mask], head, temperature)  # (N, H)

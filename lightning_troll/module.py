@@ -14,7 +14,7 @@ live beside the code they configure (``TrustRegionConfig``, ``ClipConfig`` and `
 
 from __future__ import annotations
 
-import copy
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict
@@ -26,14 +26,12 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor
 
 from lightning_troll.advantages import (
-    REWARD_SCALES,
     compute_advantages,
-    get_advantage_estimator,
 )
-from lightning_troll.behaviour import BEHAVIOUR_LOGPROBS
 from lightning_troll.chunking import DEFAULT_CHUNK_SIZE, check_chunk_size
 from lightning_troll.drift import kl_to_behaviour, support_rule
 from lightning_troll.dynamic_sampling import check_dynamic_sampling
+from lightning_troll.forward import old_logit_rows
 from lightning_troll.lora import LoraConfig, adapters_disabled, apply_lora
 from lightning_troll.models import load_policy, load_tokenizer, stop_token_ids
 from lightning_troll.objectives import (
@@ -45,6 +43,7 @@ from lightning_troll.objectives import (
     build_objective,
 )
 from lightning_troll.optimization import MinibatchLoop, OptimizationConfig
+from lightning_troll.preflight import check_module_options
 from lightning_troll.projection import SparseDistribution, TrustRegionProjection, sparsify
 from lightning_troll.resume import ResumeHooks
 from lightning_troll.rewards import RewardScorer
@@ -62,7 +61,7 @@ from lightning_troll.sharding import (  # check_strategy: re-exported from here
     is_sharded,
     shard_model,
 )
-from lightning_troll.snapshots import Snapshot, SnapshotConfig, build_snapshot
+from lightning_troll.snapshots import Snapshot, SnapshotConfig, build_snapshot, frozen_copy
 from lightning_troll.timing import clock
 from lightning_troll.validation import validation_metrics
 
@@ -106,7 +105,7 @@ class TrollModule(ResumeHooks, LightningModule):
         optimization: epochs per rollout, minibatches, accumulation, clipping.
         optimizer: any torch or bitsandbytes optimiser (``class_path`` + ``init_args``).
         lr_scheduler: an optional LR scheduler, stepped after every optimiser step.
-        seed: seed of the minibatch shuffling.
+        seed: seed of the minibatch shuffling; null follows the run's seed (seed_everything).
         gradient_checkpointing: recompute the policy's activations in the backward pass instead
             of storing them (less memory, about a third more compute); the snapshots, which
             never run a backward pass, are unaffected.
@@ -154,7 +153,7 @@ class TrollModule(ResumeHooks, LightningModule):
         optimization: OptimizationConfig = OptimizationConfig(),
         optimizer: OptimizerCallable = _default_optimizer,
         lr_scheduler: LRSchedulerCallable | None = None,
-        seed: int = 0,
+        seed: int | None = None,
         gradient_checkpointing: bool = False,
         logits_chunk_size: int | None = DEFAULT_CHUNK_SIZE,
         behaviour_logprobs: Literal["auto", "sampling", "forward"] = "auto",
@@ -163,26 +162,14 @@ class TrollModule(ResumeHooks, LightningModule):
         lora: LoraConfig | None = None,
     ) -> None:
         super().__init__()
-        self.save_hyperparameters(ignore=["optimizer", "lr_scheduler"])
+        # not seed: loggers refuse model.seed and data.seed as one key with two values; the
+        # shuffle generator's state is in checkpoints (MinibatchLoop)
+        self.save_hyperparameters(ignore=["optimizer", "lr_scheduler", "seed"])
         check_chunk_size(logits_chunk_size, "model.logits_chunk_size")
         self.logits_chunk_size = logits_chunk_size
-        if behaviour_logprobs not in BEHAVIOUR_LOGPROBS:
-            raise ValueError(
-                f"model.behaviour_logprobs must be one of {list(BEHAVIOUR_LOGPROBS)}; got "
-                f"{behaviour_logprobs!r}"
-            )
+        check_module_options(objective, estimator, scale_rewards, group_size, behaviour_logprobs)
         self.behaviour_logprobs = behaviour_logprobs
         self.share_prompts = share_prompts
-        get_advantage_estimator(estimator)
-        if scale_rewards not in (None, *REWARD_SCALES):
-            raise ValueError(
-                f"model.scale_rewards must be one of {sorted(REWARD_SCALES)} or null; got "
-                f"{scale_rewards!r}"
-            )
-        if isinstance(group_size, bool) or group_size < 1:
-            raise ValueError(f"model.group_size must be an integer >= 1; got {group_size!r}")
-        if objective not in ("troll", "clip"):
-            raise ValueError(f"model.objective must be one of ['clip', 'troll']; got {objective!r}")
         self.objective_name = objective
         self.estimator = estimator
         self.scale_rewards = scale_rewards
@@ -224,11 +211,13 @@ class TrollModule(ResumeHooks, LightningModule):
         self.policy.train()  # from_pretrained returns eval mode; snapshots stay in eval mode
         self.lora = lora
         self.snapshot_config = snapshot
-        self.snapshot: Snapshot = build_snapshot(self.policy, snapshot, adapters=lora is not None)
+        self.snapshot: Snapshot = build_snapshot(
+            self.policy, snapshot, lora is not None, self.objective.needs_old_logits
+        )
         if not self.snapshot.shares_policy:
             self.old_policy = self.snapshot.model  # a child module: saved, moved, sharded
         with_ref = loss.ref_kl_coef > 0 and lora is None
-        self.ref_policy = self._frozen_copy(self.policy) if with_ref else None
+        self.ref_policy = frozen_copy(self.policy) if with_ref else None
         if gradient_checkpointing:
             self.policy.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False}
@@ -236,6 +225,8 @@ class TrollModule(ResumeHooks, LightningModule):
         self.automatic_optimization = False
 
         self.rollout: Rollout | None = None
+        if seed is None:  # the run's seed, as Lightning's seed_everything recorded it
+            seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
         self.minibatch_loop = MinibatchLoop(optimization, seed)
         """Turns each rollout into optimiser steps; holds the shuffle generator and bad steps."""
         self._rng_to_restore: dict[str, Any] | None = None
@@ -250,13 +241,6 @@ class TrollModule(ResumeHooks, LightningModule):
             return build_objective(name, **specific, **shared)
         except ValueError as error:
             raise ValueError(f"model: {error}") from None
-
-    @staticmethod
-    def _frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
-        snapshot = copy.deepcopy(model)
-        snapshot.eval()
-        snapshot.requires_grad_(False)
-        return snapshot
 
     @property
     def old_policy(self) -> torch.nn.Module:
@@ -395,10 +379,17 @@ class TrollModule(ResumeHooks, LightningModule):
             rollout.ref_logprobs,
         )
         head = None if self.logits_chunk_size is None else linear_head(self.policy)
+        share = self.share_prompts and not is_sharded(self.policy)
+        if self.objective.needs_old_logits:  # support: dense, from the snapshot's own pass
+            chunked = self.logits_chunk_size is not None
+            with self.behaviour_policy() as old:
+                rows = old_logit_rows(
+                    old, *inputs, rollout.response_mask, temperature, chunked, share
+                )
+            targets = (*targets[:4], rows, targets[5])
         if head is None:
             logits = response_logits(self.policy, *inputs, length, temperature)  # (B, T, V)
             return self.objective(logits, *targets)
-        share = self.share_prompts and not is_sharded(self.policy)
         hidden = response_hidden(self.policy, *inputs, length, share)  # (B, T, H)
         return self.objective.forward_hidden(
             hidden, head, temperature, *targets, chunk_size=self.logits_chunk_size

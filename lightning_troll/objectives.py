@@ -30,6 +30,7 @@ from lightning_troll.aggregation import (
     IMPORTANCE_LEVELS,
     REF_KL_ESTIMATORS,
 )
+from lightning_troll.chunking import HiddenRows
 from lightning_troll.objective_stats import ClipStats, ObjectiveStats, TrollStats
 from lightning_troll.policy_objective import (
     PolicyObjective,
@@ -39,6 +40,7 @@ from lightning_troll.policy_objective import (
 )
 from lightning_troll.projection import TrustRegionProjection
 from lightning_troll.sparse import compute_dtype
+from lightning_troll.supports import check_support
 
 __all__ = [
     "AGGREGATIONS",
@@ -73,13 +75,26 @@ class TrustRegionConfig:
     """KL bound per token, > 0."""
     alpha: float = 1.0
     """Weight of the regression KL(pi_new || sg(pi_proj)), >= 0."""
-    max_tokens: int = 64
-    """The most tokens kept per distribution, >= 1."""
+    max_tokens: int = 256
+    """The most tokens kept per distribution, >= 1 (the paper keeps 64; with the official support,
+    256 keeps the loss gradient within 3% of the exact projection's on SmolLM2, 64 within 8%)."""
     mass_delta: float = 1e-5
     """Keep tokens until their mass reaches 1 - mass_delta, in [0, 1)."""
     keep_sampled_token: bool = True
     """Always add the sampled token to the sparse supports (old and projected); false keeps only
     the most probable tokens, and a sampled token outside them shares the rest bucket's mass."""
+    support: Literal["union", "official", "dense"] = "official"
+    """Categories the projection runs on: union (old and new kept tokens plus one lumped rest
+    bucket), official (the old policy's kept tokens, both distributions renormalised there, as
+    the paper describes it) or dense (the whole vocabulary, exact; the snapshot's logits are
+    recomputed in the loss pass, so it needs snapshot.mode copy and costs one more forward pass
+    of the snapshot per optimiser step)."""
+
+    def __post_init__(self) -> None:
+        try:
+            check_support(self.support)
+        except ValueError as error:
+            raise ValueError(f"trust_region.{error}") from None
 
 
 @dataclass(frozen=True)
@@ -190,6 +205,9 @@ class TrollObjective(PolicyObjective):
         keep_sampled_token: always add the sampled token to the projection's support (see
             :class:`~lightning_troll.projection.TrustRegionProjection`); the behaviour policy's
             cached distributions should then hold it too (``sparsify(..., keep=tokens)``).
+        support: ``union``, ``official`` or ``dense`` (:mod:`lightning_troll.supports`); with
+            ``dense`` the objective's ``old`` is the old policy's logit rows (an ``(N, V)``
+            tensor, or :class:`~lightning_troll.chunking.HiddenRows`) instead of sparse rows.
         **kwargs: see :class:`PolicyObjective`.
     """
 
@@ -202,6 +220,7 @@ class TrollObjective(PolicyObjective):
         max_tokens: int = 64,
         mass_delta: float = 1e-5,
         keep_sampled_token: bool = True,
+        support: str = "union",
         **kwargs,
     ) -> None:
         super().__init__(**kwargs)
@@ -209,8 +228,17 @@ class TrollObjective(PolicyObjective):
             raise ValueError(f"alpha must be >= 0; got {alpha!r}")
         self.alpha = float(alpha)
         self.projection = TrustRegionProjection(
-            eps=eps, max_tokens=max_tokens, mass_delta=mass_delta, keep_token=keep_sampled_token
+            eps=eps,
+            max_tokens=max_tokens,
+            mass_delta=mass_delta,
+            keep_token=keep_sampled_token,
+            support=support,
         )
+
+    @property
+    def needs_old_logits(self) -> bool:
+        """Whether ``old`` must be the old policy's logit rows (``support: dense``)."""
+        return self.projection.needs_old_logits
 
     @property
     def _regression_weight(self) -> float:  # type: ignore[override]
@@ -222,6 +250,9 @@ class TrollObjective(PolicyObjective):
     def _token_terms(self, rows, tokens, old) -> TokenTerms:
         if old is None:
             raise ValueError("TrollObjective needs old: the behaviour policy's SparseDistribution")
+        if isinstance(old, HiddenRows):
+            with torch.no_grad():
+                old = old.logits()  # (n, V)
         result = self.projection(rows, old, tokens)
         return TokenTerms(
             result.logprob,

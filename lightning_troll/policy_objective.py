@@ -199,10 +199,9 @@ class PolicyObjective(nn.Module):
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0; got {temperature!r}")
         n = int(mask.sum())
-        if old is not None and old.num_rows != n:
-            raise ValueError(
-                f"old must have one row per response token, N = {n}; got {old.num_rows} rows"
-            )
+        rows = old.shape[0] if isinstance(old, Tensor) else getattr(old, "num_rows", n)
+        if rows != n:
+            raise ValueError(f"old must have one row per response token, N = {n}; got {rows} rows")
         row_terms = partial(self._hidden_terms, head=head, temperature=temperature)
         parts = map_row_chunks(row_terms, hidden[mask], chunk_size, tokens[mask], old)
         return self._aggregate(TokenTerms.cat(parts), mask, advantages, old_logprobs, ref_logprobs)
@@ -284,6 +283,8 @@ class PolicyObjective(nn.Module):
     # Subclasses define these -----------------------------------------------------------------
     _stats_type: type[ObjectiveStats] = ObjectiveStats
     _regression_weight: float = 0.0
+    needs_old_logits: bool = False
+    """True where ``old`` must be the old policy's logit rows, not its sparse rows."""
 
     def _token_terms(
         self, rows: Tensor, tokens: Tensor, old: SparseDistribution | None

@@ -43,6 +43,7 @@ __all__ = [
     "Snapshot",
     "SnapshotConfig",
     "build_snapshot",
+    "frozen_copy",
     "module_bytes",
 ]
 
@@ -100,6 +101,11 @@ def _frozen(model: nn.Module) -> nn.Module:
     return model
 
 
+def frozen_copy(model: nn.Module) -> nn.Module:
+    """A deep copy of ``model`` in eval mode with no trainable parameters."""
+    return _frozen(copy.deepcopy(model))
+
+
 class Snapshot:
     """The behaviour policy: ``model`` samples; :meth:`refresh` catches it up with the policy."""
 
@@ -133,7 +139,7 @@ class CopySnapshot(Snapshot):
     """
 
     def __init__(self, policy: nn.Module, dtype: torch.dtype | None = None) -> None:
-        self.model = _frozen(copy.deepcopy(policy))
+        self.model = frozen_copy(policy)
         if dtype is not None:
             for param in self.model.parameters():
                 if param.is_floating_point():
@@ -224,8 +230,18 @@ class AdapterSnapshot(Snapshot):
             self.model.train(training)
 
 
-def build_snapshot(policy: nn.Module, config: SnapshotConfig, adapters: bool = False) -> Snapshot:
-    """The snapshot ``config`` asks for; ``adapters`` says ``policy`` is a LoRA peft model."""
+def build_snapshot(
+    policy: nn.Module, config: SnapshotConfig, adapters: bool = False, in_loss: bool = False
+) -> Snapshot:
+    """The snapshot ``config`` asks for; ``adapters`` says ``policy`` is a LoRA peft model,
+    ``in_loss`` that the snapshot also runs in the loss pass (the dense projection), which a
+    shared snapshot cannot: it is the policy being trained."""
+    if config.mode == "shared" and in_loss:
+        raise ValueError(
+            "model.trust_region.support='dense' recomputes the snapshot's logits in every loss "
+            "pass, and a shared snapshot is the policy being trained: set model.snapshot.mode to "
+            "'copy' (or choose support 'union' or 'official')"
+        )
     if config.mode == "shared":
         return SharedSnapshot(policy)
     if adapters:

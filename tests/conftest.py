@@ -42,3 +42,14 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct converted into models/ (fetched once; reused when present)."""
+    from lightning_troll import smollm2
+
+    folder = Path(__file__).resolve().parents[1] / smollm2.DEFAULT_DIR
+    if not (folder.parent / smollm2.GGUF_NAME).is_file():
+        return smollm2.fetch_smollm2(folder, force=smollm2.is_converted(folder))
+    return smollm2.fetch_smollm2(folder)

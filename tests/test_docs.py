@@ -35,6 +35,7 @@ PAGES = (
     "troubleshooting.md",
     "logging-and-export.md",
     "api.md",
+    "supports.md",
 )
 SECTIONS = (
     "model",

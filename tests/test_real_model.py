@@ -241,14 +241,6 @@ def test_fetch_failures_are_one_line(tmp_path, monkeypatch, capsys):
 # ----------------------------------------------------------------------------- the real model
 
 
-@pytest.fixture(scope="session")
-def smollm2_dir() -> Path:
-    """SmolLM2-135M-Instruct converted into models/ (fetched once; reused when present)."""
-    if not (SMOLLM2.parent / smollm2.GGUF_NAME).is_file():
-        return smollm2.fetch_smollm2(SMOLLM2, force=smollm2.is_converted(SMOLLM2))
-    return smollm2.fetch_smollm2(SMOLLM2)
-
-
 @pytest.mark.slow
 def test_smollm2_folder_is_a_standard_model(smollm2_dir):
     """The converted folder: the card, the chat template, left padding, pad = eos = <|im_end|>,

@@ -1,0 +1,333 @@
+"""TROLL against clipping on SmolLM2-135M-Instruct in the paper's regime: an lr pilot, then seeds.
+
+    python examples/paper_regime_study.py --estimate    # the grid's hours, then stop
+    nohup python examples/paper_regime_study.py > paper.log 2>&1 &   # the study (many hours)
+    python examples/paper_regime_study.py --report      # tables and plots of the runs so far
+    python examples/paper_regime_study.py --dry-run --out /tmp/dry   # the machinery on TinyMath
+
+Every run is ``configs/smollm2.yaml`` (small-number arithmetic in the chat template, the
+``last_number`` reward, GRPO) in the settings of the paper's official code, as far as a 2-core
+CPU allows: sampling temperature 1.0, token-mean aggregation, 8 optimiser steps per rollout
+(``--prompts`` x 8 completions split into 8 minibatches), TROLL at eps 0.05, alpha 1, K 64,
+delta 1e-5 on the paper's support (``support: official``), clipping at 0.2, AdamW at a constant
+learning rate,
+and seeds that vary the prompts and their order as well as the sampling (``data.seed`` follows
+``seed_everything``). The paper trains 256 sequences per optimiser step for about 1,000 rollouts;
+this study trains ``--prompts`` x 8 / 8 per step for ``--rollouts``.
+
+1. **The lr pilot**: each objective at each of ``--pilot-lrs`` for ``--pilot-rollouts`` rollouts
+   on seed 0, trained on the training file without ``--holdout`` rows (drawn once with seed 0)
+   and validated on those rows, never on the validation set. Each pilot's held-out accuracy
+   (the mean of its last 2 validations) is reported beside the share of tokens its constraint
+   acts on (TROLL: projected, eta* > 0; clipping: clipped). An objective's lr is its best pilot
+   among those whose constraint acts on at least ``ACTIVE_MIN`` of the tokens: where it acts on
+   none, the objective is plain policy gradient and a comparison would measure nothing.
+2. **The main grid**: both objectives at their own lr on ``--seeds``, then TROLL with
+   ``support: dense`` (the exact projection; a copied snapshot) at TROLL's lr on
+   ``--dense-seeds``; validated on all 115 held-out problems every 5 rollouts.
+
+Each run logs per rollout (CSV): reward, held-out accuracy, entropy, completion length, the KL of
+the weights at the rollout's end to the behaviour policy (both objectives: clipping's drift
+beside TROLL's bound), the share of tokens the constraint acts on, and wall time. The runs go
+one after another, in-process, on :mod:`study_kit`'s machinery (resume, records, estimate);
+``--out`` (default ``examples/results/smollm2/paper_regime``) holds ``pilot/`` and ``main/``,
+each with ``results.json``, ``metrics.csv`` and ``table.md``, and the plots. Needs matplotlib.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import study_kit  # noqa: E402
+from study_kit import Grid, Interrupted, Run, mean_std, plot_curves, run_mean, values  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+OBJECTIVES = ("clip", "troll")
+GROUP = 8
+STEPS = 8
+VAL_EVERY = 5
+ACTIVE_MIN = 1e-3
+"""The least mean share of tokens an objective's constraint must act on for its pilot lr to be
+chosen."""
+ACCURACY, REWARD = "val/accuracy", "reward/mean"
+ACTIVE = {"troll": "trust_region/active_frac", "clip": "clip/active_frac"}
+METRICS = (
+    ACCURACY,
+    REWARD,
+    "entropy",
+    "completion/mean_length",
+    "trust_region/kl_end_mean",
+    "trust_region/kl_end_max",
+    "trust_region/kl_end_sampled",
+    "trust_region/kl_after_max",
+    "trust_region/active_frac",
+    "trust_region/infeasible_frac",
+    "clip/active_frac",
+    "time/rollout",
+    study_kit.TIME,
+)
+
+
+def common_args(args: argparse.Namespace) -> list[str]:
+    """What every run shares: the config, the paper's settings and the logging."""
+    config = "tinymath.yaml" if args.dry_run else "smollm2.yaml"
+    common = [
+        "--config", str(ROOT / "configs" / config),
+        "--model.sampling.temperature", "1.0",
+        "--model.loss.aggregation", "token_mean",
+        "--model.trust_region.eps", "0.05",
+        "--model.trust_region.alpha", "1.0",
+        "--model.trust_region.max_tokens", "64",
+        "--model.trust_region.mass_delta", "1e-5",
+        "--model.trust_region.support", "official",
+        "--model.clip.eps_low", "0.2",
+        "--model.lr_scheduler", "null",
+        "--model.optimization.minibatch_size", str(args.prompts * GROUP // STEPS),
+        "--model.group_size", str(GROUP),
+        "--data.batch_size", str(args.prompts),
+        "--trainer.val_check_interval", str(VAL_EVERY),
+        "--trainer.check_val_every_n_epoch", "null",
+        "--trust_region_monitor.kl_end", "true",
+        "--trust_region_monitor.histogram_every_n_rollouts", "0",
+        "--rollout.log_samples", "0",
+    ]  # fmt: skip
+    if args.dry_run:
+        common += ["--data.num_train", "64", "--data.num_val", "16", "--data.val_batch_size", "16"]
+    return common
+
+
+def run(args, name: str, objective: str, lr: float, seed: int, rollouts: int, extra=(), **more):
+    """A run of ``objective`` at ``lr`` on ``seed`` (``extra``: more command-line arguments)."""
+    run_args = (
+        *common_args(args),
+        "--seed_everything", str(seed),
+        "--model.objective", objective,
+        "--model.optimizer.init_args.lr", repr(lr),
+        *extra,
+    )  # fmt: skip
+    fields = {"objective": objective, "lr": lr, "seed": seed, **more}
+    return Run(name, run_args, rollouts * STEPS, rollouts, fields)
+
+
+def pilot_files(args) -> tuple[Path, Path]:
+    """The pilot's training and held-out files: ``--holdout`` rows of the training file drawn
+    once with seed 0 (written into ``<out>/pilot``, kept if present)."""
+    folder = args.out / "pilot"
+    train, holdout = folder / "train.jsonl", folder / "holdout.jsonl"
+    if not (train.exists() and holdout.exists()):
+        source = ROOT / "examples" / "data" / "arithmetic" / "train.jsonl"
+        if args.dry_run:
+            from lightning_troll.tinymath import generate_problems
+
+            rows = [json.dumps(p) for p in generate_problems(80, seed=0)]
+        else:
+            rows = source.read_text().splitlines()
+        held = set(random.Random(0).sample(range(len(rows)), args.holdout))
+        folder.mkdir(parents=True, exist_ok=True)
+        study_kit.write_atomic(
+            train, "\n".join(r for i, r in enumerate(rows) if i not in held) + "\n"
+        )
+        study_kit.write_atomic(
+            holdout, "\n".join(r for i, r in enumerate(rows) if i in held) + "\n"
+        )
+    return train, holdout
+
+
+def pilot_runs(args) -> list[Run]:
+    train, holdout = pilot_files(args)
+    data = ("--data.source", str(train), "--data.val_file", str(holdout), "--data.num_val", "null")
+    return [
+        run(args, f"pilot-{o}-lr{lr:g}", o, lr, 0, args.pilot_rollouts, data)
+        for lr in args.pilot_lrs
+        for o in OBJECTIVES
+    ]
+
+
+def pilot_score(record: dict) -> float:
+    """Held-out accuracy of a pilot: the mean of its last 2 validations."""
+    return statistics.fmean(values(record, ACCURACY)[-2:])
+
+
+def active_share(record: dict) -> float:
+    """The mean share of tokens the run's constraint acted on, over its rollouts."""
+    return run_mean(record, ACTIVE[record["fields"]["objective"]]) or 0.0
+
+
+def choose_lrs(pilots: Sequence[dict]) -> dict[str, float]:
+    """Per objective, the lr of its best pilot among those whose constraint acts."""
+    chosen = {}
+    for objective in OBJECTIVES:
+        mine = [r for r in pilots if r["fields"]["objective"] == objective]
+        acting = [r for r in mine if active_share(r) >= ACTIVE_MIN] or mine
+        if acting:
+            chosen[objective] = max(acting, key=pilot_score)["fields"]["lr"]
+    return chosen
+
+
+def main_runs(args, lrs: dict[str, float]) -> list[Run]:
+    runs = [
+        run(args, f"{o}-lr{lrs[o]:g}-s{s}", o, lrs[o], s, args.rollouts)
+        for s in args.seeds
+        for o in OBJECTIVES
+    ]
+    dense = ("--model.trust_region.support", "dense", "--model.snapshot.mode", "copy")
+    runs += [
+        run(args, f"troll-dense-lr{lrs['troll']:g}-s{s}", "troll", lrs["troll"], s,
+            args.rollouts, dense, support="dense")
+        for s in args.dense_seeds
+    ]  # fmt: skip
+    return runs
+
+
+def grid(args, phase: str) -> Grid:
+    def start() -> dict:
+        base = main_runs(args, {"clip": 1e-6, "troll": 1e-6})[0] if phase == "main" else None
+        base = base or pilot_runs(args)[0]
+        done = study_kit.cli(["validate", *base.args])
+        return {"rollout": 0, ACCURACY: float(done.trainer.callback_metrics[ACCURACY])}
+
+    settings = {"phase": phase, "prompts": args.prompts, "dry_run": args.dry_run}
+    return Grid(args.out / phase, settings, METRICS, start, args.prior_seconds)
+
+
+# -- report ------------------------------------------------------------------------------------
+
+
+def pilot_table(pilots: Sequence[dict]) -> str:
+    lines = [
+        "| objective | lr | held-out accuracy (last 2 validations) | constraint acts on | "
+        "KL end, mean | reward, last 5 rollouts |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in sorted(pilots, key=lambda r: (r["fields"]["objective"], r["fields"]["lr"])):
+        f = r["fields"]
+        kl = run_mean(r, "trust_region/kl_end_mean")
+        lines.append(
+            f"| {f['objective']} | {f['lr']:g} | {pilot_score(r):.3f} | {active_share(r):.2%} | "
+            f"{kl if kl is not None else float('nan'):.4f} | {run_mean(r, REWARD, 5):.3f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def arm(record: dict) -> str:
+    f = record["fields"]
+    return f"{f['objective']}{' dense' if f.get('support') == 'dense' else ''} lr {f['lr']:g}"
+
+
+def main_table(records: Sequence[dict]) -> str:
+    groups: dict[str, list[dict]] = {}
+    for r in records:
+        groups.setdefault(arm(r), []).append(r)
+    lines = [
+        "| arm | seeds | late accuracy (last 3 validations), per seed | mean ± std | reward, "
+        "last 10 | entropy, last 10 | KL end mean / largest | constraint acts on | "
+        "median s / rollout |",
+        "| --- | ---: | --- | --- | ---: | ---: | --- | ---: | ---: |",
+    ]
+    for name, runs in groups.items():
+        late = [statistics.fmean(values(r, ACCURACY)[-3:]) for r in runs]
+        mean, std = mean_std(late)
+        kl = mean_std([run_mean(r, "trust_region/kl_end_mean") or 0.0 for r in runs])[0]
+        kl_max = max(max(values(r, "trust_region/kl_end_max") or [0.0]) for r in runs)
+        seconds = statistics.median(t for r in runs for t in values(r, study_kit.TIME))
+        lines.append(
+            f"| {name} | {len(runs)} | {', '.join(f'{x:.3f}' for x in late)} | {mean:.3f} ± "
+            f"{std:.3f} | {mean_std([run_mean(r, REWARD, 10) for r in runs])[0]:.3f} | "
+            f"{mean_std([run_mean(r, 'entropy', 10) for r in runs])[0]:.3f} | {kl:.4f} / "
+            f"{kl_max:.2f} | {mean_std([active_share(r) for r in runs])[0]:.2%} | {seconds:.0f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def report(args) -> None:
+    pilots = grid(args, "pilot").finished(pilot_runs(args))
+    if pilots:
+        text = pilot_table(pilots)
+        study_kit.write_atomic(args.out / "pilot" / "table.md", text)
+        print("lr pilot (held-out split of the training file):\n" + text)
+    if len(pilots) < len(pilot_runs(args)):
+        print(f"{len(pilots)} of {len(pilot_runs(args))} pilots finished")
+        return
+    lrs = choose_lrs(pilots)
+    print(f"chosen learning rates: {lrs}")
+    records = grid(args, "main").finished(main_runs(args, lrs))
+    if not records:
+        return
+    text = main_table(records)
+    study_kit.write_atomic(args.out / "main" / "table.md", text)
+    print(text)
+    groups: dict[str, list[dict]] = {}
+    for r in records:
+        groups.setdefault(arm(r), []).append(r)
+    for metric, label, name, bound in (
+        (ACCURACY, "held-out accuracy", "accuracy", None),
+        (REWARD, "mean reward", "reward", None),
+        ("entropy", "entropy", "entropy", None),
+        ("trust_region/kl_end_mean", "KL(new || old) at the rollout's end", "kl_end", 0.05),
+    ):
+        path = plot_curves(groups, metric, label, args.out / "main" / f"{name}.png", bound)
+        print(f"wrote {path}")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", type=Path, default=ROOT / "examples/results/smollm2/paper_regime")
+    p.add_argument("--prompts", type=int, default=8, help="prompts per rollout (x 8 samples)")
+    p.add_argument("--rollouts", type=int, default=60, help="rollouts per main run")
+    p.add_argument("--pilot-rollouts", type=int, default=15)
+    p.add_argument("--pilot-lrs", type=float, nargs="+", default=[1e-6, 3e-6, 1e-5])
+    p.add_argument("--holdout", type=int, default=64, help="training rows the pilot holds out")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--dense-seeds", type=int, nargs="*", default=[0])
+    p.add_argument("--prior-seconds", type=float, default=90.0, help="s / rollout, no run done")
+    p.add_argument("--phase", choices=("pilot", "main", "all"), default="all")
+    p.add_argument("--estimate", action="store_true", help="print the grid's hours and stop")
+    p.add_argument("--report", action="store_true", help="tables and plots of finished runs")
+    p.add_argument("--dry-run", action="store_true", help="TinyMath, tiny budgets: seconds")
+    args = p.parse_args(argv)
+    if args.prompts * GROUP % STEPS:
+        p.error(f"--prompts x {GROUP} must split into {STEPS} minibatches; got {args.prompts}")
+    if args.dry_run and args.out == p.get_default("out"):
+        p.error("--dry-run needs its own --out (it must not mix with the study's results)")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.report:
+        return report(args)
+    pilot = grid(args, "pilot")
+    pilots = pilot_runs(args)
+    if args.estimate:
+        total, left = pilot.estimate(pilots)
+        main_count = 2 * len(args.seeds) + len(args.dense_seeds)
+        rate = total * 3600 / max(sum(r.rollouts for r in pilots), 1)
+        main_hours = main_count * args.rollouts * rate / 3600
+        print(f"pilot: {len(pilots)} runs, {total:.1f} h ({left:.1f} h left); main: {main_count} "
+              f"runs, about {main_hours:.1f} h at {rate:.0f} s per rollout")  # fmt: skip
+        return None
+    try:
+        if args.phase in ("pilot", "all"):
+            pilot.run_all(pilots)
+        if args.phase in ("main", "all"):
+            lrs = choose_lrs(pilot.finished(pilots))
+            if len(lrs) < len(OBJECTIVES) or len(pilot.finished(pilots)) < len(pilots):
+                sys.exit("the main grid needs every pilot finished: run --phase pilot first")
+            print(f"chosen learning rates: {lrs}", flush=True)
+            grid(args, "main").run_all(main_runs(args, lrs))
+    except Interrupted as stopped:
+        print(f"{stopped}; the same command resumes it", flush=True)
+        sys.exit(stopped.exit_code)
+    report(args)
+    return None
+
+
+if __name__ == "__main__":
+    main()
