@@ -15,11 +15,14 @@ fields it is recorded with) and a :class:`Grid` that runs them one after another
   runs, and a later call takes them from there;
 - ``settings.json`` records what every run shares; a grid with other settings refuses to
   continue in the same folder;
-- :meth:`Grid.estimate` prints the grid's hours before any run starts.
+- :meth:`Grid.estimate` prints the grid's hours before any run starts;
+- outputs of an older layout are read as they are: ``settings.json`` and ``start.json`` kept in
+  ``runs/`` move up, and a record that keeps its fields beside its name (``legacy_fields``) is
+  read with them moved into ``fields``.
 
-Tables and plots: :func:`mean_std`, :func:`values`, :func:`run_mean`, :func:`curve` and
-:func:`plot_curves` (matplotlib, ``pip install lightning-troll[study]``). Nothing here knows a
-particular study.
+Tables and plots (:mod:`study_figures`, whose names this module gives too): :func:`mean_std`,
+:func:`values`, :func:`run_mean`, :func:`curve`, :func:`markdown_table`, :func:`plot_curves`
+and :func:`plot_panels`. Nothing here knows a particular study.
 """
 
 from __future__ import annotations
@@ -27,7 +30,6 @@ from __future__ import annotations
 import csv
 import gc
 import json
-import math
 import re
 import shutil
 import statistics
@@ -37,15 +39,32 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from study_figures import (
+    Line,
+    Panel,
+    curve,
+    markdown_table,
+    mean_std,
+    plot_curves,
+    plot_panels,
+    run_mean,
+    values,
+)
+
 __all__ = [
     "Grid",
     "Interrupted",
+    "Line",
+    "Panel",
     "Run",
     "curve",
+    "markdown_table",
     "mean_std",
     "plot_curves",
+    "plot_panels",
     "read_history",
     "run_mean",
+    "validate",
     "values",
     "write_atomic",
 ]
@@ -96,6 +115,15 @@ def cli(args: list[str]):
         sys.argv = saved
 
 
+def validate(run: Run, metric: str) -> dict:
+    """The history row of rollout 0: ``metric`` of a validation of ``run``'s start (no logs, no
+    checkpoint)."""
+    quiet = ["--trainer.logger", "false", "--trainer.enable_checkpointing", "false"]
+    quiet += ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
+    done = cli(["validate", *run.args, *quiet])
+    return {"rollout": 0, metric: float(done.trainer.callback_metrics[metric])}
+
+
 def read_history(log_root: Path, metrics: Sequence[str]) -> list[dict[str, float]]:
     """Per rollout, ``metrics`` of every attempt's CSV log (``log_root/version_<k>``) merged in
     attempt order, a later attempt's rows replacing the rollouts it ran again. Lightning's
@@ -127,6 +155,9 @@ class Grid:
         start_row: a history row for rollout 0 (e.g. the start's held-out accuracy), or None.
         prior_seconds: seconds per rollout assumed by the estimate before any run has finished.
         checkpoint_every: rollouts between checkpoints.
+        legacy_fields: the fields an older record kept beside its name (read into ``fields``).
+        figures: a finished run's headline figures from its history (its final accuracy, ...),
+            kept in its record and ``results.json``.
     """
 
     def __init__(
@@ -137,10 +168,27 @@ class Grid:
         start_row: Callable[[], dict] | None = None,
         prior_seconds: float = 60.0,
         checkpoint_every: int = 5,
+        legacy_fields: Sequence[str] = (),
+        figures: Callable[[list[dict]], dict] | None = None,
     ) -> None:
         self.out, self.settings, self.metrics = Path(out), settings, tuple(metrics)
         self.start_row, self.prior_seconds = start_row, prior_seconds
         self.checkpoint_every = checkpoint_every
+        self.legacy_fields, self.figures = tuple(legacy_fields), figures
+
+    def read(self, record: dict) -> dict:
+        """``record`` in this format: an older one's ``legacy_fields`` moved into ``fields``."""
+        if "fields" in record:
+            return record
+        rest = {k: v for k, v in record.items() if k not in self.legacy_fields}
+        return {**rest, "fields": {k: record.get(k) for k in self.legacy_fields}}
+
+    def kept(self, name: str) -> Path:
+        """``out/<name>``; one that an older layout kept in ``out/runs/`` is moved there first."""
+        path, legacy = self.out / name, self.out / "runs" / name
+        if legacy.exists() and not path.exists():
+            legacy.replace(path)
+        return path
 
     # -- records ---------------------------------------------------------------------------------
     def recorded(self) -> dict[str, dict]:
@@ -155,7 +203,7 @@ class Grid:
                 entry.update({k: float(row[k]) for k in self.metrics if row.get(k, "") != ""})
                 histories.setdefault(row["name"], []).append(entry)
         return {
-            r["name"]: {**r, "history": histories[r["name"]]}
+            r["name"]: self.read({**r, "history": histories[r["name"]]})
             for r in json.loads(results.read_text())
             if r["name"] in histories
         }
@@ -167,7 +215,7 @@ class Grid:
         for run in runs:
             path = self.out / "runs" / run.name / "result.json"
             if path.exists():
-                records.append(json.loads(path.read_text()))
+                records.append(self.read(json.loads(path.read_text())))
             elif run.name in recorded:
                 records.append(recorded[run.name])
         return records
@@ -200,7 +248,8 @@ class Grid:
         if done:
             times = [t for r in done for t in values(r, TIME)]
             outside = [
-                max(0.0, r["seconds"] - sum(values(r, TIME))) / max(len(r["history"]), 1)
+                max(0.0, r["seconds"] - sum(values(r, TIME)))
+                / max(sum(row["rollout"] > 0 for row in r["history"]), 1)
                 for r in done
             ]
             rate = (statistics.median(times) if times else 0.0) + statistics.median(outside)
@@ -211,7 +260,8 @@ class Grid:
 
     # -- running -------------------------------------------------------------------------------
     def check_settings(self) -> None:
-        path = self.out / "settings.json"
+        """Records the settings in ``settings.json``, or refuses runs made with others."""
+        path = self.kept("settings.json")
         if path.exists():
             stored = json.loads(path.read_text())
             if stored != self.settings:
@@ -251,12 +301,16 @@ class Grid:
         return self.finished(runs)
 
     def _start(self) -> list[dict]:
+        """The history row of rollout 0, made once; ``start.json`` keeps it with its seconds."""
         if self.start_row is None:
             return []
-        path = self.out / "start.json"
+        path = self.kept("start.json")
         if not path.exists():
-            write_atomic(path, json.dumps(self.start_row()))
-        return [json.loads(path.read_text())]
+            began = time.perf_counter()
+            row = self.start_row()
+            write_atomic(path, json.dumps({**row, "seconds": time.perf_counter() - began}))
+        row = json.loads(path.read_text())
+        return [{k: v for k, v in row.items() if k == "rollout" or k in self.metrics}]
 
     def train(self, run: Run, run_dir: Path, start: list[dict]) -> dict:
         """Trains (or resumes) one run; its record. Raises :class:`Interrupted` if it stops
@@ -292,77 +346,12 @@ class Grid:
         gc.collect()
         if steps < run.max_steps:
             raise Interrupted(run.name, 128 + int(signal) if signal else 1)
+        history = [*start, *read_history(logs, self.metrics)]
         return {
             "name": run.name,
             "fields": run.fields,
             "seconds": sum(attempts),
             "attempts": len(attempts),
-            "history": [*start, *read_history(logs, self.metrics)],
+            **(self.figures(history) if self.figures else {}),
+            "history": history,
         }
-
-
-# -- summaries ---------------------------------------------------------------------------------
-
-
-def values(record: dict, metric: str) -> list[float]:
-    """The values of ``metric`` over a run's rollouts that log it, in rollout order."""
-    return [row[metric] for row in record["history"] if metric in row]
-
-
-def run_mean(record: dict, metric: str, last: int | None = None) -> float | None:
-    """The mean of ``metric`` over a run's rollouts (the last ``last`` of those that log it)."""
-    found = values(record, metric)
-    found = found[-last:] if last else found
-    return statistics.fmean(found) if found else None
-
-
-def mean_std(found: Sequence[float]) -> tuple[float, float]:
-    """Mean and sample standard deviation (0 for one value); NaN for none."""
-    if not found:
-        return math.nan, math.nan
-    return statistics.fmean(found), statistics.stdev(found) if len(found) > 1 else 0.0
-
-
-def curve(records: Sequence[dict], metric: str) -> tuple[list[int], list[float], list[float]]:
-    """Mean and standard deviation over runs of ``metric`` at each rollout every run logged it."""
-    per_run = [{r["rollout"]: r[metric] for r in rec["history"] if metric in r} for rec in records]
-    steps = sorted(set.intersection(*(set(p) for p in per_run))) if per_run else []
-    stats = [mean_std([p[s] for p in per_run]) for s in steps]
-    return steps, [m for m, _ in stats], [s for _, s in stats]
-
-
-def plot_curves(
-    groups: dict[str, Sequence[dict]],
-    metric: str,
-    ylabel: str,
-    path: Path,
-    hline: float | None = None,
-    log: bool = False,
-) -> Path:
-    """One line per group (label -> runs): the mean over its runs of ``metric`` per rollout,
-    with a band of one standard deviation; ``hline`` draws a dashed reference (a bound)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.0))
-    for label, runs in groups.items():
-        steps, mean, std = curve(runs, metric)
-        if not steps:
-            continue
-        line = ax.plot(steps, mean, label=f"{label} ({len(runs)})")[0]
-        low = [m - s for m, s in zip(mean, std, strict=True)]
-        high = [m + s for m, s in zip(mean, std, strict=True)]
-        ax.fill_between(steps, low, high, color=line.get_color(), alpha=0.15)
-    if hline is not None:
-        ax.axhline(hline, color="grey", linestyle="--", linewidth=1)
-    if log:
-        ax.set_yscale("log")
-    ax.set_xlabel("rollout")
-    ax.set_ylabel(ylabel)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path

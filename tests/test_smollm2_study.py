@@ -1,14 +1,16 @@
-"""examples/smollm2_study.py: grid, arguments, merged histories, table, and a dry run with an
-interrupted run resumed from its checkpoint."""
+"""examples/smollm2_study.py and its tables and plots (smollm2_report.py): grid, arguments,
+tables, the committed outputs reported as they were, and a dry run with an interrupted run resumed
+from its checkpoint. The machinery they share with the other studies is tested in
+tests/test_study_kit.py."""
 
 from __future__ import annotations
 
-import csv
 import importlib.util
 import json
 import math
 import shutil
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,7 @@ pytestmark = pytest.mark.slow  # imports Lightning and matplotlib; the dry run t
 pytest.importorskip("matplotlib")
 
 ROOT = Path(__file__).resolve().parents[1]
+COMMITTED = ROOT / "examples/results/smollm2/study"
 
 
 def load_study():
@@ -30,11 +33,14 @@ def load_study():
 
 
 study = load_study()
+report = sys.modules["smollm2_report"]
+kit = sys.modules["study_kit"]
+LR = 1e-5  # configs/smollm2.yaml's
 
 
-def options(args: list[str]) -> dict[str, str]:
-    """``["fit", "--a", "1", "--b", "2"]`` -> ``{"--a": "1", "--b": "2"}``."""
-    return dict(zip(args[1::2], args[2::2], strict=True))
+def options(args) -> dict[str, str]:
+    """``["--a", "1", "--b", "2"]`` -> ``{"--a": "1", "--b": "2"}``."""
+    return dict(zip(args[::2], args[1::2], strict=True))
 
 
 def test_grid_pairs_objectives_per_seed_and_adds_one_stress_cell():
@@ -73,69 +79,31 @@ def test_grid_pairs_objectives_per_seed_and_adds_one_stress_cell():
         study.Budget(rollouts=0)
 
 
-def test_training_args_set_the_cell_the_logs_and_the_checkpoints(tmp_path):
+def test_runs_set_the_cell_and_record_their_fields():
     budget = study.Budget()
-    args = study.training_args(study.RunSpec("clip", 2, 8), budget, None, tmp_path, version=1)
-    value = options(args)
+    run = study.make_run(study.RunSpec("clip", 2, 8), budget, None)
+    value = options(run.args)
+    assert run.name == "clip-steps8-s2" and run.rollouts == 30
+    assert run.max_steps == 240  # 30 rollouts x 8
+    assert run.fields == {
+        "objective": "clip", "seed": 2, "steps": 8, "lr": None, "eps": None, "alpha": None,
+    }  # fmt: skip
     assert value["--config"] == str(ROOT / "configs" / "smollm2.yaml")
     assert value["--seed_everything"] == "2" and value["--model.objective"] == "clip"
     assert value["--model.optimization.minibatch_size"] == "8"  # 64 sequences in 8 steps
-    assert value["--trainer.max_steps"] == "240"  # 30 rollouts x 8
     assert value["--trainer.val_check_interval"] == "5"
     assert value["--trust_region_monitor.kl_end"] == "true"
-    assert value["--checkpoint.dirpath"] == str(tmp_path / "checkpoints")
-    assert json.loads(value["--trainer.logger"])["init_args"]["version"] == 1
     assert "--model.model" not in value and "--model.optimizer.init_args.lr" not in value
-    stress = study.RunSpec("troll", 0, 4, lr=3e-5)
-    value = options(study.training_args(stress, budget, "m", tmp_path))
+    stress = study.make_run(study.RunSpec("troll", 0, 4, lr=3e-5), budget, "m")
+    value = options(stress.args)
     assert float(value["--model.optimizer.init_args.lr"]) == 3e-5 and value["--model.model"] == "m"
     assert "--model.trust_region.eps" not in value
-    looser = options(
-        study.training_args(study.RunSpec("troll", 0, 4, eps=0.2), budget, None, tmp_path)
-    )
+    looser = options(study.make_run(study.RunSpec("troll", 0, 4, eps=0.2), budget, None).args)
     assert float(looser["--model.trust_region.eps"]) == 0.2
     assert "--model.trust_region.alpha" not in looser
-    no_pull = study.RunSpec("troll", 0, 4, alpha=0.0)
-    assert (
-        float(
-            options(study.training_args(no_pull, budget, None, tmp_path))[
-                "--model.trust_region.alpha"
-            ]
-        )
-        == 0.0
-    )
-
-
-def write_log(path: Path, rows: list[dict]) -> None:
-    path.mkdir(parents=True)
-    keys = sorted({k for row in rows for k in row})
-    with (path / "metrics.csv").open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=keys)
-        writer.writeheader()
-        writer.writerows(rows)
-
-
-def test_history_merges_attempts_the_later_one_winning(tmp_path):
-    """Attempt 0 logged rollouts 1-3 (step 0-2) and was stopped; its checkpoint was at rollout 2,
-    so attempt 1 ran rollout 3 again, then rollout 4."""
-    write_log(
-        tmp_path / "version_0",
-        [
-            {"step": 0, "reward/mean": 0.1},
-            {"step": 1, "reward/mean": 0.2, "val/accuracy": 0.5},
-            {"step": 2, "reward/mean": 0.3, "unkept/metric": 9.0},
-        ],
-    )
-    write_log(
-        tmp_path / "version_1", [{"step": 2, "reward/mean": 0.35}, {"step": 3, "entropy": 1.0}]
-    )
-    history = study.read_history(tmp_path)
-    assert history == [
-        {"rollout": 1, "reward/mean": 0.1},
-        {"rollout": 2, "reward/mean": 0.2, "val/accuracy": 0.5},
-        {"rollout": 3, "reward/mean": 0.35},
-        {"rollout": 4, "entropy": 1.0},
-    ]
+    no_pull = study.make_run(study.RunSpec("troll", 0, 4, alpha=0.0), budget, None)
+    assert float(options(no_pull.args)["--model.trust_region.alpha"]) == 0.0
+    assert tuple(run.fields) == study.FIELDS  # what records before study_kit kept by the name
 
 
 def record(objective, seed, steps, accuracies, kl, seconds=60.0, eps=None):
@@ -155,17 +123,11 @@ def record(objective, seed, steps, accuracies, kl, seconds=60.0, eps=None):
                 "trust_region/bound": eps or 0.05,
             }
         )
-    return {
-        **study.RunSpec(objective, seed, steps, eps=eps).__dict__,
-        "name": study.RunSpec(objective, seed, steps, eps=eps).name,
-        "seconds": seconds,
-        "final_accuracy": accuracies[-1],
-        "late_accuracy": study.final_accuracy(history, 3),
-        "history": history,
-    }
+    spec = study.RunSpec(objective, seed, steps, eps=eps)
+    return {"name": spec.name, "fields": asdict(spec), "seconds": seconds, "history": history}
 
 
-def test_summary_table_estimate_and_plots(tmp_path):
+def test_summary_tables_and_plots(tmp_path):
     records = [
         record("clip", 0, 4, [0.4, 0.5, 0.6], 0.02),
         record("clip", 1, 4, [0.4, 0.7, 0.8], 0.04, seconds=120.0),
@@ -173,7 +135,7 @@ def test_summary_table_estimate_and_plots(tmp_path):
         record("troll", 0, 8, [0.4, 0.6, 0.6], 0.03),
         record("troll", 0, 4, [0.4, 0.6, 0.7], 0.05, eps=0.2),
     ]
-    rows = study.summarise(records)
+    rows = report.summarise(records)
     assert [(r["objective"], r["steps"], r["seeds"]) for r in rows] == [
         ("clip", 4, 2), ("troll", 4, 1), ("troll", 8, 1), ("troll eps 0.2", 4, 1),
     ]  # fmt: skip
@@ -183,13 +145,13 @@ def test_summary_table_estimate_and_plots(tmp_path):
     # late: mean of (0.4, 0.5, 0.6) and (0.4, 0.7, 0.8) = 0.5 and 0.6333
     assert clip["late_accuracy"][0] == pytest.approx((0.5 + 1.9 / 3) / 2, rel=1e-12)
     assert clip["kl_end"][0] == pytest.approx(0.03, rel=1e-12) and clip["kl_end_max"] == 0.4
-    lines = study.format_table(rows, study.Budget()).splitlines()
+    lines = report.format_table(rows, LR).splitlines()
     assert len(lines) == 2 + 4
     assert lines[2].startswith("| clip | 4 | 1e-05 | 2 | 0.700 ± 0.141 |")
     assert "| troll | 8 | 1e-05 | 1 |" in lines[4]
     assert lines[5].startswith("| troll eps 0.2 | 4 | 1e-05 | 1 | 0.700 ± 0.000 |")
     # per run, then the two clip seeds' means (rewards equal the accuracies of rollouts 1 and 2)
-    runs = study.format_runs(records).splitlines()
+    runs = report.format_runs(records).splitlines()
     assert len(runs) == 2 + 5 + 1
     assert runs[6].startswith("| troll-steps4-eps0.2-s0 | 0.400, 0.600, 0.700 | 0.567 |")
     assert runs[2] == (
@@ -200,28 +162,36 @@ def test_summary_table_estimate_and_plots(tmp_path):
         "| clip-steps4, mean of 2 seeds | 0.400, 0.600, 0.700 | 0.567 | 0.650 / 0.650 / 0.650 "
         "| 0.030 / 0.015 | 0.40 | 0.500 | 11.5 | 2 |"
     )
-    # estimate: the median rollout (2 s) plus the median run's time outside rollouts per rollout:
-    # 60 and 120 s less the 2 x 2 s of rollouts, over 1 rollout each -> median 86 s
-    budget = study.Budget(rollouts=1)
-    specs = study.grid([0, 1, 2], budget, "steps", 8)
-    total, rate = study.estimate_seconds(specs, budget, records[:2], 60.0)
-    assert (rate, total) == (2.0 + 86.0, 8 * 88.0)
-    # a rollout paused for an hour moves neither median (outside rollouts: 56, 116, 56 and 56 s)
-    assert study.estimate_seconds(specs, budget, records[:3], 60.0) == (8 * 58.0, 58.0)
     paused = record("troll", 1, 4, [0.4, 0.5, 0.6], 0.02, seconds=3600.0 + 2.0 + 56.0)
     paused["history"][1]["time/iteration"] = 3600.0
-    assert study.estimate_seconds(specs, budget, [*records[:3], paused], 60.0) == (8 * 58.0, 58.0)
-    assert study.estimate_seconds([], budget, [], 60.0) == (0.0, 60.0)
     # the grid's time: 3898 s of wall time, 300 s once the paused rollout counts at the median
-    assert study.grid_time([*records[:3], paused]) == (
+    assert report.grid_time([*records[:3], paused]) == (
         "the runs took 1.08 h of training and validation, 0.08 h without the paused rollouts"
     )
-    paths = study.write_plots([*records, paused], tmp_path, study.Budget())  # paused: off the chart
+    paths = report.write_plots([*records, paused], tmp_path, LR)  # paused: off the chart
     assert [p.name for p in paths] == [
         "reward.png", "accuracy.png", "kl_end.png", "kl_end_max.png", "entropy.png", "time.png",
     ]  # fmt: skip
     for path in paths:
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", path.name
+
+
+def test_the_committed_outputs_report_the_tables_they_hold(tmp_path, capsys):
+    """``--report`` on a copy of the committed study (results.json and metrics.csv of the format
+    before study_kit, no runs/) prints and writes the committed ``table.md`` and ``runs.md`` and
+    leaves the records as they were."""
+    for name in ("results.json", "metrics.csv", "settings.json", "start.json"):
+        shutil.copy(COMMITTED / name, tmp_path / name)
+    records = study.main(["--report", "--out", str(tmp_path)])
+    assert len(records) == 14 and all(set(r["fields"]) == set(study.FIELDS) for r in records)
+    for name in ("table.md", "runs.md"):
+        assert (tmp_path / name).read_text() == (COMMITTED / name).read_text(), name
+    printed = capsys.readouterr().out
+    assert printed.startswith("14 of 14 runs finished\nthe runs took 6.92 h")
+    assert (COMMITTED / "table.md").read_text() in printed
+    for name in ("results.json", "metrics.csv"):
+        assert (tmp_path / name).read_bytes() == (COMMITTED / name).read_bytes(), name
+    assert not (tmp_path / "runs").exists()
 
 
 KEPT = ("reward/mean", "val/accuracy", "trust_region/kl_end_mean", "trust_region/kl_end_sampled")
@@ -233,7 +203,7 @@ def test_dry_run_end_to_end_and_an_interrupted_run_resumes(tiny_model_dir, tmp_p
         [*base, "--troll-eps", "0.2", "--troll-alpha", "0", "--out", str(tmp_path / "a")]
     )
     out = tmp_path / "a"
-    assert [(r["objective"], r["eps"], r["alpha"]) for r in records] == [
+    assert [(r["fields"]["objective"], r["fields"]["eps"], r["fields"]["alpha"]) for r in records] == [
         ("clip", None, None), ("troll", None, None), ("troll", 0.2, None), ("troll", None, 0.0),
     ]  # fmt: skip
     bounds = [{row.get("trust_region/bound") for row in r["history"][1:]} for r in records]
@@ -245,13 +215,19 @@ def test_dry_run_end_to_end_and_an_interrupted_run_resumes(tiny_model_dir, tmp_p
     for r in records:
         rows = r["history"]
         assert [row["rollout"] for row in rows] == [0, 1, 2, 3]
+        assert r["final_accuracy"] == rows[-1]["val/accuracy"]  # results.json's headline
         for row in rows[1:]:  # both objectives: the KL at the rollout's end, and wall time
             assert row["trust_region/kl_end_mean"] >= -1e-6 and row["time/iteration"] > 0
             assert row["trust_region/kl_end_max"] >= row["trust_region/kl_end_mean"]
-        assert ("trust_region/kl_after_max" in rows[1]) == (r["objective"] == "troll")
+        assert ("trust_region/kl_after_max" in rows[1]) == (r["fields"]["objective"] == "troll")
         assert not (out / "runs" / r["name"] / "checkpoints").exists()  # deleted when done
     for name in ("metrics.csv", "results.json", "table.md", "runs.md", "kl_end.png", "time.png"):
         assert (out / name).exists(), name
+    assert set(json.loads((out / "start.json").read_text())) == {
+        "rollout",
+        "val/accuracy",
+        "seconds",
+    }
 
     # A copy of the outputs without runs/ (what version control keeps) holds the finished runs:
     # --report and a resumed study read them back exactly, and train nothing.
@@ -261,9 +237,9 @@ def test_dry_run_end_to_end_and_an_interrupted_run_resumes(tiny_model_dir, tmp_p
         shutil.copy(out / name, c / name)
     full = [*base, "--troll-eps", "0.2", "--troll-alpha", "0", "--out", str(c)]
     assert study.main([*full, "--report"]) == records
-    monkeypatch.setattr(study, "train", None)  # calling it would fail
+    monkeypatch.setattr(kit.Grid, "train", None)  # calling it would fail
     assert study.main(full) == records
-    assert (c / "runs" / "clip-steps4-s0" / "result.json").exists()
+    assert not (c / "runs").exists()
     # A narrower grid reports its own runs and keeps the others' in the outputs.
     narrow = study.main([*base, "--troll-eps", "--troll-alpha", "--out", str(c), "--report"])
     assert [r["name"] for r in narrow] == ["clip-steps4-s0", "troll-steps4-s0"]
@@ -273,20 +249,20 @@ def test_dry_run_end_to_end_and_an_interrupted_run_resumes(tiny_model_dir, tmp_p
     monkeypatch.undo()
 
     # Stop the TROLL run after 2 of its 3 rollouts, as a signal would: last.ckpt, no result.json.
-    real_args = study.training_args
+    real_cli = kit.cli
 
-    def stopped_early(spec, budget, model, run_dir, version=0):
-        args = real_args(spec, budget, model, run_dir, version)
-        if spec.objective == "troll" and version == 0:
-            args[args.index("--trainer.max_steps") + 1] = str(2 * spec.steps)
-        return args
+    def stopped_early(args):
+        if args[0] == "fit" and "troll" in args and '"version": 0' in " ".join(args):
+            args = list(args)
+            args[args.index("--trainer.max_steps") + 1] = str(2 * 4)  # 2 rollouts of 4 steps
+        return real_cli(args)
 
     b = tmp_path / "b"  # the start's validation and the clip run taken over from a, the
     (b / "runs" / "clip-steps4-s0").mkdir(parents=True)  # settings where they used to be kept
     for name in ("settings.json", "start.json"):
         shutil.copy(out / name, b / "runs" / name)
     shutil.copy(out / "runs/clip-steps4-s0/result.json", b / "runs/clip-steps4-s0/result.json")
-    monkeypatch.setattr(study, "training_args", stopped_early)
+    monkeypatch.setattr(kit, "cli", stopped_early)
     base += ["--troll-eps", "--troll-alpha"]  # no value: no run at another bound or weight
     with pytest.raises(SystemExit):
         study.main([*base, "--out", str(b)])
@@ -299,7 +275,7 @@ def test_dry_run_end_to_end_and_an_interrupted_run_resumes(tiny_model_dir, tmp_p
     )
     # --report: the outputs of the finished runs (clip), training nothing
     reported = study.main([*base, "--out", str(b), "--report"])
-    assert [r["objective"] for r in reported] == ["clip"]
+    assert [r["fields"]["objective"] for r in reported] == ["clip"]
     assert (
         "| clip |" in (b / "table.md").read_text()
         and "| troll |" not in (b / "table.md").read_text()

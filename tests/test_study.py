@@ -1,4 +1,6 @@
-"""examples/tinymath_study.py: aggregation, table, plots, resuming and a tiny end-to-end run."""
+"""examples/tinymath_study.py and its tables and plots (tinymath_report.py): grid, arguments,
+aggregation, table, plots, the committed outputs reported as they were, and a tiny end-to-end
+run. The machinery shared with the other studies is tested in tests/test_study_kit.py."""
 
 from __future__ import annotations
 
@@ -6,13 +8,15 @@ import csv
 import importlib.util
 import json
 import math
+import shutil
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 import yaml
 
-from lightning_troll.tinymath import build_tokenizer
+from lightning_troll.models.tinymath import build_tokenizer
 
 pytestmark = pytest.mark.slow  # imports Lightning and matplotlib; the end-to-end run trains
 
@@ -31,6 +35,9 @@ def load_study():
 
 
 study = load_study()
+report = sys.modules["tinymath_report"]
+kit = sys.modules["study_kit"]
+FAIR = ROOT / "examples/results/tinymath/fair"
 
 
 def record(
@@ -41,13 +48,7 @@ def record(
     for row in history:
         row.update(extra or {})
     spec = study.RunSpec(estimator, objective, seed, max_tokens, eps, lr, **more)
-    return {
-        **spec.__dict__,
-        "name": spec.name,
-        "seconds": 1.0,
-        "final_accuracy": accuracies[-1],
-        "history": history,
-    }
+    return {"name": spec.name, "fields": asdict(spec), "seconds": 1.0, "history": history}
 
 
 def test_rollouts_to_threshold_is_the_first_rollout_at_or_above_it():
@@ -57,15 +58,15 @@ def test_rollouts_to_threshold_is_the_first_rollout_at_or_above_it():
         {"rollout": 10, "val/accuracy": 0.5},
         {"rollout": 20, "val/accuracy": 0.7},
     ]
-    assert study.rollouts_to_threshold(history, 0.5) == 10  # >=, not >
-    assert study.rollouts_to_threshold(history, 0.6) == 20
-    assert study.rollouts_to_threshold(history, 0.4) == 0
-    assert study.rollouts_to_threshold(history, 0.71) is None
-    assert study.final_accuracy(history) == 0.7
-    assert study.final_accuracy(history, last=2) == pytest.approx(0.6, rel=1e-12)
-    assert study.final_accuracy(history, last=9) == pytest.approx(1.6 / 3, rel=1e-12)  # all 3
+    assert report.rollouts_to_threshold(history, 0.5) == 10  # >=, not >
+    assert report.rollouts_to_threshold(history, 0.6) == 20
+    assert report.rollouts_to_threshold(history, 0.4) == 0
+    assert report.rollouts_to_threshold(history, 0.71) is None
+    assert report.final_accuracy(history) == 0.7
+    assert report.final_accuracy(history, last=2) == pytest.approx(0.6, rel=1e-12)
+    assert report.final_accuracy(history, last=9) == pytest.approx(1.6 / 3, rel=1e-12)  # all 3
     with pytest.raises(ValueError, match="val/accuracy"):
-        study.final_accuracy([{"rollout": 0, "entropy": 1.0}])
+        report.final_accuracy([{"rollout": 0, "entropy": 1.0}])
 
 
 def test_summary_and_table_of_synthetic_runs():
@@ -78,7 +79,7 @@ def test_summary_and_table_of_synthetic_runs():
         record("gspo", "clip", 1, [0.4, 0.5, 0.7], clip_low=3e-4, clip_high=4e-4),
         record("grpo", "clip", 0, [0.4, 0.3, 0.2], steps=8),  # not the 4-step clip cell
     ]
-    rows = study.summarise(records, threshold=0.6)
+    rows = report.summarise(records, threshold=0.6)
     troll, clip, stress, narrow, steps = rows
     assert (narrow["clip_low"], narrow["clip_high"], narrow["seeds"]) == (3e-4, 4e-4, 2)
     assert math.isclose(narrow["accuracy_mean"], 0.65, rel_tol=1e-12)
@@ -100,7 +101,7 @@ def test_summary_and_table_of_synthetic_runs():
     # mean 0.55, sample std sqrt((0.05^2 + 0.05^2) / 1) = 0.0707...
     assert math.isclose(troll["late_mean"], 0.55, rel_tol=1e-12)
     assert math.isclose(troll["late_std"], math.sqrt(0.005), rel_tol=1e-12)
-    lines = study.format_table(rows, 0.6).splitlines()
+    lines = report.format_table(rows, 0.6).splitlines()
     assert lines[0] == (
         "| estimator | objective | K | eps | clip range | lr | steps / rollout | seeds "
         "| final accuracy | last 3 validations | rollouts to 0.6 |"
@@ -123,16 +124,7 @@ def test_summary_and_table_of_synthetic_runs():
     )
     assert lines[6].startswith("| grpo | clip | - | - | 0.2 | 0.0001 | 8 | 1 | 0.200 ± 0.000 |")
     assert len(lines) == 7
-    assert study.format_table(rows[:1], 0.6, steps=2).splitlines()[2].split(" | ")[6] == "2"
-
-
-def test_curve_averages_over_seeds_at_shared_rollouts():
-    a = record("grpo", "troll", 0, [0.2, 0.4])
-    b = record("grpo", "troll", 1, [0.4, 0.8, 0.9])  # rollout 20 only in b: dropped
-    steps, mean, std = study.curve([a, b], "val/accuracy")
-    assert steps == [0, 10]
-    assert mean == pytest.approx([0.3, 0.6], rel=1e-12)
-    assert std == pytest.approx([math.sqrt(0.02), math.sqrt(0.08)], rel=1e-12)
+    assert report.format_table(rows[:1], 0.6, steps=2).splitlines()[2].split(" | ")[6] == "2"
 
 
 def test_grid_has_every_cell_and_deduplicated_ablation():
@@ -175,48 +167,57 @@ def test_the_fair_cells_run_over_the_seeds():
     assert study.parse_args([]).fair is True
 
 
-def options(args: list[str]) -> dict[str, str]:
-    """``["fit", "--a", "1", "--b", "2"]`` -> ``{"--a": "1", "--b": "2"}``."""
-    return dict(zip(args[1::2], args[2::2], strict=True))
+def options(args) -> dict[str, str]:
+    """``["--a", "1", "--b", "2"]`` -> ``{"--a": "1", "--b": "2"}``."""
+    return dict(zip(args[::2], args[1::2], strict=True))
 
 
-def test_training_args_take_the_preset_from_its_file(tmp_path):
+def test_runs_take_the_preset_from_its_file():
     spec = study.RunSpec("gspo", "clip", 3, 16, 0.25)
-    args = study.training_args(spec, study.Budget(), "tinymath", tmp_path)
-    value = options(args)
-    assert args.count("--config") == 2 and str(ROOT / "configs" / "gspo.yaml") in args
+    run = study.make_run(spec, study.Budget(), "tinymath")
+    value = options(run.args)
+    assert run.args.count("--config") == 2 and str(ROOT / "configs" / "gspo.yaml") in run.args
     assert value["--seed_everything"] == "3" and value["--model.objective"] == "clip"
     assert value["--model.trust_region.max_tokens"] == "16"
+    assert run.fields == asdict(spec) and tuple(run.fields) == study.FIELDS
     # 128 prompts x group size 8 = 1024 sequences a rollout, in 4 minibatches of 256: 4 steps
     group = yaml.safe_load((ROOT / "configs/tinymath.yaml").read_text())["model"]["group_size"]
     assert (study.Budget().batch_size, group, study.Budget().minibatches) == (128, 8, 4)
     assert value["--model.optimization.minibatch_size"] == "256"
-    assert value["--trainer.max_steps"] == "400"  # 100 rollouts x 4
+    assert run.max_steps == 400 and run.rollouts == 100  # 100 rollouts x 4
     budget = study.Budget(rollouts=10, batch_size=4, minibatches=2)  # 32 sequences a rollout
-    value = options(study.training_args(spec, budget, "tinymath", tmp_path))
-    assert value["--model.optimization.minibatch_size"] == "16"
-    assert value["--trainer.max_steps"] == "20"
-    assert "--model.optimizer.init_args.lr" not in value  # the config's
+    run = study.make_run(spec, budget, "tinymath")
+    assert options(run.args)["--model.optimization.minibatch_size"] == "16"
+    assert run.max_steps == 20
+    assert "--model.optimizer.init_args.lr" not in options(run.args)  # the config's
     stress = study.RunSpec("grpo", "troll", 0, lr=3e-4)
-    value = options(study.training_args(stress, study.Budget(), "tinymath", tmp_path))
+    value = options(study.make_run(stress, study.Budget(), "tinymath").args)
     assert float(value["--model.optimizer.init_args.lr"]) == 3e-4
     assert "--model.clip.eps_low" not in value and "--model.clip.eps_high" not in value
     narrow = study.RunSpec("gspo", "clip", 0, clip_low=3e-4, clip_high=4e-4, steps=8)
-    value = options(study.training_args(narrow, study.Budget(), "tinymath", tmp_path))
+    run = study.make_run(narrow, study.Budget(), "tinymath")
+    value = options(run.args)
     assert float(value["--model.clip.eps_low"]) == 3e-4
     assert float(value["--model.clip.eps_high"]) == 4e-4
     assert value["--model.optimization.minibatch_size"] == "128"  # 1024 sequences / 8 steps
-    assert value["--trainer.max_steps"] == "800"
+    assert run.max_steps == 800
     odd = study.RunSpec("grpo", "clip", 0, steps=3)
     with pytest.raises(ValueError, match=r"3 steps per rollout do not divide the rollout's 16"):
-        study.training_args(odd, study.Budget(batch_size=2, minibatches=2), "tinymath", tmp_path)
+        study.make_run(odd, study.Budget(batch_size=2, minibatches=2), "tinymath")
+
+
+def fit(run, folder: Path):
+    """``lightning-troll fit`` of ``run`` as the grid trains it, without its logs or checkpoints."""
+    quiet = ["--trainer.logger", "false", "--trainer.enable_checkpointing", "false"]
+    quiet += ["--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(folder)]
+    return kit.cli(["fit", *run.args, "--trainer.max_steps", str(run.max_steps), *quiet])
 
 
 def test_a_fair_run_trains_with_its_clip_range_and_steps(tmp_path):
     """The overrides reach the module the CLI builds and the number of optimiser steps."""
     budget = study.Budget(rollouts=1, batch_size=2, val_every=1, num_val=2, num_train=8)
     spec = study.RunSpec("gspo", "clip", 0, clip_low=3e-4, clip_high=4e-4, steps=4)
-    done = study.cli(study.training_args(spec, budget, "tinymath", tmp_path / spec.name))
+    done = fit(study.make_run(spec, budget, "tinymath"), tmp_path)
     assert done.trainer.global_step == 4  # 16 sequences in 4 minibatches, one rollout
     objective = done.model.objective
     assert (objective.eps_low, objective.eps_high) == pytest.approx((3e-4, 4e-4), rel=1e-12)
@@ -228,7 +229,7 @@ def test_a_stress_run_trains_at_its_learning_rate(tmp_path):
     budget = study.Budget(rollouts=1, batch_size=2, val_every=1, num_val=2, num_train=8)
     for lr, expected in ((None, 1e-4), (3e-4, 3e-4)):
         spec = study.RunSpec("grpo", "clip", 0, lr=lr)
-        done = study.cli(study.training_args(spec, budget, "tinymath", tmp_path / spec.name))
+        done = fit(study.make_run(spec, budget, "tinymath"), tmp_path / spec.name)
         assert done.trainer.global_step == budget.minibatches
         (group,) = done.trainer.optimizers[0].param_groups
         assert group["initial_lr"] == pytest.approx(expected, rel=1e-12), spec.name
@@ -253,7 +254,7 @@ def test_plots_are_written(tmp_path):
     ]
     records.append(record("grpo", "troll", 0, [0.4, 0.45], max_tokens=4, extra=kl))
     records.append(record("grpo", "clip", 0, [0.4, 0.1], extra=kl, lr=1e-3))
-    paths = study.write_plots(records, tmp_path)
+    paths = report.write_plots(records, tmp_path)
     names = ["accuracy.png", "entropy.png", "kl_after.png", "active_frac.png", "ablation.png"]
     names.append("learning_rate.png")
     assert [p.name for p in paths] == names
@@ -263,38 +264,30 @@ def test_plots_are_written(tmp_path):
     fair = [record("gspo", "clip", s, [0.4, 0.5], clip_low=3e-4, clip_high=4e-4) for s in (0, 1)]
     fair += [record("grpo", o, 0, [0.4, 0.5], extra=kl, steps=8) for o in ("clip", "troll")]
     (tmp_path / "fair").mkdir()
-    paths = study.write_plots(fair, tmp_path / "fair")
+    paths = report.write_plots(fair, tmp_path / "fair")
     assert [p.name for p in paths] == ["fair.png"]
     assert paths[0].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_finished_runs_are_skipped_and_interrupted_ones_restart(tmp_path, monkeypatch):
-    specs = study.grid(["grpo"], [0], ablation=False)  # clip, troll
-    done, interrupted = specs
-    finished = record(done.estimator, done.objective, 0, [0.4, 0.9])
-    (tmp_path / "runs" / done.name).mkdir(parents=True)
-    (tmp_path / "runs" / done.name / "result.json").write_text(json.dumps(finished))
-    (tmp_path / "runs" / interrupted.name).mkdir()
-    (tmp_path / "runs" / interrupted.name / "stale.txt").write_text("left by a killed run")
-    (tmp_path / "runs" / "start.json").write_text(json.dumps({"rollout": 0, "val/accuracy": 0.4}))
-    trained = []
-
-    def fake_train(spec, budget, model, run_dir, start):
-        assert not run_dir.exists(), "the interrupted run's directory is cleared first"
-        run_dir.mkdir()
-        trained.append(spec)
-        return record(spec.estimator, spec.objective, spec.seed, [start["val/accuracy"], 0.7])
-
-    monkeypatch.setattr(study, "train", fake_train)
-    records = study.run_all(specs, study.Budget(), "tinymath", tmp_path)
-    assert trained == [interrupted]
-    assert [r["final_accuracy"] for r in records] == [0.9, 0.7]
-    with pytest.raises(ValueError, match="--out: .* holds runs made with .*rollouts': 100"):
-        study.run_all(specs, study.Budget(rollouts=7), "tinymath", tmp_path)
-    assert not (tmp_path / "runs" / interrupted.name / "stale.txt").exists()
-    records = study.run_all(specs, study.Budget(), "tinymath", tmp_path)  # all done now
-    assert trained == [interrupted]
-    assert [r["final_accuracy"] for r in records] == [0.9, 0.7]
+def test_the_committed_fair_outputs_report_the_table_they_hold(tmp_path, capsys):
+    """``--report`` on a copy of the committed fair-baseline outputs (records of the format
+    before study_kit, no runs/) writes and prints the committed ``table.md``, trains nothing and
+    leaves the records as they were."""
+    for name in ("results.json", "metrics.csv"):
+        shutil.copy(FAIR / name, tmp_path / name)
+    records = study.main(["--no-main", "--no-ablation", "--out", str(tmp_path), "--report"])
+    assert [r["fields"]["seed"] for r in records] == [0, 1, 2] * 3
+    assert (tmp_path / "table.md").read_text() == (FAIR / "table.md").read_text()
+    assert (
+        capsys.readouterr().out == "9 of 9 runs finished\n" + (FAIR / "table.md").read_text() + "\n"
+    )
+    for name in ("results.json", "metrics.csv"):
+        assert (tmp_path / name).read_bytes() == (FAIR / name).read_bytes(), name
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "fair.png", "metrics.csv", "results.json", "table.md",
+    ]  # fmt: skip
+    with pytest.raises(SystemExit, match="--report: no finished run"):
+        study.main(["--out", str(tmp_path / "empty"), "--report"])
 
 
 def test_tiny_end_to_end_run(tiny_model_dir, tmp_path):
@@ -313,28 +306,38 @@ def test_tiny_end_to_end_run(tiny_model_dir, tmp_path):
     ]  # fmt: skip
     records = study.main([*args, "--out", str(tmp_path / "a")])
     out = tmp_path / "a"
-    assert [(r["objective"], r["seed"]) for r in records] == [("clip", 0), ("troll", 0)]
+    fields = [r["fields"] for r in records]
+    assert [(f["objective"], f["seed"]) for f in fields] == [("clip", 0), ("troll", 0)]
     with (out / "metrics.csv").open() as f:
         rows = list(csv.DictReader(f))
-    head = ["name", "estimator", "objective", "seed", "max_tokens", "eps", "lr"]
-    head += ["clip_low", "clip_high", "steps", "rollout"]
-    assert list(rows[0]) == head + list(study.METRICS)
+    assert list(rows[0]) == ["name", *sorted(study.FIELDS), "rollout", *study.METRICS]
     results = json.loads((out / "results.json").read_text())
     for result in results:
         mine = [r for r in rows if r["name"] == result["name"] and r["val/accuracy"]]
         # rollout 0 (the warm start), then after rollouts 1 and 2
         assert [int(r["rollout"]) for r in mine] == [0, 1, 2]
         assert result["final_accuracy"] == float(mine[-1]["val/accuracy"])
+        assert result["rollouts_to_threshold"] == report.rollouts_to_threshold(
+            [
+                {"rollout": int(r["rollout"]), "val/accuracy": float(r["val/accuracy"])}
+                for r in mine
+            ],
+            0.55,
+        )
         logged = {k for r in rows if r["name"] == result["name"] for k, v in r.items() if v}
-        assert ("trust_region/kl_after_max" in logged) == (result["objective"] == "troll")
-        assert ("clip/active_frac" in logged) == (result["objective"] == "clip")
+        troll = result["fields"]["objective"] == "troll"
+        assert ("trust_region/kl_after_max" in logged) == troll
+        assert ("clip/active_frac" in logged) == (not troll)
+        assert not (out / "runs" / result["name"] / "checkpoints").exists()  # deleted when done
     support = json.loads((out / "support.json").read_text())
     vocab = len(build_tokenizer())
     assert support["vocab_size"] == vocab and 1 <= support["median"] <= support["max"] <= vocab
     assert (out / "table.md").read_text().count("| grpo |") == 2
     # the same seed gives the same run
-    troll = study.RunSpec("grpo", "troll", 0)
     budget = study.Budget(rollouts=2, batch_size=2, val_every=1, num_val=4, num_train=16)
-    start = json.loads((out / "runs" / "start.json").read_text())
-    again = study.train(troll, budget, str(tiny_model_dir), tmp_path / "b", start)
+    troll = study.make_run(study.RunSpec("grpo", "troll", 0), budget, str(tiny_model_dir))
+    start = json.loads((out / "start.json").read_text())
+    start = [{"rollout": 0, "val/accuracy": start["val/accuracy"]}]
+    grid = study.study_grid(budget, str(tiny_model_dir), tmp_path / "b", 0.55)
+    again = grid.train(troll, tmp_path / "b" / "runs" / troll.name, start)
     assert again["history"] == records[1]["history"]

@@ -1,12 +1,15 @@
-"""The studies' shared machinery (examples/study_kit.py) and the paper-regime study on it."""
+"""The studies' shared machinery (examples/study_kit.py, with its tables and plots in
+examples/study_figures.py) and the paper-regime study on it."""
 
 from __future__ import annotations
 
+import csv
 import importlib.util
 import json
 import shutil
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -84,6 +87,195 @@ def test_write_atomic_leaves_no_partial_file(tmp_path):
     kit.write_atomic(tmp_path / "a.json", "[1]")
     assert (tmp_path / "a.json").read_text() == "[1]"
     assert [p.name for p in tmp_path.iterdir()] == ["a.json"]
+
+
+def finished(name, fields, accuracies, seconds=60.0, time=2.0):
+    """A record with held-out accuracy ``accuracies[i]`` at rollout ``i`` (0: the start), each
+    rollout timed at ``time`` seconds."""
+    history = [{"rollout": 0, "val/accuracy": accuracies[0]}]
+    history += [
+        {"rollout": i, "val/accuracy": a, kit.TIME: time}
+        for i, a in enumerate(accuracies[1:], start=1)
+    ]
+    return {"name": name, "fields": fields, "seconds": seconds, "attempts": 1, "history": history}
+
+
+def test_estimate_takes_the_median_rollout_and_the_median_time_outside_rollouts(tmp_path):
+    """Two runs of 1 rollout timed at 2 s, 60 and 120 s in all: outside rollouts 58 and 118 s per
+    rollout, median 88, so 90 s per rollout; 3 runs of 1 rollout = 270 s, one left (90 s). A
+    third run with a rollout paused for an hour (3658 s in all, 58 outside) moves neither median."""
+    runs = [kit.Run(n, (), 1, 1) for n in ("a", "b", "c")]
+    grid = kit.Grid(tmp_path, {}, ["val/accuracy", kit.TIME], prior_seconds=60.0)
+    assert grid.estimate(runs) == (3 * 60.0 / 3600, 3 * 60.0 / 3600)  # no run done: the prior
+    done = [finished("a", {}, [0.4, 0.5]), finished("b", {}, [0.4, 0.6], seconds=120.0)]
+    grid.write(done)
+    assert grid.estimate(runs) == pytest.approx((3 * 90.0 / 3600, 90.0 / 3600), rel=1e-12)
+    paused = finished("c", {}, [0.4, 0.5], seconds=3658.0, time=3600.0)
+    grid.write([*done, paused])
+    assert grid.estimate(runs) == pytest.approx((3 * 60.0 / 3600, 0.0), rel=1e-12)
+
+
+def test_records_round_trip_through_results_and_metrics_and_keep_other_grids_runs(tmp_path):
+    grid = kit.Grid(tmp_path, {}, ["val/accuracy", kit.TIME])
+    a = finished("a", {"objective": "clip", "lr": None}, [0.4, 0.5])
+    b = finished("b", {"objective": "troll", "lr": 1e-5}, [0.4, 0.625])
+    grid.write([a, b])
+    assert grid.finished([kit.Run("b", (), 1, 1), kit.Run("a", (), 1, 1)]) == [b, a]
+    grid.write([a])  # b belongs to another grid now: kept in the outputs
+    assert sorted(grid.recorded()) == ["a", "b"]
+    with (tmp_path / "metrics.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == ["name", "lr", "objective", "rollout", "val/accuracy", kit.TIME]
+    assert [(r["name"], r["lr"], r["rollout"]) for r in rows] == [
+        ("a", "", "0"), ("a", "", "1"), ("b", "1e-05", "0"), ("b", "1e-05", "1"),
+    ]  # fmt: skip
+
+
+def test_outputs_of_the_older_layout_are_read_as_they_are(tmp_path):
+    """Records that keep their fields beside the name, settings and start kept in runs/: the
+    fields are read into ``fields`` (absent ones as None, the rest of the record kept), and the
+    two files move up where the grid keeps them."""
+    old = {"objective": "clip", "seed": 0, "name": "a", "seconds": 5.0, "final_accuracy": 0.5}
+    (tmp_path / "results.json").write_text(json.dumps([old]))
+    (tmp_path / "metrics.csv").write_text(
+        "name,objective,seed,rollout,val/accuracy\na,clip,0,0,0.25\na,clip,0,1,0.5\n"
+    )
+    (tmp_path / "runs" / "b").mkdir(parents=True)
+    (tmp_path / "runs" / "b" / "result.json").write_text(json.dumps({**old, "name": "b"}))
+    (tmp_path / "runs" / "settings.json").write_text(json.dumps({"prompts": 8}))
+    (tmp_path / "runs" / "start.json").write_text(json.dumps({"rollout": 0, "val/accuracy": 0.25}))
+    grid = kit.Grid(
+        tmp_path,
+        {"prompts": 8},
+        ["val/accuracy"],
+        lambda: 1 / 0,
+        legacy_fields=("objective", "seed", "eps"),
+    )
+    a, b = grid.finished([kit.Run("a", (), 1, 1), kit.Run("b", (), 1, 1)])
+    assert a == {
+        "name": "a",
+        "fields": {"objective": "clip", "seed": 0, "eps": None},
+        "seconds": 5.0,
+        "final_accuracy": 0.5,
+        "history": [{"rollout": 0, "val/accuracy": 0.25}, {"rollout": 1, "val/accuracy": 0.5}],
+    }
+    assert b["fields"] == a["fields"] and "objective" not in b
+    grid.check_settings()  # the same settings: accepted
+    assert grid._start() == [{"rollout": 0, "val/accuracy": 0.25}]  # not validated again
+    assert not (tmp_path / "runs" / "settings.json").exists() and (tmp_path / "start.json").exists()
+
+
+def fake_cli(calls, steps, stopped_by=None):
+    """A stand-in for ``lightning-troll``: records the arguments, writes one CSV log row per
+    optimiser step it was asked for (as rollouts of 1 step), and ends at ``steps``."""
+
+    def run(args):
+        calls.append(args)
+        logger = json.loads(args[args.index("--trainer.logger") + 1])["init_args"]
+        log = Path(logger["save_dir"]) / logger["name"] / f"version_{logger['version']}"
+        log.mkdir(parents=True)
+        lines = ["step,reward/mean"] + [f"{s},{s / 10}" for s in range(steps)]
+        (log / "metrics.csv").write_text("\n".join(lines) + "\n")
+        stopper = SimpleNamespace(stopped_by=stopped_by)
+        return SimpleNamespace(
+            trainer=SimpleNamespace(global_step=steps), checkpoint_callback=stopper
+        )
+
+    return run
+
+
+def test_train_adds_logging_and_checkpoints_resumes_and_raises_when_stopped(tmp_path, monkeypatch):
+    """A run stopped by SIGTERM (15) after 2 of 3 steps raises with exit code 143 and keeps its
+    first attempt; the next attempt logs to version_1, resumes from last.ckpt, and the record
+    merges both logs and adds the start row and the figures of its history."""
+    calls: list[list[str]] = []
+    run = kit.Run("r", ("--config", "c.yaml"), 3, 3, {"seed": 0})
+    grid = kit.Grid(
+        tmp_path, {}, ["reward/mean"], checkpoint_every=2, figures=lambda h: {"rows": len(h)}
+    )
+    run_dir = tmp_path / "runs" / "r"
+    monkeypatch.setattr(kit, "cli", fake_cli(calls, 2, stopped_by=15))
+    with pytest.raises(kit.Interrupted) as stopped:
+        grid.train(run, run_dir, [{"rollout": 0}])
+    assert stopped.value.exit_code == 143
+    first = dict(zip(calls[0][1::2], calls[0][2::2], strict=True))
+    assert calls[0][:3] == ["fit", "--config", "c.yaml"] and first["--trainer.max_steps"] == "3"
+    assert first["--checkpoint.dirpath"] == str(run_dir / "checkpoints")
+    assert first["--checkpoint.every_n_rollouts"] == "2" and "--ckpt_path" not in first
+    (run_dir / "checkpoints").mkdir()
+    (run_dir / "checkpoints" / "last.ckpt").write_text("")
+    monkeypatch.setattr(kit, "cli", fake_cli(calls, 3))
+    record = grid.train(run, run_dir, [{"rollout": 0}])
+    again = dict(zip(calls[1][1::2], calls[1][2::2], strict=True))
+    assert json.loads(again["--trainer.logger"])["init_args"]["version"] == 1
+    assert again["--ckpt_path"] == str(run_dir / "checkpoints" / "last.ckpt")
+    assert record["attempts"] == 2 and record["fields"] == {"seed": 0} and record["rows"] == 4
+    assert [row["rollout"] for row in record["history"]] == [0, 1, 2, 3]
+
+
+def test_run_all_skips_finished_runs_and_starts_over_one_without_a_checkpoint(
+    tmp_path, monkeypatch
+):
+    """``a`` finished (its result.json), ``b`` left files but no checkpoint: only ``b`` trains,
+    in a cleared folder, after the start row was made once (with its seconds in start.json)."""
+    runs = [kit.Run("a", (), 1, 1), kit.Run("b", (), 1, 1)]
+    starts = []
+
+    def start() -> dict:
+        starts.append(1)
+        return {"rollout": 0, "val/accuracy": 0.4}
+
+    grid = kit.Grid(tmp_path, {"x": 1}, ["val/accuracy", kit.TIME], start)
+    (tmp_path / "runs" / "a").mkdir(parents=True)
+    (tmp_path / "runs" / "a" / "result.json").write_text(json.dumps(finished("a", {}, [0.4, 0.9])))
+    (tmp_path / "runs" / "b").mkdir()
+    (tmp_path / "runs" / "b" / "stale.txt").write_text("left by a killed run")
+    trained = []
+
+    def train(run, run_dir, start):
+        assert not (run_dir / "stale.txt").exists(), "the interrupted run's folder is cleared"
+        trained.append(run.name)
+        return finished(run.name, {}, [start[0]["val/accuracy"], 0.7])
+
+    monkeypatch.setattr(grid, "train", train)
+    records = grid.run_all(runs)
+    assert trained == ["b"] and starts == [1]
+    assert [r["history"][-1]["val/accuracy"] for r in records] == [0.9, 0.7]
+    assert set(json.loads((tmp_path / "start.json").read_text())) == {
+        "rollout",
+        "val/accuracy",
+        "seconds",
+    }
+    assert grid.run_all(runs) == records and trained == ["b"] and starts == [1]  # all done now
+    written = json.loads((tmp_path / "results.json").read_text())
+    assert sorted(r["name"] for r in written) == ["a", "b"]
+
+
+def test_markdown_table_aligns_the_columns_it_is_told():
+    text = kit.markdown_table(["a", "b", "c"], [["1", "2", "3"]], "lr")
+    assert text == "| a | b | c |\n| --- | ---: | --- |\n| 1 | 2 | 3 |\n"
+
+
+def test_curve_averages_over_runs_at_the_rollouts_every_run_logged():
+    a = finished("a", {}, [0.2, 0.4])
+    b = finished("b", {}, [0.4, 0.8, 0.9])  # rollout 2 only in b: left out
+    steps, mean, std = kit.curve([a, b], "val/accuracy")
+    assert steps == [0, 1]
+    assert mean == pytest.approx([0.3, 0.6], rel=1e-12)
+    assert std == pytest.approx([0.02**0.5, 0.08**0.5], rel=1e-12)  # sample std of two values
+    assert kit.curve([], "val/accuracy") == ([], [], [])
+
+
+def test_plot_panels_writes_one_png_of_all_panels(tmp_path):
+    pytest.importorskip("matplotlib")
+    runs = [finished("a", {}, [0.4, 0.5]), finished("b", {}, [0.4, 0.7])]
+    panels = [
+        kit.Panel("both", "accuracy", [kit.Line(runs, "val/accuracy", "mean", "tab:blue")],
+                  hlines=[(0.5, "a bound")], top=1.0),
+        kit.Panel("nothing logged", "KL", [kit.Line(runs, "absent", "none")], log=True),
+    ]  # fmt: skip
+    path = kit.plot_panels(panels, tmp_path / "p.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 DRY = [
