@@ -3,38 +3,44 @@
 A phase is a function ``fn(results, tiny)``: it records figures on ``results`` as it goes (a
 phase that fails or runs out of time keeps what it had recorded) and raises :class:`Skip` when
 it cannot run here. ``tiny`` shrinks every shape so that the phase runs on a CPU in seconds.
-
-Language-model shapes (random initialisation: no weights are loaded from anywhere):
-
-- Qwen3-0.6B: hidden 1024, 28 layers, 16 query and 8 key/value heads of 128, MLP 3072;
-- Qwen3-1.7B: hidden 2048, 28 layers, 16 / 8 heads of 128, MLP 6144;
-- Qwen3-4B: hidden 2560, 36 layers, 32 / 8 heads of 128, MLP 9728;
-  all with V = 151,936 and tied embeddings, in bfloat16 on a GPU;
-- SmolLM2-135M: LlamaForCausalLM, hidden 576, 30 layers, 9 / 3 heads of 64, MLP 1536,
-  V = 49,152, tied embeddings.
-"""
+The models (Qwen3 and SmolLM2 shapes, randomly initialised), the rollouts and the training step
+are :mod:`gpu_models`', the two whole fits through Lightning :mod:`gpu_fits`' and the peak memory
+:mod:`peak_memory`'s."""
 
 from __future__ import annotations
 
-import contextlib
-import copy
-import gc
 import json
-import math
 import statistics
-import tempfile
-import time
+import sys
 import traceback
 import xml.etree.ElementTree as ET
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_fits import grpo_smollm2, tinymath_demo  # noqa: E402
+from gpu_models import (  # noqa: E402
+    EOS,
+    PAD,
+    QWEN3,
+    TINY_QWEN3,
+    Shape,
+    clock,
+    device,
+    free_memory,
+    make_rollout,
+    out_of_memory,
+    shape_figures,
+    shape_table,
+    snapshot_and_policy,
+    train_step,
+)
+from peak_memory import PeakMemory  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 PAPER = {"time_ratio": 1.091, "memory_ratio": 1.046}
 """TROLL / clip for one training step of Qwen3-4B in the paper (arXiv 2510.03817)."""
-LOGIT_STD = 2.0  # standard deviation of the initial logits, as in benchmark_overhead.py
-PAD, EOS = 0, 1  # token ids of the random models
 
 
 class Skip(Exception):
@@ -64,239 +70,6 @@ class Results:
         partial = self.path.with_suffix(".part")
         partial.write_text(json.dumps(record, indent=1, default=float))
         partial.replace(self.path)
-
-
-@dataclass(frozen=True)
-class Shape:
-    """A decoder-only transformer's sizes."""
-
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    mlp: int
-    vocab: int
-
-    def parameters(self) -> int:
-        """Weights of the decoder layers and the (tied) embedding; norms left out."""
-        attention = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
-        return self.layers * (attention + 3 * self.hidden * self.mlp) + self.vocab * self.hidden
-
-
-QWEN3 = {
-    "qwen3-0.6b": Shape(1024, 28, 16, 8, 128, 3072, 151_936),
-    "qwen3-1.7b": Shape(2048, 28, 16, 8, 128, 6144, 151_936),
-    "qwen3-4b": Shape(2560, 36, 32, 8, 128, 9728, 151_936),
-}
-TINY_QWEN3 = {
-    "qwen3-0.6b": Shape(32, 2, 2, 1, 16, 64, 512),
-    "qwen3-1.7b": Shape(48, 2, 2, 1, 24, 96, 512),
-    "qwen3-4b": Shape(64, 2, 4, 2, 16, 128, 512),
-}
-SMOLLM2 = Shape(576, 30, 9, 3, 64, 1536, 49_152)
-TINY_SMOLLM2 = Shape(32, 2, 2, 1, 16, 64, 512)
-
-
-# -- devices, time and memory ------------------------------------------------------------------
-def device():
-    import torch
-
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def synchronize() -> None:
-    import torch
-
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def clock() -> float:
-    """Seconds, after the GPU's queued work has finished."""
-    synchronize()
-    return time.perf_counter()
-
-
-class PeakMemory:
-    """The peak memory of a stretch of work: ``torch.cuda.max_memory_allocated`` on a GPU; on a
-    CPU the peak resident set size of the process (``VmHWM``, which includes the interpreter)."""
-
-    def __init__(self) -> None:
-        import torch
-
-        self.cuda = torch.cuda.is_available()
-        self.source = "torch.cuda.max_memory_allocated" if self.cuda else "peak resident set size"
-
-    def reset(self) -> float:
-        """Starts a stretch; returns the memory in use now (MiB)."""
-        import torch
-
-        if self.cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            return torch.cuda.memory_allocated() / 2**20
-        from peak_memory import peak_mib, reset_peak
-
-        reset_peak()
-        return peak_mib()
-
-    def peak(self) -> float:
-        """The peak since :meth:`reset` (MiB)."""
-        import torch
-
-        if self.cuda:
-            torch.cuda.synchronize()
-            return torch.cuda.max_memory_allocated() / 2**20
-        from peak_memory import peak_mib
-
-        return peak_mib()
-
-
-def free_memory() -> None:
-    import torch
-
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-def out_of_memory(error: BaseException) -> bool:
-    import torch
-
-    return isinstance(error, torch.cuda.OutOfMemoryError)
-
-
-# -- models and rollouts ------------------------------------------------------------------------
-@contextlib.contextmanager
-def default_dtype(dtype):
-    import torch
-
-    saved = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(saved)
-
-
-def model_dtype():
-    import torch
-
-    return torch.bfloat16 if torch.cuda.is_available() else torch.float32
-
-
-def qwen3(shape: Shape, seed: int = 0):
-    """A randomly initialised Qwen3 model of ``shape`` on the device, in eval mode; the tied
-    embedding is redrawn so that logits have a standard deviation of about ``LOGIT_STD``."""
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    config = Qwen3Config(
-        vocab_size=shape.vocab,
-        hidden_size=shape.hidden,
-        intermediate_size=shape.mlp,
-        num_hidden_layers=shape.layers,
-        num_attention_heads=shape.heads,
-        num_key_value_heads=shape.kv_heads,
-        head_dim=shape.head_dim,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-        pad_token_id=PAD,
-        bos_token_id=PAD,
-        eos_token_id=EOS,
-    )
-    torch.manual_seed(seed)
-    with torch.device(device()), default_dtype(model_dtype()):
-        model = Qwen3ForCausalLM(config)
-    with torch.no_grad():
-        embedding = model.get_input_embeddings().weight  # (V, H), tied to the output layer
-        embedding.normal_(0.0, LOGIT_STD / math.sqrt(shape.hidden))
-    return model.eval()
-
-
-def snapshot_and_policy(shape: Shape, perturb: float = 0.0):
-    """The frozen snapshot and a trainable copy moved away from it by ``perturb`` x each weight
-    tensor's standard deviation of normal noise (so that TROLL projects some tokens)."""
-    import torch
-
-    snapshot = qwen3(shape).requires_grad_(False)
-    policy = copy.deepcopy(snapshot).train().requires_grad_(True)
-    if perturb:
-        with torch.no_grad():
-            for p in policy.parameters():
-                p.add_(perturb * p.float().std().to(p.dtype) * torch.randn_like(p))
-    return snapshot, policy
-
-
-def sparsify_for(objective):
-    """The old policy's sparse rows for TROLL (None for clipping), as the module caches them."""
-    from lightning_troll.sparse import sparsify
-
-    projection = getattr(objective, "projection", None)
-    if projection is None:
-        return None
-    return lambda rows, tokens: sparsify(
-        rows, projection.max_tokens, projection.mass_delta, keep=tokens
-    )
-
-
-def make_rollout(snapshot, objective, ids, attention, response, rewards, group, chunk):
-    """A :class:`~lightning_troll.rollout.Rollout` with the snapshot's cached outputs."""
-    from lightning_troll.advantages import compute_advantages
-    from lightning_troll.rollout import Rollout, behaviour_outputs
-
-    old_logprobs, old = behaviour_outputs(
-        snapshot, ids, attention, response, 1.0, sparsify_for(objective), chunk
-    )
-    return Rollout(
-        input_ids=ids,
-        attention_mask=attention,
-        response_mask=response,
-        old_logprobs=old_logprobs,
-        old=old,
-        rewards=rewards,
-        advantages=compute_advantages("grpo", rewards, group),
-        truncated=response.all(-1),  # no EOS within the budget
-        temperature=1.0,
-        group_size=group,
-    )
-
-
-def train_step(policy, objective, optimizer, rollout, micro_batch: int | None, chunk: int):
-    """One optimiser step on ``rollout``, as ``TrollModule`` takes it: micro-batches weighted by
-    their share of the sequences, gradient norm clipped to 1, AdamW; returns the last part's
-    statistics."""
-    import torch
-
-    from lightning_troll.rollout import linear_head, response_hidden
-
-    stats = None
-    for part in rollout.chunks(micro_batch):
-        length = part.response_mask.shape[1]
-        hidden = response_hidden(policy, part.input_ids, part.attention_mask, length)  # (b, T, H)
-        loss, stats = objective.forward_hidden(
-            hidden, linear_head(policy), 1.0, part.tokens, part.response_mask,
-            part.advantages, part.old_logprobs, part.old, chunk_size=chunk,
-        )  # fmt: skip
-        (loss * part.num_sequences / rollout.num_sequences).backward()
-    torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return stats
-
-
-def shape_figures(name: str, shape: Shape) -> dict[str, Any]:
-    return {"shape": name, "parameters_m": round(shape.parameters() / 1e6, 1)}
-
-
-def shape_table(shapes: dict[str, Shape]) -> dict[str, str]:
-    """Each shape in words, for the report."""
-    return {
-        name: f"hidden {s.hidden}, {s.layers} layers, {s.heads}/{s.kv_heads} heads of "
-        f"{s.head_dim}, MLP {s.mlp}, V {s.vocab}"
-        for name, s in shapes.items()
-    }
 
 
 def halving(first: int):
@@ -514,159 +287,6 @@ def generation_at(shape: Shape, setting: GenerationSetting, micro_batch: int) ->
         )
         del rollout
     return row
-
-
-# -- phases 5 and 6: whole fits through Lightning ---------------------------------------------
-def tinymath_demo(results: Results, tiny: bool) -> None:
-    """``lightning-troll fit --config configs/tinymath.yaml``, shortened, on this device."""
-    import torch
-
-    from lightning_troll.callbacks import RolloutGeneration
-    from lightning_troll.cli import run
-
-    rollouts = 2 if tiny else 100
-    accelerator = "gpu" if torch.cuda.is_available() else "cpu"
-    with tempfile.TemporaryDirectory() as logs:
-        args = ["fit", "--config", str(ROOT / "configs" / "tinymath.yaml"),
-                f"--trainer.accelerator={accelerator}", f"--trainer.max_steps={2 * rollouts}",
-                f"--trainer.val_check_interval={rollouts}", f"--trainer.default_root_dir={logs}",
-                "--trainer.enable_progress_bar=false", "--trainer.enable_checkpointing=false"]  # fmt: skip
-        if tiny:  # 16 prompts x 8 completions, two minibatches of 64 sequences
-            args += ["--data.batch_size=16", "--data.num_val=32", "--data.val_batch_size=32",
-                     "--model.optimization.minibatch_size=64"]  # fmt: skip
-        start = clock()
-        cli = run(args)
-        seconds = clock() - start
-    metrics = {k: float(v) for k, v in cli.trainer.callback_metrics.items()}
-    rollout = next(c for c in cli.trainer.callbacks if isinstance(c, RolloutGeneration))
-    rewards = rollout.mean_rewards
-    quarter = max(1, len(rewards) // 4)
-    results.update(
-        accelerator=accelerator,
-        rollouts=len(rewards),
-        fit_s=round(seconds, 2),
-        rollouts_per_s=round(len(rewards) / seconds, 3),
-        final_reward=round(rewards[-1], 4),
-        reward_first_quarter=round(sum(rewards[:quarter]) / quarter, 4),
-        reward_last_quarter=round(sum(rewards[-quarter:]) / quarter, 4),
-        val_accuracy=round(metrics["val/accuracy"], 4),
-        kl_after_max=round(metrics["trust_region/kl_after_max"], 5),
-        summary=f"{len(rewards)} rollouts in {seconds:.1f} s, reward {rewards[0]:.3f} -> "
-        f"{rewards[-1]:.3f}, val accuracy {metrics['val/accuracy']:.3f}",
-    )
-
-
-def parity_reward(prompt: str, completion: str, row) -> float:
-    """A stand-in reward for a randomly initialised model: the CRC-32 parity of the completion
-    (any reward is arbitrary there; this one gives each group a spread)."""
-    import zlib
-
-    return float(zlib.crc32(completion.encode("utf-8")) % 2)
-
-
-def smollm2_directory(path: Path, shape: Shape) -> None:
-    """A randomly initialised model of ``shape`` and a character tokenizer of as many tokens
-    (TinyMath's 17, then one code point each), saved like a hub model."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from lightning_troll.tinymath import CHARACTERS, SPECIAL_TOKENS, char_tokenizer
-
-    extra = shape.vocab - len(SPECIAL_TOKENS) - len(CHARACTERS)
-    tokenizer = char_tokenizer(CHARACTERS + "".join(chr(0x100 + i) for i in range(extra)))
-    config = LlamaConfig(
-        vocab_size=shape.vocab,
-        hidden_size=shape.hidden,
-        intermediate_size=shape.mlp,
-        num_hidden_layers=shape.layers,
-        num_attention_heads=shape.heads,
-        num_key_value_heads=shape.kv_heads,
-        head_dim=shape.head_dim,
-        max_position_embeddings=2048,
-        rope_theta=100_000.0,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=True,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    torch.manual_seed(0)
-    with default_dtype(model_dtype()):
-        LlamaForCausalLM(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-
-
-def grpo_smollm2(results: Results, tiny: bool) -> None:
-    """One GRPO iteration (a rollout, then two TROLL steps) at SmolLM2-135M's shape through
-    ``TrollModule`` and a Lightning ``Trainer``: bf16-true on a GPU."""
-    import torch
-    from lightning.pytorch import Callback, Trainer
-
-    from lightning_troll.callbacks import OldPolicyRefresh, RolloutGeneration, TrustRegionMonitor
-    from lightning_troll.data import PromptDataModule
-    from lightning_troll.module import OptimizationConfig, TrollModule
-    from lightning_troll.rewards import REWARD_FUNCTIONS, register_reward
-    from lightning_troll.rollout import SamplingConfig
-
-    cuda = torch.cuda.is_available()
-    shape, prompts, group, new_tokens = (TINY_SMOLLM2, 4, 4, 8) if tiny else (SMOLLM2, 32, 8, 128)
-    if "parity" not in REWARD_FUNCTIONS:
-        register_reward("parity")(parity_reward)
-    marks: dict[str, float] = {}
-
-    class Mark(Callback):
-        def __init__(self, name: str) -> None:
-            self.name = name
-
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            marks[self.name] = clock()
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            marks["trained"] = clock()
-
-    with tempfile.TemporaryDirectory() as model_dir:
-        start = clock()
-        smollm2_directory(Path(model_dir), shape)
-        module = TrollModule(
-            model=model_dir,
-            dtype="bfloat16" if cuda else "float32",
-            group_size=group,
-            sampling=SamplingConfig(max_new_tokens=new_tokens),
-            rewards={"parity": 1.0},
-            optimization=OptimizationConfig(minibatch_size=prompts * group // 2),
-            optimizer=lambda params: torch.optim.AdamW(params, lr=1e-5),
-        )
-        data = PromptDataModule(source="tinymath", tokenizer=model_dir, batch_size=prompts,
-                                num_train=prompts, num_val=0)  # fmt: skip
-        rollout = RolloutGeneration(log_samples=0)
-        monitor = TrustRegionMonitor(histogram_every_n_rollouts=1000)
-        trainer = Trainer(
-            accelerator="gpu" if cuda else "cpu", devices=1,
-            precision="bf16-true" if cuda else "32-true", max_steps=2, logger=False,
-            callbacks=[Mark("start"), rollout, Mark("sampled"), OldPolicyRefresh(), monitor],
-            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-            num_sanity_val_steps=0, limit_val_batches=0,
-        )  # fmt: skip
-        built = clock()
-        trainer.fit(module, datamodule=data)
-        done = clock()
-    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-    results.update(
-        **shape_figures("smollm2-135m", shape),
-        shapes=shape_table({"smollm2-135m": shape}),
-        sequences=prompts * group,
-        new_tokens=new_tokens,
-        precision=trainer.precision,
-        build_s=round(built - start, 2),
-        fit_s=round(done - built, 2),
-        rollout_s=round(marks["sampled"] - marks["start"], 3),
-        train_s=round(marks["trained"] - marks["sampled"], 3),
-        final_reward=round(metrics["reward/mean"], 4),
-        kl_after_max=round(metrics["trust_region/kl_after_max"], 5),
-        mean_length=round(metrics["completion/mean_length"], 2),
-        summary=f"iteration {marks['trained'] - marks['start']:.2f} s (rollout "
-        f"{marks['sampled'] - marks['start']:.2f} s), reward {metrics['reward/mean']:.3f}",
-    )
 
 
 WORKERS = {

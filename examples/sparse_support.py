@@ -9,11 +9,12 @@ each sampling temperature (0.7, the config's, and 1.0): the policy samples ``--p
 response token are kept as the old (behaviour) policy; then ``--steps`` AdamW steps at ``--lr``
 (default: the config's, with no warm-up; clipped GRPO on minibatches of ``--minibatch-size``
 sequences, gradient norm clipped to 1) move the policy away from it, and its logits at the same
-tokens are the new policy. For every ``max_tokens`` K in {16, 64, 256} and ``mass_delta`` in
-{1e-3, 1e-5} the script then compares :class:`~lightning_troll.projection.TrustRegionProjection`
-(sparse; the old rows from :func:`~lightning_troll.projection.sparsify`, as a rollout caches them)
-with the exact dense projection :func:`~lightning_troll.projection.kl_projection` over the whole
-vocabulary, on the same (N, V) float32 logits, with eps and alpha from the config:
+tokens are the new policy (:mod:`policy_logits`). For every ``max_tokens`` K in {16, 64, 256}
+and ``mass_delta`` in {1e-3, 1e-5} the script then compares
+:class:`~lightning_troll.projection.TrustRegionProjection` (sparse; the old rows from
+:func:`~lightning_troll.projection.sparsify`, as a rollout caches them) with the exact dense
+projection :func:`~lightning_troll.projection.kl_projection` over the whole vocabulary, on the
+same (N, V) float32 logits, with eps and alpha from the config:
 
 - ``cap_frac`` (capped): share of tokens whose K most probable old tokens hold less than
   1 - delta of the mass, so that the support stops at the cap, not at the mass target;
@@ -50,17 +51,19 @@ import argparse
 import json
 import math
 import sys
-import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import yaml
 from torch import Tensor
 
-from lightning_troll.projection import TrustRegionProjection, kl_projection, sparsify
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from peak_memory import PeakRss  # noqa: E402
+from policy_logits import Logits, build_module, prompt_batch, rollout_logits  # noqa: E402
+
+from lightning_troll.projection import TrustRegionProjection, kl_projection, sparsify  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -74,64 +77,6 @@ REFERENCE_CHUNK = 512
 """Rows per chunk of the full-vocabulary check, which holds several (rows, V) arrays at once."""
 REPEATS = 2
 """Timed passes per projection; the fastest counts (other work on the machine slows some)."""
-
-
-@dataclass(frozen=True)
-class Logits:
-    """Old and new policy at the response tokens of one rollout, float32 (N, V) each."""
-
-    old: Tensor
-    new: Tensor
-    tokens: Tensor
-    """(N,) sampled tokens."""
-    advantages: Tensor
-    """(N,) the advantage of each token's sequence."""
-    temperature: float
-    sequences: int
-    seconds: dict[str, float] = field(default_factory=dict)
-    """Wall time of sampling (with the old logits) and of the optimiser steps."""
-
-
-def _status_mib(field: str) -> float:
-    """A ``/proc/self/status`` field (Linux), MiB; NaN where there is none."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return float("nan")
-
-
-class PeakRss:
-    """Context manager: the highest resident set size while the block runs, above its level at
-    the start, in MiB (``.mib``). The kernel's high-water mark ``VmHWM`` is reset at the start
-    (``/proc/self/clear_refs``) and read at the end; a thread also samples ``VmRSS`` every
-    2 ms, in case the reset is refused."""
-
-    def __enter__(self) -> PeakRss:
-        self.base = self.peak = _status_mib("VmRSS")
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-            self._reset = True
-        except OSError:
-            self._reset = False
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def _sample(self) -> None:
-        while not self._stop.wait(0.002):
-            self.peak = max(self.peak, _status_mib("VmRSS"))
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        high = _status_mib("VmHWM") if self._reset else float("nan")
-        self.mib = max(self.peak, _status_mib("VmRSS"), high if high == high else 0) - self.base
 
 
 def support_stats(old: Tensor, max_tokens: int, mass_delta: float) -> dict[str, float]:
@@ -324,92 +269,6 @@ def compare(
             }
         )
     return records
-
-
-# --------------------------------------------------------------------------------------------
-# Rollouts of the real model
-# --------------------------------------------------------------------------------------------
-
-
-def build_module(model: str, config: dict, temperature: float, max_new_tokens: int, group: int):
-    """A clipped-GRPO TrollModule with ``config``'s reward and loss settings at ``temperature``."""
-    from lightning_troll.module import LossConfig, TrollModule
-    from lightning_troll.rollout import SamplingConfig
-    from lightning_troll.snapshots import SnapshotConfig
-
-    cfg = config["model"]
-    return TrollModule(
-        model=model,
-        objective="clip",
-        estimator=cfg.get("estimator", "grpo"),
-        group_size=group,
-        sampling=SamplingConfig(temperature=temperature, max_new_tokens=max_new_tokens),
-        rewards=cfg["rewards"],
-        loss=LossConfig(**cfg.get("loss", {})),
-        snapshot=SnapshotConfig(mode="shared"),
-    )
-
-
-def prompt_batch(model: str, config: dict, count: int, seed: int):
-    from lightning_troll.data import PromptDataModule
-    from lightning_troll.prompts import draw_prompts
-
-    data = PromptDataModule(**{**config["data"], "tokenizer": model})
-    data.setup("fit")
-    return draw_prompts(data.train_items, count, seed, "sparse-support")
-
-
-def response_rows(module, rollout) -> Tensor:
-    """(N, V) float32 logits of the policy at the rollout's response tokens, temperature applied."""
-    from lightning_troll.rollout import response_logits
-
-    module.policy.eval()
-    with torch.no_grad():
-        length = rollout.response_mask.shape[1]
-        logits = response_logits(
-            module.policy, rollout.input_ids, rollout.attention_mask, length, rollout.temperature
-        )
-    return logits[rollout.response_mask].float()
-
-
-def rollout_logits(module, batch, steps: int, lr: float, minibatch: int, seed: int) -> Logits:
-    """Samples a rollout, keeps the old logits, takes ``steps`` clipped-GRPO AdamW steps on its
-    minibatches and returns the old and new logits at its response tokens."""
-    from lightning_troll.callbacks import RolloutGeneration
-
-    torch.manual_seed(seed)
-    module.policy.eval()
-    start = time.perf_counter()
-    rollout, _ = RolloutGeneration.collect(module, batch)
-    old = response_rows(module, rollout)
-    sampled = time.perf_counter()
-    optimizer = torch.optim.AdamW(module.policy.parameters(), lr=lr, weight_decay=0.0)
-    shuffle = torch.Generator().manual_seed(seed)
-    module.policy.train()
-    done = 0
-    while done < steps:
-        for part in rollout.minibatches(minibatch, shuffle):
-            if done == steps:
-                break
-            loss, _ = module.loss_of(part)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(module.policy.parameters(), 1.0)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            done += 1
-    stepped = time.perf_counter()
-    new = response_rows(module, rollout)
-    seq = torch.arange(rollout.num_sequences).unsqueeze(-1).expand_as(rollout.response_mask)
-    advantages = rollout.advantages[seq[rollout.response_mask]].float()
-    return Logits(
-        old=old,
-        new=new,
-        tokens=rollout.tokens[rollout.response_mask],
-        advantages=advantages,
-        temperature=rollout.temperature,
-        sequences=rollout.num_sequences,
-        seconds={"sample": sampled - start, "steps": stepped - sampled},
-    )
 
 
 # --------------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "gpu_check.py"
 sys.path.insert(0, str(SCRIPT.parent))
 import gpu_check  # noqa: E402 - examples/ is no package
+import gpu_models  # noqa: E402
 import gpu_phases  # noqa: E402
 
 EPS = 0.05  # the trust region of configs/tinymath.yaml
@@ -187,7 +188,7 @@ def test_a_shape_out_of_gpu_memory_is_retried_smaller_and_a_failing_shape_is_rec
         return {"size": size}
 
     results = gpu_phases.Results(tmp_path / "r.json")
-    shape = gpu_phases.TINY_SMOLLM2
+    shape = gpu_models.TINY_SMOLLM2
     with pytest.raises(RuntimeError, match=r"failed at shapes \['b'\]"):
         gpu_phases.each_shape(results, {"a": shape, "b": shape, "c": shape}, [4, 2, 1], measure)
     assert tried == [("a", 4), ("a", 2), ("a", 1), ("b", 4), ("c", 4)]

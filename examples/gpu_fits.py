@@ -1,0 +1,183 @@
+"""Phases 5 and 6 of ``examples/gpu_check.py`` (:mod:`gpu_phases`): whole fits through Lightning.
+
+- ``tinymath-demo``: ``lightning-troll fit --config configs/tinymath.yaml``, shortened, on this
+  device;
+- ``grpo-smollm2``: one GRPO iteration at SmolLM2-135M's shape (randomly initialised, a character
+  tokenizer) through ``TrollModule`` and a Lightning ``Trainer``, bf16-true on a GPU.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_models import (  # noqa: E402
+    SMOLLM2,
+    TINY_SMOLLM2,
+    Shape,
+    clock,
+    default_dtype,
+    model_dtype,
+    shape_figures,
+    shape_table,
+)
+
+if TYPE_CHECKING:
+    from gpu_phases import Results
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tinymath_demo(results: Results, tiny: bool) -> None:
+    """``lightning-troll fit --config configs/tinymath.yaml``, shortened, on this device."""
+    import torch
+
+    from lightning_troll.callbacks import RolloutGeneration
+    from lightning_troll.cli import run
+
+    rollouts = 2 if tiny else 100
+    accelerator = "gpu" if torch.cuda.is_available() else "cpu"
+    with tempfile.TemporaryDirectory() as logs:
+        args = ["fit", "--config", str(ROOT / "configs" / "tinymath.yaml"),
+                f"--trainer.accelerator={accelerator}", f"--trainer.max_steps={2 * rollouts}",
+                f"--trainer.val_check_interval={rollouts}", f"--trainer.default_root_dir={logs}",
+                "--trainer.enable_progress_bar=false", "--trainer.enable_checkpointing=false"]  # fmt: skip
+        if tiny:  # 16 prompts x 8 completions, two minibatches of 64 sequences
+            args += ["--data.batch_size=16", "--data.num_val=32", "--data.val_batch_size=32",
+                     "--model.optimization.minibatch_size=64"]  # fmt: skip
+        start = clock()
+        cli = run(args)
+        seconds = clock() - start
+    metrics = {k: float(v) for k, v in cli.trainer.callback_metrics.items()}
+    rollout = next(c for c in cli.trainer.callbacks if isinstance(c, RolloutGeneration))
+    rewards = rollout.mean_rewards
+    quarter = max(1, len(rewards) // 4)
+    results.update(
+        accelerator=accelerator,
+        rollouts=len(rewards),
+        fit_s=round(seconds, 2),
+        rollouts_per_s=round(len(rewards) / seconds, 3),
+        final_reward=round(rewards[-1], 4),
+        reward_first_quarter=round(sum(rewards[:quarter]) / quarter, 4),
+        reward_last_quarter=round(sum(rewards[-quarter:]) / quarter, 4),
+        val_accuracy=round(metrics["val/accuracy"], 4),
+        kl_after_max=round(metrics["trust_region/kl_after_max"], 5),
+        summary=f"{len(rewards)} rollouts in {seconds:.1f} s, reward {rewards[0]:.3f} -> "
+        f"{rewards[-1]:.3f}, val accuracy {metrics['val/accuracy']:.3f}",
+    )
+
+
+def parity_reward(prompt: str, completion: str, row) -> float:
+    """A stand-in reward for a randomly initialised model: the CRC-32 parity of the completion
+    (any reward is arbitrary there; this one gives each group a spread)."""
+    import zlib
+
+    return float(zlib.crc32(completion.encode("utf-8")) % 2)
+
+
+def smollm2_directory(path: Path, shape: Shape) -> None:
+    """A randomly initialised model of ``shape`` and a character tokenizer of as many tokens
+    (TinyMath's 17, then one code point each), saved like a hub model."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lightning_troll.tinymath import CHARACTERS, SPECIAL_TOKENS, char_tokenizer
+
+    extra = shape.vocab - len(SPECIAL_TOKENS) - len(CHARACTERS)
+    tokenizer = char_tokenizer(CHARACTERS + "".join(chr(0x100 + i) for i in range(extra)))
+    config = LlamaConfig(
+        vocab_size=shape.vocab,
+        hidden_size=shape.hidden,
+        intermediate_size=shape.mlp,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        head_dim=shape.head_dim,
+        max_position_embeddings=2048,
+        rope_theta=100_000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(0)
+    with default_dtype(model_dtype()):
+        LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+
+
+def grpo_smollm2(results: Results, tiny: bool) -> None:
+    """One GRPO iteration (a rollout, then two TROLL steps) at SmolLM2-135M's shape through
+    ``TrollModule`` and a Lightning ``Trainer``: bf16-true on a GPU."""
+    import torch
+    from lightning.pytorch import Callback, Trainer
+
+    from lightning_troll.callbacks import OldPolicyRefresh, RolloutGeneration, TrustRegionMonitor
+    from lightning_troll.data import PromptDataModule
+    from lightning_troll.module import OptimizationConfig, TrollModule
+    from lightning_troll.rewards import REWARD_FUNCTIONS, register_reward
+    from lightning_troll.rollout import SamplingConfig
+
+    cuda = torch.cuda.is_available()
+    shape, prompts, group, new_tokens = (TINY_SMOLLM2, 4, 4, 8) if tiny else (SMOLLM2, 32, 8, 128)
+    if "parity" not in REWARD_FUNCTIONS:
+        register_reward("parity")(parity_reward)
+    marks: dict[str, float] = {}
+
+    class Mark(Callback):
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            marks[self.name] = clock()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            marks["trained"] = clock()
+
+    with tempfile.TemporaryDirectory() as model_dir:
+        start = clock()
+        smollm2_directory(Path(model_dir), shape)
+        module = TrollModule(
+            model=model_dir,
+            dtype="bfloat16" if cuda else "float32",
+            group_size=group,
+            sampling=SamplingConfig(max_new_tokens=new_tokens),
+            rewards={"parity": 1.0},
+            optimization=OptimizationConfig(minibatch_size=prompts * group // 2),
+            optimizer=lambda params: torch.optim.AdamW(params, lr=1e-5),
+        )
+        data = PromptDataModule(source="tinymath", tokenizer=model_dir, batch_size=prompts,
+                                num_train=prompts, num_val=0)  # fmt: skip
+        rollout = RolloutGeneration(log_samples=0)
+        monitor = TrustRegionMonitor(histogram_every_n_rollouts=1000)
+        trainer = Trainer(
+            accelerator="gpu" if cuda else "cpu", devices=1,
+            precision="bf16-true" if cuda else "32-true", max_steps=2, logger=False,
+            callbacks=[Mark("start"), rollout, Mark("sampled"), OldPolicyRefresh(), monitor],
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            num_sanity_val_steps=0, limit_val_batches=0,
+        )  # fmt: skip
+        built = clock()
+        trainer.fit(module, datamodule=data)
+        done = clock()
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    results.update(
+        **shape_figures("smollm2-135m", shape),
+        shapes=shape_table({"smollm2-135m": shape}),
+        sequences=prompts * group,
+        new_tokens=new_tokens,
+        precision=trainer.precision,
+        build_s=round(built - start, 2),
+        fit_s=round(done - built, 2),
+        rollout_s=round(marks["sampled"] - marks["start"], 3),
+        train_s=round(marks["trained"] - marks["sampled"], 3),
+        final_reward=round(metrics["reward/mean"], 4),
+        kl_after_max=round(metrics["trust_region/kl_after_max"], 5),
+        mean_length=round(metrics["completion/mean_length"], 2),
+        summary=f"iteration {marks['trained'] - marks['start']:.2f} s (rollout "
+        f"{marks['sampled'] - marks['start']:.2f} s), reward {metrics['reward/mean']:.3f}",
+    )
