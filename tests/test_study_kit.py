@@ -1,5 +1,5 @@
 """The studies' shared machinery (examples/study_kit.py, with its tables and plots in
-examples/study_figures.py) and the paper-regime study on it."""
+examples/study_figures.py), the paper-regime study on it, and the size of every example."""
 
 from __future__ import annotations
 
@@ -14,6 +14,9 @@ from types import SimpleNamespace
 import pytest
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+MAX_LINES = 400
+"""The most lines an example script may have: past it, split the script by concern (the studies
+share this machinery for that reason)."""
 
 
 def load(name: str):
@@ -75,6 +78,12 @@ def test_choose_lrs_takes_the_best_pilot_whose_constraint_acts():
     assert paper.choose_lrs(pilots) == {"clip": 3e-6, "troll": 1e-5}
     # where no pilot's constraint acts, the best of all is taken (and the table shows 0%)
     assert paper.choose_lrs([pilots[0], pilots[3]]) == {"clip": 1e-6, "troll": 1e-6}
+
+
+@pytest.mark.parametrize("path", sorted(EXAMPLES.glob("*.py")), ids=lambda p: p.name)
+def test_every_example_is_at_most_400_lines(path):
+    lines = len(path.read_text().splitlines())
+    assert lines <= MAX_LINES, f"examples/{path.name} has {lines} lines; split it by concern"
 
 
 def test_grid_refuses_other_settings_in_the_same_folder(tmp_path):
