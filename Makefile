@@ -81,12 +81,12 @@ bench: setup
 # a transformers folder. A second call finds the folder and returns at once.
 SMOLLM2_DIR ?= models/SmolLM2-135M-Instruct
 smollm2: setup
-	$(PY) -m lightning_troll.smollm2 --out $(SMOLLM2_DIR)
+	$(PY) -m lightning_troll.models.smollm2 --out $(SMOLLM2_DIR)
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info
 
-# -- the GPU check: a machine with a CUDA GPU (README, "GPU check") ------------------------------
+# -- the GPU check: a machine with a CUDA GPU (docs/gpu-and-fsdp.md, "GPU check") --------------
 #   make gpu-wheels   here, with a package index: the wheels a GPU machine's image may lack
 #   make gpu-install  there, without an index: those wheels and the project, over its CUDA torch
 #   make gpu-check    there: examples/gpu_check.py (GPU_CHECK_ARGS=--tiny: tiny shapes, any CPU)

@@ -3,7 +3,7 @@
 The command line adds it when checkpointing is on and no other checkpoint callback is given,
 as Lightning adds its own ``ModelCheckpoint``. It writes only between two rollouts, where a
 resumed run continues step for step (a checkpoint inside a rollout would make it sample that
-rollout again; see the README, "Resuming and faults").
+rollout again; see docs/troubleshooting.md, "Resuming").
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ class OldPolicyRefresh(Callback):
     With ``every_n_rollouts=1`` every rollout is sampled by the current policy, so the first
     minibatch of each rollout is on-policy; larger values sample several rollouts from a lagging
     snapshot. The count survives a checkpoint. The refresh is ``model.snapshot.refresh``: a copy,
-    a re-quantisation, or an adapter copy (see :mod:`lightning_troll.snapshots`); a shared snapshot
+    a re-quantisation, or an adapter copy (see :mod:`lightning_troll.models.snapshots`); a shared snapshot
     is the policy and refuses ``every_n_rollouts > 1`` before training.
 
     At the start of a fit it warns (once) when the configuration makes every optimiser step

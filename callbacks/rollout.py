@@ -12,20 +12,20 @@ from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_troll.behaviour import BehaviourRecorder, records_while_sampling
 from lightning_troll.callbacks.samples import RolloutReport, Samples, samples_table
-from lightning_troll.dynamic_sampling import choose_groups
-from lightning_troll.prompts import PromptBatch, draw_prompts
-from lightning_troll.rewards import RewardOutput, reward_tag
-from lightning_troll.rollout import Rollout, behaviour_outputs, sample
-from lightning_troll.sharding import gathered, is_sharded
-from lightning_troll.timing import clock
+from lightning_troll.data.prompts import PromptBatch, draw_prompts
+from lightning_troll.models.sharding import gathered, is_sharded
+from lightning_troll.rewards.registry import RewardOutput, reward_tag
+from lightning_troll.rollouts.behaviour import BehaviourRecorder, records_while_sampling
+from lightning_troll.rollouts.dynamic_sampling import choose_groups
+from lightning_troll.rollouts.rollout import Rollout, behaviour_outputs, sample
+from lightning_troll.rollouts.timing import clock
 
 __all__ = ["RolloutGeneration", "RolloutReport", "Samples", "samples_table"]
 
 
 class RolloutGeneration(Callback):
-    """Turns each batch of prompts into a :class:`~lightning_troll.rollout.Rollout`.
+    """Turns each batch of prompts into a :class:`~lightning_troll.rollouts.rollout.Rollout`.
 
     Before every training step: the frozen snapshot (the behaviour policy) samples
     ``model.group_size`` completions per prompt with ``model.sampling`` (left padding, KV cache,
@@ -77,7 +77,7 @@ class RolloutGeneration(Callback):
         if not (hasattr(data, "train_items") and hasattr(data, "seed")):
             raise ValueError(
                 "model.dynamic_sampling=true draws its extra prompts from the training prompts "
-                "of a lightning_troll.data.PromptDataModule; fit with one (the lightning-troll "
+                "of a lightning_troll.data.datamodule.PromptDataModule; fit with one (the lightning-troll "
                 f"command does), not {type(data).__name__}"
             )
 

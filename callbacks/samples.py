@@ -15,10 +15,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_troll.advantages import flat_groups
-from lightning_troll.behaviour import BehaviourRecord
-from lightning_troll.dynamic_sampling import cat_sequences, group_rows
-from lightning_troll.rewards import RewardOutput
+from lightning_troll.objectives.advantages import flat_groups
+from lightning_troll.rewards.registry import RewardOutput
+from lightning_troll.rollouts.behaviour import BehaviourRecord
+from lightning_troll.rollouts.dynamic_sampling import cat_sequences, group_rows
 
 __all__ = ["RolloutReport", "Samples", "samples_table"]
 

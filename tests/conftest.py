@@ -24,8 +24,8 @@ def pytest_collection_modifyitems(config, items) -> None:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A randomly initialised 2-layer model of the TinyMath vocabulary, in a local directory."""
-    from lightning_troll.models import tiny_causal_lm
-    from lightning_troll.tinymath import build_tokenizer
+    from lightning_troll.models.loading import tiny_causal_lm
+    from lightning_troll.models.tinymath import build_tokenizer
 
     path = tmp_path_factory.mktemp("tiny_model")
     tokenizer = build_tokenizer()
@@ -47,7 +47,7 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """SmolLM2-135M-Instruct converted into models/ (fetched once; reused when present)."""
-    from lightning_troll import smollm2
+    from lightning_troll.models import smollm2
 
     folder = Path(__file__).resolve().parents[1] / smollm2.DEFAULT_DIR
     if not (folder.parent / smollm2.GGUF_NAME).is_file():

@@ -37,11 +37,11 @@ STEPS_PER_ROLLOUT = 2  # epochs_per_rollout: the second pass over a rollout is o
 def scripted_sample(
     model, prompt_ids, group_size, sampling, pad_id, eos_id, do_sample=True, recorder=None
 ):
-    """Stands in for :func:`lightning_troll.rollout.sample`: the j-th completion of a prompt is
+    """Stands in for :func:`lightning_troll.rollouts.rollout.sample`: the j-th completion of a prompt is
     a fixed function of (prompt, j), of varying length, ended by EOS unless it fills the budget.
     ``eos_id`` is one id or several (the module's stop ids); the first ends the completions.
     A ``recorder`` is fed the model's logits position by position, as ``generate`` feeds it."""
-    from lightning_troll.rollout import left_pad, position_ids, response_mask_of
+    from lightning_troll.rollouts.rollout import left_pad, position_ids, response_mask_of
 
     stop = eos_id if isinstance(eos_id, int) else eos_id[0]
     budget = sampling.max_new_tokens
@@ -97,11 +97,11 @@ def build(args, out: Path):
         SparsityCoverageMonitor,
         TrustRegionMonitor,
     )
-    from lightning_troll.data import PromptDataModule
-    from lightning_troll.lora import LoraConfig
-    from lightning_troll.module import OptimizationConfig, TrollModule
-    from lightning_troll.rollout import SamplingConfig
-    from lightning_troll.snapshots import SnapshotConfig
+    from lightning_troll.data.datamodule import PromptDataModule
+    from lightning_troll.models.lora import LoraConfig
+    from lightning_troll.models.snapshots import SnapshotConfig
+    from lightning_troll.rollouts.rollout import SamplingConfig
+    from lightning_troll.training.module import OptimizationConfig, TrollModule
 
     class DumpLoaded(Callback):
         """Writes what a checkpoint restored, before any training step changes it."""
@@ -192,12 +192,12 @@ def build(args, out: Path):
 
 def gather_counts(module, prompts: list[list[int]]) -> dict[str, int]:
     """All-gathers issued by sampling 8 tokens from the snapshot, with and without
-    :func:`~lightning_troll.sharding.gathered` (real sampling, no script)."""
+    :func:`~lightning_troll.models.sharding.gathered` (real sampling, no script)."""
     import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule
 
-    from lightning_troll.rollout import SamplingConfig, sample
-    from lightning_troll.sharding import gathered
+    from lightning_troll.models.sharding import gathered
+    from lightning_troll.rollouts.rollout import SamplingConfig, sample
 
     calls = {"n": 0}
     original = dist.all_gather_single  # what FSDP2 gathers weights with
@@ -226,8 +226,8 @@ def gather_counts(module, prompts: list[list[int]]) -> dict[str, int]:
 
 def greedy(module) -> torch.Tensor:
     """Greedy completions of a few prompts by the trained policy, as validation makes them."""
-    from lightning_troll.rollout import SamplingConfig, sample
-    from lightning_troll.sharding import gathered
+    from lightning_troll.models.sharding import gathered
+    from lightning_troll.rollouts.rollout import SamplingConfig, sample
 
     prompts = [module.tokenizer.encode(p) for p in ("12+34=", "7-9=", "50+50=")]
     with gathered(module.policy):

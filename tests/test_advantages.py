@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from lightning_troll.advantages import (
+from lightning_troll.objectives.advantages import (
     ADVANTAGE_ESTIMATORS,
     BASELINES,
     REWARD_SCALES,

@@ -6,9 +6,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from lightning_troll.behaviour import BehaviourRecord, BehaviourRecorder, records_while_sampling
-from lightning_troll.projection import SparseDistribution, sparsify
-from lightning_troll.rollout import SamplingConfig, behaviour_outputs, sample
+from lightning_troll.rollouts.behaviour import (
+    BehaviourRecord,
+    BehaviourRecorder,
+    records_while_sampling,
+)
+from lightning_troll.rollouts.rollout import SamplingConfig, behaviour_outputs, sample
+from lightning_troll.trust_region.projection import SparseDistribution, sparsify
 
 PROMPTS = [[1, 5, 9, 4], [1, 7], [1, 3, 3, 8, 6]]
 
@@ -170,7 +174,7 @@ def both_ways(model_dir, **options):
     ids=["troll", "clip", "dynamic-sampling-masked"],
 )
 def test_rollouts_recorded_while_sampling_equal_recomputed_ones(tiny_model_dir, options):
-    from lightning_troll.module import LossConfig
+    from lightning_troll.training.module import LossConfig
 
     options = dict(options)
     if options.pop("loss", None):

@@ -11,18 +11,18 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_troll import forward as forward_module
-from lightning_troll.chunking import check_chunk_size, row_chunks
-from lightning_troll.models import tiny_causal_lm
-from lightning_troll.module import OptimizationConfig, TrollModule
+from lightning_troll.models.loading import tiny_causal_lm
 from lightning_troll.objectives import build_objective
-from lightning_troll.rollout import (
+from lightning_troll.objectives.chunking import check_chunk_size, row_chunks
+from lightning_troll.rollouts import forward as forward_module
+from lightning_troll.rollouts.rollout import (
     behaviour_outputs,
     linear_head,
     response_hidden,
     response_logits,
 )
-from lightning_troll.sparse import sparsify
+from lightning_troll.training.module import OptimizationConfig, TrollModule
+from lightning_troll.trust_region.sparse import sparsify
 
 V, H = 61, 16  # vocabulary and hidden size of the test models (V != H, V != any other size)
 S, T = 3, 6  # prompt and response length

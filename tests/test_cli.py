@@ -9,12 +9,12 @@ import pytest
 import torch
 import yaml
 
-from lightning_troll.cli import main as cli_main
-from lightning_troll.cli import quarter_means, shows_help
-from lightning_troll.cli import run as cli_run
-from lightning_troll.module import TrollModule
+from lightning_troll.cli.command import main as cli_main
+from lightning_troll.cli.command import quarter_means, shows_help
+from lightning_troll.cli.command import run as cli_run
 from lightning_troll.objectives import ClipObjective, TrollObjective
-from lightning_troll.rewards import RewardError
+from lightning_troll.rewards.registry import RewardError
+from lightning_troll.training.module import TrollModule
 
 pytestmark = pytest.mark.slow  # whole fits: seconds each
 
@@ -537,7 +537,7 @@ def test_console_script_stopped_by_sigterm_saves_and_exits_143(tmp_path, tiny_mo
     import sys
     import time
 
-    from lightning_troll.checkpoints import check_checkpoint_file
+    from lightning_troll.training.checkpoints import check_checkpoint_file
 
     script = Path(sys.executable).parent / "lightning-troll"
     args = [str(script), "fit", "--config", str(ROOT / "configs" / "tinymath.yaml")]

@@ -10,13 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_troll.lora import LoraConfig
-from lightning_troll.models import tiny_causal_lm
-from lightning_troll.module import OptimizationConfig
+from lightning_troll.models.loading import tiny_causal_lm
+from lightning_troll.models.lora import LoraConfig
+from lightning_troll.models.tinymath import build_tokenizer
 from lightning_troll.objectives import build_objective
-from lightning_troll.projection import TrustRegionProjection, kl_projection, sparsify
-from lightning_troll.rollout import behaviour_outputs, linear_head, response_hidden
-from lightning_troll.tinymath import build_tokenizer
+from lightning_troll.rollouts.rollout import behaviour_outputs, linear_head, response_hidden
+from lightning_troll.training.module import OptimizationConfig
+from lightning_troll.trust_region.projection import TrustRegionProjection, kl_projection, sparsify
 from tests import reference
 from tests.test_chunking import TEMPERATURE, T, batch, llama, sparse_old
 from tests.test_distributed import assert_same_run, launch

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import PreTrainedTokenizerFast
 
-from lightning_troll.data import (
+from lightning_troll.data.datamodule import (
     EpochShuffleSampler,
     PromptBatch,
     PromptDataModule,
@@ -19,8 +19,8 @@ from lightning_troll.data import (
     read_rows,
     write_jsonl,
 )
-from lightning_troll.rewards import RewardScorer
-from lightning_troll.tinymath import char_tokenizer
+from lightning_troll.models.tinymath import char_tokenizer
+from lightning_troll.rewards.registry import RewardScorer
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +50,7 @@ def epoch_ids(dm: PromptDataModule, epoch: int = 0) -> list[list[int]]:
 
 
 def test_tinymath_source(tok):
-    tinymath = pytest.importorskip("lightning_troll.tinymath")
+    tinymath = pytest.importorskip("lightning_troll.models.tinymath")
     dm = make(tok, "tinymath", num_train=40, num_val=10, batch_size=8, seed=2)
     expected_train = tinymath.generate_problems(40, seed=2, split="train")
     assert sorted(item.text for item in dm.train_items) == sorted(
@@ -67,8 +67,8 @@ def test_tinymath_source(tok):
 
 
 def test_defaults_load_the_tinymath_tokenizer_by_name():
-    pytest.importorskip("lightning_troll.tinymath")
-    models = pytest.importorskip("lightning_troll.models")
+    pytest.importorskip("lightning_troll.models.tinymath")
+    models = pytest.importorskip("lightning_troll.models.loading")
     dm = PromptDataModule(num_train=16, num_val=4)
     dm.setup("fit")
     expected = models.load_tokenizer("tinymath")

@@ -105,7 +105,7 @@ def assert_same_run(reference: Path, other: Path, weight_atol: float = WEIGHT_AT
 def test_the_reference_run_trains(single):
     """The comparison means something: the weights moved far more than the tolerance, and
     the second pass over each rollout was off-policy and projected."""
-    from lightning_troll.models import load_policy
+    from lightning_troll.models.loading import load_policy
 
     initial = load_policy("tinymath").state_dict()
     trained = weights(single)["policy"]
@@ -207,7 +207,7 @@ def test_fsdp2_resumes_exactly(tmp_path):
 def test_a_model_without_decoder_layers_is_refused():
     from torch import nn
 
-    from lightning_troll.sharding import decoder_layers
+    from lightning_troll.models.sharding import decoder_layers
 
     class Flat(nn.Module):
         _no_split_modules = ["Block"]
@@ -217,8 +217,8 @@ def test_a_model_without_decoder_layers_is_refused():
 
 
 def test_decoder_layers_of_the_demo_policy():
-    from lightning_troll.models import load_policy
-    from lightning_troll.sharding import decoder_layers
+    from lightning_troll.models.loading import load_policy
+    from lightning_troll.models.sharding import decoder_layers
 
     policy = load_policy("tinymath")
     layers = decoder_layers(policy)
@@ -228,7 +228,7 @@ def test_decoder_layers_of_the_demo_policy():
 def test_fsdp1_is_refused_with_the_way_out():
     from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
 
-    from lightning_troll.module import check_strategy
+    from lightning_troll.models.sharding import check_strategy
 
     check_strategy(DDPStrategy())  # accepted
     with pytest.raises(ValueError, match=r"FSDPStrategy \(FSDP1\) is not supported.*ModelParallel"):
@@ -236,9 +236,9 @@ def test_fsdp1_is_refused_with_the_way_out():
 
 
 def test_memory_options_fsdp2_does_not_support_are_refused():
-    from lightning_troll.lora import LoraConfig
-    from lightning_troll.module import check_shardable
-    from lightning_troll.snapshots import SnapshotConfig
+    from lightning_troll.models.lora import LoraConfig
+    from lightning_troll.models.snapshots import SnapshotConfig
+    from lightning_troll.models.sharding import check_shardable
 
     check_shardable(SnapshotConfig("shared"), None)  # accepted, and run below
     check_shardable(SnapshotConfig("copy", "bfloat16"), None)
@@ -263,7 +263,7 @@ def test_a_sharded_checkpoint_exports_whole(fsdp2, tmp_path):
     policy's full weights as the two processes ended with them."""
     from transformers import AutoModelForCausalLM
 
-    from lightning_troll.cli import main as cli_main
+    from lightning_troll.cli.command import main as cli_main
 
     out, ckpt = fsdp2
     cli_main(["export", "--ckpt_path", str(ckpt), "--output_dir", str(tmp_path / "exported")])

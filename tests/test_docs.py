@@ -36,6 +36,7 @@ PAGES = (
     "logging-and-export.md",
     "api.md",
     "supports.md",
+    "architecture.md",
 )
 SECTIONS = (
     "model",
@@ -150,11 +151,11 @@ class _ParserBuilt(Exception):
 
 @pytest.fixture(scope="module")
 def fit_options() -> dict[str, argparse.Action]:
-    """Option string -> action of ``lightning-troll fit``: the parser that ``lightning_troll.cli``
+    """Option string -> action of ``lightning-troll fit``: the parser that ``lightning_troll.cli.command``
     builds, stopped before it parses anything (no model is loaded)."""
-    from lightning_troll.cli import TRAINER_DEFAULTS, TrollCLI
-    from lightning_troll.data import PromptDataModule
-    from lightning_troll.module import TrollModule
+    from lightning_troll.cli.command import TRAINER_DEFAULTS, TrollCLI
+    from lightning_troll.data.datamodule import PromptDataModule
+    from lightning_troll.training.module import TrollModule
 
     class ParserOnly(TrollCLI):
         def parse_arguments(self, parser, args) -> None:
@@ -250,7 +251,7 @@ def _flatten(config: object, prefix: str = "") -> list[str]:
 
 def cli_problems(options: dict[str, argparse.Action], line: str) -> list[str]:
     """Flags of ``lightning-troll fit|validate`` or ``export`` on ``line`` that it lacks."""
-    from lightning_troll.export import parse_args
+    from lightning_troll.cli.export import parse_args
 
     found = re.search(r"lightning-troll (fit|validate|export)\b(.*)", line)
     if not found:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_troll.cli import run as cli_run
+from lightning_troll.cli.command import run as cli_run
 
 ROOT = Path(__file__).resolve().parents[1]
 

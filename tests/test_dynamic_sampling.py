@@ -7,12 +7,12 @@ import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
 
-from lightning_troll.advantages import flat_groups
 from lightning_troll.callbacks import RolloutGeneration
-from lightning_troll.data import collate_prompts
-from lightning_troll.dynamic_sampling import cat_sequences, choose_groups, group_rows
-from lightning_troll.module import LossConfig
-from lightning_troll.prompts import draw_prompts
+from lightning_troll.data.datamodule import collate_prompts
+from lightning_troll.data.prompts import draw_prompts
+from lightning_troll.objectives.advantages import flat_groups
+from lightning_troll.rollouts.dynamic_sampling import cat_sequences, choose_groups, group_rows
+from lightning_troll.training.module import LossConfig
 from tests.test_resume import logged
 from tests.test_training import Recorder, make_data, make_module, make_trainer
 

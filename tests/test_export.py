@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lightning_troll.cli import main as cli_main
-from lightning_troll.cli import run as cli_run
-from lightning_troll.module import TrollModule
+from lightning_troll.cli.command import main as cli_main
+from lightning_troll.cli.command import run as cli_run
+from lightning_troll.training.module import TrollModule
 
 ROOT = Path(__file__).resolve().parents[1]
 

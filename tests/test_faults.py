@@ -11,13 +11,17 @@ import pytest
 import torch
 import yaml
 
-from lightning_troll.checkpoints import CheckpointError, check_checkpoint_file, check_compatible
-from lightning_troll.cli import run as cli_run
-from lightning_troll.models import load_policy, load_tokenizer, tiny_causal_lm
-from lightning_troll.module import LossConfig
+from lightning_troll.cli.command import run as cli_run
+from lightning_troll.models.loading import load_policy, load_tokenizer, tiny_causal_lm
+from lightning_troll.models.tinymath import build_tokenizer
 from lightning_troll.objectives import ClipObjective, TrollObjective
-from lightning_troll.rollout import SamplingConfig, sample
-from lightning_troll.tinymath import build_tokenizer
+from lightning_troll.rollouts.rollout import SamplingConfig, sample
+from lightning_troll.training.checkpoints import (
+    CheckpointError,
+    check_checkpoint_file,
+    check_compatible,
+)
+from lightning_troll.training.module import LossConfig
 from tests.test_training import make_data, make_module, make_trainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -164,7 +168,7 @@ def test_the_cli_resumes_with_the_checkpoints_options_and_says_so(
 ):
     """LightningCLI replaces the model options by those stored in the checkpoint. Also: the CLI
     warns when checkpoints are on another file system than the temporary directory."""
-    from lightning_troll import checkpoints
+    from lightning_troll.training import checkpoints
 
     ckpt = tmp_path / "ckpt"
     monkeypatch.setattr(
@@ -241,7 +245,7 @@ def test_a_policy_without_generation_config_samples_with_defaults(tmp_path, tiny
     policy = load_policy(tmp_path)
     assert policy.generation_config.eos_token_id == 2
     policy.generation_config = None  # a model class that sets none
-    from lightning_troll import models
+    from lightning_troll.models import loading as models
 
     policy = models._ready_to_sample(policy, str(tmp_path))
     torch.manual_seed(0)
@@ -305,7 +309,7 @@ def test_every_config_class_of_the_module_loads_with_weights_only():
     import inspect
     import typing
 
-    from lightning_troll.module import TrollModule
+    from lightning_troll.training.module import TrollModule
 
     hints = typing.get_type_hints(TrollModule.__init__)
     configs = set()

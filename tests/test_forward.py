@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_troll.forward import distinct_prompts, response_hidden
-from lightning_troll.models import tiny_causal_lm
+from lightning_troll.models.loading import tiny_causal_lm
+from lightning_troll.rollouts.forward import distinct_prompts, response_hidden
 
 G, S, T, VOCAB = 3, 6, 5, 40
 
@@ -105,7 +105,7 @@ def test_whole_sequences_run_when_no_prompt_repeats_or_layers_are_checkpointed()
 def test_training_with_shared_prompts_takes_the_same_steps(tmp_path, tiny_model_dir, behaviour):
     """Two rollouts of two off-policy steps each (shuffled minibatches of 8 of 16 sequences):
     the same losses and weights, to float32 rounding, with and without shared prompts."""
-    from lightning_troll.module import OptimizationConfig
+    from lightning_troll.training.module import OptimizationConfig
     from tests.test_training import fit, make_module, sgd
 
     weights, losses = [], []

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from lightning_troll.callbacks import RolloutGeneration
-from lightning_troll.data import PromptDataModule
-from lightning_troll.prompts import collate_prompts
-from lightning_troll.rewards import RewardError, RewardScorer
+from lightning_troll.data.datamodule import PromptDataModule
+from lightning_troll.data.prompts import collate_prompts
+from lightning_troll.rewards.registry import RewardError, RewardScorer
 from tests.test_training import make_module
 
 PROMPTS = [

@@ -14,9 +14,9 @@ import yaml
 from lightning.fabric.plugins.io import torch_io
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_troll import checkpoints
 from lightning_troll.callbacks import RolloutGeneration
-from lightning_troll.checkpoints import check_checkpoint_file, non_atomic_saves
+from lightning_troll.training import checkpoints
+from lightning_troll.training.checkpoints import check_checkpoint_file, non_atomic_saves
 from tests.test_training import make_data, make_module, make_trainer
 
 pytestmark = pytest.mark.slow  # whole fits, and processes started and killed
@@ -88,7 +88,7 @@ def command(tmp_path: Path, model_dir: Path, *extra: str) -> list[str]:
     path = tmp_path / "kill.yaml"
     path.write_text(yaml.safe_dump(config))
     base = ["fit", "--config", str(ROOT / "configs" / "tinymath.yaml"), "--config", str(path)]
-    return [sys.executable, "-m", "lightning_troll.cli", *base, *extra]
+    return [sys.executable, "-m", "lightning_troll.cli.command", *base, *extra]
 
 
 def first_logged_step(log_dir: Path) -> int:

@@ -1,177 +1,287 @@
-"""The layout of the package: small files, and the old import paths of everything that moved.
-
-Names that moved to a file of their own stay importable from where they were, as the same
-objects; checkpoints that name the option records by their old module path still load.
+"""The layout of the package: layers whose imports run one way, rooms of readable size, the old
+import paths, and checkpoints written before the move.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib
 import re
-import zipfile
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
+import lightning_troll
+
 ROOT = Path(__file__).resolve().parents[1]
-MAX_LINES = 430  # past ~400 lines a file is due for a split; this is the hard limit
-
-# (where a name was importable from, the name, the file that defines it now)
-MOVED = [
-    ("module", "ClipConfig", "objectives"),
-    ("module", "LossConfig", "objectives"),
-    ("module", "TrustRegionConfig", "objectives"),
-    ("module", "OptimizationConfig", "optimization"),
-    ("module", "TrollModule", "module"),
-    ("module", "check_strategy", "sharding"),
-    ("module", "check_shardable", "sharding"),
-    ("objectives", "AGGREGATIONS", "aggregation"),
-    ("objectives", "AGGREGATION_SIZES", "aggregation"),
-    ("objectives", "IMPORTANCE_LEVELS", "aggregation"),
-    ("objectives", "REF_KL_ESTIMATORS", "aggregation"),
-    ("objectives", "OBJECTIVES", "objectives"),
-    ("objectives", "ClipObjective", "objectives"),
-    ("objectives", "TrollObjective", "objectives"),
-    ("objectives", "build_objective", "objectives"),
-    ("objectives", "ObjectiveStats", "objective_stats"),
-    ("objectives", "ClipStats", "objective_stats"),
-    ("objectives", "TrollStats", "objective_stats"),
-    ("objectives", "PolicyObjective", "policy_objective"),
-    ("objectives", "token_entropy", "policy_objective"),
-    ("rollout", "behaviour_outputs", "forward"),
-    ("rollout", "linear_head", "forward"),
-    ("rollout", "position_ids", "forward"),
-    ("rollout", "response_hidden", "forward"),
-    ("rollout", "response_logits", "forward"),
-    ("data", "PromptDataModule", "data"),
-    ("data", "EpochShuffleSampler", "prompts"),
-    ("data", "PromptBatch", "prompts"),
-    ("data", "PromptItem", "prompts"),
-    ("data", "collate_prompts", "prompts"),
-    ("data", "read_rows", "prompts"),
-    ("data", "write_jsonl", "prompts"),
-    ("rewards", "REWARD_FUNCTIONS", "rewards"),
-    ("rewards", "RewardError", "rewards"),
-    ("rewards", "RewardFunction", "rewards"),
-    ("rewards", "RewardOutput", "rewards"),
-    ("rewards", "RewardScorer", "rewards"),
-    ("rewards", "RewardWarning", "rewards"),
-    ("rewards", "register_reward", "rewards"),
-    ("rewards", "resolve_reward", "rewards"),
-    ("rewards", "boxed", "reward_functions"),
-    ("rewards", "extract_boxed", "reward_functions"),
-    ("rewards", "gsm8k", "reward_functions"),
-    ("rewards", "last_number", "reward_functions"),
-    ("rewards", "tinymath", "reward_functions"),
-    ("rewards", "overlong", "reward_options"),
-    ("rewards", "reward_tag", "reward_options"),
-]
-# names that were in the old files' __all__ (``from ... import *`` must still give them)
-NOT_IN_ALL = {("module", "check_strategy"), ("module", "check_shardable")}
+PACKAGE = ROOT / "lightning_troll"
+FIXTURES = ROOT / "tests" / "fixtures" / "pre_layout"
+MAX_MODULE_LINES = 400
+MAX_CLASS_LINES = 250
+LAYERS = (
+    "trust_region",
+    "objectives",
+    "models",
+    "data",
+    "rewards",
+    "rollouts",
+    "training",
+    "callbacks",
+    "cli",
+)
+"""Bottom to top: a module imports only from its own layer and the layers below."""
+TORCH_ONLY = {"trust_region", "objectives"}
+"""Layers that import neither Lightning nor transformers."""
 
 
-def sources() -> list[Path]:
-    return sorted([*(ROOT / "lightning_troll").glob("*.py"), *(ROOT / "callbacks").glob("*.py")])
+def modules() -> dict[str, Path]:
+    """Every module of the package (``lightning_troll.x.y``) and its file; callbacks/ included."""
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    for path in sorted((ROOT / "callbacks").glob("*.py")):
+        name = "lightning_troll.callbacks" + ("" if path.stem == "__init__" else f".{path.stem}")
+        found[name] = path
+    return found
 
 
-@pytest.mark.parametrize("path", sources(), ids=lambda p: f"{p.parent.name}/{p.name}")
-def test_every_file_is_small(path):
+def layer_of(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in LAYERS else None
+
+
+def imports_of(path: Path, module: str) -> set[str]:
+    """The package modules ``path`` imports, at module level or inside functions."""
+    found = set()
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1])
+                base = f"{base}.{node.module}" if node.module else base
+            found.add(base)
+            found |= {f"{base}.{a.name}" for a in node.names}
+    known = modules()
+    return {m for m in found if m in known} | {m for m in found if not m.startswith("lightning")}
+
+
+def test_at_most_eight_entries_at_the_top_one_per_layer():
+    entries = {
+        p.name
+        for p in PACKAGE.iterdir()
+        if p.name not in ("__init__.py", "__main__.py", "py.typed")
+    } - {"__pycache__"}
+    assert len(entries) <= 8, sorted(entries)
+    assert entries == set(LAYERS) - {"callbacks"}
+
+
+@pytest.mark.parametrize("module", sorted(modules()))
+def test_every_module_is_small_and_every_class_too(module):
+    path = modules()[module]
     lines = len(path.read_text().splitlines())
-    assert lines <= MAX_LINES, f"{path.name} has {lines} lines; split it (limit {MAX_LINES})"
+    assert lines <= MAX_MODULE_LINES, f"{path} has {lines} lines (limit {MAX_MODULE_LINES})"
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ClassDef):
+            size = node.end_lineno - node.lineno + 1
+            assert size <= MAX_CLASS_LINES, f"{module}.{node.name} has {size} lines"
 
 
-@pytest.mark.parametrize(("old", "name", "home"), MOVED, ids=lambda v: str(v))
+def test_imports_run_down_the_layers_and_make_no_circle():
+    known = modules()
+    graph = {m: {i for i in imports_of(p, m) if i in known and i != m} for m, p in known.items()}
+    upward = []
+    for module, targets in graph.items():
+        here = LAYERS.index(layer_of(module)) if layer_of(module) else len(LAYERS)
+        for target in targets:
+            there = layer_of(target)
+            if there is not None and LAYERS.index(there) > here:
+                upward.append(f"{module} -> {target}")
+    assert not upward, "imports that run up the layers:\n" + "\n".join(upward)
+
+    # no circle among the modules (a package's __init__ re-exporting its own modules is not one)
+    def edges(module: str) -> set[str]:
+        return {t for t in graph[module] if not (module.endswith(t) or t.startswith(module + "."))}
+
+    state: dict[str, int] = {}
+
+    def visit(module: str, trail: list[str]) -> None:
+        state[module] = 1
+        for target in edges(module):
+            if state.get(target) == 1:
+                raise AssertionError("import circle: " + " -> ".join([*trail, module, target]))
+            if target not in state:
+                visit(target, [*trail, module])
+        state[module] = 2
+
+    for module in graph:
+        if module not in state:
+            visit(module, [])
+
+
+@pytest.mark.parametrize("layer", sorted(TORCH_ONLY))
+def test_the_maths_imports_torch_only(layer):
+    for module, path in modules().items():
+        if layer_of(module) != layer:
+            continue
+        outside = {
+            i.split(".")[0] for i in imports_of(path, module) if not i.startswith("lightning_troll")
+        }
+        assert not outside & {"lightning", "transformers", "peft", "datasets"}, (module, outside)
+
+
+@pytest.mark.parametrize(("old", "new"), sorted(lightning_troll.MOVED_MODULES.items()))
+def test_old_module_paths_are_the_same_modules(old, new):
+    assert importlib.import_module(f"lightning_troll.{old}") is importlib.import_module(
+        f"lightning_troll.{new}"
+    )
+
+
+# (an old flat module that is now a package, a name it exported, where the name lives now)
+PACKAGE_EXPORTS = [
+    ("objectives", "TrustRegionConfig", "objectives.options"),
+    ("objectives", "ClipConfig", "objectives.options"),
+    ("objectives", "LossConfig", "objectives.options"),
+    ("objectives", "TrollObjective", "objectives.troll"),
+    ("objectives", "ClipObjective", "objectives.clip"),
+    ("objectives", "build_objective", "objectives.registry"),
+    ("objectives", "AGGREGATIONS", "objectives.aggregation"),
+    ("objectives", "ObjectiveStats", "objectives.stats"),
+    ("objectives", "token_entropy", "objectives.base"),
+    ("data", "PromptDataModule", "data.datamodule"),
+    ("data", "read_rows", "data.prompts"),
+    ("rewards", "RewardScorer", "rewards.registry"),
+    ("rewards", "register_reward", "rewards.registry"),
+    ("rewards", "last_number", "rewards.functions"),
+    ("rewards", "overlong", "rewards.options"),
+    ("models", "load_policy", "models.loading"),
+    ("models", "tiny_causal_lm", "models.loading"),
+    ("cli", "main", "cli.command"),
+    ("cli", "TrollCLI", "cli.command"),
+    ("module", "TrollModule", "training.module"),
+    ("module", "TrustRegionConfig", "objectives.options"),
+    ("module", "OptimizationConfig", "training.optimization"),
+    ("rollout", "response_logits", "rollouts.forward"),
+]
+
+
+@pytest.mark.parametrize(("old", "name", "home"), PACKAGE_EXPORTS, ids=str)
 def test_old_import_paths_give_the_same_objects(old, name, home):
     old_module = importlib.import_module(f"lightning_troll.{old}")
     home_module = importlib.import_module(f"lightning_troll.{home}")
     assert getattr(old_module, name) is getattr(home_module, name)
-    if (old, name) not in NOT_IN_ALL:
-        assert name in old_module.__all__
-        assert name in home_module.__all__
-    defined_in = getattr(getattr(home_module, name), "__module__", home_module.__name__)
-    if callable(getattr(home_module, name)):
-        assert defined_in == home_module.__name__
+    assert name in old_module.__all__
 
 
-def test_the_readme_names_every_file_once():
-    """The README's "Where to find what" table names each file of the package, and no other."""
-    text = (ROOT / "README.md").read_text()
-    table = text.split("## Where to find what", 1)[1].split("\n## ", 1)[0]
-    named = re.findall(r"`((?:callbacks/)?[a-z_0-9]+\.py)`", table)
+def test_the_public_names_resolve():
+    assert lightning_troll.__all__ == [
+        "ADVANTAGE_ESTIMATORS",
+        "ClipObjective",
+        "ProjectionResult",
+        "SparseDistribution",
+        "TrollObjective",
+        "TrustRegionProjection",
+        "build_objective",
+        "compute_advantages",
+        "kl_projection",
+        "register_advantage_estimator",
+        "sparsify",
+    ]
+    for name in lightning_troll.__all__:
+        assert getattr(lightning_troll, name) is not None
+
+
+def test_the_architecture_page_names_every_module_once():
+    """docs/architecture.md's table of modules names each module of the package, and no other."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    table = text.split("## Every module", 1)[1].split("\n## ", 1)[0]
+    named = re.findall(r"`((?:[a-z_]+/)?[a-z_0-9]+\.py)`", table)
     files = [
-        ("callbacks/" if path.parent.name == "callbacks" else "") + path.name
-        for path in sources()
+        str(path.relative_to(PACKAGE if PACKAGE in path.parents else ROOT))
+        for path in modules().values()
         if path.name != "__init__.py"
     ]
     assert sorted(named) == sorted(files)
 
 
 def test_the_reward_registry_holds_the_built_ins_by_name():
-    from lightning_troll import reward_functions, reward_options
-    from lightning_troll.rewards import REWARD_FUNCTIONS
+    from lightning_troll.rewards import functions, options
+    from lightning_troll.rewards.registry import REWARD_FUNCTIONS
 
-    builtins = {name: getattr(reward_functions, name) for name in reward_functions.__all__}
+    builtins = {name: getattr(functions, name) for name in functions.__all__}
     del builtins["extract_boxed"]  # a helper, not a reward
-    builtins["overlong"] = reward_options.overlong
+    builtins["overlong"] = options.overlong
     assert list(REWARD_FUNCTIONS)[:5] == ["tinymath", "gsm8k", "boxed", "last_number", "overlong"]
     for name, function in builtins.items():  # tests may have registered more since
         assert REWARD_FUNCTIONS[name] is function
 
 
-@pytest.mark.slow
-def test_a_checkpoint_naming_the_old_module_paths_loads_and_resumes(tmp_path, tiny_model_dir):
-    """A checkpoint written before the option records moved out of ``lightning_troll.module``
-    names them by that path (a module built in Python keeps the records themselves in its
-    hyper-parameters). One written so, by the real save path while the classes report their old
-    module, loads with ``weights_only=True`` through ``TrollModule.load_from_checkpoint`` and
-    resumes a fit; without the old paths on the allow-list it is refused."""
-    from lightning_troll.module import (
-        ClipConfig,
-        OptimizationConfig,
-        TrollModule,
-        TrustRegionConfig,
-    )
-    from lightning_troll.resume import CHECKPOINT_CONFIGS, MOVED_CONFIGS
-    from tests.test_training import make_data, make_module, make_trainer
+# -- checkpoints written by the flat layout ------------------------------------------------------
 
-    options = {
-        "trust_region": TrustRegionConfig(eps=0.03),
-        "clip": ClipConfig(eps_low=0.1),
-        "optimization": OptimizationConfig(max_bad_steps=5),
-    }
-    trainer = make_trainer(tmp_path, 1, limit_val_batches=0)
-    trainer.fit(make_module(tiny_model_dir, **options), datamodule=make_data(tiny_model_dir))
-    old = tmp_path / "old.ckpt"
-    with pytest.MonkeyPatch.context() as patch:
-        for config, path in MOVED_CONFIGS.items():
-            patch.setattr(config, "__module__", path.rpartition(".")[0])
-        trainer.save_checkpoint(old)
-    with zipfile.ZipFile(old) as archive:
-        pickled = archive.read(next(n for n in archive.namelist() if n.endswith("data.pkl")))
-    for config, path in MOVED_CONFIGS.items():
-        module, _, name = path.rpartition(".")
-        assert f"{module}\n{name}\n".encode() in pickled
-        assert f"{config.__module__}\n{name}\n".encode() not in pickled
+
+def test_the_python_checkpoint_names_the_old_paths_and_loads_only_through_the_allow_list():
+    """api.ckpt pickles its option records by their flat paths; ``weights_only=True`` loads it
+    because those paths are allow-listed, and refuses it with the present paths alone."""
+    from lightning_troll.training.resume import CHECKPOINT_CONFIGS
 
     allowed = torch.serialization.get_safe_globals()
-    try:  # the control: with the present paths only, the old checkpoint is refused
+    try:
         torch.serialization.clear_safe_globals()
         torch.serialization.add_safe_globals(list(CHECKPOINT_CONFIGS))
-        with pytest.raises(Exception, match="lightning_troll.module"):
-            torch.load(old, weights_only=True)
+        with pytest.raises(Exception, match=r"lightning_troll\.(objectives|optimization|rollout)"):
+            torch.load(FIXTURES / "api.ckpt", weights_only=True)
     finally:
         torch.serialization.clear_safe_globals()
         torch.serialization.add_safe_globals(allowed)
+    checkpoint = torch.load(FIXTURES / "api.ckpt", weights_only=True)
+    region = checkpoint["hyper_parameters"]["trust_region"]
+    assert type(region) is lightning_troll.objectives.TrustRegionConfig
+    assert (region.support, region.max_tokens) == ("union", 8)
 
-    loaded = TrollModule.load_from_checkpoint(old, weights_only=True)
-    for name, value in options.items():
-        assert type(loaded.hparams[name]) is type(value)
-        assert loaded.hparams[name] == value
-    assert loaded.objective.projection.eps == 0.03
-    assert loaded.minibatch_loop.config.max_bad_steps == 5
 
-    resumed = make_trainer(tmp_path, 2, limit_val_batches=0)
-    module = make_module(tiny_model_dir, **options)
-    resumed.fit(module, datamodule=make_data(tiny_model_dir), ckpt_path=old, weights_only=True)
-    assert resumed.global_step == 2
+@pytest.mark.slow
+def test_a_python_checkpoint_of_the_flat_layout_loads_and_resumes(tmp_path, monkeypatch):
+    from lightning.pytorch import Trainer
+
+    from lightning_troll.callbacks import OldPolicyRefresh, RolloutGeneration
+    from lightning_troll.data import PromptDataModule
+    from lightning_troll.training.module import TrollModule
+
+    monkeypatch.chdir(ROOT)  # the checkpoint names its model folder relative to the repository
+    loaded = TrollModule.load_from_checkpoint(FIXTURES / "api.ckpt", weights_only=True)
+    assert loaded.objective.projection.support == "union"
+    assert loaded.hparams["optimization"].minibatch_size == 8
+    module = TrollModule(**{k: v for k, v in loaded.hparams.items() if not k.startswith("_")})
+    data = PromptDataModule(
+        source="tinymath", tokenizer=loaded.hparams["model"], batch_size=4, num_train=64,
+        num_val=8, val_batch_size=8, seed=0,
+    )  # fmt: skip
+    trainer = Trainer(
+        accelerator="cpu", devices=1, max_steps=6, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+        callbacks=[RolloutGeneration(log_samples=0), OldPolicyRefresh()],
+    )  # fmt: skip
+    trainer.fit(module, datamodule=data, ckpt_path=FIXTURES / "api.ckpt", weights_only=True)
+    assert trainer.global_step == 6
+
+
+@pytest.mark.slow
+def test_a_command_line_checkpoint_of_the_flat_layout_resumes(tmp_path, monkeypatch):
+    from lightning_troll.cli.command import run
+
+    monkeypatch.chdir(ROOT)
+    checkpoint = tmp_path / "cli.ckpt"
+    shutil.copy(FIXTURES / "cli.ckpt", checkpoint)
+    done = run(
+        [
+            "fit", "--config", str(FIXTURES / "config.yaml"), "--trainer.max_steps", "6",
+            "--checkpoint.dirpath", str(tmp_path), "--ckpt_path", str(checkpoint),
+        ]
+    )  # fmt: skip
+    assert done.trainer.global_step == 6
+    assert done.model.objective.projection.support == "union"

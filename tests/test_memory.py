@@ -7,11 +7,11 @@ import torch
 from lightning.pytorch import Callback
 
 from lightning_troll.callbacks import OldPolicyRefresh, RolloutGeneration
-from lightning_troll.lora import LoraConfig
-from lightning_troll.module import LossConfig, OptimizationConfig, TrollModule
-from lightning_troll.quantize import Int8Linear, quantize_rows
-from lightning_troll.rollout import behaviour_outputs
-from lightning_troll.snapshots import SnapshotConfig
+from lightning_troll.models.lora import LoraConfig
+from lightning_troll.models.quantize import Int8Linear, quantize_rows
+from lightning_troll.models.snapshots import SnapshotConfig
+from lightning_troll.rollouts.rollout import behaviour_outputs
+from lightning_troll.training.module import LossConfig, OptimizationConfig, TrollModule
 from tests.test_training import Recorder, fit, make_data, make_module, make_trainer
 
 pytestmark = pytest.mark.slow  # whole fits: seconds each

@@ -10,7 +10,7 @@ import torch
 
 from lightning_troll.callbacks import TrustRegionMonitor
 from lightning_troll.objectives import TrollObjective
-from lightning_troll.projection import sparsify
+from lightning_troll.trust_region.projection import sparsify
 
 
 class FakeModule(SimpleNamespace):

@@ -7,7 +7,6 @@ import math
 import pytest
 import torch
 
-from lightning_troll.aggregation import K3_LOG_RATIO_LIMIT, K3_MAX, SEQUENCE_LOG_RATIO_MAX
 from lightning_troll.objectives import (
     AGGREGATIONS,
     IMPORTANCE_LEVELS,
@@ -17,7 +16,12 @@ from lightning_troll.objectives import (
     build_objective,
     token_entropy,
 )
-from lightning_troll.projection import sparsify
+from lightning_troll.objectives.aggregation import (
+    K3_LOG_RATIO_LIMIT,
+    K3_MAX,
+    SEQUENCE_LOG_RATIO_MAX,
+)
+from lightning_troll.trust_region.projection import sparsify
 
 
 def binary_logits(p_new):

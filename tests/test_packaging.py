@@ -24,8 +24,8 @@ def test_editable_install_maps_callbacks_folder():
 
 def test_maths_modules_do_not_import_lightning_or_transformers():
     code = (
-        "import sys, lightning_troll.projection, lightning_troll.objectives, "
-        "lightning_troll.advantages; "
+        "import sys, lightning_troll.trust_region.projection, lightning_troll.objectives, "
+        "lightning_troll.objectives.advantages; "
         "bad = [m for m in ('lightning', 'pytorch_lightning', 'transformers') if m in sys.modules]; "
         "print(bad); sys.exit(1 if bad else 0)"
     )
@@ -94,8 +94,8 @@ def test_wheel_installs_into_a_fresh_venv(tmp_path):
     Path(site, "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     code = (
         "import importlib.util, lightning_troll, lightning_troll.callbacks as c; "
-        "from lightning_troll.projection import TrustRegionProjection; "
-        "from lightning_troll.models import load_policy; load_policy('tinymath'); "
+        "from lightning_troll.trust_region.projection import TrustRegionProjection; "
+        "from lightning_troll.models.loading import load_policy; load_policy('tinymath'); "
         "print(lightning_troll.__file__); print(c.__file__); "
         "print(importlib.util.find_spec('callbacks'))"
     )

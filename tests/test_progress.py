@@ -9,7 +9,7 @@ import pytest
 
 from lightning_troll.callbacks import RolloutProgressBar
 from lightning_troll.callbacks.progress import steps_per_rollout, total_rollouts
-from lightning_troll.module import OptimizationConfig
+from lightning_troll.training.module import OptimizationConfig
 
 
 def fakes(prompts=256, group=8, minibatch=1024, epochs=1, max_steps=400, max_epochs=-1, batches=62):

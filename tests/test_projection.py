@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.autograd import gradcheck
 
-from lightning_troll.projection import (
+from lightning_troll.trust_region.projection import (
     SparseDistribution,
     TrustRegionProjection,
     kl_projection,
@@ -470,7 +470,7 @@ def test_layer_validation():
 
 @pytest.mark.parametrize("vocab", [151_936, 40_001])
 def test_block_top_k_matches_full_top_k(vocab):
-    from lightning_troll.sparse import top_tokens
+    from lightning_troll.trust_region.sparse import top_tokens
 
     logits = torch.randn(6, vocab, generator=generator(9))
     logits[0, -1] = 50.0  # the largest value in the partial last block
@@ -619,7 +619,7 @@ def infeasible_case():
 
 
 def test_infeasible_rows_get_the_limit_by_hand():
-    from lightning_troll.kl_solver import kl_floor, project_log_probs
+    from lightning_troll.trust_region.kl_solver import kl_floor, project_log_probs
 
     new, old, eps, floors = infeasible_case()
     a = torch.log_softmax(new, -1).requires_grad_(True)
@@ -647,7 +647,7 @@ def test_infeasible_rows_get_the_limit_by_hand():
 def test_a_row_just_inside_reach_is_projected_onto_the_bound():
     """pi_new = [0.5, 0.3, 0.2, 0]: floor -log 0.9 = 0.10536; eps = 0.1054 lies just above it, so
     eta* is large but finite and the KL after projection is eps."""
-    from lightning_troll.kl_solver import project_log_probs
+    from lightning_troll.trust_region.kl_solver import project_log_probs
 
     new, old, _, floors = infeasible_case()
     a = torch.log_softmax(new[2:3], -1)

@@ -16,19 +16,24 @@ import pytest
 import torch
 from lightning.pytorch import Callback, Trainer
 
-from lightning_troll import gguf, smollm2
 from lightning_troll.callbacks import (
     OldPolicyRefresh,
     RolloutGeneration,
     SparsityCoverageMonitor,
     TrustRegionMonitor,
 )
-from lightning_troll.data import PromptDataModule
-from lightning_troll.models import load_policy, load_tokenizer, stop_token_ids, tiny_causal_lm
-from lightning_troll.module import OptimizationConfig, TrollModule
-from lightning_troll.rewards import last_number
-from lightning_troll.rollout import SamplingConfig, response_mask_of, sample
-from lightning_troll.tinymath import build_tokenizer
+from lightning_troll.data.datamodule import PromptDataModule
+from lightning_troll.models import gguf, smollm2
+from lightning_troll.models.loading import (
+    load_policy,
+    load_tokenizer,
+    stop_token_ids,
+    tiny_causal_lm,
+)
+from lightning_troll.models.tinymath import build_tokenizer
+from lightning_troll.rewards.registry import last_number
+from lightning_troll.rollouts.rollout import SamplingConfig, response_mask_of, sample
+from lightning_troll.training.module import OptimizationConfig, TrollModule
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOLLM2 = ROOT / smollm2.DEFAULT_DIR
@@ -345,7 +350,7 @@ def test_smollm2_trains_one_rollout(smollm2_dir, objective, tmp_path):
 def test_smollm2_config_runs_from_the_command_line(smollm2_dir, tmp_path, monkeypatch, capsys):
     """configs/smollm2.yaml as a user runs it (smaller batches): a rollout, two optimiser steps
     and a validation on held-out problems, with the KL bound held."""
-    from lightning_troll.cli import run
+    from lightning_troll.cli.command import run
 
     monkeypatch.chdir(ROOT)  # the config's paths are relative to the repository
     args = ["fit", "--config", str(ROOT / "configs" / "smollm2.yaml")]

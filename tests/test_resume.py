@@ -19,7 +19,7 @@ from lightning_troll.callbacks import (
     RolloutGeneration,
     TrustRegionMonitor,
 )
-from lightning_troll.module import OptimizationConfig
+from lightning_troll.training.module import OptimizationConfig
 from tests.test_training import make_data, make_module, make_trainer
 
 pytestmark = pytest.mark.slow  # whole fits: seconds each
@@ -194,7 +194,7 @@ def test_seed_per_rank_gives_each_rank_its_own_repeatable_streams():
 
     import numpy as np
 
-    from lightning_troll.checkpoints import seed_per_rank
+    from lightning_troll.training.checkpoints import seed_per_rank
 
     def draws(rank: int) -> tuple:
         torch.manual_seed(7)  # what seed_everything leaves on every process

@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 
-from lightning_troll.rewards import (
+from lightning_troll.rewards.registry import (
     REWARD_FUNCTIONS,
     RewardError,
     RewardScorer,
@@ -99,9 +99,9 @@ def test_boxed(completion, gold, expected):
 
 def test_tinymath_with_a_stand_in_answer_of(monkeypatch):
     """The reward compares ``tinymath.answer_of(completion)`` with the gold answer as text."""
-    fake = types.ModuleType("lightning_troll.tinymath")
+    fake = types.ModuleType("lightning_troll.models.tinymath")
     fake.answer_of = lambda completion: completion.split("<eos>")[0].strip() or None
-    monkeypatch.setitem(sys.modules, "lightning_troll.tinymath", fake)
+    monkeypatch.setitem(sys.modules, "lightning_troll.models.tinymath", fake)
     assert tinymath("23+58=", "81<eos>", {"answer": "81"}) == 1.0
     assert tinymath("23+58=", "81<eos>", {"answer": 81}) == 1.0  # a numeric gold answer
     assert tinymath("23+58=", "18<eos>", {"answer": "81"}) == 0.0
@@ -109,7 +109,7 @@ def test_tinymath_with_a_stand_in_answer_of(monkeypatch):
 
 
 def test_tinymath_on_generated_problems():
-    tm = pytest.importorskip("lightning_troll.tinymath")
+    tm = pytest.importorskip("lightning_troll.models.tinymath")
     rows = tm.generate_problems(20, seed=3, split="test")
     for row in rows:
         assert tinymath(row["prompt"], row["answer"] + "<eos>", row) == 1.0

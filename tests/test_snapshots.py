@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_troll.lora import LoraConfig
-from lightning_troll.quantize import Int8Embedding, Int8Linear, quantize_rows
-from lightning_troll.rollout import response_logits
-from lightning_troll.snapshots import SnapshotConfig, module_bytes
+from lightning_troll.models.lora import LoraConfig
+from lightning_troll.models.quantize import Int8Embedding, Int8Linear, quantize_rows
+from lightning_troll.models.snapshots import SnapshotConfig, module_bytes
+from lightning_troll.rollouts.rollout import response_logits
 from tests.test_training import make_module
 
 

@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from lightning_troll.chunking import HiddenRows
 from lightning_troll.objectives import TrollObjective, TrustRegionConfig
-from lightning_troll.projection import SUPPORTS, TrustRegionProjection, sparsify
+from lightning_troll.objectives.chunking import HiddenRows
+from lightning_troll.trust_region.projection import SUPPORTS, TrustRegionProjection, sparsify
 from tests.reference import dense_projection
 
 EPS = 0.05
@@ -171,8 +171,8 @@ def test_wrong_old_kind_is_named():
 
 
 def test_dense_needs_a_separate_snapshot(tiny_model_dir):
-    from lightning_troll.module import TrollModule
-    from lightning_troll.snapshots import SnapshotConfig
+    from lightning_troll.models.snapshots import SnapshotConfig
+    from lightning_troll.training.module import TrollModule
 
     with pytest.raises(ValueError, match="support='dense'.*snapshot.mode"):
         TrollModule(
@@ -190,9 +190,9 @@ def test_dense_needs_a_separate_snapshot(tiny_model_dir):
 def first_prompts(*args: str) -> tuple[int, int, list[str]]:
     """(data.seed, model.seed, the first rollout's prompts) of a ``lightning-troll fit`` command
     line, parsed and instantiated as the command does, without training."""
-    from lightning_troll.cli import TRAINER_DEFAULTS, TrollArgumentParser, TrollCLI
-    from lightning_troll.data import PromptDataModule
-    from lightning_troll.module import TrollModule
+    from lightning_troll.cli.command import TRAINER_DEFAULTS, TrollArgumentParser, TrollCLI
+    from lightning_troll.data.datamodule import PromptDataModule
+    from lightning_troll.training.module import TrollModule
 
     cli = TrollCLI(
         TrollModule,
@@ -218,7 +218,7 @@ def test_runs_with_different_seeds_see_different_prompts():
 
 
 def test_print_config_shows_the_data_seed_used(capsys):
-    from lightning_troll.cli import run
+    from lightning_troll.cli.command import run
 
     with pytest.raises(SystemExit):
         run(["fit", "--seed_everything", "7", "--print_config"])
@@ -233,7 +233,7 @@ def test_print_config_shows_the_data_seed_used(capsys):
 def test_a_fit_with_each_support_holds_the_bound(tmp_path, tiny_model_dir, support):
     """Two rollouts, two off-policy epochs each: the objective trains on the support asked for,
     and every projected row meets the bound."""
-    from lightning_troll.module import OptimizationConfig
+    from lightning_troll.training.module import OptimizationConfig
     from tests.test_training import fit, make_module
 
     module = make_module(
@@ -262,7 +262,7 @@ def test_a_fit_with_each_support_holds_the_bound(tmp_path, tiny_model_dir, suppo
 def smollm2_logits(smollm2_dir):
     """SmolLM2-135M-Instruct's old and new logits at 64 sampled response tokens (T = 1.0): 4 chat
     prompts x 2 completions of 8 tokens, then 3 AdamW steps at 1e-5 on random-sign advantages."""
-    from lightning_troll.models import load_policy, load_tokenizer
+    from lightning_troll.models.loading import load_policy, load_tokenizer
 
     torch.manual_seed(0)
     tokenizer, policy = load_tokenizer(smollm2_dir), load_policy(smollm2_dir)

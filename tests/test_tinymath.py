@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
-from lightning_troll.models import load_policy, load_tokenizer, tiny_causal_lm
-from lightning_troll.tinymath import (
+from lightning_troll.models.loading import load_policy, load_tokenizer, tiny_causal_lm
+from lightning_troll.models.tinymath import (
     CHARACTERS,
     DEFAULT_MAX_NEW_TOKENS,
     TINYMATH_DIR,

@@ -18,11 +18,11 @@ from lightning_troll.callbacks import (
     TrustRegionMonitor,
 )
 from lightning_troll.callbacks.old_policy import one_step_trap
-from lightning_troll.data import PromptDataModule
-from lightning_troll.module import OptimizationConfig, TrollModule, TrustRegionConfig
+from lightning_troll.data.datamodule import PromptDataModule
 from lightning_troll.objectives import ClipStats, TrollStats
-from lightning_troll.rewards import RewardError
-from lightning_troll.rollout import SamplingConfig
+from lightning_troll.rewards.registry import RewardError
+from lightning_troll.rollouts.rollout import SamplingConfig
+from lightning_troll.training.module import OptimizationConfig, TrollModule, TrustRegionConfig
 
 pytestmark = pytest.mark.slow  # whole fits: seconds each
 
@@ -286,8 +286,8 @@ def test_kl_end_is_the_last_weights_against_the_behaviour_policy(
     """One rollout of 16 sequences in two steps of 8; kl_end is computed after the second from its
     minibatch. Recomputed here from full logits (the monitor's path is chunked from hidden
     states): the lumped KL of TrustRegionConfig's rule and the sampled r log r - r + 1."""
-    from lightning_troll.projection import TrustRegionProjection
-    from lightning_troll.rollout import response_logits
+    from lightning_troll.rollouts.rollout import response_logits
+    from lightning_troll.trust_region.projection import TrustRegionProjection
 
     module = make_module(
         tiny_model_dir,
@@ -349,8 +349,8 @@ def test_kl_to_behaviour_is_zero_before_any_step(tiny_model_dir):
 def test_drift_from_behaviour_gives_the_sampled_tokens_log_ratios(tiny_model_dir):
     """After the weights move, the log-ratio of each sampled token is its new log-prob less the
     cached one, and the sampled KL estimate is r log r - r + 1 of it."""
-    from lightning_troll.drift import drift_from_behaviour
-    from lightning_troll.forward import response_logits
+    from lightning_troll.rollouts.drift import drift_from_behaviour
+    from lightning_troll.rollouts.forward import response_logits
 
     module = make_module(tiny_model_dir, objective="clip")
     module.cache_old_distributions = True
@@ -486,7 +486,7 @@ def test_bad_sampling_options():
 
 
 def test_nan_in_the_snapshot_stops_before_caching(tmp_path, tiny_model_dir):
-    from lightning_troll.rollout import behaviour_outputs
+    from lightning_troll.rollouts.rollout import behaviour_outputs
 
     module = make_module(tiny_model_dir)
     ids = torch.tensor([[1, 5, 6, 2], [1, 7, 8, 2]])
@@ -531,8 +531,8 @@ def test_bf16_mixed_precision_keeps_the_projection_in_float32(tmp_path, tiny_mod
 
 
 def test_a_tokenizer_larger_than_the_policy_vocabulary_is_refused(tmp_path, tiny_model_dir):
-    from lightning_troll.models import tiny_causal_lm
-    from lightning_troll.tinymath import build_tokenizer
+    from lightning_troll.models.loading import tiny_causal_lm
+    from lightning_troll.models.tinymath import build_tokenizer
 
     tokenizer = build_tokenizer()
     small = tiny_causal_lm(vocab_size=len(tokenizer) - 3, eos_token_id=2, pad_token_id=0)

@@ -7,10 +7,10 @@ import pytest
 import torch
 from lightning.pytorch import Trainer
 
-from lightning_troll.data import PromptDataModule
-from lightning_troll.prompts import seeded_generator
-from lightning_troll.rollout import sample
-from lightning_troll.validation import pass_at_k
+from lightning_troll.data.datamodule import PromptDataModule
+from lightning_troll.data.prompts import seeded_generator
+from lightning_troll.rollouts.rollout import sample
+from lightning_troll.training.validation import pass_at_k
 from tests.test_training import make_data, make_module
 
 BUDGET = "tests.reward_helpers:used_the_budget"

@@ -1,0 +1,329 @@
+"""The ``lightning-troll`` command: LightningCLI over TrollModule and PromptDataModule.
+
+    lightning-troll fit --config configs/tinymath.yaml
+    lightning-troll fit --config configs/tinymath.yaml --model.objective clip
+    lightning-troll fit --help
+
+The rollout callback, the snapshot refresh and both monitors are always present; their options
+are the top-level keys ``rollout``, ``old_policy``, ``trust_region_monitor`` and
+``sparsity_monitor``. ``model.model`` also names the tokenizer of ``data``.
+
+Logs and checkpoints follow Lightning's rule: TensorBoard logs in
+``<trainer.default_root_dir>/lightning_logs/version_<n>`` (the root is ``runs`` unless given), and
+``last.ckpt`` in its ``checkpoints`` folder (:class:`RolloutCheckpoint`, options under the
+top-level key ``checkpoint``), unless a logger or a checkpoint callback of one's own is given.
+
+Bad configuration or data, found before training starts, ends the command with
+``lightning-troll: error: <message>`` on one line and exit status 2; ``--debug`` (anywhere on the
+command line) or ``LIGHTNING_TROLL_DEBUG=1`` shows the traceback instead. Errors once training
+runs keep their traceback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import warnings
+from typing import Any
+
+from jsonargparse import set_parsing_settings
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import Checkpoint, ProgressBar
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from typing_extensions import override
+
+from lightning_troll.callbacks import (
+    OldPolicyRefresh,
+    RolloutCheckpoint,
+    RolloutGeneration,
+    RolloutProgressBar,
+    SparsityCoverageMonitor,
+    TrustRegionMonitor,
+)
+from lightning_troll.cli import export
+from lightning_troll.data.datamodule import PromptDataModule
+from lightning_troll.training.checkpoints import (
+    changed_options,
+    check_checkpoint_file,
+    non_atomic_saves,
+)
+from lightning_troll.training.module import TrollModule
+
+__all__ = ["BAD_INPUT", "TrollCLI", "main", "quarter_means", "run", "shows_help"]
+
+TRAINER_DEFAULTS = {
+    # Lightning's default logger (TensorBoard) writes to <default_root_dir>/lightning_logs
+    "default_root_dir": "runs",
+    "log_every_n_steps": 1,
+    "num_sanity_val_steps": 0,
+}
+
+BAD_INPUT: tuple[type[BaseException], ...] = (ValueError, OSError, MisconfigurationException)
+"""Errors that, raised before training starts, are bad configuration or data: the options'
+checks (``ValueError``, ``CheckpointError``), missing or unreadable files (``OSError``) and
+Lightning's own configuration checks."""
+
+DEBUG_FLAG = "--debug"
+DEBUG_VARIABLE = "LIGHTNING_TROLL_DEBUG"
+
+
+class _TrainingStarted(Callback):
+    """Marks an exception raised once training has started: a crash, not bad input."""
+
+    def __init__(self) -> None:
+        self.started = False
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.started = True
+
+    @override
+    def on_exception(
+        self, trainer: Trainer, pl_module: LightningModule, exception: BaseException
+    ) -> None:
+        if self.started:
+            with contextlib.suppress(AttributeError):
+                exception.during_training = True  # read by main()
+
+
+def quarter_means(values: list[float]) -> list[float]:
+    """The means of the four quarters of ``values`` (at least 4); when their number is not a
+    multiple of 4, the first and the last quarter have ``len // 4`` values and the middle
+    quarters share the rest."""
+    if len(values) < 4:
+        raise ValueError(f"quarter_means needs at least 4 values; got {len(values)}")
+    size = len(values) // 4
+    middle = values[size : len(values) - size]
+    half = len(middle) // 2
+    parts = [values[:size], middle[:half], middle[half:], values[-size:]]
+    return [sum(part) / len(part) for part in parts]
+
+
+def check_schedule_length(config) -> None:
+    """Refuses an LR scheduler of a fixed length (``total_steps``, as ``OneCycleLR`` has) that
+    ends before ``trainer.max_steps``: it would stop the run with an error one step after its end,
+    minutes or hours in."""
+    scheduler = config.model.get("lr_scheduler")
+    total = (getattr(scheduler, "init_args", None) or {}).get("total_steps")
+    max_steps = config.trainer.get("max_steps")
+    if total is None or max_steps is None or 0 <= max_steps <= total:
+        return
+    steps = "-1 (no limit)" if max_steps < 0 else max_steps
+    raise ValueError(
+        f"model.lr_scheduler.init_args.total_steps={total} is smaller than trainer.max_steps="
+        f"{steps}: {scheduler.class_path.rsplit('.', 1)[-1]} schedules {total} optimiser steps "
+        "and raises at the next one; set total_steps to trainer.max_steps"
+    )
+
+
+def follow_run_seed(config) -> None:
+    """Sets ``data.seed`` and ``model.seed`` to the run's seed (``seed_everything``) where they
+    are unset (null) and the run's seed is an integer, so that runs with different seeds see
+    different prompts in a different order, not only different samples."""
+    seed = config.get("seed_everything")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        return
+    for section in ("data", "model"):
+        if config.get(section) is not None and config.get(f"{section}.seed") is None:
+            config[f"{section}.seed"] = seed
+
+
+class TrollArgumentParser(LightningArgumentParser):
+    """Fills in ``data.seed`` from ``seed_everything`` while parsing, before ``--print_config``
+    prints, so that the printed config shows the seed used."""
+
+    def _parse_common(self, cfg, *args, **kwargs):
+        # Only on the whole parse (defaults merged): a config file's part of it, parsed first
+        # without defaults, may have its seed_everything replaced by the command line's.
+        if kwargs.get("defaults") and not kwargs.get("nested_parse"):
+            follow_run_seed(cfg)
+        return super()._parse_common(cfg, *args, **kwargs)
+
+
+class TrollCLI(LightningCLI):
+    """LightningCLI with the project's callbacks always on and the tokenizer linked."""
+
+    def add_arguments_to_parser(self, parser) -> None:
+        parser.add_lightning_class_args(RolloutGeneration, "rollout")
+        parser.add_lightning_class_args(OldPolicyRefresh, "old_policy")
+        parser.add_lightning_class_args(TrustRegionMonitor, "trust_region_monitor")
+        parser.add_lightning_class_args(SparsityCoverageMonitor, "sparsity_monitor")
+        parser.add_class_arguments(RolloutCheckpoint, "checkpoint", fail_untyped=False)
+        parser.link_arguments("model.model", "data.tokenizer")
+
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        """Adds the project's defaults, as Lightning adds its own: :class:`RolloutCheckpoint`
+        unless checkpointing is off or a checkpoint callback is given, and
+        :class:`RolloutProgressBar` unless the bar is off or another one is given."""
+        config = self._get(self.config_init, "trainer", default={})
+        given = config.get("callbacks") or []
+        given = list(given) if isinstance(given, list) else [given]
+        extra: list[Callback] = [_TrainingStarted()]
+        if config.get("enable_checkpointing") is not False and not any(
+            isinstance(c, Checkpoint) for c in given
+        ):
+            extra.append(self._get(self.config_init, "checkpoint"))
+        if config.get("enable_progress_bar") is not False and not any(
+            isinstance(c, ProgressBar) for c in given
+        ):
+            extra.append(RolloutProgressBar())
+        return super().instantiate_trainer(**kwargs, callbacks=given + extra)
+
+    def parse_arguments(self, parser, args) -> None:
+        """Parses, then refuses an unreadable ``--ckpt_path`` before anything is loaded."""
+        super().parse_arguments(parser, args)
+        self._given_model = None
+        subcommand = self.config.get("subcommand")
+        path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        # "last", "best", "hpc" and "registry..." are names Lightning resolves; URLs are remote
+        if not path or path in ("last", "best", "hpc") or path.startswith("registry"):
+            return
+        if "://" not in path:
+            check_checkpoint_file(path)
+        self._given_model = self.config[subcommand].model.clone()
+
+    def before_instantiate_classes(self) -> None:
+        """Refuses a learning-rate schedule shorter than the run; warns about model options the
+        checkpoint's replaced (LightningCLI resumes with the hyper-parameters stored in
+        ``--ckpt_path``, whatever the command line says)."""
+        subcommand = self.config.get("subcommand")
+        config = self.config[subcommand] if subcommand else self.config
+        follow_run_seed(config)  # seed_everything: true is drawn after parsing
+        check_schedule_length(config)
+        if self._given_model is None:
+            return
+        stored = dict(self.config[self.subcommand].model.items())
+        ignored = changed_options(self._given_model, stored)  # checkpoint's -> given
+        if ignored:
+            rank_zero_warn(
+                "--ckpt_path: a resumed run keeps the model options stored in the checkpoint; "
+                "these given ones are ignored: " + "; ".join(ignored)
+            )
+
+    def before_fit(self) -> None:
+        """Warns when checkpoints would not be saved atomically (see ``non_atomic_saves``)."""
+        for callback in self.trainer.checkpoint_callbacks:
+            directory = getattr(callback, "dirpath", None) or self.trainer.default_root_dir
+            problem = non_atomic_saves(directory)
+            if problem is not None:
+                rank_zero_warn(problem)
+
+    def after_fit(self) -> None:
+        if not self.trainer.is_global_zero:
+            return
+        checkpoint = self.checkpoint_callback
+        stopped = checkpoint is not None and checkpoint.stopped_by is not None
+        how = f"stopped by {checkpoint.stopped_by.name}" if stopped else "training finished"
+        lines = ["", f"lightning-troll: {how}"]
+        metrics = self.trainer.callback_metrics
+        for name in ("reward/mean", "val/accuracy", "trust_region/kl_after_max"):
+            if name in metrics:
+                lines.append(f"  {name:<28} {float(metrics[name]):.4f}")
+        rollouts = next(
+            (c for c in self.trainer.callbacks if isinstance(c, RolloutGeneration)), None
+        )
+        rewards = rollouts.mean_rewards if rollouts is not None else []
+        if len(rewards) >= 4:
+            first, second, third, last = quarter_means(rewards)
+            lines.append(
+                f"  {'mean reward, by quarter':<28} first {first:.3f} -> {second:.3f} -> "
+                f"{third:.3f} -> last {last:.3f} ({len(rewards)} rollouts)"
+            )
+        logger = self.trainer.logger
+        if logger is not None and logger.log_dir:
+            lines.append(f"  logs: {logger.log_dir}")
+            lines.append(f"  view: tensorboard --logdir {logger.save_dir}")
+        if checkpoint is not None and checkpoint.last_model_path:
+            path = checkpoint.last_model_path
+            lines.append(f"  checkpoint: {path}")
+            lines.append(f"  resume: the same command with --ckpt_path {path}")
+            lines.append(
+                f"  export: lightning-troll export --ckpt_path {path} --output_dir <model folder>"
+            )
+        print("\n".join(lines))
+
+    @property
+    def checkpoint_callback(self) -> RolloutCheckpoint | None:
+        """The run's :class:`RolloutCheckpoint`, if it has one."""
+        callbacks = self.trainer.callbacks
+        return next((c for c in callbacks if isinstance(c, RolloutCheckpoint)), None)
+
+
+def shows_help(args: list[str]) -> bool:
+    """Whether a command line prints option documentation: ``-h``, ``--help``, a ``--<key>.help``
+    or ``--print_config`` (whose comments can hold it)."""
+    return any(
+        arg in ("-h", "--help")
+        or arg.split("=", 1)[0].endswith(".help")
+        or arg.startswith("--print_config")
+        for arg in args
+    )
+
+
+def run(args: list[str] | None = None) -> TrollCLI:
+    """Runs the command line (``args``, or ``sys.argv``) and returns the CLI object."""
+    # The options of the config dataclasses are documented by a docstring under each field.
+    # Reading those means parsing the source of every class the parser covers (Trainer,
+    # LightningModule, ...), about 2 s per start on a 2-core CPU, so it is done only for a
+    # command line that shows the documentation.
+    given = sys.argv[1:] if args is None else args
+    set_parsing_settings(docstring_parse_attribute_docstrings=shows_help(given))
+    # The frozen snapshots are in eval mode on purpose; Lightning warns about any such module.
+    warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode")
+    # ModelCheckpoint warns that a manually optimised module's checkpoint holds the weights after
+    # the batch's optimiser steps: that is what resuming between rollouts needs.
+    warnings.filterwarnings("ignore", message=r"Using ModelCheckpoint with manual optimization")
+    return TrollCLI(
+        TrollModule,
+        PromptDataModule,
+        trainer_defaults=TRAINER_DEFAULTS,
+        save_config_kwargs={"overwrite": True},
+        parser_class=TrollArgumentParser,
+        auto_configure_optimizers=False,
+        args=args,
+    )
+
+
+def _refuse(error: BaseException) -> None:
+    """Prints ``error`` as one line and exits with status 2."""
+    message = " ".join(str(error).split()) or type(error).__name__
+    print(f"lightning-troll: error: {message}", file=sys.stderr)
+    raise SystemExit(2) from None
+
+
+def main(args: list[str] | None = None) -> None:
+    """Entry point of the ``lightning-troll`` console script.
+
+    Bad input found before training (:data:`BAD_INPUT`) prints one line and exits with status 2,
+    unless ``--debug`` is given or ``LIGHTNING_TROLL_DEBUG`` is set (then the traceback shows). A
+    run stopped by Ctrl-C or SIGTERM, after saving its checkpoint, exits with 128 + the signal.
+    """
+    given = sys.argv[1:] if args is None else args
+    debug = DEBUG_FLAG in given or os.environ.get(DEBUG_VARIABLE, "") not in ("", "0")
+    rest = [a for a in given if a != DEBUG_FLAG]
+    if rest[:1] == ["export"]:
+        try:
+            export.main(rest[1:])
+        except BAD_INPUT as error:
+            if debug:
+                raise
+            _refuse(error)
+        return
+    if args is None:  # LightningCLI reads sys.argv itself (and warns when both are given)
+        sys.argv[1:] = rest
+    try:
+        cli = run(None if args is None else rest)
+    except BAD_INPUT as error:
+        if debug or getattr(error, "during_training", False):
+            raise
+        _refuse(error)
+    checkpoint = cli.checkpoint_callback
+    if checkpoint is not None and checkpoint.stopped_by is not None:
+        raise SystemExit(128 + int(checkpoint.stopped_by))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,328 @@
+"""PolicyObjective: the machinery TROLL and clipping share (see :mod:`lightning_troll.objectives`).
+
+Both objectives share the importance level (``token``, or ``sequence`` as in GSPO), the
+aggregation over tokens and sequences (both from :mod:`lightning_troll.objectives.aggregation`), an
+optional reference-KL penalty and an entropy bonus; each returns ``(loss, stats)`` with
+``loss = -J`` (+ penalties) and a detached statistics record
+(:mod:`lightning_troll.objectives.stats`).
+
+Notation (shape comments below use these letters):
+
+    B   sequences in the (mini)batch        T   response positions, padded
+    V   vocabulary                          N   response tokens, ``mask.sum()``
+    H   hidden size of the policy           n   rows of one chunk
+
+Every objective runs in two stages: a row stage turns each response token's logit row into a
+few numbers (:class:`TokenTerms`: log-probs, entropy, regression term, projection record), and
+an aggregation stage turns those ``(N,)`` terms into the loss. ``forward`` takes ``(B, T, V)``
+logits; ``forward_hidden`` takes ``(B, T, H)`` hidden states and the output layer and runs the
+row stage on chunks of rows under activation checkpointing, so ``(N, V)`` logits never exist.
+A subclass defines the row stage's ``_token_terms`` and the surrogate ``_surrogate``.
+
+Per-token inputs are padded ``(B, T)`` tensors with a boolean ``mask`` of response tokens; the
+old policy's sparse distributions hold one row per response token in the row-major order of
+``mask`` (the order of ``logits[mask]``). Nothing here imports Lightning or transformers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, fields, replace
+from functools import partial
+
+import torch
+from torch import Tensor, nn
+
+from lightning_troll.objectives.aggregation import (
+    AGGREGATIONS,
+    IMPORTANCE_LEVELS,
+    REF_KL_ESTIMATORS,
+)
+from lightning_troll.objectives.chunking import (
+    DEFAULT_CHUNK_SIZE,
+    check_chunk_size,
+    head_logits,
+    map_row_chunks,
+)
+from lightning_troll.objectives.stats import ObjectiveStats
+from lightning_troll.trust_region.projection import ProjectionResult, SparseDistribution
+from lightning_troll.trust_region.sparse import compute_dtype
+
+__all__ = ["PolicyObjective", "TokenTerms", "check_choice", "token_entropy"]
+
+
+def check_choice(option: str, value: str, allowed: dict) -> str:
+    """``value`` if it is a key of ``allowed``, else a ``ValueError`` naming ``option``."""
+    if value not in allowed:
+        raise ValueError(f"{option} must be one of {sorted(allowed)}; got {value!r}")
+    return value
+
+
+def token_entropy(logits: Tensor) -> Tensor:
+    """Entropy of ``softmax(logits)`` per row, (..., V) -> (...), in float32 or wider.
+
+    Logits of ``-inf`` (a masked vocabulary) have no mass and add nothing, nor NaN gradients.
+    """
+    x = logits.to(compute_dtype(logits))
+    logz = torch.logsumexp(x, dim=-1, keepdim=True)
+    finite_x = x.masked_fill(x.isneginf(), 0.0)  # p = 0 there: p * x counts as 0
+    return (logz - (torch.softmax(x, dim=-1) * finite_x).sum(-1, keepdim=True)).squeeze(-1)
+
+
+def _masked_stats(values: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """mean, min, max of a 1-D tensor; zeros when it is empty."""
+    if values.numel() == 0:
+        zero = values.new_zeros(())
+        return zero, zero, zero
+    return values.mean(), values.min(), values.max()
+
+
+@dataclass(frozen=True)
+class TokenTerms:
+    """What the row stage computes per response token; the aggregation stage takes it from there."""
+
+    logprob: Tensor  # (N,) log-prob entering the importance ratio
+    new_logprob: Tensor  # (N,) log-prob of the current (unprojected) policy
+    regression: Tensor | None  # (N,) per-token regression loss, or None
+    entropy: Tensor | None = None  # (N,) entropy of the current policy
+    projection: ProjectionResult | None = None  # per-token projection record, detached
+
+    @staticmethod
+    def cat(parts: list[TokenTerms]) -> TokenTerms:
+        """The terms of consecutive chunks of rows, concatenated into one record."""
+        if len(parts) == 1:
+            return parts[0]
+
+        def cat(values: list) -> object:
+            if values[0] is None:
+                return None
+            if isinstance(values[0], ProjectionResult):
+                names = (f.name for f in fields(ProjectionResult))
+                return ProjectionResult(**{n: cat([getattr(v, n) for v in values]) for n in names})
+            return torch.cat(values)
+
+        return TokenTerms(
+            **{f.name: cat([getattr(p, f.name) for p in parts]) for f in fields(TokenTerms)}
+        )
+
+
+class PolicyObjective(nn.Module):
+    """Shared machinery of the policy objectives.
+
+    Args:
+        importance: ``token`` (PPO/GRPO) or ``sequence`` (GSPO).
+        aggregation: ``token_mean``, ``seq_mean_token_mean`` (GRPO) or
+            ``seq_mean_token_sum_norm`` (Dr.GRPO).
+        norm_length: the constant length of ``seq_mean_token_sum_norm`` (the generation budget);
+            ``None`` uses the padded length T of each batch.
+        ref_kl_coef: weight beta of the reference-KL penalty, >= 0 (0 switches it off).
+        ref_kl_estimator: ``k1`` or ``k3``.
+        entropy_coef: weight of the entropy bonus, >= 0 (0 switches it off).
+    """
+
+    def __init__(
+        self,
+        importance: str = "token",
+        aggregation: str = "token_mean",
+        norm_length: int | None = None,
+        ref_kl_coef: float = 0.0,
+        ref_kl_estimator: str = "k3",
+        entropy_coef: float = 0.0,
+    ) -> None:
+        super().__init__()
+        self.importance = check_choice("importance", importance, IMPORTANCE_LEVELS)
+        self.aggregation = check_choice("aggregation", aggregation, AGGREGATIONS)
+        self.ref_kl_estimator = check_choice(
+            "ref_kl_estimator", ref_kl_estimator, REF_KL_ESTIMATORS
+        )
+        if norm_length is not None and (isinstance(norm_length, bool) or norm_length < 1):
+            raise ValueError(f"norm_length must be None or an integer >= 1; got {norm_length!r}")
+        for name, value in (("ref_kl_coef", ref_kl_coef), ("entropy_coef", entropy_coef)):
+            if not value >= 0:
+                raise ValueError(f"{name} must be >= 0; got {value!r}")
+        self.norm_length = norm_length
+        self.ref_kl_coef = float(ref_kl_coef)
+        self.entropy_coef = float(entropy_coef)
+
+    def forward(
+        self,
+        logits: Tensor,
+        tokens: Tensor,
+        mask: Tensor,
+        advantages: Tensor,
+        old_logprobs: Tensor,
+        old: SparseDistribution | None = None,
+        ref_logprobs: Tensor | None = None,
+    ) -> tuple[Tensor, ObjectiveStats]:
+        """Loss ``-J`` (+ penalties) and its statistics.
+
+        Args:
+            logits: ``(B, T, V)`` policy logits at the positions that predict ``tokens``.
+            tokens: ``(B, T)`` sampled response tokens.
+            mask: ``(B, T)`` bool, True at response tokens.
+            advantages: ``(B,)`` per sequence or ``(B, T)`` per token.
+            old_logprobs: ``(B, T)`` log-probs of ``tokens`` under the behaviour policy.
+            old: the behaviour policy's sparse distributions, one row per response token
+                (TROLL needs them; clipping ignores them).
+            ref_logprobs: ``(B, T)`` reference-policy log-probs, needed when ``ref_kl_coef > 0``.
+        """
+        self._check_inputs("logits", logits, tokens, mask, advantages, old_logprobs, ref_logprobs)
+        terms = self._row_terms(logits[mask], tokens[mask], old)  # rows (N, V)
+        return self._aggregate(terms, mask, advantages, old_logprobs, ref_logprobs)
+
+    def forward_hidden(
+        self,
+        hidden: Tensor,
+        head: Callable[[Tensor], Tensor],
+        temperature: float,
+        tokens: Tensor,
+        mask: Tensor,
+        advantages: Tensor,
+        old_logprobs: Tensor,
+        old: SparseDistribution | None = None,
+        ref_logprobs: Tensor | None = None,
+        chunk_size: int | None = DEFAULT_CHUNK_SIZE,
+    ) -> tuple[Tensor, ObjectiveStats]:
+        """:meth:`forward` with the logits ``head(hidden) / temperature`` made chunk by chunk.
+
+        The row stage runs on ``chunk_size`` response tokens at a time; with more than one chunk
+        each runs under activation checkpointing (its logits are recomputed in the backward
+        pass), so the forward never holds ``(N, V)`` logits. Loss, gradients and statistics
+        equal those of :meth:`forward` on the full logits, up to float rounding.
+
+        Args:
+            hidden: ``(B, T, H)`` the policy's last hidden states at the positions that predict
+                ``tokens`` (after the final norm: the output layer's input).
+            head: the output layer, ``(n, H) -> (n, V)`` logits (``get_output_embeddings()``).
+            temperature: the sampling temperature, > 0; the logits are divided by it.
+            chunk_size: response tokens per chunk, >= 1; None makes one chunk of all of them.
+            tokens, mask, advantages, old_logprobs, old, ref_logprobs: as in :meth:`forward`.
+        """
+        self._check_inputs("hidden", hidden, tokens, mask, advantages, old_logprobs, ref_logprobs)
+        check_chunk_size(chunk_size, "chunk_size")
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0; got {temperature!r}")
+        n = int(mask.sum())
+        rows = old.shape[0] if isinstance(old, Tensor) else getattr(old, "num_rows", n)
+        if rows != n:
+            raise ValueError(f"old must have one row per response token, N = {n}; got {rows} rows")
+        row_terms = partial(self._hidden_terms, head=head, temperature=temperature)
+        parts = map_row_chunks(row_terms, hidden[mask], chunk_size, tokens[mask], old)
+        return self._aggregate(TokenTerms.cat(parts), mask, advantages, old_logprobs, ref_logprobs)
+
+    # The row stage: (n, V) logit rows -> per-token terms ------------------------------------------
+    def _hidden_terms(self, hidden, tokens, old, *, head, temperature) -> TokenTerms:
+        return self._row_terms(head_logits(head, hidden, temperature), tokens, old)  # (n, V)
+
+    def _row_terms(
+        self, rows: Tensor, tokens: Tensor, old: SparseDistribution | None
+    ) -> TokenTerms:
+        terms = self._token_terms(rows, tokens, old)
+        with torch.set_grad_enabled(torch.is_grad_enabled() and self.entropy_coef > 0):
+            entropy = token_entropy(rows)  # (n,)
+        return replace(terms, entropy=entropy)
+
+    # The aggregation stage: (N,) terms -> loss and statistics -----------------------------------
+    def _aggregate(
+        self,
+        terms: TokenTerms,
+        mask: Tensor,
+        advantages: Tensor,
+        old_logprobs: Tensor,
+        ref_logprobs: Tensor | None,
+    ) -> tuple[Tensor, ObjectiveStats]:
+        def scatter(values: Tensor) -> Tensor:  # (N,) -> (B, T), zeros at padding
+            return values.new_zeros(mask.shape).index_put((mask,), values)
+
+        logp = scatter(terms.logprob)  # (B, T)
+        old_logp = old_logprobs.to(logp.dtype)
+        ratio = IMPORTANCE_LEVELS[self.importance](logp, old_logp, mask)  # (B, T)
+        adv = advantages.to(logp.dtype)
+        adv = adv.unsqueeze(-1).expand_as(ratio) if adv.dim() == 1 else adv  # (B, T)
+        objective, extra = self._surrogate(ratio, adv, mask)  # (B, T)
+
+        norm = self.norm_length or mask.shape[-1]
+
+        def aggregate(values: Tensor) -> Tensor:
+            return AGGREGATIONS[self.aggregation](values, mask, norm)
+
+        policy_loss = -aggregate(objective)
+        loss = policy_loss
+        zero = policy_loss.new_zeros(())
+        regression_loss = (
+            aggregate(scatter(terms.regression)) if terms.regression is not None else zero
+        )
+        loss = loss + self._regression_weight * regression_loss
+
+        ref_kl = zero
+        if self.ref_kl_coef > 0:
+            per_token = REF_KL_ESTIMATORS[self.ref_kl_estimator](
+                scatter(terms.new_logprob), ref_logprobs.to(logp.dtype)
+            )
+            ref_kl = aggregate(per_token)
+            loss = loss + self.ref_kl_coef * ref_kl
+
+        entropy = aggregate(scatter(terms.entropy))
+        if self.entropy_coef > 0:
+            loss = loss - self.entropy_coef * entropy
+
+        token_ratios = ratio.detach()[mask]  # (N,)
+        r_mean, r_min, r_max = _masked_stats(token_ratios)
+        stats = self._stats_type(
+            loss=loss.detach(),
+            policy_loss=policy_loss.detach(),
+            regression_loss=regression_loss.detach(),
+            ref_kl=ref_kl.detach(),
+            entropy=entropy.detach(),
+            ratio_mean=r_mean,
+            ratio_min=r_min,
+            ratio_max=r_max,
+            num_tokens=mask.sum(),
+            token_ratio=token_ratios,
+            **self._token_stats(terms),
+            **extra,
+        )
+        return loss, stats
+
+    # Subclasses define these -----------------------------------------------------------------
+    _stats_type: type[ObjectiveStats] = ObjectiveStats
+    _regression_weight: float = 0.0
+    needs_old_logits: bool = False
+    """True where ``old`` must be the old policy's logit rows, not its sparse rows."""
+
+    def _token_terms(
+        self, rows: Tensor, tokens: Tensor, old: SparseDistribution | None
+    ) -> TokenTerms:
+        raise NotImplementedError
+
+    def _surrogate(self, ratio: Tensor, adv: Tensor, mask: Tensor) -> tuple[Tensor, dict]:
+        raise NotImplementedError
+
+    def _token_stats(self, terms: TokenTerms) -> dict:
+        """Objective-specific statistics from the concatenated per-token terms."""
+        return {}
+
+    # -----------------------------------------------------------------------------------------
+    def _check_inputs(
+        self, what, values, tokens, mask, advantages, old_logprobs, ref_logprobs
+    ) -> None:
+        if values.dim() != 3:
+            last = "V" if what == "logits" else "H"
+            raise ValueError(f"{what} must be (B, T, {last}); got shape {tuple(values.shape)}")
+        bt = values.shape[:2]
+        for name, t in (("tokens", tokens), ("mask", mask), ("old_logprobs", old_logprobs)):
+            if t.shape != bt:
+                raise ValueError(f"{name} must be (B, T) = {tuple(bt)}; got {tuple(t.shape)}")
+        if mask.dtype != torch.bool:
+            raise ValueError(f"mask must be a bool tensor; got {mask.dtype}")
+        if advantages.shape not in (bt[:1], bt):
+            raise ValueError(
+                f"advantages must be (B,) = ({bt[0]},) or (B, T) = {tuple(bt)}; "
+                f"got {tuple(advantages.shape)}"
+            )
+        if self.ref_kl_coef > 0 and (ref_logprobs is None or ref_logprobs.shape != bt):
+            got = None if ref_logprobs is None else tuple(ref_logprobs.shape)
+            raise ValueError(
+                f"ref_kl_coef={self.ref_kl_coef} needs ref_logprobs of shape (B, T) = "
+                f"{tuple(bt)}; got {got}"
+            )

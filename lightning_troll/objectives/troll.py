@@ -1,0 +1,101 @@
+"""TROLL: the importance ratio of the projected policy, and a regression onto it.
+
+    J_TROLL = agg_t[ pi_proj(o_t) / pi_old(o_t) * A_t ] - alpha * agg_t[ KL(pi_new || sg(pi_proj)) ]
+
+The projection is :class:`~lightning_troll.trust_region.projection.TrustRegionProjection`; the
+importance level, aggregation, penalties and the two-stage computation are
+:class:`~lightning_troll.objectives.base.PolicyObjective`'s (notation there: B sequences,
+T response positions, V vocabulary, N response tokens, n rows of one chunk). Nothing here
+imports Lightning or transformers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lightning_troll.objectives.base import PolicyObjective, TokenTerms
+from lightning_troll.objectives.chunking import HiddenRows
+from lightning_troll.objectives.stats import TrollStats
+from lightning_troll.trust_region.projection import TrustRegionProjection
+
+__all__ = ["TrollObjective"]
+
+
+class TrollObjective(PolicyObjective):
+    """TROLL: the ratio uses the projected policy, plus a regression of pi_new onto pi_proj.
+
+    Args:
+        eps: KL bound per token, > 0.
+        alpha: weight of the regression term KL(pi_new || sg(pi_proj)), >= 0.
+        max_tokens: the most tokens kept per row by probability, >= 1.
+        mass_delta: stop keeping tokens once their mass reaches ``1 - mass_delta``, in [0, 1).
+        keep_sampled_token: always add the sampled token to the projection's support (see
+            :class:`~lightning_troll.trust_region.projection.TrustRegionProjection`); the behaviour policy's
+            cached distributions should then hold it too (``sparsify(..., keep=tokens)``).
+        support: ``union``, ``official`` or ``dense`` (:mod:`lightning_troll.trust_region.supports`); with
+            ``dense`` the objective's ``old`` is the old policy's logit rows (an ``(N, V)``
+            tensor, or :class:`~lightning_troll.objectives.chunking.HiddenRows`) instead of sparse rows.
+        **kwargs: see :class:`PolicyObjective`.
+    """
+
+    _stats_type = TrollStats
+
+    def __init__(
+        self,
+        eps: float = 0.05,
+        alpha: float = 1.0,
+        max_tokens: int = 64,
+        mass_delta: float = 1e-5,
+        keep_sampled_token: bool = True,
+        support: str = "union",
+        **kwargs,
+    ) -> None:
+        super().__init__(**kwargs)
+        if not alpha >= 0:
+            raise ValueError(f"alpha must be >= 0; got {alpha!r}")
+        self.alpha = float(alpha)
+        self.projection = TrustRegionProjection(
+            eps=eps,
+            max_tokens=max_tokens,
+            mass_delta=mass_delta,
+            keep_token=keep_sampled_token,
+            support=support,
+        )
+
+    @property
+    def needs_old_logits(self) -> bool:
+        """Whether ``old`` must be the old policy's logit rows (``support: dense``)."""
+        return self.projection.needs_old_logits
+
+    @property
+    def _regression_weight(self) -> float:  # type: ignore[override]
+        return self.alpha
+
+    def extra_repr(self) -> str:
+        return f"alpha={self.alpha}"
+
+    def _token_terms(self, rows, tokens, old) -> TokenTerms:
+        if old is None:
+            raise ValueError("TrollObjective needs old: the behaviour policy's SparseDistribution")
+        if isinstance(old, HiddenRows):
+            with torch.no_grad():
+                old = old.logits()  # (n, V)
+        result = self.projection(rows, old, tokens)
+        return TokenTerms(
+            result.logprob,
+            result.new_logprob,
+            result.regression_kl,
+            projection=result.detach(),
+        )
+
+    def _token_stats(self, terms: TokenTerms) -> dict:
+        projected = terms.projection.eta > 0  # (N,)
+        count = max(projected.numel(), 1)
+        return {
+            "projection": terms.projection,
+            "active_frac": projected.sum() / count,
+            "infeasible_frac": terms.projection.infeasible.sum() / count,
+        }
+
+    def _surrogate(self, ratio, adv, mask):
+        return ratio * adv, {}

@@ -1,0 +1,331 @@
+"""Reward functions: the registry of them by name, and the scorer of a rollout with several.
+
+A reward function is any callable ``fn(prompt, completion, row) -> float``: ``prompt`` is the
+formatted prompt text, ``completion`` the generated text (prompt excluded) and ``row`` the
+dataset row the prompt came from (the DataModule stores the gold answer under ``"answer"``).
+Built-ins, registered by name (defined in :mod:`lightning_troll.rewards.functions`, ``overlong``
+in :mod:`lightning_troll.rewards.options`):
+
+    tinymath  1.0 if ``tinymath.answer_of(completion)`` equals ``row["answer"]``
+    gsm8k     the number after the last ``####``, compared numerically with the gold answer
+    boxed     the content of the last ``\\boxed{...}``, compared after normalisation
+    last_number  the last number in the completion, compared numerically with the gold answer
+    overlong  DAPO's soft overlong penalty: 0, then falling linearly to -1 over the last
+              ``buffer`` tokens of the completion budget
+
+A function may take more keyword parameters: per-completion ones the scorer passes and others
+bound from the configuration (see :mod:`lightning_troll.rewards.options`).
+
+Add your own with :func:`register_reward`, or name any function by import path
+(``"my_package.my_module:my_reward"``). :class:`RewardScorer` runs a weighted set of them over
+B = P * G completions and returns ``(B,)`` tensors.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import math
+import numbers
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+import torch
+from torch import Tensor
+
+from lightning_troll.rewards.functions import boxed, extract_boxed, gsm8k, last_number, tinymath
+from lightning_troll.rewards.options import (
+    bind_kwargs,
+    call_arguments,
+    overlong,
+    reward_tag,
+    sample_keywords,
+)
+
+__all__ = [
+    "REWARD_FUNCTIONS",
+    "RewardError",
+    "RewardFunction",
+    "RewardOutput",
+    "RewardScorer",
+    "RewardWarning",
+    "boxed",
+    "extract_boxed",
+    "gsm8k",
+    "last_number",
+    "overlong",
+    "register_reward",
+    "resolve_reward",
+    "reward_tag",
+    "tinymath",
+]
+
+
+class RewardFunction(Protocol):
+    """Scores one completion: a finite float (or bool), higher is better."""
+
+    def __call__(self, prompt: str, completion: str, row: Mapping[str, Any]) -> float: ...
+
+
+REWARD_FUNCTIONS: dict[str, RewardFunction] = {
+    "tinymath": tinymath,
+    "gsm8k": gsm8k,
+    "boxed": boxed,
+    "last_number": last_number,
+    "overlong": overlong,
+}
+"""Reward functions by name: the built-ins, and those added with :func:`register_reward`."""
+
+
+class RewardError(ValueError):
+    """A reward function raised, or returned something that is not a finite number."""
+
+
+class RewardWarning(UserWarning):
+    """Samples were dropped because a reward function failed on them (``on_error="drop"``)."""
+
+
+def register_reward(name: str) -> Callable[[RewardFunction], RewardFunction]:
+    """Decorator: adds ``fn(prompt, completion, row) -> float`` to the registry under ``name``."""
+
+    def add(fn: RewardFunction) -> RewardFunction:
+        if name in REWARD_FUNCTIONS:
+            raise ValueError(f"a reward function named {name!r} is already registered")
+        REWARD_FUNCTIONS[name] = fn
+        return fn
+
+    return add
+
+
+# ----------------------------------------------------------------------------- resolution
+
+
+def resolve_reward(spec: str | Callable[..., Any]) -> RewardFunction:
+    """A reward function from a registry name, an import path, or a callable (returned as is).
+
+    Import paths: ``"package.module:function"`` or ``"package.module.function"``; the part after
+    ``:`` may be dotted (``"package.module:Class.method"``).
+    """
+    if callable(spec) and not isinstance(spec, str):
+        return spec
+    if not isinstance(spec, str) or not spec:
+        raise ValueError(
+            f"a reward must be a registered name, an import path or a callable; got {spec!r}"
+        )
+    if spec in REWARD_FUNCTIONS:
+        return REWARD_FUNCTIONS[spec]
+    if ":" in spec:
+        module_name, _, attr_path = spec.partition(":")
+    elif "." in spec:
+        module_name, _, attr_path = spec.rpartition(".")
+    else:
+        raise ValueError(
+            f"unknown reward {spec!r}; registered rewards are {sorted(REWARD_FUNCTIONS)}, or give "
+            "an import path 'package.module:function' (or 'package.module.function') of a "
+            "function fn(prompt, completion, row) -> float"
+        )
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"reward {spec!r}: cannot import module {module_name!r}: {exc}") from exc
+    for part in attr_path.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"reward {spec!r}: {module_name!r} has no attribute {attr_path!r}")
+        obj = getattr(obj, part)
+    if inspect.isclass(obj) or not callable(obj):
+        what = "a class" if inspect.isclass(obj) else f"a {type(obj).__name__}, not callable"
+        raise ValueError(
+            f"reward {spec!r} is {what}; point at a function (or callable object) "
+            "fn(prompt, completion, row) -> float"
+        )
+    return obj
+
+
+# ----------------------------------------------------------------------------- scoring
+
+
+@dataclass(frozen=True)
+class RewardOutput:
+    """Rewards of B completions; every tensor is (B,) and detached."""
+
+    total: Tensor
+    """(B,) float32 weighted sum over the functions; 0.0 where ``valid`` is False."""
+    per_function: dict[str, Tensor]
+    """name -> (B,) float32 unweighted reward of that function (0.0 where ``valid`` is False)."""
+    valid: Tensor
+    """(B,) bool; False where some function failed and ``on_error="drop"`` dropped the sample."""
+
+
+def _score(
+    fn: RewardFunction, prompt: str, completion: str, row: Mapping[str, Any], extra: dict
+) -> tuple[float, str | None, BaseException | None]:
+    """(reward, None, None), or (0.0, what went wrong, the exception if one was raised)."""
+    try:
+        value = fn(prompt, completion, row, **extra)
+    except Exception as exc:  # a user's function may raise anything
+        return 0.0, f"raised {type(exc).__name__}: {exc}", exc
+    number = _as_float(value)
+    if number is None:
+        problem = (
+            f"returned {_short(repr(value))} ({type(value).__name__}); a reward must be a number "
+            "(or bool) finite in float32"
+        )
+        return 0.0, problem, None
+    return number, None, None
+
+
+def _unique_name(fn: Callable[..., Any], taken: Mapping[str, Any]) -> str:
+    """``fn.__name__``, with ``_2``, ``_3``, ... appended while another function holds it."""
+    base = getattr(fn, "__name__", type(fn).__name__)
+    name, n = base, 1
+    while name in taken and taken[name] is not fn:
+        n += 1
+        name = f"{base}_{n}"
+    return name
+
+
+def _short(text: str, limit: int = 80) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+def _as_float(value: Any) -> float | None:
+    """A float from a bool, real number or one-element tensor, finite in float32 (rewards are
+    kept in float32); None for anything else."""
+    if isinstance(value, Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, numbers.Real):  # bool is an int: True -> 1.0
+        try:
+            value = float(value)
+        except OverflowError:  # an int beyond any float
+            return None
+        return value if abs(value) <= _FLOAT32_MAX else None  # NaN fails this too
+    return None
+
+
+class RewardScorer:
+    """Several reward functions with weights: ``total = sum_k weight_k * reward_k``.
+
+    Args:
+        rewards: Reward functions (registry names, import paths or callables) to weights, or a
+            list of them (weight 1 each). Weights must be finite; 0 logs a reward without
+            training on it, a negative weight makes it a penalty.
+        on_error: What a function that raises, or returns None, NaN, inf or a non-number, does:
+            ``"raise"`` (default) raises :class:`RewardError` naming the function, the sample and
+            the problem; ``"drop"`` (opt-in) marks that sample invalid (``valid[i] = False``,
+            total 0.0) and warns once per call with the count.
+        kwargs: Keyword arguments bound to functions by name, e.g. ``{"overlong": {"buffer":
+            256}}``; each name must be one of ``rewards`` and each argument one its function takes.
+    """
+
+    def __init__(
+        self,
+        rewards: Mapping[str, float] | Sequence[str],
+        on_error: Literal["raise", "drop"] = "raise",
+        kwargs: Mapping[str, Mapping[str, Any]] | None = None,
+    ) -> None:
+        if on_error not in ("raise", "drop"):
+            raise ValueError(f"on_error must be 'raise' or 'drop'; got {on_error!r}")
+        if isinstance(rewards, str) or callable(rewards):
+            rewards = [rewards]
+        items = (
+            list(rewards.items()) if isinstance(rewards, Mapping) else [(r, 1.0) for r in rewards]
+        )
+        if not items:
+            raise ValueError("rewards must name at least one reward function; got none")
+        self.on_error = on_error
+        self.functions: dict[str, RewardFunction] = {}
+        """name -> reward function; a callable is named by its ``__name__``."""
+        self.weights: dict[str, float] = {}
+        for spec, weight in items:
+            name = spec if isinstance(spec, str) else _unique_name(spec, self.functions)
+            if name in self.functions:
+                raise ValueError(f"rewards lists {name!r} twice; give each function once")
+            if isinstance(weight, bool) or not isinstance(weight, numbers.Real):
+                raise ValueError(f"the weight of reward {name!r} must be a number; got {weight!r}")
+            if not math.isfinite(weight):
+                raise ValueError(f"the weight of reward {name!r} must be finite; got {weight!r}")
+            self.functions[name] = resolve_reward(spec)
+            self.weights[name] = float(weight)
+        self.best: dict[str, float] = {
+            name: float(getattr(fn, "max_reward", 1.0)) for name, fn in self.functions.items()
+        }
+        """name -> the function's best score (its ``max_reward`` attribute, else 1.0)."""
+        self.kwargs = bind_kwargs(self.functions, kwargs or {})
+        """name -> keyword arguments bound to that function."""
+        self.sample_keywords = sample_keywords(self.functions)
+        """name -> the per-completion keywords (``SAMPLE_KEYWORDS``) its signature names."""
+
+    @property
+    def full_marks(self) -> float:
+        """The best total a completion can get: sum of weight * best score over the functions
+        with a positive weight (a negative weight's best is its function at 0)."""
+        return sum(w * self.best[name] for name, w in self.weights.items() if w > 0)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.weights!r}, on_error={self.on_error!r})"
+
+    def __call__(
+        self,
+        prompts: list[str],
+        completions: list[str],
+        rows: list[Mapping[str, Any]],
+        completion_tokens: Sequence[int] | None = None,
+        max_new_tokens: int | None = None,
+    ) -> RewardOutput:
+        """Scores sample i = (prompts[i], completions[i], rows[i]); all three lists have length B.
+
+        ``completion_tokens`` (B,) and ``max_new_tokens`` go to the functions that take them;
+        a function that takes them raises ``ValueError`` when they are not given.
+        """
+        size = len(completions)
+        if len(prompts) != size or len(rows) != size:
+            raise ValueError(
+                f"prompts, completions and rows must have the same length; got {len(prompts)}, "
+                f"{size} and {len(rows)}"
+            )
+        arguments = call_arguments(
+            self.sample_keywords, self.kwargs, size, completion_tokens, max_new_tokens
+        )  # name -> B keyword dicts
+        valid = [True] * size
+        scores: dict[str, list[float]] = {}
+        first_error = ""
+        for name, fn in self.functions.items():
+            scores[name] = column = [0.0] * size
+            for i, (prompt, completion, row) in enumerate(
+                zip(prompts, completions, rows, strict=True)
+            ):
+                value, problem, cause = _score(fn, prompt, completion, row, arguments[name][i])
+                if problem is None:
+                    column[i] = value
+                    continue
+                message = (
+                    f"reward function {name!r} on sample {i} (prompt {_short(prompt)!r}, "
+                    f"completion {_short(completion)!r}) {problem}"
+                )
+                if self.on_error == "raise":
+                    raise RewardError(message) from cause
+                valid[i] = False
+                first_error = first_error or message
+        dropped = valid.count(False)
+        if dropped:
+            warnings.warn(
+                f"RewardScorer dropped {dropped} of {size} samples whose rewards failed "
+                f"(on_error='drop'); the first: {first_error}",
+                RewardWarning,
+                stacklevel=2,
+            )
+        valid_t = torch.tensor(valid, dtype=torch.bool)  # (B,)
+        per_function = {
+            name: torch.tensor(column, dtype=torch.float32).masked_fill(~valid_t, 0.0)
+            for name, column in scores.items()
+        }  # name -> (B,)
+        total = torch.zeros(size, dtype=torch.float64)  # (B,)
+        for name, column in scores.items():
+            total += self.weights[name] * torch.tensor(column, dtype=torch.float64)
+        total = total.masked_fill(~valid_t, 0.0).to(torch.float32)
+        return RewardOutput(total=total, per_function=per_function, valid=valid_t)

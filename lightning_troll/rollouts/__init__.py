@@ -1,0 +1,19 @@
+"""Rollouts: sampling, the behaviour policy's log-probs and sparse rows, teacher-forced passes,
+dynamic sampling, and how far the policy drifts from the behaviour policy.
+
+- :mod:`~lightning_troll.rollouts.rollout`: the :class:`Rollout` record and sampling
+  (``model.sampling``);
+- :mod:`~lightning_troll.rollouts.behaviour`: the behaviour policy's log-probs and sparse rows
+  recorded while sampling (``model.behaviour_logprobs``);
+- :mod:`~lightning_troll.rollouts.forward`: teacher-forced passes (hidden states, logits, shared
+  prompts);
+- :mod:`~lightning_troll.rollouts.dynamic_sampling`, :mod:`~lightning_troll.rollouts.drift`,
+  :mod:`~lightning_troll.rollouts.timing`: DAPO's dynamic sampling, the drift at a rollout's end,
+  wall-clock readings.
+
+No Lightning here.
+"""
+
+from lightning_troll.rollouts.rollout import Rollout, SamplingConfig
+
+__all__ = ["Rollout", "SamplingConfig"]

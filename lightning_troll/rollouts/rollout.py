@@ -1,0 +1,254 @@
+"""Rollouts: G sampled completions per prompt, their rewards and the behaviour policy's view.
+
+A :class:`Rollout` holds everything the loss needs from the moment of sampling: the sequences,
+which positions are response tokens, the behaviour policy's token log-probs and (for TROLL) its
+sparse distributions, the rewards and the advantages. Nothing here imports Lightning.
+
+Notation: P prompts, G samples per prompt, B = P * G sequences, S prompt length (left padded),
+T response length (right padded), V vocabulary, N = response tokens (``response_mask.sum()``),
+H hidden size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, fields, replace
+
+import torch
+from torch import Tensor, nn
+from transformers import GenerationConfig, LogitsProcessorList
+
+from lightning_troll.rollouts.behaviour import BehaviourRecorder
+from lightning_troll.rollouts.forward import (  # re-exported: the teacher-forced passes over rollouts
+    behaviour_outputs,
+    linear_head,
+    position_ids,
+    response_hidden,
+    response_logits,
+)
+from lightning_troll.trust_region.projection import SparseDistribution
+
+__all__ = [
+    "Rollout",
+    "SamplingConfig",
+    "behaviour_outputs",
+    "left_pad",
+    "position_ids",
+    "linear_head",
+    "response_hidden",
+    "response_logits",
+    "response_mask_of",
+    "sample",
+]
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How the behaviour policy samples completions."""
+
+    temperature: float = 1.0
+    """Sampling temperature, > 0; the loss and the cached old distributions use it too."""
+    top_p: float = 1.0
+    """Nucleus sampling mass in (0, 1]; below 1 the importance ratios ignore the truncation."""
+    top_k: int = 0
+    """Sample among the k most probable tokens; 0 switches it off."""
+    max_new_tokens: int = 8
+    """Completion budget in tokens; a completion without EOS by then counts as truncated."""
+
+    def __post_init__(self) -> None:
+        if not self.temperature > 0:
+            raise ValueError(f"sampling.temperature must be > 0; got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"sampling.top_p must be in (0, 1]; got {self.top_p!r}")
+        if self.top_k < 0:
+            raise ValueError(f"sampling.top_k must be >= 0 (0 = off); got {self.top_k!r}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"sampling.max_new_tokens must be >= 1; got {self.max_new_tokens!r}")
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """One batch of sampled completions, as the loss sees them."""
+
+    input_ids: Tensor
+    """(B, S + T) prompt (left padded) followed by the response (right padded)."""
+    attention_mask: Tensor
+    """(B, S + T) 1 at prompt and response tokens, 0 at padding."""
+    response_mask: Tensor
+    """(B, T) bool, True at response tokens up to and including the first EOS."""
+    old_logprobs: Tensor
+    """(B, T) log-probs of the response tokens under the behaviour policy (0 at padding)."""
+    old: SparseDistribution | None
+    """The behaviour policy's sparse distributions, one row per response token (TROLL only)."""
+    rewards: Tensor
+    """(B,) total reward of each completion."""
+    advantages: Tensor
+    """(B,) advantage of each completion."""
+    truncated: Tensor
+    """(B,) bool, True where the completion hit the token budget without an EOS."""
+    temperature: float
+    """The sampling temperature, applied to every logit the loss computes from this rollout."""
+    group_size: int
+    """G, completions per prompt (rows are prompt-major)."""
+    ref_logprobs: Tensor | None = None
+    """(B, T) log-probs of the response tokens under the reference policy, if one is used."""
+
+    @property
+    def num_sequences(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def prompt_length(self) -> int:
+        return self.input_ids.shape[1] - self.response_mask.shape[1]
+
+    @property
+    def tokens(self) -> Tensor:
+        """(B, T) the response tokens."""
+        return self.input_ids[:, self.prompt_length :]
+
+    def select(self, sequences: Tensor) -> Rollout:
+        """The rollout restricted to ``sequences`` (indices into B), in ascending order."""
+        sequences = sequences.sort().values
+        old = self.old
+        if old is not None:
+            owner = torch.repeat_interleave(
+                torch.arange(self.num_sequences, device=self.response_mask.device),
+                self.response_mask.sum(-1),
+            )  # (N,) the sequence each sparse row belongs to
+            old = old.select(torch.isin(owner, sequences.to(owner.device)))
+        return replace(self, old=old, **self._map_tensors(lambda t: t[sequences]))
+
+    def minibatches(self, size: int | None, generator: torch.Generator | None = None):
+        """Shuffled minibatches of ``size`` sequences (all of them when ``size`` is None)."""
+        if size is None or size >= self.num_sequences:
+            return [self]
+        order = torch.randperm(self.num_sequences, generator=generator)
+        return self._split(order.to(self.input_ids.device), size)
+
+    def chunks(self, size: int | None) -> list[Rollout]:
+        """Consecutive parts of at most ``size`` sequences (one part when ``size`` is None)."""
+        if size is None or size >= self.num_sequences:
+            return [self]
+        return self._split(torch.arange(self.num_sequences, device=self.input_ids.device), size)
+
+    def to(self, device: torch.device | str) -> Rollout:
+        old = None if self.old is None else self.old.to(device)
+        return replace(self, old=old, **self._map_tensors(lambda t: t.to(device)))
+
+    def _split(self, order: Tensor, size: int) -> list[Rollout]:
+        """Parts of ``size`` sequences taken from ``order`` (a permutation of B), in turn."""
+        return [self.select(order[i : i + size]) for i in range(0, len(order), size)]
+
+    def _map_tensors(self, fn) -> dict[str, Tensor]:
+        """``fn`` applied to every per-sequence tensor field (None fields are left out)."""
+        return {
+            f.name: fn(getattr(self, f.name))
+            for f in fields(self)
+            if isinstance(getattr(self, f.name), Tensor)
+        }
+
+
+def left_pad(sequences: list[list[int]], pad_id: int, device=None) -> tuple[Tensor, Tensor]:
+    """Token id lists -> (B, S) ids, left padded, and the (B, S) attention mask."""
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long, device=device)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long, device=device)
+    for i, seq in enumerate(sequences):
+        if seq:
+            ids[i, width - len(seq) :] = torch.as_tensor(seq, dtype=torch.long)
+            mask[i, width - len(seq) :] = 1
+    return ids, mask
+
+
+def response_mask_of(responses: Tensor, eos_id: int | Sequence[int]) -> tuple[Tensor, Tensor]:
+    """(B, T) generated tokens -> response mask (up to and including the first EOS) and
+    truncated (B,) (no EOS at all). ``eos_id`` is one id or several (any of them ends a
+    completion, as a chat model's end-of-turn and end-of-text tokens do). Padding after EOS may
+    equal EOS; it is excluded."""
+    ids = torch.as_tensor([eos_id] if isinstance(eos_id, int) else list(eos_id))
+    is_eos = torch.isin(responses, ids.to(responses.device))  # (B, T)
+    seen = is_eos.long().cumsum(-1)  # (B, T) EOS count so far, inclusive
+    mask = (seen == 0) | (is_eos & (seen == 1))
+    return mask, ~is_eos.any(-1)
+
+
+@torch.no_grad()
+def sample(
+    model: nn.Module,
+    prompt_ids: list[list[int]],
+    group_size: int,
+    sampling: SamplingConfig,
+    pad_id: int,
+    eos_id: int | Sequence[int],
+    do_sample: bool = True,
+    recorder: BehaviourRecorder | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """G completions per prompt with the model's KV-cached ``generate``.
+
+    A completion ends at the first of the ``eos_id`` tokens (one id or several), or after
+    ``sampling.max_new_tokens``. A ``recorder`` sees the raw logits of every step (it is the
+    first logits processor; temperature, top-k and top-p come after it); call its ``finish``
+    with the generated tokens afterwards.
+
+    Returns input_ids (B, S + T), attention_mask (B, S + T), response_mask (B, T) and
+    truncated (B,), with B = len(prompt_ids) * group_size, prompt-major.
+    """
+    device = next(model.parameters()).device
+    prompts, prompt_mask = left_pad(prompt_ids, pad_id, device)  # (P, S)
+    prompts = prompts.repeat_interleave(group_size, dim=0)  # (B, S)
+    prompt_mask = prompt_mask.repeat_interleave(group_size, dim=0)
+    options = {"do_sample": do_sample, "max_new_tokens": sampling.max_new_tokens}
+    if do_sample:
+        options.update(
+            temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or None
+        )
+    else:
+        options.update(temperature=None, top_p=None, top_k=None)
+    try:
+        with _plain_generation_config(model):
+            out = model.generate(
+                input_ids=prompts,
+                attention_mask=prompt_mask,
+                pad_token_id=pad_id,
+                eos_token_id=eos_id if isinstance(eos_id, int) else list(eos_id),
+                use_cache=True,
+                logits_processor=LogitsProcessorList([] if recorder is None else [recorder]),
+                **options,
+            )  # (B, S + T')
+    except RuntimeError as error:  # NaN weights surface as torch.multinomial's complaint
+        _raise_if_not_finite(model, error)
+        raise
+    responses = out[:, prompts.shape[1] :]  # (B, T')
+    response_mask, truncated = response_mask_of(responses, eos_id)
+    responses = responses.masked_fill(~response_mask, pad_id)
+    attention_mask = torch.cat([prompt_mask, response_mask.long()], dim=-1)
+    return torch.cat([prompts, responses], dim=-1), attention_mask, response_mask, truncated
+
+
+@contextmanager
+def _plain_generation_config(model: nn.Module) -> Iterator[None]:
+    """Generation with the model's own ``generation_config`` set aside.
+
+    A hub model's config may carry a repetition penalty, banned n-grams, suppressed tokens or a
+    minimum length; ``generate`` would apply them even over explicit arguments, and the
+    completions would then come from another distribution than the one whose log-probs the
+    rollout caches and the loss uses. Only :class:`SamplingConfig` shapes the distribution.
+    """
+    saved = getattr(model, "generation_config", None)
+    model.generation_config = GenerationConfig()
+    try:
+        yield
+    finally:
+        model.generation_config = saved
+
+
+def _raise_if_not_finite(model: nn.Module, error: RuntimeError) -> None:
+    """Raises ``FloatingPointError`` naming the first non-finite weight of ``model``, if any."""
+    for name, weight in model.named_parameters():
+        if not bool(weight.isfinite().all()):
+            raise FloatingPointError(
+                f"sampling failed ({str(error).splitlines()[0]}): the sampling model's weight "
+                f"{name!r} holds NaN or inf at {int((~weight.isfinite()).sum())} entries; the "
+                "snapshot's weights are not finite, so no rollout is sampled from them"
+            ) from error

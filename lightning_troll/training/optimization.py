@@ -1,0 +1,208 @@
+"""How a rollout becomes optimiser steps: TrollModule's minibatch loop.
+
+Per rollout, ``epochs_per_rollout`` passes over shuffled minibatches of ``minibatch_size``
+sequences, each minibatch one optimiser step whose gradient is accumulated over parts of
+``micro_batch_size`` sequences. Every part's loss is weighted by its share of the minibatch's
+aggregation size (tokens or sequences, summed over all processes), so the accumulated gradient
+equals that of one pass over the whole minibatch, and with several processes that of a single
+process holding the union. A step whose loss or gradient is not finite is skipped on every
+process (``max_bad_steps`` in a row stop the run).
+
+:class:`MinibatchLoop` holds what the loop carries from rollout to rollout: the shuffle
+generator and the count of bad steps in a row (both go into checkpoints) and the statistics of
+the last rollout's steps. The loss itself comes from ``module.loss_of`` (policy forward and
+objective); the loop only decides how its gradients become steps.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+from lightning_troll.models.sharding import is_sharded
+from lightning_troll.objectives.aggregation import AGGREGATION_SIZES
+from lightning_troll.objectives.stats import ObjectiveStats
+from lightning_troll.rollouts.rollout import Rollout
+
+__all__ = ["MinibatchLoop", "OptimizationConfig"]
+
+
+@dataclass(frozen=True)
+class OptimizationConfig:
+    """How each rollout becomes optimiser steps."""
+
+    epochs_per_rollout: int = 1
+    """Passes (mu) over each rollout."""
+    minibatch_size: int | None = None
+    """Sequences per optimiser step; null uses the whole rollout."""
+    micro_batch_size: int | None = None
+    """Sequences per forward pass (gradient accumulation); null uses the whole minibatch."""
+    gradient_clip_norm: float | None = 1.0
+    """Clip the gradient norm to this value; null switches clipping off."""
+    max_bad_steps: int = 3
+    """Stop the run after this many optimiser steps in a row with a non-finite loss or gradient."""
+
+    def __post_init__(self) -> None:
+        for name in ("epochs_per_rollout", "max_bad_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"optimization.{name} must be >= 1; got {getattr(self, name)!r}")
+        for name in ("minibatch_size", "micro_batch_size"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"optimization.{name} must be null or >= 1; got {value!r}")
+        clip = self.gradient_clip_norm
+        if clip is not None and not clip > 0:
+            raise ValueError(f"optimization.gradient_clip_norm must be null or > 0; got {clip!r}")
+
+
+class MinibatchLoop:
+    """The optimiser steps of one rollout after another (manual optimisation).
+
+    Args:
+        config: epochs, minibatch and micro-batch sizes, clipping, the bad-step limit.
+        seed: seed of the minibatch shuffling.
+    """
+
+    def __init__(self, config: OptimizationConfig, seed: int) -> None:
+        self.config = config
+        self.shuffle = torch.Generator().manual_seed(seed)
+        """Draws each epoch's minibatch order; saved in checkpoints."""
+        self.bad_steps = 0
+        """Optimiser steps skipped in a row (non-finite loss or gradient); saved in checkpoints."""
+        self.last_stats: list[ObjectiveStats] = []
+        """The detached statistics of every part of every optimiser step of the last rollout."""
+        self.last_minibatch: Rollout | None = None
+        """The minibatch of the last rollout's last optimiser step (None before one is taken)."""
+
+    def run(self, module: LightningModule, rollout: Rollout) -> None:
+        """``epochs_per_rollout`` passes over shuffled minibatches, one optimiser step each."""
+        self.last_stats = []
+        self.last_minibatch = None
+        opt = module.optimizers()
+        for _ in range(self.config.epochs_per_rollout):
+            for minibatch in rollout.minibatches(self.config.minibatch_size, self.shuffle):
+                self.step(module, minibatch, opt)
+
+    def step(self, module: LightningModule, minibatch: Rollout, opt) -> None:
+        """One optimiser step on ``minibatch``, accumulated over its micro-batches."""
+        trainer = module.trainer
+        size = AGGREGATION_SIZES[module.objective.aggregation]
+        # Each process weighs its part by the global total, times the world size because
+        # DDP and FSDP average gradients: the step equals a single-process step on the union.
+        world = trainer.world_size
+        total = sum_over_processes(trainer, size(minibatch.response_mask).float()).clamp_min(1)
+        parts = minibatch.chunks(self.config.micro_batch_size)
+        losses, step_stats = [], []
+        for i, part in enumerate(parts):
+            loss, stats = module.loss_of(part)
+            weighted = loss * (size(part.response_mask) * world / total)
+            with gradient_sync(trainer, module.policy, i == len(parts) - 1):
+                module.manual_backward(weighted)
+            losses.append(weighted.detach())
+            step_stats.append(stats)
+        loss = torch.stack(losses).sum()
+        norm = grad_norm(module.policy, self.config.gradient_clip_norm)
+        # One decision for all processes: a step is skipped everywhere or nowhere.
+        bad_loss = sum_over_processes(trainer, (~torch.isfinite(loss)).float()) > 0
+        if bad_loss or not torch.isfinite(norm):
+            self._skip_step(module, opt, "loss" if bad_loss else "gradient")
+            return
+        self.bad_steps = 0
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        scheduler = module.lr_schedulers()
+        if scheduler is not None:
+            scheduler.step()
+        self.last_stats.extend(step_stats)
+        self.last_minibatch = minibatch
+        log_step(module, loss, step_stats, norm)
+
+    def _skip_step(self, module: LightningModule, opt, what: str) -> None:
+        opt.zero_grad(set_to_none=True)
+        self.bad_steps += 1
+        limit = self.config.max_bad_steps
+        if self.bad_steps >= limit:
+            raise RuntimeError(
+                f"{self.bad_steps} optimiser steps in a row had a non-finite {what}; stopping "
+                f"(optimization.max_bad_steps={limit}). The weights are those of the last good step."
+            )
+        warnings.warn(
+            f"non-finite {what} at global step {module.global_step}: optimiser step skipped, "
+            f"weights untouched ({self.bad_steps} of {limit} allowed in a row)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """The shuffle generator's state and the bad-step count, for a checkpoint."""
+        return {"shuffle_rng": self.shuffle.get_state(), "bad_steps": self.bad_steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores :meth:`state_dict`'s entries; a state without them changes nothing."""
+        if "shuffle_rng" in state:
+            self.shuffle.set_state(state["shuffle_rng"])
+            self.bad_steps = state["bad_steps"]
+
+
+def sum_over_processes(trainer: Trainer, value: Tensor) -> Tensor:
+    """``value`` summed over all processes (``value`` itself with one)."""
+    if trainer.world_size == 1:
+        return value
+    return trainer.strategy.reduce(value.clone(), reduce_op="sum")
+
+
+@contextmanager
+def gradient_sync(trainer: Trainer, policy: nn.Module, sync: bool) -> Iterator[None]:
+    """Gradients are reduced across processes only at the last micro-batch of a step."""
+    if sync or trainer.world_size == 1:
+        yield
+    elif is_sharded(policy):
+        policy.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            policy.set_requires_gradient_sync(True)
+    else:
+        block = getattr(trainer.strategy, "block_backward_sync", nullcontext)
+        with block():
+            yield
+
+
+def grad_norm(policy: nn.Module, clip: float | None) -> Tensor:
+    """The policy's total gradient norm, clipped to ``clip`` in place (not clipped when None)."""
+    params = [p for p in policy.parameters() if p.grad is not None]
+    if not params:
+        return torch.tensor(0.0)
+    norm = torch.nn.utils.clip_grad_norm_(params, clip if clip is not None else math.inf)
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+
+def log_step(
+    module: LightningModule, loss: Tensor, stats: list[ObjectiveStats], grad_norm: Tensor
+) -> None:
+    """Logs the step's loss, the mean of its parts' statistics and the gradient norm."""
+
+    def mean(name: str) -> Tensor:
+        return torch.stack([getattr(s, name) for s in stats]).mean()
+
+    module.log_dict(
+        {
+            "loss/total": loss,
+            "loss/policy": mean("policy_loss"),
+            "loss/regression": mean("regression_loss"),
+            "entropy": mean("entropy"),
+            "grad_norm": grad_norm,
+        },
+        on_step=True,
+        on_epoch=False,
+        sync_dist=True,  # the mean over processes of their weighted parts is the global loss
+    )

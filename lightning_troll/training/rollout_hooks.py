@@ -1,0 +1,69 @@
+"""What the rollout callback and the monitors ask of TrollModule: the old policy's sparse rows,
+advantages over the global batch, and how far the policy drifted from the behaviour policy.
+
+:class:`RolloutHooks` is a mixin of :class:`~lightning_troll.training.module.TrollModule`; the
+attributes it reads (``objective``, ``_trust_region``, ``cache_old_distributions``, ``policy``,
+``estimator``, ``group_size``, ``scale_rewards``, ``minibatch_loop``, ...) are set by the module.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from lightning_troll.objectives.advantages import compute_advantages
+from lightning_troll.rollouts.drift import kl_to_behaviour, support_rule
+from lightning_troll.rollouts.rollout import Rollout
+from lightning_troll.trust_region.projection import (
+    SparseDistribution,
+    TrustRegionProjection,
+    sparsify,
+)
+
+__all__ = ["RolloutHooks"]
+
+
+class RolloutHooks:
+    """The rollout-facing hooks of :class:`~lightning_troll.training.module.TrollModule`."""
+
+    @property
+    def support_rule(self) -> TrustRegionProjection:
+        """The sparse rows' rule (see :func:`lightning_troll.rollouts.drift.support_rule`)."""
+        return support_rule(self.objective, self._trust_region)
+
+    def sparsify_old(self, logits: Tensor, tokens: Tensor) -> SparseDistribution | None:
+        """The behaviour policy's sparse distributions (``model.trust_region``'s rule) for TROLL,
+        or when ``cache_old_distributions`` is on; None otherwise."""
+        if not self.cache_old_distributions:
+            return None
+        rule = self.support_rule
+        keep = tokens if rule.keep_token else None
+        return sparsify(logits, rule.max_tokens, rule.mass_delta, keep=keep)
+
+    def kl_to_behaviour(self, rollout: Rollout) -> tuple[Tensor, Tensor]:
+        """Per response token of ``rollout``, how far the policy's current weights are from the
+        behaviour policy that sampled it (see :func:`lightning_troll.rollouts.drift.kl_to_behaviour`)."""
+        return kl_to_behaviour(
+            self.policy, rollout, self.support_rule, self.logits_chunk_size, self.share_prompts
+        )
+
+    @property
+    def last_minibatch(self) -> Rollout | None:
+        """The minibatch of the last rollout's last optimiser step (None before one is taken)."""
+        return self.minibatch_loop.last_minibatch
+
+    def compute_advantages(self, rewards: Tensor) -> Tensor:
+        """Advantages of this process's rewards, computed over the global batch.
+
+        With several processes the (few) rewards of all of them are gathered first, so an
+        estimator that uses batch statistics (``reinforce_pp``'s std, ``scale_rewards: batch``,
+        or a user's own) sees the same batch as a single-process run would; groups never
+        straddle processes.
+        """
+        world = self.trainer.world_size if self._trainer is not None else 1
+        if world == 1:
+            return compute_advantages(self.estimator, rewards, self.group_size, self.scale_rewards)
+        everyone = self.all_gather(rewards)  # (world, B)
+        advantages = compute_advantages(
+            self.estimator, everyone.flatten(), self.group_size, self.scale_rewards
+        )
+        return advantages.view_as(everyone)[self.global_rank]

@@ -1,0 +1,82 @@
+"""Validation on held-out prompts: greedy answers, and k sampled answers per prompt (pass@k).
+
+:func:`validation_metrics` is what ``TrollModule.validation_step`` logs; :func:`pass_at_k` is the
+arithmetic. Sampling draws from a forked random state seeded by the batch and the process, so a
+validation neither moves the training run's random streams (a resumed run, which skips the
+validation its checkpoint preceded, samples what the uninterrupted run samples) nor differs from
+one validation to the next by chance alone.
+
+Notation: P prompts of a validation batch, k samples per prompt.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_troll.data.prompts import seeded_generator
+from lightning_troll.models.sharding import gathered
+from lightning_troll.rewards.registry import RewardOutput, reward_tag
+from lightning_troll.rollouts.rollout import sample
+
+__all__ = ["pass_at_k", "validation_metrics"]
+
+
+def pass_at_k(correct: Tensor) -> tuple[Tensor, Tensor]:
+    """(P, k) bool -> pass@k, the share of prompts with at least one correct sample, and mean@k,
+    the share of correct samples (the expected accuracy of one sample)."""
+    correct = correct.float()
+    return correct.amax(-1).mean(), correct.mean()
+
+
+def validation_metrics(module: Any, batch: Any, batch_idx: int) -> dict[str, Tensor]:
+    """``val/accuracy`` and ``val/reward`` of greedy answers, ``val/reward/<name>/mean`` per reward
+    function when there are several, and with ``batch.samples = k > 0`` also ``val/pass@k`` and
+    ``val/mean@k`` of k answers sampled at ``model.sampling``.
+
+    A completion is correct when its total reward reaches full marks
+    (:attr:`~lightning_troll.rewards.registry.RewardScorer.full_marks`).
+    """
+    greedy = _answers(module, batch, 1, do_sample=False)
+    correct = _correct(module, greedy)
+    values = {"val/accuracy": correct.float().mean(), "val/reward": greedy.total.mean()}
+    if len(greedy.per_function) > 1:
+        count = greedy.valid.sum().clamp_min(1)
+        for name, column in greedy.per_function.items():
+            values[f"val/reward/{reward_tag(name)}/mean"] = (column * greedy.valid).sum() / count
+    k = int(getattr(batch, "samples", 0))
+    if k > 0:
+        device = next(module.policy.parameters()).device
+        devices = [device] if device.type == "cuda" else []
+        seed = int(seeded_generator(batch_idx, f"validation-{module.global_rank}").initial_seed())
+        with torch.random.fork_rng(devices=devices, device_type=device.type):
+            torch.manual_seed(seed)
+            sampled = _answers(module, batch, k, do_sample=True)
+        hits = _correct(module, sampled).view(-1, k)  # (P, k)
+        values[f"val/pass@{k}"], values[f"val/mean@{k}"] = pass_at_k(hits)
+    return values
+
+
+def _answers(module: Any, batch: Any, group: int, do_sample: bool) -> RewardOutput:
+    """``group`` answers per prompt from the policy, scored: (P * group,) tensors."""
+    with gathered(module.policy):
+        ids, _, response_mask, _ = sample(
+            module.policy,
+            batch.prompt_ids,
+            group,
+            module.sampling,
+            module.pad_id,
+            module.stop_ids,
+            do_sample=do_sample,
+        )
+    completions = module.decode(ids[:, -response_mask.shape[1] :], response_mask)
+    prompts = [p for p in batch.prompts for _ in range(group)]
+    rows = [r for r in batch.rows for _ in range(group)]
+    tokens = response_mask.sum(-1).tolist()  # generated tokens, EOS included
+    return module.scorer(prompts, completions, rows, tokens, module.sampling.max_new_tokens)
+
+
+def _correct(module: Any, scored: RewardOutput) -> Tensor:
+    return (scored.total >= module.scorer.full_marks - 1e-6) & scored.valid

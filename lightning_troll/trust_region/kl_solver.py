@@ -1,0 +1,183 @@
+"""The KL projection on dense (M, C) log-probability arrays: the root finder for eta* and the
+implicit gradient through it. Shared by the dense :func:`~lightning_troll.trust_region.projection.kl_projection`
+and the sparse :class:`~lightning_troll.trust_region.projection.TrustRegionProjection`.
+
+Notation: M rows (only rows that violate the bound reach the root finder), C categories per row
+(V for the dense projection, |U| + 1 for the sparse one). ``a`` is log pi_new, differentiable;
+``b`` is log pi_old, constant; ``-inf`` marks a category a distribution does not have.
+
+Reachability. For eta > 0 the interpolation ``pi_eta`` lives on S = supp(pi_new) n supp(pi_old),
+and as eta -> inf it tends to pi_old restricted to S and renormalised, whose KL to pi_old is
+``kl_floor = -log pi_old(S)``. KL(pi_eta || pi_old) falls monotonically towards that floor
+(strictly, unless pi_new is proportional to pi_old on S, when it is constant), so the bound eps
+is reached by a finite eta exactly when ``kl_floor < eps``: when pi_new gives zero probability to
+tokens that hold ``1 - exp(-eps)`` or more of pi_old's mass, no interpolation reaches it. Such a
+row is *infeasible*: it gets the limit (eta* = inf), the closest any interpolation comes.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+_NEG_INF = float("-inf")
+# Newton iterations on log(eta) converge in a handful of steps; the bracket halving that
+# safeguards them needs at most ~45 steps to reach float64 resolution from a width of 3.
+_MAX_SOLVER_STEPS = 100
+# Bracket search for eta: start at eta = 1, move log(eta) by this step, at most this many times.
+_BRACKET_STEP = 3.0
+_BRACKET_STEPS = 28
+
+
+def log_interpolate(a: Tensor, b: Tensor, eta: Tensor) -> Tensor:
+    """log pi_eta = normalise((a + eta b) / (1 + eta)).  a, b: (M, C); eta: (M,) -> (M, C)."""
+    eta = eta.unsqueeze(-1)
+    z = (a + eta * b) / (1 + eta)  # (M, C); -inf where a is -inf
+    return z - torch.logsumexp(z, dim=-1, keepdim=True)
+
+
+def kl_terms(logp: Tensor, b: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """p, u = log p - b (0 where p has no mass) and KL(p || exp(b)) for rows of (M, C)."""
+    p = logp.exp()  # (M, C)
+    u = torch.where(logp > _NEG_INF, logp - b, 0.0)  # (M, C)
+    return p, u, (p * u).sum(-1)
+
+
+def kl_and_var(logp: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+    """KL(p || exp(b)) and Var_p[log p - b], rows of (M, C) -> (M,), (M,)."""
+    p, u, kl = kl_terms(logp, b)
+    var = (p * (u - kl.unsqueeze(-1)).square()).sum(-1)
+    return kl, var
+
+
+@torch.no_grad()
+def solve_eta(a: Tensor, b: Tensor, eps: Tensor) -> Tensor:
+    """Root eta* of KL(pi_eta || pi_old) = eps for rows that violate the bound and can reach it.
+
+    a, b: (M, C) log-probs, eps: (M,); every row must have ``kl_floor(a, b) < eps`` (see the
+    module docstring). Works on t = log(eta) and f(t) = log KL(t) - log eps, which is close to
+    linear in t (KL - kl_floor ~ 1 / (1 + eta)^2 for large eta), so Newton steps converge in a
+    few iterations; a bracket [t_lo, t_hi] with f(t_lo) > 0 >= f(t_hi) is kept and a step that
+    leaves it is replaced by bisection. Stops on a relative tolerance on KL (|f| <= ftol) or on
+    the bracket width, never on a fixed step count; a row that stops on the width returns t_hi:
+    a probe whose KL met the bound, or, if none did, the bracket's end t = 84 (eta ~ 3e36), where
+    the KL equals kl_floor < eps up to float rounding.
+    """
+    dtype = a.dtype
+    ftol = 1e-12 if dtype == torch.float64 else 1e-6
+    ttol = 1e-13 if dtype == torch.float64 else 1e-7
+    log_eps = eps.log()
+
+    def f_and_slope(t: Tensor) -> tuple[Tensor, Tensor]:
+        eta = t.exp()
+        kl, var = kl_and_var(log_interpolate(a, b, eta), b)
+        f = kl.clamp_min(torch.finfo(dtype).tiny).log() - log_eps
+        # d log KL / dt = eta * dKL/deta / KL, with dKL/deta = -Var / (1 + eta)
+        slope = -eta / (1 + eta) * var / kl.clamp_min(torch.finfo(dtype).tiny)
+        return f, slope
+
+    # Bracket: from t = 0 step up (rows still violating) or down (rows already inside).
+    t = torch.zeros_like(eps)
+    f, slope = f_and_slope(t)
+    t_lo = torch.full_like(t, -_BRACKET_STEP * _BRACKET_STEPS)
+    t_hi = torch.full_like(t, _BRACKET_STEP * _BRACKET_STEPS)
+    up = f > 0
+    t_lo = torch.where(up, t, t_lo)
+    t_hi = torch.where(up, t_hi, t)
+    probe = t.clone()
+    pending = torch.ones_like(up)
+    for _ in range(_BRACKET_STEPS):
+        probe = torch.where(pending, probe + torch.where(up, _BRACKET_STEP, -_BRACKET_STEP), probe)
+        fp, sp = f_and_slope(probe)
+        violated = fp > 0
+        t_lo = torch.where(pending & violated, probe, t_lo)
+        t_hi = torch.where(pending & ~violated, probe, t_hi)
+        # Newton starts from the last probe, which lies next to the root.
+        t, f, slope = (torch.where(pending, x, y) for x, y in ((probe, t), (fp, f), (sp, slope)))
+        pending = pending & (violated == up)
+        if not pending.any():
+            break
+
+    done = f.abs() <= ftol
+    for _ in range(_MAX_SOLVER_STEPS):
+        if done.all():
+            break
+        step = t - f / slope
+        inside = (step > t_lo) & (step < t_hi) & step.isfinite()
+        t_new = torch.where(inside, step, 0.5 * (t_lo + t_hi))
+        f_new, s_new = f_and_slope(t_new)
+        live = ~done
+        t_lo = torch.where(live & (f_new > 0), t_new, t_lo)
+        t_hi = torch.where(live & (f_new <= 0), t_new, t_hi)
+        t, f, slope = (torch.where(live, x, y) for x, y in ((t_new, t), (f_new, f), (s_new, slope)))
+        done = done | (f.abs() <= ftol) | (t_hi - t_lo <= ttol * t_hi.abs().clamp_min(1.0))
+    t = torch.where(f <= ftol, t, t_hi)
+    return t.exp()
+
+
+def kl_floor(a: Tensor, b: Tensor) -> Tensor:
+    """(M,) the infimum over eta of KL(pi_eta || pi_old): -log pi_old(supp(pi_new)).
+
+    a, b: (M, C) log-probs. +inf when the two supports share no category.
+    """
+    return -torch.logsumexp(torch.where(a > _NEG_INF, b, _NEG_INF), dim=-1)
+
+
+def limit_log_probs(a: Tensor, b: Tensor) -> Tensor:
+    """log pi_eta as eta -> inf: pi_old restricted to supp(pi_new) and renormalised, (M, C).
+
+    Rows whose supports share no category have no limit; they are returned as ``a``.
+    """
+    z = torch.where(a > _NEG_INF, b, _NEG_INF)  # (M, C)
+    logz = torch.logsumexp(z, dim=-1, keepdim=True)  # (M, 1)
+    return torch.where(logz > _NEG_INF, z - logz, a)
+
+
+def project_log_probs(a: Tensor, b: Tensor, eps: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Projects rows of a onto {pi : KL(pi || exp(b)) <= eps}.
+
+    a: (M, C) log-probs of the new policy (differentiable), -inf where it has no category;
+    b: (M, C) log-probs of the old policy (constant); eps: (M,).
+    Returns log pi_proj (M, C) with the exact implicit gradient, eta* (M,), KL before and after.
+
+    A row over the bound whose :func:`kl_floor` is >= eps (infeasible: no finite eta reaches the
+    bound) gets the limit :func:`limit_log_probs` as a constant (no gradient flows through it),
+    eta* = inf and KL after = its floor, which is >= eps.
+    """
+    b = b.detach()
+    with torch.no_grad():
+        kl_before = kl_terms(a.detach(), b)[2]  # (M,)
+        active = kl_before > eps  # (M,)
+        infeasible = active & (kl_floor(a.detach(), b) >= eps)  # (M,)
+        rows = (active & ~infeasible).nonzero().squeeze(-1)  # (m,)
+    eta = torch.zeros_like(kl_before)
+    logp_out, kl_after = a, kl_before
+    if bool(infeasible.any()):
+        with torch.no_grad():
+            bad = infeasible.nonzero().squeeze(-1)  # (r,)
+            limit = limit_log_probs(a[bad].detach(), b[bad])  # (r, C)
+            kl_limit = kl_terms(limit, b[bad])[2]  # (r,) the floor
+        logp_out = a.index_put((bad,), limit)
+        eta = eta.index_put((bad,), torch.full_like(kl_limit, float("inf")))
+        kl_after = kl_after.index_put((bad,), kl_limit)
+    if rows.numel() == 0:
+        return logp_out, eta, kl_before, kl_after
+
+    a_act, b_act = a[rows], b[rows]  # (m, C)
+    eta_act = solve_eta(a_act.detach(), b_act, eps[rows])  # (m,)
+    # log pi at eta*, differentiable in a with eta held fixed ...
+    logp = log_interpolate(a_act, b_act, eta_act)  # (m, C)
+    p, u, kl = kl_terms(logp, b_act)  # kl depends on a through p and u
+    with torch.no_grad():
+        s = 1.0 / (1.0 + eta_act)  # (m,)
+        var = (p * (u - kl.unsqueeze(-1)).square()).sum(-1)  # (m,)
+        dlogp_deta = -s.unsqueeze(-1) * (u - kl.unsqueeze(-1))  # (m, C)
+    # ... plus the path through eta*: d eta*/d a_k = -(dKL/da_k) / (dKL/deta)
+    #     = pi_k (u_k - KL) / Var, since dKL/da_k = s pi_k (u_k - KL) and dKL/deta = -s Var.
+    # eta_dot has value 0 and exactly that gradient, so the value of logp is unchanged.
+    eta_dot = (kl - kl.detach()) / (s * var).clamp_min(torch.finfo(var.dtype).tiny)  # (m,)
+    logp = logp + dlogp_deta * eta_dot.unsqueeze(-1)
+    logp_out = logp_out.index_put((rows,), logp)  # (M, C)
+    eta = eta.index_put((rows,), eta_act)
+    kl_after = kl_after.index_put((rows,), kl.detach())
+    return logp_out, eta, kl_before, kl_after
