@@ -341,7 +341,9 @@ def test_smollm2_trains_one_rollout(smollm2_dir, objective, tmp_path):
         for name in ("sparsity/coverage_mean", "sparsity/coverage_min", "sparsity/support_mean"):
             assert name in metrics, name
         assert 0.5 < float(metrics["sparsity/coverage_min"]) <= 1.0
-        assert float(metrics["sparsity/support_max"]) <= 64 + 1 + 64  # S_old + S_new + sampled
+        projection = module.objective.projection
+        assert projection.support == "official"  # the default: S_old and the sampled token
+        assert float(metrics["sparsity/support_max"]) <= projection.max_tokens + 1
     else:
         assert 0.0 <= float(metrics["clip/active_frac"]) <= 1.0
 

@@ -173,7 +173,11 @@ def test_keep_sampled_token_reaches_the_projection_and_the_cached_rows(tiny_mode
     only with keep_sampled_token (the default)."""
     logits = torch.tensor([[5.0, 4.0] + [0.0] * 15])  # (1, V = 17)
     for keep in (True, False):
-        region = TrustRegionConfig(max_tokens=2, mass_delta=0.0, keep_sampled_token=keep)
+        # the official support always holds the sampled token: keep=False needs the union
+        support = "official" if keep else "union"
+        region = TrustRegionConfig(
+            max_tokens=2, mass_delta=0.0, keep_sampled_token=keep, support=support
+        )
         module = make_module(tiny_model_dir, trust_region=region)
         assert module.objective.projection.keep_token is keep
         old = module.sparsify_old(logits, torch.tensor([9]))

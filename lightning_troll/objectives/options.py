@@ -29,7 +29,8 @@ class TrustRegionConfig:
     """Keep tokens until their mass reaches 1 - mass_delta, in [0, 1)."""
     keep_sampled_token: bool = True
     """Always add the sampled token to the sparse supports (old and projected); false keeps only
-    the most probable tokens, and a sampled token outside them shares the rest bucket's mass."""
+    the most probable tokens, and a sampled token outside them shares the rest bucket's mass
+    (union support only: the official support always holds it)."""
     support: Literal["union", "official", "dense"] = "official"
     """Categories the projection runs on: union (old and new kept tokens plus one lumped rest
     bucket), official (the old policy's kept tokens, both distributions renormalised there, as
@@ -42,6 +43,11 @@ class TrustRegionConfig:
             check_support(self.support)
         except ValueError as error:
             raise ValueError(f"trust_region.{error}") from None
+        if self.support == "official" and not self.keep_sampled_token:
+            raise ValueError(
+                "trust_region.keep_sampled_token=False needs trust_region.support 'union' or "
+                "'dense': the official support always holds the sampled token"
+            )
 
 
 @dataclass(frozen=True)
