@@ -37,6 +37,7 @@ PAGES = (
     "api.md",
     "supports.md",
     "architecture.md",
+    "paper-regime.md",
 )
 SECTIONS = (
     "model",
