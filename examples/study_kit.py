@@ -39,7 +39,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from study_figures import (
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from study_figures import (  # noqa: E402
     Line,
     Panel,
     curve,
