@@ -46,13 +46,13 @@ from peak_memory import peak_mib, reset_peak
 
 from lightning_troll.models import tiny_causal_lm
 from lightning_troll.objectives import build_objective
-from lightning_troll.rollout import (
+from lightning_troll.rollouts.rollout import (
     behaviour_outputs,
     linear_head,
     response_hidden,
     response_logits,
 )
-from lightning_troll.sparse import sparsify
+from lightning_troll.trust_region.sparse import sparsify
 
 VOCAB = 151_936
 PROMPT = 16

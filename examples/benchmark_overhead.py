@@ -1,6 +1,6 @@
 """Benchmark: what TROLL costs over ratio clipping in one whole training step.
 
-A training step is what ``MinibatchLoop.step`` (``lightning_troll.optimization``) runs on one
+A training step is what ``MinibatchLoop.step`` (``lightning_troll.training.optimization``) runs on one
 minibatch: the policy's forward over prompt + response (hidden states; the output layer on
 ``--chunk-size`` response tokens at a time, the default chunked log-prob path of
 ``model.logits_chunk_size``), the objective, the backward pass, gradient-norm clipping and an
@@ -75,8 +75,8 @@ from peak_memory import peak_mib, reset_peak
 
 from lightning_troll.models import tiny_causal_lm
 from lightning_troll.objectives import build_objective
-from lightning_troll.rollout import behaviour_outputs, linear_head, response_hidden
-from lightning_troll.sparse import sparsify
+from lightning_troll.rollouts.rollout import behaviour_outputs, linear_head, response_hidden
+from lightning_troll.trust_region.sparse import sparsify
 
 VOCABS = (151_936, 32_000)
 PROMPT = 16

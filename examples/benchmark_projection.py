@@ -6,7 +6,7 @@ this script times three forward + backward passes over ``(N, V)`` logits:
 (a) ``baseline``: the log-softmax path a clipped policy-gradient objective needs anyway,
     ``log_softmax(logits).gather(tokens)`` -> ``sum(logprob * advantage)`` -> backward.
 (b) ``troll``: :func:`~lightning_troll.sparsify` of the old policy's logits (no grad) plus
-    :class:`~lightning_troll.projection.TrustRegionProjection` on the new logits, and the backward
+    :class:`~lightning_troll.trust_region.projection.TrustRegionProjection` on the new logits, and the backward
     of ``sum(logprob * advantage) + sum(regression_kl)``.
 (c) ``projection``: (b) without ``sparsify``. ``sparsify`` runs once per rollout, while the
     projection runs in every minibatch epoch, so (c) is the recurring cost.
@@ -55,8 +55,8 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import Tensor
 
-from lightning_troll.projection import ProjectionResult, TrustRegionProjection
-from lightning_troll.sparse import SparseDistribution, sparsify
+from lightning_troll.trust_region.projection import ProjectionResult, TrustRegionProjection
+from lightning_troll.trust_region.sparse import SparseDistribution, sparsify
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _SAMPLE_CHUNK = 128  # rows per chunk when sampling tokens, to bound temporary memory

@@ -15,7 +15,7 @@ From a training checkpoint (its weights, optimiser and scheduler state), for eac
 ``--repeats`` rollouts sampled from the checkpoint's policy (the same rollout for both
 objectives), it takes the rollout's ``--steps`` optimiser steps once with clipping and once with
 TROLL, on the same shuffled minibatches, and measures per response token KL(pi || pi_old) of
-every minibatch (:func:`lightning_troll.drift.drift_from_behaviour`: between the lumped sparse
+every minibatch (:func:`lightning_troll.rollouts.drift.drift_from_behaviour`: between the lumped sparse
 distributions, what TROLL's projection bounds, and the sampled estimate over the whole
 vocabulary from the sampled tokens' log-ratios) at three moments:
 
@@ -63,7 +63,7 @@ from clip_boundary import allowed_ratios as allowed_ratios  # noqa: E402
 from clip_boundary import boundary_table  # noqa: E402
 from clip_boundary import moved_kl as moved_kl  # noqa: E402
 
-from lightning_troll.drift import drift_from_behaviour, sampled_kl  # noqa: E402
+from lightning_troll.rollouts.drift import drift_from_behaviour, sampled_kl  # noqa: E402
 
 MOMENTS = ("arrive", "own", "end")
 
@@ -80,7 +80,7 @@ def load_module(checkpoint: Path, stored: dict, variant: dict, model: str | None
     """(module, optimiser, scheduler or None): the checkpoint's module as ``variant`` says
     (objective, and alpha when given), caching sparse old rows for the KL, with its optimiser
     and scheduler in the checkpoint's state. ``stored`` is the checkpoint, read once."""
-    from lightning_troll.module import TrollModule
+    from lightning_troll.training.module import TrollModule
 
     overrides: dict = {"objective": variant["objective"]}
     if "alpha" in variant:
@@ -107,7 +107,7 @@ def load_module(checkpoint: Path, stored: dict, variant: dict, model: str | None
 def prompt_batch(module, data_options: dict, count: int, seed: int):
     """``count`` training prompts drawn with ``seed``, as the run's data module builds them."""
     from lightning_troll.data import PromptDataModule
-    from lightning_troll.prompts import draw_prompts
+    from lightning_troll.data.prompts import draw_prompts
 
     options = {k: v for k, v in data_options.items() if not k.startswith("_")}
     options["tokenizer"] = module.hparams.model

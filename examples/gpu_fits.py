@@ -84,7 +84,7 @@ def smollm2_directory(path: Path, shape: Shape) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from lightning_troll.tinymath import CHARACTERS, SPECIAL_TOKENS, char_tokenizer
+    from lightning_troll.models.tinymath import CHARACTERS, SPECIAL_TOKENS, char_tokenizer
 
     extra = shape.vocab - len(SPECIAL_TOKENS) - len(CHARACTERS)
     tokenizer = char_tokenizer(CHARACTERS + "".join(chr(0x100 + i) for i in range(extra)))
@@ -118,9 +118,9 @@ def grpo_smollm2(results: Results, tiny: bool) -> None:
 
     from lightning_troll.callbacks import OldPolicyRefresh, RolloutGeneration, TrustRegionMonitor
     from lightning_troll.data import PromptDataModule
-    from lightning_troll.module import OptimizationConfig, TrollModule
     from lightning_troll.rewards import REWARD_FUNCTIONS, register_reward
-    from lightning_troll.rollout import SamplingConfig
+    from lightning_troll.rollouts.rollout import SamplingConfig
+    from lightning_troll.training.module import OptimizationConfig, TrollModule
 
     cuda = torch.cuda.is_available()
     shape, prompts, group, new_tokens = (TINY_SMOLLM2, 4, 4, 8) if tiny else (SMOLLM2, 32, 8, 128)

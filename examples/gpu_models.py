@@ -170,7 +170,7 @@ def snapshot_and_policy(shape: Shape, perturb: float = 0.0):
 
 def sparsify_for(objective):
     """The old policy's sparse rows for TROLL (None for clipping), as the module caches them."""
-    from lightning_troll.sparse import sparsify
+    from lightning_troll.trust_region.sparse import sparsify
 
     projection = getattr(objective, "projection", None)
     if projection is None:
@@ -181,9 +181,9 @@ def sparsify_for(objective):
 
 
 def make_rollout(snapshot, objective, ids, attention, response, rewards, group, chunk):
-    """A :class:`~lightning_troll.rollout.Rollout` with the snapshot's cached outputs."""
-    from lightning_troll.advantages import compute_advantages
-    from lightning_troll.rollout import Rollout, behaviour_outputs
+    """A :class:`~lightning_troll.rollouts.rollout.Rollout` with the snapshot's cached outputs."""
+    from lightning_troll.objectives.advantages import compute_advantages
+    from lightning_troll.rollouts.rollout import Rollout, behaviour_outputs
 
     old_logprobs, old = behaviour_outputs(
         snapshot, ids, attention, response, 1.0, sparsify_for(objective), chunk
@@ -208,7 +208,7 @@ def train_step(policy, objective, optimizer, rollout, micro_batch: int | None, c
     statistics."""
     import torch
 
-    from lightning_troll.rollout import linear_head, response_hidden
+    from lightning_troll.rollouts.rollout import linear_head, response_hidden
 
     stats = None
     for part in rollout.chunks(micro_batch):

@@ -252,7 +252,7 @@ def generation_at(shape: Shape, setting: GenerationSetting, micro_batch: int) ->
     import torch
 
     from lightning_troll.objectives import build_objective
-    from lightning_troll.rollout import SamplingConfig, sample
+    from lightning_troll.rollouts.rollout import SamplingConfig, sample
 
     snapshot, policy = snapshot_and_policy(shape)
     objective = build_objective("troll")

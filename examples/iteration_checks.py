@@ -30,10 +30,10 @@ def behaviour_error(model_dir: str, dtype: str, threads: int, max_new_tokens: in
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from lightning_troll.behaviour import BehaviourRecorder
     from lightning_troll.models import stop_token_ids
-    from lightning_troll.rollout import SamplingConfig, behaviour_outputs, sample
-    from lightning_troll.sparse import sparsify
+    from lightning_troll.rollouts.behaviour import BehaviourRecorder
+    from lightning_troll.rollouts.rollout import SamplingConfig, behaviour_outputs, sample
+    from lightning_troll.trust_region.sparse import sparsify
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
@@ -84,7 +84,7 @@ def generation_speed(model_dir: str, threads: int, max_new_tokens: int, repeats:
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     from lightning_troll.models import stop_token_ids
-    from lightning_troll.rollout import left_pad
+    from lightning_troll.rollouts.rollout import left_pad
 
     torch.set_num_threads(threads)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()

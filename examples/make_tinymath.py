@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from lightning_troll.tinymath import (
+from lightning_troll.models.tinymath import (
     DEFAULT_MAX_NEW_TOKENS,
     TINYMATH_DIR,
     answer_of,
@@ -216,8 +216,8 @@ meant to be good at arithmetic, it is meant to have headroom that RL can take.
 Prompts `"{{a}}{{op}}{{b}}="` with `0 <= a, b <= 99` and `op` in `+`, `-`; the answer is the
 decimal result (negative when `a < b`), then `<eos>`: `"23+58="` -> `"81"`, `"17-58="` ->
 `"-41"`. The 20,000 problems are split by a stable hash of the prompt into train (80 %),
-validation (10 %) and test (10 %); see `lightning_troll.tinymath.generate_problems`.
-Reward for RL: 1 for the exact answer (`lightning_troll.tinymath.answer_of`), else 0.
+validation (10 %) and test (10 %); see `lightning_troll.models.tinymath.generate_problems`.
+Reward for RL: 1 for the exact answer (`lightning_troll.models.tinymath.answer_of`), else 0.
 
 ## Model
 

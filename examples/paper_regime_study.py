@@ -124,7 +124,7 @@ def pilot_files(args) -> tuple[Path, Path]:
     if not (train.exists() and holdout.exists()):
         source = ROOT / "examples" / "data" / "arithmetic" / "train.jsonl"
         if args.dry_run:
-            from lightning_troll.tinymath import generate_problems
+            from lightning_troll.models.tinymath import generate_problems
 
             rows = [json.dumps(p) for p in generate_problems(80, seed=0)]
         else:

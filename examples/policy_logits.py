@@ -35,9 +35,9 @@ class Logits:
 
 def build_module(model: str, config: dict, temperature: float, max_new_tokens: int, group: int):
     """A clipped-GRPO TrollModule with ``config``'s reward and loss settings at ``temperature``."""
-    from lightning_troll.module import LossConfig, TrollModule
-    from lightning_troll.rollout import SamplingConfig
-    from lightning_troll.snapshots import SnapshotConfig
+    from lightning_troll.models.snapshots import SnapshotConfig
+    from lightning_troll.rollouts.rollout import SamplingConfig
+    from lightning_troll.training.module import LossConfig, TrollModule
 
     cfg = config["model"]
     return TrollModule(
@@ -54,7 +54,7 @@ def build_module(model: str, config: dict, temperature: float, max_new_tokens: i
 
 def prompt_batch(model: str, config: dict, count: int, seed: int):
     from lightning_troll.data import PromptDataModule
-    from lightning_troll.prompts import draw_prompts
+    from lightning_troll.data.prompts import draw_prompts
 
     data = PromptDataModule(**{**config["data"], "tokenizer": model})
     data.setup("fit")
@@ -63,7 +63,7 @@ def prompt_batch(model: str, config: dict, count: int, seed: int):
 
 def response_rows(module, rollout) -> Tensor:
     """(N, V) float32 logits of the policy at the rollout's response tokens, temperature applied."""
-    from lightning_troll.rollout import response_logits
+    from lightning_troll.rollouts.rollout import response_logits
 
     module.policy.eval()
     with torch.no_grad():

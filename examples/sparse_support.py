@@ -11,9 +11,9 @@ response token are kept as the old (behaviour) policy; then ``--steps`` AdamW st
 sequences, gradient norm clipped to 1) move the policy away from it, and its logits at the same
 tokens are the new policy (:mod:`policy_logits`). For every ``max_tokens`` K in {16, 64, 256}
 and ``mass_delta`` in {1e-3, 1e-5} the script then compares
-:class:`~lightning_troll.projection.TrustRegionProjection` (sparse; the old rows from
-:func:`~lightning_troll.projection.sparsify`, as a rollout caches them) with the exact dense
-projection :func:`~lightning_troll.projection.kl_projection` over the whole vocabulary, on the
+:class:`~lightning_troll.trust_region.projection.TrustRegionProjection` (sparse; the old rows from
+:func:`~lightning_troll.trust_region.projection.sparsify`, as a rollout caches them) with the exact dense
+projection :func:`~lightning_troll.trust_region.projection.kl_projection` over the whole vocabulary, on the
 same (N, V) float32 logits, with eps and alpha from the config:
 
 - ``cap_frac`` (capped): share of tokens whose K most probable old tokens hold less than
@@ -63,7 +63,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peak_memory import PeakRss  # noqa: E402
 from policy_logits import Logits, build_module, prompt_batch, rollout_logits  # noqa: E402
 
-from lightning_troll.projection import TrustRegionProjection, kl_projection, sparsify  # noqa: E402
+from lightning_troll.trust_region.projection import TrustRegionProjection, kl_projection, sparsify  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -175,7 +175,7 @@ def full_vocabulary_kl(data: Logits, old, eps: float, max_tokens: int, mass_delt
     U plus the rest bucket (old tail spread evenly over the V - |S_old| tokens it covers), its
     projection, then pi = the projected mass on U, and the rest bucket's projected mass shared
     out in proportion to pi_new; the KL is taken against the true old distribution."""
-    from lightning_troll.kl_solver import project_log_probs
+    from lightning_troll.trust_region.kl_solver import project_log_probs
 
     n, vocab = data.new.shape
     kl, token_lp = [], []

@@ -8,9 +8,9 @@ each sampling temperature (1.0 and 0.7): the policy samples ``--prompts`` x ``--
 completions; their logits at every response token are the old (behaviour) policy; ``--steps``
 AdamW steps of clipped GRPO at ``--lr`` move the policy away from it, and its logits at the same
 tokens are the new policy (both as :mod:`sparse_support` makes them). Then, for every support of
-:class:`~lightning_troll.projection.TrustRegionProjection` and every ``max_tokens`` K in
+:class:`~lightning_troll.trust_region.projection.TrustRegionProjection` and every ``max_tokens`` K in
 {16, 64, 256} (``mass_delta`` 1e-5, the sampled token kept, the old rows cached by
-:func:`~lightning_troll.projection.sparsify` as a rollout caches them), over all response tokens
+:func:`~lightning_troll.trust_region.projection.sparsify` as a rollout caches them), over all response tokens
 in chunks of 1,024 rows:
 
 - ``grad_err``: ||g - g_dense|| / ||g_dense|| of TROLL's loss (token mean of
@@ -51,7 +51,7 @@ from sparse_support import (  # noqa: E402  (the rollouts and timing of the spar
     timed,
 )
 
-from lightning_troll.projection import SUPPORTS, TrustRegionProjection, sparsify  # noqa: E402
+from lightning_troll.trust_region.projection import SUPPORTS, TrustRegionProjection, sparsify  # noqa: E402
 
 MAX_TOKENS = (16, 64, 256)
 MASS_DELTA = 1e-5

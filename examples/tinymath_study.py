@@ -259,9 +259,9 @@ def support_sizes(
     every response token of TinyMath rollouts sampled with ``configs/tinymath.yaml``'s settings
     (no cap on the count: ``max_tokens`` is the vocabulary size)."""
     from lightning_troll.models import load_policy, load_tokenizer
-    from lightning_troll.rollout import SamplingConfig, response_logits, sample
-    from lightning_troll.sparse import sparsify
-    from lightning_troll.tinymath import generate_problems
+    from lightning_troll.models.tinymath import generate_problems
+    from lightning_troll.rollouts.rollout import SamplingConfig, response_logits, sample
+    from lightning_troll.trust_region.sparse import sparsify
 
     config = base_config()["model"]
     sampling = SamplingConfig(**config["sampling"])
