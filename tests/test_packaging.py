@@ -57,9 +57,20 @@ def test_wheel_installs_into_a_fresh_venv(tmp_path):
     (wheel,) = dist.glob("lightning_troll-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert "lightning_troll/callbacks/__init__.py" in names
-    assert "lightning_troll/projection.py" in names
+    for layer in (
+        "trust_region",
+        "objectives",
+        "models",
+        "data",
+        "rewards",
+        "rollouts",
+        "training",
+        "cli",
+    ):
+        assert f"lightning_troll/{layer}/__init__.py" in names, layer
+    assert "lightning_troll/trust_region/projection.py" in names
     for asset in ("model.safetensors", "config.json", "tokenizer.json", "README.md"):
-        assert f"lightning_troll/assets/tinymath/{asset}" in names, asset
+        assert f"lightning_troll/models/assets/tinymath/{asset}" in names, asset
     assert not [n for n in names if n.startswith("callbacks/")], "no top-level callbacks package"
     assert not [n for n in names if n.startswith("tests/")]
 
@@ -95,6 +106,8 @@ def test_wheel_installs_into_a_fresh_venv(tmp_path):
     code = (
         "import importlib.util, lightning_troll, lightning_troll.callbacks as c; "
         "from lightning_troll.trust_region.projection import TrustRegionProjection; "
+        "from lightning_troll.projection import TrustRegionProjection as Old; "
+        "assert Old is TrustRegionProjection; "
         "from lightning_troll.models.loading import load_policy; load_policy('tinymath'); "
         "print(lightning_troll.__file__); print(c.__file__); "
         "print(importlib.util.find_spec('callbacks'))"
