@@ -10,15 +10,24 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
 from torch import Tensor
 from torchmetrics import MaxMetric, MeanMetric, Metric, MinMetric
 from typing_extensions import override
 
+from lightning_troll.callbacks.figures import (
+    declare_chart,
+    each_logger,
+    write_chart,
+    write_histogram,
+)
 from lightning_troll.objectives import ClipStats, TrollStats
 
 __all__ = ["SparsityCoverageMonitor", "TrustRegionMonitor"]
+
+
+_KL_CHART = "KL after projection vs bound"
+_BOUND = "trust_region/bound"
 
 
 class _Reductions(torch.nn.Module):
@@ -46,8 +55,8 @@ class TrustRegionMonitor(Callback):
     whose bound no interpolation reaches: they keep the smallest KL reachable, above the bound),
     ``trust_region/eta_{mean,max}`` (over the tokens with a finite eta*, infeasible ones left
     out) and ``trust_region/max_violation`` (largest kl_after / bound - 1, 0 when the bound
-    holds), plus histograms of per-token KL and a TensorBoard chart of kl_after against the
-    bound. Clip runs:
+    holds), plus histograms of per-token KL, eta and support size and a chart of kl_after
+    against the bound, in every logger (:mod:`~lightning_troll.callbacks.figures`). Clip runs:
     ``clip/active_frac``, ``clip/low_frac``, ``clip/high_frac`` and ``clip/approx_kl`` (the k3
     estimate of KL(old || new) from the ratios).
 
@@ -61,7 +70,8 @@ class TrustRegionMonitor(Callback):
     ``sampling.top_p`` or ``top_k`` truncates the sampling).
 
     Args:
-        histogram_every_n_rollouts: how often per-token KL histograms are written; 0 = never.
+        histogram_every_n_rollouts: how often the per-token histograms (and, in W&B and MLflow,
+            the chart of KL against the bound) are written; 0 = never.
         kl_end: log the KL at the end of each rollout (one more forward pass per rollout).
     """
 
@@ -76,6 +86,8 @@ class TrustRegionMonitor(Callback):
         self.histogram_every_n_rollouts = histogram_every_n_rollouts
         self.kl_end = kl_end
         self.rollouts = 0
+        self.kl_history: list[list[float]] = []
+        """[step, kl_after_max, kl_after_mean, bound] of every TROLL rollout, for the chart."""
         self.troll = _Reductions(
             {
                 "trust_region/kl_before_mean": MeanMetric,
@@ -118,25 +130,25 @@ class TrustRegionMonitor(Callback):
 
     @rank_zero_only
     def _add_layout(self, trainer: Trainer) -> None:
-        if isinstance(trainer.logger, TensorBoardLogger):
-            trainer.logger.experiment.add_custom_scalars(
-                {
-                    "trust region": {
-                        "KL after projection vs bound": [
-                            "Multiline",
-                            [
-                                "trust_region/kl_after_max",
-                                "trust_region/kl_after_mean",
-                                "trust_region/bound",
-                            ],
-                        ],
-                        "KL before projection": [
-                            "Multiline",
-                            ["trust_region/kl_before_max", "trust_region/kl_before_mean"],
-                        ],
-                    }
-                }
-            )
+        charts = {
+            _KL_CHART: ["trust_region/kl_after_max", "trust_region/kl_after_mean", _BOUND],
+            "KL before projection": ["trust_region/kl_before_max", "trust_region/kl_before_mean"],
+        }
+        each_logger(trainer, declare_chart, "trust region", charts)
+
+    @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._draw_chart(trainer)
+
+    @rank_zero_only
+    def _draw_chart(self, trainer: Trainer) -> None:
+        """kl_after (max, mean) against the bound over every rollout so far, in loggers that
+        draw charts from data (W&B, MLflow)."""
+        if self.kl_history:
+            steps = [int(row[0]) for row in self.kl_history]
+            keys = ["trust_region/kl_after_max", "trust_region/kl_after_mean", _BOUND]
+            series = {k: [row[i + 1] for row in self.kl_history] for i, k in enumerate(keys)}
+            each_logger(trainer, write_chart, _KL_CHART, steps, series, trainer.global_step)
 
     @override
     def on_train_batch_end(
@@ -185,9 +197,20 @@ class TrustRegionMonitor(Callback):
         ).clamp_min(0)
         pl_module.log_dict(values)
         pl_module.log("kl", values["trust_region/kl_after_mean"], prog_bar=True, logger=False)
+        self.kl_history.append(
+            [getattr(trainer, "global_step", self.rollouts)]
+            + [
+                float(values[k])
+                for k in ("trust_region/kl_after_max", "trust_region/kl_after_mean")
+            ]
+            + [float(bound)]
+        )
         every = self.histogram_every_n_rollouts
         if every and (self.rollouts - 1) % every == 0:
-            self._histograms(trainer, {"kl_before": kl_before, "kl_after": kl_after})
+            support = torch.cat([s.projection.support_size for s in stats])
+            per_token = {"kl_before": kl_before, "kl_after": kl_after, "eta": finite_eta}
+            self._histograms(trainer, {**per_token, "support_size": support})
+            self._draw_chart(trainer)
 
     def _log_clip(self, pl_module, stats: list[ClipStats]) -> None:
         ratios = torch.cat([s.token_ratio for s in stats]).clamp_min(1e-12)
@@ -205,19 +228,19 @@ class TrustRegionMonitor(Callback):
 
     @rank_zero_only
     def _histograms(self, trainer: Trainer, values: dict[str, Tensor]) -> None:
-        if isinstance(trainer.logger, TensorBoardLogger) and values["kl_after"].numel():
-            for name, value in values.items():
-                trainer.logger.experiment.add_histogram(
-                    f"trust_region/{name}_per_token", value.float().cpu(), trainer.global_step
-                )
+        for name, value in values.items():
+            if value.numel():
+                tag = f"trust_region/{name}_per_token"
+                each_logger(trainer, write_histogram, tag, value, trainer.global_step)
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"rollouts": self.rollouts}
+        return {"rollouts": self.rollouts, "kl_history": [list(r) for r in self.kl_history]}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.rollouts = state_dict["rollouts"]
+        self.kl_history = [list(r) for r in state_dict.get("kl_history", [])]
 
 
 class SparsityCoverageMonitor(Callback):

@@ -7,11 +7,11 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_troll.callbacks.figures import each_logger, write_table
 from lightning_troll.callbacks.samples import RolloutReport, Samples, samples_table
 from lightning_troll.data.prompts import PromptBatch, draw_prompts
 from lightning_troll.models.sharding import gathered, is_sharded
@@ -40,7 +40,9 @@ class RolloutGeneration(Callback):
     ``reward/<name>/mean`` per reward function when there are several,
     ``completion/{mean,max}_length`` and ``completion/truncated_frac``; with dynamic sampling
     ``dynamic_sampling/prompts_sampled``, ``dynamic_sampling/rounds`` (extra rounds) and
-    ``dynamic_sampling/frac_dropped`` (sampled groups left out); and a few completions as text.
+    ``dynamic_sampling/frac_dropped`` (sampled groups left out); failed reward calls
+    ``rewards/timeouts`` and ``rewards/errors`` (and per function, when there are several); and a
+    few completions as a table in every logger (prompt, completion, rewards, advantage).
     Where the rollout's time goes, in seconds: ``time/generation`` (sampling, every round, in the
     progress bar), ``time/forward_passes`` (teacher-forced passes after sampling: the behaviour
     policy's when ``model.behaviour_logprobs`` recomputes it, the reference policy's with
@@ -51,8 +53,9 @@ class RolloutGeneration(Callback):
     is not counted).
 
     Args:
-        log_samples: completions shown as text in TensorBoard per rollout; 0 switches it off.
-        log_samples_every_n_rollouts: how often the text samples are written.
+        log_samples: completions shown per rollout in the samples table (every logger); 0
+            switches it off.
+        log_samples_every_n_rollouts: how often the samples table is written.
     """
 
     def __init__(self, log_samples: int = 4, log_samples_every_n_rollouts: int = 10) -> None:
@@ -102,7 +105,7 @@ class RolloutGeneration(Callback):
                 "model.group_size to sample more (warned once)"
             )
         if self.log_samples and (self.rollouts - 1) % self.log_samples_every_n_rollouts == 0:
-            self._log_text(trainer, report.kept)
+            self._log_text(trainer, report.kept, rollout.advantages)
 
     @override
     def on_train_batch_end(
@@ -233,19 +236,28 @@ class RolloutGeneration(Callback):
                 "time/generation", generation, prog_bar=True, sync_dist=True, batch_size=size
             )
         module.log_dict(values, sync_dist=True, batch_size=size)
+        module.log_dict(_failures(report), sync_dist=True, reduce_fx="sum", batch_size=size)
         module.log(
             "completion/max_length", lengths.max(), sync_dist=True, reduce_fx="max", batch_size=size
         )
 
     @rank_zero_only
-    def _log_text(self, trainer: Trainer, samples: Samples) -> None:
-        logger = trainer.logger
-        if not isinstance(logger, TensorBoardLogger):
-            return
+    def _log_text(self, trainer: Trainer, samples: Samples, advantages: Tensor) -> None:
+        """The first ``log_samples`` completions as a table in every logger: prompt, completion,
+        reward, each function's reward when there are several, advantage."""
         shown = min(self.log_samples, len(samples.completions))
-        rewards = samples.rewards[:shown].tolist()
-        table = samples_table(samples.prompts[:shown], samples.completions[:shown], rewards)
-        logger.experiment.add_text("samples", table, trainer.global_step)
+        names = list(samples.scored.per_function) if len(samples.scored.per_function) > 1 else []
+        columns = ["prompt", "completion", "reward", *[f"reward/{n}" for n in names], "advantage"]
+        per_function = [samples.scored.per_function[n][:shown].tolist() for n in names]
+        values = zip(
+            samples.prompts[:shown],
+            samples.completions[:shown],
+            samples.rewards[:shown].tolist(),
+            *per_function,
+            advantages[:shown].tolist(),
+            strict=True,
+        )
+        each_logger(trainer, write_table, "samples", columns, list(values), trainer.global_step)
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -283,11 +295,15 @@ def _sample(module: LightningModule, batch: Any) -> Samples:
     prompts = [p for p in batch.prompts for _ in range(group)]
     rows = [r for r in batch.rows for _ in range(group)]
     tokens = response_mask.sum(-1).tolist()  # (B,) generated tokens, EOS included
-    scored = module.scorer(prompts, completions, rows, tokens, module.sampling.max_new_tokens)
+    scored = module.scorer(
+        prompts, completions, rows, tokens, module.sampling.max_new_tokens, device=device
+    )
     scored = RewardOutput(
         total=scored.total.to(device),
         per_function={k: v.to(device) for k, v in scored.per_function.items()},
         valid=scored.valid.to(device),
+        timeouts=scored.timeouts,
+        errors=scored.errors,
     )
     rewards = scored.total.to(torch.float32)  # (B,)
     if not bool(scored.valid.all()):
@@ -310,6 +326,20 @@ def _sample(module: LightningModule, batch: Any) -> Samples:
         behaviour=behaviour,
         seconds=seconds,
     )
+
+
+def _failures(report: RolloutReport) -> dict[str, Tensor]:
+    """Failed reward calls of the rollout (every round): ``rewards/timeouts``,
+    ``rewards/errors`` and, with several functions, ``rewards/<name>/{timeouts,errors}``."""
+    values: dict[str, Tensor] = {}
+    names = list(report.kept.scored.per_function)
+    for kind in ("timeouts", "errors"):
+        counts = {n: sum(getattr(s.scored, kind).get(n, 0) for s in report.rounds) for n in names}
+        values[f"rewards/{kind}"] = torch.tensor(float(sum(counts.values())))
+        if len(names) > 1:
+            for name, count in counts.items():
+                values[f"rewards/{reward_tag(name)}/{kind}"] = torch.tensor(float(count))
+    return values
 
 
 def _on_any_process(module: LightningModule, flag: bool) -> bool:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_troll.callbacks.figures import markdown_table
 from lightning_troll.objectives.advantages import flat_groups
 from lightning_troll.rewards.registry import RewardOutput
 from lightning_troll.rollouts.behaviour import BehaviourRecord
@@ -29,14 +30,8 @@ def samples_table(prompts: list[str], completions: list[str], rewards: list[floa
     Chat-template prompts span several lines and may hold ``|``: both are escaped in every cell,
     so each sample stays one row of the table.
     """
-
-    def cell(text: str) -> str:
-        return text.replace("|", "\\|").replace("\r", "").replace("\n", "⏎")
-
-    lines = ["| prompt | completion | reward |", "| --- | --- | --- |"]
-    for prompt, completion, reward in zip(prompts, completions, rewards, strict=True):
-        lines.append(f"| `{cell(prompt)}` | `{cell(completion)}` | {reward:.3g} |")
-    return "\n".join(lines)
+    rows = zip(prompts, completions, [float(r) for r in rewards], strict=True)
+    return markdown_table(["prompt", "completion", "reward"], list(rows))
 
 
 @dataclass(frozen=True)

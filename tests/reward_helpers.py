@@ -44,3 +44,63 @@ def used_the_budget(
 def constant(prompt: str, completion: str, row: Mapping[str, Any]) -> float:
     """0.5 whatever the completion: every group is without spread."""
     return 0.5
+
+
+# -- rewards for the worker processes (named by import path, so a worker can import them) --------
+
+
+def slow_half(prompt: str, completion: str, row: Mapping[str, Any]) -> float:
+    """0.5 after 50 ms: a slow reward (a verifier, a sandbox) for parallel scoring."""
+    import time
+
+    time.sleep(0.05)
+    return 0.5
+
+
+def hangs_on_a_third(prompt: str, completion: str, row: Mapping[str, Any]) -> float:
+    """Sleeps for ever on about a third of the completions (by a hash of prompt and completion),
+    1.0 on the rest."""
+    import time
+    import zlib
+
+    if zlib.crc32((prompt + completion).encode()) % 3 == 0:
+        while True:
+            time.sleep(1.0)
+    return 1.0
+
+
+def hangs_on_hang(prompt: str, completion: str, row: Mapping[str, Any]) -> float:
+    """Sleeps for ever when the completion is ``"hang"``, else 1.0."""
+    import time
+
+    while completion == "hang":
+        time.sleep(1.0)
+    return 1.0
+
+
+def dies_on_die(prompt: str, completion: str, row: Mapping[str, Any]) -> float:
+    """Kills its own process when the completion is ``"die"`` (``"kill"``: SIGKILL), else 1.0."""
+    import os
+    import signal
+
+    if completion == "die":
+        os._exit(3)
+    if completion == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    return 1.0
+
+
+def bad_values(prompt: str, completion: str, row: Mapping[str, Any]) -> Any:
+    """The completion names what to return: ``nan``, ``none``, ``text``, ``raise``; else 1.0."""
+    if completion == "raise":
+        raise RuntimeError("broken verifier")
+    return {"nan": float("nan"), "none": None, "text": "1.0"}.get(completion, 1.0)
+
+
+def process_id(prompt: str, completion: str, row: Mapping[str, Any]) -> float:
+    """The id of the process that scored the call, after 100 ms (so that calls spread)."""
+    import os
+    import time
+
+    time.sleep(0.1)
+    return float(os.getpid())

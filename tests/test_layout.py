@@ -216,7 +216,9 @@ def test_the_reward_registry_holds_the_built_ins_by_name():
     builtins = {name: getattr(functions, name) for name in functions.__all__}
     del builtins["extract_boxed"]  # a helper, not a reward
     builtins["overlong"] = options.overlong
-    assert list(REWARD_FUNCTIONS)[:5] == ["tinymath", "gsm8k", "boxed", "last_number", "overlong"]
+    assert list(REWARD_FUNCTIONS)[:6] == [
+        "tinymath", "gsm8k", "boxed", "last_number", "overlong", "math_verify"
+    ]  # fmt: skip
     for name, function in builtins.items():  # tests may have registered more since
         assert REWARD_FUNCTIONS[name] is function
 

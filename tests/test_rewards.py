@@ -224,7 +224,9 @@ def test_scorer_validation(rewards, match):
 
 
 def test_scorer_rejects_an_unknown_mode_and_mismatched_lengths():
-    with pytest.raises(ValueError, match="on_error must be 'raise' or 'drop'; got 'skip'"):
+    with pytest.raises(
+        ValueError, match="on_error must be 'raise', 'drop' or a number; got 'skip'"
+    ):
         RewardScorer(["gsm8k"], on_error="skip")
     with pytest.raises(ValueError, match="same length; got 3, 2 and 3"):
         RewardScorer(["gsm8k"])(PROMPTS, COMPLETIONS[:2], ROWS)

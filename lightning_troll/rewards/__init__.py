@@ -4,8 +4,11 @@ options.
 - :mod:`~lightning_troll.rewards.registry`: :func:`register_reward`, import paths,
   :class:`RewardScorer`;
 - :mod:`~lightning_troll.rewards.functions`: the built-ins (``tinymath``, ``gsm8k``, ``boxed``,
-  ``last_number``);
-- :mod:`~lightning_troll.rewards.options`: keyword options (``model.reward_kwargs``), ``overlong``.
+  ``last_number``, ``math_verify``);
+- :mod:`~lightning_troll.rewards.options`: keyword options (``model.reward_kwargs``), ``overlong``;
+- :mod:`~lightning_troll.rewards.calls` and :mod:`~lightning_troll.rewards.workers`: one call and
+  what a failed one scores; calls in worker processes with a timeout;
+- :mod:`~lightning_troll.rewards.reward_model`: :class:`RewardModel`, a classifier as a reward.
 """
 
 from lightning_troll.rewards.registry import (
@@ -19,17 +22,20 @@ from lightning_troll.rewards.registry import (
     extract_boxed,
     gsm8k,
     last_number,
+    math_verify,
     overlong,
     register_reward,
     resolve_reward,
     reward_tag,
     tinymath,
 )
+from lightning_troll.rewards.reward_model import RewardModel
 
 __all__ = [
     "REWARD_FUNCTIONS",
     "RewardError",
     "RewardFunction",
+    "RewardModel",
     "RewardOutput",
     "RewardScorer",
     "RewardWarning",
@@ -37,6 +43,7 @@ __all__ = [
     "extract_boxed",
     "gsm8k",
     "last_number",
+    "math_verify",
     "overlong",
     "register_reward",
     "resolve_reward",

@@ -145,6 +145,9 @@ def overlong(
     ``buffer`` (L in DAPO) defaults to a fifth of the budget (DAPO: 4,096 of 20,480 tokens); set
     it with ``reward_kwargs: {overlong: {buffer: 256}}``. Weigh it like any reward: the weight is
     DAPO's penalty factor.
+
+    Use it beside a correctness reward when completions run into the token budget: it teaches
+    the policy to finish before the cut instead of training on truncated answers.
     """
     if buffer is None:
         buffer = max(1, max_new_tokens // 5)

@@ -10,6 +10,7 @@ in :mod:`lightning_troll.rewards.options`):
     gsm8k     the number after the last ``####``, compared numerically with the gold answer
     boxed     the content of the last ``\\boxed{...}``, compared after normalisation
     last_number  the last number in the completion, compared numerically with the gold answer
+    math_verify  the answers parsed by Hugging Face's math-verify and compared symbolically
     overlong  DAPO's soft overlong penalty: 0, then falling linearly to -1 over the last
               ``buffer`` tokens of the completion budget
 
@@ -27,22 +28,40 @@ import importlib
 import inspect
 import math
 import numbers
-import warnings
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
-from lightning_troll.rewards.functions import boxed, extract_boxed, gsm8k, last_number, tinymath
+from lightning_troll.rewards.calls import (
+    FailurePolicy,
+    Outcome,
+    RewardError,
+    RewardWarning,
+    apply_policies,
+    call_batched,
+    call_one,
+    check_policies,
+)
+from lightning_troll.rewards.functions import (
+    boxed,
+    extract_boxed,
+    gsm8k,
+    last_number,
+    math_verify,
+    tinymath,
+)
 from lightning_troll.rewards.options import (
     bind_kwargs,
     call_arguments,
     overlong,
+    parameters,
     reward_tag,
     sample_keywords,
 )
+from lightning_troll.rewards.workers import RewardWorkers, check_picklable
 
 __all__ = [
     "REWARD_FUNCTIONS",
@@ -55,6 +74,7 @@ __all__ = [
     "extract_boxed",
     "gsm8k",
     "last_number",
+    "math_verify",
     "overlong",
     "register_reward",
     "resolve_reward",
@@ -75,16 +95,9 @@ REWARD_FUNCTIONS: dict[str, RewardFunction] = {
     "boxed": boxed,
     "last_number": last_number,
     "overlong": overlong,
+    "math_verify": math_verify,
 }
 """Reward functions by name: the built-ins, and those added with :func:`register_reward`."""
-
-
-class RewardError(ValueError):
-    """A reward function raised, or returned something that is not a finite number."""
-
-
-class RewardWarning(UserWarning):
-    """Samples were dropped because a reward function failed on them (``on_error="drop"``)."""
 
 
 def register_reward(name: str) -> Callable[[RewardFunction], RewardFunction]:
@@ -156,24 +169,10 @@ class RewardOutput:
     """name -> (B,) float32 unweighted reward of that function (0.0 where ``valid`` is False)."""
     valid: Tensor
     """(B,) bool; False where some function failed and ``on_error="drop"`` dropped the sample."""
-
-
-def _score(
-    fn: RewardFunction, prompt: str, completion: str, row: Mapping[str, Any], extra: dict
-) -> tuple[float, str | None, BaseException | None]:
-    """(reward, None, None), or (0.0, what went wrong, the exception if one was raised)."""
-    try:
-        value = fn(prompt, completion, row, **extra)
-    except Exception as exc:  # a user's function may raise anything
-        return 0.0, f"raised {type(exc).__name__}: {exc}", exc
-    number = _as_float(value)
-    if number is None:
-        problem = (
-            f"returned {_short(repr(value))} ({type(value).__name__}); a reward must be a number "
-            "(or bool) finite in float32"
-        )
-        return 0.0, problem, None
-    return number, None, None
+    timeouts: dict[str, int] = field(default_factory=dict)
+    """name -> calls of that function abandoned at the timeout (every function listed)."""
+    errors: dict[str, int] = field(default_factory=dict)
+    """name -> calls of that function that raised, returned a non-number or lost their worker."""
 
 
 def _unique_name(fn: Callable[..., Any], taken: Mapping[str, Any]) -> str:
@@ -186,50 +185,58 @@ def _unique_name(fn: Callable[..., Any], taken: Mapping[str, Any]) -> str:
     return name
 
 
-def _short(text: str, limit: int = 80) -> str:
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+def _build(spec: str | Callable[..., Any]) -> RewardFunction:
+    """A reward function from its spec: ``reward_model:<folder or hub name>`` is a
+    :class:`~lightning_troll.rewards.reward_model.RewardModel`; anything else is resolved."""
+    if isinstance(spec, str) and spec.startswith(REWARD_MODEL_PREFIX):
+        from lightning_troll.rewards.reward_model import RewardModel
 
-
-_FLOAT32_MAX = torch.finfo(torch.float32).max
-
-
-def _as_float(value: Any) -> float | None:
-    """A float from a bool, real number or one-element tensor, finite in float32 (rewards are
-    kept in float32); None for anything else."""
-    if isinstance(value, Tensor) and value.numel() == 1:
-        value = value.item()
-    if isinstance(value, numbers.Real):  # bool is an int: True -> 1.0
+        return RewardModel(spec[len(REWARD_MODEL_PREFIX) :])
+    fn = resolve_reward(spec)
+    require = getattr(fn, "require", None)
+    if callable(require):
         try:
-            value = float(value)
-        except OverflowError:  # an int beyond any float
-            return None
-        return value if abs(value) <= _FLOAT32_MAX else None  # NaN fails this too
-    return None
+            require()
+        except ImportError as error:
+            raise ValueError(str(error)) from None
+    return fn
+
+
+REWARD_MODEL_PREFIX = "reward_model:"
+"""``rewards: {"reward_model:<folder or hub name>": 1.0}`` scores with a sequence classifier."""
 
 
 class RewardScorer:
     """Several reward functions with weights: ``total = sum_k weight_k * reward_k``.
 
     Args:
-        rewards: Reward functions (registry names, import paths or callables) to weights, or a
-            list of them (weight 1 each). Weights must be finite; 0 logs a reward without
-            training on it, a negative weight makes it a penalty.
-        on_error: What a function that raises, or returns None, NaN, inf or a non-number, does:
-            ``"raise"`` (default) raises :class:`RewardError` naming the function, the sample and
-            the problem; ``"drop"`` (opt-in) marks that sample invalid (``valid[i] = False``,
-            total 0.0) and warns once per call with the count.
+        rewards: Reward functions (registry names, import paths, ``reward_model:<model>`` or
+            callables) to weights, or a list of them (weight 1 each). Weights must be finite; 0
+            logs a reward without training on it, a negative weight makes it a penalty.
+        on_error: What a call that raises, times out, or returns None, NaN, inf or a non-number
+            does: ``"raise"`` (default) raises :class:`RewardError` naming the function, the
+            sample and the problem; ``"drop"`` marks that sample invalid (``valid[i] = False``,
+            total 0.0); a number is the score the failed call gets (the sample stays valid).
+            One policy for every function, or a mapping of names to policies (the rest raise).
+            Failed calls that do not raise are counted (``timeouts``, ``errors``) and the first
+            few named in one warning per call.
         kwargs: Keyword arguments bound to functions by name, e.g. ``{"overlong": {"buffer":
             256}}``; each name must be one of ``rewards`` and each argument one its function takes.
+        workers: Worker processes that score (:mod:`~lightning_troll.rewards.workers`), the calls
+            of one scoring in parallel across them; 0 scores in this process. Batched functions
+            (reward models) always score in this process.
+        timeout: Seconds a call may take in a worker before it is abandoned (and its worker
+            replaced); None waits for ever. Needs ``workers`` >= 1.
     """
 
     def __init__(
         self,
         rewards: Mapping[str, float] | Sequence[str],
-        on_error: Literal["raise", "drop"] = "raise",
+        on_error: FailurePolicy | Mapping[str, FailurePolicy] = "raise",
         kwargs: Mapping[str, Mapping[str, Any]] | None = None,
+        workers: int = 0,
+        timeout: float | None = None,
     ) -> None:
-        if on_error not in ("raise", "drop"):
-            raise ValueError(f"on_error must be 'raise' or 'drop'; got {on_error!r}")
         if isinstance(rewards, str) or callable(rewards):
             rewards = [rewards]
         items = (
@@ -237,7 +244,6 @@ class RewardScorer:
         )
         if not items:
             raise ValueError("rewards must name at least one reward function; got none")
-        self.on_error = on_error
         self.functions: dict[str, RewardFunction] = {}
         """name -> reward function; a callable is named by its ``__name__``."""
         self.weights: dict[str, float] = {}
@@ -249,8 +255,13 @@ class RewardScorer:
                 raise ValueError(f"the weight of reward {name!r} must be a number; got {weight!r}")
             if not math.isfinite(weight):
                 raise ValueError(f"the weight of reward {name!r} must be finite; got {weight!r}")
-            self.functions[name] = resolve_reward(spec)
+            self.functions[name] = _build(spec)
             self.weights[name] = float(weight)
+        if isinstance(on_error, str) and on_error not in ("raise", "drop"):
+            raise ValueError(f"on_error must be 'raise', 'drop' or a number; got {on_error!r}")
+        self.on_error = on_error
+        self.policies = check_policies(on_error, list(self.functions))
+        """name -> what a failed call of that function does."""
         self.best: dict[str, float] = {
             name: float(getattr(fn, "max_reward", 1.0)) for name, fn in self.functions.items()
         }
@@ -259,6 +270,17 @@ class RewardScorer:
         """name -> keyword arguments bound to that function."""
         self.sample_keywords = sample_keywords(self.functions)
         """name -> the per-completion keywords (``SAMPLE_KEYWORDS``) its signature names."""
+        if timeout is not None and workers == 0:
+            raise ValueError(
+                f"reward_timeout={timeout!r} needs reward_workers >= 1: a call in the trainer's "
+                "own process cannot be abandoned"
+            )
+        self.workers = None if workers == 0 else RewardWorkers(workers, timeout)
+        """The worker processes, or None to score in this process."""
+        if self.workers is not None:
+            for name, fn in self.functions.items():
+                if not getattr(fn, "batched", False):
+                    check_picklable(name, fn)
 
     @property
     def full_marks(self) -> float:
@@ -269,6 +291,11 @@ class RewardScorer:
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.weights!r}, on_error={self.on_error!r})"
 
+    def close(self) -> None:
+        """Stops the worker processes, if any (the next call starts them again)."""
+        if self.workers is not None:
+            self.workers.close()
+
     def __call__(
         self,
         prompts: list[str],
@@ -276,11 +303,13 @@ class RewardScorer:
         rows: list[Mapping[str, Any]],
         completion_tokens: Sequence[int] | None = None,
         max_new_tokens: int | None = None,
+        device: Any = None,
     ) -> RewardOutput:
         """Scores sample i = (prompts[i], completions[i], rows[i]); all three lists have length B.
 
         ``completion_tokens`` (B,) and ``max_new_tokens`` go to the functions that take them;
-        a function that takes them raises ``ValueError`` when they are not given.
+        a function that takes them raises ``ValueError`` when they are not given. ``device`` (the
+        policy's) goes to batched functions that take it: a reward model scores there.
         """
         size = len(completions)
         if len(prompts) != size or len(rows) != size:
@@ -291,34 +320,10 @@ class RewardScorer:
         arguments = call_arguments(
             self.sample_keywords, self.kwargs, size, completion_tokens, max_new_tokens
         )  # name -> B keyword dicts
-        valid = [True] * size
-        scores: dict[str, list[float]] = {}
-        first_error = ""
-        for name, fn in self.functions.items():
-            scores[name] = column = [0.0] * size
-            for i, (prompt, completion, row) in enumerate(
-                zip(prompts, completions, rows, strict=True)
-            ):
-                value, problem, cause = _score(fn, prompt, completion, row, arguments[name][i])
-                if problem is None:
-                    column[i] = value
-                    continue
-                message = (
-                    f"reward function {name!r} on sample {i} (prompt {_short(prompt)!r}, "
-                    f"completion {_short(completion)!r}) {problem}"
-                )
-                if self.on_error == "raise":
-                    raise RewardError(message) from cause
-                valid[i] = False
-                first_error = first_error or message
-        dropped = valid.count(False)
-        if dropped:
-            warnings.warn(
-                f"RewardScorer dropped {dropped} of {size} samples whose rewards failed "
-                f"(on_error='drop'); the first: {first_error}",
-                RewardWarning,
-                stacklevel=2,
-            )
+        outcomes = self._outcomes(prompts, completions, rows, arguments, device)
+        scores, valid, timeouts, errors = apply_policies(
+            outcomes, self.policies, prompts, completions
+        )
         valid_t = torch.tensor(valid, dtype=torch.bool)  # (B,)
         per_function = {
             name: torch.tensor(column, dtype=torch.float32).masked_fill(~valid_t, 0.0)
@@ -328,4 +333,32 @@ class RewardScorer:
         for name, column in scores.items():
             total += self.weights[name] * torch.tensor(column, dtype=torch.float64)
         total = total.masked_fill(~valid_t, 0.0).to(torch.float32)
-        return RewardOutput(total=total, per_function=per_function, valid=valid_t)
+        return RewardOutput(total, per_function, valid_t, timeouts, errors)
+
+    def _outcomes(self, prompts, completions, rows, arguments, device) -> dict[str, list[Outcome]]:
+        """name -> the outcome of each of its B calls: batched functions in this process, the
+        rest in the workers (all at once) or here, in order."""
+        outcomes: dict[str, list[Outcome]] = {}
+        calls: list = []
+        samples = list(zip(prompts, completions, rows, strict=True))
+        for name, fn in self.functions.items():
+            if getattr(fn, "batched", False):
+                extra = dict(self.kwargs.get(name, {}))
+                if "device" in parameters(fn)[0]:
+                    extra["device"] = device
+                outcomes[name] = call_batched(fn, prompts, completions, rows, extra)
+            elif self.workers is not None:
+                key, payload = f"{name}@{id(fn)}", check_picklable(name, fn)
+                calls += [(key, payload, fn, *s, arguments[name][i]) for i, s in enumerate(samples)]
+            else:
+                outcomes[name] = results = []
+                for i, sample in enumerate(samples):
+                    results.append(call_one(fn, *sample, arguments[name][i]))
+                    if results[-1].problem is not None and self.policies.get(name) == "raise":
+                        break  # it raises: the other samples need not be scored
+        if calls:
+            done = iter(self.workers.run(calls))
+            for name, fn in self.functions.items():
+                if not getattr(fn, "batched", False):
+                    outcomes[name] = [next(done) for _ in samples]
+        return {name: outcomes[name] for name in self.functions}

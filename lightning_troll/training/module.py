@@ -65,6 +65,20 @@ def _default_optimizer(params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-6)
 
 
+RewardErrorPolicy = Literal["raise", "drop"] | float | dict[str, Literal["raise", "drop"] | float]
+"""``model.on_reward_error``: one policy, or reward names to policies."""
+
+
+def _reward_scorer(rewards, on_error, kwargs, workers, timeout) -> RewardScorer:
+    """The scorer of ``model.rewards``; an error names the option (``model.reward_kwargs``)."""
+    try:
+        return RewardScorer(rewards, on_error, kwargs, workers=workers, timeout=timeout)
+    except ValueError as error:
+        options = ("reward_kwargs", "on_reward_error", "reward_timeout", "reward_workers")
+        prefix = "model." if str(error).startswith(options) else ""
+        raise ValueError(f"{prefix}{error}") from None
+
+
 class TrollModule(ResumeHooks, RolloutHooks, PolicyHooks, LightningModule):
     """RL fine-tuning of a causal LM with TROLL (or clipping) from one switch.
 
@@ -87,8 +101,11 @@ class TrollModule(ResumeHooks, RolloutHooks, PolicyHooks, LightningModule):
             overlong) or import paths ``package.module:function``.
         reward_kwargs: keyword arguments bound to reward functions by name, e.g.
             ``{overlong: {buffer: 256}}`` (the last 256 tokens of the budget carry the penalty).
-        on_reward_error: ``raise`` stops on a reward function that fails or returns NaN/None;
-            ``drop`` leaves that completion out of the loss (its group's other samples stay).
+        on_reward_error: a failed reward call (raised, timed out, NaN, None, ...): ``raise``
+            stops; ``drop`` leaves the completion out of the loss; a number is its score. One
+            policy, or reward names to policies (the rest raise).
+        reward_workers: processes scoring a rollout's rewards in parallel; 0: in-process.
+        reward_timeout: seconds per reward call in a worker, then abandoned; null: no limit.
         dynamic_sampling: DAPO's dynamic sampling: prompt groups whose rewards have no spread
             (no gradient under group-relative advantages) leave the rollout, and more prompts
             (drawn from the training prompts) are sampled until it holds ``data.batch_size``
@@ -140,7 +157,9 @@ class TrollModule(ResumeHooks, RolloutHooks, PolicyHooks, LightningModule):
         sampling: SamplingConfig = SamplingConfig(),
         rewards: dict[str, float] | None = None,
         reward_kwargs: dict[str, dict[str, Any]] | None = None,
-        on_reward_error: Literal["raise", "drop"] = "raise",
+        on_reward_error: RewardErrorPolicy = "raise",
+        reward_workers: int = 0,
+        reward_timeout: float | None = None,
         dynamic_sampling: bool = False,
         dynamic_sampling_max_rounds: int = 3,
         optimization: OptimizationConfig = OptimizationConfig(),
@@ -170,13 +189,9 @@ class TrollModule(ResumeHooks, RolloutHooks, PolicyHooks, LightningModule):
         self.sampling = sampling
         self.optimization = optimization
         self.loss_config = loss
-        try:
-            self.scorer = RewardScorer(
-                rewards or {"tinymath": 1.0}, on_error=on_reward_error, kwargs=reward_kwargs
-            )
-        except ValueError as error:
-            prefix = "model." if str(error).startswith("reward_kwargs") else ""
-            raise ValueError(f"{prefix}{error}") from None
+        self.scorer = _reward_scorer(
+            rewards or {"tinymath": 1.0}, on_reward_error, reward_kwargs, reward_workers, reward_timeout
+        )  # fmt: skip
         check_dynamic_sampling(dynamic_sampling, dynamic_sampling_max_rounds, group_size)
         self.dynamic_sampling = dynamic_sampling
         self.dynamic_sampling_max_rounds = dynamic_sampling_max_rounds

@@ -75,7 +75,9 @@ def _answers(module: Any, batch: Any, group: int, do_sample: bool) -> RewardOutp
     prompts = [p for p in batch.prompts for _ in range(group)]
     rows = [r for r in batch.rows for _ in range(group)]
     tokens = response_mask.sum(-1).tolist()  # generated tokens, EOS included
-    return module.scorer(prompts, completions, rows, tokens, module.sampling.max_new_tokens)
+    return module.scorer(
+        prompts, completions, rows, tokens, module.sampling.max_new_tokens, device=module.device
+    )
 
 
 def _correct(module: Any, scored: RewardOutput) -> Tensor:

@@ -1,0 +1,229 @@
+"""Reward calls in worker processes, with a timeout per call (``model.reward_workers``,
+``model.reward_timeout``).
+
+:class:`RewardWorkers` keeps ``count`` processes; the calls of one scoring go to whichever is free,
+one call at a time each, so a rollout's rewards are scored in parallel. A call past its timeout is
+abandoned: its worker cannot be interrupted from outside (the function may be in C code, or
+asleep), so it is killed and a fresh one started in its place. A worker that dies on its own (a
+segfault, the OOM killer, ``os._exit``) fails the call it held and is replaced too; the trainer
+never dies with it.
+
+Workers are started with ``forkserver``: each is forked from a small server process that imported
+this module (and torch with it) once, so a restart costs milliseconds, and none inherits the
+trainer's threads or CUDA state as a plain ``fork`` would. What a worker runs must therefore
+pickle: a function by reference (a built-in, anything named by import path, a function defined at
+a module's top level, ``__main__`` included when the script guards its entry point) or a
+picklable object. Lambdas and closures run in-process only (``reward_workers: 0``).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import pickle
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from lightning_troll.rewards.calls import Outcome, call_one
+
+__all__ = ["RewardWorkers", "check_picklable"]
+
+_START_LIMIT = 300.0
+"""Seconds a new worker may take to start before scoring gives up (a broken environment)."""
+
+
+def check_picklable(name: str, fn: Callable[..., Any]) -> bytes:
+    """``fn`` pickled, or a ValueError that says why it cannot run in a worker process."""
+    try:
+        return pickle.dumps(fn)
+    except Exception as exc:  # PicklingError, AttributeError, TypeError: all say "cannot"
+        raise ValueError(
+            f"reward {name!r} cannot run in a worker process (model.reward_workers > 0): it does "
+            f"not pickle ({type(exc).__name__}: {exc}); define it at a module's top level and "
+            "name it by import path, or score in-process with model.reward_workers 0"
+        ) from None
+
+
+def _serve(conn: Connection) -> None:  # pragma: no cover - runs in the worker process
+    """A worker's loop: load functions as they come, call them, send back ``(value, problem)``."""
+    functions: dict[str, Any] = {}
+    conn.send(("ready",))
+    while True:
+        try:
+            key, payload, prompt, completion, row, extra = conn.recv()
+        except (EOFError, OSError):
+            return
+        try:
+            if payload is not None:
+                functions[key] = pickle.loads(payload)
+            outcome = call_one(functions[key], prompt, completion, row, extra)
+        except Exception as exc:  # the function did not unpickle here
+            outcome = Outcome(0.0, f"cannot be loaded in a worker: {type(exc).__name__}: {exc}")
+        conn.send((outcome.value, outcome.problem))
+
+
+class _Worker:
+    def __init__(self, context: Any) -> None:
+        parent, child = context.Pipe()
+        self.process = context.Process(target=_serve, args=(child,), daemon=True)
+        self.process.start()
+        child.close()
+        self.conn: Connection = parent
+        self.ready = False
+        self.born = time.monotonic()
+        self.task: int | None = None
+        self.deadline = float("inf")
+        self.known: set[str] = set()
+
+    def stop(self) -> None:
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join(timeout=5)
+        self.conn.close()
+
+
+def _poll(conn: Connection) -> bool:
+    try:
+        return conn.poll()
+    except (EOFError, OSError):
+        return False
+
+
+def _stop_all(workers: list[_Worker]) -> None:
+    for worker in workers:
+        worker.stop()
+    workers.clear()
+
+
+Call = tuple[str, bytes, Callable[..., Any], str, str, Mapping[str, Any], dict]
+"""(key, pickled function, function, prompt, completion, row, keyword arguments)."""
+
+
+class RewardWorkers:
+    """``count`` worker processes that run reward calls, each abandoned after ``timeout`` seconds.
+
+    Started on the first :meth:`run`; stopped by :meth:`close`, when the pool is collected, or at
+    exit. A pool pickles (and deep-copies) as its settings: the copy starts its own processes.
+    """
+
+    def __init__(self, count: int, timeout: float | None = None) -> None:
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"reward_workers must be an integer >= 0; got {count!r}")
+        if timeout is not None and not timeout > 0:
+            raise ValueError(f"reward_timeout must be null or > 0 seconds; got {timeout!r}")
+        self.count = count
+        self.timeout = timeout
+        self.restarts = 0
+        """Workers replaced so far (timeouts and deaths)."""
+        self._workers: list[_Worker] = []
+        self._finalizer = weakref.finalize(self, _stop_all, self._workers)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"count": self.count, "timeout": self.timeout}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["count"], state["timeout"])
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(count={self.count}, timeout={self.timeout})"
+
+    def close(self) -> None:
+        """Stops every worker (a later :meth:`run` starts new ones)."""
+        _stop_all(self._workers)
+
+    def _context(self) -> Any:
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload([__name__])
+        return context
+
+    def _replace(self, worker: _Worker) -> None:
+        worker.stop()
+        self._workers[self._workers.index(worker)] = _Worker(self._context())
+        self.restarts += 1
+
+    def run(self, calls: Sequence[Call]) -> list[Outcome]:
+        """The outcome of every call, in order; calls run in parallel across the workers."""
+        while len(self._workers) < self.count:
+            self._workers.append(_Worker(self._context()))
+        pending = deque(range(len(calls)))
+        outcomes: list[Outcome | None] = [None] * len(calls)
+        while pending or any(w.task is not None for w in self._workers):
+            for worker in self._workers:
+                if worker.ready and worker.task is None and pending:
+                    self._send(worker, pending.popleft(), calls)
+            self._wait(outcomes)
+        return [o if o is not None else Outcome(0.0, "was not scored", "error") for o in outcomes]
+
+    def _send(self, worker: _Worker, index: int, calls: Sequence[Call]) -> None:
+        key, payload, _, prompt, completion, row, extra = calls[index]
+        first = key not in worker.known
+        worker.conn.send((key, payload if first else None, prompt, completion, dict(row), extra))
+        worker.known.add(key)
+        worker.task = index
+        worker.deadline = time.monotonic() + (self.timeout or float("inf"))
+
+    def _wait(self, outcomes: list[Outcome | None]) -> None:
+        """Waits for a worker to answer, start, die or time out, and handles what happened."""
+        now = time.monotonic()
+        deadlines = [w.deadline for w in self._workers if w.task is not None]
+        deadlines += [w.born + _START_LIMIT for w in self._workers if not w.ready]
+        left = min(60.0, max(0.0, min(deadlines, default=now + 1.0) - now))
+        handles = {w.conn: w for w in self._workers} | {
+            w.process.sentinel: w for w in self._workers
+        }
+        for handle in wait(list(handles), timeout=left):
+            worker = handles[handle]
+            if worker not in self._workers:  # already replaced in this round
+                continue
+            if handle is worker.conn and self._receive(worker, outcomes):
+                continue
+            if worker.process.is_alive() and handle is worker.conn:
+                continue  # pragma: no cover - a closed pipe with a live process
+            self._died(worker, outcomes)
+        now = time.monotonic()
+        for worker in list(self._workers):
+            if worker.task is not None and now >= worker.deadline:
+                outcomes[worker.task] = Outcome(
+                    0.0, f"timed out after {self.timeout:g} s", "timeout"
+                )
+                self._replace(worker)
+            elif not worker.ready and now >= worker.born + _START_LIMIT:
+                raise RuntimeError(
+                    f"a reward worker process did not start in {_START_LIMIT:g} s (exit code "
+                    f"{worker.process.exitcode})"
+                )
+
+    def _receive(self, worker: _Worker, outcomes: list[Outcome | None]) -> bool:
+        """Reads one message; False when the pipe is closed (the worker died)."""
+        try:
+            message = worker.conn.recv()
+        except (EOFError, OSError):
+            return False
+        if message == ("ready",):
+            worker.ready = True
+        elif worker.task is not None:
+            value, problem = message
+            outcomes[worker.task] = Outcome(value, problem, None if problem is None else "error")
+            worker.task, worker.deadline = None, float("inf")
+        return True
+
+    def _died(self, worker: _Worker, outcomes: list[Outcome | None]) -> None:
+        while worker.task is not None and _poll(worker.conn):  # an answer sent before it died
+            if not self._receive(worker, outcomes):
+                break
+        worker.process.join(timeout=5)
+        if not worker.ready:
+            raise RuntimeError(
+                f"a reward worker process exited while starting (exit code "
+                f"{worker.process.exitcode}); run with model.reward_workers 0 to see why"
+            )
+        if worker.task is not None:
+            code = worker.process.exitcode
+            outcomes[worker.task] = Outcome(
+                0.0, f"killed its worker process (exit code {code}); the worker was restarted",
+                "error",
+            )  # fmt: skip
+        self._replace(worker)

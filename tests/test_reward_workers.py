@@ -1,0 +1,255 @@
+"""Robust rewards: math_verify against boxed and last_number, failure policies, reward worker
+processes with timeouts and deaths, and a reward model as a reward."""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+import pytest
+import torch
+
+from lightning_troll.rewards.registry import (
+    RewardError,
+    RewardScorer,
+    RewardWarning,
+    boxed,
+    last_number,
+)
+
+H = "tests.reward_helpers:"
+
+
+# ----------------------------------------------------------------------------- math_verify
+
+# (completion, gold): boxed or last_number score 0.0 on each, math_verify 1.0
+MATH_VERIFY_RIGHT = [
+    ("so the answer is \\boxed{\\frac{2}{4}}", "\\frac{1}{2}"),  # equivalent fractions
+    ("\\boxed{0.5}", "\\frac{1}{2}"),  # \frac against a decimal
+    ("The roots are \\boxed{\\{3, -1\\}}.", "\\{-1, 3\\}"),  # a LaTeX set, in another order
+    ("We get \\boxed{\\frac{3}{4}} after simplifying, checked twice.", "3/4"),  # box in text
+    ("\\boxed{\\sqrt{8}}", "2\\sqrt{2}"),  # equal radicals
+]
+
+
+@pytest.mark.parametrize(("completion", "gold"), MATH_VERIFY_RIGHT)
+def test_math_verify_is_right_where_boxed_or_last_number_are_wrong(completion, gold):
+    pytest.importorskip("math_verify")
+    from lightning_troll.rewards.functions import math_verify
+
+    row = {"answer": gold}
+    assert math_verify("Q?", completion, row) == 1.0
+    assert min(boxed("Q?", completion, row), last_number_or_zero(completion, row)) == 0.0
+
+
+def last_number_or_zero(completion, row) -> float:
+    try:
+        return last_number("Q?", completion, row)
+    except ValueError:  # a gold answer without a plain number
+        return 0.0
+
+
+@pytest.mark.parametrize(
+    ("completion", "gold"),
+    [("\\boxed{\\frac{1}{3}}", "0.5"), ("\\boxed{\\{1, 2\\}}", "\\{1, 3\\}"), ("no answer", "7")],
+)
+def test_math_verify_scores_wrong_answers_zero(completion, gold):
+    pytest.importorskip("math_verify")
+    from lightning_troll.rewards.functions import math_verify
+
+    assert math_verify("Q?", completion, {"answer": gold}) == 0.0
+
+
+def test_math_verify_by_name_without_the_package_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "math_verify", None)  # import fails
+    with pytest.raises(ValueError, match=r"pip install 'lightning-troll\[math\]'") as info:
+        RewardScorer({"math_verify": 1.0})
+    assert "\n" not in str(info.value)
+
+
+def test_every_builtin_says_when_to_use_it():
+    from lightning_troll.rewards.registry import REWARD_FUNCTIONS
+
+    for name in ("tinymath", "gsm8k", "boxed", "last_number", "overlong", "math_verify"):
+        assert "Use it" in REWARD_FUNCTIONS[name].__doc__, name
+
+
+# ----------------------------------------------------------------------------- failure policies
+
+
+def test_a_number_policy_scores_failed_calls_and_counts_them():
+    """bad_values on ["ok", "nan", "raise", "none"] with on_error=-1: scores 1, -1, -1, -1; all
+    four samples stay valid; three errors, no timeout; one warning naming the first failures."""
+    scorer = RewardScorer({H + "bad_values": 2.0}, on_error=-1.0)
+    with pytest.warns(RewardWarning, match=r"3 reward calls on 4 samples failed") as record:
+        out = scorer(["p"] * 4, ["ok", "nan", "raise", "none"], [{}] * 4)
+    assert len(record) == 1
+    message = str(record[0].message)
+    assert "on sample 1 returned nan" in message and "RuntimeError: broken verifier" in message
+    assert out.valid.all()
+    assert out.per_function[H + "bad_values"].tolist() == [1.0, -1.0, -1.0, -1.0]
+    assert out.total.tolist() == [2.0, -2.0, -2.0, -2.0]
+    assert out.errors == {H + "bad_values": 3} and out.timeouts == {H + "bad_values": 0}
+
+
+def test_each_function_keeps_its_own_policy():
+    scorer = RewardScorer(
+        {H + "bad_values": 1.0, H + "none_for_even_lengths": 1.0},
+        on_error={H + "bad_values": 0.0, H + "none_for_even_lengths": "drop"},
+    )
+    with pytest.warns(RewardWarning, match="dropped 1 of 2"):
+        out = scorer(["p", "p"], ["nan", "ok"], [{}, {}])
+    # "nan": bad_values fails and scores 0.0, length 3 is odd: 1.0; "ok": length 2 is even:
+    # none_for_even_lengths fails and drops the sample
+    assert out.valid.tolist() == [True, False]
+    assert out.total.tolist() == [1.0, 0.0]
+    with pytest.raises(ValueError, match=r"on_reward_error names \['nope'\]"):
+        RewardScorer({"gsm8k": 1.0}, on_error={"nope": "drop"})
+    with pytest.raises(ValueError, match="must be 'raise', 'drop' or a finite number"):
+        RewardScorer({"gsm8k": 1.0}, on_error={"gsm8k": float("nan")})
+
+
+def test_a_batched_function_of_the_wrong_length_fails_every_sample():
+    def two_scores(prompts, completions, rows):
+        return [1.0, 1.0]
+
+    two_scores.batched = True
+    scorer = RewardScorer([two_scores], on_error="drop")
+    with pytest.warns(RewardWarning, match="one score per completion"):
+        out = scorer(["p"] * 3, ["a", "b", "c"], [{}] * 3)
+    assert out.valid.tolist() == [False] * 3
+    assert out.errors == {"two_scores": 3}
+
+
+# ----------------------------------------------------------------------------- workers
+
+
+def test_timeouts_need_workers_and_workers_need_picklable_functions():
+    with pytest.raises(ValueError, match="reward_timeout=2.0 needs reward_workers >= 1"):
+        RewardScorer({"gsm8k": 1.0}, timeout=2.0)
+    with pytest.raises(ValueError, match="cannot run in a worker process"):
+        RewardScorer([lambda p, c, r: 1.0], workers=1)
+    with pytest.raises(ValueError, match="reward_workers must be an integer >= 0"):
+        RewardScorer({"gsm8k": 1.0}, workers=-1)
+
+
+@pytest.mark.slow
+def test_workers_score_as_the_trainer_does_and_in_parallel():
+    completions = ["#### 3", "#### 4", "x", "#### 3"]
+    rows = [{"answer": "3"}] * 4
+    here = RewardScorer({"gsm8k": 1.0, H + "length_reward": 0.5})(["p"] * 4, completions, rows)
+    scorer = RewardScorer({"gsm8k": 1.0, H + "length_reward": 0.5}, workers=2)
+    try:
+        there = scorer(["p"] * 4, completions, rows)
+        assert torch.equal(here.total, there.total) and torch.equal(here.valid, there.valid)
+        pids = RewardScorer([H + "process_id", H + "slow_half"], workers=2)
+        try:
+            seen = set(pids(["p"] * 8, ["c"] * 8, [{}] * 8).per_function[H + "process_id"].tolist())
+        finally:
+            pids.close()
+        assert len(seen) == 2 and float(os.getpid()) not in seen  # both workers, not this one
+    finally:
+        scorer.close()
+
+
+@pytest.mark.slow
+def test_a_call_past_its_timeout_is_abandoned_and_its_worker_replaced():
+    """["ok", "hang", "ok", "hang"], 2 workers, a 1 s timeout, failures scored 0: both hangs
+    time out (2 timeouts), the run goes on, and the next call finds working workers."""
+    scorer = RewardScorer({H + "hangs_on_hang": 1.0}, on_error=0.0, workers=2, timeout=1.0)
+    try:
+        with pytest.warns(RewardWarning, match=r"timed out after 1 s.*'hang'"):
+            out = scorer(["p"] * 4, ["ok", "hang", "ok", "hang"], [{}] * 4)
+        assert out.total.tolist() == [1.0, 0.0, 1.0, 0.0]
+        assert out.timeouts == {H + "hangs_on_hang": 2} and out.errors == {H + "hangs_on_hang": 0}
+        assert scorer.workers.restarts == 2
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert scorer(["p"] * 2, ["ok", "ok"], [{}] * 2).total.tolist() == [1.0, 1.0]
+    finally:
+        scorer.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("death", ["die", "kill"])
+def test_a_worker_that_dies_is_restarted_and_the_trainer_goes_on(death):
+    scorer = RewardScorer({H + "dies_on_die": 1.0}, on_error="drop", workers=2)
+    try:
+        with pytest.warns(RewardWarning, match="killed its worker process"):
+            out = scorer(["p"] * 3, ["ok", death, "ok"], [{}] * 3)
+        assert out.valid.tolist() == [True, False, True]
+        assert out.errors == {H + "dies_on_die": 1}
+        assert scorer(["p"], ["ok"], [{}]).total.tolist() == [1.0]
+    finally:
+        scorer.close()
+
+
+@pytest.mark.slow
+def test_raise_policy_in_workers_names_the_timeout():
+    scorer = RewardScorer({H + "hangs_on_hang": 1.0}, workers=1, timeout=0.5)
+    try:
+        with pytest.raises(RewardError, match=r"on sample 1 .* timed out after 0.5 s"):
+            scorer(["p"] * 2, ["ok", "hang"], [{}] * 2)
+    finally:
+        scorer.close()
+
+
+# ----------------------------------------------------------------------------- reward models
+
+
+@pytest.fixture(scope="module")
+def tiny_classifier(tmp_path_factory):
+    """A randomly initialised 2-layer LlamaForSequenceClassification (one label) with the
+    TinyMath tokenizer, saved like a hub model."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    from lightning_troll.models.tinymath import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        num_labels=1,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    model = LlamaForSequenceClassification(config)
+    path = tmp_path_factory.mktemp("tiny_reward_model")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path, model.eval(), tokenizer
+
+
+def test_a_reward_model_scores_in_batches_as_one_at_a_time(tiny_classifier):
+    """The scorer's batched scores (batch size 2, padding on the right) equal the classifier's
+    logit on each text alone, to float32 rounding."""
+    path, model, tokenizer = tiny_classifier
+    scorer = RewardScorer(
+        {f"reward_model:{path}": 1.0}, kwargs={f"reward_model:{path}": {"batch_size": 2}}
+    )
+    prompts = ["3+4=", "12+5=", "1+1="]
+    completions = ["7", "17 because 12 + 5 = 17", "2"]
+    out = scorer(prompts, completions, [{}] * 3, device="cpu")
+    fn = scorer.functions[f"reward_model:{path}"]
+    with torch.no_grad():
+        alone = [
+            model(**tokenizer(fn.text(p, c, {}), return_tensors="pt")).logits[0, 0].item()
+            for p, c in zip(prompts, completions, strict=True)
+        ]
+    torch.testing.assert_close(out.total, torch.tensor(alone), rtol=1e-5, atol=1e-5)
+    assert not any(p.requires_grad for p in fn._model.parameters())
+    assert scorer.full_marks == 0.0  # a reward model has no best score
+
+
+def test_a_reward_model_named_by_path_and_checked(tiny_classifier):
+    path = tiny_classifier[0]
+    with pytest.raises(ValueError, match="batch_size must be an integer >= 1"):
+        RewardScorer(
+            {f"reward_model:{path}": 1.0}, kwargs={f"reward_model:{path}": {"batch_size": 0}}
+        )
