@@ -34,6 +34,8 @@ PAGES = (
     "gpu-and-fsdp.md",
     "troubleshooting.md",
     "logging-and-export.md",
+    "logging.md",
+    "rewards.md",
     "api.md",
     "supports.md",
     "architecture.md",
