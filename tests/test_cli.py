@@ -50,6 +50,7 @@ def one_step(model_dir: Path) -> list[str]:
         "--data.num_train", "16",
         "--data.num_val", "4",
         "--data.val_batch_size", "4",
+        "--model.optimization.minibatch_size", "16",  # the rollout: 2 prompts x 8 completions
     ]  # fmt: skip
 
 

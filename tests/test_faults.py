@@ -43,7 +43,12 @@ def fit_args(workdir: Path, model_dir: Path, max_steps: int, *extra: str) -> lis
                 }
             ],
         },
-        "model": {"model": str(model_dir), "group_size": 2, "sampling": {"max_new_tokens": 2}},
+        "model": {
+            "model": str(model_dir),
+            "group_size": 2,
+            "sampling": {"max_new_tokens": 2},
+            "optimization": {"minibatch_size": 4},  # the rollout: 2 prompts x 2 completions
+        },
         "data": {"batch_size": 2, "num_train": 8, "num_val": 0},
     }
     path = workdir / "run.yaml"

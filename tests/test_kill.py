@@ -82,7 +82,12 @@ def command(tmp_path: Path, model_dir: Path, *extra: str) -> list[str]:
                 }
             ],
         },
-        "model": {"model": str(model_dir), "group_size": 4, "sampling": {"max_new_tokens": 4}},
+        "model": {
+            "model": str(model_dir),
+            "group_size": 4,
+            "sampling": {"max_new_tokens": 4},
+            "optimization": {"minibatch_size": 8},  # the rollout: 2 prompts x 4 completions
+        },
         "data": {"batch_size": 2, "num_train": 16, "num_val": 0},
     }
     path = tmp_path / "kill.yaml"

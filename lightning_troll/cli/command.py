@@ -25,9 +25,11 @@ import contextlib
 import os
 import sys
 import warnings
-from typing import Any
+from contextvars import ContextVar
+from typing import Any, NoReturn
 
 from jsonargparse import set_parsing_settings
+from jsonargparse._common import debug_mode_active
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import Checkpoint, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
@@ -44,13 +46,21 @@ from lightning_troll.callbacks import (
     TrustRegionMonitor,
 )
 from lightning_troll.cli import export
+from lightning_troll.cli.parse_errors import explain
 from lightning_troll.data.datamodule import PromptDataModule
+from lightning_troll.rewards.lookup import config_folders as reward_config_folders
+from lightning_troll.rewards.registry import resolve_reward
 from lightning_troll.training.checkpoints import (
     changed_options,
     check_checkpoint_file,
     non_atomic_saves,
 )
 from lightning_troll.training.module import TrollModule
+from lightning_troll.training.preflight import (
+    check_module_options,
+    check_rollout_split,
+    task_rewards,
+)
 
 __all__ = ["BAD_INPUT", "TrollCLI", "main", "quarter_means", "run", "shows_help"]
 
@@ -119,6 +129,29 @@ def check_schedule_length(config) -> None:
     )
 
 
+def config_files(config) -> list[str]:
+    """The ``--config`` files of a parsed command line, as absolute paths (inline YAML left out)."""
+    return [p.absolute for p in config.get("config") or [] if getattr(p, "absolute", None)]
+
+
+def check_task(config) -> None:
+    """Refuses, before the model loads, a run that cannot train: data other than TinyMath with no
+    reward, a reward module or function that cannot be found (looked for in the working
+    directory, then beside the configs), and a minibatch larger than the rollout."""
+    model, data = config.model, config.data
+    check_module_options(
+        model.get("objective"),
+        model.get("estimator"),
+        model.get("scale_rewards"),
+        model.get("group_size"),
+        model.get("behaviour_logprobs"),
+    )
+    for spec in task_rewards(model.get("rewards"), data.get("source")):
+        resolve_reward(spec)
+    minibatch = (model.get("optimization") or {}).get("minibatch_size")
+    check_rollout_split(minibatch, data.get("batch_size"), model.get("group_size"))
+
+
 def follow_run_seed(config) -> None:
     """Sets ``data.seed`` and ``model.seed`` to the run's seed (``seed_everything``) where they
     are unset (null) and the run's seed is an integer, so that runs with different seeds see
@@ -131,9 +164,26 @@ def follow_run_seed(config) -> None:
             config[f"{section}.seed"] = seed
 
 
+_COMMAND_LINE: ContextVar[tuple[str, ...] | None] = ContextVar("command_line", default=None)
+"""The command line being parsed, and None when ``--debug`` asks for jsonargparse's own errors."""
+
+
 class TrollArgumentParser(LightningArgumentParser):
     """Fills in ``data.seed`` from ``seed_everything`` while parsing, before ``--print_config``
-    prints, so that the printed config shows the seed used."""
+    prints, so that the printed config shows the seed used; says a parse error in a line (see
+    :mod:`lightning_troll.cli.parse_errors`) instead of the whole usage."""
+
+    @override
+    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+        args = _COMMAND_LINE.get()
+        if not self.exit_on_error or args is None or debug_mode_active():
+            super().error(message, ex)
+        parser = getattr(ex, "subcommand_parser", None) or self
+        line = explain(message, parser, args)
+        subcommand = next((a for a in args[:1] if a in ("fit", "validate", "test", "predict")), "")
+        help_line = f"lightning-troll {subcommand} --help".replace("  ", " ")
+        sys.stderr.write(f"lightning-troll: error: {line}\n  ({help_line} lists every option)\n")
+        self.exit(2)
 
     def _parse_common(self, cfg, *args, **kwargs):
         # Only on the whole parse (defaults merged): a config file's part of it, parsed first
@@ -193,6 +243,9 @@ class TrollCLI(LightningCLI):
         config = self.config[subcommand] if subcommand else self.config
         follow_run_seed(config)  # seed_everything: true is drawn after parsing
         check_schedule_length(config)
+        self._config_files = config_files(config)
+        with reward_config_folders(self._config_files):
+            check_task(config)
         if self._given_model is None:
             return
         stored = dict(self.config[self.subcommand].model.items())
@@ -202,6 +255,11 @@ class TrollCLI(LightningCLI):
                 "--ckpt_path: a resumed run keeps the model options stored in the checkpoint; "
                 "these given ones are ignored: " + "; ".join(ignored)
             )
+
+    def instantiate_classes(self) -> None:
+        """Builds the classes with reward modules looked for beside the configs too."""
+        with reward_config_folders(getattr(self, "_config_files", [])):
+            super().instantiate_classes()
 
     def before_fit(self) -> None:
         """Warns when checkpoints would not be saved atomically (see ``non_atomic_saves``)."""
@@ -263,8 +321,9 @@ def shows_help(args: list[str]) -> bool:
     )
 
 
-def run(args: list[str] | None = None) -> TrollCLI:
-    """Runs the command line (``args``, or ``sys.argv``) and returns the CLI object."""
+def run(args: list[str] | None = None, debug: bool = False) -> TrollCLI:
+    """Runs the command line (``args``, or ``sys.argv``) and returns the CLI object. A parse error
+    prints a line or two and exits with status 2; ``debug`` prints jsonargparse's own report."""
     # The options of the config dataclasses are documented by a docstring under each field.
     # Reading those means parsing the source of every class the parser covers (Trainer,
     # LightningModule, ...), about 2 s per start on a 2-core CPU, so it is done only for a
@@ -276,15 +335,19 @@ def run(args: list[str] | None = None) -> TrollCLI:
     # ModelCheckpoint warns that a manually optimised module's checkpoint holds the weights after
     # the batch's optimiser steps: that is what resuming between rollouts needs.
     warnings.filterwarnings("ignore", message=r"Using ModelCheckpoint with manual optimization")
-    return TrollCLI(
-        TrollModule,
-        PromptDataModule,
-        trainer_defaults=TRAINER_DEFAULTS,
-        save_config_kwargs={"overwrite": True},
-        parser_class=TrollArgumentParser,
-        auto_configure_optimizers=False,
-        args=args,
-    )
+    token = _COMMAND_LINE.set(None if debug else tuple(given))
+    try:
+        return TrollCLI(
+            TrollModule,
+            PromptDataModule,
+            trainer_defaults=TRAINER_DEFAULTS,
+            save_config_kwargs={"overwrite": True},
+            parser_class=TrollArgumentParser,
+            auto_configure_optimizers=False,
+            args=args,
+        )
+    finally:
+        _COMMAND_LINE.reset(token)
 
 
 def _refuse(error: BaseException) -> None:
@@ -315,7 +378,7 @@ def main(args: list[str] | None = None) -> None:
     if args is None:  # LightningCLI reads sys.argv itself (and warns when both are given)
         sys.argv[1:] = rest
     try:
-        cli = run(None if args is None else rest)
+        cli = run(None if args is None else rest, debug=debug)
     except BAD_INPUT as error:
         if debug or getattr(error, "during_training", False):
             raise

@@ -24,7 +24,6 @@ B = P * G completions and returns ``(B,)`` tensors.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import math
 import numbers
@@ -53,6 +52,7 @@ from lightning_troll.rewards.functions import (
     math_verify,
     tinymath,
 )
+from lightning_troll.rewards.lookup import find_attribute, import_reward_module
 from lightning_troll.rewards.options import (
     bind_kwargs,
     call_arguments,
@@ -135,18 +135,14 @@ def resolve_reward(spec: str | Callable[..., Any]) -> RewardFunction:
         module_name, _, attr_path = spec.rpartition(".")
     else:
         raise ValueError(
-            f"unknown reward {spec!r}; registered rewards are {sorted(REWARD_FUNCTIONS)}, or give "
-            "an import path 'package.module:function' (or 'package.module.function') of a "
-            "function fn(prompt, completion, row) -> float"
+            f"model.rewards: unknown reward {spec!r}; registered rewards are "
+            f"{sorted(REWARD_FUNCTIONS)}, or give an import path 'module:function' of a function "
+            "fn(prompt, completion, row) -> float (module.py in the working directory or beside "
+            "the config)"
         )
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"reward {spec!r}: cannot import module {module_name!r}: {exc}") from exc
-    for part in attr_path.split("."):
-        if not hasattr(obj, part):
-            raise ValueError(f"reward {spec!r}: {module_name!r} has no attribute {attr_path!r}")
-        obj = getattr(obj, part)
+    # the working directory first, then beside the configs, then anything importable (lookup.py)
+    module, place = import_reward_module(module_name, spec)
+    obj = find_attribute(module, attr_path, spec, place)
     if inspect.isclass(obj) or not callable(obj):
         what = "a class" if inspect.isclass(obj) else f"a {type(obj).__name__}, not callable"
         raise ValueError(

@@ -53,7 +53,10 @@ from lightning_troll.rollouts.rollout import (
 from lightning_troll.rollouts.timing import clock
 from lightning_troll.training.optimization import MinibatchLoop, OptimizationConfig
 from lightning_troll.training.policies import PolicyHooks
-from lightning_troll.training.preflight import check_module_options
+from lightning_troll.training.preflight import (
+    check_fit_data,
+    check_module_options,
+)
 from lightning_troll.training.resume import ResumeHooks
 from lightning_troll.training.rollout_hooks import RolloutHooks
 from lightning_troll.training.validation import validation_metrics
@@ -98,7 +101,9 @@ class TrollModule(ResumeHooks, RolloutHooks, PolicyHooks, LightningModule):
         group_size: completions per prompt (G).
         sampling: how the snapshot samples (temperature, top_p, top_k, max_new_tokens).
         rewards: reward functions and their weights: built-in names (tinymath, gsm8k, boxed,
-            overlong) or import paths ``package.module:function``.
+            overlong) or import paths ``module:function`` (``module.py`` in the working
+            directory or beside the config). Null only for the built-in TinyMath data, whose
+            reward it then is; a fit on any other data without rewards is refused.
         reward_kwargs: keyword arguments bound to reward functions by name, e.g.
             ``{overlong: {buffer: 256}}`` (the last 256 tokens of the budget carry the penalty).
         on_reward_error: a failed reward call (raised, timed out, NaN, None, ...): ``raise``
@@ -190,7 +195,8 @@ class TrollModule(ResumeHooks, RolloutHooks, PolicyHooks, LightningModule):
         self.optimization = optimization
         self.loss_config = loss
         self.scorer = _reward_scorer(
-            rewards or {"tinymath": 1.0}, on_reward_error, reward_kwargs, reward_workers, reward_timeout
+            {"tinymath": 1.0} if rewards is None else rewards,  # TinyMath's: see setup
+            on_reward_error, reward_kwargs, reward_workers, reward_timeout
         )  # fmt: skip
         check_dynamic_sampling(dynamic_sampling, dynamic_sampling_max_rounds, group_size)
         self.dynamic_sampling = dynamic_sampling
@@ -249,6 +255,14 @@ class TrollModule(ResumeHooks, RolloutHooks, PolicyHooks, LightningModule):
             return build_objective(name, **specific, **shared)
         except ValueError as error:
             raise ValueError(f"model: {error}") from None
+
+    def setup(self, stage: str) -> None:
+        """Before fitting, the checks the command makes before the model loads, for a module and
+        a DataModule built apart in Python (see ``check_fit_data``)."""
+        if stage == "fit" and self._trainer is not None and self.trainer.datamodule is not None:
+            minibatch = self.optimization.minibatch_size
+            rewards = self.hparams.get("rewards")
+            check_fit_data(rewards, minibatch, self.group_size, self.trainer.datamodule)
 
     def configure_optimizers(self):
         optimizer = self._optimizer_factory(

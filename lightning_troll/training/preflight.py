@@ -7,10 +7,24 @@ No Lightning here.
 from __future__ import annotations
 
 from lightning_troll.objectives import OBJECTIVES
-from lightning_troll.objectives.advantages import REWARD_SCALES, get_advantage_estimator
+from lightning_troll.objectives.advantages import (
+    BASELINES,
+    REWARD_SCALES,
+    get_advantage_estimator,
+)
 from lightning_troll.rollouts.behaviour import BEHAVIOUR_LOGPROBS
 
-__all__ = ["check_module_options"]
+__all__ = [
+    "GROUP_ESTIMATORS",
+    "check_fit_data",
+    "check_module_options",
+    "check_rollout_split",
+    "task_rewards",
+]
+
+GROUP_ESTIMATORS = frozenset(BASELINES)
+"""The built-in estimators: each subtracts a baseline from its prompt's group of G completions,
+so G = 1 leaves no signal. An estimator of one's own may work with G = 1."""
 
 
 def check_module_options(
@@ -32,8 +46,56 @@ def check_module_options(
         )
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
         raise ValueError(f"model.group_size must be an integer >= 1; got {group_size!r}")
+    if group_size < 2 and estimator in GROUP_ESTIMATORS:
+        raise ValueError(
+            f"model.group_size={group_size}: the estimator {estimator!r} compares each completion "
+            "with the others sampled for its prompt, so it needs at least 2 (8 is usual); with 1 "
+            "every advantage is 0 (or undefined) and nothing trains"
+        )
     if behaviour_logprobs not in BEHAVIOUR_LOGPROBS:
         raise ValueError(
             f"model.behaviour_logprobs must be one of {list(BEHAVIOUR_LOGPROBS)}; got "
             f"{behaviour_logprobs!r}"
         )
+
+
+def task_rewards(rewards: dict[str, float] | None, source: object) -> dict[str, float]:
+    """The rewards a run trains on: ``rewards`` when given; the TinyMath reward for the built-in
+    TinyMath data (``data.source: tinymath``); for any other data, a refusal saying how to name one.
+    """
+    if rewards is not None:
+        return dict(rewards)
+    if source == "tinymath":
+        return {"tinymath": 1.0}
+    raise ValueError(
+        f"model.rewards is not set, and only the built-in TinyMath data has a reward of its own "
+        f"(data.source={source!r}); name one in the config, e.g. model.rewards: "
+        "{my_reward:score: 1.0} for score(prompt, completion, row) -> float in my_reward.py beside "
+        "it, or a built-in: {last_number: 1.0}, {gsm8k: 1.0}, {boxed: 1.0}"
+    )
+
+
+def check_rollout_split(minibatch_size: int | None, batch_size: int, group_size: int) -> None:
+    """Refuses a minibatch larger than the rollout: ``data.batch_size`` prompts x
+    ``model.group_size`` completions per process (it would train on the whole rollout at once,
+    not in the steps the option asks for)."""
+    rollout = batch_size * group_size
+    if minibatch_size is not None and minibatch_size > rollout:
+        raise ValueError(
+            f"model.optimization.minibatch_size={minibatch_size} is larger than a rollout: "
+            f"data.batch_size={batch_size} prompts x model.group_size={group_size} completions = "
+            f"{rollout} sequences; lower it to at most {rollout} (null: the whole rollout), or "
+            "raise data.batch_size"
+        )
+
+
+def check_fit_data(
+    rewards: dict[str, float] | None, minibatch_size: int | None, group_size: int, data: object
+) -> None:
+    """The module's options against the DataModule it fits on (``data``): a reward for data other
+    than TinyMath (:func:`task_rewards`), a minibatch no larger than the rollout."""
+    if rewards is None:
+        task_rewards(None, getattr(data, "source", type(data).__name__))
+    batch_size = getattr(data, "batch_size", None)
+    if isinstance(batch_size, int):
+        check_rollout_split(minibatch_size, batch_size, group_size)
