@@ -181,6 +181,12 @@ class PromptDataModule(LightningDataModule):
             self.train_items = self._prepare(rows, "train")
         if self.val_items is None:
             self.val_items = self._prepare(self.row_source.val_rows(), "validation")
+            if not self.val_items and self.num_val != 0:
+                raise ValueError(
+                    f"data.num_val={self.num_val}: there are no validation rows in "
+                    f"{self._describe('validation')} (split {self.val_split!r}); give rows, or "
+                    "data.num_val: 0 to validate nothing"
+                )
 
     def _describe(self, split: str = "train") -> str:
         return self.row_source.describe(split)

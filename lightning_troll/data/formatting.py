@@ -4,6 +4,14 @@
 with ``data.template`` (optionally inside the tokenizer's chat template, after a system prompt),
 tokenizes it once and checks its length against ``data.max_prompt_tokens``. Every error names the
 option, the row and what to change.
+
+Rows come in TRL's two formats. Plain: the prompt field holds text. Conversational: the prompt
+field holds a list of ``{"role", "content"}`` messages, or (with the default
+``prompt_field: prompt`` and no such field) a ``messages`` field holds the conversation, whose
+prompt is everything before its last assistant turn (all of it if it has none). A conversation
+is written with the tokenizer's chat template, so it needs ``data.chat_template: true``;
+``data.template`` formats the content of its last user message, and ``data.system_prompt`` is
+put first only where the row brings no system message of its own.
 """
 
 from __future__ import annotations
@@ -16,7 +24,7 @@ from transformers import PreTrainedTokenizerBase
 
 from lightning_troll.data.prompts import PromptItem, template_fields
 
-__all__ = ["PromptFormatter"]
+__all__ = ["ROLES", "PromptFormatter", "check_messages"]
 
 
 @dataclass(frozen=True)
@@ -59,8 +67,17 @@ class PromptFormatter:
             for text, seq, row in zip(texts, ids, rows, strict=True)
         ]
 
+    def field_of(self, rows: list[dict[str, Any]]) -> str:
+        """The field the prompts come from: ``prompt_field``, or ``messages`` when the default
+        ``prompt`` is not a field of the rows and ``messages`` is."""
+        first = rows[0] if rows else {}
+        if self.prompt_field == "prompt" and "prompt" not in first and "messages" in first:
+            return "messages"
+        return self.prompt_field
+
     def check_fields(self, rows: list[dict[str, Any]], split: str) -> None:
-        needed = {self.prompt_field: "data.prompt_field"}
+        source = self.field_of(rows)
+        needed = {source: "data.prompt_field"}
         if self.answer_field is not None:
             needed[self.answer_field] = "data.answer_field"
         for field in sorted(template_fields(self.template) - {"prompt"}):
@@ -77,17 +94,41 @@ class PromptFormatter:
                     f"{where}; fields are {sorted(rows[0])}"
                 )
             raise ValueError(f"{option}={value!r}: row {i} of {where} has no field {field!r}")
-        bad = next(
-            (i for i, r in enumerate(rows) if not isinstance(r[self.prompt_field], str)), None
-        )
-        if bad is not None:
-            value = rows[bad][self.prompt_field]
-            raise ValueError(
-                f"data.prompt_field={self.prompt_field!r}: row {bad} of the {split} rows holds a "
-                f"{type(value).__name__} ({value!r:.40}), not text"
-            )
+        where = f"the {split} rows of {self.describe(split)}"
+        for i, row in enumerate(rows):
+            value = row[source]
+            if isinstance(value, str):
+                continue
+            if not isinstance(value, list):
+                raise ValueError(
+                    f"data.prompt_field={source!r}: row {i} of {where} holds a "
+                    f"{type(value).__name__} ({value!r:.40}), not text or a list of "
+                    "{role, content} messages"
+                )
+            check_messages(value, f"data.prompt_field={source!r}: row {i} of {where}")
+            if not self.chat_template:
+                raise ValueError(
+                    f"data.chat_template=false, but row {i} of {where} is a conversation (a list "
+                    f"of messages in {source!r}); set data.chat_template: true, so that the "
+                    "tokenizer's chat template writes it"
+                )
+
+    def conversation(self, row: Mapping[str, Any]) -> list[dict[str, Any]] | None:
+        """The row's prompt as messages (a conversational row), or None (plain text)."""
+        field = self.field_of([row])
+        value = row[field]
+        if not isinstance(value, list):
+            return None
+        messages = [dict(m) for m in value]
+        if field == "messages":  # the prompt is what comes before the last assistant turn
+            turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+            messages = messages[: turns[-1]] if turns else messages
+        return messages
 
     def format(self, row: Mapping[str, Any], index: int, split: str) -> str:
+        messages = self.conversation(row)
+        if messages is not None:
+            return self._format_messages(messages, row, index, split)
         try:
             text = self.template.format_map({**row, "prompt": row[self.prompt_field]})
         except (AttributeError, IndexError, KeyError, TypeError, ValueError) as exc:
@@ -104,9 +145,56 @@ class PromptFormatter:
             ) from exc
         if not self.chat_template:
             return text
-        messages = [{"role": "user", "content": text}]
-        if self.system_prompt is not None:
-            messages.insert(0, {"role": "system", "content": self.system_prompt})
+        return self._chat([{"role": "user", "content": text}])
+
+    def _format_messages(
+        self, messages: list[dict[str, Any]], row: Mapping[str, Any], index: int, split: str
+    ) -> str:
+        """A conversation: ``data.template`` on its last user message, then the chat template."""
+        users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+        if not users or messages[-1]["role"] == "assistant":
+            raise ValueError(
+                f"{split} row {index} of {self.describe(split)}: its conversation has no user turn "
+                "to answer (a prompt ends with the user's turn; a 'messages' row's last assistant "
+                "turn and what follows it are left out)"
+            )
+        last = messages[users[-1]]
+        try:
+            last["content"] = self.template.format_map({**row, "prompt": last["content"]})
+        except (AttributeError, IndexError, KeyError, TypeError, ValueError) as exc:
+            raise ValueError(
+                f"data.template={self.template!r} cannot format the last user message of {split} "
+                f"row {index} ({type(exc).__name__}: {exc})"
+            ) from exc
+        return self._chat(messages)
+
+    def _chat(self, messages: list[dict[str, Any]]) -> str:
+        """The chat template over ``messages`` (after ``data.system_prompt`` unless they bring a
+        system message), the assistant's turn opened."""
+        if self.system_prompt is not None and messages[0]["role"] != "system":
+            messages = [{"role": "system", "content": self.system_prompt}, *messages]
         return self.tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, tokenize=False
         )
+
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def check_messages(messages: list[Any], where: str) -> None:
+    """Refuses a conversation that is not a non-empty list of ``{role, content}`` messages with a
+    known role and text content."""
+    if not messages:
+        raise ValueError(f"{where} holds an empty conversation")
+    for j, message in enumerate(messages):
+        if not isinstance(message, Mapping) or not {"role", "content"} <= set(message):
+            raise ValueError(
+                f"{where}: message {j} is {message!r:.60}, not a {{'role': ..., 'content': ...}} "
+                "mapping"
+            )
+        if message["role"] not in ROLES or not isinstance(message["content"], str):
+            raise ValueError(
+                f"{where}: message {j} has role {message['role']!r} and a "
+                f"{type(message['content']).__name__} content; roles are {', '.join(ROLES)} and "
+                "content is text"
+            )
