@@ -108,6 +108,13 @@ class RolloutGeneration(Callback):
             self._log_text(trainer, report.kept, rollout.advantages)
 
     @override
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        """Stops the reward worker processes (a later scoring starts them again)."""
+        scorer = getattr(pl_module, "scorer", None)
+        if stage == "fit" and hasattr(scorer, "close"):
+            scorer.close()
+
+    @override
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:

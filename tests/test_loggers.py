@@ -49,7 +49,9 @@ def test_csv_logger_gets_metrics_quantiles_and_samples(tmp_path, tiny_model_dir)
         assert {f"{tag}/p05", f"{tag}/p50", f"{tag}/p95"} <= columns, tag
         for row in rows:
             if row[f"{tag}/p50"]:
-                assert float(row[f"{tag}/p05"]) <= float(row[f"{tag}/p50"]) <= float(row[f"{tag}/p95"])
+                assert (
+                    float(row[f"{tag}/p05"]) <= float(row[f"{tag}/p50"]) <= float(row[f"{tag}/p95"])
+                )
     samples = _jsonl(Path(logger.log_dir) / "samples.jsonl")
     assert len(samples) == 4  # log_samples=2, every rollout, 2 rollouts
     assert set(samples[0]) == TABLE_COLUMNS
@@ -82,7 +84,9 @@ def test_mlflow_logger_gets_metrics_samples_and_the_chart(tmp_path, tiny_model_d
 
 
 @pytest.mark.slow
-def test_wandb_offline_gets_tables_histograms_and_a_line_plot(tmp_path, tiny_model_dir, monkeypatch):
+def test_wandb_offline_gets_tables_histograms_and_a_line_plot(
+    tmp_path, tiny_model_dir, monkeypatch
+):
     pytest.importorskip("wandb")
     import wandb
     from lightning.pytorch.loggers import WandbLogger

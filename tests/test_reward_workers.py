@@ -253,3 +253,36 @@ def test_a_reward_model_named_by_path_and_checked(tiny_classifier):
         RewardScorer(
             {f"reward_model:{path}": 1.0}, kwargs={f"reward_model:{path}": {"batch_size": 0}}
         )
+
+
+@pytest.mark.slow
+def test_a_worker_killed_while_idle_is_replaced_before_the_next_call():
+    scorer = RewardScorer({H + "length_reward": 1.0}, workers=2)
+    try:
+        assert scorer(["p"], ["abc"], [{}]).total.tolist() == [3.0]
+        for worker in scorer.workers._workers:  # the OOM killer, between two rollouts
+            worker.process.kill()
+            worker.process.join()
+        out = scorer(["p"] * 3, ["a", "ab", "abc"], [{}] * 3)
+        assert out.total.tolist() == [1.0, 2.0, 3.0] and out.errors == {H + "length_reward": 0}
+        assert scorer.workers.restarts == 2
+    finally:
+        scorer.close()
+
+
+@pytest.mark.slow
+def test_the_worker_benchmark_prints_both_figures(tmp_path):
+    import json
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).parents[1] / "examples" / "benchmark_reward_workers.py"
+    out = tmp_path / "figures.json"
+    args = ["--completions", "4", "--delay", "0.01", "--workers", "2", "--json", str(out)]
+    done = subprocess.run(
+        [sys.executable, str(script), *args], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    assert "serial" in done.stdout and "2 workers" in done.stdout
+    figures = json.loads(out.read_text())
+    assert figures["completions"] == 4 and figures["serial_s"] > 0 and figures["workers_s"] > 0

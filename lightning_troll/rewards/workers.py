@@ -151,19 +151,29 @@ class RewardWorkers:
         pending = deque(range(len(calls)))
         outcomes: list[Outcome | None] = [None] * len(calls)
         while pending or any(w.task is not None for w in self._workers):
-            for worker in self._workers:
+            for worker in list(self._workers):
                 if worker.ready and worker.task is None and pending:
-                    self._send(worker, pending.popleft(), calls)
+                    index = pending.popleft()
+                    if not self._send(worker, index, calls):  # it died while idle
+                        pending.appendleft(index)
+                        self._replace(worker)
             self._wait(outcomes)
         return [o if o is not None else Outcome(0.0, "was not scored", "error") for o in outcomes]
 
-    def _send(self, worker: _Worker, index: int, calls: Sequence[Call]) -> None:
+    def _send(self, worker: _Worker, index: int, calls: Sequence[Call]) -> bool:
+        """Hands call ``index`` to ``worker``; False when its pipe is broken (it died)."""
         key, payload, _, prompt, completion, row, extra = calls[index]
         first = key not in worker.known
-        worker.conn.send((key, payload if first else None, prompt, completion, dict(row), extra))
+        try:
+            worker.conn.send(
+                (key, payload if first else None, prompt, completion, dict(row), extra)
+            )
+        except OSError:
+            return False
         worker.known.add(key)
         worker.task = index
         worker.deadline = time.monotonic() + (self.timeout or float("inf"))
+        return True
 
     def _wait(self, outcomes: list[Outcome | None]) -> None:
         """Waits for a worker to answer, start, die or time out, and handles what happened."""
