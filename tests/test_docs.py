@@ -29,6 +29,7 @@ MAX_README_LINES = 400
 PAGES = (
     "concepts.md",
     "configuration.md",
+    "own-task.md",
     "results.md",
     "benchmarks.md",
     "gpu-and-fsdp.md",

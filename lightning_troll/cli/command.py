@@ -31,7 +31,7 @@ from typing import Any, NoReturn
 from jsonargparse import set_parsing_settings
 from jsonargparse._common import debug_mode_active
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.callbacks import Checkpoint, ProgressBar
+from lightning.pytorch.callbacks import Checkpoint, ModelSummary, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -45,22 +45,19 @@ from lightning_troll.callbacks import (
     SparsityCoverageMonitor,
     TrustRegionMonitor,
 )
+from lightning_troll.callbacks.summary import TrollModelSummary
 from lightning_troll.cli import export
+from lightning_troll.cli.checks import check_schedule_length, check_task, config_files
 from lightning_troll.cli.parse_errors import explain
+from lightning_troll.cli.quiet import quiet_library_notices
 from lightning_troll.data.datamodule import PromptDataModule
 from lightning_troll.rewards.lookup import config_folders as reward_config_folders
-from lightning_troll.rewards.registry import resolve_reward
 from lightning_troll.training.checkpoints import (
     changed_options,
     check_checkpoint_file,
     non_atomic_saves,
 )
 from lightning_troll.training.module import TrollModule
-from lightning_troll.training.preflight import (
-    check_module_options,
-    check_rollout_split,
-    task_rewards,
-)
 
 __all__ = ["BAD_INPUT", "TrollCLI", "main", "quarter_means", "run", "shows_help"]
 
@@ -110,46 +107,6 @@ def quarter_means(values: list[float]) -> list[float]:
     half = len(middle) // 2
     parts = [values[:size], middle[:half], middle[half:], values[-size:]]
     return [sum(part) / len(part) for part in parts]
-
-
-def check_schedule_length(config) -> None:
-    """Refuses an LR scheduler of a fixed length (``total_steps``, as ``OneCycleLR`` has) that
-    ends before ``trainer.max_steps``: it would stop the run with an error one step after its end,
-    minutes or hours in."""
-    scheduler = config.model.get("lr_scheduler")
-    total = (getattr(scheduler, "init_args", None) or {}).get("total_steps")
-    max_steps = config.trainer.get("max_steps")
-    if total is None or max_steps is None or 0 <= max_steps <= total:
-        return
-    steps = "-1 (no limit)" if max_steps < 0 else max_steps
-    raise ValueError(
-        f"model.lr_scheduler.init_args.total_steps={total} is smaller than trainer.max_steps="
-        f"{steps}: {scheduler.class_path.rsplit('.', 1)[-1]} schedules {total} optimiser steps "
-        "and raises at the next one; set total_steps to trainer.max_steps"
-    )
-
-
-def config_files(config) -> list[str]:
-    """The ``--config`` files of a parsed command line, as absolute paths (inline YAML left out)."""
-    return [p.absolute for p in config.get("config") or [] if getattr(p, "absolute", None)]
-
-
-def check_task(config) -> None:
-    """Refuses, before the model loads, a run that cannot train: data other than TinyMath with no
-    reward, a reward module or function that cannot be found (looked for in the working
-    directory, then beside the configs), and a minibatch larger than the rollout."""
-    model, data = config.model, config.data
-    check_module_options(
-        model.get("objective"),
-        model.get("estimator"),
-        model.get("scale_rewards"),
-        model.get("group_size"),
-        model.get("behaviour_logprobs"),
-    )
-    for spec in task_rewards(model.get("rewards"), data.get("source")):
-        resolve_reward(spec)
-    minibatch = (model.get("optimization") or {}).get("minibatch_size")
-    check_rollout_split(minibatch, data.get("batch_size"), model.get("group_size"))
 
 
 def follow_run_seed(config) -> None:
@@ -220,13 +177,22 @@ class TrollCLI(LightningCLI):
             isinstance(c, ProgressBar) for c in given
         ):
             extra.append(RolloutProgressBar())
+        if config.get("enable_model_summary") is not False and not any(
+            isinstance(c, ModelSummary) for c in given
+        ):
+            extra.append(TrollModelSummary())
         return super().instantiate_trainer(**kwargs, callbacks=given + extra)
 
     def parse_arguments(self, parser, args) -> None:
-        """Parses, then refuses an unreadable ``--ckpt_path`` before anything is loaded."""
+        """Parses, then refuses a run that cannot train (see ``check_task``) and an unreadable
+        ``--ckpt_path``, before anything is seeded or loaded."""
         super().parse_arguments(parser, args)
         self._given_model = None
         subcommand = self.config.get("subcommand")
+        config = self.config[subcommand] if subcommand else self.config
+        self._config_files = config_files(config)
+        with reward_config_folders(self._config_files):
+            check_task(config)
         path = self.config[subcommand].get("ckpt_path") if subcommand else None
         # "last", "best", "hpc" and "registry..." are names Lightning resolves; URLs are remote
         if not path or path in ("last", "best", "hpc") or path.startswith("registry"):
@@ -243,9 +209,6 @@ class TrollCLI(LightningCLI):
         config = self.config[subcommand] if subcommand else self.config
         follow_run_seed(config)  # seed_everything: true is drawn after parsing
         check_schedule_length(config)
-        self._config_files = config_files(config)
-        with reward_config_folders(self._config_files):
-            check_task(config)
         if self._given_model is None:
             return
         stored = dict(self.config[self.subcommand].model.items())
@@ -335,6 +298,7 @@ def run(args: list[str] | None = None, debug: bool = False) -> TrollCLI:
     # ModelCheckpoint warns that a manually optimised module's checkpoint holds the weights after
     # the batch's optimiser steps: that is what resuming between rollouts needs.
     warnings.filterwarnings("ignore", message=r"Using ModelCheckpoint with manual optimization")
+    quiet_library_notices()
     token = _COMMAND_LINE.set(None if debug else tuple(given))
     try:
         return TrollCLI(

@@ -202,7 +202,10 @@ def _shared_prompt_hidden(
         use_cache=True,
         logits_to_keep=no_logits,
     )
-    cache = getattr(out, "past_key_values", None)
+    # transformers renamed the output's and the forward's past_key_values to cache (the old name
+    # warns): use the name this version's output carries
+    name = "cache" if "cache" in out else "past_key_values"
+    cache = out.get(name)
     if cache is None or not hasattr(cache, "batch_select_indices"):
         return None
     last = captured[-1][:, -1:][inverse]  # (B, 1, H): the prompt's last state predicts token 1
@@ -211,7 +214,7 @@ def _shared_prompt_hidden(
         input_ids=input_ids[:, prompt_length:],
         attention_mask=attention_mask,
         position_ids=position_ids(attention_mask)[:, prompt_length:],
-        past_key_values=cache,
+        **{name: cache},
         use_cache=True,
         logits_to_keep=no_logits,
     )

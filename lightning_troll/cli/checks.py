@@ -1,0 +1,53 @@
+"""Checks of a parsed ``lightning-troll`` command line that need several sections at once, made
+before any class is built (``TrollCLI.before_instantiate_classes``)."""
+
+from __future__ import annotations
+
+from lightning_troll.rewards.registry import resolve_reward
+from lightning_troll.training.preflight import (
+    check_module_options,
+    check_rollout_split,
+    task_rewards,
+)
+
+__all__ = ["check_schedule_length", "check_task", "config_files"]
+
+
+def check_schedule_length(config) -> None:
+    """Refuses an LR scheduler of a fixed length (``total_steps``, as ``OneCycleLR`` has) that
+    ends before ``trainer.max_steps``: it would stop the run with an error one step after its end,
+    minutes or hours in."""
+    scheduler = config.model.get("lr_scheduler")
+    total = (getattr(scheduler, "init_args", None) or {}).get("total_steps")
+    max_steps = config.trainer.get("max_steps")
+    if total is None or max_steps is None or 0 <= max_steps <= total:
+        return
+    steps = "-1 (no limit)" if max_steps < 0 else max_steps
+    raise ValueError(
+        f"model.lr_scheduler.init_args.total_steps={total} is smaller than trainer.max_steps="
+        f"{steps}: {scheduler.class_path.rsplit('.', 1)[-1]} schedules {total} optimiser steps "
+        "and raises at the next one; set total_steps to trainer.max_steps"
+    )
+
+
+def config_files(config) -> list[str]:
+    """The ``--config`` files of a parsed command line, as absolute paths (inline YAML left out)."""
+    return [p.absolute for p in config.get("config") or [] if getattr(p, "absolute", None)]
+
+
+def check_task(config) -> None:
+    """Refuses, before the model loads, a run that cannot train: data other than TinyMath with no
+    reward, a reward module or function that cannot be found (looked for in the working
+    directory, then beside the configs), and a minibatch larger than the rollout."""
+    model, data = config.model, config.data
+    check_module_options(
+        model.get("objective"),
+        model.get("estimator"),
+        model.get("scale_rewards"),
+        model.get("group_size"),
+        model.get("behaviour_logprobs"),
+    )
+    for spec in task_rewards(model.get("rewards"), data.get("source")):
+        resolve_reward(spec)
+    minibatch = (model.get("optimization") or {}).get("minibatch_size")
+    check_rollout_split(minibatch, data.get("batch_size"), model.get("group_size"))
