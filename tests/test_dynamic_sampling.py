@@ -66,13 +66,22 @@ def test_cat_sequences_pads_prompts_left_and_responses_right():
             {"dynamic_sampling_max_rounds": 0},
             r"dynamic_sampling_max_rounds must be an integer >= 1",
         ),
-        ({"dynamic_sampling": True, "group_size": 1}, r"needs model.group_size >= 2"),
+        # the group estimators refuse a group of one first (an estimator of one's own may not)
+        ({"dynamic_sampling": True, "group_size": 1}, r"model.group_size=1: the estimator 'grpo'"),
         ({"reward_kwargs": {"nope": {}}}, r"model.reward_kwargs names 'nope', which is not one"),
     ],
 )
 def test_bad_options_are_refused_when_the_module_is_built(tiny_model_dir, kwargs, message):
     with pytest.raises(ValueError, match=message):
         make_module(tiny_model_dir, **kwargs)
+
+
+def test_dynamic_sampling_needs_groups_whatever_the_estimator():
+    from lightning_troll.rollouts.dynamic_sampling import check_dynamic_sampling
+
+    with pytest.raises(ValueError, match=r"needs model.group_size >= 2"):
+        check_dynamic_sampling(True, 3, 1)
+    check_dynamic_sampling(False, 3, 1)
 
 
 def test_extra_prompts_depend_only_on_seed_and_purpose(tiny_model_dir):
