@@ -237,8 +237,8 @@ def test_fsdp1_is_refused_with_the_way_out():
 
 def test_memory_options_fsdp2_does_not_support_are_refused():
     from lightning_troll.models.lora import LoraConfig
-    from lightning_troll.models.snapshots import SnapshotConfig
     from lightning_troll.models.sharding import check_shardable
+    from lightning_troll.models.snapshots import SnapshotConfig
 
     check_shardable(SnapshotConfig("shared"), None)  # accepted, and run below
     check_shardable(SnapshotConfig("copy", "bfloat16"), None)
