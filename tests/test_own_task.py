@@ -187,3 +187,20 @@ def test_the_python_api_refuses_the_same_at_setup(tiny_model_dir):
     )
     with pytest.raises(ValueError, match="minibatch_size=8 is larger than a rollout"):
         trainer.fit(module, datamodule=data)
+
+
+def test_a_lookup_from_another_folder_keeps_what_was_importable_before(tmp_path, monkeypatch):
+    """A module found in the working directory, then looked up from a folder that lacks it, is
+    imported as before: the same object, and a sys.path entry the lookup did not add stays."""
+    import sys
+    from pathlib import Path
+
+    from lightning_troll.rewards.registry import resolve_reward
+    from tests.reward_helpers import length_reward
+
+    root = str(Path(__file__).resolve().parents[1])
+    monkeypatch.chdir(root)
+    assert resolve_reward("tests.reward_helpers:length_reward") is length_reward
+    monkeypatch.chdir(tmp_path)
+    assert resolve_reward("tests.reward_helpers:length_reward") is length_reward
+    assert root in sys.path

@@ -30,6 +30,8 @@ __all__ = ["config_folders", "find_attribute", "import_reward_module", "search_f
 
 _FOUND: dict[str, Path] = {}
 """Top-level module name -> the folder a lookup found it in (and put on ``sys.path``)."""
+_ADDED: set[str] = set()
+"""The ``sys.path`` entries a lookup added (an entry that was there before is never removed)."""
 _CONFIGS: ContextVar[tuple[Path, ...]] = ContextVar("reward_config_files", default=())
 
 
@@ -90,16 +92,23 @@ def import_reward_module(module_name: str, spec: str) -> tuple[ModuleType, str]:
             _forget(top)
         if str(folder) in sys.path:
             sys.path.remove(str(folder))
+        else:
+            _ADDED.add(str(folder))
         sys.path.insert(0, str(folder))  # first: this folder's module, not another's
         importlib.invalidate_caches()
         _FOUND[top] = folder
         module = _import(module_name, spec, str(place))
         return module, getattr(module, "__file__", None) or str(place)
     earlier = _FOUND.pop(top, None)
-    if earlier is not None:  # found in a folder searched before, not now: not importable as such
-        _forget(top)
+    if earlier is not None and str(earlier) in _ADDED:
+        # found before in a folder only a lookup had put on the path, and not searched now: that
+        # module is not importable as such any more (a folder that was on the path stays)
+        loaded = sys.modules.get(top)
+        if loaded is not None and _loaded_from(loaded, earlier):
+            _forget(top)
         with contextlib.suppress(ValueError):
             sys.path.remove(str(earlier))
+        _ADDED.discard(str(earlier))
     try:
         return importlib.import_module(module_name), module_name
     except ModuleNotFoundError as exc:
