@@ -101,9 +101,9 @@ class TrollModule(ResumeHooks, RolloutHooks, PolicyHooks, LightningModule):
         group_size: completions per prompt (G).
         sampling: how the snapshot samples (temperature, top_p, top_k, max_new_tokens).
         rewards: reward functions and their weights: built-in names (tinymath, gsm8k, boxed,
-            overlong) or import paths ``module:function`` (``module.py`` in the working
-            directory or beside the config). Null only for the built-in TinyMath data, whose
-            reward it then is; a fit on any other data without rewards is refused.
+            last_number, math_verify, overlong), ``reward_model:<model>``, or import paths
+            ``module:function`` (``module.py`` in the working directory or beside the config);
+            null only for the built-in TinyMath data, whose reward it is (other data is refused).
         reward_kwargs: keyword arguments bound to reward functions by name, e.g.
             ``{overlong: {buffer: 256}}`` (the last 256 tokens of the budget carry the penalty).
         on_reward_error: a failed reward call (raised, timed out, NaN, None, ...): ``raise``
