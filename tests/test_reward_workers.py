@@ -286,3 +286,23 @@ def test_the_worker_benchmark_prints_both_figures(tmp_path):
     assert "serial" in done.stdout and "2 workers" in done.stdout
     figures = json.loads(out.read_text())
     assert figures["completions"] == 4 and figures["serial_s"] > 0 and figures["workers_s"] > 0
+
+
+@pytest.mark.slow
+def test_math_verify_trains_by_name(tmp_path, tiny_model_dir):
+    """A fit with ``rewards: {math_verify: 1.0}``: the name resolves, every completion is scored
+    against the TinyMath answers, and the optimiser steps run."""
+    pytest.importorskip("math_verify")
+    import torch
+
+    from tests.test_training import fit, make_module
+
+    module = make_module(tiny_model_dir, rewards={"math_verify": 1.0})
+    trainer, module, recorder = fit(tmp_path, tiny_model_dir, max_steps=2, module=module)
+    assert trainer.global_step == 2
+    from lightning_troll.rewards.functions import math_verify
+
+    assert module.scorer.functions == {"math_verify": math_verify}
+    reward = trainer.callback_metrics["reward/mean"]
+    assert torch.isfinite(reward) and 0.0 <= float(reward) <= 1.0
+    assert recorder.rollouts[0].rewards.shape == (16,)
