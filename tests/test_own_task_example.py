@@ -131,3 +131,16 @@ def test_the_first_screen_of_the_demo_carries_no_library_notice(tmp_path, tiny_m
     noisy = [line for line in first if any(word in line.lower() for word in NOTICES)]
     assert noisy == []
     assert any("Trainable params" in line for line in first)  # the summary is still there
+
+
+@pytest.mark.slow
+def test_the_plain_form_trains_from_its_own_folder(tmp_path, smollm2_dir):
+    """The page's plain command (task.yaml alone: plain rows, my_reward.py beside it) for one
+    rollout on SmolLM2-135M-Instruct, from a folder outside the repository, no PYTHONPATH."""
+    folder = own_folder(tmp_path)
+    fit, _, _ = page_commands()
+    done = command(f"{fit}{TINY} --model.model {smollm2_dir}", folder)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "lightning-troll: training finished" in done.stdout
+    assert "reward/mean" in done.stdout
+    assert list((folder / "runs" / "lightning_logs" / "version_0").glob("events.out.tfevents.*"))
