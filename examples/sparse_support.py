@@ -141,15 +141,15 @@ def dense_pass(data: Logits, eps: float, alpha: float) -> dict[str, Tensor]:
 
 
 def sparse_pass(data: Logits, old, layer: TrustRegionProjection, alpha: float):
-    """The sparse layer over every row in chunks, forward and backward: its per-row results and
-    the gradient of the loss with respect to the new logits."""
+    """The layer over all rows in chunks, forward and backward: its per-row results and the loss
+    gradient in the new logits. ``old``: cached sparse rows, or dense's (N, V) old logits."""
     x = data.new.clone().requires_grad_(True)
     old_lp = torch.log_softmax(data.old, -1).gather(-1, data.tokens[:, None]).squeeze(-1)
     results = []
     for s in range(0, x.shape[0], CHUNK):
-        rows = slice(s, s + CHUNK)
-        idx = torch.arange(x.shape[0])[rows]
-        result = layer(x[rows], old.select(idx), data.tokens[rows])
+        rows = torch.arange(x.shape[0])[s : s + CHUNK]
+        old_rows = old[rows] if isinstance(old, Tensor) else old.select(rows)  # dense: old logits
+        result = layer(x[rows], old_rows, data.tokens[rows])
         part = Logits(data.old[rows], x[rows], data.tokens[rows], data.advantages[rows], 0, 0)
         _token_loss(result.logprob, result.regression_kl, part, old_lp[rows], alpha).backward()
         results.append(result.detach())

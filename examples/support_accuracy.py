@@ -48,6 +48,7 @@ from sparse_support import (  # noqa: E402  (the rollouts and timing of the spar
     build_module,
     prompt_batch,
     rollout_logits,
+    sparse_pass,
     timed,
 )
 
@@ -63,23 +64,9 @@ DEFAULT_JSON = ROOT / "examples" / "results" / "smollm2" / "support_accuracy.jso
 
 
 def projection_pass(data: Logits, layer: TrustRegionProjection, old, alpha: float) -> dict:
-    """The layer over every row in chunks, forward and backward: its per-row results and the
-    gradient of the token-mean loss with respect to the new logits. ``old``: the cached sparse
-    rows, or for the dense support the (N, V) old logits."""
-    x = data.new.clone().requires_grad_(True)
-    old_lp = torch.log_softmax(data.old, -1).gather(-1, data.tokens[:, None]).squeeze(-1)  # (N,)
-    n, results = x.shape[0], []
-    for start in range(0, n, CHUNK):
-        rows = torch.arange(start, min(start + CHUNK, n))
-        old_rows = old[rows] if isinstance(old, torch.Tensor) else old.select(rows)
-        result = layer(x[rows], old_rows, data.tokens[rows])
-        ratio = (result.logprob - old_lp[rows]).exp()
-        loss = (-(ratio * data.advantages[rows]) + alpha * result.regression_kl).sum() / n
-        loss.backward()
-        results.append(result.detach())
-    names = ("logprob", "kl_after", "eta", "support_size")
-    out = {name: torch.cat([getattr(r, name) for r in results]) for name in names}
-    out["grad"] = x.grad.double()
+    """:func:`sparse_support.sparse_pass` (any support), its gradient in float64."""
+    out = sparse_pass(data, old, layer, alpha)
+    out["grad"] = out["grad"].double()
     return out
 
 
