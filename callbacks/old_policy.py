@@ -77,6 +77,9 @@ class OldPolicyRefresh(Callback):
     @torch.no_grad()
     def refresh(self, pl_module: LightningModule) -> None:
         pl_module.snapshot.refresh(pl_module.policy)
+        engine = getattr(pl_module, "engine", None)
+        if engine is not None:  # it takes the new weights before its next rollout
+            engine.stale = True
         self.refreshes += 1
 
     @override

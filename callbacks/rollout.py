@@ -12,13 +12,13 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_troll.callbacks.figures import each_logger, write_table
-from lightning_troll.callbacks.samples import RolloutReport, Samples, samples_table
+from lightning_troll.callbacks.samples import RolloutReport, Samples, log_rollout, samples_table
 from lightning_troll.data.prompts import PromptBatch, draw_prompts
 from lightning_troll.models.sharding import gathered, is_sharded
-from lightning_troll.rewards.registry import RewardOutput, reward_tag
+from lightning_troll.rewards.registry import RewardOutput
 from lightning_troll.rollouts.behaviour import BehaviourRecorder, records_while_sampling
 from lightning_troll.rollouts.dynamic_sampling import choose_groups
-from lightning_troll.rollouts.rollout import Rollout, behaviour_outputs, sample
+from lightning_troll.rollouts.rollout import Rollout, behaviour_outputs
 from lightning_troll.rollouts.timing import clock
 
 __all__ = ["RolloutGeneration", "RolloutReport", "Samples", "samples_table"]
@@ -27,9 +27,9 @@ __all__ = ["RolloutGeneration", "RolloutReport", "Samples", "samples_table"]
 class RolloutGeneration(Callback):
     """Turns each batch of prompts into a :class:`~lightning_troll.rollouts.rollout.Rollout`.
 
-    Before every training step: the frozen snapshot (the behaviour policy) samples
-    ``model.group_size`` completions per prompt with ``model.sampling`` (left padding, KV cache,
-    stop at EOS); ``model.rewards`` score them; ``model.estimator`` turns rewards into advantages;
+    Before every training step: the rollout engine (``model.rollout_engine``; by default the frozen
+    snapshot itself, the behaviour policy) samples ``model.group_size`` completions per prompt
+    with ``model.sampling`` (left padding, KV cache, stop at EOS); ``model.rewards`` score them; ``model.estimator`` turns rewards into advantages;
     the snapshot's token log-probs (and, for TROLL, its sparse distributions) are computed at the
     sampling temperature and cached. The result goes on ``model.rollout``. With
     ``model.dynamic_sampling`` groups without reward spread leave the rollout and more prompts,
@@ -48,6 +48,9 @@ class RolloutGeneration(Callback):
     policy's when ``model.behaviour_logprobs`` recomputes it, the reference policy's with
     ``model.loss.ref_kl_coef`` > 0), ``time/rollout`` (all of it, rewards included), and
     ``throughput/generated_tokens_per_s`` (response tokens up to EOS per second of generation).
+    An engine other than ``hf`` adds its own figures (``engine/startup_s``,
+    ``engine/weight_push_s``) and ``rollout/engine_logprob_diff``, the mean absolute difference
+    between its log-probs of the sampled tokens and the snapshot's.
     The optimiser steps' time is the module's ``time/training``; ``time/iteration`` is the whole
     of it, rollout and optimiser steps, until this callback's ``on_train_batch_end`` (validation
     is not counted).
@@ -74,6 +77,13 @@ class RolloutGeneration(Callback):
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        engine = getattr(pl_module, "engine", None)
+        if stage == "fit" and trainer.world_size > 1 and engine and not engine.several_processes:
+            raise ValueError(
+                f"model.rollout_engine={engine.name!r} runs in a single process; this run has "
+                f"{trainer.world_size} (trainer.devices x trainer.num_nodes): use rollout_engine "
+                "'hf' for DDP and FSDP2, or one device"
+            )
         if stage != "fit" or not getattr(pl_module, "dynamic_sampling", False):
             return
         data = trainer.datamodule
@@ -94,7 +104,7 @@ class RolloutGeneration(Callback):
         pl_module.rollout = rollout
         self.rollouts += 1
         self.mean_rewards.append(float(report.rewards.mean()))
-        self._log_metrics(pl_module, report)
+        log_rollout(pl_module, report)
         if report.capped and not self._warned_cap:
             self._warned_cap = True
             rank_zero_warn(
@@ -108,11 +118,20 @@ class RolloutGeneration(Callback):
             self._log_text(trainer, report.kept, rollout.advantages)
 
     @override
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        engine = getattr(pl_module, "engine", None)
+        if engine is not None:  # the snapshot may hold other weights now (a resumed run)
+            engine.stale = True
+
+    @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        """Stops the reward worker processes (a later scoring starts them again)."""
-        scorer = getattr(pl_module, "scorer", None)
-        if stage == "fit" and hasattr(scorer, "close"):
-            scorer.close()
+        """Stops the reward worker processes and the rollout engine (a later fit starts them
+        again)."""
+        if stage != "fit":
+            return
+        for part in (getattr(pl_module, "scorer", None), getattr(pl_module, "engine", None)):
+            if hasattr(part, "close"):
+                part.close()
 
     @override
     def on_train_batch_end(
@@ -181,6 +200,11 @@ class RolloutGeneration(Callback):
                 share = module.share_prompts and not is_sharded(reference)
                 ref_logprobs = behaviour_outputs(reference, *inputs, None, chunks, share)[0]
         end = clock(module.device)
+        engine = dict(module.engine.figures())
+        if kept.engine_logprobs is not None:  # the sampler's log-probs against the trainer's
+            tokens = response_mask.sum().clamp_min(1)
+            gap = (kept.engine_logprobs - old_logprobs).abs() * response_mask
+            engine["rollout/engine_logprob_diff"] = float(gap.sum() / tokens)
         rollout = Rollout(
             input_ids=kept.input_ids,
             attention_mask=kept.attention_mask,
@@ -199,54 +223,8 @@ class RolloutGeneration(Callback):
             "forward_passes": end - passes,
             "rollout": end - start,
         }
-        return rollout, RolloutReport(rounds=rounds, kept=kept, capped=capped, seconds=seconds)
-
-    @staticmethod
-    def _log_metrics(module: LightningModule, report: RolloutReport) -> None:
-        def cat(values: Callable[[Samples], Tensor]) -> Tensor:  # over every round: (all,)
-            return torch.cat([values(s) for s in report.rounds])
-
-        rewards, valid = report.rewards, cat(lambda s: s.scored.valid)
-        lengths = cat(lambda s: s.response_mask.sum(-1)).float()
-        size = rewards.numel()
-        values = {
-            "reward/std": rewards.std() if size > 1 else lengths.new_zeros(()),
-            "reward/frac_zero_std": cat(lambda s: ~s.informative).float().mean(),
-            "completion/mean_length": lengths.mean(),
-            "completion/truncated_frac": cat(lambda s: s.truncated).float().mean(),
-        }
-        names = list(report.kept.scored.per_function)
-        if len(names) > 1:
-            count = valid.sum().clamp_min(1)
-            for name in names:
-                column = cat(lambda s, name=name: s.scored.per_function[name])
-                values[f"reward/{reward_tag(name)}/mean"] = (column * valid).sum() / count
-        if module.dynamic_sampling:
-            groups, kept = (
-                size // module.group_size,
-                report.kept.rewards.numel() // module.group_size,
-            )
-            values["dynamic_sampling/prompts_sampled"] = torch.tensor(float(groups))
-            values["dynamic_sampling/rounds"] = torch.tensor(float(len(report.rounds) - 1))
-            values["dynamic_sampling/frac_dropped"] = torch.tensor(1.0 - kept / groups)
-        seconds = dict(report.seconds)
-        for name in ("forward_passes", "rollout"):
-            if name in seconds:
-                values[f"time/{name}"] = torch.tensor(seconds[name])
-        generation = seconds.get("generation", 0.0)
-        if generation > 0:
-            speed = float(lengths.sum()) / generation
-            values["throughput/generated_tokens_per_s"] = torch.tensor(speed)
-        module.log("reward/mean", rewards.mean(), prog_bar=True, sync_dist=True, batch_size=size)
-        if "generation" in seconds:
-            module.log(
-                "time/generation", generation, prog_bar=True, sync_dist=True, batch_size=size
-            )
-        module.log_dict(values, sync_dist=True, batch_size=size)
-        module.log_dict(_failures(report), sync_dist=True, reduce_fx="sum", batch_size=size)
-        module.log(
-            "completion/max_length", lengths.max(), sync_dist=True, reduce_fx="max", batch_size=size
-        )
+        report = RolloutReport(rounds, kept, capped, engine=engine, seconds=seconds)
+        return rollout, report
 
     @rank_zero_only
     def _log_text(self, trainer: Trainer, samples: Samples, advantages: Tensor) -> None:
@@ -277,15 +255,20 @@ class RolloutGeneration(Callback):
 
 
 def _sample(module: LightningModule, batch: Any) -> Samples:
-    """One round: G completions per prompt of ``batch`` from the snapshot, decoded and scored."""
-    group = module.group_size
+    """One round: G completions per prompt of ``batch`` from the rollout engine (the snapshot's
+    weights), decoded and scored."""
+    group, engine = module.group_size, module.engine
     recorder = None
-    if records_while_sampling(module.behaviour_logprobs, module.policy):
+    if engine.records_behaviour and records_while_sampling(
+        module.behaviour_logprobs, module.policy
+    ):
         recorder = BehaviourRecorder(module.sampling.temperature, module.sparsify_old)
     start = clock(module.device)
     with module.behaviour_policy() as snapshot, gathered(snapshot):
         # sharded weights are gathered once for the whole generation, not once per token
-        input_ids, attention_mask, response_mask, truncated = sample(
+        if engine.stale:  # the first rollout, or the snapshot was refreshed since the last one
+            engine.load_weights(snapshot)
+        generation = engine.generate(
             snapshot,
             batch.prompt_ids,
             group,
@@ -294,6 +277,8 @@ def _sample(module: LightningModule, batch: Any) -> Samples:
             module.stop_ids,
             recorder=recorder,
         )
+    input_ids, attention_mask = generation.input_ids, generation.attention_mask
+    response_mask, truncated = generation.response_mask, generation.truncated
     length = response_mask.shape[1]
     behaviour = None if recorder is None else recorder.finish(input_ids[:, -length:])
     seconds = clock(module.device) - start
@@ -332,21 +317,8 @@ def _sample(module: LightningModule, batch: Any) -> Samples:
         group_size=group,
         behaviour=behaviour,
         seconds=seconds,
+        engine_logprobs=generation.logprobs,
     )
-
-
-def _failures(report: RolloutReport) -> dict[str, Tensor]:
-    """Failed reward calls of the rollout (every round): ``rewards/timeouts``,
-    ``rewards/errors`` and, with several functions, ``rewards/<name>/{timeouts,errors}``."""
-    values: dict[str, Tensor] = {}
-    names = list(report.kept.scored.per_function)
-    for kind in ("timeouts", "errors"):
-        counts = {n: sum(getattr(s.scored, kind).get(n, 0) for s in report.rounds) for n in names}
-        values[f"rewards/{kind}"] = torch.tensor(float(sum(counts.values())))
-        if len(names) > 1:
-            for name, count in counts.items():
-                values[f"rewards/{reward_tag(name)}/{kind}"] = torch.tensor(float(count))
-    return values
 
 
 def _on_any_process(module: LightningModule, flag: bool) -> bool:

@@ -9,19 +9,21 @@ response length.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_troll.callbacks.figures import markdown_table
 from lightning_troll.objectives.advantages import flat_groups
-from lightning_troll.rewards.registry import RewardOutput
+from lightning_troll.rewards.registry import RewardOutput, reward_tag
 from lightning_troll.rollouts.behaviour import BehaviourRecord
 from lightning_troll.rollouts.dynamic_sampling import cat_sequences, group_rows
 
-__all__ = ["RolloutReport", "Samples", "samples_table"]
+__all__ = ["RolloutReport", "Samples", "log_rollout", "samples_table"]
 
 
 def samples_table(prompts: list[str], completions: list[str], rewards: list[float]) -> str:
@@ -58,6 +60,8 @@ class Samples:
     """The behaviour policy's log-probs (and sparse rows) recorded while sampling, if it was."""
     seconds: float = 0.0
     """Wall time of the generation that sampled this round (recording included)."""
+    engine_logprobs: Tensor | None = None
+    """(B, T) the rollout engine's own log-probs of the sampled tokens, where it reports them."""
 
     @property
     def informative(self) -> Tensor:
@@ -82,6 +86,7 @@ class Samples:
             prompts=[self.prompts[i] for i in keep],
             rows=[self.rows[i] for i in keep],
             behaviour=None if self.behaviour is None else self.behaviour.select(rows),
+            engine_logprobs=None if self.engine_logprobs is None else self.engine_logprobs[rows],
         )
 
     @staticmethod
@@ -92,6 +97,12 @@ class Samples:
         ids, attention, response = cat_sequences(
             [(p.input_ids, p.attention_mask, p.response_mask) for p in parts], pad_id
         )
+        engine_logprobs = None
+        if parts[0].engine_logprobs is not None:  # right padded with 0 to the widest response
+            width = response.shape[1]
+            engine_logprobs = torch.cat(
+                [F.pad(p.engine_logprobs, (0, width - p.engine_logprobs.shape[1])) for p in parts]
+            )
         names = parts[0].scored.per_function
         scored = RewardOutput(
             total=torch.cat([p.scored.total for p in parts]),
@@ -114,6 +125,7 @@ class Samples:
                 if parts[0].behaviour is None
                 else BehaviourRecord.cat([p.behaviour for p in parts])
             ),
+            engine_logprobs=engine_logprobs,
         )
 
 
@@ -128,6 +140,9 @@ class RolloutReport:
     capped: bool
     """True when dynamic sampling ran out of rounds before it had enough informative groups (on
     any process)."""
+    engine: dict[str, float] = field(default_factory=dict)
+    """The rollout engine's figures (``engine/...``) and, where it reports its own log-probs,
+    ``rollout/engine_logprob_diff``: their mean absolute difference from the trainer's."""
     seconds: dict[str, float] = field(default_factory=dict)
     """Wall time of this process's ``generation`` (every round), ``forward_passes`` (the
     teacher-forced passes after sampling: the behaviour policy's unless it was recorded while
@@ -137,3 +152,66 @@ class RolloutReport:
     def rewards(self) -> Tensor:
         """(all sampled,) total rewards of every completion sampled."""
         return torch.cat([s.rewards for s in self.rounds])
+
+
+def log_rollout(module: Any, report: RolloutReport) -> None:
+    """Logs what one rollout sampled: rewards, lengths, dynamic sampling, the engine's figures,
+    times, and failed reward calls (see :class:`~lightning_troll.callbacks.RolloutGeneration`)."""
+
+    def cat(values: Callable[[Samples], Tensor]) -> Tensor:  # over every round: (all,)
+        return torch.cat([values(s) for s in report.rounds])
+
+    rewards, valid = report.rewards, cat(lambda s: s.scored.valid)
+    lengths = cat(lambda s: s.response_mask.sum(-1)).float()
+    size = rewards.numel()
+    values = {
+        "reward/std": rewards.std() if size > 1 else lengths.new_zeros(()),
+        "reward/frac_zero_std": cat(lambda s: ~s.informative).float().mean(),
+        "completion/mean_length": lengths.mean(),
+        "completion/truncated_frac": cat(lambda s: s.truncated).float().mean(),
+    }
+    names = list(report.kept.scored.per_function)
+    if len(names) > 1:
+        count = valid.sum().clamp_min(1)
+        for name in names:
+            column = cat(lambda s, name=name: s.scored.per_function[name])
+            values[f"reward/{reward_tag(name)}/mean"] = (column * valid).sum() / count
+    if module.dynamic_sampling:
+        groups, kept = (
+            size // module.group_size,
+            report.kept.rewards.numel() // module.group_size,
+        )
+        values["dynamic_sampling/prompts_sampled"] = torch.tensor(float(groups))
+        values["dynamic_sampling/rounds"] = torch.tensor(float(len(report.rounds) - 1))
+        values["dynamic_sampling/frac_dropped"] = torch.tensor(1.0 - kept / groups)
+    values.update({name: torch.tensor(value) for name, value in report.engine.items()})
+    seconds = dict(report.seconds)
+    for name in ("forward_passes", "rollout"):
+        if name in seconds:
+            values[f"time/{name}"] = torch.tensor(seconds[name])
+    generation = seconds.get("generation", 0.0)
+    if generation > 0:
+        speed = float(lengths.sum()) / generation
+        values["throughput/generated_tokens_per_s"] = torch.tensor(speed)
+    module.log("reward/mean", rewards.mean(), prog_bar=True, sync_dist=True, batch_size=size)
+    if "generation" in seconds:
+        module.log("time/generation", generation, prog_bar=True, sync_dist=True, batch_size=size)
+    module.log_dict(values, sync_dist=True, batch_size=size)
+    module.log_dict(_failures(report), sync_dist=True, reduce_fx="sum", batch_size=size)
+    module.log(
+        "completion/max_length", lengths.max(), sync_dist=True, reduce_fx="max", batch_size=size
+    )
+
+
+def _failures(report: RolloutReport) -> dict[str, Tensor]:
+    """Failed reward calls of the rollout (every round): ``rewards/timeouts``,
+    ``rewards/errors`` and, with several functions, ``rewards/<name>/{timeouts,errors}``."""
+    values: dict[str, Tensor] = {}
+    names = list(report.kept.scored.per_function)
+    for kind in ("timeouts", "errors"):
+        counts = {n: sum(getattr(s.scored, kind).get(n, 0) for s in report.rounds) for n in names}
+        values[f"rewards/{kind}"] = torch.tensor(float(sum(counts.values())))
+        if len(names) > 1:
+            for name, count in counts.items():
+                values[f"rewards/{reward_tag(name)}/{kind}"] = torch.tensor(float(count))
+    return values

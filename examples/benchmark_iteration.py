@@ -41,6 +41,13 @@ takes 3-15 minutes, so the whole run takes about an hour)::
     python examples/benchmark_iteration.py --tiny --iterations 2 --no-trl          # TinyMath smoke
     python examples/benchmark_iteration.py --behaviour-error   # recorded vs recomputed log-probs
     python examples/benchmark_iteration.py --generation        # generation alone, two ways
+    python examples/benchmark_iteration.py --engines hf vllm --vllm-python .venv-vllm/bin/python
+
+``--engines`` adds the rollout engine to the grid: ``hf`` (the snapshot samples, the default) and
+``vllm`` (vLLM in the worker's own process, so its memory is in the peak; it needs a Python that
+imports vllm, ``make setup-vllm``, given by ``--vllm-python`` unless this one does). The vLLM
+engine's rows have the variant ``vllm``: it never records the behaviour log-probs while sampling,
+so the snapshot recomputes them after it (in ``rest of rollout``), with shared prompts.
 
 ``--generation`` times one rollout's generation alone, two ways (``generate`` with its dynamic
 KV cache, as the library samples, and with a static cache), in response tokens per second. ``--behaviour-error`` samples one rollout of the benchmark's prompts with the behaviour log-probs
@@ -96,10 +103,11 @@ def summarise(result: dict) -> dict:
     }
 
 
-def trl_python(choice: str | None) -> str | None:
-    """The Python that imports trl: ``choice``, else this one if it can; None if none can."""
+def importing(choice: str | None, package: str) -> str | None:
+    """The Python that imports ``package``: ``choice``, else this one if it can; None if none
+    can."""
     candidate = choice or sys.executable
-    probe = subprocess.run([candidate, "-c", "import trl"], capture_output=True)
+    probe = subprocess.run([candidate, "-c", f"import {package}"], capture_output=True)
     return candidate if probe.returncode == 0 else None
 
 
@@ -156,6 +164,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--iterations", type=int, default=6, help="the first is left out")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--engines", nargs="+", choices=["hf", "vllm"], default=["hf"], help="ours: rollout engines"
+    )
+    parser.add_argument(
+        "--vllm-python", default=None, help="a Python that imports vllm (make setup-vllm)"
+    )
     parser.add_argument("--trl-python", default=None, help="a Python that imports trl")
     parser.add_argument("--no-trl", action="store_true")
     parser.add_argument(
@@ -194,19 +208,30 @@ def configurations(args: argparse.Namespace) -> list[tuple[str, str, dict]]:
         "max_new_tokens": args.max_new_tokens,
         "threads": args.threads,
     }
-    python = None if args.no_trl or args.tiny else trl_python(args.trl_python)
+    python = None if args.no_trl or args.tiny else importing(args.trl_python, "trl")
     if not (args.no_trl or args.tiny) and python is None:
         print("TRL is not importable here: pass --trl-python (see the docstring); skipped")
+    vllm = None
+    if "vllm" in args.engines:
+        vllm = importing(args.vllm_python, "vllm")
+        if vllm is None:
+            print("vLLM is not importable here: pass --vllm-python (make setup-vllm); skipped")
     configs = []
     for steps in args.steps:
         for gc in args.trl_checkpointing if python else []:
             spec = common | {"library": "trl", "steps": steps, "checkpointing": gc == "on"}
             configs.append((f"TRL GRPOTrainer, clip, checkpointing {gc}", python, spec))
         for objective in args.objectives:
-            for variant in args.variants:
-                spec = common | {"library": "ours", "steps": steps, "objective": objective}
-                spec |= {"variant": variant} | VARIANTS[variant]
-                configs.append((f"ours, {objective}, {variant}", sys.executable, spec))
+            for engine in args.engines:
+                # the vllm engine never records log-probs while sampling: one variant, its own
+                variants = args.variants if engine == "hf" else ["vllm"]
+                for variant in variants:
+                    spec = common | {"library": "ours", "steps": steps, "objective": objective}
+                    spec |= {"variant": variant, "engine": engine}
+                    spec |= VARIANTS.get(variant, {"behaviour": "forward", "share_prompts": True})
+                    where = sys.executable if engine == "hf" else vllm
+                    if where is not None:
+                        configs.append((f"ours, {objective}, {variant}", where, spec))
     return configs
 
 

@@ -8,7 +8,15 @@ import pytest
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    """Tests marked ``cuda`` are skipped, with the reason, where torch sees no CUDA device."""
+    """Tests marked ``cuda`` are skipped, with the reason, where torch sees no CUDA device; tests
+    marked ``vllm`` where vLLM is not installed (``make test-vllm`` installs it and runs them)."""
+    from importlib.util import find_spec
+
+    if find_spec("vllm") is None:
+        skip = pytest.mark.skip(reason="needs vLLM: `make test-vllm` installs it and runs these")
+        for item in items:
+            if item.get_closest_marker("vllm"):
+                item.add_marker(skip)
     cuda_tests = [item for item in items if item.get_closest_marker("cuda")]
     if not cuda_tests:
         return

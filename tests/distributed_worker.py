@@ -270,10 +270,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ckpt-path", type=Path, default=None, help="checkpoint to resume")
     args = parser.parse_args(argv)
 
-    import lightning_troll.callbacks.rollout as rollout_callback
+    import lightning_troll.rollouts.engine as engines
 
-    if not args.real_sampling:
-        rollout_callback.sample = scripted_sample
+    if not args.real_sampling:  # the HF engine samples with it
+        engines.sample = scripted_sample
     torch.manual_seed(0)
     args.out.mkdir(parents=True, exist_ok=True)
     module, data, trainer = build(args, args.out)

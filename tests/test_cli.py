@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
@@ -460,6 +461,11 @@ def broken_jsonl(tmp_path: Path) -> str:
                      id="broken-json-line"),
         pytest.param(["--ckpt_path", "gone.ckpt"], "--ckpt_path 'gone.ckpt': no such file",
                      id="missing-checkpoint"),
+        pytest.param(["--model.rollout_engine", "vllm"], "make setup-vllm", id="engine-missing",
+                     marks=pytest.mark.skipif(find_spec("vllm") is not None,
+                                              reason="vLLM is installed here")),
+        pytest.param(["--model.rollout_engine", "sglang"], "model.rollout_engine must be one of "
+                     "['hf', 'vllm'] or an import path", id="unknown-engine"),
         pytest.param(["--config", str(ROOT / "configs" / "demo.yaml"), "--trainer.max_steps",
                       "200"], "model.lr_scheduler.init_args.total_steps=96 is smaller than "
                      "trainer.max_steps=200: OneCycleLR schedules 96 optimiser steps",

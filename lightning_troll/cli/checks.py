@@ -46,6 +46,7 @@ def check_task(config) -> None:
         model.get("scale_rewards"),
         model.get("group_size"),
         model.get("behaviour_logprobs"),
+        model.get("rollout_engine") or "hf",
     )
     for spec in task_rewards(model.get("rewards"), data.get("source")):
         resolve_reward(spec)

@@ -68,10 +68,13 @@ TRAINER_DEFAULTS = {
     "num_sanity_val_steps": 0,
 }
 
-BAD_INPUT: tuple[type[BaseException], ...] = (ValueError, OSError, MisconfigurationException)
+BAD_INPUT: tuple[type[BaseException], ...] = (
+    ValueError, OSError, ImportError, MisconfigurationException
+)  # fmt: skip
 """Errors that, raised before training starts, are bad configuration or data: the options'
-checks (``ValueError``, ``CheckpointError``), missing or unreadable files (``OSError``) and
-Lightning's own configuration checks."""
+checks (``ValueError``, ``CheckpointError``), missing or unreadable files (``OSError``), an
+optional package the configuration needs but the environment lacks (``ImportError``, saying
+which install adds it) and Lightning's own configuration checks."""
 
 DEBUG_FLAG = "--debug"
 DEBUG_VARIABLE = "LIGHTNING_TROLL_DEBUG"

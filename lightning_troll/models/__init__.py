@@ -21,4 +21,11 @@ from lightning_troll.models.loading import (
     tiny_causal_lm,
 )
 
-__all__ = ["DTYPES", "TINYMATH", "load_policy", "load_tokenizer", "stop_token_ids", "tiny_causal_lm"]
+__all__ = [
+    "DTYPES",
+    "TINYMATH",
+    "load_policy",
+    "load_tokenizer",
+    "stop_token_ids",
+    "tiny_causal_lm",
+]

@@ -33,6 +33,7 @@ __all__ = [
     "load_policy",
     "load_tokenizer",
     "stop_token_ids",
+    "resolve_model_path",
     "tiny_causal_lm",
 ]
 
@@ -88,6 +89,12 @@ def _resolve(name_or_path: str | Path) -> str:
 # the config that names them for a tokenizer class of its own.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 _TOKENIZER_PATTERNS = ("*.model", "*.tiktoken", "vocab.txt")
+
+
+def resolve_model_path(name_or_path: str | Path) -> str:
+    """What ``model.model`` loads from: ``"tinymath"`` -> the shipped directory; an existing path
+    or a hub id passes through (for engines that load the model's files themselves)."""
+    return _resolve(name_or_path)
 
 
 def _check_model_folder(path: str, given: str | Path, needs: str) -> None:

@@ -21,14 +21,12 @@ from typing import Any, Literal
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
-from torch import Tensor
 
 from lightning_troll.models.loading import load_policy, load_tokenizer, stop_token_ids
 from lightning_troll.models.lora import LoraConfig, apply_lora
 from lightning_troll.models.sharding import (  # the two checks: importable from here too
     check_shardable,  # noqa: F401
     check_strategy,  # noqa: F401
-    is_sharded,
 )
 from lightning_troll.models.snapshots import Snapshot, SnapshotConfig, build_snapshot, frozen_copy
 from lightning_troll.objectives import (
@@ -42,13 +40,9 @@ from lightning_troll.objectives import (
 from lightning_troll.objectives.chunking import DEFAULT_CHUNK_SIZE, check_chunk_size
 from lightning_troll.rewards.registry import RewardScorer
 from lightning_troll.rollouts.dynamic_sampling import check_dynamic_sampling
-from lightning_troll.rollouts.forward import old_logit_rows
 from lightning_troll.rollouts.rollout import (
     Rollout,
     SamplingConfig,
-    linear_head,
-    response_hidden,
-    response_logits,
 )
 from lightning_troll.rollouts.timing import clock
 from lightning_troll.training.optimization import MinibatchLoop, OptimizationConfig
@@ -146,6 +140,9 @@ class TrollModule(ResumeHooks, RolloutHooks, PolicyHooks, LightningModule):
             bfloat16 or int8) or the policy itself (``shared``).
         lora: low-rank adapters (peft) instead of full fine-tuning; null trains every weight.
             The snapshot is then a second adapter and the reference policy the base model.
+        rollout_engine: what samples the rollouts: ``hf`` (the snapshot, in this process),
+            ``vllm`` (after ``make setup-vllm``), or a ``RolloutEngine`` subclass's import path.
+        rollout_engine_options: the engine's own options (docs/engines.md).
     """
 
     def __init__(
@@ -177,6 +174,8 @@ class TrollModule(ResumeHooks, RolloutHooks, PolicyHooks, LightningModule):
         share_prompts: bool = True,
         snapshot: SnapshotConfig = SnapshotConfig(),
         lora: LoraConfig | None = None,
+        rollout_engine: str = "hf",
+        rollout_engine_options: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         # not seed: loggers refuse model.seed and data.seed as one key with two values; the
@@ -184,7 +183,9 @@ class TrollModule(ResumeHooks, RolloutHooks, PolicyHooks, LightningModule):
         self.save_hyperparameters(ignore=["optimizer", "lr_scheduler", "seed"])
         check_chunk_size(logits_chunk_size, "model.logits_chunk_size")
         self.logits_chunk_size = logits_chunk_size
-        check_module_options(objective, estimator, scale_rewards, group_size, behaviour_logprobs)
+        check_module_options(
+            objective, estimator, scale_rewards, group_size, behaviour_logprobs, rollout_engine
+        )
         self.behaviour_logprobs = behaviour_logprobs
         self.share_prompts = share_prompts
         self.objective_name = objective
@@ -237,6 +238,7 @@ class TrollModule(ResumeHooks, RolloutHooks, PolicyHooks, LightningModule):
                 gradient_checkpointing_kwargs={"use_reentrant": False}
             )
         self.automatic_optimization = False
+        self.engine = self._build_engine(rollout_engine, rollout_engine_options, model, dtype)
 
         self.rollout: Rollout | None = None
         if seed is None:  # the run's seed, as Lightning's seed_everything recorded it
@@ -289,35 +291,6 @@ class TrollModule(ResumeHooks, RolloutHooks, PolicyHooks, LightningModule):
         self.minibatch_loop.run(self, rollout)
         seconds = clock(self.device) - start  # every optimiser step of the rollout
         self.log("time/training", seconds, prog_bar=True, sync_dist=True, batch_size=1)
-
-    def loss_of(self, rollout: Rollout) -> tuple[Tensor, ObjectiveStats]:
-        """The objective on a (part of a) rollout, with the policy's current weights."""
-        inputs = (rollout.input_ids, rollout.attention_mask)
-        length, temperature = rollout.response_mask.shape[1], rollout.temperature
-        targets = (
-            rollout.tokens,
-            rollout.response_mask,
-            rollout.advantages,
-            rollout.old_logprobs,
-            rollout.old,
-            rollout.ref_logprobs,
-        )
-        head = None if self.logits_chunk_size is None else linear_head(self.policy)
-        share = self.share_prompts and not is_sharded(self.policy)
-        if self.objective.needs_old_logits:  # support: dense, from the snapshot's own pass
-            chunked = self.logits_chunk_size is not None
-            with self.behaviour_policy() as old:
-                rows = old_logit_rows(
-                    old, *inputs, rollout.response_mask, temperature, chunked, share
-                )
-            targets = (*targets[:4], rows, targets[5])
-        if head is None:
-            logits = response_logits(self.policy, *inputs, length, temperature)  # (B, T, V)
-            return self.objective(logits, *targets)
-        hidden = response_hidden(self.policy, *inputs, length, share)  # (B, T, H)
-        return self.objective.forward_hidden(
-            hidden, head, temperature, *targets, chunk_size=self.logits_chunk_size
-        )
 
     @property
     def last_stats(self) -> list[ObjectiveStats]:

@@ -4,8 +4,10 @@ mode and shards each needs.
 :class:`PolicyHooks` is a mixin of :class:`~lightning_troll.training.module.TrollModule` (as
 Lightning builds its LightningModule from hook mixins): which module samples, which one is the
 reference, the frozen copies kept in eval mode, FSDP2 sharding, and turning response tokens into
-text. The attributes it reads (``policy``, ``snapshot``, ``ref_policy``, ``lora``,
-``loss_config``, ``tokenizer``, ``stop_ids``, ``snapshot_config``) are set by the module.
+text, and the loss of a rollout under the policy's current weights (the snapshot's own pass
+included, for the dense projection). The attributes it reads (``policy``, ``snapshot``, ``ref_policy``, ``lora``,
+``loss_config``, ``tokenizer``, ``stop_ids``, ``snapshot_config``, ``objective``,
+``logits_chunk_size``, ``share_prompts``) are set by the module.
 """
 
 from __future__ import annotations
@@ -21,8 +23,17 @@ from lightning_troll.models.sharding import (
     check_shardable,
     check_strategy,
     data_parallel_mesh,
+    is_sharded,
     shard_model,
 )
+from lightning_troll.objectives import ObjectiveStats
+from lightning_troll.rollouts.forward import (
+    linear_head,
+    old_logit_rows,
+    response_hidden,
+    response_logits,
+)
+from lightning_troll.rollouts.rollout import Rollout
 
 __all__ = ["PolicyHooks"]
 
@@ -93,3 +104,32 @@ class PolicyHooks:
             self.tokenizer.decode(row[m].tolist(), skip_special_tokens=True)
             for row, m in zip(responses, keep, strict=True)
         ]
+
+    def loss_of(self, rollout: Rollout) -> tuple[Tensor, ObjectiveStats]:
+        """The objective on a (part of a) rollout, with the policy's current weights."""
+        inputs = (rollout.input_ids, rollout.attention_mask)
+        length, temperature = rollout.response_mask.shape[1], rollout.temperature
+        targets = (
+            rollout.tokens,
+            rollout.response_mask,
+            rollout.advantages,
+            rollout.old_logprobs,
+            rollout.old,
+            rollout.ref_logprobs,
+        )
+        head = None if self.logits_chunk_size is None else linear_head(self.policy)
+        share = self.share_prompts and not is_sharded(self.policy)
+        if self.objective.needs_old_logits:  # support: dense, from the snapshot's own pass
+            chunked = self.logits_chunk_size is not None
+            with self.behaviour_policy() as old:
+                rows = old_logit_rows(
+                    old, *inputs, rollout.response_mask, temperature, chunked, share
+                )
+            targets = (*targets[:4], rows, targets[5])
+        if head is None:
+            logits = response_logits(self.policy, *inputs, length, temperature)  # (B, T, V)
+            return self.objective(logits, *targets)
+        hidden = response_hidden(self.policy, *inputs, length, share)  # (B, T, H)
+        return self.objective.forward_hidden(
+            hidden, head, temperature, *targets, chunk_size=self.logits_chunk_size
+        )

@@ -13,6 +13,7 @@ from lightning_troll.objectives.advantages import (
     get_advantage_estimator,
 )
 from lightning_troll.rollouts.behaviour import BEHAVIOUR_LOGPROBS
+from lightning_troll.rollouts.engine import engine_class
 
 __all__ = [
     "GROUP_ESTIMATORS",
@@ -33,9 +34,11 @@ def check_module_options(
     scale_rewards: str | None,
     group_size: int,
     behaviour_logprobs: str,
+    rollout_engine: str = "hf",
 ) -> None:
-    """Refuses an unknown objective, estimator, reward scale or behaviour-log-prob source, and a
-    group size that is not a whole number >= 1."""
+    """Refuses an unknown objective, estimator, reward scale, behaviour-log-prob source or
+    rollout engine (or one that is not installed), and a group size that is not a whole number
+    >= 1."""
     if objective not in OBJECTIVES:
         raise ValueError(f"model.objective must be one of {sorted(OBJECTIVES)}; got {objective!r}")
     get_advantage_estimator(estimator)
@@ -57,6 +60,7 @@ def check_module_options(
             f"model.behaviour_logprobs must be one of {list(BEHAVIOUR_LOGPROBS)}; got "
             f"{behaviour_logprobs!r}"
         )
+    engine_class(rollout_engine)
 
 
 def task_rewards(rewards: dict[str, float] | None, source: object) -> dict[str, float]:

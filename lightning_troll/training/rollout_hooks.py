@@ -1,5 +1,6 @@
-"""What the rollout callback and the monitors ask of TrollModule: the old policy's sparse rows,
-advantages over the global batch, and how far the policy drifted from the behaviour policy.
+"""What the rollout callback and the monitors ask of TrollModule: the rollout engine, the old
+policy's sparse rows, advantages over the global batch, and how far the policy drifted from the
+behaviour policy.
 
 :class:`RolloutHooks` is a mixin of :class:`~lightning_troll.training.module.TrollModule`; the
 attributes it reads (``objective``, ``_trust_region``, ``cache_old_distributions``, ``policy``,
@@ -8,10 +9,13 @@ attributes it reads (``objective``, ``_trust_region``, ``cache_old_distributions
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import Tensor
 
 from lightning_troll.objectives.advantages import compute_advantages
 from lightning_troll.rollouts.drift import kl_to_behaviour, support_rule
+from lightning_troll.rollouts.engine import EngineContext, RolloutEngine, build_engine
 from lightning_troll.rollouts.rollout import Rollout
 from lightning_troll.trust_region.projection import (
     SparseDistribution,
@@ -24,6 +28,19 @@ __all__ = ["RolloutHooks"]
 
 class RolloutHooks:
     """The rollout-facing hooks of :class:`~lightning_troll.training.module.TrollModule`."""
+
+    def _build_engine(
+        self, name: str, options: dict[str, Any] | None, model: str, dtype: str
+    ) -> RolloutEngine:
+        """The engine of ``model.rollout_engine`` (it starts on its first rollout)."""
+        lora = self.lora is not None
+        if name != "hf" and lora and self.lora.load_in_4bit:
+            raise ValueError(
+                f"model.rollout_engine={name!r} takes the policy's weights with the adapters "
+                "merged, which a 4-bit base rounds away; use rollout_engine 'hf' with "
+                "lora.load_in_4bit, or a base in float32/bfloat16"
+            )
+        return build_engine(name, EngineContext(model, dtype, self.tokenizer, lora), options)
 
     @property
     def support_rule(self) -> TrustRegionProjection:

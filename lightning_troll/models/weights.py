@@ -1,0 +1,75 @@
+"""A model's weights as a plain transformers model of its architecture names them: full, merged,
+float.
+
+Engines that hold their own copy of the behaviour policy (vLLM) load these: a LoRA model gives
+its base weights with the active adapter merged in (``W + scale * B @ A``, computed, nothing in
+the model changes); an int8 snapshot (:mod:`lightning_troll.models.quantize`) gives its weights
+dequantised; a sharded (FSDP2) weight is gathered into its full tensor. Tied weights appear once,
+under the name the model registers first (the input embedding for a tied output head). No
+Lightning here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor, nn
+
+from lightning_troll.models.quantize import Int8Embedding, Int8Linear
+
+__all__ = ["full_weights"]
+
+
+def _full(tensor: Tensor) -> Tensor:
+    """The whole tensor of a (possibly FSDP2-sharded) weight, detached."""
+    full_tensor = getattr(tensor, "full_tensor", None)  # a DTensor's gather
+    return (full_tensor() if full_tensor is not None else tensor).detach()
+
+
+def _unwrap(model: nn.Module) -> tuple[nn.Module, str | None]:
+    """(the transformers model inside a peft model, the active adapter) or (model, None)."""
+    if hasattr(model, "peft_config") and hasattr(model, "base_model"):
+        adapter = model.active_adapter
+        adapter = adapter[0] if isinstance(adapter, list | tuple) else adapter
+        return model.base_model.model, adapter
+    return model, None
+
+
+def _is_lora(module: nn.Module) -> bool:
+    return hasattr(module, "base_layer") and hasattr(module, "lora_A")
+
+
+@torch.no_grad()
+def full_weights(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """``(name, weight)`` pairs of ``model`` under plain transformers names, one at a time.
+
+    LoRA layers give ``prefix.weight`` (and ``prefix.bias``) of their base layer with the active
+    adapter's update added; their adapter weights are not given. Int8 layers give their weight
+    dequantised to float32. Buffers (rotary tables, masks) are not given.
+    """
+    base, adapter = _unwrap(model)
+    done: list[str] = []  # prefixes whose whole subtree was given already
+    for prefix, module in base.named_modules(remove_duplicate=False):
+        if any(prefix.startswith(d + ".") for d in done):
+            continue
+        dot = f"{prefix}." if prefix else ""
+        if _is_lora(module):
+            layer = module.base_layer
+            weight = _full(layer.weight)
+            if adapter is not None and adapter in module.lora_A:
+                weight = weight + _full(module.get_delta_weight(adapter)).to(weight.dtype)
+            yield f"{dot}weight", weight
+            if getattr(layer, "bias", None) is not None:
+                yield f"{dot}bias", _full(layer.bias)
+            done.append(prefix)
+            continue
+        if isinstance(module, Int8Linear | Int8Embedding):
+            yield f"{dot}weight", module.dequantized(torch.float32)
+            bias = getattr(module, "bias", None)
+            if bias is not None:
+                yield f"{dot}bias", _full(bias)
+            done.append(prefix)
+            continue
+        for name, parameter in module.named_parameters(recurse=False):
+            yield f"{dot}{name}", _full(parameter)

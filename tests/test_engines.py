@@ -1,0 +1,179 @@
+"""Rollout engines: choosing one, a user's own engine in a fit, when weights are taken, and the
+weights an engine takes (LoRA merged, int8 dequantised, tied heads)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from lightning_troll.models.loading import tiny_causal_lm
+from lightning_troll.models.quantize import quantize_int8_
+from lightning_troll.models.weights import full_weights
+from lightning_troll.rollouts.engine import (
+    ENGINES,
+    EngineContext,
+    Generation,
+    HFEngine,
+    RolloutEngine,
+    build_engine,
+    engine_class,
+)
+from lightning_troll.rollouts.vllm_engine import vllm_available
+from lightning_troll.training.preflight import check_module_options
+
+
+class CountingEngine(HFEngine):
+    """The HF engine, counting its calls; the engine named by import path in the fits below."""
+
+    name = "counting"
+    instances: list[CountingEngine] = []
+
+    def __init__(self, context: EngineContext, tag: str = "") -> None:
+        super().__init__(context)
+        self.tag = tag
+        self.generated = 0
+        self.loads: list[int] = []  # the generation count at each weight load
+        CountingEngine.instances.append(self)
+
+    def generate(self, *args, **kwargs) -> Generation:
+        assert not self.stale, "generate before load_weights"
+        self.generated += 1
+        return super().generate(*args, **kwargs)
+
+    def load_weights(self, snapshot) -> None:
+        self.loads.append(self.generated)
+        super().load_weights(snapshot)
+
+    def figures(self) -> dict[str, float]:
+        return {"engine/calls": float(self.generated)}
+
+
+def test_engines_by_name_and_by_import_path():
+    assert engine_class("hf") is HFEngine
+    assert engine_class("tests.test_engines:CountingEngine") is CountingEngine
+    assert engine_class("tests.test_engines.CountingEngine") is CountingEngine
+    assert set(ENGINES) == {"hf", "vllm"}
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("vllmm", "model.rollout_engine must be one of ['hf', 'vllm'] or an import path"),
+        ("tests.test_engines:Missing", "tests.test_engines.Missing is missing"),
+        ("tests.test_engines:test_engines_by_name_and_by_import_path", "not a RolloutEngine"),
+        ("no_such_package.engines:Engine", "cannot import module 'no_such_package.engines'"),
+    ],
+)
+def test_a_bad_engine_is_refused_with_the_option_named(name, message):
+    with pytest.raises(ValueError, match="model.rollout_engine") as error:
+        check_module_options("troll", "grpo", None, 8, "auto", name)
+    assert message in str(error.value)
+
+
+@pytest.mark.skipif(vllm_available(), reason="vLLM is installed here")
+def test_vllm_without_vllm_says_how_to_install_it():
+    with pytest.raises(ImportError, match=r"make setup-vllm"):
+        check_module_options("troll", "grpo", None, 8, "auto", "vllm")
+
+
+def test_engine_options_are_checked():
+    context = EngineContext("tinymath", "float32", None)
+    with pytest.raises(ValueError, match=r"the hf engine takes no options; got \['kv_cache'\]"):
+        build_engine("hf", context, {"kv_cache": 1})
+    with pytest.raises(ValueError, match=r"rollout_engine_options for .*unexpected keyword"):
+        build_engine("tests.test_engines:CountingEngine", context, {"colour": "red"})
+    engine = build_engine("tests.test_engines:CountingEngine", context, {"tag": "x"})
+    assert isinstance(engine, RolloutEngine) and engine.tag == "x" and engine.stale
+
+
+@pytest.mark.slow
+def test_a_users_engine_samples_every_rollout_and_takes_weights_after_each_refresh(
+    tmp_path, tiny_model_dir
+):
+    from tests.test_training import fit, make_module
+
+    CountingEngine.instances.clear()
+    module = make_module(
+        tiny_model_dir,
+        rollout_engine="tests.test_engines:CountingEngine",
+        rollout_engine_options={"tag": "run"},
+    )
+    trainer, module, recorder = fit(tmp_path, tiny_model_dir, max_steps=3, module=module)
+    engine = module.engine
+    assert engine is CountingEngine.instances[-1] and engine.tag == "run"
+    assert engine.generated == 3
+    # before the first rollout, and after the refresh that follows each of the first two
+    assert engine.loads == [0, 1, 2]
+    assert trainer.callback_metrics["engine/calls"] == 3.0
+    assert "rollout/engine_logprob_diff" not in trainer.callback_metrics  # it reports none
+
+
+def test_module_refuses_an_unknown_engine_before_the_model_loads(monkeypatch):
+    import lightning_troll.training.module as module_file
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model loaded before the engine was checked")
+
+    monkeypatch.setattr(module_file, "load_policy", no_loading)
+    with pytest.raises(ValueError, match="model.rollout_engine must be one of"):
+        module_file.TrollModule(model="tinymath", rollout_engine="sglang")
+
+
+# -- the weights an engine takes ------------------------------------------------------------------
+
+
+def _tiny(tie: bool = True):
+    model = tiny_causal_lm(vocab_size=17, hidden_size=32, num_layers=2, num_heads=2, seed=0)
+    if not tie:  # a head of its own
+        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach() + 0.1)
+        model.config.tie_word_embeddings = False
+    return model
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_full_weights_of_a_plain_model_name_every_parameter_as_transformers_does(tie):
+    model = _tiny(tie)
+    given = dict(full_weights(model))
+    expected = dict(model.named_parameters(remove_duplicate=False))
+    assert set(given) == set(expected) and "lm_head.weight" in given
+    for name, value in expected.items():
+        assert torch.equal(given[name], value.detach()), name
+    same = given["lm_head.weight"].data_ptr() == given["model.embed_tokens.weight"].data_ptr()
+    assert same == tie  # a tied head is the embedding itself, not a copy
+
+
+def test_full_weights_of_a_lora_model_are_its_merged_weights():
+    peft = pytest.importorskip("peft")
+    model = _tiny(tie=False)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    lora = peft.get_peft_model(model, config)
+    with torch.no_grad():
+        for name, parameter in lora.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0, 0.5)  # B starts at zero: make the update visible
+    given = dict(full_weights(lora))
+    merged = copy.deepcopy(lora).merge_and_unload()
+    expected = dict(merged.named_parameters(remove_duplicate=False))
+    assert set(given) == set(expected)
+    for name, value in expected.items():
+        torch.testing.assert_close(given[name], value.detach(), rtol=1e-6, atol=1e-6)
+    q = "model.layers.0.self_attn.q_proj.weight"
+    base = lora.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight
+    assert not torch.allclose(given[q], base)  # the update is in
+
+
+def test_full_weights_of_an_int8_copy_are_its_dequantised_weights():
+    model = _tiny(tie=True)
+    quantized = quantize_int8_(copy.deepcopy(model))
+    given = dict(full_weights(quantized))
+    assert set(given) == set(dict(model.named_parameters(remove_duplicate=False)))
+    for name, value in model.named_parameters():
+        error = (given[name] - value.detach()).abs()
+        if value.dim() == 2:  # quantised per row: within half a step of each row's scale
+            step = value.detach().abs().amax(dim=1, keepdim=True) / 127
+            assert bool((error <= step / 2 + 1e-7).all()), name
+            assert given[name].dtype == torch.float32
+        else:
+            assert torch.equal(given[name], value.detach()), name

@@ -1,0 +1,169 @@
+"""The vLLM rollout engine on CPU: its log-probs against a teacher-forced pass, weight pushes
+(tied heads, LoRA merged), seeded sampling, and whole fits with each objective.
+
+Skipped where vLLM is not installed; ``make test-vllm`` installs it and runs them (``-m vllm``).
+The shipped TinyMath policy (a tied 3-layer Llama) serves, and SmolLM2-135M-Instruct for the
+real tied head.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_troll.models.loading import load_policy, load_tokenizer, stop_token_ids
+from lightning_troll.models.weights import full_weights
+from lightning_troll.rollouts.engine import EngineContext, build_engine
+from lightning_troll.rollouts.forward import behaviour_outputs
+from lightning_troll.rollouts.rollout import SamplingConfig, sample
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+PROMPTS = [[1, 5, 14, 6, 16], [1, 7, 13, 8], [1, 9], [1, 4, 12, 4, 16]]
+
+
+@pytest.fixture(scope="module")
+def tinymath():
+    tokenizer = load_tokenizer("tinymath")
+    policy = load_policy("tinymath")
+    engine = build_engine(
+        "vllm", EngineContext("tinymath", "float32", tokenizer), {"kv_cache_gib": 0.25}
+    )
+    yield engine, policy, tokenizer
+    engine.close()
+
+
+def perturbed(policy, scale: float, seed: int):
+    """A copy of ``policy`` with seeded Gaussian noise on every weight."""
+    import copy
+
+    other = copy.deepcopy(policy)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in other.parameters():
+            noise = torch.randn(parameter.shape, generator=generator)
+            parameter.add_(scale * noise * parameter.abs().mean())
+    return other
+
+
+def teacher_forced(policy, generation, temperature):
+    """The policy's log-probs of the generated tokens, from one whole-sequence pass."""
+    logprobs, _ = behaviour_outputs(
+        policy,
+        generation.input_ids,
+        generation.attention_mask,
+        generation.response_mask,
+        temperature,
+        None,
+        None,
+        False,
+    )
+    return logprobs
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_engine_logprobs_agree_with_a_teacher_forced_pass(tinymath, temperature):
+    engine, policy, tokenizer = tinymath
+    weights = perturbed(policy, 0.3, seed=1)
+    engine.load_weights(weights)
+    sampling = SamplingConfig(temperature=temperature, max_new_tokens=8)
+    stops = stop_token_ids(tokenizer, policy)
+    generation = engine.generate(weights, PROMPTS, 4, sampling, tokenizer.pad_token_id, stops)
+    mask = generation.response_mask
+    assert generation.input_ids.shape[0] == 16 and mask.any(-1).all()
+    assert generation.logprobs is not None and bool((generation.logprobs[~mask] == 0).all())
+    reference = teacher_forced(weights, generation, temperature)
+    gap = (generation.logprobs - reference)[mask].abs().max()
+    assert float(gap) <= 1e-4, float(gap)
+    # the layout the loss expects: the prompt left padded, the response right padded after EOS
+    ends = generation.input_ids[:, -mask.shape[1] :].masked_fill(mask, -1)
+    assert bool((ends[ends >= 0] == tokenizer.pad_token_id).all())
+    assert bool((generation.truncated == ~torch.isin(
+        generation.input_ids[:, -mask.shape[1]:], torch.tensor(stops)).any(-1)).all())  # fmt: skip
+
+
+def test_a_weight_push_changes_the_output_as_an_hf_model_of_those_weights_predicts(tinymath):
+    engine, policy, tokenizer = tinymath
+    greedy = SamplingConfig(temperature=1.0, top_k=1, max_new_tokens=6)
+    stops = list(stop_token_ids(tokenizer, policy))
+    pad = tokenizer.pad_token_id
+    outputs = []
+    for weights in (policy, perturbed(policy, 1.0, seed=2)):
+        engine.load_weights(weights)
+        got = engine.generate(weights, PROMPTS, 1, greedy, pad, stops)
+        expected = sample(weights, PROMPTS, 1, greedy, pad, stops, do_sample=False)
+        assert torch.equal(got.input_ids, expected[0])
+        assert torch.equal(got.response_mask, expected[2])
+        outputs.append(got.input_ids)
+    assert not torch.equal(outputs[0], outputs[1])  # the push did change what it samples
+
+
+def test_a_seeded_engine_samples_the_same_completions_again(tinymath):
+    engine, policy, tokenizer = tinymath
+    engine.load_weights(policy)
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=8)
+    stops = stop_token_ids(tokenizer, policy)
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(7)
+        runs.append(engine.generate(policy, PROMPTS, 4, sampling, tokenizer.pad_token_id, stops))
+        after = torch.rand(())  # the trainer's generator moved by the one seed drawn, no more
+        torch.manual_seed(7)
+        torch.randint(0, 2**31 - 1, ())
+        assert torch.equal(after, torch.rand(()))
+    assert torch.equal(runs[0].input_ids, runs[1].input_ids)
+    assert len({tuple(row.tolist()) for row in runs[0].input_ids}) > 4  # and it does sample
+
+
+def test_smollm2s_tied_head_takes_new_weights(smollm2_dir):
+    tokenizer = load_tokenizer(smollm2_dir)
+    policy = load_policy(smollm2_dir)
+    engine = build_engine("vllm", EngineContext(str(smollm2_dir), "float32", tokenizer))
+    try:
+        weights = perturbed(policy, 0.02, seed=3)
+        with torch.no_grad():  # the tied head (the embedding) moves most
+            embedding = weights.model.embed_tokens.weight
+            embedding.add_(0.2 * embedding.abs().mean() * torch.randn_like(embedding))
+        engine.load_weights(weights)
+        prompts = [tokenizer.encode("What is 12 + 30?"), tokenizer.encode("Name a colour.")]
+        stops = stop_token_ids(tokenizer, policy)
+        sampling = SamplingConfig(temperature=1.0, max_new_tokens=12)
+        generation = engine.generate(weights, prompts, 2, sampling, tokenizer.pad_token_id, stops)
+        mask = generation.response_mask
+        reference = teacher_forced(weights, generation, 1.0)
+        gap = (generation.logprobs - reference)[mask].abs().max()
+        assert float(gap) <= 1e-4, float(gap)
+        before = teacher_forced(policy, generation, 1.0)  # the shipped weights: far off
+        assert float((generation.logprobs - before)[mask].abs().max()) > 1e-2
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize(
+    ("objective", "lora"), [("troll", False), ("clip", False), ("troll", True)]
+)
+def test_a_fit_samples_with_vllm_and_logs_the_engines_mismatch(tmp_path, objective, lora):
+    from lightning_troll.models.lora import LoraConfig
+    from lightning_troll.training.module import OptimizationConfig
+    from tests.test_training import fit, make_module
+
+    module = make_module(
+        "tinymath",
+        objective=objective,
+        rollout_engine="vllm",
+        rollout_engine_options={"kv_cache_gib": 0.25},
+        optimization=OptimizationConfig(minibatch_size=8),  # two steps: the second off-policy
+        lora=LoraConfig(r=4, target_modules=["q_proj", "v_proj"]) if lora else None,
+    )
+    trainer, module, recorder = fit(tmp_path, "tinymath", max_steps=6, module=module)
+    metrics = trainer.callback_metrics
+    assert float(metrics["rollout/engine_logprob_diff"]) <= 1e-4
+    assert float(metrics["engine/weight_push_s"]) > 0
+    assert len(recorder.rollouts) == 3
+    # the policy trained: its weights left the shipped ones (so later pushes carried new weights)
+    shipped = load_policy("tinymath")
+    trained = dict(full_weights(module.policy))  # LoRA: merged
+    moved = max(
+        float((trained[name] - value).abs().max()) for name, value in shipped.named_parameters()
+    )
+    assert moved > 0
