@@ -50,7 +50,9 @@ class RolloutGeneration(Callback):
     ``throughput/generated_tokens_per_s`` (response tokens up to EOS per second of generation).
     An engine other than ``hf`` adds its own figures (``engine/startup_s``,
     ``engine/weight_push_s``) and ``rollout/engine_logprob_diff``, the mean absolute difference
-    between its log-probs of the sampled tokens and the snapshot's.
+    between its log-probs of the sampled tokens and the snapshot's; with
+    ``model.loss.engine_is_cap`` each token's advantage is weighted by the truncated ratio of the
+    two (``rollout/engine_is_weight_mean``, ``rollout/engine_is_capped_frac``).
     The optimiser steps' time is the module's ``time/training``; ``time/iteration`` is the whole
     of it, rollout and optimiser steps, until this callback's ``on_train_batch_end`` (validation
     is not counted).
@@ -115,7 +117,7 @@ class RolloutGeneration(Callback):
                 "model.group_size to sample more (warned once)"
             )
         if self.log_samples and (self.rollouts - 1) % self.log_samples_every_n_rollouts == 0:
-            self._log_text(trainer, report.kept, rollout.advantages)
+            self._log_text(trainer, report.kept, report.advantages)
 
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -201,10 +203,19 @@ class RolloutGeneration(Callback):
                 ref_logprobs = behaviour_outputs(reference, *inputs, None, chunks, share)[0]
         end = clock(module.device)
         engine = dict(module.engine.figures())
+        token_advantages = advantages
         if kept.engine_logprobs is not None:  # the sampler's log-probs against the trainer's
             tokens = response_mask.sum().clamp_min(1)
             gap = (kept.engine_logprobs - old_logprobs).abs() * response_mask
             engine["rollout/engine_logprob_diff"] = float(gap.sum() / tokens)
+            cap = module.loss_config.engine_is_cap
+            if cap is not None:  # truncated importance weights, per token: (B, T)
+                weights = (old_logprobs - kept.engine_logprobs).exp().clamp(max=cap)
+                weights = weights * response_mask
+                token_advantages = advantages.unsqueeze(-1) * weights
+                engine["rollout/engine_is_weight_mean"] = float(weights.sum() / tokens)
+                at_cap = ((weights >= cap) & response_mask).sum() / tokens
+                engine["rollout/engine_is_capped_frac"] = float(at_cap)
         rollout = Rollout(
             input_ids=kept.input_ids,
             attention_mask=kept.attention_mask,
@@ -212,7 +223,7 @@ class RolloutGeneration(Callback):
             old_logprobs=old_logprobs,
             old=old,
             rewards=kept.rewards,
-            advantages=advantages,
+            advantages=token_advantages,
             truncated=kept.truncated,
             temperature=temperature,
             group_size=module.group_size,
@@ -223,7 +234,7 @@ class RolloutGeneration(Callback):
             "forward_passes": end - passes,
             "rollout": end - start,
         }
-        report = RolloutReport(rounds, kept, capped, engine=engine, seconds=seconds)
+        report = RolloutReport(rounds, kept, capped, advantages, engine, seconds)
         return rollout, report
 
     @rank_zero_only

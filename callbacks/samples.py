@@ -140,6 +140,8 @@ class RolloutReport:
     capped: bool
     """True when dynamic sampling ran out of rounds before it had enough informative groups (on
     any process)."""
+    advantages: Tensor | None = None
+    """(B,) the kept completions' advantages (before any per-token importance weight)."""
     engine: dict[str, float] = field(default_factory=dict)
     """The rollout engine's figures (``engine/...``) and, where it reports its own log-probs,
     ``rollout/engine_logprob_diff``: their mean absolute difference from the trainer's."""

@@ -177,3 +177,66 @@ def test_full_weights_of_an_int8_copy_are_its_dequantised_weights():
             assert given[name].dtype == torch.float32
         else:
             assert torch.equal(given[name], value.detach()), name
+
+
+class ShiftedEngine(HFEngine):
+    """Samples as the HF engine does, but reports log-probs shifted from the snapshot's by a known
+    amount (+0.3 at even response positions, -0.2 at odd): a sampler that disagrees with the
+    trainer, as vLLM's kernels may."""
+
+    name = "shifted"
+    records_behaviour = False
+
+    def generate(self, snapshot, prompt_ids, group_size, sampling, pad_id, stop_ids, recorder=None):
+        from lightning_troll.rollouts.forward import behaviour_outputs
+
+        g = super().generate(snapshot, prompt_ids, group_size, sampling, pad_id, stop_ids)
+        true, _ = behaviour_outputs(
+            snapshot, g.input_ids, g.attention_mask, g.response_mask, sampling.temperature,
+            None, None, False,
+        )  # fmt: skip
+        return Generation(*[getattr(g, f) for f in ("input_ids", "attention_mask", "response_mask",
+                                                    "truncated")],
+                          logprobs=(true + shifts(g.response_mask)) * g.response_mask)  # fmt: skip
+
+
+def shifts(mask):
+    positions = torch.arange(mask.shape[1])
+    return torch.where(positions % 2 == 0, 0.3, -0.2).expand(mask.shape)
+
+
+@pytest.mark.slow
+def test_truncated_importance_weights_scale_each_tokens_advantage(tmp_path, tiny_model_dir):
+    from lightning_troll.objectives import LossConfig
+    from tests.test_training import fit, make_module
+
+    module = make_module(
+        tiny_model_dir,
+        rollout_engine="tests.test_engines:ShiftedEngine",
+        loss=LossConfig(engine_is_cap=1.1),
+    )
+    trainer, module, recorder = fit(tmp_path, tiny_model_dir, max_steps=2, module=module)
+    metrics = trainer.callback_metrics
+    torch.testing.assert_close(float(metrics["rollout/engine_logprob_diff"]),
+                               float(shifts(torch.ones(1, 64)).abs().mean()), atol=0.03, rtol=0)  # fmt: skip
+    for rollout in recorder.rollouts:
+        mask = rollout.response_mask
+        assert rollout.advantages.shape == mask.shape  # per token now
+        weights = torch.exp(-shifts(mask)).clamp(max=1.1) * mask  # 0.741 even, 1.1 (capped) odd
+        per_sequence = rollout.advantages.sum(-1) / (weights.sum(-1))  # the group advantage
+        torch.testing.assert_close(
+            rollout.advantages, per_sequence[:, None] * weights, atol=1e-5, rtol=1e-5
+        )
+        assert bool((per_sequence.view(-1, 4).sum(-1).abs() < 1e-4).all())  # GRPO: mean zero
+    capped = float(metrics["rollout/engine_is_capped_frac"])
+    assert 0.3 < capped < 0.7  # the odd positions
+
+
+def test_importance_weights_need_an_engine_that_samples_apart(tiny_model_dir):
+    from lightning_troll.objectives import LossConfig
+    from tests.test_training import make_module
+
+    with pytest.raises(ValueError, match=r"engine_is_cap=2.0 .* the 'hf' engine samples with"):
+        make_module(tiny_model_dir, loss=LossConfig(engine_is_cap=2.0))
+    with pytest.raises(ValueError, match=r"loss.engine_is_cap must be a number >= 1 or null"):
+        LossConfig(engine_is_cap=0.5)

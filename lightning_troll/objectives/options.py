@@ -82,3 +82,13 @@ class LossConfig:
     """Leave completions that hit sampling.max_new_tokens without EOS out of the loss (TRL's
     mask_truncated_completions, DAPO's overlong filtering); their rewards still count in their
     group's baseline."""
+    engine_is_cap: float | None = None
+    """Truncated importance sampling for a rollout engine that samples apart from the trainer
+    (model.rollout_engine: vllm): each response token's advantage is multiplied by
+    min(p_snapshot / p_engine, engine_is_cap), the snapshot's probability of the sampled token
+    over the engine's (the correction TRL and verl offer); null: off."""
+
+    def __post_init__(self) -> None:
+        cap = self.engine_is_cap
+        if cap is not None and not (isinstance(cap, int | float) and cap >= 1):
+            raise ValueError(f"loss.engine_is_cap must be a number >= 1 or null; got {cap!r}")

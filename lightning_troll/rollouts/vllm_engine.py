@@ -9,7 +9,8 @@ How it fits the rest (docs/engines.md):
   vLLM seeds the global random generators and, on CPU, caps torch at one thread and binds
   threads when it starts: the trainer's random state, thread count and ``torch.set_num_threads``
   are put back afterwards, and on CPU threads are left unbound (``VLLM_CPU_OMP_THREADS_BIND=
-  nobind``) unless set.
+  nobind``) unless set. vLLM logs warnings and errors only (``VLLM_LOGGING_LEVEL=WARNING``)
+  unless set.
 - **Weights.** Before the first rollout and after every snapshot refresh, the behaviour
   policy's weights (:func:`~lightning_troll.models.weights.full_weights`: LoRA merged, int8
   dequantised, FSDP2 gathered) are loaded into the engine's model with vLLM's in-place reload,
@@ -109,6 +110,7 @@ class VLLMEngine(RolloutEngine):
     def _start(self, device: torch.device) -> Any:
         """Starts vLLM on the model's files, with the trainer's state kept as it was."""
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its INFO lines flood the run's
         if device.type == "cpu":
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         from vllm import LLM  # noqa: PLC0415 (an extra: imported on use)

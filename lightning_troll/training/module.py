@@ -250,7 +250,8 @@ class TrollModule(ResumeHooks, RolloutHooks, PolicyHooks, LightningModule):
     # -- construction ----------------------------------------------------------------------------
     def _build_objective(self, name, trust_region, clip, loss) -> PolicyObjective:
         shared = asdict(loss)
-        shared.pop("mask_truncated")  # the rollout applies it, not the objective
+        for option in ("mask_truncated", "engine_is_cap"):  # the rollout applies them
+            shared.pop(option)
         shared["norm_length"] = loss.norm_length or self.sampling.max_new_tokens
         specific = asdict({"troll": trust_region, "clip": clip}[name])
         try:

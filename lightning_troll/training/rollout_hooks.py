@@ -40,7 +40,14 @@ class RolloutHooks:
                 "merged, which a 4-bit base rounds away; use rollout_engine 'hf' with "
                 "lora.load_in_4bit, or a base in float32/bfloat16"
             )
-        return build_engine(name, EngineContext(model, dtype, self.tokenizer, lora), options)
+        engine = build_engine(name, EngineContext(model, dtype, self.tokenizer, lora), options)
+        if self.loss_config.engine_is_cap is not None and engine.records_behaviour:
+            raise ValueError(
+                f"model.loss.engine_is_cap={self.loss_config.engine_is_cap} corrects for an "
+                f"engine that samples apart from the snapshot, but the {engine.name!r} engine "
+                "samples with the snapshot itself; set it to null, or use rollout_engine 'vllm'"
+            )
+        return engine
 
     @property
     def support_rule(self) -> TrustRegionProjection:
