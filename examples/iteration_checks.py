@@ -76,10 +76,38 @@ def behaviour_error(model_dir: str, dtype: str, threads: int, max_new_tokens: in
 # ------------------------------------------------------------------------------- generation
 
 
+def engine_ways(model, model_dir, tokenizer, stops, max_new_tokens) -> dict:
+    """The rollout engines as timed ways: the HF engine, and the vLLM engine where vLLM imports
+    (its start-up and first weight push happen here, before any timing)."""
+    from importlib.util import find_spec
+
+    from lightning_troll.rollouts.engine import EngineContext, build_engine
+    from lightning_troll.rollouts.rollout import SamplingConfig
+
+    sampling = SamplingConfig(temperature=TEMPERATURE, max_new_tokens=max_new_tokens)
+    prompts = chat_prompt_ids(tokenizer)
+    context = EngineContext(model_dir, "float32", tokenizer)
+    names = {"hf": "HF engine (model.rollout_engine: hf)"}
+    if find_spec("vllm") is not None:
+        names["vllm"] = "vLLM engine (model.rollout_engine: vllm)"
+    ways = {}
+    for engine_name, label in names.items():
+        engine = build_engine(engine_name, context)
+        engine.load_weights(model)
+
+        def run(engine=engine) -> int:
+            made = engine.generate(model, prompts, GROUP, sampling, tokenizer.pad_token_id, stops)
+            return int(made.response_mask.sum())
+
+        ways[label] = run
+    return ways
+
+
 def generation_speed(model_dir: str, threads: int, max_new_tokens: int, repeats: int) -> list:
     """Response tokens per second of one rollout's generation (the benchmark's 64 sequences) by
-    ``generate`` with its dynamic KV cache (what the library uses) and with a static cache, each
-    ``repeats`` times interleaved after one warm-up; the median is reported."""
+    ``generate`` with its dynamic KV cache and with a static cache, and by the rollout engines
+    (:func:`engine_ways`), each ``repeats`` times interleaved after one warm-up; the median is
+    reported."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
@@ -111,6 +139,7 @@ def generation_speed(model_dir: str, threads: int, max_new_tokens: int, repeats:
 
     ways = {"generate, dynamic cache": lambda: padded(None)}
     ways["generate, static cache"] = lambda: padded("static")
+    ways.update(engine_ways(model, model_dir, tokenizer, stops, max_new_tokens))
     times: dict[str, list[float]] = {name: [] for name in ways}
     tokens: dict[str, list[int]] = {name: [] for name in ways}
     errors: dict[str, str] = {}
