@@ -10,6 +10,7 @@ from lightning_troll.callbacks import OldPolicyRefresh, RolloutGeneration
 from lightning_troll.models.lora import LoraConfig
 from lightning_troll.models.quantize import Int8Linear, quantize_rows
 from lightning_troll.models.snapshots import SnapshotConfig
+from lightning_troll.rollouts import rollout as rollout_module
 from lightning_troll.rollouts.rollout import behaviour_outputs
 from lightning_troll.training.module import LossConfig, OptimizationConfig, TrollModule
 from tests.test_training import Recorder, fit, make_data, make_module, make_trainer
@@ -30,23 +31,32 @@ def assert_first_minibatch_on_policy(recorder, atol: float = 1e-5) -> None:
 
 
 class ModeSpy(Callback):
-    """Records, around sampling and around the loss, whether the policy is in train mode."""
+    """Records, around sampling (the decoding loop, or ``generate`` where the loop declines the
+    model) and around the loss, whether the policy is in train mode."""
 
     def __init__(self) -> None:
         self.sampling, self.loss = [], []
 
     def setup(self, trainer, pl_module, stage):
         generate, loss_of = pl_module.policy.generate, pl_module.loss_of
+        self.decode = rollout_module.decode
 
-        def spy_generate(*args, **kwargs):
-            self.sampling.append((pl_module.policy.training, torch.is_grad_enabled()))
-            return generate(*args, **kwargs)
+        def spy_sampling(run):
+            def spy(*args, **kwargs):
+                self.sampling.append((pl_module.policy.training, torch.is_grad_enabled()))
+                return run(*args, **kwargs)
+
+            return spy
 
         def spy_loss(*args, **kwargs):
             self.loss.append((pl_module.policy.training, torch.is_grad_enabled()))
             return loss_of(*args, **kwargs)
 
-        pl_module.policy.generate, pl_module.loss_of = spy_generate, spy_loss
+        pl_module.policy.generate, pl_module.loss_of = spy_sampling(generate), spy_loss
+        rollout_module.decode = spy_sampling(self.decode)
+
+    def teardown(self, trainer, pl_module, stage):
+        rollout_module.decode = self.decode
 
 
 def test_shared_snapshot_samples_in_eval_mode_and_trains_in_train_mode(tmp_path, tiny_model_dir):

@@ -3,6 +3,8 @@ dynamic sampling, and how far the policy drifts from the behaviour policy.
 
 - :mod:`~lightning_troll.rollouts.rollout`: the :class:`Rollout` record and sampling
   (``model.sampling``);
+- :mod:`~lightning_troll.rollouts.decode`: the KV-cached decoding loop sampling uses (each
+  prompt prefilled once, finished sequences dropped);
 - :mod:`~lightning_troll.rollouts.behaviour`: the behaviour policy's log-probs and sparse rows
   recorded while sampling (``model.behaviour_logprobs``);
 - :mod:`~lightning_troll.rollouts.forward`: teacher-forced passes (hidden states, logits, shared

@@ -148,6 +148,10 @@ class BehaviourRecorder(LogitsProcessor):
     and sequence it keeps the sampled token's log-prob and, with ``sparsify_fn``, its sparse
     distribution. It returns the logits unchanged.
 
+    :func:`~lightning_troll.rollouts.decode.decode`, which drops finished sequences from its
+    batch, calls :meth:`record_rows` instead, with the running sequences' logits, tokens and row
+    numbers; :meth:`finish` then leaves the positions after a sequence's end padded.
+
     Args:
         temperature: the sampling temperature (the loss uses it too).
         sparsify_fn: ``(logits (n, V), tokens (n,)) -> SparseDistribution | None``, as the
@@ -158,30 +162,39 @@ class BehaviourRecorder(LogitsProcessor):
         self.temperature = temperature
         self.sparsify_fn = sparsify_fn
         self._pending: Tensor | None = None  # (B, V) logits of the step whose token is unknown
-        self._steps: list[tuple[Tensor, SparseDistribution | None]] = []
+        # per step: token log-probs (n,), sparse rows (n of them) or None, and the rows (n,)
+        # of B they belong to (None: all B rows)
+        self._steps: list[tuple[Tensor, SparseDistribution | None, Tensor | None]] = []
 
     def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
         if self._pending is not None:
-            self._record(input_ids[:, -1])
+            self._record(self._pending, input_ids[:, -1], None)
         self._pending = scores.float() / self.temperature  # (B, V), a copy
         return scores
 
-    def _record(self, tokens: Tensor) -> None:
-        logp, sparse, bad = behaviour_rows(self._pending, tokens, sparsify_fn=self.sparsify_fn)
+    def record_rows(self, scores: Tensor, tokens: Tensor, rows: Tensor) -> None:
+        """One decoding step of the sequences still running, for a sampler that drops finished
+        ones (:func:`~lightning_troll.rollouts.decode.decode`): their raw logits ``scores``
+        (n, V), the tokens drawn from them (n,) and their indices into B (n,)."""
+        self._record(scores.float() / self.temperature, tokens, rows)
+
+    def _record(self, logits: Tensor, tokens: Tensor, rows: Tensor | None) -> None:
         self._pending = None
+        logp, sparse, bad = behaviour_rows(logits, tokens, sparsify_fn=self.sparsify_fn)
         if bool(bad.any()):
+            first = bad.nonzero()[0, 0]
             raise FloatingPointError(
                 f"the behaviour policy's logits hold NaN or +inf (or -inf at the sampled token) "
                 f"at generation step {len(self._steps)} for {int(bad.sum())} sequences (first: "
-                f"{int(bad.nonzero()[0, 0])}); the snapshot's weights are not finite, so no "
-                "rollout is cached from them"
+                f"{int(first if rows is None else rows[first])}); the snapshot's weights are not "
+                "finite, so no rollout is cached from them"
             )
-        self._steps.append((logp, sparse))
+        self._steps.append((logp, sparse, rows))
 
     def finish(self, responses: Tensor) -> BehaviourRecord:
         """The record of a finished generation whose new tokens are ``responses`` (B, T)."""
         if self._pending is not None:
-            self._record(responses[:, -1])
+            self._record(self._pending, responses[:, -1], None)
         steps, self._steps = self._steps, []
         if len(steps) != responses.shape[1]:
             raise RuntimeError(
@@ -189,24 +202,35 @@ class BehaviourRecorder(LogitsProcessor):
                 "generated tokens: this model's generate does not call logits processors once per "
                 "token; set model.behaviour_logprobs: forward"
             )
-        logprobs = torch.stack([logp for logp, _ in steps], dim=1)  # (B, T)
-        sparse = [s for _, s in steps]
+        # Each step's values go to the rows that ran in it, all steps in one write; the rest
+        # (sequences that had ended) keep the values BehaviourRecord.cat pads with.
+        device = responses.device
+        every = torch.arange(responses.shape[0], device=device)  # (B,)
+        rows = torch.cat([every if r is None else r for _, _, r in steps])  # (M,) all steps
+        counts = torch.tensor([len(logp) for logp, _, _ in steps], device=device)  # (T,)
+        at = (rows, torch.arange(len(steps), device=device).repeat_interleave(counts))
+        logprobs = responses.new_zeros(responses.shape, dtype=torch.float32)  # (B, T)
+        logprobs[at] = torch.cat([logp for logp, _, _ in steps])
+        sparse = [s for _, s, _ in steps]
         if sparse[0] is None:
             return BehaviourRecord(logprobs, None, None, None, 0)
         width = max(s.indices.shape[1] for s in sparse)  # K
 
-        def stacked(name: str, value: float) -> Tensor:
-            rows = [
-                nn.functional.pad(getattr(s, name), (0, width - s.indices.shape[1]), value=value)
-                for s in sparse
-            ]
-            return torch.stack(rows, dim=1)  # (B, T, K)
+        def written(name: str, value: float, shape: tuple[int, ...]) -> Tensor:
+            """The steps' field ``name`` at their (row, step) places, ``value`` elsewhere."""
+            parts = [getattr(s, name) for s in sparse]  # (n, k) or (n,) each
+            if len(shape) == 3:
+                parts = [nn.functional.pad(p, (0, width - p.shape[1]), value=value) for p in parts]
+            out = torch.full(shape, value, dtype=parts[0].dtype, device=device)
+            out[at] = torch.cat(parts)
+            return out
 
+        shape = (*responses.shape, width)
         return BehaviourRecord(
             logprobs=logprobs,
-            indices=stacked("indices", -1),
-            sparse_logprobs=stacked("logprobs", _NEG_INF),
-            tail_logmass=torch.stack([s.tail_logmass for s in sparse], dim=1),  # (B, T)
+            indices=written("indices", -1, shape),  # (B, T, K)
+            sparse_logprobs=written("logprobs", _NEG_INF, shape),  # (B, T, K)
+            tail_logmass=written("tail_logmass", _NEG_INF, responses.shape),  # (B, T)
             vocab_size=sparse[0].vocab_size,
         )
 

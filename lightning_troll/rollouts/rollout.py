@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from transformers import GenerationConfig, LogitsProcessorList
 
 from lightning_troll.rollouts.behaviour import BehaviourRecorder
+from lightning_troll.rollouts.decode import decode
 from lightning_troll.rollouts.forward import (  # re-exported: the teacher-forced passes over rollouts
     behaviour_outputs,
     linear_head,
@@ -184,18 +185,55 @@ def sample(
     do_sample: bool = True,
     recorder: BehaviourRecorder | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """G completions per prompt with the model's KV-cached ``generate``.
+    """G completions per prompt, KV-cached.
 
     A completion ends at the first of the ``eos_id`` tokens (one id or several), or after
-    ``sampling.max_new_tokens``. A ``recorder`` sees the raw logits of every step (it is the
-    first logits processor; temperature, top-k and top-p come after it); call its ``finish``
-    with the generated tokens afterwards.
+    ``sampling.max_new_tokens``. A ``recorder`` sees the raw logits of every step (before
+    temperature, top-k and top-p); call its ``finish`` with the generated tokens afterwards.
+
+    :func:`~lightning_troll.rollouts.decode.decode` samples (each prompt prefilled once,
+    finished sequences dropped), with a ``recorder`` through its ``record_rows``. Where it cannot
+    serve the model (see its module), or the recorder is a plain logits processor without
+    ``record_rows``, transformers' ``generate`` samples instead, with the recorder as its first
+    logits processor.
 
     Returns input_ids (B, S + T), attention_mask (B, S + T), response_mask (B, T) and
     truncated (B,), with B = len(prompt_ids) * group_size, prompt-major.
     """
     device = next(model.parameters()).device
     prompts, prompt_mask = left_pad(prompt_ids, pad_id, device)  # (P, S)
+    stops = [eos_id] if isinstance(eos_id, int) else list(eos_id)
+    args = (model, prompts, prompt_mask, group_size, sampling, pad_id, stops, do_sample, recorder)
+    try:
+        responses = None  # (B, T)
+        if recorder is None or hasattr(recorder, "record_rows"):
+            responses = decode(*args)
+        if responses is None:
+            responses = _generate(*args)
+    except RuntimeError as error:  # NaN weights surface as torch.multinomial's complaint
+        _raise_if_not_finite(model, error)
+        raise
+    prompts = prompts.repeat_interleave(group_size, dim=0)  # (B, S)
+    prompt_mask = prompt_mask.repeat_interleave(group_size, dim=0)
+    response_mask, truncated = response_mask_of(responses, eos_id)
+    responses = responses.masked_fill(~response_mask, pad_id)
+    attention_mask = torch.cat([prompt_mask, response_mask.long()], dim=-1)
+    return torch.cat([prompts, responses], dim=-1), attention_mask, response_mask, truncated
+
+
+def _generate(
+    model: nn.Module,
+    prompts: Tensor,
+    prompt_mask: Tensor,
+    group_size: int,
+    sampling: SamplingConfig,
+    pad_id: int,
+    stops: list[int],
+    do_sample: bool,
+    recorder: BehaviourRecorder | None,
+) -> Tensor:
+    """The generated tokens (B, T) of transformers' ``generate`` on the (P, S) prompts, each
+    repeated ``group_size`` times; padding after a completion's end."""
     prompts = prompts.repeat_interleave(group_size, dim=0)  # (B, S)
     prompt_mask = prompt_mask.repeat_interleave(group_size, dim=0)
     options = {"do_sample": do_sample, "max_new_tokens": sampling.max_new_tokens}
@@ -205,25 +243,17 @@ def sample(
         )
     else:
         options.update(temperature=None, top_p=None, top_k=None)
-    try:
-        with _plain_generation_config(model):
-            out = model.generate(
-                input_ids=prompts,
-                attention_mask=prompt_mask,
-                pad_token_id=pad_id,
-                eos_token_id=eos_id if isinstance(eos_id, int) else list(eos_id),
-                use_cache=True,
-                logits_processor=LogitsProcessorList([] if recorder is None else [recorder]),
-                **options,
-            )  # (B, S + T')
-    except RuntimeError as error:  # NaN weights surface as torch.multinomial's complaint
-        _raise_if_not_finite(model, error)
-        raise
-    responses = out[:, prompts.shape[1] :]  # (B, T')
-    response_mask, truncated = response_mask_of(responses, eos_id)
-    responses = responses.masked_fill(~response_mask, pad_id)
-    attention_mask = torch.cat([prompt_mask, response_mask.long()], dim=-1)
-    return torch.cat([prompts, responses], dim=-1), attention_mask, response_mask, truncated
+    with _plain_generation_config(model):
+        out = model.generate(
+            input_ids=prompts,
+            attention_mask=prompt_mask,
+            pad_token_id=pad_id,
+            eos_token_id=stops,
+            use_cache=True,
+            logits_processor=LogitsProcessorList([] if recorder is None else [recorder]),
+            **options,
+        )  # (B, S + T)
+    return out[:, prompts.shape[1] :]
 
 
 @contextmanager
