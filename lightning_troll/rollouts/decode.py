@@ -54,6 +54,8 @@ from torch import Tensor, nn
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from lightning_troll.rollouts.forward import is_checkpointed
+
 __all__ = [
     "Sampling",
     "cannot_decode",
@@ -83,7 +85,7 @@ def cannot_decode(model: nn.Module) -> str | None:
         return f"{type(model).__name__} has no config"
     if getattr(config, "is_encoder_decoder", False):
         return "it is an encoder-decoder model"
-    if model.training and _checkpointed(model):
+    if model.training and is_checkpointed(model):
         return "it is in training mode with gradient checkpointing, which switches the cache off"
     try:
         layers = DynamicCache(config=config).layers
@@ -300,12 +302,3 @@ def _anyone(going: bool, device: torch.device) -> bool:
     flag = torch.tensor([float(going)], device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item())
-
-
-def _checkpointed(model: nn.Module) -> bool:
-    """True if the model recomputes its layers in the backward pass (transformers' flag)."""
-    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):  # new name first
-        value = getattr(model, name, None)
-        if value is not None:
-            return bool(value)
-    return False

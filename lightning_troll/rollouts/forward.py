@@ -170,7 +170,7 @@ def distinct_prompts(input_ids: Tensor, attention_mask: Tensor, prompt_length: i
     return first, inverse
 
 
-def _checkpointed(model: nn.Module) -> bool:
+def is_checkpointed(model: nn.Module) -> bool:
     """True if the model recomputes its layers in the backward pass (transformers' flag)."""
     for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):  # new name first
         value = getattr(model, name, None)
@@ -189,7 +189,7 @@ def _shared_prompt_hidden(
 ) -> Tensor | None:
     """:func:`response_hidden` with each distinct prompt run once; None where it cannot help."""
     prompt_length = input_ids.shape[1] - response_length  # S
-    if prompt_length < 1 or (model.training and _checkpointed(model)):
+    if prompt_length < 1 or (model.training and is_checkpointed(model)):
         return None  # checkpointed layers run without a cache
     first, inverse = distinct_prompts(input_ids, attention_mask, prompt_length)
     if len(first) == len(inverse):  # no prompt repeats: nothing to share
