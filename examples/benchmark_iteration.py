@@ -143,8 +143,10 @@ VARIANTS = {
     "default": {"behaviour": "sampling", "share_prompts": True},
     "recorded": {"behaviour": "sampling", "share_prompts": False},
     "baseline": {"behaviour": "forward", "share_prompts": False},
+    "checkpointing": {"behaviour": "sampling", "share_prompts": True, "checkpointing": True},
 }
-"""Ours: the defaults; without shared prompts; and without either (the library before both)."""
+"""Ours: the defaults; without shared prompts; without either (the library before both); the
+defaults with gradient checkpointing (``model.gradient_checkpointing``, TRL's default)."""
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -159,7 +161,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         choices=list(VARIANTS),
         default=list(VARIANTS),
         help="ours: default (log-probs recorded while sampling, shared prompts), recorded (no "
-        "shared prompts), baseline (a forward pass for the log-probs, no shared prompts)",
+        "shared prompts), baseline (a forward pass for the log-probs, no shared prompts), "
+        "checkpointing (default with gradient checkpointing)",
     )
     parser.add_argument("--iterations", type=int, default=6, help="the first is left out")
     parser.add_argument("--max-new-tokens", type=int, default=32)

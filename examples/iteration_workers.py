@@ -109,6 +109,7 @@ def run_ours(spec: dict) -> dict:
             snapshot=SnapshotConfig(mode="shared"),
             behaviour_logprobs=spec["behaviour"],
             share_prompts=spec["share_prompts"],
+            gradient_checkpointing=spec.get("checkpointing", False),
             rollout_engine=spec.get("engine", "hf"),
             rollout_engine_options={"kv_cache_gib": 1} if spec.get("engine") == "vllm" else None,
         )

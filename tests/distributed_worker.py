@@ -152,6 +152,8 @@ def build(args, out: Path):
         gradient_checkpointing=args.gradient_checkpointing,
         snapshot=SnapshotConfig(*args.snapshot.split(":")),
         lora=LoraConfig(r=4) if args.lora else None,
+        rollout_engine=args.engine,
+        rollout_engine_options={"kv_cache_gib": 0.25} if args.engine == "vllm" else None,
     )
     data = PromptDataModule(
         source="tinymath",
@@ -265,6 +267,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--snapshot", default="copy:same", help="snapshot mode:dtype")
     parser.add_argument("--lora", action="store_true")
     parser.add_argument("--real-sampling", action="store_true", help="sample with generate")
+    parser.add_argument("--engine", choices=["hf", "vllm"], default="hf", help="rollout engine")
     parser.add_argument("--checkpoint-every", type=int, default=0, help="rollouts, 0: never")
     parser.add_argument("--save", type=Path, default=None, help="checkpoint written at the end")
     parser.add_argument("--ckpt-path", type=Path, default=None, help="checkpoint to resume")
@@ -272,7 +275,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import lightning_troll.rollouts.engine as engines
 
-    if not args.real_sampling:  # the HF engine samples with it
+    if not args.real_sampling and args.engine == "hf":  # the HF engine samples with it
         engines.sample = scripted_sample
     torch.manual_seed(0)
     args.out.mkdir(parents=True, exist_ok=True)

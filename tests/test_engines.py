@@ -240,3 +240,23 @@ def test_importance_weights_need_an_engine_that_samples_apart(tiny_model_dir):
         make_module(tiny_model_dir, loss=LossConfig(engine_is_cap=2.0))
     with pytest.raises(ValueError, match=r"loss.engine_is_cap must be a number >= 1 or null"):
         LossConfig(engine_is_cap=0.5)
+
+
+def test_an_engine_for_one_process_is_refused_in_a_run_of_several():
+    """A user's engine that cannot share a run with other processes is refused at setup, before
+    any rollout; the built-in engines both serve DDP and FSDP2."""
+    from types import SimpleNamespace
+
+    from lightning_troll.callbacks import RolloutGeneration
+    from lightning_troll.rollouts.vllm_engine import VLLMEngine
+
+    class OneProcess(CountingEngine):
+        several_processes = False
+
+    assert HFEngine.several_processes and VLLMEngine.several_processes
+    engine = OneProcess.__new__(OneProcess)
+    module = SimpleNamespace(engine=engine, dynamic_sampling=False)
+    callback = RolloutGeneration()
+    with pytest.raises(ValueError, match=r"runs in a single process; this run has 2"):
+        callback.setup(SimpleNamespace(world_size=2), module, "fit")
+    callback.setup(SimpleNamespace(world_size=1), module, "fit")  # one process: accepted

@@ -1,5 +1,6 @@
 """The vLLM rollout engine on CPU: its log-probs against a teacher-forced pass, weight pushes
-(tied heads, LoRA merged), seeded sampling, and whole fits with each objective.
+(tied heads, LoRA merged), seeded sampling, whole fits with each objective, and DDP and FSDP2
+runs of 2 processes with an engine each.
 
 Skipped where vLLM is not installed; ``make test-vllm`` installs it and runs them (``-m vllm``).
 The shipped TinyMath policy (a tied 3-layer Llama) serves, and SmolLM2-135M-Instruct for the
@@ -167,3 +168,22 @@ def test_a_fit_samples_with_vllm_and_logs_the_engines_mismatch(tmp_path, objecti
         float((trained[name] - value).abs().max()) for name, value in shipped.named_parameters()
     )
     assert moved > 0
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_several_processes_each_sample_with_an_engine_of_their_own(tmp_path, strategy):
+    """DDP and FSDP2 on 2 CPU processes (gloo): every process runs its own vLLM engine in the
+    trainer's process group, takes the gathered weights after each refresh, and its samples
+    agree with the snapshot's log-probs on both processes (the logged mismatch is their mean)."""
+    from tests.test_distributed import launch, metrics, weights
+
+    out = launch(tmp_path, "--strategy", strategy, "--engine", "vllm", "--rollouts", "3")
+    logged = metrics(out)
+    diffs = logged["rollout/engine_logprob_diff"]
+    assert len(diffs) == 3  # one a rollout
+    assert max(diffs.values()) <= 1e-4
+    pushes = logged["engine/weight_push_s"]
+    assert len(pushes) == 3 and min(pushes.values()) > 0  # before the first, after each refresh
+    # the policy trained, so rollouts 2 and 3 sampled from weights the engine was pushed
+    trained, start = weights(out)["policy"], load_policy("tinymath").state_dict()
+    assert max(float((trained[n] - v).abs().max()) for n, v in start.items()) > 0

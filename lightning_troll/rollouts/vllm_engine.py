@@ -11,6 +11,10 @@ How it fits the rest (docs/engines.md):
   are put back afterwards, and on CPU threads are left unbound (``VLLM_CPU_OMP_THREADS_BIND=
   nobind``) unless set. vLLM logs warnings and errors only (``VLLM_LOGGING_LEVEL=WARNING``)
   unless set.
+- **Several processes (DDP, FSDP2).** Each process runs an engine of its own on its own
+  prompts, with the full model (as colocated vLLM runs in the field's other trainers): vLLM
+  joins the trainer's process group through its ``external_launcher`` executor, and each
+  process's engine is seeded with its rank.
 - **Weights.** Before the first rollout and after every snapshot refresh, the behaviour
   policy's weights (:func:`~lightning_troll.models.weights.full_weights`: LoRA merged, int8
   dequantised, FSDP2 gathered) are loaded into the engine's model with vLLM's in-place reload,
@@ -69,6 +73,7 @@ class VLLMEngine(RolloutEngine):
     """
 
     name = "vllm"
+    several_processes = True  # one engine in each process (DDP, FSDP2), as vLLM's colocation
 
     def __init__(
         self,
@@ -129,6 +134,7 @@ class VLLMEngine(RolloutEngine):
             options["kv_cache_memory_bytes"] = int(self.kv_cache_gib * 2**30)
         if self.max_model_len is not None:
             options["max_model_len"] = self.max_model_len
+        options.update(_one_engine_per_process())
         options.update(self.llm_kwargs)
         start = time.perf_counter()
         with _trainer_state_kept():
@@ -190,6 +196,22 @@ class VLLMEngine(RolloutEngine):
     def close(self) -> None:
         self._llm = None
         self.stale = True
+
+
+def _one_engine_per_process() -> dict[str, Any]:
+    """Under DDP or FSDP2 every process samples its own prompts with an engine of its own:
+    vLLM joins the trainer's process group (its ``external_launcher`` executor, one model copy
+    per process, no tensor parallelism) instead of starting a group of its own, and each
+    process's engine is seeded apart. Nothing to add in a single process."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return {}
+    rank = dist.get_rank()
+    os.environ["RANK"] = str(rank)  # what the executor reads; the group exists already
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    os.environ["WORLD_SIZE"] = str(dist.get_world_size())
+    return {"distributed_executor_backend": "external_launcher", "seed": rank}
 
 
 def _generation(prompt_ids, outputs, group_size, pad_id, stop_ids, device) -> Generation:
