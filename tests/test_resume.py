@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import os
 import signal
 from pathlib import Path
@@ -316,3 +317,23 @@ def test_rollout_checkpoint_rejects_a_negative_interval():
         ValueError, match=r"checkpoint.every_n_rollouts must be an integer >= 0; got -1"
     ):
         RolloutCheckpoint(every_n_rollouts=-1)
+
+
+def test_changed_options_name_real_changes_and_not_fields_newer_than_the_checkpoint():
+    """Resuming warns about options that differ from the checkpoint's; an option record that
+    gained a field since (stored without it) differs only where the new field is set."""
+    from lightning_troll.objectives.options import LossConfig
+    from lightning_troll.training.checkpoints import changed_options
+
+    old = {k: v for k, v in dataclasses.asdict(LossConfig()).items() if k != "engine_is_cap"}
+    stored = {"loss": old, "group_size": 8, "_instantiator": "x"}
+    same = {"loss": LossConfig(), "group_size": 8, "_instantiator": "y"}
+    assert changed_options(same, stored) == []
+    assert changed_options({"loss": dict(old, engine_is_cap=None)}, stored) == []  # a plain dict
+    assert changed_options({"group_size": 4}, stored) == ["model.group_size: 8 -> 4"]
+    (line,) = changed_options({"loss": LossConfig(engine_is_cap=2.0)}, stored)
+    assert line.startswith("model.loss: ") and "engine_is_cap=2.0" in line
+    (line,) = changed_options({"loss": LossConfig(aggregation="seq_mean_token_mean")}, stored)
+    assert "seq_mean_token_mean" in line
+    (line,) = changed_options({"loss": {"aggregation": old["aggregation"]}}, stored)  # one gone
+    assert line.startswith("model.loss: ")

@@ -49,12 +49,29 @@ def changed_options(now: Mapping[str, Any], stored: Mapping[str, Any]) -> list[s
 
     An option record and the dict of its fields count as equal (the command line stores dicts,
     a module built in Python or by ``load_from_checkpoint`` holds the records); keys starting
-    with ``_`` (the command line's own, such as ``_instantiator``) are left out."""
+    with ``_`` (the command line's own, such as ``_instantiator``) are left out. A field that a
+    record gained after the checkpoint was written counts only when it is set: away from the
+    field's default, or, where the record is a plain dict, to anything but null."""
     return [
         f"model.{key}: {stored[key]!r} -> {value!r}"
         for key, value in now.items()
-        if key in stored and not key.startswith("_") and _plain(stored[key]) != _plain(value)
+        if key in stored and not key.startswith("_") and _differ(stored[key], value)
     ]
+
+
+def _differ(stored: Any, now: Any) -> bool:
+    old, new = _plain(stored), _plain(now)
+    if not (isinstance(old, dict) and isinstance(new, dict)):
+        return old != new
+    defaults = {}
+    if dataclasses.is_dataclass(now) and not isinstance(now, type):
+        defaults = {f.name: f.default for f in dataclasses.fields(now)}
+    for key in old.keys() | new.keys():
+        if key not in new or (key in old and old[key] != new[key]):
+            return True
+        if key not in old and new[key] != defaults.get(key):  # a field newer than the file
+            return True
+    return False
 
 
 def _plain(value: Any) -> Any:
