@@ -136,7 +136,26 @@ def table(results: list[dict]) -> str:
     for r in results:
         if "error" in r:
             lines.append(f"\n{r['name']} (steps {r['spec']['steps']}) failed:\n{r['error']}")
-    return "\n".join(lines)
+    return "\n".join(lines + memory_table(results))
+
+
+def memory_table(results: list[dict]) -> list[str]:
+    """Ours: resident memory by phase of the first and the last iteration, GiB: the level as it
+    started, then each phase's peak. The allocator keeps what the first iteration freed, so
+    later iterations start high; the process's peak is mostly set in the first."""
+    rows = [r for r in results if "memory_mib" in (r.get("iterations") or [{}])[-1]]
+    if not rows:
+        return []
+    phases = list(rows[0]["iterations"][-1]["memory_mib"])
+    lines = ["", "Ours, resident memory by phase (GiB; the start, then the peak of each phase):"]
+    lines += ["| configuration | steps | iteration | " + " | ".join(phases) + " |"]
+    lines += ["| --- | ---: | --- |" + " ---: |" * len(phases)]
+    for r in rows:
+        for which, index in (("first", 0), ("last", -1)):
+            memory = r["iterations"][index].get("memory_mib", {})
+            cells = " | ".join(figure(memory.get(p, math.nan) / 1024, 2) for p in phases)
+            lines.append(f"| {r['name']} | {r['spec']['steps']} | {which} | {cells} |")
+    return lines
 
 
 VARIANTS = {

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peak_memory import peak_memory_gib  # noqa: E402
+from peak_memory import peak_memory_gib, reset_peak, status_mib  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "examples" / "data" / "arithmetic" / "train.jsonl"
@@ -61,9 +61,11 @@ def run_ours(spec: dict) -> dict:
             self.rows: list[dict] = []
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            phases.begin()
             self.start = time.perf_counter()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            phases.mark("optimiser step")  # and the callbacks' ends of the iteration
             total = time.perf_counter() - self.start
             m = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
             self.rows.append(
@@ -74,8 +76,48 @@ def run_ours(spec: dict) -> dict:
                     "training": m["time/training"],
                     "mean_length": m["completion/mean_length"],
                     "tokens_per_s": m["throughput/generated_tokens_per_s"],
+                    "memory_mib": phases.take(),
                 }
             )
+
+    class Phases(Callback):
+        """Resident memory by phase of an iteration (MiB): the level as it starts, then each
+        phase's peak (the kernel's high-water mark, reset at each boundary; a phase repeated
+        by several optimiser steps keeps its highest). Runs after the rollout's callback."""
+
+        def __init__(self) -> None:
+            self.marks: dict[str, float] = {}
+            self.highest = 0.0
+            """The process's peak so far (MiB): resetting the high-water mark resets the one
+            ``ru_maxrss`` reports too, so the peak is kept here across resets."""
+
+        def high_water(self) -> float:
+            value = status_mib("VmHWM")
+            self.highest = max(self.highest, value)
+            reset_peak()
+            return value
+
+        def begin(self) -> None:
+            self.high_water()
+            self.marks = {"start": status_mib("VmRSS")}
+
+        def mark(self, phase: str) -> None:
+            self.marks[phase] = max(self.marks.get(phase, 0.0), self.high_water())
+
+        def take(self) -> dict[str, float]:
+            marks, self.marks = self.marks, {}
+            return marks
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.mark("rollout")
+
+        def on_before_backward(self, trainer, pl_module, loss):
+            self.mark("forward and loss")
+
+        def on_after_backward(self, trainer, pl_module):
+            self.mark("backward")
+
+    phases = Phases()
 
     with tempfile.TemporaryDirectory() as tmp:
         if tiny:
@@ -121,6 +163,7 @@ def run_ours(spec: dict) -> dict:
             callbacks=[
                 timer,
                 RolloutGeneration(log_samples=0),
+                phases,
                 OldPolicyRefresh(),
                 TrustRegionMonitor(),
                 SparsityCoverageMonitor(),
@@ -133,7 +176,8 @@ def run_ours(spec: dict) -> dict:
             num_sanity_val_steps=0,
         )
         trainer.fit(module, datamodule=data)
-    return {"iterations": timer.rows, "peak_memory_gib": peak_memory_gib()}
+    peak = max(peak_memory_gib(), max(phases.highest, status_mib("VmHWM")) / 1024)
+    return {"iterations": timer.rows, "peak_memory_gib": peak}
 
 
 # ------------------------------------------------------------------------------------- TRL

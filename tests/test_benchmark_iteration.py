@@ -136,3 +136,17 @@ def test_a_tiny_run_times_both_variants_and_resumes_from_its_json(tmp_path):
     assert sorted(r["spec"]["variant"] for r in final) == ["baseline", "default", "recorded"]
     by_variant = {r["spec"]["variant"]: r for r in final}
     assert [by_variant[r["spec"]["variant"]] for r in results] == results  # kept as they were
+
+
+def test_memory_table_gives_each_phase_of_the_last_iteration_in_gib():
+    bench = load()
+    phases = {"start": 1024.0, "rollout": 2048.0, "backward": 3584.0}
+    ours = {"name": "ours", "spec": {"library": "ours", "steps": 1},
+            "iterations": [{"memory_mib": {}}, {"memory_mib": phases}]}  # fmt: skip
+    trl = {"name": "TRL", "spec": {"library": "trl", "steps": 1}, "iterations": [{}]}
+    lines = bench.memory_table([trl, ours])
+    assert lines[2] == "| configuration | steps | iteration | start | rollout | backward |"
+    assert lines[4] == "| ours | 1 | first | - | - | - |"
+    assert lines[5] == "| ours | 1 | last | 1.00 | 2.00 | 3.50 |"
+    assert len(lines) == 6  # TRL records no phases
+    assert bench.memory_table([trl]) == []
