@@ -35,6 +35,51 @@ def pick_rows(count: int = PROMPTS, seed: int = 0) -> list[dict]:
 # ------------------------------------------------------------------------------------ ours
 
 
+def memory_phases():
+    """A callback that records ours' resident memory by phase of each iteration (Lightning is
+    imported here: TRL's Python runs this module too)."""
+    from lightning.pytorch import Callback
+
+    class Phases(Callback):
+        """Resident memory by phase of an iteration (MiB): the level as it starts, then each
+        phase's peak (the kernel's high-water mark, reset at each boundary; a phase repeated
+        by several optimiser steps keeps its highest). Runs after the rollout's callback."""
+
+        def __init__(self) -> None:
+            self.marks: dict[str, float] = {}
+            self.highest = 0.0
+            """The process's peak so far (MiB): resetting the high-water mark resets the one
+            ``ru_maxrss`` reports too, so the peak is kept here across resets."""
+
+        def high_water(self) -> float:
+            value = status_mib("VmHWM")
+            self.highest = max(self.highest, value)
+            reset_peak()
+            return value
+
+        def begin(self) -> None:
+            self.high_water()
+            self.marks = {"start": status_mib("VmRSS")}
+
+        def mark(self, phase: str) -> None:
+            self.marks[phase] = max(self.marks.get(phase, 0.0), self.high_water())
+
+        def take(self) -> dict[str, float]:
+            marks, self.marks = self.marks, {}
+            return marks
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.mark("rollout")
+
+        def on_before_backward(self, trainer, pl_module, loss):
+            self.mark("forward and loss")
+
+        def on_after_backward(self, trainer, pl_module):
+            self.mark("backward")
+
+    return Phases()
+
+
 def run_ours(spec: dict) -> dict:
     import torch
     from lightning.pytorch import Callback, Trainer
@@ -80,44 +125,7 @@ def run_ours(spec: dict) -> dict:
                 }
             )
 
-    class Phases(Callback):
-        """Resident memory by phase of an iteration (MiB): the level as it starts, then each
-        phase's peak (the kernel's high-water mark, reset at each boundary; a phase repeated
-        by several optimiser steps keeps its highest). Runs after the rollout's callback."""
-
-        def __init__(self) -> None:
-            self.marks: dict[str, float] = {}
-            self.highest = 0.0
-            """The process's peak so far (MiB): resetting the high-water mark resets the one
-            ``ru_maxrss`` reports too, so the peak is kept here across resets."""
-
-        def high_water(self) -> float:
-            value = status_mib("VmHWM")
-            self.highest = max(self.highest, value)
-            reset_peak()
-            return value
-
-        def begin(self) -> None:
-            self.high_water()
-            self.marks = {"start": status_mib("VmRSS")}
-
-        def mark(self, phase: str) -> None:
-            self.marks[phase] = max(self.marks.get(phase, 0.0), self.high_water())
-
-        def take(self) -> dict[str, float]:
-            marks, self.marks = self.marks, {}
-            return marks
-
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            self.mark("rollout")
-
-        def on_before_backward(self, trainer, pl_module, loss):
-            self.mark("forward and loss")
-
-        def on_after_backward(self, trainer, pl_module):
-            self.mark("backward")
-
-    phases = Phases()
+    phases = memory_phases()
 
     with tempfile.TemporaryDirectory() as tmp:
         if tiny:
