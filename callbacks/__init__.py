@@ -7,9 +7,11 @@
 - :class:`SparsityCoverageMonitor`: coverage of the sparse supports and their sizes.
 - :class:`RolloutCheckpoint`: ``last.ckpt`` every N rollouts, at the end and on Ctrl-C or SIGTERM.
 - :class:`RolloutProgressBar`: progress in rollouts, seconds per rollout and time left.
+- :class:`ReleaseFreedMemory`: gives the host memory each iteration freed back to the system.
 """
 
 from lightning_troll.callbacks.checkpoint import RolloutCheckpoint
+from lightning_troll.callbacks.memory import ReleaseFreedMemory
 from lightning_troll.callbacks.monitors import SparsityCoverageMonitor, TrustRegionMonitor
 from lightning_troll.callbacks.old_policy import OldPolicyRefresh
 from lightning_troll.callbacks.progress import RolloutProgressBar
@@ -17,6 +19,7 @@ from lightning_troll.callbacks.rollout import RolloutGeneration
 
 __all__ = [
     "OldPolicyRefresh",
+    "ReleaseFreedMemory",
     "RolloutCheckpoint",
     "RolloutGeneration",
     "RolloutProgressBar",

@@ -61,6 +61,7 @@ This file runs the configurations and reports them; what each configuration runs
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -166,6 +167,9 @@ VARIANTS = {
 }
 """Ours: the defaults; without shared prompts; without either (the library before both); the
 defaults with gradient checkpointing (``model.gradient_checkpointing``, TRL's default)."""
+RELEASE = {"auto": None, "on": True, "off": False}
+"""``--release-memory``: ``ReleaseFreedMemory(enabled=...)`` (None: where checkpointing is on)."""
+RELEASE_NAMES = {"auto": "", "on": ", memory released", "off": ", memory kept"}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -196,6 +200,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-trl", action="store_true")
     parser.add_argument(
         "--trl-checkpointing", nargs="+", choices=["off", "on"], default=["off", "on"]
+    )
+    parser.add_argument(
+        "--release-memory",
+        nargs="+",
+        choices=list(RELEASE),
+        default=["auto"],
+        help="ours: ReleaseFreedMemory as the lightning-troll command has it (auto: where "
+        "gradient checkpointing is on), on in every configuration, or off",
     )
     parser.add_argument(
         "--json", type=Path, default=None, help="results file; configurations it holds are kept"
@@ -247,13 +259,14 @@ def configurations(args: argparse.Namespace) -> list[tuple[str, str, dict]]:
             for engine in args.engines:
                 # the vllm engine never records log-probs while sampling: one variant, its own
                 variants = args.variants if engine == "hf" else ["vllm"]
-                for variant in variants:
+                for variant, release in itertools.product(variants, args.release_memory):
                     spec = common | {"library": "ours", "steps": steps, "objective": objective}
-                    spec |= {"variant": variant, "engine": engine}
+                    spec |= {"variant": variant, "engine": engine, "release": RELEASE[release]}
                     spec |= VARIANTS.get(variant, {"behaviour": "forward", "share_prompts": True})
                     where = sys.executable if engine == "hf" else vllm
+                    name = f"ours, {objective}, {variant}{RELEASE_NAMES[release]}"
                     if where is not None:
-                        configs.append((f"ours, {objective}, {variant}", where, spec))
+                        configs.append((name, where, spec))
     return configs
 
 

@@ -86,6 +86,7 @@ def run_ours(spec: dict) -> dict:
 
     from lightning_troll.callbacks import (
         OldPolicyRefresh,
+        ReleaseFreedMemory,
         RolloutGeneration,
         SparsityCoverageMonitor,
         TrustRegionMonitor,
@@ -171,6 +172,7 @@ def run_ours(spec: dict) -> dict:
             callbacks=[
                 timer,
                 RolloutGeneration(log_samples=0),
+                ReleaseFreedMemory(enabled=spec.get("release")),
                 phases,
                 OldPolicyRefresh(),
                 TrustRegionMonitor(),

@@ -22,7 +22,10 @@ this study trains ``--prompts`` x 8 / 8 per step for ``--rollouts``.
    acts on (TROLL: projected, eta* > 0; clipping: clipped). An objective's lr is its best pilot
    among those whose constraint acts on at least ``ACTIVE_MIN`` of the tokens: where it acts on
    none, the objective is plain policy gradient and a comparison would measure nothing.
-2. **The main grid**: both objectives at their own lr on ``--seeds``, then TROLL with
+2. **The cause tests**: one change at a time to the pilots at ``--cause-lr`` (1e-5, where
+   TROLL's entropy collapsed): one optimiser step per rollout (both objectives), and TROLL's
+   exact projection (``support: dense``); same data, seed and budget as the pilots.
+3. **The main grid**: both objectives at their own lr on ``--seeds``, then TROLL with
    ``support: dense`` (the exact projection; a copied snapshot) at TROLL's lr on
    ``--dense-seeds``; validated on all 115 held-out problems every 5 rollouts.
 
@@ -30,8 +33,8 @@ Each run logs per rollout (CSV): reward, held-out accuracy, entropy, completion 
 the weights at the rollout's end to the behaviour policy (both objectives: clipping's drift
 beside TROLL's bound), the share of tokens the constraint acts on, and wall time. The runs go
 one after another, in-process, on :mod:`study_kit`'s machinery (resume, records, estimate);
-``--out`` (default ``examples/results/smollm2/paper_regime``) holds ``pilot/`` and ``main/``,
-each with ``results.json``, ``metrics.csv`` and ``table.md``, and the plots. Needs matplotlib.
+``--out`` (default ``examples/results/smollm2/paper_regime``) holds ``pilot/``, ``causes/`` and
+``main/``, each with ``results.json``, ``metrics.csv`` and ``table.md``, and the plots. Needs matplotlib.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ ACTIVE_MIN = 1e-3
 """The least mean share of tokens an objective's constraint must act on for its pilot lr to be
 chosen."""
 ACCURACY, REWARD = "val/accuracy", "reward/mean"
+DENSE = ("--model.trust_region.support", "dense", "--model.snapshot.mode", "copy")
 ACTIVE = {"troll": "trust_region/active_frac", "clip": "clip/active_frac"}
 METRICS = (
     ACCURACY,
@@ -104,7 +108,9 @@ def common_args(args: argparse.Namespace) -> list[str]:
 
 
 def run(args, name: str, objective: str, lr: float, seed: int, rollouts: int, extra=(), **more):
-    """A run of ``objective`` at ``lr`` on ``seed`` (``extra``: more command-line arguments)."""
+    """A run of ``objective`` at ``lr`` on ``seed`` (``extra``: more command-line arguments;
+    ``more``: fields of its record, ``steps`` the optimiser steps per rollout if ``extra`` sets
+    them other than :data:`STEPS`)."""
     run_args = (
         *common_args(args),
         "--seed_everything", str(seed),
@@ -113,7 +119,7 @@ def run(args, name: str, objective: str, lr: float, seed: int, rollouts: int, ex
         *extra,
     )  # fmt: skip
     fields = {"objective": objective, "lr": lr, "seed": seed, **more}
-    return Run(name, run_args, rollouts * STEPS, rollouts, fields)
+    return Run(name, run_args, rollouts * more.get("steps", STEPS), rollouts, fields)
 
 
 def pilot_files(args) -> tuple[Path, Path]:
@@ -140,14 +146,41 @@ def pilot_files(args) -> tuple[Path, Path]:
     return train, holdout
 
 
-def pilot_runs(args) -> list[Run]:
+def pilot_data(args) -> tuple[str, ...]:
+    """Arguments that train on the pilot's training rows and validate on its held-out ones."""
     train, holdout = pilot_files(args)
-    data = ("--data.source", str(train), "--data.val_file", str(holdout), "--data.num_val", "null")
+    return "--data.source", str(train), "--data.val_file", str(holdout), "--data.num_val", "null"
+
+
+def pilot_runs(args) -> list[Run]:
+    data = pilot_data(args)
     return [
         run(args, f"pilot-{o}-lr{lr:g}", o, lr, 0, args.pilot_rollouts, data)
         for lr in args.pilot_lrs
         for o in OBJECTIVES
     ]
+
+
+CAUSES = {
+    "steps1": ("one optimiser step per rollout", OBJECTIVES),
+    "dense": ("the exact projection (support: dense)", ("troll",)),
+}
+"""One change each to the pilots at ``--cause-lr``, testing a candidate cause of TROLL's entropy
+collapse there (one step per rollout: neither constraint acts; dense: no support error)."""
+
+
+def cause_runs(args) -> list[Run]:
+    """Each of :data:`CAUSES` on the pilot's data and seed, at ``--cause-lr``."""
+    data, lr, runs = pilot_data(args), args.cause_lr, []
+    one_step = ("--model.optimization.minibatch_size", str(args.prompts * GROUP))
+    for cause, (_, objectives) in CAUSES.items():
+        extra, steps = (one_step, {"steps": 1}) if cause == "steps1" else (DENSE, {})
+        runs += [
+            run(args, f"cause-{cause}-{o}-lr{lr:g}", o, lr, 0, args.pilot_rollouts,
+                (*data, *extra), cause=cause, **steps)
+            for o in objectives
+        ]  # fmt: skip
+    return runs
 
 
 def pilot_score(record: dict) -> float:
@@ -177,10 +210,9 @@ def main_runs(args, lrs: dict[str, float]) -> list[Run]:
         for s in args.seeds
         for o in OBJECTIVES
     ]
-    dense = ("--model.trust_region.support", "dense", "--model.snapshot.mode", "copy")
     runs += [
         run(args, f"troll-dense-lr{lrs['troll']:g}-s{s}", "troll", lrs["troll"], s,
-            args.rollouts, dense, support="dense")
+            args.rollouts, DENSE, support="dense")
         for s in args.dense_seeds
     ]  # fmt: skip
     return runs
@@ -212,6 +244,26 @@ def pilot_table(pilots: Sequence[dict]) -> str:
         lines.append(
             f"| {f['objective']} | {f['lr']:g} | {pilot_score(r):.3f} | {active_share(r):.2%} | "
             f"{kl if kl is not None else float('nan'):.4f} | {run_mean(r, REWARD, 5):.3f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def cause_table(causes: Sequence[dict], pilots: Sequence[dict], lr: float) -> str:
+    """The cause tests beside the pilots they change, at ``lr`` (accuracy: last 2 validations)."""
+    lines = [
+        "| run | objective | steps per rollout | support | held-out accuracy | entropy at rollout "
+        "5 | entropy, last 5 | constraint acts on | KL end, mean |",
+        "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    same = sorted((r for r in pilots if r["fields"]["lr"] == lr), key=lambda r: r["name"])
+    for r in same + list(causes):
+        f, entropy, nan = r["fields"], values(r, "entropy"), float("nan")
+        kl = run_mean(r, "trust_region/kl_end_mean")
+        lines.append(
+            f"| {r['name']} | {f['objective']} | {f.get('steps', STEPS)} | "
+            f"{'dense' if f.get('cause') == 'dense' else 'official'} | {pilot_score(r):.3f} | "
+            f"{entropy[4] if len(entropy) > 4 else nan:.2f} | {run_mean(r, 'entropy', 5) or nan:.2f}"
+            f" | {active_share(r):.2%} | {kl if kl is not None else nan:.4f} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -255,6 +307,11 @@ def report(args) -> None:
     if len(pilots) < len(pilot_runs(args)):
         print(f"{len(pilots)} of {len(pilot_runs(args))} pilots finished")
         return
+    causes = grid(args, "causes").finished(cause_runs(args))
+    if causes:
+        text = cause_table(causes, pilots, args.cause_lr)
+        study_kit.write_atomic(args.out / "causes" / "table.md", text)
+        print(f"cause tests at lr {args.cause_lr:g} (held-out split of the training file):\n{text}")
     lrs = choose_lrs(pilots)
     print(f"chosen learning rates: {lrs}")
     records = grid(args, "main").finished(main_runs(args, lrs))
@@ -287,7 +344,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--dense-seeds", type=int, nargs="*", default=[0])
     p.add_argument("--prior-seconds", type=float, default=90.0, help="s / rollout, no run done")
-    p.add_argument("--phase", choices=("pilot", "main", "all"), default="all")
+    p.add_argument("--cause-lr", type=float, default=1e-5, help="the lr of the cause tests")
+    p.add_argument("--phase", choices=("pilot", "causes", "main", "all"), default="all",
+                   help="all: the pilot, the cause tests, then the main grid")  # fmt: skip
     p.add_argument("--estimate", action="store_true", help="print the grid's hours and stop")
     p.add_argument("--report", action="store_true", help="tables and plots of finished runs")
     p.add_argument("--dry-run", action="store_true", help="TinyMath, tiny budgets: seconds")
@@ -310,12 +369,19 @@ def main(argv: Sequence[str] | None = None) -> None:
         main_count = 2 * len(args.seeds) + len(args.dense_seeds)
         rate = total * 3600 / max(sum(r.rollouts for r in pilots), 1)
         main_hours = main_count * args.rollouts * rate / 3600
-        print(f"pilot: {len(pilots)} runs, {total:.1f} h ({left:.1f} h left); main: {main_count} "
-              f"runs, about {main_hours:.1f} h at {rate:.0f} s per rollout")  # fmt: skip
+        causes = cause_runs(args)
+        cause_hours = sum(r.rollouts for r in causes) * rate / 3600
+        print(f"pilot: {len(pilots)} runs, {total:.1f} h ({left:.1f} h left); cause tests: "
+              f"{len(causes)} runs, at most {cause_hours:.1f} h; main: {main_count} runs, about "
+              f"{main_hours:.1f} h at {rate:.0f} s per rollout")  # fmt: skip
         return None
     try:
         if args.phase in ("pilot", "all"):
             pilot.run_all(pilots)
+        if args.phase in ("causes", "all"):
+            if len(pilot.finished(pilots)) < len(pilots):
+                sys.exit("the cause tests change pilots: run --phase pilot first")
+            grid(args, "causes").run_all(cause_runs(args))
         if args.phase in ("main", "all"):
             lrs = choose_lrs(pilot.finished(pilots))
             if len(lrs) < len(OBJECTIVES) or len(pilot.finished(pilots)) < len(pilots):

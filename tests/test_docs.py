@@ -51,6 +51,7 @@ SECTIONS = (
     "old_policy",
     "trust_region_monitor",
     "sparsity_monitor",
+    "release_memory",
     "checkpoint",
 )
 MODEL_GROUPS = ("trust_region", "clip", "loss", "optimization", "sampling", "snapshot", "lora")

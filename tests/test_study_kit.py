@@ -295,7 +295,8 @@ DRY = [
 
 @pytest.mark.slow
 def test_paper_regime_study_runs_resumes_and_reports_from_a_copy(tmp_path, capsys):
-    """The whole study on TinyMath in seconds: 4 pilots, then both objectives and the dense arm;
+    """The whole study on TinyMath in seconds: 4 pilots, 3 cause tests, then both objectives and
+    the dense arm;
     the records say what ran; a copy without runs/ (as the repository keeps it) gives back the
     same records, reports, and trains nothing more."""
     out = tmp_path / "study"
@@ -304,6 +305,17 @@ def test_paper_regime_study_runs_resumes_and_reports_from_a_copy(tmp_path, capsy
     assert sorted(r["name"] for r in pilots) == [
         "pilot-clip-lr0.0001", "pilot-clip-lr0.001", "pilot-troll-lr0.0001", "pilot-troll-lr0.001",
     ]  # fmt: skip
+    done = paper.parse_args([*DRY, "--out", str(out)])
+    causes = {r["name"]: r for r in paper.grid(done, "causes").finished(paper.cause_runs(done))}
+    assert sorted(causes) == [
+        "cause-dense-troll-lr1e-05", "cause-steps1-clip-lr1e-05", "cause-steps1-troll-lr1e-05",
+    ]  # fmt: skip
+    one_step = causes["cause-steps1-troll-lr1e-05"]
+    # 2 prompts x 8 completions in one minibatch: 1 step per rollout, as many rollouts as a pilot
+    assert one_step["history"][-1]["rollout"] == 2 and one_step["fields"]["cause"] == "steps1"
+    table = (out / "causes" / "table.md").read_text()
+    assert "| cause-steps1-clip-lr1e-05 | clip | 1 | official |" in table
+    assert "| cause-dense-troll-lr1e-05 | troll | 8 | dense |" in table
     main = {r["name"]: r for r in json.loads((out / "main" / "results.json").read_text())}
     assert len(main) == 3 and sum(r["fields"].get("support") == "dense" for r in main.values()) == 1
     header = (out / "main" / "metrics.csv").read_text().splitlines()[0].split(",")
@@ -326,6 +338,6 @@ def test_paper_regime_study_runs_resumes_and_reports_from_a_copy(tmp_path, capsy
         assert r["fields"] == original[r["name"]]["fields"]
     paper.main([*DRY, "--out", str(copy)])  # everything is done: nothing trains
     printed = capsys.readouterr().out
-    assert "started" not in printed and printed.count("done before, skipped") == 7
+    assert "started" not in printed and printed.count("done before, skipped") == 10
     with pytest.raises(ValueError, match="holds runs made with"):
         paper.main([*DRY[:2], "4", *DRY[3:], "--out", str(copy)])

@@ -39,6 +39,7 @@ from typing_extensions import override
 
 from lightning_troll.callbacks import (
     OldPolicyRefresh,
+    ReleaseFreedMemory,
     RolloutCheckpoint,
     RolloutGeneration,
     RolloutProgressBar,
@@ -158,6 +159,7 @@ class TrollCLI(LightningCLI):
 
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_lightning_class_args(RolloutGeneration, "rollout")
+        parser.add_lightning_class_args(ReleaseFreedMemory, "release_memory")  # after the rollout
         parser.add_lightning_class_args(OldPolicyRefresh, "old_policy")
         parser.add_lightning_class_args(TrustRegionMonitor, "trust_region_monitor")
         parser.add_lightning_class_args(SparsityCoverageMonitor, "sparsity_monitor")
