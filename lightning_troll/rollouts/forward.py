@@ -27,6 +27,13 @@ from lightning_troll.objectives.chunking import (
     map_row_chunks,
 )
 from lightning_troll.rollouts.behaviour import behaviour_rows
+from lightning_troll.rollouts.prompt_cache import (
+    PromptCache,
+    ReadOnlyCache,
+    cache_keyword,
+    caches_kept,
+    checkpointed_layers,
+)
 from lightning_troll.trust_region.sparse import SparseDistribution
 
 __all__ = [
@@ -126,9 +133,11 @@ def response_hidden(
 
     With ``share_prompts`` each distinct prompt (ids and mask over the first S positions) runs
     once and the responses run against its cached keys and values (see the module docstring);
-    gradients flow through the cache into the prompt pass. Where no prompt repeats, or the model
-    returns no cache that can be indexed by sequence (gradient checkpointing switches the cache
-    off), the whole sequences run instead.
+    gradients flow through the cache into the prompt pass. Under gradient checkpointing the
+    passes use caches that are safe to replay (:mod:`~lightning_troll.rollouts.prompt_cache`).
+    Where no prompt repeats, or the model returns no cache that can be indexed by sequence, or
+    its checkpointed layers cannot keep one (sliding-window attention, an older transformers),
+    the whole sequences run instead.
     """
     captured: list[Tensor] = []
 
@@ -189,11 +198,21 @@ def _shared_prompt_hidden(
 ) -> Tensor | None:
     """:func:`response_hidden` with each distinct prompt run once; None where it cannot help."""
     prompt_length = input_ids.shape[1] - response_length  # S
-    if prompt_length < 1 or (model.training and is_checkpointed(model)):
-        return None  # checkpointed layers run without a cache
+    if prompt_length < 1:
+        return None
+    checkpointed = None
+    if model.training and is_checkpointed(model) and torch.is_grad_enabled():
+        checkpointed = checkpointed_layers(model)
+        if checkpointed is None:
+            return None  # these checkpointed layers cannot keep a cache
     first, inverse = distinct_prompts(input_ids, attention_mask, prompt_length)
     if len(first) == len(inverse):  # no prompt repeats: nothing to share
         return None
+    if checkpointed is not None:
+        with caches_kept(checkpointed):
+            return _replayable_passes(
+                model, input_ids, attention_mask, prompt_length, first, inverse, captured, no_logits
+            )
     prompt_mask = attention_mask[first, :prompt_length]  # (U, S)
     out = model(
         input_ids=input_ids[first, :prompt_length],
@@ -216,6 +235,48 @@ def _shared_prompt_hidden(
         position_ids=position_ids(attention_mask)[:, prompt_length:],
         **{name: cache},
         use_cache=True,
+        logits_to_keep=no_logits,
+    )
+    return torch.cat([last, captured[-1][:, :-1]], dim=1)  # (B, T, H)
+
+
+def _replayable_passes(
+    model: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    prompt_length: int,
+    first: Tensor,
+    inverse: Tensor,
+    captured: list[Tensor],
+    no_logits: Tensor,
+) -> Tensor:
+    """:func:`_shared_prompt_hidden` under gradient checkpointing: the prompt pass writes a
+    :class:`PromptCache` once, the responses read a :class:`ReadOnlyCache`, so the backward
+    pass's replay of either computes what the first pass did."""
+    name = cache_keyword(model)
+    prompts = PromptCache(config=model.config)
+    prompt_mask = attention_mask[first, :prompt_length]  # (U, S)
+    model(
+        input_ids=input_ids[first, :prompt_length],
+        attention_mask=prompt_mask,
+        position_ids=position_ids(prompt_mask),
+        **{name: prompts},
+        use_cache=False,  # the layers still write to the cache given; this skips a warning
+        logits_to_keep=no_logits,
+    )
+    if prompts.get_seq_length() != prompt_length:
+        raise RuntimeError(
+            f"{type(model).__name__}: its checkpointed layers left the prompt cache with "
+            f"{prompts.get_seq_length()} of {prompt_length} positions; set "
+            "model.share_prompts=false"
+        )
+    last = captured[-1][:, -1:][inverse]  # (B, 1, H): the prompt's last state predicts token 1
+    model(
+        input_ids=input_ids[:, prompt_length:],
+        attention_mask=attention_mask,
+        position_ids=position_ids(attention_mask)[:, prompt_length:],
+        **{name: ReadOnlyCache.per_sequence(prompts, inverse, model.config)},
+        use_cache=False,
         logits_to_keep=no_logits,
     )
     return torch.cat([last, captured[-1][:, :-1]], dim=1)  # (B, T, H)
