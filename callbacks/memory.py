@@ -11,6 +11,8 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_troll.rollouts.forward import is_checkpointed
+
 __all__ = ["ReleaseFreedMemory", "release_freed_memory", "resident_bytes"]
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -97,7 +99,7 @@ class ReleaseFreedMemory(Callback):
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         policy = getattr(pl_module, "policy", None)
-        self._follows = bool(getattr(policy, "is_gradient_checkpointing", False))
+        self._follows = policy is not None and is_checkpointed(policy)
 
     def _release(self) -> None:
         before = resident_bytes()
