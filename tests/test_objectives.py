@@ -373,3 +373,31 @@ def test_troll_validation_and_inputs():
         TrollObjective(ref_kl_coef=0.1)(new, tokens, mask, adv, old_lp, old)
     with pytest.raises(ValueError, match=r"one row per row of new_logits"):
         objective(new, tokens, mask, adv, old_lp, old.select(torch.arange(3)))
+
+
+@pytest.mark.parametrize("support", ["union", "official", "dense"])
+def test_no_advantage_on_policy_moves_no_weight_under_adam(support):
+    """new == old and every advantage 0: TROLL's loss has an exactly zero gradient (the
+    regression KL is zero, not rounding, on rows the projection leaves as they are), so an Adam
+    step with an empty second moment leaves the weights where they are, as clipping's does.
+    (Rounding noise of ~1e-7 would become a full lr-sized step there.)"""
+    torch.manual_seed(0)
+    b, t, hidden, vocab = 4, 6, 8, 13
+    head = torch.nn.Linear(hidden, vocab, bias=False)
+    states = torch.randn(b, t, hidden)
+    tokens = torch.randint(0, vocab, (b, t))
+    mask = torch.ones(b, t, dtype=torch.bool)
+    with torch.no_grad():
+        logits = head(states)
+    old_lp = torch.log_softmax(logits, -1).gather(-1, tokens[..., None]).squeeze(-1)
+    old = logits[mask] if support == "dense" else sparsify(logits[mask], keep=tokens[mask])
+    before = head.weight.detach().clone()
+    optimizer = torch.optim.Adam(head.parameters(), lr=1e-3)
+    for name in ("troll", "clip"):
+        objective = build_objective(name, support=support) if name == "troll" else ClipObjective()
+        loss, _ = objective(head(states), tokens, mask, torch.zeros(b), old_lp, old)
+        optimizer.zero_grad()
+        loss.backward()
+        assert head.weight.grad.abs().max().item() == 0.0, name
+        optimizer.step()
+        assert torch.equal(head.weight, before), name

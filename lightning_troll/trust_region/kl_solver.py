@@ -133,6 +133,21 @@ def limit_log_probs(a: Tensor, b: Tensor) -> Tensor:
     return torch.where(logz > _NEG_INF, z - logz, a)
 
 
+def regression_kl(a: Tensor, logp: Tensor, eta: Tensor) -> Tensor:
+    """KL(pi_new || sg(pi_proj)) per row (M,), differentiable in ``a`` (M, C), from the projected
+    log-probs ``logp`` (M, C) and eta* (M,) of :func:`project_log_probs`.
+
+    Exactly zero, with no gradient, on rows the projection leaves unchanged (eta* = 0, where
+    pi_proj is pi_new itself). Computed there it would be zero only up to rounding, and so would
+    its gradient; Adam scales a gradient that small into a full step while its second-moment
+    estimate is still empty, so a minibatch with no advantage signal would move the weights.
+    """
+    p_new = a.exp()  # (M, C)
+    gap = torch.where(p_new > 0, a - logp.detach(), 0.0)  # (M, C)
+    kl = (p_new * gap).sum(-1)  # (M,)
+    return torch.where(eta > 0, kl, torch.zeros_like(kl))
+
+
 def project_log_probs(a: Tensor, b: Tensor, eps: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Projects rows of a onto {pi : KL(pi || exp(b)) <= eps}.
 

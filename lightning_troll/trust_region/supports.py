@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_troll.trust_region.kl_solver import project_log_probs
+from lightning_troll.trust_region.kl_solver import project_log_probs, regression_kl
 from lightning_troll.trust_region.sparse import SparseDistribution, compute_dtype
 
 __all__ = ["SUPPORTS", "dense_rows", "kl_projection", "official_rows"]
@@ -44,17 +44,15 @@ def check_support(support: str) -> str:
     return support
 
 
-def _token_terms(a: Tensor, b: Tensor, logp: Tensor, pos: Tensor):
+def _token_terms(a: Tensor, b: Tensor, logp: Tensor, eta: Tensor, pos: Tensor):
     """The sampled token's projected, new and old log-probs (n,) and the regression KL (n,)
     KL(pi_new || sg(pi_proj)) of rows of (n, C) log-probs, the token in column ``pos`` (n,)."""
     pos = pos.unsqueeze(-1)  # (n, 1)
-    p_new = a.exp()  # (n, C)
-    gap = torch.where(p_new > 0, a - logp.detach(), 0.0)  # (n, C)
     return (
         logp.gather(-1, pos).squeeze(-1),
         a.gather(-1, pos).squeeze(-1),
         b.gather(-1, pos).squeeze(-1),
-        (p_new * gap).sum(-1),
+        regression_kl(a, logp, eta),
     )
 
 
@@ -86,7 +84,7 @@ def official_rows(x: Tensor, old: SparseDistribution, tokens: Tensor, eps: Tenso
     b = old_lp - log_coverage.unsqueeze(-1)  # (n, K) old, renormalised on S_old
     logp, eta, kl_before, kl_after = project_log_probs(a, b, eps)
     token_logp, _, token_b, regression = _token_terms(
-        a, b, logp, is_token.to(torch.int8).argmax(-1)
+        a, b, logp, eta, is_token.to(torch.int8).argmax(-1)
     )
     x_f = x.to(dtype)
     token_new = x_f.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - x_f.logsumexp(-1)  # (n,)
@@ -119,7 +117,7 @@ def dense_rows(x: Tensor, old_logits: Tensor, tokens: Tensor, eps: Tensor) -> di
     a = torch.log_softmax(x.to(dtype), dim=-1)  # (n, V)
     b = torch.log_softmax(old_logits.detach().to(dtype), dim=-1)  # (n, V)
     logp, eta, kl_before, kl_after = project_log_probs(a, b, eps)  # (n, V), (n,) x 3
-    token_logp, token_a, token_b, regression = _token_terms(a, b, logp, tokens)
+    token_logp, token_a, token_b, regression = _token_terms(a, b, logp, eta, tokens)
     return {
         "logprob": token_logp,
         "new_logprob": token_a,

@@ -20,7 +20,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from lightning_troll.trust_region.kl_solver import project_log_probs
+from lightning_troll.trust_region.kl_solver import project_log_probs, regression_kl
 from lightning_troll.trust_region.sparse import (
     LINEAR_MASS_MIN,
     SparseDistribution,
@@ -119,8 +119,6 @@ def union_rows(rule, x: Tensor, old: SparseDistribution, tokens: Tensor, eps: Te
     logp, eta, kl_before, kl_after = project_log_probs(a, b, eps)  # (n, L+1), (n,) x 3
 
     pos = token_pos.unsqueeze(-1)  # (n, 1)
-    p_new = a.exp()  # (n, L+1)
-    gap = torch.where(p_new > 0, a - logp.detach(), 0.0)  # (n, L+1)
     token_logp = logp.gather(-1, pos).squeeze(-1)  # (n,)
     token_a = a.gather(-1, pos).squeeze(-1)  # (n,)
     token_b = b.gather(-1, pos).squeeze(-1)  # (n,)
@@ -136,7 +134,7 @@ def union_rows(rule, x: Tensor, old: SparseDistribution, tokens: Tensor, eps: Te
         "logprob": token_logp,
         "new_logprob": token_a,
         "old_logprob": token_b,
-        "regression_kl": (p_new * gap).sum(-1),
+        "regression_kl": regression_kl(a, logp, eta),
         "kl_before": kl_before,
         "kl_after": kl_after,
         "eta": eta,
