@@ -10,9 +10,8 @@ Every run is ``configs/smollm2.yaml`` (small-number arithmetic in the chat templ
 CPU allows: sampling temperature 1.0, token-mean aggregation, 8 optimiser steps per rollout
 (``--prompts`` x 8 completions split into 8 minibatches), TROLL at eps 0.05, alpha 1, K 64,
 delta 1e-5 on the paper's support (``support: official``), clipping at 0.2, AdamW at a constant
-learning rate,
-and seeds that vary the prompts and their order as well as the sampling (``data.seed`` follows
-``seed_everything``). The paper trains 256 sequences per optimiser step for about 1,000 rollouts;
+learning rate, and seeds that vary the prompts and their order as well as the sampling
+(``data.seed`` follows ``seed_everything``). The paper trains 256 sequences per optimiser step for about 1,000 rollouts;
 this study trains ``--prompts`` x 8 / 8 per step for ``--rollouts``.
 
 1. **The lr pilot**: each objective at each of ``--pilot-lrs`` for ``--pilot-rollouts`` rollouts
@@ -27,14 +26,15 @@ this study trains ``--prompts`` x 8 / 8 per step for ``--rollouts``.
    exact projection (``support: dense``); same data, seed and budget as the pilots.
 3. **The main grid**: both objectives at their own lr on ``--seeds``, then TROLL with
    ``support: dense`` (the exact projection; a copied snapshot) at TROLL's lr on
-   ``--dense-seeds``; validated on all 115 held-out problems every 5 rollouts.
+   ``--dense-seeds``; validated on all 115 held-out problems every 5 rollouts (``--objectives``
+   runs a part, so that two processes share the grid).
 
 Each run logs per rollout (CSV): reward, held-out accuracy, entropy, completion length, the KL of
-the weights at the rollout's end to the behaviour policy (both objectives: clipping's drift
-beside TROLL's bound), the share of tokens the constraint acts on, and wall time. The runs go
-one after another, in-process, on :mod:`study_kit`'s machinery (resume, records, estimate);
-``--out`` (default ``examples/results/smollm2/paper_regime``) holds ``pilot/``, ``causes/`` and
-``main/``, each with ``results.json``, ``metrics.csv`` and ``table.md``, and the plots. Needs matplotlib.
+the weights at the rollout's end to the behaviour policy (both objectives: clipping's drift beside
+TROLL's bound), the share of tokens the constraint acts on, and wall time. The runs go one after
+another, in-process, on :mod:`study_kit`'s machinery (resume, records, estimate); ``--out``
+(default ``examples/results/smollm2/paper_regime``) holds ``pilot/``, ``causes/`` and ``main/``,
+each with ``results.json``, ``metrics.csv`` and ``table.md``, and the plots. Needs matplotlib.
 """
 
 from __future__ import annotations
@@ -209,19 +209,20 @@ def main_runs(args, lrs: dict[str, float]) -> list[Run]:
         run(args, f"{o}-lr{lrs[o]:g}-s{s}", o, lrs[o], s, args.rollouts)
         for s in args.seeds
         for o in OBJECTIVES
+        if o in args.objectives
     ]
-    runs += [
+    return runs + [
         run(args, f"troll-dense-lr{lrs['troll']:g}-s{s}", "troll", lrs["troll"], s,
             args.rollouts, DENSE, support="dense")
         for s in args.dense_seeds
+        if "troll" in args.objectives
     ]  # fmt: skip
-    return runs
 
 
 def grid(args, phase: str) -> Grid:
     def start() -> dict:
-        base = main_runs(args, {"clip": 1e-6, "troll": 1e-6})[0] if phase == "main" else None
-        base = base or pilot_runs(args)[0]
+        mains = main_runs(args, {"clip": 1e-6, "troll": 1e-6}) if phase == "main" else []
+        base = mains[0] if mains else pilot_runs(args)[0]
         done = study_kit.cli(["validate", *base.args])
         return {"rollout": 0, ACCURACY: float(done.trainer.callback_metrics[ACCURACY])}
 
@@ -343,6 +344,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--holdout", type=int, default=64, help="training rows the pilot holds out")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--dense-seeds", type=int, nargs="*", default=[0])
+    p.add_argument("--objectives", nargs="+", choices=OBJECTIVES, default=list(OBJECTIVES))
     p.add_argument("--prior-seconds", type=float, default=90.0, help="s / rollout, no run done")
     p.add_argument("--cause-lr", type=float, default=1e-5, help="the lr of the cause tests")
     p.add_argument("--phase", choices=("pilot", "causes", "main", "all"), default="all",
@@ -366,7 +368,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     pilots = pilot_runs(args)
     if args.estimate:
         total, left = pilot.estimate(pilots)
-        main_count = 2 * len(args.seeds) + len(args.dense_seeds)
+        main_count = len(main_runs(args, {o: 1e-6 for o in OBJECTIVES}))
         rate = total * 3600 / max(sum(r.rollouts for r in pilots), 1)
         main_hours = main_count * args.rollouts * rate / 3600
         causes = cause_runs(args)
@@ -392,7 +394,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"{stopped}; the same command resumes it", flush=True)
         sys.exit(stopped.exit_code)
     report(args)
-    return None
 
 
 if __name__ == "__main__":

@@ -341,3 +341,20 @@ def test_paper_regime_study_runs_resumes_and_reports_from_a_copy(tmp_path, capsy
     assert "started" not in printed and printed.count("done before, skipped") == 10
     with pytest.raises(ValueError, match="holds runs made with"):
         paper.main([*DRY[:2], "4", *DRY[3:], "--out", str(copy)])
+
+
+def test_paper_regime_main_grid_splits_by_objective_into_disjoint_runs(tmp_path):
+    """Two studies side by side (--objectives clip, --objectives troll) share no run, and
+    together make the whole grid; the dense arm goes with TROLL only."""
+    lrs = {"clip": 3e-6, "troll": 3e-6}
+
+    def names(*extra: str) -> set[str]:
+        args = paper.parse_args(["--out", str(tmp_path), "--seeds", "0", "1", *extra])
+        return {r.name for r in paper.main_runs(args, lrs)}
+
+    clip, troll, both = names("--objectives", "clip"), names("--objectives", "troll"), names()
+    assert clip == {"clip-lr3e-06-s0", "clip-lr3e-06-s1"}
+    assert troll == {"troll-lr3e-06-s0", "troll-lr3e-06-s1", "troll-dense-lr3e-06-s0"}
+    assert not clip & troll and clip | troll == both
+    with pytest.raises(SystemExit):
+        paper.parse_args(["--objectives", "kl"])
