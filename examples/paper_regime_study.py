@@ -19,11 +19,11 @@ this study trains ``--prompts`` x 8 / 8 per step for ``--rollouts``.
    and validated on those rows, never on the validation set. Each pilot's held-out accuracy
    (the mean of its last 2 validations) is reported beside the share of tokens its constraint
    acts on (TROLL: projected, eta* > 0; clipping: clipped). An objective's lr is its best pilot
-   among those whose constraint acts on at least ``ACTIVE_MIN`` of the tokens: where it acts on
-   none, the objective is plain policy gradient and a comparison would measure nothing.
+   among those whose constraint acts on at least ``ACTIVE_MIN`` of the tokens (else a comparison
+   measures nothing: both are the plain policy gradient).
 2. **The cause tests**: one change at a time to the pilots at ``--cause-lr`` (1e-5, where
-   TROLL's entropy collapsed): one optimiser step per rollout (both objectives), and TROLL's
-   exact projection (``support: dense``); same data, seed and budget as the pilots.
+   TROLL's entropy collapsed), on their data, seed and budget: one optimiser step per rollout,
+   TROLL's exact projection (``support: dense``), and the control (:data:`CAUSES`).
 3. **The main grid**: both objectives at their own lr on ``--seeds``, then TROLL with
    ``support: dense`` (the exact projection; a copied snapshot) at TROLL's lr on
    ``--dense-seeds``; validated on all 115 held-out problems every 5 rollouts (``--objectives``
@@ -42,14 +42,23 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import statistics
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import study_kit  # noqa: E402
-from study_kit import Grid, Interrupted, Run, mean_std, plot_curves, run_mean, values  # noqa: E402
+from paper_regime_tables import (  # noqa: E402
+    ACCURACY,
+    REWARD,
+    active_share,
+    cause_table,
+    main_table,
+    pilot_score,
+    pilot_table,
+    plot_arms,
+)
+from study_kit import Grid, Interrupted, Run  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 OBJECTIVES = ("clip", "troll")
@@ -59,9 +68,7 @@ VAL_EVERY = 5
 ACTIVE_MIN = 1e-3
 """The least mean share of tokens an objective's constraint must act on for its pilot lr to be
 chosen."""
-ACCURACY, REWARD = "val/accuracy", "reward/mean"
 DENSE = ("--model.trust_region.support", "dense", "--model.snapshot.mode", "copy")
-ACTIVE = {"troll": "trust_region/active_frac", "clip": "clip/active_frac"}
 METRICS = (
     ACCURACY,
     REWARD,
@@ -164,33 +171,26 @@ def pilot_runs(args) -> list[Run]:
 CAUSES = {
     "steps1": ("one optimiser step per rollout", OBJECTIVES),
     "dense": ("the exact projection (support: dense)", ("troll",)),
+    "control": ("nothing: the pilots again, sampled as the other cause tests are", OBJECTIVES),
 }
 """One change each to the pilots at ``--cause-lr``, testing a candidate cause of TROLL's entropy
-collapse there (one step per rollout: neither constraint acts; dense: no support error)."""
+collapse there, and the control: the pilots' settings, sampled as the other tests are (the pilots
+drew theirs with an earlier decoding loop)."""
 
 
 def cause_runs(args) -> list[Run]:
     """Each of :data:`CAUSES` on the pilot's data and seed, at ``--cause-lr``."""
     data, lr, runs = pilot_data(args), args.cause_lr, []
     one_step = ("--model.optimization.minibatch_size", str(args.prompts * GROUP))
+    changes = {"steps1": (one_step, {"steps": 1}), "dense": (DENSE, {}), "control": ((), {})}
     for cause, (_, objectives) in CAUSES.items():
-        extra, steps = (one_step, {"steps": 1}) if cause == "steps1" else (DENSE, {})
+        extra, steps = changes[cause]
         runs += [
             run(args, f"cause-{cause}-{o}-lr{lr:g}", o, lr, 0, args.pilot_rollouts,
                 (*data, *extra), cause=cause, **steps)
             for o in objectives
         ]  # fmt: skip
     return runs
-
-
-def pilot_score(record: dict) -> float:
-    """Held-out accuracy of a pilot: the mean of its last 2 validations."""
-    return statistics.fmean(values(record, ACCURACY)[-2:])
-
-
-def active_share(record: dict) -> float:
-    """The mean share of tokens the run's constraint acted on, over its rollouts."""
-    return run_mean(record, ACTIVE[record["fields"]["objective"]]) or 0.0
 
 
 def choose_lrs(pilots: Sequence[dict]) -> dict[str, float]:
@@ -230,73 +230,7 @@ def grid(args, phase: str) -> Grid:
     return Grid(args.out / phase, settings, METRICS, start, args.prior_seconds)
 
 
-# -- report ------------------------------------------------------------------------------------
-
-
-def pilot_table(pilots: Sequence[dict]) -> str:
-    lines = [
-        "| objective | lr | held-out accuracy (last 2 validations) | constraint acts on | "
-        "KL end, mean | reward, last 5 rollouts |",
-        "| --- | ---: | ---: | ---: | ---: | ---: |",
-    ]
-    for r in sorted(pilots, key=lambda r: (r["fields"]["objective"], r["fields"]["lr"])):
-        f = r["fields"]
-        kl = run_mean(r, "trust_region/kl_end_mean")
-        lines.append(
-            f"| {f['objective']} | {f['lr']:g} | {pilot_score(r):.3f} | {active_share(r):.2%} | "
-            f"{kl if kl is not None else float('nan'):.4f} | {run_mean(r, REWARD, 5):.3f} |"
-        )
-    return "\n".join(lines) + "\n"
-
-
-def cause_table(causes: Sequence[dict], pilots: Sequence[dict], lr: float) -> str:
-    """The cause tests beside the pilots they change, at ``lr`` (accuracy: last 2 validations)."""
-    lines = [
-        "| run | objective | steps per rollout | support | held-out accuracy | entropy at rollout "
-        "5 | entropy, last 5 | constraint acts on | KL end, mean |",
-        "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |",
-    ]
-    same = sorted((r for r in pilots if r["fields"]["lr"] == lr), key=lambda r: r["name"])
-    for r in same + list(causes):
-        f, entropy, nan = r["fields"], values(r, "entropy"), float("nan")
-        kl = run_mean(r, "trust_region/kl_end_mean")
-        lines.append(
-            f"| {r['name']} | {f['objective']} | {f.get('steps', STEPS)} | "
-            f"{'dense' if f.get('cause') == 'dense' else 'official'} | {pilot_score(r):.3f} | "
-            f"{entropy[4] if len(entropy) > 4 else nan:.2f} | {run_mean(r, 'entropy', 5) or nan:.2f}"
-            f" | {active_share(r):.2%} | {kl if kl is not None else nan:.4f} |"
-        )
-    return "\n".join(lines) + "\n"
-
-
-def arm(record: dict) -> str:
-    f = record["fields"]
-    return f"{f['objective']}{' dense' if f.get('support') == 'dense' else ''} lr {f['lr']:g}"
-
-
-def main_table(records: Sequence[dict]) -> str:
-    groups: dict[str, list[dict]] = {}
-    for r in records:
-        groups.setdefault(arm(r), []).append(r)
-    lines = [
-        "| arm | seeds | late accuracy (last 3 validations), per seed | mean ± std | reward, "
-        "last 10 | entropy, last 10 | KL end mean / largest | constraint acts on | "
-        "median s / rollout |",
-        "| --- | ---: | --- | --- | ---: | ---: | --- | ---: | ---: |",
-    ]
-    for name, runs in groups.items():
-        late = [statistics.fmean(values(r, ACCURACY)[-3:]) for r in runs]
-        mean, std = mean_std(late)
-        kl = mean_std([run_mean(r, "trust_region/kl_end_mean") or 0.0 for r in runs])[0]
-        kl_max = max(max(values(r, "trust_region/kl_end_max") or [0.0]) for r in runs)
-        seconds = statistics.median(t for r in runs for t in values(r, study_kit.TIME))
-        lines.append(
-            f"| {name} | {len(runs)} | {', '.join(f'{x:.3f}' for x in late)} | {mean:.3f} ± "
-            f"{std:.3f} | {mean_std([run_mean(r, REWARD, 10) for r in runs])[0]:.3f} | "
-            f"{mean_std([run_mean(r, 'entropy', 10) for r in runs])[0]:.3f} | {kl:.4f} / "
-            f"{kl_max:.2f} | {mean_std([active_share(r) for r in runs])[0]:.2%} | {seconds:.0f} |"
-        )
-    return "\n".join(lines) + "\n"
+# -- report ---------------------------------------------------------------------------------
 
 
 def report(args) -> None:
@@ -310,7 +244,7 @@ def report(args) -> None:
         return
     causes = grid(args, "causes").finished(cause_runs(args))
     if causes:
-        text = cause_table(causes, pilots, args.cause_lr)
+        text = cause_table(causes, pilots, args.cause_lr, STEPS)
         study_kit.write_atomic(args.out / "causes" / "table.md", text)
         print(f"cause tests at lr {args.cause_lr:g} (held-out split of the training file):\n{text}")
     lrs = choose_lrs(pilots)
@@ -321,17 +255,7 @@ def report(args) -> None:
     text = main_table(records)
     study_kit.write_atomic(args.out / "main" / "table.md", text)
     print(text)
-    groups: dict[str, list[dict]] = {}
-    for r in records:
-        groups.setdefault(arm(r), []).append(r)
-    for metric, label, name, bound in (
-        (ACCURACY, "held-out accuracy", "accuracy", None),
-        (REWARD, "mean reward", "reward", None),
-        ("entropy", "entropy", "entropy", None),
-        ("trust_region/kl_end_mean", "KL(new || old) at the rollout's end", "kl_end", 0.05),
-    ):
-        path = plot_curves(groups, metric, label, args.out / "main" / f"{name}.png", bound)
-        print(f"wrote {path}")
+    plot_arms(records, args.out / "main")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

@@ -37,7 +37,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import paper_regime_study as paper  # noqa: E402
 import study_kit  # noqa: E402
-from study_kit import Grid, Interrupted, Run, plot_curves  # noqa: E402
+from paper_regime_tables import ACCURACY, main_table, plot_arms  # noqa: E402
+from study_kit import Grid, Interrupted, Run  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOLLM2 = ROOT / "models" / "SmolLM2-135M-Instruct"
@@ -147,7 +148,7 @@ def check_runs(args: argparse.Namespace) -> list[Run]:
 
 def grid(args: argparse.Namespace) -> Grid:
     def start() -> dict:
-        return study_kit.validate(check_runs(args)[0], paper.ACCURACY)
+        return study_kit.validate(check_runs(args)[0], ACCURACY)
 
     settings = {"task": str(args.task), "config": args.config, "model": str(args.model),
                 "prompts": args.prompts, "lr": args.lr, "extra": list(args.extra)}  # fmt: skip
@@ -159,18 +160,10 @@ def report(args: argparse.Namespace) -> None:
     if not records:
         print("no run has finished yet")
         return
-    text = paper.main_table(records)
+    text = main_table(records)
     study_kit.write_atomic(args.out / "table.md", text)
     print(text)
-    groups: dict[str, list[dict]] = {}
-    for r in records:
-        groups.setdefault(paper.arm(r), []).append(r)
-    for metric, label, name, bound in (
-        (paper.ACCURACY, "held-out accuracy", "accuracy", None),
-        ("entropy", "entropy", "entropy", None),
-        ("trust_region/kl_end_mean", "KL(new || old) at the rollout's end", "kl_end", 0.05),
-    ):
-        print(f"wrote {plot_curves(groups, metric, label, args.out / f'{name}.png', bound)}")
+    plot_arms(records, args.out)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

@@ -18,13 +18,15 @@ pytestmark = pytest.mark.slow  # short fits
 
 
 def fit(folder: Path, model_dir: Path, *extra: str) -> Path:
-    """Two rollouts of TinyMath on ``model_dir`` at a learning rate that moves every weight; the
-    path of its last.ckpt."""
+    """Two rollouts of TinyMath on ``model_dir`` at a learning rate that moves every weight, with
+    a reward that varies (an untrained model never answers right, and with no advantage no
+    weight moves); the path of its last.ckpt."""
     cli_run(
         [
             "fit", "--config", str(ROOT / "configs" / "tinymath.yaml"),
             "--model.model", str(model_dir),
             "--model.optimizer.init_args.lr", "1e-2",
+            "--model.rewards", '{"tests.reward_helpers:length_reward": 1.0}',
             "--trainer.max_steps", "4",
             "--trainer.limit_val_batches", "0",
             "--trainer.enable_progress_bar", "false",

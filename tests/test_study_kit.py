@@ -33,6 +33,7 @@ def load(name: str):
 
 kit = load("study_kit")
 paper = load("paper_regime_study")
+tables = load("paper_regime_tables")
 
 
 def test_read_history_merges_attempts_later_rows_winning(tmp_path):
@@ -54,7 +55,7 @@ def test_read_history_merges_attempts_later_rows_winning(tmp_path):
 
 def record(objective, lr, accuracies, active):
     history = [
-        {"rollout": 5 * i, "val/accuracy": a, paper.ACTIVE[objective]: active}
+        {"rollout": 5 * i, "val/accuracy": a, tables.ACTIVE[objective]: active}
         for i, a in enumerate(accuracies)
     ]
     return {
@@ -295,7 +296,7 @@ DRY = [
 
 @pytest.mark.slow
 def test_paper_regime_study_runs_resumes_and_reports_from_a_copy(tmp_path, capsys):
-    """The whole study on TinyMath in seconds: 4 pilots, 3 cause tests, then both objectives and
+    """The whole study on TinyMath in seconds: 4 pilots, 5 cause tests, then both objectives and
     the dense arm;
     the records say what ran; a copy without runs/ (as the repository keeps it) gives back the
     same records, reports, and trains nothing more."""
@@ -308,14 +309,19 @@ def test_paper_regime_study_runs_resumes_and_reports_from_a_copy(tmp_path, capsy
     done = paper.parse_args([*DRY, "--out", str(out)])
     causes = {r["name"]: r for r in paper.grid(done, "causes").finished(paper.cause_runs(done))}
     assert sorted(causes) == [
-        "cause-dense-troll-lr1e-05", "cause-steps1-clip-lr1e-05", "cause-steps1-troll-lr1e-05",
+        "cause-control-clip-lr1e-05", "cause-control-troll-lr1e-05", "cause-dense-troll-lr1e-05",
+        "cause-steps1-clip-lr1e-05", "cause-steps1-troll-lr1e-05",
     ]  # fmt: skip
+    control = causes["cause-control-troll-lr1e-05"]  # the pilot's settings: 8 steps, official
+    assert control["fields"]["cause"] == "control" and "steps" not in control["fields"]
     one_step = causes["cause-steps1-troll-lr1e-05"]
     # 2 prompts x 8 completions in one minibatch: 1 step per rollout, as many rollouts as a pilot
     assert one_step["history"][-1]["rollout"] == 2 and one_step["fields"]["cause"] == "steps1"
     table = (out / "causes" / "table.md").read_text()
-    assert "| cause-steps1-clip-lr1e-05 | clip | 1 | official |" in table
+    assert "| cause-steps1-clip-lr1e-05 | clip | 1 | - |" in table
     assert "| cause-dense-troll-lr1e-05 | troll | 8 | dense |" in table
+    assert "| cause-control-troll-lr1e-05 | troll | 8 | official |" in table
+    assert "| cause-control-clip-lr1e-05 | clip | 8 | - |" in table
     main = {r["name"]: r for r in json.loads((out / "main" / "results.json").read_text())}
     assert len(main) == 3 and sum(r["fields"].get("support") == "dense" for r in main.values()) == 1
     header = (out / "main" / "metrics.csv").read_text().splitlines()[0].split(",")
@@ -338,7 +344,7 @@ def test_paper_regime_study_runs_resumes_and_reports_from_a_copy(tmp_path, capsy
         assert r["fields"] == original[r["name"]]["fields"]
     paper.main([*DRY, "--out", str(copy)])  # everything is done: nothing trains
     printed = capsys.readouterr().out
-    assert "started" not in printed and printed.count("done before, skipped") == 10
+    assert "started" not in printed and printed.count("done before, skipped") == 12
     with pytest.raises(ValueError, match="holds runs made with"):
         paper.main([*DRY[:2], "4", *DRY[3:], "--out", str(copy)])
 
