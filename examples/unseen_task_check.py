@@ -16,8 +16,8 @@ at its defaults (``support: official``, ``max_tokens`` 256, eps 0.05, alpha 1), 
 
 ``--make-task`` writes a task the study never trained on: which of three two-digit numbers is the
 largest (or the smallest), in SmolLM2's chat template, with a reward of its own (``reward.py``:
-1 when the reply's last number is the answer). SmolLM2-135M-Instruct answers about a quarter of
-them greedily before training.
+1 when the reply's last number is the answer). Asked for the largest, SmolLM2-135M-Instruct
+answered 12 of 48 greedily before training (32 tokens).
 
 The runs go one after another, resumable (:mod:`study_kit`), into ``--out`` (default
 ``<task>/check``): ``results.json``, ``metrics.csv``, ``table.md`` and the plots, in the study's
