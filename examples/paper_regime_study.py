@@ -11,8 +11,8 @@ CPU allows: sampling temperature 1.0, token-mean aggregation, 8 optimiser steps 
 (``--prompts`` x 8 completions split into 8 minibatches), TROLL at eps 0.05, alpha 1, K 64,
 delta 1e-5 on the paper's support (``support: official``), clipping at 0.2, AdamW at a constant
 learning rate, and seeds that vary the prompts and their order as well as the sampling
-(``data.seed`` follows ``seed_everything``). The paper trains 256 sequences per optimiser step for about 1,000 rollouts;
-this study trains ``--prompts`` x 8 / 8 per step for ``--rollouts``.
+(``data.seed`` follows ``seed_everything``). The paper trains 256 sequences per optimiser step for
+about 1,000 rollouts; this study trains ``--prompts`` x 8 / 8 per step for ``--rollouts``.
 
 1. **The lr pilot**: each objective at each of ``--pilot-lrs`` for ``--pilot-rollouts`` rollouts
    on seed 0, trained on the training file without ``--holdout`` rows (drawn once with seed 0)
@@ -86,28 +86,37 @@ METRICS = (
 )
 
 
+def regime_args(prompts: int) -> list[str]:
+    """The paper's training regime as far as this study keeps it: temperature 1.0, token-mean,
+    ``prompts`` x :data:`GROUP` sequences in :data:`STEPS` optimiser steps, a constant lr, and the
+    logging every run of the study (and ``unseen_task_check``) keeps."""
+    return [
+        "--model.sampling.temperature", "1.0",
+        "--model.loss.aggregation", "token_mean",
+        "--model.lr_scheduler", "null",
+        "--model.optimization.minibatch_size", str(prompts * GROUP // STEPS),
+        "--model.group_size", str(GROUP),
+        "--data.batch_size", str(prompts),
+        "--trainer.val_check_interval", str(VAL_EVERY),
+        "--trainer.check_val_every_n_epoch", "null",
+        "--trust_region_monitor.kl_end", "true",
+        "--trust_region_monitor.histogram_every_n_rollouts", "0",
+        "--rollout.log_samples", "0",
+    ]  # fmt: skip
+
+
 def common_args(args: argparse.Namespace) -> list[str]:
-    """What every run shares: the config, the paper's settings and the logging."""
+    """What every run shares: the config, the paper's regime and TROLL's settings, the logging."""
     config = "tinymath.yaml" if args.dry_run else "smollm2.yaml"
     common = [
         "--config", str(ROOT / "configs" / config),
-        "--model.sampling.temperature", "1.0",
-        "--model.loss.aggregation", "token_mean",
+        *regime_args(args.prompts),
         "--model.trust_region.eps", "0.05",
         "--model.trust_region.alpha", "1.0",
         "--model.trust_region.max_tokens", "64",
         "--model.trust_region.mass_delta", "1e-5",
         "--model.trust_region.support", "official",
         "--model.clip.eps_low", "0.2",
-        "--model.lr_scheduler", "null",
-        "--model.optimization.minibatch_size", str(args.prompts * GROUP // STEPS),
-        "--model.group_size", str(GROUP),
-        "--data.batch_size", str(args.prompts),
-        "--trainer.val_check_interval", str(VAL_EVERY),
-        "--trainer.check_val_every_n_epoch", "null",
-        "--trust_region_monitor.kl_end", "true",
-        "--trust_region_monitor.histogram_every_n_rollouts", "0",
-        "--rollout.log_samples", "0",
     ]  # fmt: skip
     if args.dry_run:
         common += ["--data.num_train", "64", "--data.num_val", "16", "--data.val_batch_size", "16"]

@@ -53,6 +53,13 @@ def pilot_table(pilots: Sequence[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def support(fields: dict) -> str:
+    """The support a run's projection used: ``-`` for clipping, which projects nothing."""
+    if fields["objective"] == "clip":
+        return "-"
+    return "dense" if fields.get("cause") == "dense" else "official"
+
+
 def cause_table(causes: Sequence[dict], pilots: Sequence[dict], lr: float, steps: int) -> str:
     """The cause tests beside the pilots they change, at ``lr`` (accuracy: last 2 validations)."""
     lines = [
@@ -63,17 +70,10 @@ def cause_table(causes: Sequence[dict], pilots: Sequence[dict], lr: float, steps
     same = sorted((r for r in pilots if r["fields"]["lr"] == lr), key=lambda r: r["name"])
     for r in same + list(causes):
         f, entropy, nan = r["fields"], values(r, "entropy"), float("nan")
-        support = (
-            "dense"
-            if f.get("cause") == "dense"
-            else "-"
-            if f["objective"] == "clip"
-            else "official"
-        )
         kl = run_mean(r, "trust_region/kl_end_mean")
         lines.append(
             f"| {r['name']} | {f['objective']} | {f.get('steps', steps)} | "
-            f"{support} | {pilot_score(r):.3f} | "
+            f"{support(f)} | {pilot_score(r):.3f} | "
             f"{entropy[4] if len(entropy) > 4 else nan:.2f} | {run_mean(r, 'entropy', 5) or nan:.2f}"
             f" | {active_share(r):.2%} | {kl if kl is not None else nan:.4f} |"
         )
@@ -85,17 +85,22 @@ def arm(record: dict) -> str:
     return f"{f['objective']}{' dense' if f.get('support') == 'dense' else ''} lr {f['lr']:g}"
 
 
-def main_table(records: Sequence[dict]) -> str:
+def by_arm(records: Sequence[dict]) -> dict[str, list[dict]]:
+    """``records`` grouped by :func:`arm`, in the order the arms first appear."""
     groups: dict[str, list[dict]] = {}
     for r in records:
         groups.setdefault(arm(r), []).append(r)
+    return groups
+
+
+def main_table(records: Sequence[dict]) -> str:
     lines = [
         "| arm | seeds | late accuracy (last 3 validations), per seed | mean ± std | reward, "
         "last 10 | entropy, last 10 | KL end mean / largest | constraint acts on | "
         "median s / rollout |",
         "| --- | ---: | --- | --- | ---: | ---: | --- | ---: | ---: |",
     ]
-    for name, runs in groups.items():
+    for name, runs in by_arm(records).items():
         late = [statistics.fmean(values(r, ACCURACY)[-3:]) for r in runs]
         mean, std = mean_std(late)
         kl = mean_std([run_mean(r, "trust_region/kl_end_mean") or 0.0 for r in runs])[0]
@@ -112,8 +117,6 @@ def main_table(records: Sequence[dict]) -> str:
 
 def plot_arms(records: Sequence[dict], folder: Path, plots=PLOTS) -> None:
     """A PNG per plot of ``plots`` in ``folder``: each arm's curve (the mean over its seeds)."""
-    groups: dict[str, list[dict]] = {}
-    for r in records:
-        groups.setdefault(arm(r), []).append(r)
+    groups = by_arm(records)
     for metric, label, name, bound in plots:
         print(f"wrote {plot_curves(groups, metric, label, folder / f'{name}.png', bound)}")

@@ -120,17 +120,7 @@ def check_runs(args: argparse.Namespace) -> list[Run]:
                 "--seed_everything", str(seed),
                 "--model.objective", objective,
                 "--model.optimizer.init_args.lr", repr(args.lr),
-                "--model.lr_scheduler", "null",
-                "--model.sampling.temperature", "1.0",
-                "--model.loss.aggregation", "token_mean",
-                "--model.group_size", str(paper.GROUP),
-                "--data.batch_size", str(args.prompts),
-                "--model.optimization.minibatch_size", str(args.prompts * paper.GROUP // paper.STEPS),
-                "--trainer.val_check_interval", str(paper.VAL_EVERY),
-                "--trainer.check_val_every_n_epoch", "null",
-                "--trust_region_monitor.kl_end", "true",
-                "--trust_region_monitor.histogram_every_n_rollouts", "0",
-                "--rollout.log_samples", "0",
+                *paper.regime_args(args.prompts),
                 *args.extra,
             )  # fmt: skip
             fields = {"objective": objective, "lr": args.lr, "seed": seed}
