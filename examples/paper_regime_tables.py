@@ -93,22 +93,33 @@ def by_arm(records: Sequence[dict]) -> dict[str, list[dict]]:
     return groups
 
 
+EARLY = 20
+"""The main table's early accuracy averages the validations after training starts, to this rollout."""
+
+
+def early_accuracy(record: dict, until: int = EARLY) -> float:
+    """The mean held-out accuracy of the validations at rollouts 1 to ``until``."""
+    found = [r[ACCURACY] for r in record["history"] if ACCURACY in r and 0 < r["rollout"] <= until]
+    return statistics.fmean(found) if found else float("nan")
+
+
 def main_table(records: Sequence[dict]) -> str:
     lines = [
-        "| arm | seeds | late accuracy (last 3 validations), per seed | mean ± std | reward, "
-        "last 10 | entropy, last 10 | KL end mean / largest | constraint acts on | "
-        "median s / rollout |",
-        "| --- | ---: | --- | --- | ---: | ---: | --- | ---: | ---: |",
+        f"| arm | seeds | late accuracy (last 3 validations), per seed | mean ± std | early "
+        f"accuracy (rollouts 1-{EARLY}) | reward, last 10 | entropy, last 10 | KL end mean / "
+        "largest | constraint acts on | median s / rollout |",
+        "| --- | ---: | --- | --- | ---: | ---: | ---: | --- | ---: | ---: |",
     ]
     for name, runs in by_arm(records).items():
         late = [statistics.fmean(values(r, ACCURACY)[-3:]) for r in runs]
         mean, std = mean_std(late)
+        early = mean_std([early_accuracy(r) for r in runs])[0]
         kl = mean_std([run_mean(r, "trust_region/kl_end_mean") or 0.0 for r in runs])[0]
         kl_max = max(max(values(r, "trust_region/kl_end_max") or [0.0]) for r in runs)
         seconds = statistics.median(t for r in runs for t in values(r, TIME))
         lines.append(
             f"| {name} | {len(runs)} | {', '.join(f'{x:.3f}' for x in late)} | {mean:.3f} ± "
-            f"{std:.3f} | {mean_std([run_mean(r, REWARD, 10) for r in runs])[0]:.3f} | "
+            f"{std:.3f} | {early:.3f} | {mean_std([run_mean(r, REWARD, 10) for r in runs])[0]:.3f} | "
             f"{mean_std([run_mean(r, 'entropy', 10) for r in runs])[0]:.3f} | {kl:.4f} / "
             f"{kl_max:.2f} | {mean_std([active_share(r) for r in runs])[0]:.2%} | {seconds:.0f} |"
         )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import importlib.util
 import json
+import math
 import shutil
 import sys
 from pathlib import Path
@@ -79,6 +80,21 @@ def test_choose_lrs_takes_the_best_pilot_whose_constraint_acts():
     assert paper.choose_lrs(pilots) == {"clip": 3e-6, "troll": 1e-5}
     # where no pilot's constraint acts, the best of all is taken (and the table shows 0%)
     assert paper.choose_lrs([pilots[0], pilots[3]]) == {"clip": 1e-6, "troll": 1e-6}
+
+
+def test_early_accuracy_averages_the_validations_after_the_start_up_to_its_rollout():
+    """Validations at rollouts 0, 5, 10, ..., 30: the start (0.4) and those after rollout 20 are
+    left out; the main table shows the mean over an arm's seeds in its own column."""
+    run = record("troll", 3e-6, [0.4, 0.6, 0.7, 0.8, 0.9, 1.0, 1.0], 0.01)
+    assert tables.early_accuracy(run) == pytest.approx((0.6 + 0.7 + 0.8 + 0.9) / 4)
+    assert tables.early_accuracy(run, until=5) == pytest.approx(0.6)
+    assert math.isnan(tables.early_accuracy(record("clip", 1e-6, [0.4], 0.0)))  # none after 0
+    other = record("troll", 3e-6, [0.4, 0.8, 0.8, 0.8, 0.8, 0.5, 0.5], 0.01)
+    for r in (run, other):
+        for row in r["history"]:
+            row.update({tables.REWARD: 0.5, "entropy": 0.1, kit.TIME: 60.0})
+    row = tables.main_table([run, other]).splitlines()[2].split(" | ")
+    assert row[0] == "| troll lr 3e-06" and row[4] == f"{(0.75 + 0.8) / 2:.3f}"
 
 
 @pytest.mark.parametrize("path", sorted(EXAMPLES.glob("*.py")), ids=lambda p: p.name)
