@@ -54,10 +54,11 @@ def pilot_table(pilots: Sequence[dict]) -> str:
 
 
 def support(fields: dict) -> str:
-    """The support a run's projection used: ``-`` for clipping, which projects nothing."""
+    """The support a run's projection used: ``-`` for clipping, which projects nothing. A main run
+    names it in ``support``, a cause test in ``cause``."""
     if fields["objective"] == "clip":
         return "-"
-    return "dense" if fields.get("cause") == "dense" else "official"
+    return "dense" if "dense" in (fields.get("support"), fields.get("cause")) else "official"
 
 
 def cause_table(causes: Sequence[dict], pilots: Sequence[dict], lr: float, steps: int) -> str:
@@ -82,7 +83,7 @@ def cause_table(causes: Sequence[dict], pilots: Sequence[dict], lr: float, steps
 
 def arm(record: dict) -> str:
     f = record["fields"]
-    return f"{f['objective']}{' dense' if f.get('support') == 'dense' else ''} lr {f['lr']:g}"
+    return f"{f['objective']}{' dense' if support(f) == 'dense' else ''} lr {f['lr']:g}"
 
 
 def by_arm(records: Sequence[dict]) -> dict[str, list[dict]]:
