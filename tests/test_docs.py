@@ -51,6 +51,7 @@ SECTIONS = (
     "old_policy",
     "trust_region_monitor",
     "sparsity_monitor",
+    "constraint_monitor",
     "release_memory",
     "checkpoint",
 )

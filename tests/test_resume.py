@@ -298,6 +298,31 @@ def test_a_stop_signal_saves_after_the_rollout_and_resumes_exactly(
     torch.testing.assert_close(weights(resumed), weights(whole), rtol=0, atol=0)
 
 
+def test_a_run_stopped_between_validations_validates_only_where_it_was_scheduled(
+    tmp_path, tiny_model_dir, restore_signal_handlers
+):
+    """Validations after rollouts 2 and 4 (val_check_interval 2). SIGTERM in rollout 3: the fit
+    stops after it without the validation Lightning runs on the way out of a stop; resumed, it
+    validates after rollout 4 as the uninterrupted run does. The stopped and resumed logs
+    together hold the uninterrupted run's validation points and no other."""
+    _, _, _, whole = train_with_last(tmp_path, tiny_model_dir, "whole", 4, validate=True)
+    stop = SignalDuring(signal.SIGTERM, at=3)
+    trainer, _, last, stopped = train_with_last(
+        tmp_path, tiny_model_dir, "stopped", 4, extra=[stop], validate=True
+    )
+    assert trainer.global_step == 3 and last.stopped_by == signal.SIGTERM
+    _, _, _, resumed = train_with_last(
+        tmp_path, tiny_model_dir, "resumed", 4, ckpt_path=last.last_model_path, validate=True
+    )
+    validated = lambda log: sorted(s for s in log if "val/accuracy" in log[s])  # noqa: E731
+    assert len(validated(whole)) == 2
+    assert validated(stopped) == validated(whole)[:1]
+    assert validated(resumed) == validated(whole)[1:]
+    for step in validated(whole):
+        log = stopped if step in stopped and "val/accuracy" in stopped[step] else resumed
+        assert log[step]["val/accuracy"] == whole[step]["val/accuracy"]
+
+
 def test_a_second_ctrl_c_stops_at_once_and_keeps_the_last_checkpoint(
     tmp_path, tiny_model_dir, restore_signal_handlers
 ):

@@ -4,9 +4,9 @@
     lightning-troll fit --config configs/tinymath.yaml --model.objective clip
     lightning-troll fit --help
 
-The rollout callback, the snapshot refresh and both monitors are always present; their options
-are the top-level keys ``rollout``, ``old_policy``, ``trust_region_monitor`` and
-``sparsity_monitor``. ``model.model`` also names the tokenizer of ``data``.
+The rollout callback, the snapshot refresh and the monitors are always present; their options
+are the top-level keys ``rollout``, ``old_policy``, ``trust_region_monitor``,
+``sparsity_monitor`` and ``constraint_monitor``. ``model.model`` also names the tokenizer of ``data``.
 
 Logs and checkpoints follow Lightning's rule: TensorBoard logs in
 ``<trainer.default_root_dir>/lightning_logs/version_<n>`` (the root is ``runs`` unless given), and
@@ -38,6 +38,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
 from lightning_troll.callbacks import (
+    ConstraintMonitor,
     OldPolicyRefresh,
     ReleaseFreedMemory,
     RolloutCheckpoint,
@@ -163,6 +164,7 @@ class TrollCLI(LightningCLI):
         parser.add_lightning_class_args(OldPolicyRefresh, "old_policy")
         parser.add_lightning_class_args(TrustRegionMonitor, "trust_region_monitor")
         parser.add_lightning_class_args(SparsityCoverageMonitor, "sparsity_monitor")
+        parser.add_lightning_class_args(ConstraintMonitor, "constraint_monitor")
         parser.add_class_arguments(RolloutCheckpoint, "checkpoint", fail_untyped=False)
         parser.link_arguments("model.model", "data.tokenizer")
 

@@ -279,6 +279,8 @@ class PolicyObjective(nn.Module):
             ratio_max=r_max,
             num_tokens=mask.sum(),
             token_ratio=token_ratios,
+            token_old_prob=old_logp.detach()[mask].exp(),  # (N,)
+            token_advantage=adv.detach()[mask],  # (N,)
             **self._token_stats(terms),
             **extra,
         )

@@ -69,8 +69,11 @@ class ClipObjective(PolicyObjective):
                 adv < 0, torch.maximum(objective, self.dual_clip * adv), objective
             )
             dual = (adv < 0) & (r > self.dual_clip)
+        below, above = (adv < 0) & (r < low), (adv > 0) & (r > high)  # (B, T)
         return objective, {
-            "clip_frac_low": frac((adv < 0) & (r < low)),
-            "clip_frac_high": frac((adv > 0) & (r > high)),
+            "clip_frac_low": frac(below),
+            "clip_frac_high": frac(above),
             "dual_clip_frac": frac(dual),
+            "token_clipped": (below | above | dual)[mask],  # (N,)
+            "token_outside": ((r < low) | (r > high))[mask],  # (N,)
         }

@@ -31,6 +31,15 @@ class ObjectiveStats:
     num_tokens: Tensor
     token_ratio: Tensor
     """(N,) importance ratio of each response token."""
+    token_old_prob: Tensor
+    """(N,) the behaviour policy's probability of each sampled token (its confidence)."""
+    token_advantage: Tensor
+    """(N,) the advantage each response token is trained with."""
+
+    def constraint_masks(self) -> dict[str, Tensor]:
+        """(N,) bool per way the objective's constraint acts on a token, by name (none for an
+        objective without a constraint)."""
+        return {}
 
 
 @dataclass(frozen=True)
@@ -41,10 +50,19 @@ class ClipStats(ObjectiveStats):
     """Fraction of tokens with A > 0 and r > 1 + eps_high (no gradient)."""
     dual_clip_frac: Tensor
     """Fraction of tokens with A < 0 and r > dual_clip (no gradient)."""
+    token_clipped: Tensor
+    """(N,) bool: the clip stops the token's gradient (the three cases above)."""
+    token_outside: Tensor
+    """(N,) bool: the ratio lies outside [1 - eps_low, 1 + eps_high], in either direction,
+    whatever the advantage's sign."""
 
     @property
     def clip_frac(self) -> Tensor:
         return self.clip_frac_low + self.clip_frac_high + self.dual_clip_frac
+
+    def constraint_masks(self) -> dict[str, Tensor]:
+        """``clipped``: the gradient is stopped; ``outside``: the ratio left its range."""
+        return {"clipped": self.token_clipped, "outside": self.token_outside}
 
 
 @dataclass(frozen=True)
@@ -56,3 +74,7 @@ class TrollStats(ObjectiveStats):
     infeasible_frac: Tensor
     """Fraction of tokens whose bound no interpolation reaches (eta = inf; see
     :attr:`~lightning_troll.trust_region.projection.ProjectionResult.infeasible`)."""
+
+    def constraint_masks(self) -> dict[str, Tensor]:
+        """``projected``: the token's distribution was moved onto the bound (eta > 0)."""
+        return {"projected": self.projection.eta > 0}

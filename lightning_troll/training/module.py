@@ -53,7 +53,7 @@ from lightning_troll.training.preflight import (
 )
 from lightning_troll.training.resume import ResumeHooks
 from lightning_troll.training.rollout_hooks import RolloutHooks
-from lightning_troll.training.validation import validation_metrics
+from lightning_troll.training.validation import stopping_between_validations, validation_metrics
 
 __all__ = ["ClipConfig", "LossConfig", "OptimizationConfig", "TrollModule", "TrustRegionConfig"]
 
@@ -301,7 +301,11 @@ class TrollModule(ResumeHooks, RolloutHooks, PolicyHooks, LightningModule):
     # -- validation ------------------------------------------------------------------------------
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         """Greedy answers to held-out prompts, scored by the reward functions, and with
-        ``data.val_samples: k`` k sampled ones (see :mod:`lightning_troll.training.validation`)."""
+        ``data.val_samples: k`` k sampled ones (see :mod:`lightning_troll.training.validation`).
+        Nothing is validated on the way out of a fit stopped between two scheduled validations
+        (:func:`~lightning_troll.training.validation.stopping_between_validations`)."""
+        if stopping_between_validations(self.trainer):
+            return
         size = len(batch.prompts)
         for name, value in validation_metrics(self, batch, batch_idx).items():
             self.log(name, value, batch_size=size, sync_dist=True)

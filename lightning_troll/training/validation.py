@@ -21,7 +21,29 @@ from lightning_troll.models.sharding import gathered
 from lightning_troll.rewards.registry import RewardOutput, reward_tag
 from lightning_troll.rollouts.rollout import sample
 
-__all__ = ["pass_at_k", "validation_metrics"]
+__all__ = ["pass_at_k", "stopping_between_validations", "validation_metrics"]
+
+
+def stopping_between_validations(trainer: Any) -> bool:
+    """Whether this validation runs only because the fit is stopping between two scheduled ones.
+
+    Lightning validates on the way out of a fit whose ``should_stop`` is set (Ctrl-C or SIGTERM
+    through :class:`~lightning_troll.callbacks.RolloutCheckpoint`, or another callback's stop),
+    whatever ``trainer.val_check_interval`` says. Such a validation is skipped, so that a run
+    stopped and resumed validates at the points an uninterrupted run does, and runs compare on
+    the same points. A validation at a scheduled rollout, a time-based schedule and validations
+    outside a fit are kept.
+    """
+    if trainer.sanity_checking or trainer.state.fn != "fit" or not trainer.should_stop:
+        return False
+    if getattr(trainer, "_val_check_time_interval", None) is not None:
+        return False
+    loop = trainer.fit_loop.epoch_loop
+    every = trainer.val_check_batch
+    if every is None or every == float("inf"):  # once per epoch, at its end
+        return not loop.batch_progress.is_last_batch
+    index = loop.total_batch_idx if trainer.check_val_every_n_epoch is None else loop.batch_idx
+    return (index + 1) % every != 0
 
 
 def pass_at_k(correct: Tensor) -> tuple[Tensor, Tensor]:
