@@ -125,10 +125,28 @@ def validate(run: Run, metric: str) -> dict:
     return {"rollout": 0, metric: float(done.trainer.callback_metrics[metric])}
 
 
+def kept(name: str, metrics: Sequence[str]) -> bool:
+    """Whether the logged metric ``name`` is one of ``metrics``: a name, or a prefix ending in
+    ``/`` that keeps every metric under it (``trust_region/`` keeps all the monitor logs)."""
+    return name in metrics or any(m.endswith("/") and name.startswith(m) for m in metrics)
+
+
+def columns(records: Sequence[dict], metrics: Sequence[str]) -> list[str]:
+    """The metric columns of ``records``' histories: ``metrics``' names in their order, each
+    prefix replaced by the names under it that the histories hold, sorted."""
+    seen = {k for r in records for row in r["history"] for k in row if k != "rollout"}
+    out: list[str] = []
+    for m in metrics:
+        names = sorted(k for k in seen if k.startswith(m)) if m.endswith("/") else [m]
+        out += [n for n in names if n not in out]
+    return out
+
+
 def read_history(log_root: Path, metrics: Sequence[str]) -> list[dict[str, float]]:
-    """Per rollout, ``metrics`` of every attempt's CSV log (``log_root/version_<k>``) merged in
-    attempt order, a later attempt's rows replacing the rollouts it ran again. Lightning's
-    logging step counts rollouts from 0: rollout r (from 1) is step r - 1."""
+    """Per rollout, ``metrics`` (names, or prefixes: :func:`kept`) of every attempt's CSV log
+    (``log_root/version_<k>``) merged in attempt order, a later attempt's rows replacing the
+    rollouts it ran again. Lightning's logging step counts rollouts from 0: rollout r (from 1)
+    is step r - 1."""
     versions = sorted(
         (int(m.group(1)), p)
         for p in log_root.glob("version_*")
@@ -141,7 +159,7 @@ def read_history(log_root: Path, metrics: Sequence[str]) -> list[dict[str, float
             for row in csv.DictReader(f):
                 rollout = int(row["step"]) + 1
                 merged = rows.setdefault(rollout, {"rollout": rollout})
-                merged.update({k: float(v) for k, v in row.items() if k in metrics and v != ""})
+                merged.update({k: float(v) for k, v in row.items() if kept(k, metrics) and v != ""})
         rollouts.update(rows)
     return [rollouts[r] for r in sorted(rollouts)]
 
@@ -152,7 +170,8 @@ class Grid:
     Args:
         out: the study's folder.
         settings: what every run shares (kept in ``settings.json``; other settings are refused).
-        metrics: the logged metrics kept per rollout.
+        metrics: the logged metrics kept per rollout: names, or prefixes ending in ``/``
+            that keep every metric under them (:func:`kept`).
         start_row: a history row for rollout 0 (e.g. the start's held-out accuracy), or None.
         prior_seconds: seconds per rollout assumed by the estimate before any run has finished.
         checkpoint_every: rollouts between checkpoints.
@@ -201,7 +220,9 @@ class Grid:
         with metrics.open(newline="") as f:
             for row in csv.DictReader(f):
                 entry: dict = {"rollout": int(row["rollout"])}
-                entry.update({k: float(row[k]) for k in self.metrics if row.get(k, "") != ""})
+                entry.update(
+                    {k: float(v) for k, v in row.items() if kept(k, self.metrics) and v != ""}
+                )
                 histories.setdefault(row["name"], []).append(entry)
         return {
             r["name"]: self.read({**r, "history": histories[r["name"]]})
@@ -230,7 +251,8 @@ class Grid:
         path = self.out / "metrics.csv"
         partial = path.with_name(path.name + ".partial")
         with partial.open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=["name", *keys, "rollout", *self.metrics])
+            names = columns(records, self.metrics)
+            writer = csv.DictWriter(f, fieldnames=["name", *keys, "rollout", *names])
             writer.writeheader()
             for r in records:
                 for row in r["history"]:
@@ -274,9 +296,16 @@ class Grid:
         self.out.mkdir(parents=True, exist_ok=True)
         write_atomic(path, json.dumps(self.settings, indent=1))
 
-    def run_all(self, runs: Sequence[Run], keep_checkpoints: bool = False) -> list[dict]:
+    def run_all(
+        self,
+        runs: Sequence[Run],
+        keep_checkpoints: bool = False,
+        prepare: Callable[[Run, Path], None] | None = None,
+    ) -> list[dict]:
         """Trains every run that has not finished (resuming interrupted ones); returns the
-        records of all of them. Raises :class:`Interrupted` when a signal stops a run."""
+        records of all of them. Raises :class:`Interrupted` when a signal stops a run.
+        ``prepare(run, run_dir)`` is called before a run starts anew (no checkpoint of its
+        own): it may put a ``checkpoints/last.ckpt`` there for the run to start from."""
         self.check_settings()
         total, left = self.estimate(runs)
         print(f"grid: {len(runs)} runs, about {total:.1f} h in all, {left:.1f} h left", flush=True)
@@ -292,6 +321,8 @@ class Grid:
             if not resumed:
                 shutil.rmtree(run_dir, ignore_errors=True)  # no checkpoint: start over
             run_dir.mkdir(parents=True, exist_ok=True)
+            if not resumed and prepare is not None:
+                prepare(run, run_dir)
             print(f"{tag}: {'resumed' if resumed else 'started'}", flush=True)
             record = self.train(run, run_dir, start)
             write_atomic(run_dir / "result.json", json.dumps(record, indent=1))
@@ -311,7 +342,7 @@ class Grid:
             row = self.start_row()
             write_atomic(path, json.dumps({**row, "seconds": time.perf_counter() - began}))
         row = json.loads(path.read_text())
-        return [{k: v for k, v in row.items() if k == "rollout" or k in self.metrics}]
+        return [{k: v for k, v in row.items() if k == "rollout" or kept(k, self.metrics)}]
 
     def train(self, run: Run, run_dir: Path, start: list[dict]) -> dict:
         """Trains (or resumes) one run; its record. Raises :class:`Interrupted` if it stops
