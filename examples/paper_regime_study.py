@@ -52,8 +52,10 @@ from paper_regime_tables import (  # noqa: E402
     ACCURACY,
     REWARD,
     active_share,
+    by_arm,
     cause_table,
     main_table,
+    paired_table,
     pilot_score,
     pilot_table,
     plot_arms,
@@ -264,6 +266,12 @@ def report(args) -> None:
     text = main_table(records)
     study_kit.write_atomic(args.out / "main" / "table.md", text)
     print(text)
+    arms = by_arm(records)
+    if "troll lr 3e-06" in arms and "clip lr 3e-06" in arms:
+        text = paired_table(records, "troll lr 3e-06", "clip lr 3e-06")
+        study_kit.write_atomic(args.out / "main" / "paired.md", text)
+        print("TROLL against clipping, paired by seed, on the validations every run shares:")
+        print(text)
     plot_arms(records, args.out / "main")
 
 

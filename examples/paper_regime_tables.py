@@ -14,6 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from study_kit import TIME, mean_std, plot_curves, run_mean, values  # noqa: E402
+from study_stats import paired  # noqa: E402
 
 ACCURACY, REWARD = "val/accuracy", "reward/mean"
 ACTIVE = {"troll": "trust_region/active_frac", "clip": "clip/active_frac"}
@@ -94,34 +95,38 @@ def by_arm(records: Sequence[dict]) -> dict[str, list[dict]]:
     return groups
 
 
-EARLY = 20
-"""The main table's early accuracy averages the validations after training starts, to this rollout."""
-
-
-def early_accuracy(record: dict, until: int = EARLY) -> float:
-    """The mean held-out accuracy of the validations at rollouts 1 to ``until``."""
-    found = [r[ACCURACY] for r in record["history"] if ACCURACY in r and 0 < r["rollout"] <= until]
-    return statistics.fmean(found) if found else float("nan")
+def thirds(rollouts: Sequence[int]) -> list[tuple[int, int]]:
+    """``rollouts`` (the shared validation points, sorted) cut into three windows of as equal a
+    count as they allow, each ``(first, last)``: fixed by the run's length, not by where a gap
+    is widest."""
+    n = len(rollouts)
+    cuts = [round(i * n / 3) for i in range(4)]
+    return [(rollouts[a], rollouts[b - 1]) for a, b in zip(cuts, cuts[1:], strict=False) if b > a]
 
 
 def main_table(records: Sequence[dict]) -> str:
+    """Per arm: held-out accuracy over the first and the last third of the validations every
+    run shares (:func:`thirds`), per seed for the last, and the arm's means of the rest."""
+    shared = shared_rollouts(records)
+    windows = thirds(shared) or [(0, 0)]  # no shared validation after the start: NaN
+    early, late = windows[0], windows[-1]
     lines = [
-        f"| arm | seeds | late accuracy (last 3 validations), per seed | mean ± std | early "
-        f"accuracy (rollouts 1-{EARLY}) | reward, last 10 | entropy, last 10 | KL end mean / "
+        f"| arm | seeds | accuracy, rollouts {late[0]}-{late[1]}, per seed | mean ± std | accuracy,"
+        f" rollouts {early[0]}-{early[1]} | reward, last 10 | entropy, last 10 | KL end mean / "
         "largest | constraint acts on | median s / rollout |",
         "| --- | ---: | --- | --- | ---: | ---: | ---: | --- | ---: | ---: |",
     ]
     for name, runs in by_arm(records).items():
-        late = [statistics.fmean(values(r, ACCURACY)[-3:]) for r in runs]
-        mean, std = mean_std(late)
-        early = mean_std([early_accuracy(r) for r in runs])[0]
+        late_acc = [window_mean(r, ACCURACY, late, shared) for r in runs]
+        mean, std = mean_std(late_acc)
+        first = mean_std([window_mean(r, ACCURACY, early, shared) for r in runs])[0]
         kl = mean_std([run_mean(r, "trust_region/kl_end_mean") or 0.0 for r in runs])[0]
         kl_max = max(max(values(r, "trust_region/kl_end_max") or [0.0]) for r in runs)
         seconds = statistics.median(t for r in runs for t in values(r, TIME))
         lines.append(
-            f"| {name} | {len(runs)} | {', '.join(f'{x:.3f}' for x in late)} | {mean:.3f} ± "
-            f"{std:.3f} | {early:.3f} | {mean_std([run_mean(r, REWARD, 10) for r in runs])[0]:.3f} | "
-            f"{mean_std([run_mean(r, 'entropy', 10) for r in runs])[0]:.3f} | {kl:.4f} / "
+            f"| {name} | {len(runs)} | {', '.join(f'{x:.3f}' for x in late_acc)} | {mean:.3f} ± "
+            f"{std:.3f} | {first:.3f} | {mean_std([run_mean(r, REWARD, 10) for r in runs])[0]:.3f} |"
+            f" {mean_std([run_mean(r, 'entropy', 10) for r in runs])[0]:.3f} | {kl:.4f} / "
             f"{kl_max:.2f} | {mean_std([active_share(r) for r in runs])[0]:.2%} | {seconds:.0f} |"
         )
     return "\n".join(lines) + "\n"
@@ -132,3 +137,62 @@ def plot_arms(records: Sequence[dict], folder: Path, plots=PLOTS) -> None:
     groups = by_arm(records)
     for metric, label, name, bound in plots:
         print(f"wrote {plot_curves(groups, metric, label, folder / f'{name}.png', bound)}")
+
+
+def training_windows(last: int) -> list[tuple[int, int]]:
+    """Windows of 10 rollouts up to ``last``, for figures logged every rollout."""
+    return [(a, min(a + 9, last)) for a in range(1, last + 1, 10)]
+
+
+def shared_rollouts(records: Sequence[dict], metric: str = ACCURACY) -> list[int]:
+    """The rollouts (after 0) at which every run of ``records`` logged ``metric``: the points
+    runs compare on (a run stopped and resumed once validated on its way out too)."""
+    found = [{row["rollout"] for row in r["history"] if metric in row} for r in records]
+    return sorted(x for x in set.intersection(*found) if x > 0) if found else []
+
+
+def window_mean(record: dict, metric: str, window: tuple[int, int], at=None) -> float:
+    """The mean of ``metric`` over the run's rollouts in ``window`` (inclusive), only at the
+    rollouts ``at`` when given."""
+    low, high = window
+    found = [
+        row[metric]
+        for row in record["history"]
+        if metric in row and low <= row["rollout"] <= high and (at is None or row["rollout"] in at)
+    ]
+    return statistics.fmean(found) if found else float("nan")
+
+
+def seed_pairs(records: Sequence[dict], a: str, b: str) -> list[tuple[dict, dict]]:
+    """(run of arm ``a``, run of arm ``b``) per seed both arms ran, by seed."""
+    by_seed: dict[int, dict[str, dict]] = {}
+    for r in records:
+        by_seed.setdefault(r["fields"]["seed"], {})[arm(r)] = r
+    return [(runs[a], runs[b]) for _, runs in sorted(by_seed.items()) if a in runs and b in runs]
+
+
+def paired_table(records: Sequence[dict], a: str, b: str) -> str:
+    """Arm ``a`` against arm ``b``, paired by seed: held-out accuracy over the :func:`thirds` of
+    the validations every run shares, then the reward and entropy over windows of 10 rollouts;
+    each row the two means, the per-seed differences ``a - b``, their mean and the paired t and
+    sign tests."""
+    pairs = seed_pairs(records, a, b)
+    points = shared_rollouts([r for pair in pairs for r in pair])
+    shared, last = set(points), max(row["rollout"] for x, _ in pairs for row in x["history"])
+    lines = [
+        f"| figure | rollouts | {a} | {b} | difference: mean (per seed); tests |",
+        "| --- | --- | ---: | ---: | --- |",
+    ]
+    rows = [(ACCURACY, w, shared) for w in thirds(points)]
+    rows += [(m, w, None) for m in (REWARD, "entropy") for w in training_windows(last)]
+    for metric, window, at in rows:
+        first = [window_mean(x, metric, window, at) for x, _ in pairs]
+        second = [window_mean(y, metric, window, at) for _, y in pairs]
+        where = f"{window[0]}-{window[1]}"
+        if at is not None:
+            where = ", ".join(str(x) for x in sorted(shared) if window[0] <= x <= window[1])
+        lines.append(
+            f"| {metric} | {where} | {statistics.fmean(first):.3f} | "
+            f"{statistics.fmean(second):.3f} | {paired(first, second).text()} |"
+        )
+    return "\n".join(lines) + "\n"

@@ -82,19 +82,56 @@ def test_choose_lrs_takes_the_best_pilot_whose_constraint_acts():
     assert paper.choose_lrs([pilots[0], pilots[3]]) == {"clip": 1e-6, "troll": 1e-6}
 
 
-def test_early_accuracy_averages_the_validations_after_the_start_up_to_its_rollout():
-    """Validations at rollouts 0, 5, 10, ..., 30: the start (0.4) and those after rollout 20 are
-    left out; the main table shows the mean over an arm's seeds in its own column."""
-    run = record("troll", 3e-6, [0.4, 0.6, 0.7, 0.8, 0.9, 1.0, 1.0], 0.01)
-    assert tables.early_accuracy(run) == pytest.approx((0.6 + 0.7 + 0.8 + 0.9) / 4)
-    assert tables.early_accuracy(run, until=5) == pytest.approx(0.6)
-    assert math.isnan(tables.early_accuracy(record("clip", 1e-6, [0.4], 0.0)))  # none after 0
-    other = record("troll", 3e-6, [0.4, 0.8, 0.8, 0.8, 0.8, 0.5, 0.5], 0.01)
-    for r in (run, other):
-        for row in r["history"]:
+def test_tables_compare_on_the_validations_every_run_shares():
+    """Two seeds of each arm, validated at 0, 5, ..., 30; TROLL's seed 0 also at rollout 7 (a
+    stop on the way out). The shared points are 5-30, cut into thirds (5-10, 15-20, 25-30);
+    rollout 7's 0.0 enters no figure. Late (25-30): TROLL 0.9 and 0.8, clipping 0.7 and 0.7:
+    per-seed differences +0.2 and +0.1, mean +0.15, t = 0.15 / (0.0707 / sqrt 2) = 3.0 with
+    1 degree of freedom, two-sided p = 1 - 2 atan(3) / pi = 0.205; the sign test on 2 of 2 gives 0.5."""
+
+    def run(objective, seed, accuracies, extra=None):
+        history = [{"rollout": 5 * i, "val/accuracy": a} for i, a in enumerate(accuracies)]
+        if extra is not None:
+            history.insert(2, {"rollout": 7, "val/accuracy": extra})
+        for row in history:
             row.update({tables.REWARD: 0.5, "entropy": 0.1, kit.TIME: 60.0})
-    row = tables.main_table([run, other]).splitlines()[2].split(" | ")
-    assert row[0] == "| troll lr 3e-06" and row[4] == f"{(0.75 + 0.8) / 2:.3f}"
+        fields = {"objective": objective, "lr": 3e-6, "seed": seed}
+        return {"name": f"{objective}-s{seed}", "fields": fields, "history": history}
+
+    records = [
+        run("troll", 0, [0.4, 0.6, 0.6, 0.6, 0.6, 0.9, 0.9], extra=0.0),
+        run("troll", 1, [0.4, 0.5, 0.5, 0.5, 0.5, 0.8, 0.8]),
+        run("clip", 0, [0.4, 0.5, 0.5, 0.6, 0.6, 0.7, 0.7]),
+        run("clip", 1, [0.4, 0.5, 0.5, 0.6, 0.6, 0.7, 0.7]),
+    ]
+    assert tables.shared_rollouts(records) == [5, 10, 15, 20, 25, 30]
+    assert tables.thirds([5, 10, 15, 20, 25, 30]) == [(5, 10), (15, 20), (25, 30)]
+    assert tables.thirds(list(range(5, 65, 5))) == [(5, 20), (25, 40), (45, 60)]
+    row = tables.main_table(records).splitlines()[2].split(" | ")
+    assert row[0] == "| troll lr 3e-06" and row[2] == "0.900, 0.800"
+    assert row[4] == f"{(0.6 + 0.5) / 2:.3f}"  # rollouts 5-10, without rollout 7's 0.0
+    lines = tables.paired_table(records, "troll lr 3e-06", "clip lr 3e-06").splitlines()
+    late = next(line for line in lines if "| 25, 30 |" in line)
+    assert "+0.150 (+0.200, +0.100); t-test p 0.20, sign test p 0.50" in late
+    assert not any("| 5, 7" in line for line in lines)
+
+
+def test_paired_tests_match_the_t_tables_and_exact_sign_test():
+    """Two-sided 5% points of Student's t: 12.706 (1 df), 4.303 (2), 2.776 (4), 2.228 (10);
+    the sign test on n of n equal signs gives 2 / 2^n."""
+    stats = load("study_stats")
+    for t, df in ((12.7062, 1), (4.302653, 2), (2.776445, 4), (2.228139, 10)):
+        assert stats.t_two_sided(t, df) == pytest.approx(0.05, abs=1e-5)
+    assert stats.t_two_sided(0.0, 3) == pytest.approx(1.0)
+    assert stats.sign_test([1, 2, 3]) == 0.25 and stats.sign_test([1, -1, 2, 3, 4]) == 0.375
+    # the paper-regime study's late gap as the page gave it: p 0.04 with 2 df, sign test 0.25
+    late = stats.paired([0.887, 0.881, 0.881], [0.832, 0.849, 0.814])
+    assert late.diffs == pytest.approx((0.055, 0.032, 0.067))
+    assert late.p_t == pytest.approx(0.04, abs=0.005) and late.p_sign == 0.25
+    equal = stats.paired([1.0, 2.0], [0.5, 1.5])
+    assert equal.t == math.inf and equal.p_t == 0.0
+    with pytest.raises(ValueError, match="equal, non-empty"):
+        stats.paired([1.0], [1.0, 2.0])
 
 
 @pytest.mark.parametrize("path", sorted(EXAMPLES.glob("*.py")), ids=lambda p: p.name)
@@ -380,3 +417,34 @@ def test_paper_regime_main_grid_splits_by_objective_into_disjoint_runs(tmp_path)
     assert not clip & troll and clip | troll == both
     with pytest.raises(SystemExit):
         paper.parse_args(["--objectives", "kl"])
+
+
+@pytest.mark.slow
+def test_late_gap_branches_start_from_the_trunk_with_their_change(tmp_path):
+    """The branch test on TinyMath: a trunk of 2 rollouts, four branches of 2 more. Every arm
+    samples the same rollout 3 from the trunk's weights; the clipping arm logs clipping's figures,
+    the eps 0.2 arm a bound of 0.2, the alpha 0 arm no regression loss; every arm logs the
+    confidence bins; the trunk's checkpoint is kept for later branches."""
+    branches = load("late_gap_branches")
+    out = tmp_path / "late"
+    argv = ["--dry-run", "--out", str(out), "--seeds", "0", "--trunk", "2", "--branch", "2"]
+    branches.main(argv)
+    trunk = out / "trunks" / "runs" / "trunk-troll-lr3e-06-s0" / "checkpoints" / "last.ckpt"
+    assert trunk.exists()
+    args = branches.parse_args(argv)
+    runs = branches.branch_runs(args, 0)
+    records = {r["name"]: r for r in branches.branch_grid(args).finished(runs)}
+    assert set(records) == {"control-s0", "clip-s0", "eps0.2-s0", "alpha0-s0"}
+    first = {n: r["history"][0] for n, r in records.items()}
+    assert {row["rollout"] for row in first.values()} == {3}
+    assert len({row["reward/mean"] for row in first.values()}) == 1  # the same rollout 3
+    clip, eps = records["clip-s0"]["history"], records["eps0.2-s0"]["history"]
+    assert all("clip/active_frac" in row and "trust_region/bound" not in row for row in clip)
+    assert all(row["trust_region/bound"] == pytest.approx(0.2) for row in eps)
+    for row in records["control-s0"]["history"]:
+        assert row["trust_region/bound"] == pytest.approx(0.05)
+    assert all(row["loss/regression"] == 0 for row in records["alpha0-s0"]["history"])
+    for r in records.values():
+        assert any(k.startswith("trust_region/by_confidence/") for k in r["history"][0])
+    header = (out / "branches" / "metrics.csv").read_text().splitlines()[0].split(",")
+    assert "trust_region/by_advantage/zero/tokens" in header and "clip/outside_frac" not in header

@@ -82,7 +82,10 @@ def test_both_objectives_train_the_task_from_its_folder(tmp_path, smollm2_dir, c
     assert re.search(r"support: official\n", config) and re.search(r"max_tokens: 256\n", config)
     assert re.search(r"temperature: 1\.0\n", config) and "aggregation: token_mean" in config
     table = (out / "table.md").read_text()
-    assert table.startswith("| arm | seeds | late accuracy") and "| troll lr 3e-06 | 1 |" in table
+    assert (
+        table.startswith("| arm | seeds | accuracy, rollouts 1-1")
+        and "| troll lr 3e-06 | 1 |" in table
+    )
     rows = (out / "metrics.csv").read_text().splitlines()
     assert rows[0].startswith("name,") and len(rows) == 1 + 2 * 2  # the start and one rollout each
     capsys.readouterr()
