@@ -52,16 +52,8 @@ ARMS: dict[str, dict] = {
 }
 """Each branch's change to the trunk's model options (``group.field`` for a field of an option
 record)."""
-METRICS = (
-    *paper.METRICS,
-    "trust_region/",
-    "clip/",
-    "sparsity/",
-    "reward/frac_zero_std",
-    "completion/truncated_frac",
-    "loss/",
-)
-"""Every figure the monitors log, by prefix, beside the paper-regime study's."""
+METRICS = (*paper.METRICS, "loss/")
+"""The paper-regime study's (every figure the monitors log), and the losses."""
 
 
 def trunk_run(args, seed: int) -> Run:

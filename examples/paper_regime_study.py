@@ -85,7 +85,14 @@ METRICS = (
     "clip/active_frac",
     "time/rollout",
     study_kit.TIME,
+    "reward/frac_zero_std",
+    "completion/truncated_frac",
+    "trust_region/",
+    "clip/",
+    "sparsity/",
 )
+"""The metrics every run keeps per rollout; a name ending in ``/`` keeps every metric under it,
+so that no figure the monitors log is dropped (the constraint bins among them)."""
 
 
 def regime_args(prompts: int) -> list[str]:

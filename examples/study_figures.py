@@ -41,7 +41,9 @@ def run_mean(record: dict, metric: str, last: int | None = None) -> float | None
 
 
 def mean_std(found: Sequence[float]) -> tuple[float, float]:
-    """Mean and sample standard deviation (0 for one value); NaN for none."""
+    """Mean and sample standard deviation (0 for one value) of the values that are not NaN; NaN
+    for none."""
+    found = [x for x in found if not math.isnan(x)]
     if not found:
         return math.nan, math.nan
     return statistics.fmean(found), statistics.stdev(found) if len(found) > 1 else 0.0
