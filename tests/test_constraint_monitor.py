@@ -177,3 +177,24 @@ def test_two_step_fit_logs_the_bins_to_tensorboard_and_csv(
             float(row[f"trust_region/by_confidence/{n}/tokens"]) for n, *_ in CONFIDENCE_BINS
         )
         assert total == pytest.approx(1.0, abs=1e-6)
+
+
+def test_the_cost_benchmark_times_both_monitors_on_both_objectives(tmp_path):
+    """examples/benchmark_constraint_monitor.py on a small rollout: a row per objective with
+    positive times, and the synthetic statistics it times log every bin of both objectives."""
+    from tests.test_study_kit import load
+
+    bench = load("benchmark_constraint_monitor")
+    out = tmp_path / "cost.json"
+    bench.main(["--tokens", "800", "--repeats", "2", "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["objective"], r["tokens"]) for r in rows] == [("troll", 800), ("clip", 800)]
+    assert all(r["constraint_monitor_s"] > 0 and r["trust_region_monitor_s"] > 0 for r in rows)
+    generator = torch.Generator().manual_seed(0)
+    for objective, masks in (("troll", ["projected"]), ("clip", ["clipped", "outside"])):
+        stats = [bench.step_stats(objective, 100, generator) for _ in range(2)]
+        module = SimpleNamespace(last_stats=stats, device=torch.device("cpu"), logged={})
+        module.log_dict = lambda values, m=module: m.logged.update(values)
+        ConstraintMonitor().on_train_batch_end(None, module, None, None, 0)
+        for mask in masks:
+            assert f"trust_region/by_confidence/below_0.5/{mask}" in module.logged
