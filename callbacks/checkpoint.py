@@ -18,6 +18,8 @@ from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
+from lightning_troll.training.checkpoint_io import install_atomic_saves
+
 __all__ = ["RolloutCheckpoint"]
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -31,8 +33,12 @@ class RolloutCheckpoint(Checkpoint):
     to stop: the first Ctrl-C (SIGINT) or SIGTERM lets the rollout in progress (and a
     validation in progress) finish, then saves and ends the fit cleanly. A second Ctrl-C stops at
     once without saving: ``last.ckpt`` is then the one written last. Saves go through
-    ``Trainer.save_checkpoint``, which writes a temporary file and moves it into place, so a
-    process killed while saving leaves the previous ``last.ckpt`` whole.
+    ``Trainer.save_checkpoint`` and, unless the trainer has a checkpoint IO of its own,
+    :class:`~lightning_troll.training.checkpoint_io.AtomicCheckpointIO` (installed at setup, for
+    every checkpoint callback of the trainer): each is written beside ``last.ckpt``, synced and
+    renamed over it, so a process killed while saving, or a disk that fills, leaves the previous
+    ``last.ckpt`` whole; a full disk stops the run with
+    :class:`~lightning_troll.training.checkpoint_io.SaveFailed`.
 
     Args:
         every_n_rollouts: rollouts between two saves, >= 0; 0 saves only when the fit ends or
@@ -66,6 +72,7 @@ class RolloutCheckpoint(Checkpoint):
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        install_atomic_saves(trainer.strategy)
         if self.dirpath is None:
             self.dirpath = os.path.join(trainer.log_dir or trainer.default_root_dir, "checkpoints")
         # all processes must agree: only the first one's log folder exists

@@ -14,9 +14,9 @@ import yaml
 from lightning.fabric.plugins.io import torch_io
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_troll.callbacks import RolloutGeneration
-from lightning_troll.training import checkpoints
-from lightning_troll.training.checkpoints import check_checkpoint_file, non_atomic_saves
+from lightning_troll.callbacks import RolloutCheckpoint, RolloutGeneration
+from lightning_troll.training.checkpoint_io import AtomicCheckpointIO
+from lightning_troll.training.checkpoints import check_checkpoint_file
 from tests.test_training import make_data, make_module, make_trainer
 
 pytestmark = pytest.mark.slow  # whole fits, and processes started and killed
@@ -24,40 +24,35 @@ pytestmark = pytest.mark.slow  # whole fits, and processes started and killed
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_model_checkpoint_saves_through_lightnings_atomic_save(
+def test_every_checkpoint_callback_saves_through_the_atomic_io(
     tmp_path, tiny_model_dir, monkeypatch
 ):
-    """ModelCheckpoint -> Trainer.save_checkpoint -> TorchCheckpointIO -> ``_atomic_save``, which
-    writes to a temporary file inside an fsspec transaction and moves it into place."""
-    saved = []
-    atomic = torch_io._atomic_save
+    """With RolloutCheckpoint in the trainer, ModelCheckpoint's saves and its own go through
+    AtomicCheckpointIO (written beside their final name, then renamed), none through Lightning's
+    save to the temporary directory; a trainer without it keeps Lightning's."""
+    saved, lightnings = [], []
+    save = AtomicCheckpointIO.save_checkpoint
 
-    def spy(checkpoint, path):
+    def spy(self, checkpoint, path, storage_options=None):
         saved.append(Path(path).name)
-        atomic(checkpoint, path)
+        save(self, checkpoint, path, storage_options)
 
-    monkeypatch.setattr(torch_io, "_atomic_save", spy)
-    checkpoints = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1)
+    monkeypatch.setattr(AtomicCheckpointIO, "save_checkpoint", spy)
+    monkeypatch.setattr(torch_io, "_atomic_save", lambda c, p: lightnings.append(Path(p).name))
+    every = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1)
+    last = RolloutCheckpoint(every_n_rollouts=0, dirpath=str(tmp_path / "last"))
     trainer = make_trainer(
-        tmp_path, 2, callbacks=[RolloutGeneration(), checkpoints], enable_checkpointing=True,
+        tmp_path, 2, callbacks=[RolloutGeneration(), every, last], enable_checkpointing=True,
         limit_val_batches=0,
     )  # fmt: skip
     trainer.fit(make_module(tiny_model_dir), datamodule=make_data(tiny_model_dir))
-    assert saved == ["epoch=0-step=1.ckpt", "epoch=0-step=2.ckpt"]
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == saved
-
-
-def test_saves_across_file_systems_are_flagged(tmp_path, monkeypatch):
-    assert non_atomic_saves(tmp_path / "new" / "ckpt") is None  # pytest's tmp_path is in TMPDIR
-    assert non_atomic_saves("s3://bucket/ckpt") is None
-    # pretend tmp_path/elsewhere is another file system
-    elsewhere = tmp_path / "elsewhere"
-    monkeypatch.setattr(
-        checkpoints, "_device", lambda path: 2 if elsewhere in (path, *path.parents) else 1
-    )
-    problem = non_atomic_saves(elsewhere / "ckpt")
-    assert f"checkpoints in '{elsewhere / 'ckpt'}' are on another file system" in problem
-    assert "Set TMPDIR" in problem
+    assert saved == ["epoch=0-step=1.ckpt", "epoch=0-step=2.ckpt", "last.ckpt"] and not lightnings
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == saved[:2]
+    for path in (*(tmp_path / "ckpt").iterdir(), tmp_path / "last" / "last.ckpt"):
+        check_checkpoint_file(path)
+    plain = make_trainer(tmp_path, 1, callbacks=[RolloutGeneration()], enable_checkpointing=False)
+    plain.strategy.connect(make_module(tiny_model_dir))
+    assert type(plain.strategy.checkpoint_io) is torch_io.TorchCheckpointIO
 
 
 def command(tmp_path: Path, model_dir: Path, *extra: str) -> list[str]:
@@ -120,8 +115,11 @@ def test_a_killed_run_resumes_from_its_last_checkpoint(tmp_path, tiny_model_dir)
         process.wait()
         process.stderr.close()
     assert process.returncode == -9
-    written = sorted(ckpt.iterdir())
+    written = sorted(p for p in ckpt.iterdir() if not p.name.startswith("."))
     assert all(p.suffix == ".ckpt" for p in written), "no temporary files beside the checkpoints"
+    hidden = [p.name for p in ckpt.iterdir() if p.name.startswith(".")]
+    # a save the kill cut short leaves only its own partial file, which the next save overwrites
+    assert all(name.endswith(".ckpt.partial") for name in hidden), hidden
     for path in written:
         check_checkpoint_file(path)  # every file there is whole
     saved = torch.load(ckpt / "last.ckpt", map_location="cpu", weights_only=True)["global_step"]

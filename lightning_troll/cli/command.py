@@ -57,8 +57,8 @@ from lightning_troll.rewards.lookup import config_folders as reward_config_folde
 from lightning_troll.training.checkpoints import (
     changed_options,
     check_checkpoint_file,
-    non_atomic_saves,
 )
+from lightning_troll.training.faults import FAULT_EXIT_CODE, RunFault
 from lightning_troll.training.module import TrollModule
 
 __all__ = ["BAD_INPUT", "TrollCLI", "main", "quarter_means", "run", "shows_help"]
@@ -231,14 +231,6 @@ class TrollCLI(LightningCLI):
         with reward_config_folders(getattr(self, "_config_files", [])):
             super().instantiate_classes()
 
-    def before_fit(self) -> None:
-        """Warns when checkpoints would not be saved atomically (see ``non_atomic_saves``)."""
-        for callback in self.trainer.checkpoint_callbacks:
-            directory = getattr(callback, "dirpath", None) or self.trainer.default_root_dir
-            problem = non_atomic_saves(directory)
-            if problem is not None:
-                rank_zero_warn(problem)
-
     def after_fit(self) -> None:
         if not self.trainer.is_global_zero:
             return
@@ -333,7 +325,9 @@ def main(args: list[str] | None = None) -> None:
 
     Bad input found before training (:data:`BAD_INPUT`) prints one line and exits with status 2,
     unless ``--debug`` is given or ``LIGHTNING_TROLL_DEBUG`` is set (then the traceback shows). A
-    run stopped by Ctrl-C or SIGTERM, after saving its checkpoint, exits with 128 + the signal.
+    run stopped by Ctrl-C or SIGTERM, after saving its checkpoint, exits with 128 + the signal; a
+    run stopped by a fault it cannot go past (:class:`RunFault`: a full disk) prints one line and
+    exits with status 3.
     """
     given = sys.argv[1:] if args is None else args
     debug = DEBUG_FLAG in given or os.environ.get(DEBUG_VARIABLE, "") not in ("", "0")
@@ -350,6 +344,11 @@ def main(args: list[str] | None = None) -> None:
         sys.argv[1:] = rest
     try:
         cli = run(None if args is None else rest, debug=debug)
+    except RunFault as fault:
+        if debug:
+            raise
+        print(f"lightning-troll: stopped: {' '.join(str(fault).split())}", file=sys.stderr)
+        raise SystemExit(FAULT_EXIT_CODE) from None
     except BAD_INPUT as error:
         if debug or getattr(error, "during_training", False):
             raise

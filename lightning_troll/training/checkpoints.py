@@ -10,8 +10,6 @@
   checkpoint is refused with its path named, before any training.
 - :func:`check_compatible`: a checkpoint written for another model (other vocabulary or layer
   sizes) is refused with the first differing tensor and both shapes named.
-- :func:`non_atomic_saves`: Lightning saves a checkpoint to a temporary file and moves it into
-  place; the move is an atomic rename only within one file system.
 
 Nothing here imports Lightning; the hooks that use these are in :mod:`lightning_troll.training.resume`.
 """
@@ -19,9 +17,7 @@ Nothing here imports Lightning; the hooks that use these are in :mod:`lightning_
 from __future__ import annotations
 
 import dataclasses
-import os
 import random
-import tempfile
 import zipfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -36,7 +32,6 @@ __all__ = [
     "changed_options",
     "check_checkpoint_file",
     "check_compatible",
-    "non_atomic_saves",
     "restore_rng_states",
     "rng_states",
     "rng_states_by_rank",
@@ -197,31 +192,3 @@ def check_compatible(
             "policy is kept only with loss.ref_kl_coef > 0: resume with the model.model and "
             "loss.ref_kl_coef it was trained with"
         )
-
-
-def _device(path: Path) -> int:
-    """The file system (device id) of ``path`` or of its nearest existing parent."""
-    path = path.expanduser().absolute()
-    while not path.exists():
-        path = path.parent
-    return os.stat(path).st_dev
-
-
-def non_atomic_saves(directory: str | Path) -> str | None:
-    """Why saves into ``directory`` are not atomic, or None when they are.
-
-    Lightning writes a checkpoint to a file in the temporary directory and moves it into place
-    (fsspec's local transaction); across file systems the move is a copy, which a kill can cut
-    short at the checkpoint's final name.
-    """
-    if "://" in str(directory):
-        return None  # remote file systems upload the finished file
-    temp = Path(tempfile.gettempdir())
-    if _device(Path(directory)) == _device(temp):
-        return None
-    return (
-        f"checkpoints in {str(directory)!r} are on another file system than the temporary "
-        f"directory {str(temp)!r}: each save is copied into place, not renamed, so a process "
-        "killed while saving can leave a truncated checkpoint. Set TMPDIR to a folder on the "
-        "checkpoints' file system"
-    )

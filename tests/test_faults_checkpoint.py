@@ -1,0 +1,173 @@
+"""A save that fails never costs the previous checkpoint: a simulated full disk, a real file-size
+limit, and a real full file system (a small tmpfs, where the tests may mount one) under the
+``lightning-troll`` command, whose run stops in one line and resumes from what it kept."""
+
+from __future__ import annotations
+
+import errno
+import subprocess
+import sys
+import textwrap
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from lightning_troll.training.checkpoint_io import AtomicCheckpointIO, SaveFailed, partial_path
+from lightning_troll.training.checkpoints import check_checkpoint_file
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def state(size: int) -> dict:
+    return {"state_dict": {"w": torch.arange(size, dtype=torch.float32)}, "global_step": size}
+
+
+def test_a_save_that_runs_out_of_space_keeps_the_old_checkpoint(tmp_path, monkeypatch):
+    """torch.save writes half of the new checkpoint, then the disk is full: the old file is
+    untouched, the partial one is gone, and the error names the folder, the free space and the
+    size needed."""
+    target = tmp_path / "ckpt" / "last.ckpt"
+    io = AtomicCheckpointIO()
+    io.save_checkpoint(state(1000), target)
+    before = target.read_bytes()
+
+    def full_disk(obj, file):
+        file.write(before[: len(before) // 2])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(SaveFailed) as failed:
+        io.save_checkpoint(state(2000), target)
+    assert target.read_bytes() == before
+    assert not partial_path(target).exists()
+    message = str(failed.value)
+    assert f"could not save {target}: No space left on device" in message
+    assert f"free in {target.parent}; the checkpoint needs about 0.0 MiB" in message
+    assert (
+        f"the previous last.ckpt there is whole: free space, then resume with --ckpt_path {target}"
+        in message
+    )
+
+
+def test_other_errors_pass_through_and_clean_up(tmp_path, monkeypatch):
+    target = tmp_path / "last.ckpt"
+
+    def broken(obj, file):
+        file.write(b"half")
+        raise RuntimeError("pickling failed")
+
+    monkeypatch.setattr(torch, "save", broken)
+    with pytest.raises(RuntimeError, match="pickling failed"):
+        AtomicCheckpointIO().save_checkpoint(state(10), target)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_real_file_size_limit_during_a_save_keeps_the_old_checkpoint(tmp_path):
+    """In a process whose files may not grow past 64 KiB (RLIMIT_FSIZE; SIGXFSZ ignored, so
+    the kernel fails the write with EFBIG), a 40 KiB checkpoint saves and a 400 KiB one fails:
+    the first stays whole and loadable."""
+    script = textwrap.dedent(
+        f"""
+        import resource, signal, torch
+        from pathlib import Path
+        from lightning_troll.training.checkpoint_io import AtomicCheckpointIO, SaveFailed
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, resource.RLIM_INFINITY))
+        target = Path({str(tmp_path / "last.ckpt")!r})
+        io = AtomicCheckpointIO()
+        io.save_checkpoint({{"w": torch.zeros(10_000)}}, target)
+        try:
+            io.save_checkpoint({{"w": torch.ones(100_000)}}, target)
+        except SaveFailed as error:
+            print(error)
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert (
+        "File too large" in done.stdout and "the previous last.ckpt there is whole" in done.stdout
+    )
+    assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]
+    assert torch.load(tmp_path / "last.ckpt", weights_only=True)["w"].sum() == 0
+
+
+@pytest.fixture
+def small_file_system(tmp_path):
+    """A tmpfs of 1 MiB mounted at tmp_path/disk (root only); skipped where it cannot be."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+
+    def mount_with(size: int) -> Path:
+        done = subprocess.run(
+            [
+                "mount",
+                "-t",
+                "tmpfs",
+                "-o",
+                f"size={size}",
+                f"troll-{uuid.uuid4().hex[:6]}",
+                str(mount),
+            ],
+            capture_output=True,
+            text=True,
+        )
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+        return mount
+
+    yield mount_with
+    subprocess.run(["umount", str(mount)], capture_output=True)
+
+
+def fit_command(tmp_path: Path, model_dir: Path, checkpoints: Path, steps: int, *extra: str):
+    config = {
+        "trainer": {"enable_progress_bar": False, "limit_val_batches": 0, "logger": False,
+                    "max_steps": steps},
+        "model": {"model": str(model_dir), "group_size": 4, "sampling": {"max_new_tokens": 4},
+                  "optimization": {"minibatch_size": 8}},
+        "data": {"batch_size": 2, "num_train": 16, "num_val": 0},
+        "checkpoint": {"every_n_rollouts": 1, "dirpath": str(checkpoints)},
+    }  # fmt: skip
+    path = tmp_path / "fit.yaml"
+    path.write_text(yaml.safe_dump(config))
+    base = ["fit", "--config", str(ROOT / "configs" / "tinymath.yaml"), "--config", str(path)]
+    return [sys.executable, "-m", "lightning_troll.cli.command", *base, *extra]
+
+
+@pytest.mark.slow
+def test_a_full_disk_stops_the_run_in_one_line_and_the_kept_checkpoint_resumes(
+    tmp_path, tiny_model_dir, small_file_system
+):
+    """The checkpoints' file system holds one checkpoint and a half: the first save succeeds,
+    the second finds no room. The run stops with exit status 3 and one line on stderr naming the
+    folder; last.ckpt is the first save, whole; copied elsewhere, it resumes."""
+    probe = tmp_path / "probe"
+    first = subprocess.run(fit_command(tmp_path, tiny_model_dir, probe, 1), cwd=tmp_path,
+                           capture_output=True, text=True)  # fmt: skip
+    assert first.returncode == 0, first.stderr[-2000:]
+    size = (probe / "last.ckpt").stat().st_size
+    disk = small_file_system(int(size * 1.5))
+    done = subprocess.run(fit_command(tmp_path, tiny_model_dir, disk, 3), cwd=tmp_path,
+                          capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 3, done.stderr[-2000:]
+    lines = [line for line in done.stderr.splitlines() if line.startswith("lightning-troll:")]
+    assert len(lines) == 1 and lines[0].startswith(
+        f"lightning-troll: stopped: could not save {disk}"
+    )
+    assert "Traceback" not in done.stderr
+    assert sorted(p.name for p in disk.iterdir()) == ["last.ckpt"]
+    check_checkpoint_file(disk / "last.ckpt")
+    kept = torch.load(disk / "last.ckpt", weights_only=True)
+    assert kept["global_step"] == 1
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "last.ckpt").write_bytes((disk / "last.ckpt").read_bytes())
+    resumed = subprocess.run(
+        fit_command(tmp_path, tiny_model_dir, elsewhere, 2, "--ckpt_path", str(elsewhere / "last.ckpt")),
+        cwd=tmp_path, capture_output=True, text=True,
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert torch.load(elsewhere / "last.ckpt", weights_only=True)["global_step"] == 2
