@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lightning_troll.cli.command import main as cli_main
 from lightning_troll.cli.command import run as cli_run
+from lightning_troll.cli.export import MARKER
 from lightning_troll.training.module import TrollModule
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,20 +76,64 @@ def test_the_exported_folder_is_the_trained_policy(checkpoint, tiny_model_dir, t
     assert [p.name for p in tmp_path.iterdir()] == ["exported"]  # no staging folder left
 
 
-def test_an_existing_folder_is_kept_unless_overwrite(checkpoint, tmp_path, capsys):
+def test_an_existing_folder_is_kept_and_overwrite_replaces_only_an_export(
+    checkpoint, tmp_path, capsys
+):
+    """A folder with a file of one's own is refused, with or without --overwrite, and kept; an
+    earlier export (its marker lists what it wrote) is replaced by --overwrite."""
     out = tmp_path / "exported"
     out.mkdir()
     (out / "mine.txt").write_text("keep me")
     args = ["export", "--ckpt_path", str(checkpoint), "--output_dir", str(out)]
+    for extra, message in (([], "exists and is not empty"), (["--overwrite"], "no export wrote")):
+        with pytest.raises(SystemExit) as stop:
+            cli_main([*args, *extra])
+        assert stop.value.code == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "--output_dir" in err and message in err
+        assert (out / "mine.txt").read_text() == "keep me"
+    (out / "mine.txt").unlink()
+    cli_main(args)
+    marker = json.loads((out / MARKER).read_text())
+    assert "config.json" in marker["files"] and marker["ckpt_path"] == str(checkpoint.resolve())
+    (out / "config.json").write_text("{}")  # an earlier export, edited: still the export's file
+    cli_main([*args, "--overwrite"])
+    assert json.loads((out / "config.json").read_text())["vocab_size"] > 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exported"]
+
+
+def test_export_into_the_checkpoints_own_folder_deletes_nothing(checkpoint, tmp_path, capsys):
+    """--overwrite into the folder that holds the checkpoint (and a run's logs): refused in one
+    line, the checkpoint byte for byte as it was."""
+    run = tmp_path / "run"
+    run.mkdir()
+    ckpt = run / "last.ckpt"
+    ckpt.write_bytes(checkpoint.read_bytes())
+    (run / "metrics.csv").write_text("step\n0\n")
     with pytest.raises(SystemExit) as stop:
-        cli_main(args)
+        cli_main(["export", "--ckpt_path", str(ckpt), "--output_dir", str(run), "--overwrite"])
     assert stop.value.code == 2
     err = capsys.readouterr().err
-    assert "--output_dir" in err and "exists and is not empty" in err and "--overwrite" in err
-    assert (out / "mine.txt").read_text() == "keep me"
-    cli_main([*args, "--overwrite"])
-    assert not (out / "mine.txt").exists() and (out / "config.json").is_file()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["exported"]
+    assert "holds the checkpoint being exported" in err and err.count("\n") == 1
+    assert ckpt.read_bytes() == checkpoint.read_bytes()
+    assert sorted(p.name for p in run.iterdir()) == ["last.ckpt", "metrics.csv"]
+
+
+def test_export_needs_neither_the_reward_nor_the_engine(checkpoint, tmp_path, capsys):
+    """A checkpoint whose reward module is nowhere to be imported and whose engine is vLLM (not
+    installed here) exports its policy all the same."""
+    stored = torch.load(checkpoint, weights_only=False)
+    stored["hyper_parameters"]["rewards"] = {"nowhere_to_be_found:reward": 1.0}
+    stored["hyper_parameters"]["reward_workers"] = 2
+    stored["hyper_parameters"]["rollout_engine"] = "vllm"
+    moved = tmp_path / "moved.ckpt"
+    torch.save(stored, moved)
+    out = tmp_path / "exported"
+    cli_main(["export", "--ckpt_path", str(moved), "--output_dir", str(out)])
+    exported = AutoModelForCausalLM.from_pretrained(out)
+    trained = TrollModule.load_from_checkpoint(checkpoint).policy
+    for name, value in trained.state_dict().items():
+        assert torch.equal(exported.state_dict()[name], value), name
 
 
 @pytest.mark.parametrize(

@@ -15,15 +15,20 @@ for its config and tokenizer), loads the trained weights and writes the policy a
   to 4 bits would lose the update): export its adapters.
 
 The checkpoint is a ``.ckpt`` file, or the folder of shards an FSDP2 run writes (gathered in
-this one process's CPU memory). The folder is written beside ``output_dir`` and renamed into
-place once complete, so a failed export leaves no half-written model; an ``output_dir`` that
-exists and is not empty is refused unless ``--overwrite`` is given (it is then replaced whole,
-once the new one is complete).
+this one process's CPU memory). Only the policy is rebuilt: the run's rewards, reward workers and
+rollout engine are not (:data:`POLICY_ONLY`), so a reward module that is not importable where
+the export runs does not matter. The folder is written beside ``output_dir`` and renamed into
+place once complete, so a failed export leaves no half-written model. An ``output_dir`` that
+exists and is not empty is refused unless ``--overwrite`` is given, and ``--overwrite`` replaces
+only a folder an earlier export wrote (its :data:`MARKER` lists every file it wrote): a folder
+that holds the checkpoint being exported, a run's logs or any file no export wrote is refused,
+and nothing is deleted.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import tempfile
 from collections.abc import Sequence
@@ -34,7 +39,23 @@ import torch
 
 from lightning_troll.training.checkpoints import CheckpointError, check_checkpoint_file
 
-__all__ = ["export_policy", "main", "read_checkpoint"]
+__all__ = ["MARKER", "POLICY_ONLY", "export_policy", "main", "read_checkpoint"]
+
+MARKER = ".lightning-troll-export.json"
+"""The file an export writes into its folder: the checkpoint it came from and every file it
+wrote, which is what ``--overwrite`` may replace."""
+POLICY_ONLY: dict[str, Any] = {
+    "rewards": None,
+    "reward_kwargs": None,
+    "on_reward_error": "raise",
+    "reward_workers": 0,
+    "reward_timeout": None,
+    "dynamic_sampling": False,
+    "rollout_engine": "hf",
+    "rollout_engine_options": None,
+}
+"""The module options an export replaces in the checkpoint's: what scores and samples rollouts,
+which writing a policy never uses (a reward module of one's own need not be importable)."""
 
 
 def read_checkpoint(path: str | Path) -> dict[str, Any]:
@@ -56,13 +77,36 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
     return torch.load(where, map_location="cpu", weights_only=False)
 
 
-def _check_output(output_dir: Path, overwrite: bool) -> None:
+def _files(folder: Path) -> list[str]:
+    """Every file under ``folder``, as paths relative to it, sorted."""
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if not p.is_dir())
+
+
+def _check_output(output_dir: Path, overwrite: bool, ckpt_path: Path) -> None:
+    """Refuses an ``output_dir`` that is a file, that holds the checkpoint, or that is not empty
+    (with ``overwrite``: that holds any file an earlier export did not write)."""
+    where = f"--output_dir {str(output_dir)!r}"
     if output_dir.exists() and not output_dir.is_dir():
-        raise FileExistsError(f"--output_dir {str(output_dir)!r} is a file; give a folder")
-    if output_dir.is_dir() and any(output_dir.iterdir()) and not overwrite:
+        raise FileExistsError(f"{where} is a file; give a folder")
+    if not output_dir.is_dir() or not any(output_dir.iterdir()):
+        return
+    if ckpt_path.resolve().is_relative_to(output_dir.resolve()):
         raise FileExistsError(
-            f"--output_dir {str(output_dir)!r} exists and is not empty; give another folder, or "
-            "--overwrite to replace it"
+            f"{where} holds the checkpoint being exported ({str(ckpt_path)!r}); give another folder"
+        )
+    if not overwrite:
+        raise FileExistsError(
+            f"{where} exists and is not empty; give another folder, or --overwrite to replace an "
+            "earlier export there"
+        )
+    marker = output_dir / MARKER
+    written = set(json.loads(marker.read_text())["files"]) if marker.is_file() else set()
+    foreign = [f for f in _files(output_dir) if f != MARKER and f not in written]
+    if foreign:
+        raise FileExistsError(
+            f"{where}: --overwrite replaces only a folder an export wrote, and this one holds "
+            f"{len(foreign)} file(s) no export wrote (first: {foreign[0]!r}); nothing was "
+            "deleted: give another folder"
         )
 
 
@@ -79,8 +123,10 @@ def export_policy(
     from lightning_troll.training.module import TrollModule
 
     output_dir = Path(output_dir).expanduser()
-    _check_output(output_dir, overwrite)  # before the minutes a big checkpoint takes to read
+    # before the minutes a big checkpoint takes to read
+    _check_output(output_dir, overwrite, Path(ckpt_path).expanduser())
     checkpoint = read_checkpoint(ckpt_path)
+    checkpoint["hyper_parameters"] = {**checkpoint.get("hyper_parameters", {}), **POLICY_ONLY}
     lora = checkpoint.get("hyper_parameters", {}).get("lora")
     if adapters_only and lora is None:
         raise ValueError(
@@ -110,6 +156,11 @@ def export_policy(
         else:
             policy.save_pretrained(staging)
         module.tokenizer.save_pretrained(staging)
+        record = {
+            "ckpt_path": str(Path(ckpt_path).expanduser().resolve()),
+            "files": _files(staging),
+        }
+        (staging / MARKER).write_text(json.dumps(record, indent=1) + "\n")
         _replace(output_dir, staging)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -148,7 +199,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         action="store_true",
         help="LoRA: write the adapters alone (peft) instead of merging them into the base",
     )
-    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --output_dir")
+    p.add_argument(
+        "--overwrite", action="store_true", help="replace an earlier export in --output_dir"
+    )
     return p.parse_args(argv)
 
 
