@@ -19,6 +19,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_troll.training.checkpoint_io import install_atomic_saves
+from lightning_troll.training.faults import RunFault
 
 __all__ = ["RolloutCheckpoint"]
 
@@ -144,7 +145,14 @@ class RolloutCheckpoint(Checkpoint):
     def on_exception(
         self, trainer: Trainer, pl_module: LightningModule, exception: BaseException
     ) -> None:
-        self._restore_handlers()  # an exception may strike inside a rollout: nothing is saved
+        """An exception may strike inside a rollout: nothing is saved, unless it is a
+        :class:`~lightning_troll.training.faults.RunFault` that leaves the state whole (a reward
+        that failed while the rollout was scored) in a single process; then ``last.ckpt`` is
+        saved, resuming at that rollout, and the fault names it."""
+        self._restore_handlers()
+        if isinstance(exception, RunFault) and exception.resumable and trainer.world_size == 1:
+            self._save(trainer)
+            exception.saved = self.path
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:

@@ -15,11 +15,13 @@ from lightning_troll.callbacks.figures import each_logger, write_table
 from lightning_troll.callbacks.samples import RolloutReport, Samples, log_rollout, samples_table
 from lightning_troll.data.prompts import PromptBatch, draw_prompts
 from lightning_troll.models.sharding import gathered, is_sharded
+from lightning_troll.rewards.calls import RewardError
 from lightning_troll.rewards.registry import RewardOutput
 from lightning_troll.rollouts.behaviour import BehaviourRecorder, records_while_sampling
 from lightning_troll.rollouts.dynamic_sampling import choose_groups
 from lightning_troll.rollouts.rollout import Rollout, behaviour_outputs
 from lightning_troll.rollouts.timing import clock
+from lightning_troll.training.faults import RewardFault
 
 __all__ = ["RolloutGeneration", "RolloutReport", "Samples", "samples_table"]
 
@@ -102,7 +104,10 @@ class RolloutGeneration(Callback):
     ) -> None:
         self._started = clock(pl_module.device)
         more = self._extra_prompts(trainer, len(batch)) if pl_module.dynamic_sampling else None
-        rollout, report = self.collect(pl_module, batch, more)
+        try:
+            rollout, report = self.collect(pl_module, batch, more)
+        except RewardError as error:  # before any step of this rollout: the run's state is whole
+            raise RewardFault(str(error)) from error
         pl_module.rollout = rollout
         self.rollouts += 1
         self.mean_rewards.append(float(report.rewards.mean()))

@@ -104,3 +104,15 @@ def process_id(prompt: str, completion: str, row: Mapping[str, Any]) -> float:
 
     time.sleep(0.1)
     return float(os.getpid())
+
+
+def hangs_and_counts(prompt: str, completion: str, row: Mapping[str, Any]) -> float:
+    """Writes a file named after the completion into the folder ``row["calls"]`` (the calls
+    that started), then sleeps for ever when the completion is ``"hang"``, else 1.0."""
+    import time
+    from pathlib import Path
+
+    Path(row["calls"], completion).touch()
+    while completion == "hang":
+        time.sleep(1.0)
+    return 1.0

@@ -501,15 +501,28 @@ def test_debug_brings_the_traceback_back(tmp_path, monkeypatch, tiny_model_dir):
         cli_main(args)
 
 
-def test_an_error_once_training_runs_keeps_its_traceback(tmp_path, monkeypatch, tiny_model_dir):
-    """A reward function that raises in the first rollout is a crash of the user's code, not bad
-    configuration: its RewardError (a ValueError) comes through with the traceback."""
+def test_a_reward_that_raises_in_training_stops_with_status_3_or_a_traceback_on_debug(
+    tmp_path, monkeypatch, tiny_model_dir, capsys
+):
+    """A reward function that raises in the first rollout stops the run: the failure on one
+    line, the checkpoint saved before the rollout on the next, exit status 3. With --debug the
+    RewardError (a RewardFault) comes through with its traceback."""
     args = ["fit", "--config", str(ROOT / "configs" / "tinymath.yaml"), *one_step(tiny_model_dir)]
     args += ["--model.rewards", '{"tests.reward_helpers:raises": 1.0}']
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(RewardError, match="raised KeyError") as error:
+    with pytest.raises(SystemExit) as stop:
         cli_main(args)
-    assert error.value.during_training
+    assert stop.value.code == 3
+    err = [
+        line for line in capsys.readouterr().err.splitlines() if line.startswith(("light", "  "))
+    ]
+    assert err[0].startswith(
+        "lightning-troll: stopped: reward function 'tests.reward_helpers:raises'"
+    )
+    assert "raised KeyError" in err[0] and err[1].startswith("  saved ") and len(err) == 2
+    with pytest.raises(RewardError, match="raised KeyError") as error:
+        cli_main([*args, "--debug"])
+    assert error.value.resumable
 
 
 def test_console_script_reports_a_folder_that_is_not_a_model(tmp_path):

@@ -195,6 +195,20 @@ def test_raise_policy_in_workers_names_the_timeout():
         scorer.close()
 
 
+@pytest.mark.slow
+def test_raise_policy_in_workers_stops_at_the_first_failure(tmp_path):
+    """One worker, a 0.5 s timeout, the first of six completions hangs: the scoring stops when it
+    times out and raises naming it; none of the other five calls ever started."""
+    scorer = RewardScorer({H + "hangs_and_counts": 1.0}, workers=1, timeout=0.5)
+    completions = ["hang", "a", "b", "c", "d", "e"]
+    try:
+        with pytest.raises(RewardError, match=r"on sample 0 .* timed out after 0.5 s"):
+            scorer(["p"] * 6, completions, [{"calls": str(tmp_path)}] * 6)
+    finally:
+        scorer.close()
+    assert [p.name for p in tmp_path.iterdir()] == ["hang"]
+
+
 # ----------------------------------------------------------------------------- reward models
 
 

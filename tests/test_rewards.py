@@ -360,3 +360,38 @@ def test_reward_tag_keeps_names_readable():
     assert reward_tag("tinymath") == "tinymath"
     assert reward_tag("tests.reward_helpers:length_reward") == "tests.reward_helpers_length_reward"
     assert reward_tag("a/b c") == "a_b_c"
+
+
+def _two_arguments(prompt, completion):
+    return 1.0
+
+
+def _needs_a_keyword(prompt, completion, row, *, scale):
+    return scale
+
+
+def _takes_the_budget(prompt, completion, row, max_new_tokens, completion_tokens=0):
+    return 1.0
+
+
+@pytest.mark.parametrize(
+    "fn, kwargs, allowed",
+    [
+        (_two_arguments, None, False),  # no row
+        (_needs_a_keyword, None, False),  # a required keyword nobody gives
+        (_needs_a_keyword, {"_needs_a_keyword": {"scale": 2.0}}, True),  # given by reward_kwargs
+        (_takes_the_budget, None, True),  # the scorer passes the budget by keyword
+        (lambda *args, **kwargs: 1.0, None, True),
+    ],
+)
+def test_a_reward_whose_signature_cannot_take_the_call_is_refused_at_once(fn, kwargs, allowed):
+    """The scorer calls fn(prompt, completion, row, **reward_kwargs, **the per-completion
+    keywords it names); a signature that cannot take that call is refused when the scorer is
+    built, before any model loads, with the signature in the message."""
+    if allowed:
+        RewardScorer([fn], kwargs=kwargs)
+        return
+    name = fn.__name__
+    expected = rf"model.rewards: '{name}' cannot be called as fn\(prompt, completion, row\) "
+    with pytest.raises(ValueError, match=expected + rf".*its signature is {name}\("):
+        RewardScorer([fn], kwargs=kwargs)

@@ -326,8 +326,9 @@ def main(args: list[str] | None = None) -> None:
     Bad input found before training (:data:`BAD_INPUT`) prints one line and exits with status 2,
     unless ``--debug`` is given or ``LIGHTNING_TROLL_DEBUG`` is set (then the traceback shows). A
     run stopped by Ctrl-C or SIGTERM, after saving its checkpoint, exits with 128 + the signal; a
-    run stopped by a fault it cannot go past (:class:`RunFault`: a full disk) prints one line and
-    exits with status 3.
+    run stopped by a fault it cannot go past (:class:`RunFault`: a full disk, a reward that failed
+    under ``on_reward_error: raise``) prints one line (and the checkpoint saved on the way out, if
+    any) and exits with status 3.
     """
     given = sys.argv[1:] if args is None else args
     debug = DEBUG_FLAG in given or os.environ.get(DEBUG_VARIABLE, "") not in ("", "0")
@@ -348,6 +349,9 @@ def main(args: list[str] | None = None) -> None:
         if debug:
             raise
         print(f"lightning-troll: stopped: {' '.join(str(fault).split())}", file=sys.stderr)
+        if fault.saved:
+            print(f"  saved {fault.saved}: fix the cause, then resume with the same command and "
+                  f"--ckpt_path {fault.saved}", file=sys.stderr)  # fmt: skip
         raise SystemExit(FAULT_EXIT_CODE) from None
     except BAD_INPUT as error:
         if debug or getattr(error, "during_training", False):

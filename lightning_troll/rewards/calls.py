@@ -52,8 +52,9 @@ class Outcome(NamedTuple):
     """The score; 0.0 when the call failed."""
     problem: str | None = None
     """What went wrong, as a sentence's end (``"raised KeyError: 'answer'"``); None when valid."""
-    kind: Literal["error", "timeout"] | None = None
-    """``"timeout"`` for a call abandoned at ``model.reward_timeout``, else ``"error"``."""
+    kind: Literal["error", "timeout", "skipped"] | None = None
+    """``"timeout"`` for a call abandoned at ``model.reward_timeout``, ``"skipped"`` for one
+    never answered because an earlier failure stops the run, else ``"error"``."""
     cause: BaseException | None = None
     """The exception the call raised in this process, if one did."""
 
@@ -173,6 +174,8 @@ def apply_policies(
                 column[i] = outcome.value
                 continue
             if policy == "raise":
+                if outcome.kind == "skipped":  # the failure that stopped the scoring raises
+                    continue
                 raise RewardError(
                     f"reward function {name!r} on sample {i} (prompt {short(prompts[i])!r}, "
                     f"completion {short(completions[i])!r}) {outcome.problem}"

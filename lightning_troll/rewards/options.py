@@ -23,6 +23,7 @@ from typing import Any
 __all__ = [
     "SAMPLE_KEYWORDS",
     "bind_kwargs",
+    "check_call_signatures",
     "call_arguments",
     "overlong",
     "parameters",
@@ -89,6 +90,31 @@ def bind_kwargs(
                 raise ValueError(f"reward_kwargs.{name}: {error}") from None
         bound[name] = dict(arguments)
     return bound
+
+
+def check_call_signatures(
+    functions: Mapping[str, Callable[..., Any]], kwargs: Mapping[str, Mapping[str, Any]]
+) -> None:
+    """Refuses a reward function that cannot be called as the scorer calls it: ``fn(prompt,
+    completion, row)`` (a batched one with lists), plus its ``reward_kwargs`` and the
+    per-completion keywords (and ``device``) its signature names. A signature that cannot be read
+    (a builtin) is let through."""
+    for name, fn in functions.items():
+        try:
+            signature = inspect.signature(fn)
+        except (TypeError, ValueError):
+            continue
+        named = {*SAMPLE_KEYWORDS, "device"} & set(signature.parameters)
+        extra = dict.fromkeys([*kwargs.get(name, {}), *named])
+        try:
+            signature.bind("prompt", "completion", {}, **extra)
+        except TypeError as error:
+            raise ValueError(
+                f"model.rewards: {name!r} cannot be called as fn(prompt, completion, row) "
+                f"({error}; its signature is {name.rpartition(':')[2]}{signature}); a reward "
+                "takes the prompt, the completion and the data row, and keyword arguments from "
+                "model.reward_kwargs"
+            ) from None
 
 
 def sample_keywords(functions: Mapping[str, Callable[..., Any]]) -> dict[str, tuple[str, ...]]:

@@ -56,6 +56,7 @@ from lightning_troll.rewards.lookup import find_attribute, import_reward_module
 from lightning_troll.rewards.options import (
     bind_kwargs,
     call_arguments,
+    check_call_signatures,
     overlong,
     parameters,
     reward_tag,
@@ -264,6 +265,7 @@ class RewardScorer:
         """name -> the function's best score (its ``max_reward`` attribute, else 1.0)."""
         self.kwargs = bind_kwargs(self.functions, kwargs or {})
         """name -> keyword arguments bound to that function."""
+        check_call_signatures(self.functions, self.kwargs)
         self.sample_keywords = sample_keywords(self.functions)
         """name -> the per-completion keywords (``SAMPLE_KEYWORDS``) its signature names."""
         if timeout is not None and workers == 0:
@@ -353,7 +355,10 @@ class RewardScorer:
                     if results[-1].problem is not None and self.policies.get(name) == "raise":
                         break  # it raises: the other samples need not be scored
         if calls:
-            done = iter(self.workers.run(calls))
+            stop = frozenset(
+                c[0] for c in calls if self.policies.get(c[0].rsplit("@", 1)[0]) == "raise"
+            )
+            done = iter(self.workers.run(calls, stop))
             for name, fn in self.functions.items():
                 if not getattr(fn, "batched", False):
                     outcomes[name] = [next(done) for _ in samples]

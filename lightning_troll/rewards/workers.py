@@ -144,13 +144,30 @@ class RewardWorkers:
         self._workers[self._workers.index(worker)] = _Worker(self._context())
         self.restarts += 1
 
-    def run(self, calls: Sequence[Call]) -> list[Outcome]:
-        """The outcome of every call, in order; calls run in parallel across the workers."""
+    def run(self, calls: Sequence[Call], stop_keys: frozenset[str] = frozenset()) -> list[Outcome]:
+        """The outcome of every call, in order; calls run in parallel across the workers. The
+        first failed call of a function whose key is in ``stop_keys`` (one that stops the run)
+        ends the scoring: calls not yet answered are abandoned, their workers replaced, and
+        their outcomes are ``"skipped"``."""
         while len(self._workers) < self.count:
             self._workers.append(_Worker(self._context()))
         pending = deque(range(len(calls)))
         outcomes: list[Outcome | None] = [None] * len(calls)
+
+        def stopping() -> bool:
+            return any(
+                o is not None and o.problem is not None and calls[i][0] in stop_keys
+                for i, o in enumerate(outcomes)
+            )
+
         while pending or any(w.task is not None for w in self._workers):
+            if stop_keys and stopping():
+                pending.clear()
+                for worker in list(self._workers):
+                    if worker.task is not None:
+                        self._replace(worker)
+                return [o if o is not None else Outcome(0.0, "was not scored", "skipped")
+                        for o in outcomes]  # fmt: skip
             for worker in list(self._workers):
                 if worker.ready and worker.task is None and pending:
                     index = pending.popleft()

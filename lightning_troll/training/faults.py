@@ -1,14 +1,19 @@
 """Faults that stop a run cleanly: one line for the user, a documented exit status, nothing lost.
 
-A :class:`RunFault` raised during training (a checkpoint that found no room) ends the fit; the
-``lightning-troll`` command prints its message on one line and exits with
-:data:`FAULT_EXIT_CODE`. What the run trained up to its last checkpoint is in that checkpoint,
-which the message names. Nothing here imports Lightning.
+A :class:`RunFault` raised during training (a checkpoint that found no room, a reward that
+failed under ``model.on_reward_error: raise``) ends the fit; the ``lightning-troll`` command prints
+its message on one line and exits with :data:`FAULT_EXIT_CODE`. A fault that strikes between two
+optimiser steps' worth of state (:attr:`RunFault.resumable`: a reward fails while a rollout is
+scored, before it trains) has what the run trained saved first
+(:class:`~lightning_troll.callbacks.RolloutCheckpoint`), and the command names the checkpoint to
+resume from once the cause is fixed. Nothing here imports Lightning.
 """
 
 from __future__ import annotations
 
-__all__ = ["FAULT_EXIT_CODE", "RunFault"]
+from lightning_troll.rewards.calls import RewardError
+
+__all__ = ["FAULT_EXIT_CODE", "RewardFault", "RunFault"]
 
 FAULT_EXIT_CODE = 3
 """The exit status of a run stopped by a :class:`RunFault` (2 is bad input found before
@@ -17,3 +22,16 @@ training; 128 + N a stop by signal N)."""
 
 class RunFault(RuntimeError):
     """A fault during training that stops the run, told in one line (its message)."""
+
+    resumable: bool = False
+    """Whether the run's state is whole when it strikes (no optimiser step half done), so that a
+    checkpoint saved then resumes the run."""
+    saved: str | None = None
+    """The checkpoint saved on the way out, if one was."""
+
+
+class RewardFault(RewardError, RunFault):
+    """A reward call failed under ``on_reward_error: raise`` while a rollout was scored: nothing
+    of the rollout has trained yet."""
+
+    resumable = True
