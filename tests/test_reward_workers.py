@@ -4,8 +4,12 @@ processes with timeouts and deaths, and a reward model as a reward."""
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import sys
+import time
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -320,3 +324,74 @@ def test_math_verify_trains_by_name(tmp_path, tiny_model_dir):
     reward = trainer.callback_metrics["reward/mean"]
     assert torch.isfinite(reward) and 0.0 <= float(reward) <= 1.0
     assert recorder.rollouts[0].rewards.shape == (16,)
+
+
+def _descendants(pid: int) -> set[int]:
+    """The live processes below ``pid``, from /proc."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z":  # a zombie has exited
+            parents[int(stat.parent.name)] = int(fields[1])
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+TRAINER = """
+import sys
+sys.path.insert(0, {root!r})
+from lightning_troll.rewards.registry import RewardScorer
+if __name__ == "__main__":
+    scorer = RewardScorer({{"tests.reward_helpers:hangs_and_counts": 1.0}}, workers=2,
+                          on_error="drop")
+    scorer(["p"] * 2, ["hang", "hang"], [{{"calls": {calls!r}}}] * 2)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux's /proc")
+def test_workers_die_with_a_trainer_killed_with_sigkill(tmp_path):
+    """A trainer whose two workers hang in their reward calls is killed with SIGKILL: within 10 s
+    nothing it started lives on (workers, their forkserver, the resource tracker)."""
+    calls = tmp_path / "calls"
+    calls.mkdir()
+    script = tmp_path / "trainer.py"
+    root = str(Path(__file__).resolve().parents[1])
+    script.write_text(TRAINER.format(root=root, calls=str(calls)))
+    trainer = subprocess.Popen([sys.executable, str(script)], stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(calls.iterdir())) < 1:  # both calls write the same name: "hang"
+            assert trainer.poll() is None, trainer.stderr.read().decode()[-2000:]
+            assert time.monotonic() < deadline, "the workers did not start in 2 minutes"
+            time.sleep(0.1)
+        time.sleep(1.0)  # both workers busy
+        started = _descendants(trainer.pid)
+        assert len(started) >= 4  # two workers, their server, the resource tracker
+    finally:
+        trainer.kill()
+        trainer.wait()
+    deadline = time.monotonic() + 10
+    while alive := {p for p in started if Path(f"/proc/{p}").exists() and p in _all_live()}:
+        if time.monotonic() > deadline:
+            for pid in alive:
+                os.kill(pid, signal.SIGKILL)
+            pytest.fail(f"{len(alive)} processes outlived their trainer: {sorted(alive)}")
+        time.sleep(0.2)
+
+
+def _all_live() -> set[int]:
+    live = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if stat.read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                live.add(int(stat.parent.name))
+        except OSError:
+            continue
+    return live

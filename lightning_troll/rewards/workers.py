@@ -10,16 +10,22 @@ never dies with it.
 
 Workers are started with ``forkserver``: each is forked from a small server process that imported
 this module (and torch with it) once, so a restart costs milliseconds, and none inherits the
-trainer's threads or CUDA state as a plain ``fork`` would. What a worker runs must therefore
-pickle: a function by reference (a built-in, anything named by import path, a function defined at
-a module's top level, ``__main__`` included when the script guards its entry point) or a
-picklable object. Lambdas and closures run in-process only (``reward_workers: 0``).
+trainer's threads or CUDA state as a plain ``fork`` would. Each worker watches a pipe whose only
+writing end the trainer holds and exits when it closes, so no worker outlives its trainer, even
+one killed with SIGKILL (the server and Python's resource tracker then exit as well). What a
+worker runs must therefore pickle: a function by reference (a built-in, anything named by import
+path, a function defined at a module's top level, ``__main__`` included when the script guards
+its entry point) or a picklable object. Lambdas and closures run in-process only
+(``reward_workers: 0``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
+import os
 import pickle
+import threading
 import time
 import weakref
 from collections import deque
@@ -47,8 +53,18 @@ def check_picklable(name: str, fn: Callable[..., Any]) -> bytes:
         ) from None
 
 
-def _serve(conn: Connection) -> None:  # pragma: no cover - runs in the worker process
-    """A worker's loop: load functions as they come, call them, send back ``(value, problem)``."""
+def _exit_with(alive: Connection) -> None:  # pragma: no cover - runs in the worker process
+    """Blocks until the trainer's end of ``alive`` closes (the trainer exited or was killed,
+    however), then ends this worker at once, whatever its reward call is doing."""
+    with contextlib.suppress(EOFError, OSError):
+        alive.recv()
+    os._exit(0)
+
+
+def _serve(conn: Connection, alive: Connection) -> None:  # pragma: no cover - worker process
+    """A worker's loop: load functions as they come, call them, send back ``(value, problem)``;
+    a thread ends the worker when the trainer is gone (:func:`_exit_with`)."""
+    threading.Thread(target=_exit_with, args=(alive,), daemon=True).start()
     functions: dict[str, Any] = {}
     conn.send(("ready",))
     while True:
@@ -68,9 +84,12 @@ def _serve(conn: Connection) -> None:  # pragma: no cover - runs in the worker p
 class _Worker:
     def __init__(self, context: Any) -> None:
         parent, child = context.Pipe()
-        self.process = context.Process(target=_serve, args=(child,), daemon=True)
+        # only this process holds the writing end: when it dies, however, the worker reads EOF
+        alive_r, self.alive = context.Pipe(duplex=False)
+        self.process = context.Process(target=_serve, args=(child, alive_r), daemon=True)
         self.process.start()
         child.close()
+        alive_r.close()
         self.conn: Connection = parent
         self.ready = False
         self.born = time.monotonic()
@@ -83,6 +102,7 @@ class _Worker:
             self.process.kill()
         self.process.join(timeout=5)
         self.conn.close()
+        self.alive.close()
 
 
 def _poll(conn: Connection) -> bool:
