@@ -457,7 +457,7 @@ def broken_jsonl(tmp_path: Path) -> str:
                      "model: eps must be a number > 0 (the KL bound); got -1.0", id="option"),
         pytest.param(["--data.source", "missing.jsonl"], "data.source: file 'missing.jsonl'",
                      id="missing-file"),
-        pytest.param(["--data.source", broken_jsonl], "broken.jsonl, line 2: not valid JSON",
+        pytest.param(["--data.source", broken_jsonl], "broken.jsonl', line 2: not valid JSON",
                      id="broken-json-line"),
         pytest.param(["--ckpt_path", "gone.ckpt"], "--ckpt_path 'gone.ckpt': no such file",
                      id="missing-checkpoint"),

@@ -3,6 +3,7 @@ before any class is built (``TrollCLI.before_instantiate_classes``)."""
 
 from __future__ import annotations
 
+from lightning_troll.data.preflight import check_data_files
 from lightning_troll.rewards.registry import resolve_reward
 from lightning_troll.training.preflight import (
     check_module_options,
@@ -38,7 +39,8 @@ def config_files(config) -> list[str]:
 def check_task(config) -> None:
     """Refuses, before the model loads, a run that cannot train: data other than TinyMath with no
     reward, a reward module or function that cannot be found (looked for in the working
-    directory, then beside the configs), and a minibatch larger than the rollout."""
+    directory, then beside the configs), a minibatch larger than the rollout, and data files that
+    cannot be read or lack a field the options need (:func:`check_data_files`)."""
     model, data = config.model, config.data
     check_module_options(
         model.get("objective"),
@@ -52,3 +54,4 @@ def check_task(config) -> None:
         resolve_reward(spec)
     minibatch = (model.get("optimization") or {}).get("minibatch_size")
     check_rollout_split(minibatch, data.get("batch_size"), model.get("group_size"))
+    check_data_files(data)

@@ -75,25 +75,43 @@ class PromptFormatter:
             return "messages"
         return self.prompt_field
 
-    def check_fields(self, rows: list[dict[str, Any]], split: str) -> None:
-        source = self.field_of(rows)
-        needed = {source: "data.prompt_field"}
+    def needed_fields(self, rows: list[dict[str, Any]]) -> dict[str, str]:
+        """field -> the option that needs it: the prompt's field, the answer's, and the fields
+        ``data.template`` names."""
+        needed = {self.field_of(rows): "data.prompt_field"}
         if self.answer_field is not None:
             needed[self.answer_field] = "data.answer_field"
         for field in sorted(template_fields(self.template) - {"prompt"}):
             needed.setdefault(field, "data.template")
-        for field, option in needed.items():
+        return needed
+
+    def first_missing(self, rows: list[dict[str, Any]]) -> tuple[int, str, str] | None:
+        """(row index, field, option) of the first needed field a row lacks, or None."""
+        for field, option in self.needed_fields(rows).items():
             i = next((i for i, row in enumerate(rows) if field not in row), None)
-            if i is None:
-                continue
-            value = self.template if option == "data.template" else field
+            if i is not None:
+                return i, field, option
+        return None
+
+    def option_value(self, option: str, field: str) -> str:
+        """How an error shows the option that needs ``field``: ``data.template='...'`` or
+        ``data.answer_field='answer'``."""
+        return f"{option}={self.template if option == 'data.template' else field!r}"
+
+    def check_fields(self, rows: list[dict[str, Any]], split: str) -> None:
+        source = self.field_of(rows)
+        missing = self.first_missing(rows)
+        if missing is not None:
+            i, field, option = missing
             where = f"the {split} rows of {self.describe(split)}"
             if i == 0:
                 raise ValueError(
-                    f"{option}={value!r} needs the field {field!r}, which is not a field of "
-                    f"{where}; fields are {sorted(rows[0])}"
+                    f"{self.option_value(option, field)} needs the field {field!r}, which is not "
+                    f"a field of {where}; fields are {sorted(rows[0])}"
                 )
-            raise ValueError(f"{option}={value!r}: row {i} of {where} has no field {field!r}")
+            raise ValueError(
+                f"{self.option_value(option, field)}: row {i} of {where} has no field {field!r}"
+            )
         where = f"the {split} rows of {self.describe(split)}"
         for i, row in enumerate(rows):
             value = row[source]

@@ -190,15 +190,34 @@ def write_jsonl(path: str | Path, rows: Iterable[Mapping[str, Any]]) -> Path:
     return path
 
 
-def read_rows(path: str | Path) -> list[dict[str, Any]]:
+def read_rows(path: str | Path, option: str | None = None) -> list[dict[str, Any]]:
     """Rows of a local file: ``.jsonl`` (one object a line), ``.json`` (a list of objects, or
-    JSON lines) or ``.parquet``."""
+    JSON lines) or ``.parquet``. Errors name ``option`` (``data.source``), the file and the line."""
+    return read_rows_with_lines(path, option)[0]
+
+
+def read_rows_with_lines(
+    path: str | Path, option: str | None = None
+) -> tuple[list[dict[str, Any]], list[int]]:
+    """:func:`read_rows` and, per row, where it is in the file: its line (JSON lines), or its
+    1-based place in the list (a ``.json`` list, ``.parquet``)."""
     path = Path(path).expanduser()
+    where = f"{option}={str(path)!r}" if option else str(path)
     if path.suffix.lower() == ".parquet":
         import pyarrow.parquet as pq
 
-        return pq.read_table(path).to_pylist()
-    text = path.read_text(encoding="utf-8")
+        rows = pq.read_table(path).to_pylist()
+        return rows, list(range(1, len(rows) + 1))
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        column = exc.start - (raw.rfind(b"\n", 0, exc.start) + 1) + 1
+        raise ValueError(
+            f"{where}, line {line}, column {column}: not UTF-8 text (byte "
+            f"0x{raw[exc.start]:02x}); save the file as UTF-8"
+        ) from None
     if path.suffix.lower() == ".json":
         try:
             data = json.loads(text)
@@ -206,19 +225,20 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
             pass  # perhaps JSON lines under a .json name
         else:
             if not isinstance(data, list) or not all(isinstance(row, dict) for row in data):
-                raise ValueError(f"{path}: expected a list of objects (or JSON lines)")
-            return data
-    rows = []
+                raise ValueError(f"{where}: expected a list of objects (or JSON lines)")
+            return data, list(range(1, len(data) + 1))
+    rows, lines = [], []
     for number, line in enumerate(text.splitlines(), start=1):
         if line.strip():
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}, line {number}: not valid JSON ({exc.msg})") from exc
+                raise ValueError(f"{where}, line {number}: not valid JSON ({exc.msg})") from exc
             if not isinstance(row, dict):
-                raise ValueError(f"{path}, line {number}: expected an object, got {row!r:.60}")
+                raise ValueError(f"{where}, line {number}: expected an object, got {row!r:.60}")
             rows.append(row)
-    return rows
+            lines.append(number)
+    return rows, lines
 
 
 def looks_like_file(source: str) -> bool:
@@ -236,6 +256,8 @@ def check_file(option: str, value: str) -> None:
     allowed = "give a .json, .jsonl or .parquet file"
     if option == "data.source":
         allowed += ", the built-in 'tinymath', or a hub dataset name"
+    if path.is_dir():
+        raise ValueError(f"{option}: {value!r} is a folder, not a file; {allowed}")
     if not path.is_file():
         raise ValueError(f"{option}: file {value!r} does not exist; {allowed}")
     if path.suffix.lower() not in FILE_SUFFIXES:

@@ -82,7 +82,7 @@ class PromptSource:
             return generate_problems(self.num_train, seed=self.seed, split=self.train_split)
         if self.kind == "hub":
             return self._load_hub(self.train_split, self.num_train)
-        rows = read_rows(self.source)
+        rows = read_rows(self.source, "data.source")
         if self.val_file is None:
             rows = [rows[i] for i in self._holdout(len(rows))[0]]
         return rows[: self.num_train or None]
@@ -92,18 +92,20 @@ class PromptSource:
         if self.num_val == 0:
             return []
         if self.val_file is not None:
-            return read_rows(self.val_file)[: self.num_val]
+            return read_rows(self.val_file, "data.val_file")[: self.num_val]
         if self.kind == "tinymath":
             from lightning_troll.models.tinymath import generate_problems
 
             return generate_problems(self.num_val, seed=self.seed, split=self.val_split)
         if self.kind == "hub":
             return self._load_hub(self.val_split, self.num_val)
-        rows = read_rows(self.source)
+        rows = read_rows(self.source, "data.source")
         return [rows[i] for i in self._holdout(len(rows))[1]]
 
     def _holdout(self, size: int) -> tuple[list[int], list[int]]:
         """(train indices, validation indices) of a local file, both in file order."""
+        if size == 0:
+            raise ValueError(f"data.source={self.source!r} holds no rows (an empty file)")
         if self.num_val >= size:
             raise ValueError(
                 f"data.num_val={self.num_val} would hold out every row of {self.source!r} "

@@ -1,0 +1,111 @@
+"""Data mistakes found before anything loads, each named by option, file and line; repeated and
+leaked prompts warned about; a refused start leaves no run folder and loads no model."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+from lightning_troll.data.preflight import check_data_files
+
+ROOT = Path(__file__).resolve().parents[1]
+GOOD = b'{"question": "What is 1 + 1?", "answer": 2}\n'
+
+
+@pytest.mark.parametrize(
+    "name, content, options, message",
+    [
+        ("bytes.jsonl", GOOD * 3 + b'{"question": "caf\xe9", "answer": 1}\n', {},
+         "data.source='{path}', line 4, column 18: not UTF-8 text (byte 0xe9)"),
+        ("missing.jsonl", GOOD * 29 + b'{"q": "x", "answer": 3}\n', {},
+         "data.source='{path}', line 30: the row has no field 'question', which "
+         "data.prompt_field='question' needs; its fields are ['answer', 'q']"),
+        ("blank_lines.jsonl", b"\n" + GOOD + b"\n\n" + b'{"question": "x"}\n', {},
+         "line 5: the row has no field 'answer', which data.answer_field='answer' needs"),
+        ("template.jsonl", GOOD + b'{"question": "x", "answer": 1}\n', {"template": "{question} {unit}"},
+         "line 1: the row has no field 'unit', which data.template='{{question}} {{unit}}' needs"),
+        ("empty.jsonl", b"", {}, "data.source='{path}' holds no rows (an empty file)"),
+        ("spaces.jsonl", b"\n  \n", {}, "holds no rows"),
+        ("not_json.jsonl", GOOD + b"{question: 1}\n", {}, "line 2: not valid JSON"),
+        ("a_list.jsonl", GOOD + b"[1, 2]\n", {}, "line 2: expected an object"),
+    ],
+)  # fmt: skip
+def test_a_bad_data_file_is_named_by_option_file_and_line(
+    tmp_path, name, content, options, message
+):
+    path = tmp_path / name
+    path.write_bytes(content)
+    data = {"source": str(path), "prompt_field": "question", "answer_field": "answer", **options}
+    with pytest.raises(ValueError) as refused:
+        check_data_files(data)
+    assert message.format(path=path) in str(refused.value)
+    assert "\n" not in str(refused.value)
+
+
+def test_a_folder_and_a_missing_validation_file_are_named(tmp_path):
+    folder = tmp_path / "x.jsonl"
+    folder.mkdir()
+    with pytest.raises(ValueError, match=r"data.source: '.*x.jsonl' is a folder, not a file"):
+        check_data_files({"source": str(folder)})
+    good = tmp_path / "good.jsonl"
+    good.write_bytes(GOOD)
+    gone = str(tmp_path / "gone.jsonl")
+    with pytest.raises(ValueError, match=r"data.val_file: file '.*gone.jsonl' does not exist"):
+        check_data_files({"source": str(good), "prompt_field": "question", "val_file": gone})
+
+
+def test_repeated_prompts_and_validation_prompts_seen_in_training_are_warned_about(tmp_path):
+    """Training rows: 'a', 'b', 'a' (line 3 repeats line 1); validation rows 'b' and 'c': one
+    of the two is a training prompt (line 1 there, line 2 of the training file)."""
+    train, val = tmp_path / "train.jsonl", tmp_path / "val.jsonl"
+    train.write_text('{"prompt": "a"}\n{"prompt": "b"}\n{"prompt": "a"}\n')
+    val.write_text('{"prompt": "b"}\n{"prompt": "c"}\n')
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        check_data_files({"source": str(train), "val_file": str(val)})
+    said = [str(w.message) for w in caught]
+    assert len(said) == 2, said
+    assert "1 of 3 rows repeat an earlier row's prompt (first: line 3 repeats line 1)" in said[0]
+    assert "held out of the same file" not in said[0]  # validation comes from its own file
+    assert "1 of the 2 prompts of data.val_file" in said[1]
+    assert "(first: line 1 there, line 2 here)" in said[1]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        check_data_files({"source": str(train), "num_val": 1})
+    assert "held out of the same file a prompt can be in both" in str(caught[0].message)
+
+
+def test_tinymath_and_hub_sources_are_left_to_their_loaders():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_data_files({"source": "tinymath"})
+        check_data_files({"source": "openai/gsm8k"})
+
+
+@pytest.mark.slow
+def test_a_refused_data_file_leaves_no_run_folder_and_loads_no_model(tmp_path):
+    """Through the command: a row without its field is refused with exit status 2 and one error
+    line naming the line; the model folder (empty) is never read, no run folder is written."""
+    data = tmp_path / "rows.jsonl"
+    data.write_bytes(GOOD * 3 + b'{"question": "x"}\n')
+    empty = tmp_path / "no_model_here"
+    empty.mkdir()
+    command = [
+        str(Path(sys.executable).parent / "lightning-troll"), "fit",
+        "--config", str(ROOT / "configs" / "tinymath.yaml"),
+        "--model.model", str(empty), "--model.rewards", '{"last_number": 1.0}',
+        "--data.source", str(data), "--data.prompt_field", "question",
+        "--data.answer_field", "answer", "--data.num_val", "1",
+    ]  # fmt: skip
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True)
+    assert done.returncode == 2, done.stderr[-2000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("lightning-troll:")]
+    assert (
+        len(errors) == 1
+        and f"data.source='{data}', line 4: the row has no field 'answer'" in errors[0]
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["no_model_here", "rows.jsonl"]
