@@ -475,6 +475,16 @@ def broken_jsonl(tmp_path: Path) -> str:
         pytest.param(["--trainer.enable_checkpointing", "false", "--trainer.callbacks",
                       "lightning.pytorch.callbacks.ModelCheckpoint"],
                      "enable_checkpointing=False", id="lightning-check"),
+        pytest.param(["--model.optimizer.init_args.lr", "-1"], "model.optimizer.init_args "
+                     "(torch.optim.AdamW): Invalid learning rate: -1.0", id="negative-lr"),
+        pytest.param(["--model.optimization.minibatch_size", "12"],
+                     "model.optimization.minibatch_size=12 does not divide a rollout of 16 "
+                     "sequences (data.batch_size=2 x model.group_size=8): its steps would take 12, "
+                     "4 sequences; choose one of [1, 2, 4, 8, 16]", id="minibatch-not-a-divisor"),
+        pytest.param(["--data.batch_size", "0"], "data.batch_size must be an integer >= 1",
+                     id="no-prompts"),
+        pytest.param(["--data.source", lambda tmp: str(tmp)], "is a folder, not a file",
+                     id="folder-as-data"),
     ],
 )  # fmt: skip
 def test_bad_input_prints_one_line_and_exits_2(
@@ -488,6 +498,20 @@ def test_bad_input_prints_one_line_and_exits_2(
     assert last.startswith("lightning-troll: error: ") and message in last
     assert "Traceback" not in err
     assert not (tmp_path / LOGS / "checkpoints").exists()  # stopped before any training
+
+
+@pytest.mark.parametrize(
+    "lr", [["--model.optimizer.init_args.lr", "3e-4"], ["--model.optimizer.lr", "3e-4"]]
+)
+def test_the_learning_rate_is_set_from_the_command_line_without_naming_a_class(
+    lr, tmp_path, monkeypatch, capsys
+):
+    """No config names an optimiser: the default (AdamW at 1e-6) takes the learning rate the way
+    a Lightning user tries first."""
+    with pytest.raises(SystemExit):
+        run(["fit", *lr, "--print_config"], tmp_path, monkeypatch)
+    printed = yaml.safe_load(capsys.readouterr().out)["model"]["optimizer"]
+    assert printed["class_path"] == "torch.optim.AdamW" and printed["init_args"]["lr"] == 3e-4
 
 
 def test_debug_brings_the_traceback_back(tmp_path, monkeypatch, tiny_model_dir):

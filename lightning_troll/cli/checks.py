@@ -3,6 +3,10 @@ before any class is built (``TrollCLI.before_instantiate_classes``)."""
 
 from __future__ import annotations
 
+import importlib
+
+import torch
+
 from lightning_troll.data.preflight import check_data_files
 from lightning_troll.rewards.registry import resolve_reward
 from lightning_troll.training.preflight import (
@@ -11,7 +15,7 @@ from lightning_troll.training.preflight import (
     task_rewards,
 )
 
-__all__ = ["check_schedule_length", "check_task", "config_files"]
+__all__ = ["check_optimizer", "check_schedule_length", "check_task", "config_files"]
 
 
 def check_schedule_length(config) -> None:
@@ -29,6 +33,28 @@ def check_schedule_length(config) -> None:
         f"{steps}: {scheduler.class_path.rsplit('.', 1)[-1]} schedules {total} optimiser steps "
         "and raises at the next one; set total_steps to trainer.max_steps"
     )
+
+
+def check_optimizer(config) -> None:
+    """Builds ``model.optimizer`` on a one-number parameter, so that its own checks (a negative
+    learning rate, an argument it does not take) fail before the model loads, naming the option.
+    Other failures (a GPU-only optimiser on a CPU) are left for the run to meet."""
+    spec = config.model.get("optimizer")
+    class_path = getattr(spec, "class_path", None)
+    if not isinstance(class_path, str) or "." not in class_path:
+        return
+    init_args = dict(vars(getattr(spec, "init_args", None) or {}))
+    module, _, name = class_path.rpartition(".")
+    try:
+        optimizer = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return
+    try:
+        optimizer([torch.nn.Parameter(torch.zeros(1))], **init_args)
+    except (ValueError, TypeError) as error:
+        raise ValueError(f"model.optimizer.init_args ({class_path}): {error}") from None
+    except Exception:  # noqa: BLE001 - not a value the user gave: the run will say
+        return
 
 
 def config_files(config) -> list[str]:
@@ -55,3 +81,4 @@ def check_task(config) -> None:
     minibatch = (model.get("optimization") or {}).get("minibatch_size")
     check_rollout_split(minibatch, data.get("batch_size"), model.get("group_size"))
     check_data_files(data)
+    check_optimizer(config)

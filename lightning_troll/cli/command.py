@@ -59,7 +59,7 @@ from lightning_troll.training.checkpoints import (
     check_checkpoint_file,
 )
 from lightning_troll.training.faults import FAULT_EXIT_CODE, RunFault
-from lightning_troll.training.module import TrollModule
+from lightning_troll.training.module import DEFAULT_OPTIMIZER, TrollModule
 
 __all__ = ["BAD_INPUT", "TrollCLI", "main", "quarter_means", "run", "shows_help"]
 
@@ -167,6 +167,7 @@ class TrollCLI(LightningCLI):
         parser.add_lightning_class_args(ConstraintMonitor, "constraint_monitor")
         parser.add_class_arguments(RolloutCheckpoint, "checkpoint", fail_untyped=False)
         parser.link_arguments("model.model", "data.tokenizer")
+        parser.set_defaults({"model.optimizer": DEFAULT_OPTIMIZER})
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         """Adds the project's defaults, as Lightning adds its own: :class:`RolloutCheckpoint`

@@ -58,8 +58,13 @@ from lightning_troll.training.validation import stopping_between_validations, va
 __all__ = ["ClipConfig", "LossConfig", "OptimizationConfig", "TrollModule", "TrustRegionConfig"]
 
 
+DEFAULT_OPTIMIZER = {"class_path": "torch.optim.AdamW", "init_args": {"lr": 1e-6}}
+"""``model.optimizer`` when none is given: AdamW at 1e-6 (the command line's default too, so that
+``--model.optimizer.init_args.lr`` and ``--model.optimizer.lr`` work without naming a class)."""
+
+
 def _default_optimizer(params) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=1e-6)
+    return torch.optim.AdamW(params, **DEFAULT_OPTIMIZER["init_args"])
 
 
 RewardErrorPolicy = Literal["raise", "drop"] | float | dict[str, Literal["raise", "drop"] | float]

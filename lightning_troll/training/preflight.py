@@ -80,10 +80,24 @@ def task_rewards(rewards: dict[str, float] | None, source: object) -> dict[str, 
 
 
 def check_rollout_split(minibatch_size: int | None, batch_size: int, group_size: int) -> None:
-    """Refuses a minibatch larger than the rollout: ``data.batch_size`` prompts x
-    ``model.group_size`` completions per process (it would train on the whole rollout at once,
-    not in the steps the option asks for)."""
+    """Refuses a ``data.batch_size`` below 1, and a minibatch larger than the rollout
+    (``data.batch_size`` prompts x ``model.group_size`` completions per process: it would train
+    on the whole rollout at once) or that does not divide it (the last step would be smaller,
+    and a rollout would take more optimiser steps than ``trainer.max_steps`` counts on)."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(
+            f"data.batch_size must be an integer >= 1 (prompts per rollout); got {batch_size!r}"
+        )
     rollout = batch_size * group_size
+    if minibatch_size is not None and minibatch_size <= rollout and rollout % minibatch_size:
+        divisors = [d for d in range(1, rollout + 1) if rollout % d == 0]
+        sizes = [minibatch_size] * (rollout // minibatch_size) + [rollout % minibatch_size]
+        raise ValueError(
+            f"model.optimization.minibatch_size={minibatch_size} does not divide a rollout of "
+            f"{rollout} sequences (data.batch_size={batch_size} x model.group_size={group_size}): "
+            f"its steps would take {', '.join(map(str, sizes))} sequences; choose one of "
+            f"{divisors}"
+        )
     if minibatch_size is not None and minibatch_size > rollout:
         raise ValueError(
             f"model.optimization.minibatch_size={minibatch_size} is larger than a rollout: "
