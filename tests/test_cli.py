@@ -15,6 +15,7 @@ from lightning_troll.cli.command import quarter_means, shows_help
 from lightning_troll.cli.command import run as cli_run
 from lightning_troll.objectives import ClipObjective, TrollObjective
 from lightning_troll.rewards.registry import RewardError
+from lightning_troll.training import module as module_file
 from lightning_troll.training.module import TrollModule
 
 pytestmark = pytest.mark.slow  # whole fits: seconds each
@@ -492,12 +493,19 @@ def test_bad_input_prints_one_line_and_exits_2(
 ):
     args = [a(tmp_path) if callable(a) else a for a in args]
     base = ["fit", "--config", str(ROOT / "configs" / "tinymath.yaml"), *one_step(tiny_model_dir)]
+    loaded = []
+    real_load = module_file.load_policy
+    monkeypatch.setattr(
+        module_file, "load_policy", lambda *a, **k: loaded.append(a) or real_load(*a, **k)
+    )
     status, err = main_exit(base + args, tmp_path, monkeypatch, capsys)
     assert status == 2
-    last = err.strip().splitlines()[-1]
-    assert last.startswith("lightning-troll: error: ") and message in last
+    lines = err.strip().splitlines()
+    assert lines[-1].startswith("lightning-troll: error: ") and message in lines[-1]
+    assert len([line for line in lines if not line.startswith("Seed set to")]) <= 3
     assert "Traceback" not in err
-    assert not (tmp_path / LOGS / "checkpoints").exists()  # stopped before any training
+    assert not loaded, "the model was loaded before the input was refused"
+    assert not (tmp_path / "runs").exists()  # no run folder either
 
 
 @pytest.mark.parametrize(

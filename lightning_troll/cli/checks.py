@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 
 import torch
+from lightning.pytorch.callbacks import Checkpoint
 
 from lightning_troll.data.preflight import check_data_files
 from lightning_troll.rewards.registry import resolve_reward
@@ -15,7 +16,13 @@ from lightning_troll.training.preflight import (
     task_rewards,
 )
 
-__all__ = ["check_optimizer", "check_schedule_length", "check_task", "config_files"]
+__all__ = [
+    "check_checkpointing",
+    "check_optimizer",
+    "check_schedule_length",
+    "check_task",
+    "config_files",
+]
 
 
 def check_schedule_length(config) -> None:
@@ -57,6 +64,30 @@ def check_optimizer(config) -> None:
         return
 
 
+def check_checkpointing(config) -> None:
+    """Lightning's refusal of a checkpoint callback with ``trainer.enable_checkpointing: false``,
+    made before the model loads (the trainer is built after it)."""
+    trainer = config.trainer
+    callbacks = trainer.get("callbacks") or []
+    callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
+    if trainer.get("enable_checkpointing") is not False:
+        return
+    for callback in callbacks:
+        class_path = getattr(callback, "class_path", None)
+        if not isinstance(class_path, str) or "." not in class_path:
+            continue
+        module, _, name = class_path.rpartition(".")
+        try:
+            cls = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError):
+            continue
+        if isinstance(cls, type) and issubclass(cls, Checkpoint):
+            raise ValueError(
+                "Trainer was configured with enable_checkpointing=False but trainer.callbacks "
+                f"holds {name}, a checkpoint callback; drop one or the other"
+            )
+
+
 def config_files(config) -> list[str]:
     """The ``--config`` files of a parsed command line, as absolute paths (inline YAML left out)."""
     return [p.absolute for p in config.get("config") or [] if getattr(p, "absolute", None)]
@@ -82,3 +113,4 @@ def check_task(config) -> None:
     check_rollout_split(minibatch, data.get("batch_size"), model.get("group_size"))
     check_data_files(data)
     check_optimizer(config)
+    check_checkpointing(config)
