@@ -581,6 +581,32 @@ def test_console_script_reports_a_folder_that_is_not_a_model(tmp_path):
     )
 
 
+def test_a_truncated_weights_file_is_one_line_naming_it(tmp_path, tiny_model_dir, capsys):
+    """A copy of the tiny model whose model.safetensors lost its second half: one line, status
+    2, the file named."""
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_model_dir, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    args = [
+        "fit",
+        "--config",
+        str(ROOT / "configs" / "tinymath.yaml"),
+        "--model.model",
+        str(broken),
+    ]
+    with pytest.raises(SystemExit) as stop:
+        cli_main(args)
+    assert stop.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith(
+        f"lightning-troll: error: model: the weights in {weights} cannot be read"
+    )
+    assert "truncated or corrupt" in last
+
+
 def test_console_script_stopped_by_sigterm_saves_and_exits_143(tmp_path, tiny_model_dir):
     """SIGTERM (a scheduler's stop) to a real process: the rollout in progress finishes,
     last.ckpt is written whole, the summary says so and names it, and the status is 128 + 15."""

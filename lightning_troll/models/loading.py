@@ -195,7 +195,29 @@ def load_policy(
         return _ready_to_sample(load_gguf_policy(path, **kwargs), path)
     if load_in_4bit:
         kwargs.update(_four_bit(DTYPES[dtype]))
-    return _ready_to_sample(AutoModelForCausalLM.from_pretrained(path, **kwargs), path)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    except Exception as error:
+        unreadable = _unreadable_weights(path, error)
+        if unreadable is None:
+            raise
+        raise unreadable from None
+    return _ready_to_sample(model, path)
+
+
+def _unreadable_weights(path: str, error: Exception) -> ValueError | None:
+    """A one-line error for a local folder whose weights file cannot be read (truncated or
+    overwritten), naming the file; None for any other failure."""
+    folder = Path(path)
+    if not folder.is_dir() or type(error).__name__ not in ("SafetensorError", "UnpicklingError"):
+        return None
+    files = sorted(folder.glob("*.safetensors")) or sorted(folder.glob("*.bin"))
+    named = ", ".join(str(f) for f in files[:2]) or str(folder)
+    return ValueError(
+        f"model: the weights in {named} cannot be read ({type(error).__name__}: "
+        f"{str(error).splitlines()[0] if str(error) else ''}); the file is truncated or corrupt: "
+        "copy or download it again"
+    )
 
 
 def _ready_to_sample(model: PreTrainedModel, path: str) -> PreTrainedModel:
