@@ -109,3 +109,36 @@ def test_a_refused_data_file_leaves_no_run_folder_and_loads_no_model(tmp_path):
         and f"data.source='{data}', line 4: the row has no field 'answer'" in errors[0]
     )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["no_model_here", "rows.jsonl"]
+
+
+def test_an_unreachable_hub_id_is_refused_at_once(monkeypatch, tmp_path, tiny_model_dir):
+    """A hub id that is not cached, with the hub's host not answering (or HF_HUB_OFFLINE set):
+    one line naming the option and why, before any download is tried. Local folders and the
+    shipped TinyMath pass without touching the network."""
+    import socket
+
+    from huggingface_hub import constants
+
+    from lightning_troll.models.loading import check_reachable
+
+    tried = []
+
+    def no_network(address, timeout=None):
+        tried.append(address)
+        raise OSError("Network is unreachable")
+
+    monkeypatch.setattr(socket, "create_connection", no_network)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty_cache"))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty_cache"))
+    with pytest.raises(
+        ValueError,
+        match=r"model.model='someorg/nomodel' is neither a local folder nor in the Hugging Face cache, and https?://\S+ cannot be reached \(OSError: Network is unreachable\)",
+    ):
+        check_reachable("someorg/nomodel")
+    assert len(tried) == 1
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ValueError, match="and HF_HUB_OFFLINE is set"):
+        check_reachable("someorg/nomodel")
+    check_reachable(str(tiny_model_dir))
+    check_reachable("tinymath")
+    assert len(tried) == 1

@@ -9,6 +9,7 @@ import torch
 from lightning.pytorch.callbacks import Checkpoint
 
 from lightning_troll.data.preflight import check_data_files
+from lightning_troll.models.loading import check_reachable
 from lightning_troll.rewards.registry import resolve_reward
 from lightning_troll.training.preflight import (
     check_module_options,
@@ -111,6 +112,7 @@ def check_task(config) -> None:
         resolve_reward(spec)
     minibatch = (model.get("optimization") or {}).get("minibatch_size")
     check_rollout_split(minibatch, data.get("batch_size"), model.get("group_size"))
+    check_reachable(model.get("model") or "tinymath")
     check_data_files(data)
     check_optimizer(config)
     check_checkpointing(config)

@@ -9,6 +9,7 @@ policy (:data:`lightning_troll.models.tinymath.TINYMATH_DIR`). No Lightning here
 from __future__ import annotations
 
 import re
+import socket
 import warnings
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from lightning_troll.models.tinymath import TINYMATH_DIR
 
 __all__ = [
     "DTYPES",
+    "check_reachable",
     "TINYMATH",
     "load_policy",
     "load_tokenizer",
@@ -83,6 +85,36 @@ def _resolve(name_or_path: str | Path) -> str:
             f"a hub id, or {TINYMATH!r} for the shipped demo policy"
         )
     return str(name_or_path)
+
+
+def check_reachable(name_or_path: str | Path, timeout: float = 3.0) -> None:
+    """Refuses at once a hub id that can be neither found in the local Hugging Face cache nor
+    fetched: ``HF_HUB_OFFLINE`` is set, or the hub's host does not answer within ``timeout``
+    seconds (instead of a minute of retries and a long traceback). Local paths, ``tinymath`` and
+    cached models pass."""
+    name = str(name_or_path)
+    path = _resolve(name_or_path)
+    if Path(path).exists():
+        return
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(name, "config.json"), str):
+        return
+    endpoint = constants.ENDPOINT
+    if constants.HF_HUB_OFFLINE:
+        why = "HF_HUB_OFFLINE is set"
+    else:
+        host = re.sub(r"^\w+://", "", endpoint).split("/")[0]
+        try:
+            socket.create_connection((host.split(":")[0], 443), timeout=timeout).close()
+            return
+        except OSError as error:
+            why = f"{endpoint} cannot be reached ({type(error).__name__}: {error})"
+    raise ValueError(
+        f"model.model={name!r} is neither a local folder nor in the Hugging Face cache, and "
+        f"{why}; give a local model folder (what save_pretrained writes), or run where the hub "
+        "can be reached once to cache it"
+    )
 
 
 # Files that hold a tokenizer's vocabulary (fast, sentencepiece, BPE, WordPiece, tiktoken), or
