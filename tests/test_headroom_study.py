@@ -102,15 +102,15 @@ def test_the_lr_is_the_best_where_both_constraints_act():
 
 @pytest.mark.slow
 def test_the_study_runs_its_pilot_then_its_main_comparison_on_tinymath(tmp_path, monkeypatch):
-    """Pilots at two lrs and both objectives, validated on rows of the training generator that
+    """Pilots at one lr and both objectives, validated on rows of the training generator that
     the task's training rows do not hold; then the main comparison on two seeds, its records
     keeping the monitors' figures, and the paired table."""
     out = tmp_path / "study"
-    argv = ["--dry-run", "--out", str(out), "--pilot-rollouts", "2", "--pilot-lrs", "1e-4",
-            "1e-3", "--rollouts", "2", "--seeds", "0", "1", "--prompts", "2"]  # fmt: skip
+    argv = ["--dry-run", "--out", str(out), "--pilot-rollouts", "1", "--pilot-lrs", "1e-3",
+            "--rollouts", "2", "--seeds", "0", "1", "--prompts", "1"]  # fmt: skip
     study.main(argv)
     pilots = json.loads((out / "pilot" / "results.json").read_text())
-    assert len(pilots) == 4
+    assert len(pilots) == 2
     held = (out / "pilot" / "holdout.jsonl").read_text().splitlines()
     train = (out / "task" / "train.jsonl").read_text().splitlines()
     assert held and not set(held) & set(train)

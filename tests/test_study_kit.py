@@ -427,7 +427,8 @@ def test_late_gap_branches_start_from_the_trunk_with_their_change(tmp_path):
     confidence bins; the trunk's checkpoint is kept for later branches."""
     branches = load("late_gap_branches")
     out = tmp_path / "late"
-    argv = ["--dry-run", "--out", str(out), "--seeds", "0", "--trunk", "2", "--branch", "2"]
+    argv = ["--dry-run", "--out", str(out), "--seeds", "0", "--trunk", "2", "--branch", "2",
+            "--prompts", "2"]  # fmt: skip
     branches.main(argv)
     trunk = out / "trunks" / "runs" / "trunk-troll-lr3e-06-s0" / "checkpoints" / "last.ckpt"
     assert trunk.exists()
