@@ -359,16 +359,16 @@ def test_console_script_exits_zero(tmp_path, tiny_model_dir):
 
 # -- logs and checkpoints where Lightning puts them ----------------------------------------------
 def saved_steps(monkeypatch) -> list[tuple[str, int]]:
-    """(file name, global step) of every checkpoint written through Lightning's atomic save."""
-    from lightning.fabric.plugins.io import torch_io
+    """(file name, global step) of every checkpoint written (RolloutCheckpoint's atomic save)."""
+    from lightning_troll.training.checkpoint_io import AtomicCheckpointIO
 
-    saved, atomic = [], torch_io._atomic_save
+    saved, save = [], AtomicCheckpointIO.save_checkpoint
 
-    def spy(checkpoint, path):
+    def spy(self, checkpoint, path, storage_options=None):
         saved.append((Path(path).name, checkpoint["global_step"]))
-        atomic(checkpoint, path)
+        save(self, checkpoint, path, storage_options)
 
-    monkeypatch.setattr(torch_io, "_atomic_save", spy)
+    monkeypatch.setattr(AtomicCheckpointIO, "save_checkpoint", spy)
     return saved
 
 

@@ -112,7 +112,8 @@ def check_task(config) -> None:
         resolve_reward(spec)
     minibatch = (model.get("optimization") or {}).get("minibatch_size")
     check_rollout_split(minibatch, data.get("batch_size"), model.get("group_size"))
-    check_reachable(model.get("model") or "tinymath")
+    if not config.get("ckpt_path"):  # resuming, the checkpoint's stored model.model is used
+        check_reachable(model.get("model") or "tinymath")
     check_data_files(data)
     check_optimizer(config)
     check_checkpointing(config)

@@ -54,6 +54,7 @@ from lightning_troll.cli.parse_errors import explain
 from lightning_troll.cli.quiet import quiet_library_notices
 from lightning_troll.data.datamodule import PromptDataModule
 from lightning_troll.rewards.lookup import config_folders as reward_config_folders
+from lightning_troll.training.checkpoint_io import install_atomic_saves
 from lightning_troll.training.checkpoints import (
     changed_options,
     check_checkpoint_file,
@@ -189,7 +190,9 @@ class TrollCLI(LightningCLI):
             isinstance(c, ModelSummary) for c in given
         ):
             extra.append(TrollModelSummary())
-        return super().instantiate_trainer(**kwargs, callbacks=given + extra)
+        trainer = super().instantiate_trainer(**kwargs, callbacks=given + extra)
+        install_atomic_saves(trainer.strategy)  # every checkpoint callback's saves, a user's too
+        return trainer
 
     def parse_arguments(self, parser, args) -> None:
         """Parses, then refuses a run that cannot train (see ``check_task``) and an unreadable
