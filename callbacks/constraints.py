@@ -118,10 +118,11 @@ class ConstraintMonitor(Callback):
         stats = pl_module.last_stats
         if not stats:
             return
-        names = list(stats[0].constraint_masks())
+        masks = [s.constraint_masks() for s in stats]
+        names = list(masks[0])
         if not names:
             return
-        acts = {n: torch.cat([s.constraint_masks()[n] for s in stats]) for n in names}  # (N,)
+        acts = {n: torch.cat([m[n] for m in masks]) for n in names}  # (N,)
         old_prob = torch.cat([s.token_old_prob for s in stats])  # (N,)
         advantage = torch.cat([s.token_advantage for s in stats])  # (N,)
         size = (len(CONFIDENCE_BINS) + len(ADVANTAGE_SIGNS)) * (len(names) + 1) + 1

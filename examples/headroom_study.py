@@ -38,14 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import paper_regime_study as paper  # noqa: E402
 import study_kit  # noqa: E402
 import word_problems  # noqa: E402
-from paper_regime_tables import (  # noqa: E402
-    ACCURACY,
-    active_share,
-    main_table,
-    paired_table,
-    plot_arms,
-    seed_pairs,
-)
+from paper_regime_tables import ACCURACY, active_share, compare_arms  # noqa: E402
 from study_kit import Grid, Interrupted, Run  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -168,15 +161,7 @@ def report(args) -> None:
     records = grid(args, "main").finished(main_runs(args, lr))
     if not records:
         return
-    text = main_table(records)
-    study_kit.write_atomic(args.out / "main" / "table.md", text)
-    print(text)
-    troll, clip = (f"{o} lr {lr:g}" for o in ("troll", "clip"))
-    if seed_pairs(records, troll, clip):
-        text = paired_table(records, troll, clip)
-        study_kit.write_atomic(args.out / "main" / "paired.md", text)
-        print(f"TROLL against clipping, paired by seed:\n{text}")
-    plot_arms(records, args.out / "main")
+    compare_arms(records, lr, args.out / "main")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

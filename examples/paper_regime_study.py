@@ -52,13 +52,10 @@ from paper_regime_tables import (  # noqa: E402
     ACCURACY,
     REWARD,
     active_share,
-    by_arm,
     cause_table,
-    main_table,
-    paired_table,
+    compare_arms,
     pilot_score,
     pilot_table,
-    plot_arms,
 )
 from study_kit import Grid, Interrupted, Run  # noqa: E402
 
@@ -270,16 +267,8 @@ def report(args) -> None:
     records = grid(args, "main").finished(main_runs(args, lrs))
     if not records:
         return
-    text = main_table(records)
-    study_kit.write_atomic(args.out / "main" / "table.md", text)
-    print(text)
-    arms = by_arm(records)
-    if "troll lr 3e-06" in arms and "clip lr 3e-06" in arms:
-        text = paired_table(records, "troll lr 3e-06", "clip lr 3e-06")
-        study_kit.write_atomic(args.out / "main" / "paired.md", text)
-        print("TROLL against clipping, paired by seed, on the validations every run shares:")
-        print(text)
-    plot_arms(records, args.out / "main")
+    common = lrs["troll"] if lrs.get("troll") == lrs.get("clip") else None  # pairs: one lr
+    compare_arms(records, common, args.out / "main")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

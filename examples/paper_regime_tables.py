@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from study_kit import TIME, mean_std, plot_curves, run_mean, values  # noqa: E402
+from study_kit import TIME, mean_std, plot_curves, run_mean, values, write_atomic  # noqa: E402
 from study_stats import paired  # noqa: E402
 
 ACCURACY, REWARD = "val/accuracy", "reward/mean"
@@ -196,3 +196,19 @@ def paired_table(records: Sequence[dict], a: str, b: str) -> str:
             f"{statistics.fmean(second):.3f} | {paired(first, second).text()} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def compare_arms(records: Sequence[dict], lr: float | None, folder: Path) -> None:
+    """Writes into ``folder`` and prints the main table (``table.md``), TROLL against clipping
+    paired by seed at ``lr`` where both ran there (``paired.md``), and the plots."""
+    text = main_table(records)
+    write_atomic(folder / "table.md", text)
+    print(text)
+    troll, clip = (f"{o} lr {lr:g}" for o in ("troll", "clip")) if lr is not None else ("", "")
+    if lr is not None and seed_pairs(records, troll, clip):
+        text = paired_table(records, troll, clip)
+        write_atomic(folder / "paired.md", text)
+        print(
+            f"TROLL against clipping, paired by seed, on the validations every run shares:\n{text}"
+        )
+    plot_arms(records, folder)

@@ -37,13 +37,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import paper_regime_study as paper  # noqa: E402
 import study_kit  # noqa: E402
-from paper_regime_tables import (  # noqa: E402
-    ACCURACY,
-    main_table,
-    paired_table,
-    plot_arms,
-    seed_pairs,
-)
+from paper_regime_tables import ACCURACY, compare_arms  # noqa: E402
 from study_kit import Grid, Interrupted, Run  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -156,15 +150,7 @@ def report(args: argparse.Namespace) -> None:
     if not records:
         print("no run has finished yet")
         return
-    text = main_table(records)
-    study_kit.write_atomic(args.out / "table.md", text)
-    print(text)
-    troll, clip = (f"{o} lr {args.lr:g}" for o in ("troll", "clip"))
-    if seed_pairs(records, troll, clip):
-        text = paired_table(records, troll, clip)
-        study_kit.write_atomic(args.out / "paired.md", text)
-        print(f"TROLL against clipping, paired by seed:\n{text}")
-    plot_arms(records, args.out)
+    compare_arms(records, args.lr, args.out)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
