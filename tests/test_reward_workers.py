@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_troll.rewards import workers as workers_module
 from lightning_troll.rewards.registry import (
     RewardError,
     RewardScorer,
@@ -284,6 +285,37 @@ def test_a_worker_killed_while_idle_is_replaced_before_the_next_call():
         out = scorer(["p"] * 3, ["a", "ab", "abc"], [{}] * 3)
         assert out.total.tolist() == [1.0, 2.0, 3.0] and out.errors == {H + "length_reward": 0}
         assert scorer.workers.restarts == 2
+    finally:
+        scorer.close()
+
+
+def test_a_worker_killed_while_starting_is_replaced():
+    """The OOM killer may take a worker before it has said it is ready: the pool starts another."""
+    scorer = RewardScorer({H + "length_reward": 1.0}, workers=1)
+    pool = scorer.workers
+    try:
+        pool._workers.append(workers_module._Worker(pool._context()))
+        pool._workers[0].process.kill()
+        out = scorer(["p"] * 2, ["a", "ab"], [{}] * 2)
+        assert out.total.tolist() == [1.0, 2.0] and pool.restarts == 1
+    finally:
+        scorer.close()
+
+
+def test_workers_that_cannot_start_are_named_after_three_tries(monkeypatch):
+    start = workers_module._Worker.__init__
+
+    def dies_at_once(self, context):
+        start(self, context)
+        self.process.kill()
+
+    monkeypatch.setattr(workers_module._Worker, "__init__", dies_at_once)
+    scorer = RewardScorer({H + "length_reward": 1.0}, workers=1)
+    try:
+        with pytest.raises(RuntimeError, match=r"3 reward worker processes in a row exited while "
+                           r"starting \(the last with exit code -9\); run with "
+                           r"model.reward_workers 0"):  # fmt: skip
+            scorer(["p"], ["a"], [{}])
     finally:
         scorer.close()
 

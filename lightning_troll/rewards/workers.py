@@ -38,6 +38,9 @@ from lightning_troll.rewards.calls import Outcome, call_one
 __all__ = ["RewardWorkers", "check_picklable"]
 
 _START_LIMIT = 300.0
+_START_DEATHS = 3
+"""Workers that may die while starting, one after another with none started between, before the
+pool gives up (one killed by the OOM killer is replaced; a worker that cannot start is named)."""
 """Seconds a new worker may take to start before scoring gives up (a broken environment)."""
 
 
@@ -138,6 +141,7 @@ class RewardWorkers:
         self.timeout = timeout
         self.restarts = 0
         """Workers replaced so far (timeouts and deaths)."""
+        self._start_deaths = 0
         self._workers: list[_Worker] = []
         self._finalizer = weakref.finalize(self, _stop_all, self._workers)
 
@@ -251,6 +255,7 @@ class RewardWorkers:
             return False
         if message == ("ready",):
             worker.ready = True
+            self._start_deaths = 0
         elif worker.task is not None:
             value, problem = message
             outcomes[worker.task] = Outcome(value, problem, None if problem is None else "error")
@@ -263,10 +268,13 @@ class RewardWorkers:
                 break
         worker.process.join(timeout=5)
         if not worker.ready:
-            raise RuntimeError(
-                f"a reward worker process exited while starting (exit code "
-                f"{worker.process.exitcode}); run with model.reward_workers 0 to see why"
-            )
+            self._start_deaths += 1
+            if self._start_deaths >= _START_DEATHS:
+                raise RuntimeError(
+                    f"{_START_DEATHS} reward worker processes in a row exited while starting "
+                    f"(the last with exit code {worker.process.exitcode}); run with "
+                    "model.reward_workers 0 to see why"
+                )
         if worker.task is not None:
             code = worker.process.exitcode
             outcomes[worker.task] = Outcome(
