@@ -121,8 +121,17 @@ class TrustRegionMonitor(Callback):
         self.troll.to(pl_module.device)
         self.clip.to(pl_module.device)
         self.end.to(pl_module.device)
-        if self.kl_end and stage == "fit":
-            pl_module.cache_old_distributions = True
+        if (
+            self.kl_end
+            and stage == "fit"
+            and not getattr(pl_module, "cache_old_distributions", True)
+        ):
+            raise ValueError(
+                "trust_region_monitor.kl_end reads the behaviour policy's sparse distributions, "
+                "which a clipping run caches only when asked: build the module with "
+                "cache_old_distributions=True (the command line sets it from "
+                "trust_region_monitor.kl_end; a resumed run keeps the value its checkpoint stores)"
+            )
 
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:

@@ -45,7 +45,7 @@ import torch
 from peak_memory import peak_mib, reset_peak
 
 from lightning_troll.models import tiny_causal_lm
-from lightning_troll.objectives import build_objective
+from lightning_troll.objectives import LossInputs, build_objective
 from lightning_troll.rollouts.rollout import (
     behaviour_outputs,
     linear_head,
@@ -105,18 +105,24 @@ def worker(objective_name: str, stage: str, chunk_size: int | None, args) -> Row
         with torch.no_grad():  # the policy moved since the rollout
             model.lm_head.weight.add_(0.02 * torch.randn_like(model.lm_head.weight))
         advantages = torch.randn(args.sequences, generator=torch.Generator().manual_seed(1))
-        targets = (ids[:, -length:], response, advantages, old_logprobs, old)
+        targets = LossInputs(
+            tokens=ids[:, -length:],
+            mask=response,
+            advantages=advantages,
+            old_logprobs=old_logprobs,
+            old=old,
+        )
         objective = build_objective(objective_name)
 
         def step() -> None:
             model.zero_grad(set_to_none=True)
             if chunk_size is None:
                 logits = response_logits(model, ids, attention, length, 1.0)  # (B, T, V)
-                loss, _ = objective(logits, *targets)
+                loss, _ = objective(logits, targets)
             else:
                 hidden = response_hidden(model, ids, attention, length)  # (B, T, H)
                 loss, _ = objective.forward_hidden(
-                    hidden, linear_head(model), 1.0, *targets, chunk_size=chunk_size
+                    hidden, linear_head(model), 1.0, targets, chunk_size=chunk_size
                 )
             loss.backward()
 

@@ -74,7 +74,7 @@ import torch
 from peak_memory import peak_mib, reset_peak
 
 from lightning_troll.models import tiny_causal_lm
-from lightning_troll.objectives import build_objective
+from lightning_troll.objectives import LossInputs, build_objective
 from lightning_troll.rollouts.rollout import behaviour_outputs, linear_head, response_hidden
 from lightning_troll.trust_region.sparse import sparsify
 
@@ -122,12 +122,17 @@ class Result:
     projected_frac: float
 
 
+SUPPORT = {"troll": {"support": "union", "max_tokens": 64}}
+"""TROLL's support in this benchmark: the union at K = 64, the settings its published figures
+were measured with (docs/benchmarks.md); the library's default is the official support at 256."""
+
+
 class Step:
     """One policy, its optimiser and objective, and a fixed rollout: one training step per call."""
 
     def __init__(self, objective_name: str, vocab: int, args) -> None:
         self.policy, snapshot = _models(vocab, args)
-        self.objective = build_objective(objective_name)
+        self.objective = build_objective(objective_name, **SUPPORT.get(objective_name, {}))
         ids, attention, response = _rollout_inputs(vocab, args)
         sparse = self._sparsify if objective_name == "troll" else None
         old_logprobs, old = behaviour_outputs(
@@ -135,7 +140,13 @@ class Step:
         )
         advantages = torch.randn(args.sequences, generator=torch.Generator().manual_seed(1))
         self.inputs = (ids, attention, response.shape[1])
-        self.targets = (ids[:, -response.shape[1] :], response, advantages, old_logprobs, old)
+        self.targets = LossInputs(
+            tokens=ids[:, -response.shape[1] :],
+            mask=response,
+            advantages=advantages,
+            old_logprobs=old_logprobs,
+            old=old,
+        )
         self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=1e-6)
         self.chunk_size = args.chunk_size
         self.projected_frac = math.nan
@@ -148,7 +159,7 @@ class Step:
         hidden = response_hidden(self.policy, *self.inputs)  # (B, T, H)
         head = linear_head(self.policy)
         loss, stats = self.objective.forward_hidden(
-            hidden, head, 1.0, *self.targets, chunk_size=self.chunk_size
+            hidden, head, 1.0, self.targets, chunk_size=self.chunk_size
         )
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.policy.parameters(), 1.0)

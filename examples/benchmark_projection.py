@@ -248,7 +248,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> list[Row]:
     args = parse_args(argv)
     device = torch.device(args.device)
-    proj = TrustRegionProjection(args.eps, args.max_tokens, args.mass_delta)
+    proj = TrustRegionProjection(args.eps, args.max_tokens, args.mass_delta, support="union")
     print(
         f"torch {torch.__version__} | device {device} | threads {torch.get_num_threads()} | "
         f"cpu count {os.cpu_count()}"

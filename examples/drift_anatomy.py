@@ -198,7 +198,6 @@ def anatomy(module, optimizer, scheduler, rollout, steps: int, seed: int) -> lis
 
 
 def run(args: argparse.Namespace) -> dict:
-    from lightning_troll.callbacks import RolloutGeneration
 
     torch.set_grad_enabled(True)
     stored = torch.load(args.checkpoint, map_location="cpu", weights_only=False, mmap=True)
@@ -222,7 +221,7 @@ def run(args: argparse.Namespace) -> dict:
                 batch = prompt_batch(module, data_options, prompts, seed)
                 torch.manual_seed(seed)
                 module.policy.eval()
-                rollout, _ = RolloutGeneration.collect(module, batch)
+                rollout, _ = module.collector.collect(batch)
                 entry["sequences"] = rollout.num_sequences
             entry["objectives"][name] = anatomy(
                 module, optimizer, scheduler, rollout, args.steps, seed

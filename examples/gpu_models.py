@@ -215,9 +215,8 @@ def train_step(policy, objective, optimizer, rollout, micro_batch: int | None, c
         length = part.response_mask.shape[1]
         hidden = response_hidden(policy, part.input_ids, part.attention_mask, length)  # (b, T, H)
         loss, stats = objective.forward_hidden(
-            hidden, linear_head(policy), 1.0, part.tokens, part.response_mask,
-            part.advantages, part.old_logprobs, part.old, chunk_size=chunk,
-        )  # fmt: skip
+            hidden, linear_head(policy), 1.0, part.loss_inputs(), chunk_size=chunk
+        )
         (loss * part.num_sequences / rollout.num_sequences).backward()
     torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
     optimizer.step()

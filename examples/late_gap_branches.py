@@ -147,7 +147,8 @@ def run_seed(args, seed: int) -> None:
             checkpoint, run_dir / "checkpoints" / "last.ckpt", ARMS[run.fields["arm"]]
         )
 
-    branch_grid(args).run_all(branch_runs(args, seed), prepare=prepare)
+    runs = [run for run in branch_runs(args, seed) if run.fields["arm"] in args.arms]
+    branch_grid(args).run_all(runs, prepare=prepare)
 
 
 def estimate(args) -> None:
@@ -170,6 +171,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=ROOT / "examples/results/smollm2/late_gap")
     p.add_argument("--prompts", type=int, default=8, help="prompts per rollout (x 8 samples)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS),
+                   help="the arms to run (two processes may split a seed's arms once its trunk "
+                   "is done)")  # fmt: skip
     p.add_argument("--trunk", type=int, default=TRUNK, help="rollouts of a trunk")
     p.add_argument("--branch", type=int, default=BRANCH, help="rollouts of a branch after it")
     p.add_argument("--estimate", action="store_true", help="print the hours and stop")

@@ -77,12 +77,11 @@ def response_rows(module, rollout) -> Tensor:
 def rollout_logits(module, batch, steps: int, lr: float, minibatch: int, seed: int) -> Logits:
     """Samples a rollout, keeps the old logits, takes ``steps`` clipped-GRPO AdamW steps on its
     minibatches and returns the old and new logits at its response tokens."""
-    from lightning_troll.callbacks import RolloutGeneration
 
     torch.manual_seed(seed)
     module.policy.eval()
     start = time.perf_counter()
-    rollout, _ = RolloutGeneration.collect(module, batch)
+    rollout, _ = module.collector.collect(batch)
     old = response_rows(module, rollout)
     sampled = time.perf_counter()
     optimizer = torch.optim.AdamW(module.policy.parameters(), lr=lr, weight_decay=0.0)

@@ -224,7 +224,7 @@ def compare(
     records = []
     for max_tokens, mass_delta in grid:
         old = sparsify(data.old, max_tokens, mass_delta, keep=data.tokens)  # as a rollout caches
-        layer = TrustRegionProjection(eps, max_tokens, mass_delta)
+        layer = TrustRegionProjection(eps, max_tokens, mass_delta, support="union")
         sparse, seconds, cpu, mib = timed(lambda: sparse_pass(data, old, layer, alpha), repeats)  # noqa: B023
         full_kl, rebuilt = full_vocabulary_kl(data, old, eps, max_tokens, mass_delta)
         lp_err = (sparse["logprob"] - dense["logprob"]).abs()

@@ -22,7 +22,7 @@ import importlib.abc
 import importlib.util
 import sys
 
-from lightning_troll.objectives import ClipObjective, TrollObjective, build_objective
+from lightning_troll.objectives import ClipObjective, LossInputs, TrollObjective, build_objective
 from lightning_troll.objectives.advantages import (
     ADVANTAGE_ESTIMATORS,
     compute_advantages,
@@ -41,6 +41,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "ClipObjective",
+    "LossInputs",
     "ProjectionResult",
     "SparseDistribution",
     "TrollObjective",

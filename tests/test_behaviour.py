@@ -232,7 +232,7 @@ def test_the_default_recomputes_the_behaviour_pass_of_a_bfloat16_policy(
 ):
     """``auto`` (the default): a float32 policy's rollout keeps what sampling recorded, a bfloat16
     policy's runs the teacher-forced pass of the snapshot after sampling."""
-    import lightning_troll.callbacks.rollout as rollout_callback
+    import lightning_troll.rollouts.collector as rollout_callback
     from tests.test_dynamic_sampling import collect
 
     calls = []

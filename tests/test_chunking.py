@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import re
 import warnings
+from dataclasses import replace
 
 import pytest
 import torch
 from torch import nn
 
 from lightning_troll.models.loading import tiny_causal_lm
-from lightning_troll.objectives import build_objective
+from lightning_troll.objectives import LossInputs, build_objective
 from lightning_troll.objectives.chunking import check_chunk_size, row_chunks
 from lightning_troll.rollouts import forward as forward_module
 from lightning_troll.rollouts.rollout import (
@@ -144,12 +145,12 @@ def _loss_and_grads(objective, model, inputs, targets, chunk_size):
     model.zero_grad(set_to_none=True)
     if chunk_size == "full":
         logits = response_logits(model, *inputs, T, TEMPERATURE)  # (B, T, V)
-        loss, stats = objective(logits, *targets)
+        loss, stats = objective(logits, targets)
     else:
         hidden = response_hidden(model, *inputs, T)  # (B, T, H)
         head = linear_head(model)
         loss, stats = objective.forward_hidden(
-            hidden, head, TEMPERATURE, *targets, chunk_size=chunk_size
+            hidden, head, TEMPERATURE, targets, chunk_size=chunk_size
         )
     loss.backward()
     return loss.detach(), stats, [p.grad.clone() for p in model.parameters()]
@@ -165,8 +166,14 @@ def test_chunked_loss_and_gradients_equal_the_full_logits(name, importance, chun
     old_logprobs, old = behaviour_outputs(behaviour, *inputs, response, TEMPERATURE, sparse_old)
     ref_logprobs, _ = behaviour_outputs(reference, *inputs, response, TEMPERATURE, None)
     advantages = torch.randn(len(PROMPT_LENGTHS), generator=torch.Generator().manual_seed(1))
-    tokens = ids[:, S:]
-    targets = (tokens, response, advantages.double(), old_logprobs, old, ref_logprobs)
+    targets = LossInputs(
+        tokens=ids[:, S:],
+        mask=response,
+        advantages=advantages.double(),
+        old_logprobs=old_logprobs,
+        old=old,
+        ref_logprobs=ref_logprobs,
+    )
     specific = {"eps": 0.0042, "max_tokens": 5, "mass_delta": 1e-3} if name == "troll" else {}
     objective = build_objective(
         name,
@@ -221,14 +228,17 @@ def test_chunked_forward_keeps_no_vocabulary_sized_tensor(name):
     tokens = old_logits.argmax(-1)
     old_logprobs = old_logits.log_softmax(-1).gather(-1, tokens[..., None]).squeeze(-1)
     old = sparse_old(old_logits[response], tokens[response])
-    targets = (tokens, response, torch.ones(len(PROMPT_LENGTHS)), old_logprobs, old)
+    advantages = torch.ones(len(PROMPT_LENGTHS))
+    targets = LossInputs(
+        tokens=tokens, mask=response, advantages=advantages, old_logprobs=old_logprobs, old=old
+    )
     objective = build_objective(name, entropy_coef=0.01)
     h = hidden.requires_grad_()
 
-    full = _vocab_sized_saves(lambda: objective(head(h) / TEMPERATURE, *targets)[0])
+    full = _vocab_sized_saves(lambda: objective(head(h) / TEMPERATURE, targets)[0])
     assert (N, V) in full  # the control: the full path keeps (N, V) buffers
     chunked = _vocab_sized_saves(
-        lambda: objective.forward_hidden(h, head, TEMPERATURE, *targets, chunk_size=4)[0]
+        lambda: objective.forward_hidden(h, head, TEMPERATURE, targets, chunk_size=4)[0]
     )
     assert chunked == []
 
@@ -237,16 +247,19 @@ def test_forward_hidden_checks_its_options():
     objective = build_objective("clip")
     hidden, mask = torch.zeros(2, 3, H), torch.ones(2, 3, dtype=torch.bool)
     tokens, zeros = torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3)
+    inputs = LossInputs(
+        tokens=tokens, mask=mask, advantages=zeros[:, 0], old_logprobs=zeros, old=None
+    )
     head = nn.Linear(H, V)
     with pytest.raises(ValueError, match=r"hidden must be \(B, T, H\); got shape \(6, 16\)"):
-        objective.forward_hidden(hidden.flatten(0, 1), head, 1.0, tokens, mask, zeros[:, 0], zeros)
+        objective.forward_hidden(hidden.flatten(0, 1), head, 1.0, inputs)
     with pytest.raises(ValueError, match=r"temperature must be > 0; got 0"):
-        objective.forward_hidden(hidden, head, 0, tokens, mask, zeros[:, 0], zeros)
+        objective.forward_hidden(hidden, head, 0, inputs)
     with pytest.raises(ValueError, match=r"chunk_size must be null .* got 0"):
-        objective.forward_hidden(hidden, head, 1.0, tokens, mask, zeros[:, 0], zeros, chunk_size=0)
+        objective.forward_hidden(hidden, head, 1.0, inputs, chunk_size=0)
     old = sparse_old(torch.randn(5, V), torch.zeros(5, dtype=torch.long))
     with pytest.raises(ValueError, match=r"old must have one row per response token, N = 6; got 5"):
-        objective.forward_hidden(hidden, head, 1.0, tokens, mask, zeros[:, 0], zeros, old)
+        objective.forward_hidden(hidden, head, 1.0, replace(inputs, old=old))
 
 
 def soft_capped_model() -> nn.Module:
@@ -354,9 +367,15 @@ def test_chunks_under_fsdp2_equal_the_unsharded_full_logits(tmp_path):
     ids, attention, response = batch()
     old_logprobs, old = behaviour_outputs(behaviour, ids, attention, response, 1.0, sparse_old)
     advantages = torch.randn(len(PROMPT_LENGTHS), generator=torch.Generator().manual_seed(1))
-    targets = (ids[:, S:], response, advantages.double(), old_logprobs, old)
+    targets = LossInputs(
+        tokens=ids[:, S:],
+        mask=response,
+        advantages=advantages.double(),
+        old_logprobs=old_logprobs,
+        old=old,
+    )
     objective = build_objective("troll", eps=0.0042, max_tokens=5, mass_delta=1e-3)
-    loss, _ = objective(response_logits(policy, ids, attention, T, 1.0), *targets)
+    loss, _ = objective(response_logits(policy, ids, attention, T, 1.0), targets)
     loss.backward()
     full_logp, full = behaviour_outputs(policy, ids, attention, response, 1.0, sparse_old)
 
@@ -373,7 +392,7 @@ def test_chunks_under_fsdp2_equal_the_unsharded_full_logits(tmp_path):
         logp, chunked = behaviour_outputs(sharded, ids, attention, response, 1.0, sparse_old, 4)
         hidden = response_hidden(sharded, ids, attention, T)
         c_loss, _ = objective.forward_hidden(
-            hidden, linear_head(sharded), 1.0, *targets, chunk_size=4
+            hidden, linear_head(sharded), 1.0, targets, chunk_size=4
         )
         c_loss.backward()
         grads = {name: p.grad.full_tensor() for name, p in sharded.named_parameters()}

@@ -486,12 +486,18 @@ def broken_jsonl(tmp_path: Path) -> str:
                      id="no-prompts"),
         pytest.param(["--data.source", lambda tmp: str(tmp)], "is a folder, not a file",
                      id="folder-as-data"),
+        pytest.param(["--trainer.logger", "lightning.pytorch.loggers.MLFlowLogger",
+                      "--trainer.logger.tracking_uri", "file:./mlruns"],
+                     "lightning.pytorch.loggers.MLFlowLogger refused its arguments: MlflowException:"
+                     " The filesystem tracking backend", id="logger-refuses",
+                     marks=pytest.mark.skipif(find_spec("mlflow") is None, reason="no mlflow")),
     ],
 )  # fmt: skip
 def test_bad_input_prints_one_line_and_exits_2(
     args, message, tmp_path, monkeypatch, capsys, tiny_model_dir
 ):
     args = [a(tmp_path) if callable(a) else a for a in args]
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
     base = ["fit", "--config", str(ROOT / "configs" / "tinymath.yaml"), *one_step(tiny_model_dir)]
     loaded = []
     real_load = module_file.load_policy

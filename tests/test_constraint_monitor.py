@@ -19,7 +19,7 @@ from lightning_troll.callbacks.constraints import (
     constraint_shares,
 )
 from lightning_troll.cli.command import run as cli_run
-from lightning_troll.objectives import ClipObjective, TrollObjective
+from lightning_troll.objectives import ClipObjective, LossInputs, TrollObjective
 from lightning_troll.trust_region.projection import sparsify
 
 
@@ -69,7 +69,10 @@ def clip_stats(ratio: torch.Tensor, adv: torch.Tensor, **options):
     logits = torch.stack([new_p.log(), (1 - new_p).log()], -1)[None]  # (1, T, 2)
     tokens = torch.zeros(1, len(ratio), dtype=torch.long)
     mask = torch.ones(1, len(ratio), dtype=torch.bool)
-    _, stats = ClipObjective(**options)(logits, tokens, mask, adv[None].double(), old_lp)
+    inputs = LossInputs(
+        tokens=tokens, mask=mask, advantages=adv[None].double(), old_logprobs=old_lp, old=None
+    )
+    _, stats = ClipObjective(**options)(logits, inputs)
     return stats
 
 
@@ -98,7 +101,10 @@ def test_troll_mask_is_eta_above_zero_and_matches_the_active_share():
     old_lp = torch.log_softmax(old_logits, -1).gather(-1, tokens[:, None]).reshape(1, 2)
     mask = torch.ones(1, 2, dtype=torch.bool)
     objective = TrollObjective(eps=0.05, max_tokens=3, mass_delta=0.0)
-    _, stats = objective(new[None], tokens[None], mask, torch.tensor([1.0]), old_lp, old)
+    inputs = LossInputs(
+        tokens=tokens[None], mask=mask, advantages=torch.tensor([1.0]), old_logprobs=old_lp, old=old
+    )
+    _, stats = objective(new[None], inputs)
     assert stats.constraint_masks()["projected"].tolist() == [False, True]
     assert float(stats.active_frac) == 0.5
     assert stats.token_old_prob.tolist() == pytest.approx([0.5, 0.2])
@@ -177,24 +183,3 @@ def test_two_step_fit_logs_the_bins_to_tensorboard_and_csv(
             float(row[f"trust_region/by_confidence/{n}/tokens"]) for n, *_ in CONFIDENCE_BINS
         )
         assert total == pytest.approx(1.0, abs=1e-6)
-
-
-def test_the_cost_benchmark_times_both_monitors_on_both_objectives(tmp_path):
-    """examples/benchmark_constraint_monitor.py on a small rollout: a row per objective with
-    positive times, and the synthetic statistics it times log every bin of both objectives."""
-    from tests.test_study_kit import load
-
-    bench = load("benchmark_constraint_monitor")
-    out = tmp_path / "cost.json"
-    bench.main(["--tokens", "800", "--repeats", "2", "--json", str(out)])
-    rows = json.loads(out.read_text())["rows"]
-    assert [(r["objective"], r["tokens"]) for r in rows] == [("troll", 800), ("clip", 800)]
-    assert all(r["constraint_monitor_s"] > 0 and r["trust_region_monitor_s"] > 0 for r in rows)
-    generator = torch.Generator().manual_seed(0)
-    for objective, masks in (("troll", ["projected"]), ("clip", ["clipped", "outside"])):
-        stats = [bench.step_stats(objective, 100, generator) for _ in range(2)]
-        module = SimpleNamespace(last_stats=stats, device=torch.device("cpu"), logged={})
-        module.log_dict = lambda values, m=module: m.logged.update(values)
-        ConstraintMonitor().on_train_batch_end(None, module, None, None, 0)
-        for mask in masks:
-            assert f"trust_region/by_confidence/below_0.5/{mask}" in module.logged

@@ -1,5 +1,6 @@
 """Conversational rows (TRL's formats): a ``prompt`` list of messages, or a ``messages`` column cut
-before its last assistant turn; system prompts per row; the chat template applied (and required);
+before its last assistant turn; system prompts per row; the chat template applied to them by
+default (and to plain rows on request);
 the gold answer and the other columns reaching reward functions in ``row``."""
 
 from __future__ import annotations
@@ -113,12 +114,56 @@ def test_conversations_reach_the_reward_with_their_answer_and_columns(chat_tok, 
     assert row["messages"] == rows[0]["messages"]  # the whole conversation, reference included
 
 
-def test_a_conversation_needs_the_chat_template(chat_tok, tmp_path):
+def items(rows: list[dict], tok, tmp_path, **options):
+    path = write_jsonl(tmp_path / "rows.jsonl", rows)
+    dm = PromptDataModule(
+        str(path), tokenizer=tok, val_file=str(path), batch_size=1, max_prompt_tokens=200, **options
+    )
+    dm.setup("fit")
+    return dm.val_items
+
+
+def test_by_default_conversations_get_the_chat_template_and_plain_text_does_not(chat_tok, tmp_path):
+    """As TRL does: data.chat_template left at null writes conversational rows with the chat
+    template and leaves plain rows as they are; each is tokenized once, with one BOS."""
+    rows = [{"prompt": [user("2+2?")], "answer": "4"}, {"prompt": "3+3=", "answer": "6"}]
+    got = items(rows, chat_tok, tmp_path)
+    assert [item.text for item in got] == ["<bos>[user]2+2?[assistant]", "3+3="]
+    plain = chat_tok("3+3=", add_special_tokens=True)["input_ids"]
+    written = chat_tok("<bos>[user]2+2?[assistant]", add_special_tokens=False)["input_ids"]
+    assert [item.ids for item in got] == [written, plain]
+    assert written.count(chat_tok.bos_token_id) == 1
+
+
+def test_chat_template_true_wraps_plain_text_and_a_system_prompt_wraps_it_by_default(
+    chat_tok, tmp_path
+):
+    rows = [{"prompt": "3+3=", "answer": "6"}]
+    assert texts(rows, chat_tok, tmp_path, chat_template=True) == ["<bos>[user]3+3=[assistant]"]
+    assert texts(rows, chat_tok, tmp_path, system_prompt="Be terse.") == [
+        "<bos>[system]Be terse.[user]3+3=[assistant]"
+    ]
+
+
+def test_chat_template_false_refuses_conversations_and_a_system_prompt(chat_tok, tmp_path):
     rows = [{"prompt": [user("2+2?")], "answer": "4"}]
     with pytest.raises(ValueError) as error:
-        texts(rows, chat_tok, tmp_path)
+        texts(rows, chat_tok, tmp_path, chat_template=False)
     assert "data.chat_template=false, but row 0 of the train rows" in str(error.value)
-    assert "set data.chat_template: true" in str(error.value)
+    assert "leave data.chat_template at null (or true)" in str(error.value)
+    with pytest.raises(ValueError, match="data.system_prompt='Be terse.' needs the chat template, "
+                       "but data.chat_template=false"):  # fmt: skip
+        PromptDataModule("tinymath", chat_template=False, system_prompt="Be terse.")
+    with pytest.raises(ValueError, match="data.chat_template must be true, false or null"):
+        PromptDataModule("tinymath", chat_template="yes")
+
+
+def test_a_conversation_with_a_tokenizer_without_chat_template_is_named(tmp_path):
+    plain = char_tokenizer("".join(sorted(set(string.printable) - set("\r\x0b\x0c"))), 512)
+    rows = [{"prompt": [user("2+2?")], "answer": "4"}]
+    with pytest.raises(ValueError, match="the tokenizer has no chat template to write a "
+                       "conversational row or data.system_prompt"):  # fmt: skip
+        texts(rows, plain, tmp_path)
 
 
 @pytest.mark.parametrize(

@@ -7,13 +7,15 @@ logits, the projection against the float64 reference, and FSDP2 over NCCL on eve
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
 from lightning_troll.models.loading import tiny_causal_lm
 from lightning_troll.models.lora import LoraConfig
 from lightning_troll.models.tinymath import build_tokenizer
-from lightning_troll.objectives import build_objective
+from lightning_troll.objectives import LossInputs, build_objective
 from lightning_troll.rollouts.rollout import behaviour_outputs, linear_head, response_hidden
 from lightning_troll.training.module import OptimizationConfig
 from lightning_troll.trust_region.projection import TrustRegionProjection, kl_projection, sparsify
@@ -27,6 +29,9 @@ pytestmark = pytest.mark.cuda
 
 CUDA = torch.device("cuda")
 EPS = 0.05
+
+UnionProjection = partial(TrustRegionProjection, support="union")
+"""The layer on the union support (the library's default is the official one)."""
 
 
 def trainable(module) -> dict[str, torch.Tensor]:
@@ -142,7 +147,13 @@ def test_chunked_loss_and_gradients_equal_the_full_logits_on_cuda(name):
     old_logprobs, old = behaviour_outputs(behaviour, ids, attention, response, TEMPERATURE,
                                           sparse_old)  # fmt: skip
     advantages = torch.randn(ids.shape[0], generator=torch.Generator().manual_seed(1)).double()
-    targets = (ids[:, -T:], response, advantages.to(CUDA), old_logprobs, old)
+    targets = LossInputs(
+        tokens=ids[:, -T:],
+        mask=response,
+        advantages=advantages.to(CUDA),
+        old_logprobs=old_logprobs,
+        old=old,
+    )
     specific = {"eps": 0.0042, "max_tokens": 5, "mass_delta": 1e-3} if name == "troll" else {}
     objective = build_objective(name, aggregation="seq_mean_token_mean", **specific)
     results = []
@@ -150,7 +161,7 @@ def test_chunked_loss_and_gradients_equal_the_full_logits_on_cuda(name):
         policy.zero_grad(set_to_none=True)
         hidden = response_hidden(policy, ids, attention, T)  # (B, T, H)
         loss, _ = objective.forward_hidden(
-            hidden, linear_head(policy), TEMPERATURE, *targets, chunk_size=chunk_size
+            hidden, linear_head(policy), TEMPERATURE, targets, chunk_size=chunk_size
         )
         loss.backward()
         results.append((loss.detach(), [p.grad.clone() for p in policy.parameters()]))
@@ -193,7 +204,7 @@ def test_sparse_projection_on_cuda_matches_the_float64_reference(dtype, atol):
     (the CPU test of tests/test_projection.py, with the layer on the GPU)."""
     max_tokens, mass_delta, eps = 3, 1e-3, 0.02
     new, old, tokens = sparse_case(max_tokens=max_tokens, mass_delta=mass_delta)
-    result = TrustRegionProjection(eps, max_tokens, mass_delta)(
+    result = UnionProjection(eps, max_tokens, mass_delta)(
         new.to(CUDA, dtype), old.to(CUDA), tokens.to(CUDA)
     )
     assert (result.eta > 0).any(), "the case projects some rows"
@@ -219,7 +230,7 @@ def test_projection_bound_at_qwen_vocabulary_on_cuda():
     new_logits = old_logits + 3 * noise.to(CUDA)
     tokens = old_logits.argmax(-1)
     old = sparsify(old_logits, keep=tokens)
-    result = TrustRegionProjection(EPS)(new_logits, old, tokens)
+    result = UnionProjection(EPS)(new_logits, old, tokens)
     assert (result.kl_before > EPS).float().mean() > 0.5
     assert (result.kl_after <= EPS * (1 + 1e-4)).all()
     assert (result.kl_after[result.eta > 0] >= EPS * (1 - 1e-3)).all()

@@ -233,7 +233,9 @@ def test_chat_template_with_system_prompt_and_a_single_bos(tok, tmp_path):
     assert item.ids == chat_tok(item.text, add_special_tokens=False)["input_ids"]
     assert item.ids.count(1) == 1 and item.ids[0] == 1  # the template's <bos>, not a second one
     with pytest.raises(
-        ValueError, match="data.chat_template=True but the tokenizer .* has no chat template"
+        ValueError,
+        match="data.chat_template=true but the tokenizer .* has no chat template; "
+        "set data.chat_template: null",
     ):
         make(tok, path, chat_template=True, val_file=str(path), batch_size=2)
 
@@ -370,7 +372,10 @@ def test_trainer_reshuffles_each_epoch_and_validates(tok, tmp_path):
         (dict(max_prompt_tokens=0), "data.max_prompt_tokens must be an integer >= 1; got 0"),
         (dict(num_train=None), "data.num_train must be an integer >= 1; got None"),
         (dict(seed=-1), "data.seed must be an integer >= 0; got -1"),
-        (dict(system_prompt="Hi"), "data.system_prompt='Hi' needs data.chat_template=True"),
+        (
+            dict(system_prompt="Hi", chat_template=False),
+            "data.system_prompt='Hi' needs the chat template, but data.chat_template=false",
+        ),
         (dict(template="{prompt"), "data.template='{prompt' is not a valid format string"),
         (dict(template="{0}"), r"data.template='\{0\}' has a positional field"),
     ],

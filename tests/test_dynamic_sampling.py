@@ -7,7 +7,6 @@ import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
 
-from lightning_troll.callbacks import RolloutGeneration
 from lightning_troll.data.datamodule import collate_prompts
 from lightning_troll.data.prompts import draw_prompts
 from lightning_troll.objectives.advantages import flat_groups
@@ -107,7 +106,7 @@ def collect(model_dir, seed=0, more=None, **options):
     extra = None
     if more:
         extra = lambda r: draw_prompts(data.train_items, 4, 0, f"test-{r}")  # noqa: E731
-    return module, *RolloutGeneration.collect(module, batch, extra)
+    return module, *module.collector.collect(batch, extra)
 
 
 def test_mask_truncated_leaves_truncated_completions_out_of_the_loss(tiny_model_dir):

@@ -247,16 +247,17 @@ def test_an_engine_for_one_process_is_refused_in_a_run_of_several():
     any rollout; the built-in engines both serve DDP and FSDP2."""
     from types import SimpleNamespace
 
-    from lightning_troll.callbacks import RolloutGeneration
     from lightning_troll.rollouts.vllm_engine import VLLMEngine
+    from lightning_troll.training.rollout_hooks import RolloutHooks
 
     class OneProcess(CountingEngine):
         several_processes = False
 
     assert HFEngine.several_processes and VLLMEngine.several_processes
     engine = OneProcess.__new__(OneProcess)
-    module = SimpleNamespace(engine=engine, dynamic_sampling=False)
-    callback = RolloutGeneration()
+    module = SimpleNamespace(engine=engine, _trainer=SimpleNamespace(world_size=2))
+    module.trainer = module._trainer
     with pytest.raises(ValueError, match=r"runs in a single process; this run has 2"):
-        callback.setup(SimpleNamespace(world_size=2), module, "fit")
-    callback.setup(SimpleNamespace(world_size=1), module, "fit")  # one process: accepted
+        RolloutHooks.check_engine_processes(module)
+    module._trainer.world_size = 1
+    RolloutHooks.check_engine_processes(module)  # one process: accepted

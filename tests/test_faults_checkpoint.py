@@ -171,3 +171,35 @@ def test_a_full_disk_stops_the_run_in_one_line_and_the_kept_checkpoint_resumes(
     )  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert torch.load(elsewhere / "last.ckpt", weights_only=True)["global_step"] == 2
+
+
+@pytest.mark.slow
+def test_a_full_disk_under_the_logs_stops_the_run_in_one_line(
+    tmp_path, tiny_model_dir, small_file_system
+):
+    """The run's logs (TensorBoard's writer thread) fill their file system while the checkpoints
+    live on another: one line naming the log folder and the checkpoint that is whole, exit status
+    3, no traceback from the writer thread; the checkpoint resumes."""
+    disk = small_file_system(24 * 1024)
+    checkpoints = tmp_path / "ckpt"
+    command = fit_command(tmp_path, tiny_model_dir, checkpoints, 12, "--trainer.logger", "true",
+                          "--trainer.default_root_dir", str(disk))  # fmt: skip
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True)
+    assert done.returncode == 3, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr and "Exception in thread" not in done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.startswith("lightning-troll:")]
+    kept = checkpoints / "last.ckpt"
+    assert len(lines) == 1 and lines[0].startswith(
+        f"lightning-troll: stopped: no space left on the device of {disk / 'lightning_logs'}"
+    )
+    assert lines[0].endswith(
+        f"the last checkpoint, {kept}, is whole: resume with --ckpt_path {kept}"
+    )
+    step = torch.load(kept, weights_only=True)["global_step"]
+    assert 1 <= step < 12
+    resumed = subprocess.run(
+        fit_command(tmp_path, tiny_model_dir, checkpoints, step + 1, "--ckpt_path", str(kept)),
+        cwd=tmp_path, capture_output=True, text=True,
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert torch.load(kept, weights_only=True)["global_step"] == step + 1

@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_troll.callbacks import RolloutGeneration
 from lightning_troll.data.datamodule import PromptDataModule
 from lightning_troll.data.prompts import collate_prompts
 from lightning_troll.rewards.registry import RewardError, RewardScorer
@@ -144,7 +143,7 @@ def test_dropped_rewards_never_bring_nan_into_the_loss(seed, tiny_model_dir):
     data = PromptDataModule(tokenizer=str(tiny_model_dir), batch_size=4, num_train=4, num_val=0)
     data.setup("fit")
     with pytest.warns(UserWarning, match=r"dropped"):
-        rollout, _ = RolloutGeneration.collect(module, collate_prompts(data.train_items))
+        rollout, _ = module.collector.collect(collate_prompts(data.train_items))
     assert torch.isfinite(rollout.rewards).all() and torch.isfinite(rollout.advantages).all()
     loss, stats = module.loss_of(rollout)
     assert torch.isfinite(loss) and torch.isfinite(stats.policy_loss)

@@ -182,6 +182,7 @@ def test_the_public_names_resolve():
     assert lightning_troll.__all__ == [
         "ADVANTAGE_ESTIMATORS",
         "ClipObjective",
+        "LossInputs",
         "ProjectionResult",
         "SparseDistribution",
         "TrollObjective",
@@ -287,3 +288,55 @@ def test_a_command_line_checkpoint_of_the_flat_layout_resumes(tmp_path, monkeypa
     )  # fmt: skip
     assert done.trainer.global_step == 6
     assert done.model.objective.projection.support == "union"
+
+
+def test_the_library_tests_load_no_study_script():
+    """The studies' tests live in ``examples/study_tests/``; the scripts they load (``study_kit``,
+    ``paper_regime_study``, ...) and every script of ``examples/`` that imports one of those are
+    the study scripts, and no file under ``tests/`` imports or loads one: no ``import``, no string
+    naming one (``load("study_kit")``, ``sys.modules["study_kit"]``, ``"examples/study_kit.py"``)
+    outside docstrings, and no import from ``examples`` or ``study_tests``."""
+
+    def imports(path: Path) -> set[str]:
+        """The top-level modules ``path`` imports, at module level or inside functions."""
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                found.add(node.module.split(".")[0])
+        return found
+
+    def loads(path: Path) -> set[str]:
+        """What ``path`` imports, and the script names its strings give (docstrings aside)."""
+        tree = ast.parse(path.read_text())
+        documented = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+        docstrings = {
+            id(node.body[0].value)
+            for node in ast.walk(tree)
+            if isinstance(node, documented) and node.body and isinstance(node.body[0], ast.Expr)
+        }
+        strings = {
+            node.value.rpartition("/")[2].removesuffix(".py")
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and id(node) not in docstrings
+        }
+        return imports(path) | strings
+
+    scripts = {path.stem: path for path in (ROOT / "examples").glob("*.py")}
+    study_tests = sorted((ROOT / "examples" / "study_tests").glob("*.py"))
+    studies = set().union(*(loads(path) & scripts.keys() for path in study_tests))
+    assert studies, "no test in examples/study_tests/ loads a script of examples/"
+    while more := {n for n, p in scripts.items() if n not in studies and imports(p) & studies}:
+        studies |= more
+    offending = [
+        f"{path.relative_to(ROOT)}: {sorted(named)}"
+        for path in sorted((ROOT / "tests").rglob("*.py"))
+        if (named := (loads(path) & studies) | (imports(path) & {"examples", "study_tests"}))
+    ]
+    assert not offending, (
+        "tests/ loads study scripts (their tests go in examples/study_tests/):\n"
+        + "\n".join(offending)
+    )

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lightning_troll.callbacks import TrustRegionMonitor
-from lightning_troll.objectives import TrollObjective
+from lightning_troll.objectives import LossInputs, TrollObjective
 from lightning_troll.trust_region.projection import sparsify
 
 
@@ -37,9 +37,14 @@ def test_infeasible_tokens_are_counted_and_left_out_of_eta():
     objective = TrollObjective(eps=0.05, max_tokens=4, mass_delta=0.0)
     old_lp = torch.log_softmax(old_logits, -1).gather(-1, tokens[:, None]).reshape(2, 2)
     mask = torch.ones(2, 2, dtype=torch.bool)
-    _, stats = objective(
-        new.reshape(2, 2, 4), tokens.reshape(2, 2), mask, torch.ones(2), old_lp, old
+    inputs = LossInputs(
+        tokens=tokens.reshape(2, 2),
+        mask=mask,
+        advantages=torch.ones(2),
+        old_logprobs=old_lp,
+        old=old,
     )
+    _, stats = objective(new.reshape(2, 2, 4), inputs)
     eta = stats.projection.eta
     assert eta[:2].isinf().all() and 0 < eta[2] < math.inf and eta[3] == 0
 
@@ -56,3 +61,39 @@ def test_infeasible_tokens_are_counted_and_left_out_of_eta():
     assert logged["trust_region/max_violation"] == pytest.approx(
         -math.log(0.7) / 0.05 - 1, rel=1e-6
     )
+
+
+def test_kl_end_asks_the_module_for_its_cache_and_never_sets_it(tmp_path, tiny_model_dir):
+    """Observers observe: a clipping module built without ``cache_old_distributions`` is refused
+    by the kl_end monitor in one line, and the monitor leaves the module's option as it found it."""
+    from lightning.pytorch import Trainer
+
+    from lightning_troll.callbacks import TrustRegionMonitor
+    from tests.test_training import make_module
+
+    module = make_module(tiny_model_dir, objective="clip")
+    assert module.cache_old_distributions is False
+    trainer = Trainer(accelerator="cpu", logger=False, enable_checkpointing=False)
+    monitor = TrustRegionMonitor(kl_end=True)
+    with pytest.raises(ValueError, match="trust_region_monitor.kl_end reads the behaviour policy's "
+                       "sparse distributions.*cache_old_distributions=True"):  # fmt: skip
+        monitor.setup(trainer, module, "fit")
+    assert module.cache_old_distributions is False
+    asked = make_module(tiny_model_dir, objective="clip", cache_old_distributions=True)
+    monitor.setup(trainer, asked, "fit")
+    assert asked.cache_old_distributions is True
+
+
+def test_the_command_line_links_kl_end_to_the_cache(tmp_path, monkeypatch, tiny_model_dir):
+    """A clipping run with ``trust_region_monitor.kl_end`` caches the old distributions (and
+    logs the KL at each rollout's end) without the user setting the module's option."""
+    from lightning_troll.cli.command import run
+    from tests.test_cli import ROOT, one_step
+
+    monkeypatch.chdir(tmp_path)
+    args = ["fit", "--config", str(ROOT / "configs" / "tinymath.yaml"), *one_step(tiny_model_dir)]
+    cli = run([*args, "--model.objective", "clip", "--trust_region_monitor.kl_end", "true"])
+    assert cli.model.cache_old_distributions is True
+    assert "trust_region/kl_end_mean" in cli.trainer.callback_metrics
+    cli = run([*args, "--model.objective", "clip"])
+    assert cli.model.cache_old_distributions is False

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import fields, replace
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from lightning_troll.objectives import (
     IMPORTANCE_LEVELS,
     REF_KL_ESTIMATORS,
     ClipObjective,
+    LossInputs,
     TrollObjective,
     build_objective,
     token_entropy,
@@ -21,7 +23,8 @@ from lightning_troll.objectives.aggregation import (
     K3_MAX,
     SEQUENCE_LOG_RATIO_MAX,
 )
-from lightning_troll.trust_region.projection import sparsify
+from lightning_troll.rollouts.rollout import Rollout
+from lightning_troll.trust_region.projection import ProjectionResult, sparsify
 
 
 def binary_logits(p_new):
@@ -31,7 +34,8 @@ def binary_logits(p_new):
 
 
 def rollout(b=4, t=6, vocab=13, shift=0.7, seed=0, dtype=torch.float64):
-    """A random minibatch: new logits, tokens, mask, advantages, old log-probs and sparse old."""
+    """A random minibatch: new logits and the loss inputs (tokens, mask, advantages, old
+    log-probs and sparse old)."""
     g = torch.Generator().manual_seed(seed)
     old_logits = torch.randn(b, t, vocab, generator=g, dtype=dtype) * 2
     new = old_logits + torch.randn(b, t, vocab, generator=g, dtype=dtype) * shift
@@ -42,7 +46,8 @@ def rollout(b=4, t=6, vocab=13, shift=0.7, seed=0, dtype=torch.float64):
     adv = torch.randn(b, generator=g, dtype=dtype)
     old_lp = torch.log_softmax(old_logits, -1).gather(-1, tokens[..., None]).squeeze(-1)
     old = sparsify(old_logits[mask], max_tokens=vocab, mass_delta=0.0, keep=tokens[mask])
-    return new, tokens, mask, adv, old_lp, old
+    inputs = LossInputs(tokens=tokens, mask=mask, advantages=adv, old_logprobs=old_lp, old=old)
+    return new, inputs
 
 
 # --------------------------------------------------------------------------------------------
@@ -62,7 +67,8 @@ def test_clip_hand_computed():
     mask = torch.ones(1, 3, dtype=torch.bool)
     adv = torch.tensor([[1.0, -1.0, 1.0]], dtype=torch.float64)
     old_lp = torch.full((1, 3), math.log(0.4), dtype=torch.float64)
-    loss, stats = ClipObjective(eps_low=0.2)(logits, tokens, mask, adv, old_lp)
+    inputs = LossInputs(tokens=tokens, mask=mask, advantages=adv, old_logprobs=old_lp, old=None)
+    loss, stats = ClipObjective(eps_low=0.2)(logits, inputs)
     assert loss.item() == pytest.approx(-(1.2 - 0.8 + 0.9) / 3, abs=1e-12)
     assert stats.clip_frac_high.item() == pytest.approx(1 / 3)
     assert stats.clip_frac_low.item() == pytest.approx(1 / 3)
@@ -83,13 +89,14 @@ def test_clip_asymmetric_and_dual_clip_by_hand():
     mask = torch.ones(1, 3, dtype=torch.bool)
     adv = torch.tensor([[2.0, -1.0, -1.0]], dtype=torch.float64)
     old_lp = torch.full((1, 3), math.log(0.1), dtype=torch.float64)
+    inputs = LossInputs(tokens=tokens, mask=mask, advantages=adv, old_logprobs=old_lp, old=None)
     objective = ClipObjective(eps_low=0.1, eps_high=0.3, dual_clip=3.0)
-    loss, stats = objective(logits, tokens, mask, adv, old_lp)
+    loss, stats = objective(logits, inputs)
     assert loss.item() == pytest.approx(-(2.6 - 0.9 - 3.0) / 3, abs=1e-12)
     assert stats.dual_clip_frac.item() == pytest.approx(1 / 3)
     assert stats.clip_frac.item() == pytest.approx(1.0)
     # without the dual clip the third token would contribute -5
-    loss, _ = ClipObjective(eps_low=0.1, eps_high=0.3)(logits, tokens, mask, adv, old_lp)
+    loss, _ = ClipObjective(eps_low=0.1, eps_high=0.3)(logits, inputs)
     assert loss.item() == pytest.approx(-(2.6 - 0.9 - 5.0) / 3, abs=1e-12)
 
 
@@ -118,13 +125,15 @@ def test_seq_mean_skips_empty_sequences():
 
 
 def test_dr_grpo_norm_length_defaults_to_padded_length():
-    new, tokens, mask, adv, old_lp, _ = rollout()
+    new, inputs = rollout()
+    inputs = replace(inputs, old=None)
+    length = inputs.mask.shape[1]
     objective = ClipObjective(aggregation="seq_mean_token_sum_norm")
-    explicit = ClipObjective(aggregation="seq_mean_token_sum_norm", norm_length=mask.shape[1])
-    doubled = ClipObjective(aggregation="seq_mean_token_sum_norm", norm_length=2 * mask.shape[1])
-    a = objective(new, tokens, mask, adv, old_lp)[0]
-    assert a.item() == pytest.approx(explicit(new, tokens, mask, adv, old_lp)[0].item())
-    assert a.item() == pytest.approx(2 * doubled(new, tokens, mask, adv, old_lp)[0].item())
+    explicit = ClipObjective(aggregation="seq_mean_token_sum_norm", norm_length=length)
+    doubled = ClipObjective(aggregation="seq_mean_token_sum_norm", norm_length=2 * length)
+    a = objective(new, inputs)[0]
+    assert a.item() == pytest.approx(explicit(new, inputs)[0].item())
+    assert a.item() == pytest.approx(2 * doubled(new, inputs)[0].item())
 
 
 # --------------------------------------------------------------------------------------------
@@ -134,13 +143,14 @@ def test_dr_grpo_norm_length_defaults_to_padded_length():
 
 @pytest.mark.parametrize("importance", ["token", "sequence"])
 def test_troll_with_huge_eps_is_the_unclipped_policy_gradient(importance):
-    new, tokens, mask, adv, old_lp, old = rollout(shift=1.5)
+    new, inputs = rollout(shift=1.5)
     x = new.clone().requires_grad_(True)
     objective = TrollObjective(eps=1e12, importance=importance, max_tokens=64, mass_delta=0.0)
-    loss, stats = objective(x, tokens, mask, adv, old_lp, old)
+    loss, stats = objective(x, inputs)
     loss.backward()
     assert stats.active_frac.item() == 0
 
+    tokens, mask, adv, old_lp = inputs.tokens, inputs.mask, inputs.advantages, inputs.old_logprobs
     y = new.clone().requires_grad_(True)
     logp = torch.log_softmax(y, -1).gather(-1, tokens[..., None]).squeeze(-1)
     log_r = torch.where(mask, logp - old_lp, 0.0)
@@ -155,12 +165,14 @@ def test_troll_with_huge_eps_is_the_unclipped_policy_gradient(importance):
 @pytest.mark.parametrize("name", ["troll", "clip"])
 def test_first_step_on_policy(name):
     """new == old: every ratio is 1, nothing is projected or clipped."""
-    _, tokens, mask, adv, _, _ = rollout()
+    _, base = rollout()
+    tokens, mask, adv = base.tokens, base.mask, base.advantages
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(*mask.shape, 13, generator=g, dtype=torch.float32) * 3
     old_lp = torch.log_softmax(logits, -1).gather(-1, tokens[..., None]).squeeze(-1)
     old = sparsify(logits[mask], keep=tokens[mask])
-    loss, stats = build_objective(name)(logits, tokens, mask, adv.float(), old_lp, old)
+    inputs = replace(base, advantages=adv.float(), old_logprobs=old_lp, old=old)
+    loss, stats = build_objective(name)(logits, inputs)
     torch.testing.assert_close(
         stats.token_ratio, torch.ones_like(stats.token_ratio), rtol=0, atol=1e-6
     )
@@ -176,10 +188,10 @@ def test_first_step_on_policy(name):
 
 
 def test_troll_bound_holds_and_projection_reported():
-    new, tokens, mask, adv, old_lp, old = rollout(shift=2.0, dtype=torch.float32)
-    loss, stats = TrollObjective(eps=0.05)(new, tokens, mask, adv, old_lp, old)
+    new, inputs = rollout(shift=2.0, dtype=torch.float32)
+    loss, stats = TrollObjective(eps=0.05)(new, inputs)
     p = stats.projection
-    assert p.kl_after.shape == (int(mask.sum()),)
+    assert p.kl_after.shape == (int(inputs.mask.sum()),)
     assert (p.kl_after <= 0.05 * (1 + 1e-4)).all()
     assert 0 < stats.active_frac.item() <= 1
     assert stats.active_frac.item() == pytest.approx((p.kl_before > 0.05).float().mean().item())
@@ -193,23 +205,25 @@ def test_troll_bound_holds_and_projection_reported():
 
 
 def test_troll_regression_weight_alpha():
-    new, tokens, mask, adv, old_lp, old = rollout(shift=2.0)
-    zero = TrollObjective(alpha=0.0)(new, tokens, mask, adv, old_lp, old)[1]
-    two = TrollObjective(alpha=2.0)(new, tokens, mask, adv, old_lp, old)[1]
+    new, inputs = rollout(shift=2.0)
+    zero = TrollObjective(alpha=0.0)(new, inputs)[1]
+    two = TrollObjective(alpha=2.0)(new, inputs)[1]
     assert zero.regression_loss.item() > 0
     assert zero.loss.item() == pytest.approx(zero.policy_loss.item())
     assert two.loss.item() == pytest.approx(two.policy_loss.item() + 2 * two.regression_loss.item())
 
 
 def test_gspo_sequence_ratio_against_a_loop():
-    new, tokens, mask, adv, old_lp, old = rollout(shift=0.5)
+    new, inputs = rollout(shift=0.5)
+    inputs = replace(inputs, old=None)
     x = new.clone().requires_grad_(True)
     objective = ClipObjective(
         eps_low=10.0 / 11, eps_high=10.0, importance="sequence", aggregation="seq_mean_token_mean"
     )
-    loss, stats = objective(x, tokens, mask, adv, old_lp)
+    loss, stats = objective(x, inputs)
     loss.backward()
 
+    tokens, mask, adv, old_lp = inputs.tokens, inputs.mask, inputs.advantages, inputs.old_logprobs
     y = new.clone().requires_grad_(True)
     logp = torch.log_softmax(y, -1).gather(-1, tokens[..., None]).squeeze(-1)
     ratios, terms = [], []
@@ -257,7 +271,10 @@ def test_reference_kl_by_hand(estimator):
     ref_lp = torch.full((1, 2), math.log(0.25), dtype=torch.float64)
     adv = torch.zeros(1, dtype=torch.float64)
     objective = ClipObjective(ref_kl_coef=0.1, ref_kl_estimator=estimator)
-    loss, stats = objective(logits, tokens, mask, adv, old_lp, ref_logprobs=ref_lp)
+    inputs = LossInputs(
+        tokens=tokens, mask=mask, advantages=adv, old_logprobs=old_lp, old=None, ref_logprobs=ref_lp
+    )
+    loss, stats = objective(logits, inputs)
     expected = math.log(2) if estimator == "k1" else 0.5 + math.log(2) - 1
     assert stats.ref_kl.item() == pytest.approx(expected, abs=1e-12)
     assert loss.item() == pytest.approx(0.1 * expected, abs=1e-12)
@@ -283,17 +300,19 @@ def test_k3_is_clamped_like_low_var_kl():
 def test_masked_vocabulary_gives_finite_losses_and_gradients():
     """Tokens 8..12 of V = 13 masked (-inf) in the old and new logits: entropy, loss and
     gradients are finite for both objectives, and the entropy is that of the 8 unmasked tokens."""
-    new, tokens, mask, adv, old_lp, _ = rollout(shift=1.5)
+    new, base = rollout(shift=1.5)
+    mask = base.mask
     g = torch.Generator().manual_seed(3)
-    tokens = torch.randint(0, 8, tokens.shape, generator=g)
+    tokens = torch.randint(0, 8, base.tokens.shape, generator=g)
     old_logits = new + torch.randn(new.shape, generator=g, dtype=new.dtype)
     new[..., 8:] = old_logits[..., 8:] = float("-inf")
     old_lp = torch.log_softmax(old_logits, -1).gather(-1, tokens[..., None]).squeeze(-1)
     old = sparsify(old_logits[mask], keep=tokens[mask])
+    inputs = replace(base, tokens=tokens, old_logprobs=old_lp, old=old)
     expected_entropy = token_entropy(new[..., :8])[mask].mean()
     for objective in (TrollObjective(entropy_coef=0.01), ClipObjective(entropy_coef=0.01)):
         x = new.clone().requires_grad_(True)
-        loss, stats = objective(x, tokens, mask, adv, old_lp, old)
+        loss, stats = objective(x, inputs)
         loss.backward()
         assert torch.isfinite(loss) and torch.isfinite(x.grad).all()
         assert (x.grad[..., 8:] == 0).all()
@@ -307,19 +326,21 @@ def test_entropy_bonus_by_hand():
     mask = torch.ones(2, 3, dtype=torch.bool)
     old_lp = torch.full((2, 3), -math.log(8), dtype=torch.float64)
     adv = torch.tensor([1.0, -1.0], dtype=torch.float64)
-    base, stats = ClipObjective()(logits, tokens, mask, adv, old_lp)
-    bonus, _ = ClipObjective(entropy_coef=0.01)(logits, tokens, mask, adv, old_lp)
+    inputs = LossInputs(tokens=tokens, mask=mask, advantages=adv, old_logprobs=old_lp, old=None)
+    base, stats = ClipObjective()(logits, inputs)
+    bonus, _ = ClipObjective(entropy_coef=0.01)(logits, inputs)
     assert stats.entropy.item() == pytest.approx(math.log(8))
     assert (base - bonus).item() == pytest.approx(0.01 * math.log(8))
 
 
 def test_empty_batch_gives_zero_loss_with_a_graph():
-    new, tokens, mask, adv, old_lp, _ = rollout()
-    none = torch.zeros_like(mask)
-    old = sparsify(new[none], keep=tokens[none])
+    new, inputs = rollout()
+    none = torch.zeros_like(inputs.mask)
+    old = sparsify(new[none], keep=inputs.tokens[none])
+    inputs = replace(inputs, mask=none, old=old)
     x = new.clone().requires_grad_(True)
     for objective in (TrollObjective(), ClipObjective()):
-        loss, stats = objective(x, tokens, none, adv, old_lp, old)
+        loss, stats = objective(x, inputs)
         loss.backward()
         assert loss.item() == 0 and stats.num_tokens.item() == 0
         assert (x.grad == 0).all()
@@ -361,18 +382,18 @@ def test_troll_validation_and_inputs():
         ValueError, match=r"objective must be one of \['clip', 'troll'\]; got 'ppo'"
     ):
         build_objective("ppo")
-    new, tokens, mask, adv, old_lp, old = rollout()
+    new, inputs = rollout()
     objective = TrollObjective()
     with pytest.raises(ValueError, match=r"needs old"):
-        objective(new, tokens, mask, adv, old_lp)
+        objective(new, replace(inputs, old=None))
     with pytest.raises(ValueError, match=r"advantages must be \(B,\) = \(4,\)"):
-        objective(new, tokens, mask, adv[:3], old_lp, old)
+        objective(new, replace(inputs, advantages=inputs.advantages[:3]))
     with pytest.raises(ValueError, match=r"mask must be \(B, T\)"):
-        objective(new, tokens, mask[:, :2], adv, old_lp, old)
+        objective(new, replace(inputs, mask=inputs.mask[:, :2]))
     with pytest.raises(ValueError, match=r"ref_kl_coef=0.1 needs ref_logprobs"):
-        TrollObjective(ref_kl_coef=0.1)(new, tokens, mask, adv, old_lp, old)
+        TrollObjective(ref_kl_coef=0.1)(new, inputs)
     with pytest.raises(ValueError, match=r"one row per row of new_logits"):
-        objective(new, tokens, mask, adv, old_lp, old.select(torch.arange(3)))
+        objective(new, replace(inputs, old=inputs.old.select(torch.arange(3))))
 
 
 @pytest.mark.parametrize("support", ["union", "official", "dense"])
@@ -391,13 +412,121 @@ def test_no_advantage_on_policy_moves_no_weight_under_adam(support):
         logits = head(states)
     old_lp = torch.log_softmax(logits, -1).gather(-1, tokens[..., None]).squeeze(-1)
     old = logits[mask] if support == "dense" else sparsify(logits[mask], keep=tokens[mask])
+    inputs = LossInputs(
+        tokens=tokens, mask=mask, advantages=torch.zeros(b), old_logprobs=old_lp, old=old
+    )
     before = head.weight.detach().clone()
     optimizer = torch.optim.Adam(head.parameters(), lr=1e-3)
     for name in ("troll", "clip"):
         objective = build_objective(name, support=support) if name == "troll" else ClipObjective()
-        loss, _ = objective(head(states), tokens, mask, torch.zeros(b), old_lp, old)
+        loss, _ = objective(head(states), inputs)
         optimizer.zero_grad()
         loss.backward()
         assert head.weight.grad.abs().max().item() == 0.0, name
         optimizer.step()
         assert torch.equal(head.weight, before), name
+
+
+# --------------------------------------------------------------------------------------------
+# The inputs, by name
+# --------------------------------------------------------------------------------------------
+
+HOW = (
+    ": pass LossInputs(tokens=..., mask=..., advantages=..., old_logprobs=..., old=..., "
+    "ref_logprobs=...) from lightning_troll.objectives, or rollout.loss_inputs()"
+)
+
+
+def test_tensors_passed_one_by_one_are_refused_with_how_to_pass_them():
+    new, inputs = rollout()
+    tensors = (inputs.tokens, inputs.mask, inputs.advantages, inputs.old_logprobs, inputs.old)
+    objective = TrollObjective()
+    head = torch.nn.Linear(5, new.shape[-1]).double()
+    hidden = torch.randn(*inputs.mask.shape, 5, dtype=torch.float64)
+    refused = {
+        "TrollObjective.forward takes its per-token tensors as one LossInputs "
+        "(too many positional arguments)": lambda: objective(new, *tensors),
+        "TrollObjective.forward takes its per-token tensors as one LossInputs "
+        "(got inputs of type Tensor)": lambda: objective(new, inputs.tokens),
+        "TrollObjective.forward takes its per-token tensors as one LossInputs "
+        "(got an unexpected keyword argument 'old')": lambda: objective(
+            new, inputs, old=inputs.old
+        ),
+        "TrollObjective.forward_hidden takes its per-token tensors as one LossInputs "
+        "(too many positional arguments)": lambda: objective.forward_hidden(
+            hidden, head, 1.0, *tensors, None, 4
+        ),
+        "TrollObjective.forward_hidden takes its per-token tensors as one LossInputs "
+        "(multiple values for argument 'chunk_size')": lambda: objective.forward_hidden(
+            hidden, head, 1.0, *tensors, chunk_size=4
+        ),
+        "TrollObjective.forward_hidden takes its per-token tensors as one LossInputs "
+        "(got inputs of type tuple)": lambda: objective.forward_hidden(hidden, head, 1.0, tensors),
+    }
+    for message, call in refused.items():
+        with pytest.raises(TypeError) as error:
+            call()
+        assert str(error.value) == message + HOW
+
+
+def _assert_equal_stats(got, expected) -> None:
+    """Every field of two statistics records (the projection record's too) is bit-identical."""
+    assert type(got) is type(expected)
+    for field in fields(expected):
+        a, b = getattr(got, field.name), getattr(expected, field.name)
+        if isinstance(b, ProjectionResult):
+            for part in fields(b):
+                assert torch.equal(getattr(a, part.name), getattr(b, part.name)), part.name
+        else:
+            assert torch.equal(a, b), field.name
+
+
+@pytest.mark.parametrize("name", ["troll", "clip"])
+def test_a_rollouts_loss_inputs_give_the_loss_of_inputs_built_by_hand(name):
+    """A Rollout of 2-token prompts (left padded) and the minibatch of :func:`rollout` as its
+    responses, with reference log-probs: ``rollout.loss_inputs()`` gives, bit for bit, the loss
+    and statistics of the same tensors passed by hand, in both passes."""
+    new, inputs = rollout()
+    b = inputs.mask.shape[0]
+    g = torch.Generator().manual_seed(4)
+    prompts = torch.randint(0, 13, (b, 2), generator=g)
+    prompt_mask = torch.tensor([[0, 1], [1, 1], [1, 1], [0, 1]])
+    ref_lp = inputs.old_logprobs + 0.1 * torch.randn(inputs.mask.shape, generator=g).double()
+    sampled = Rollout(
+        input_ids=torch.cat([prompts, inputs.tokens], dim=-1),
+        attention_mask=torch.cat([prompt_mask, inputs.mask.long()], dim=-1),
+        response_mask=inputs.mask,
+        old_logprobs=inputs.old_logprobs,
+        old=inputs.old,
+        rewards=inputs.advantages + 1,
+        advantages=inputs.advantages,
+        truncated=torch.zeros(b, dtype=torch.bool),
+        temperature=1.0,
+        group_size=2,
+        ref_logprobs=ref_lp,
+    )
+    by_hand = LossInputs(
+        tokens=inputs.tokens.clone(),
+        mask=inputs.mask.clone(),
+        advantages=inputs.advantages.clone(),
+        old_logprobs=inputs.old_logprobs.clone(),
+        old=inputs.old,
+        ref_logprobs=ref_lp.clone(),
+    )
+    from_rollout = sampled.loss_inputs()
+    assert torch.equal(from_rollout.tokens, by_hand.tokens)
+    assert from_rollout.old is sampled.old and from_rollout.ref_logprobs is ref_lp
+
+    objective = build_objective(name, ref_kl_coef=0.1, entropy_coef=0.01)
+    loss, stats = objective(new, by_hand)
+    got_loss, got_stats = objective(new, from_rollout)
+    assert torch.equal(got_loss, loss)
+    _assert_equal_stats(got_stats, stats)
+    assert stats.ref_kl != 0
+
+    head = torch.nn.Linear(5, new.shape[-1]).double()
+    hidden = torch.randn(*inputs.mask.shape, 5, generator=g, dtype=torch.float64)
+    loss, stats = objective.forward_hidden(hidden, head, 0.7, by_hand, chunk_size=4)
+    got_loss, got_stats = objective.forward_hidden(hidden, head, 0.7, from_rollout, chunk_size=4)
+    assert torch.equal(got_loss, loss)
+    _assert_equal_stats(got_stats, stats)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import pytest
 import torch
@@ -15,6 +16,9 @@ from lightning_troll.trust_region.projection import (
     sparsify,
 )
 from tests import reference
+
+UnionProjection = partial(TrustRegionProjection, support="union")
+"""The layer on the union support (the library's default is the official one)."""
 
 
 def generator(seed: int = 0) -> torch.Generator:
@@ -278,7 +282,7 @@ def test_sparse_matches_reference_on_lumped_support(eps):
     max_tokens, mass_delta = 3, 1e-3
     new, old, tokens = sparse_case(max_tokens=max_tokens, mass_delta=mass_delta)
     x = new.clone().requires_grad_(True)
-    result = TrustRegionProjection(eps, max_tokens, mass_delta)(x, old, tokens)
+    result = UnionProjection(eps, max_tokens, mass_delta)(x, old, tokens)
     result.regression_kl.sum().backward()
 
     for i in range(new.shape[0]):
@@ -307,7 +311,7 @@ def test_sparse_matches_reference_on_lumped_support(eps):
 
 def test_sparse_gradcheck():
     new, old, tokens = sparse_case(shift=2.0)
-    layer = TrustRegionProjection(0.05, max_tokens=3, mass_delta=1e-3)
+    layer = UnionProjection(0.05, max_tokens=3, mass_delta=1e-3)
     result = layer(new, old, tokens)
     assert (result.eta > 0).any(), "the case must project some rows"
     new.requires_grad_(True)
@@ -322,7 +326,7 @@ def test_sparse_equals_dense_when_nothing_is_dropped(dtype):
     old = sparsify(old_logits, max_tokens=vocab, mass_delta=0.0, keep=tokens)
     x_sparse = new.clone().requires_grad_(True)
     x_dense = new.clone().requires_grad_(True)
-    result = TrustRegionProjection(0.05, max_tokens=vocab, mass_delta=0.0)(x_sparse, old, tokens)
+    result = UnionProjection(0.05, max_tokens=vocab, mass_delta=0.0)(x_sparse, old, tokens)
     dense = kl_projection(x_dense, old_logits, 0.05).gather(-1, tokens[:, None]).squeeze(-1)
     tol = 1e-12 if dtype == torch.float64 else 1e-5
     torch.testing.assert_close(result.logprob, dense, rtol=0, atol=tol)
@@ -337,7 +341,7 @@ def test_sparse_bound_met(dtype):
     new, old_logits = random_pair(256, 300, scale=3.0, shift=2.0, dtype=dtype, seed=7)
     tokens = torch.randint(0, 300, (256,), generator=generator(8))
     old = sparsify(old_logits, keep=tokens)
-    result = TrustRegionProjection(0.05)(new, old, tokens)
+    result = UnionProjection(0.05)(new, old, tokens)
     assert (result.kl_before > 0.05).float().mean() > 0.5
     assert (result.kl_after <= 0.05 * (1 + 1e-4)).all()
     assert (result.kl_after[result.eta > 0] >= 0.05 * (1 - 1e-3)).all()
@@ -348,7 +352,7 @@ def test_sparse_on_policy_is_identity():
     logits = peaked_logits(16, 500)
     tokens = torch.randint(0, 500, (16,), generator=generator(2))
     old = sparsify(logits, keep=tokens)
-    result = TrustRegionProjection(0.05)(logits, old, tokens)
+    result = UnionProjection(0.05)(logits, old, tokens)
     assert result.kl_before.abs().max() < 1e-6
     assert (result.eta == 0).all()
     torch.testing.assert_close(result.logprob, result.old_logprob, rtol=0, atol=1e-6)
@@ -365,7 +369,7 @@ def test_sparse_extreme_inputs():
     old[2] = torch.linspace(-1e4, 1e4, vocab)
     tokens = torch.tensor([2, 1, 7])
     x = new.clone().requires_grad_(True)
-    result = TrustRegionProjection(0.05)(x, sparsify(old, keep=tokens), tokens)
+    result = UnionProjection(0.05)(x, sparsify(old, keep=tokens), tokens)
     (result.logprob.sum() + result.regression_kl.sum()).backward()
     for name in ("logprob", "regression_kl", "kl_before", "kl_after", "eta"):
         assert torch.isfinite(getattr(result, name)).all(), name
@@ -379,7 +383,7 @@ def test_sparse_masked_rows_never_produce_nans():
     mask = torch.tensor([True, False, True, False, True])
     new[~mask] = float("nan")  # padding rows may hold anything
     x = new.clone().requires_grad_(True)
-    result = TrustRegionProjection(0.05, 3, 1e-3)(x, old, tokens, mask=mask)
+    result = UnionProjection(0.05, 3, 1e-3)(x, old, tokens, mask=mask)
     (result.logprob.sum() + result.regression_kl.sum()).backward()
     for name in ("logprob", "regression_kl", "kl_before", "kl_after", "eta", "coverage"):
         value = getattr(result, name)
@@ -387,7 +391,7 @@ def test_sparse_masked_rows_never_produce_nans():
         assert (value[~mask] == 0).all(), name
     assert torch.isfinite(x.grad).all() and (x.grad[~mask] == 0).all()
     # masked-out rows do not change the others
-    full = TrustRegionProjection(0.05, 3, 1e-3)(new[mask], old.select(mask), tokens[mask])
+    full = UnionProjection(0.05, 3, 1e-3)(new[mask], old.select(mask), tokens[mask])
     torch.testing.assert_close(result.logprob[mask], full.logprob, rtol=0, atol=0)
 
 
@@ -395,10 +399,10 @@ def test_sparse_all_masked_batch():
     new, old, tokens = sparse_case(n=3)
     x = new.clone().requires_grad_(True)
     mask = torch.zeros(3, dtype=torch.bool)
-    result = TrustRegionProjection()(x, old, tokens, mask=mask)
+    result = UnionProjection()(x, old, tokens, mask=mask)
     (result.logprob.sum() + result.regression_kl.sum()).backward()
     assert (result.logprob == 0).all() and (x.grad == 0).all()
-    empty = TrustRegionProjection()(new[:0], old.select(mask), tokens[:0])
+    empty = UnionProjection()(new[:0], old.select(mask), tokens[:0])
     assert empty.logprob.shape == (0,)
 
 
@@ -409,7 +413,7 @@ def test_sparse_bf16_inputs_are_upcast():
     tokens = torch.randint(0, vocab, (6,), generator=generator(3))
     old = sparsify(old_logits.to(torch.bfloat16), max_tokens=vocab, mass_delta=0, keep=tokens)
     assert old.logprobs.dtype == torch.float32
-    layer = TrustRegionProjection(0.05, max_tokens=vocab, mass_delta=0)
+    layer = UnionProjection(0.05, max_tokens=vocab, mass_delta=0)
     result = layer(new_bf16, old, tokens)
     assert result.logprob.dtype == torch.float32
     expected = layer(new_bf16.detach().float(), old, tokens)
@@ -417,7 +421,7 @@ def test_sparse_bf16_inputs_are_upcast():
     result.logprob.sum().backward()
     assert new_bf16.grad.dtype == torch.bfloat16 and torch.isfinite(new_bf16.grad).all()
     # with the default sparsity too
-    result = TrustRegionProjection()(new_bf16, sparsify(old_logits.bfloat16(), keep=tokens), tokens)
+    result = UnionProjection()(new_bf16, sparsify(old_logits.bfloat16(), keep=tokens), tokens)
     assert (result.kl_after <= 0.05 * (1 + 1e-4)).all()
 
 
@@ -430,7 +434,7 @@ def test_qwen_sized_vocabulary():
     old = sparsify(old_logits, keep=tokens)
     assert old.sizes.max() <= 16, "peaked rows need only a handful of tokens"
     x = new.clone().requires_grad_(True)
-    result = TrustRegionProjection(0.05)(x, old, tokens)
+    result = UnionProjection(0.05)(x, old, tokens)
     (result.logprob.sum() + result.regression_kl.sum()).backward()
     assert torch.isfinite(x.grad).all()
     assert (result.kl_after <= 0.05 * (1 + 1e-4)).all()
@@ -451,7 +455,7 @@ def test_layer_validation():
     with pytest.raises(ValueError, match=r"mass_delta must be .*; got 1.5"):
         TrustRegionProjection(mass_delta=1.5)
     new, old, tokens = sparse_case(n=4)
-    layer = TrustRegionProjection()
+    layer = UnionProjection()
     with pytest.raises(ValueError, match=r"new_logits must be \(N, V\)"):
         layer(new[0], old, tokens)
     with pytest.raises(
@@ -508,7 +512,7 @@ def test_a_token_outside_the_support_takes_its_share_of_the_rest(eps):
     max_tokens, mass_delta = 3, 1e-2
     new, old_logits, tokens = outside_case()
     old = sparsify(old_logits, max_tokens=max_tokens, mass_delta=mass_delta)  # no keep
-    layer = TrustRegionProjection(eps, max_tokens, mass_delta, keep_token=False)
+    layer = UnionProjection(eps, max_tokens, mass_delta, keep_token=False)
     result = layer(new, old, tokens)
     new_logp = torch.log_softmax(new, -1)
     for i in range(3):
@@ -542,7 +546,7 @@ def test_a_token_outside_the_support_takes_its_share_of_the_rest(eps):
 def test_keep_token_false_gradcheck():
     new, old_logits, tokens = outside_case()
     old = sparsify(old_logits, max_tokens=3, mass_delta=1e-2)
-    layer = TrustRegionProjection(0.02, max_tokens=3, mass_delta=1e-2, keep_token=False)
+    layer = UnionProjection(0.02, max_tokens=3, mass_delta=1e-2, keep_token=False)
     assert (layer(new, old, tokens).eta > 0).all()
     new.requires_grad_(True)
     assert gradcheck(lambda x: layer(x, old, tokens).logprob, (new,), atol=1e-7, rtol=1e-5)
@@ -554,7 +558,7 @@ def test_keep_token_false_equals_dense_when_nothing_is_dropped():
     new, old_logits = random_pair(6, vocab, shift=2.0)
     tokens = torch.randint(0, vocab, (6,), generator=generator(4))
     old = sparsify(old_logits, max_tokens=vocab, mass_delta=0.0)
-    layer = TrustRegionProjection(0.05, max_tokens=vocab, mass_delta=0.0, keep_token=False)
+    layer = UnionProjection(0.05, max_tokens=vocab, mass_delta=0.0, keep_token=False)
     got = layer(new, old, tokens).logprob
     dense = kl_projection(new, old_logits, 0.05).gather(-1, tokens[:, None]).squeeze(-1)
     torch.testing.assert_close(got, dense, rtol=0, atol=1e-12)
@@ -579,7 +583,7 @@ def test_masked_vocabulary_entries_are_projected_without_nans(max_tokens):
     tokens = torch.tensor([0, 3, 9, 5, 1])
     old = sparsify(old_logits, max_tokens=max_tokens, mass_delta=0.0, keep=tokens)
     x = new.clone().requires_grad_(True)
-    result = TrustRegionProjection(0.05, max_tokens, 0.0)(x, old, tokens)
+    result = UnionProjection(0.05, max_tokens, 0.0)(x, old, tokens)
     (result.logprob.sum() + result.regression_kl.sum()).backward()
     for name in ("logprob", "new_logprob", "regression_kl", "kl_before", "kl_after", "eta"):
         assert torch.isfinite(getattr(result, name)).all(), name
@@ -683,14 +687,14 @@ def test_sparse_infeasible_rows_are_counted_and_finite(dtype):
     """The sparse layer with nothing dropped equals the dense projection on infeasible rows too;
     ``infeasible`` flags rows 0-2 (row 3 is pi_new = [0.3, 0.3, 0.2, 0.2], KL 0.107 > 0.05, with
     no zeros: feasible), the loss of TrollObjective and its gradient stay finite."""
-    from lightning_troll.objectives import TrollObjective
+    from lightning_troll.objectives import LossInputs, TrollObjective
 
     new, old_logits, _, floors = infeasible_case()
     new[3] = torch.tensor([0.3, 0.3, 0.2, 0.2], dtype=torch.float64).log()
     new, old_logits = new.to(dtype), old_logits.to(dtype)
     tokens = torch.tensor([0, 1, 2, 1])
     old = sparsify(old_logits, max_tokens=4, mass_delta=0.0, keep=tokens)
-    layer = TrustRegionProjection(0.05, max_tokens=4, mass_delta=0.0)
+    layer = UnionProjection(0.05, max_tokens=4, mass_delta=0.0)
     x = new.clone().requires_grad_(True)
     result = layer(x, old, tokens)
     assert result.infeasible.tolist() == [True, True, True, False]
@@ -705,9 +709,11 @@ def test_sparse_infeasible_rows_are_counted_and_finite(dtype):
     logits = new.clone().reshape(2, 2, 4).requires_grad_(True)
     mask = torch.ones(2, 2, dtype=torch.bool)
     old_lp = torch.log_softmax(old_logits, -1).gather(-1, tokens[:, None]).reshape(2, 2)
-    loss, stats = objective(
-        logits, tokens.reshape(2, 2), mask, torch.tensor([1.0, -1.0]), old_lp, old
+    adv = torch.tensor([1.0, -1.0])
+    inputs = LossInputs(
+        tokens=tokens.reshape(2, 2), mask=mask, advantages=adv, old_logprobs=old_lp, old=old
     )
+    loss, stats = objective(logits, inputs)
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(logits.grad).all()
     assert stats.infeasible_frac.item() == 0.75 and stats.active_frac.item() == 1.0
@@ -733,7 +739,7 @@ def test_rest_mass_below_float32_range_is_summed_in_log_space():
         new, old_logits, tokens = underflow_case(110.0, dtype)
         old = sparsify(old_logits, max_tokens=3, mass_delta=1e-3, keep=tokens)
         x = new.clone().requires_grad_(True)
-        result = TrustRegionProjection(0.05, max_tokens=3, mass_delta=1e-3)(x, old, tokens)
+        result = UnionProjection(0.05, max_tokens=3, mass_delta=1e-3)(x, old, tokens)
         (result.logprob.sum() + 0.5 * result.regression_kl.sum()).backward()
         results[dtype], grads[dtype] = result, x.grad
     r32, r64 = results[torch.float32], results[torch.float64]
@@ -752,7 +758,7 @@ def test_rest_mass_below_float32_range_is_summed_in_log_space():
 def test_gradcheck_with_rest_mass_below_float64_range():
     new, old_logits, tokens = underflow_case(800.0)
     old = sparsify(old_logits, max_tokens=3, mass_delta=1e-3, keep=tokens)
-    layer = TrustRegionProjection(0.05, max_tokens=3, mass_delta=1e-3)
+    layer = UnionProjection(0.05, max_tokens=3, mass_delta=1e-3)
     result = layer(new, old, tokens)
     assert result.eta.item() > 0 and not result.infeasible.any()
     new.requires_grad_(True)
@@ -761,7 +767,7 @@ def test_gradcheck_with_rest_mass_below_float64_range():
 
 def test_kl_to_old_is_the_kl_before_projection():
     new, old, tokens = sparse_case(n=8, shift=2.0)
-    layer = TrustRegionProjection(0.05, max_tokens=3, mass_delta=1e-3)
+    layer = UnionProjection(0.05, max_tokens=3, mass_delta=1e-3)
     kl = layer.kl_to_old(new, old, tokens)
     torch.testing.assert_close(kl, layer(new, old, tokens).kl_before, rtol=0, atol=1e-12)
     assert (kl > 0.05).any() and not kl.requires_grad

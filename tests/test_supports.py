@@ -4,11 +4,12 @@ the option in YAML and the module, and seeds that vary the data."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 
-from lightning_troll.objectives import TrollObjective, TrustRegionConfig
+from lightning_troll.objectives import LossInputs, TrollObjective, TrustRegionConfig
 from lightning_troll.objectives.chunking import HiddenRows
 from lightning_troll.trust_region.projection import SUPPORTS, TrustRegionProjection, sparsify
 from tests.reference import dense_projection
@@ -137,10 +138,9 @@ def test_dense_takes_hidden_rows_in_the_objective_chunk_by_chunk():
     objective = TrollObjective(support="dense", aggregation="token_mean")
     assert objective.needs_old_logits
     rows = HiddenRows(old_hidden[mask], head)
-    loss_chunked, stats = objective.forward_hidden(
-        hidden, head, 1.0, tokens, mask, adv, old_lp, old=rows, chunk_size=3
-    )
-    loss_whole, _ = objective(head(hidden), tokens, mask, adv, old_lp, old=old_logits[mask])
+    inputs = LossInputs(tokens=tokens, mask=mask, advantages=adv, old_logprobs=old_lp, old=rows)
+    loss_chunked, stats = objective.forward_hidden(hidden, head, 1.0, inputs, chunk_size=3)
+    loss_whole, _ = objective(head(hidden), replace(inputs, old=old_logits[mask]))
     torch.testing.assert_close(loss_chunked, loss_whole, rtol=0, atol=1e-12)
     assert bool((stats.projection.kl_after <= 0.05 * (1 + 1e-8)).all())
 
@@ -158,7 +158,9 @@ def test_unknown_support_is_refused_in_one_line_listing_the_names():
 
 
 def test_official_needs_the_sampled_token():
-    with pytest.raises(ValueError, match="keep_token"):
+    with pytest.raises(
+        ValueError, match="keep_sampled_token=False needs trust_region.support .union. or .dense."
+    ):
         TrustRegionProjection(support="official", keep_token=False)
 
 

@@ -299,6 +299,7 @@ def test_kl_end_is_the_last_weights_against_the_behaviour_policy(
         optimization=OptimizationConfig(minibatch_size=8),
         optimizer=lambda params: torch.optim.AdamW(params, lr=3e-2),
         logits_chunk_size=5,
+        cache_old_distributions=True,
     )
     recorder = Recorder()
     callbacks = [
@@ -340,11 +341,11 @@ def test_kl_to_behaviour_is_zero_before_any_step(tiny_model_dir):
     data = make_data(tiny_model_dir)
     data.setup("fit")
     batch = next(iter(data.train_dataloader()))
-    assert RolloutGeneration.collect(module, batch)[0].old is None
+    assert module.collector.collect(batch)[0].old is None
     with pytest.raises(ValueError, match="cache_old_distributions"):
-        module.kl_to_behaviour(RolloutGeneration.collect(module, batch)[0])
+        module.kl_to_behaviour(module.collector.collect(batch)[0])
     module.cache_old_distributions = True
-    rollout = RolloutGeneration.collect(module, batch)[0]
+    rollout = module.collector.collect(batch)[0]
     lumped, sampled = module.kl_to_behaviour(rollout)
     assert lumped.shape == sampled.shape == (int(rollout.response_mask.sum()),)
     assert lumped.abs().max() < 1e-5 and sampled.abs().max() < 1e-5
@@ -360,7 +361,7 @@ def test_drift_from_behaviour_gives_the_sampled_tokens_log_ratios(tiny_model_dir
     module.cache_old_distributions = True
     data = make_data(tiny_model_dir)
     data.setup("fit")
-    rollout = RolloutGeneration.collect(module, next(iter(data.train_dataloader())))[0]
+    rollout = module.collector.collect(next(iter(data.train_dataloader())))[0]
     torch.manual_seed(0)
     with torch.no_grad():
         for p in module.policy.parameters():

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import threading
 import warnings
 from contextvars import ContextVar
 from typing import Any, NoReturn
@@ -52,6 +53,7 @@ from lightning_troll.cli import export
 from lightning_troll.cli.checks import check_schedule_length, check_task, config_files
 from lightning_troll.cli.parse_errors import explain
 from lightning_troll.cli.quiet import quiet_library_notices
+from lightning_troll.cli.stops import full_disk, quiet_about_no_space, refuse, stop
 from lightning_troll.data.datamodule import PromptDataModule
 from lightning_troll.rewards.lookup import config_folders as reward_config_folders
 from lightning_troll.training.checkpoint_io import install_atomic_saves
@@ -59,7 +61,7 @@ from lightning_troll.training.checkpoints import (
     changed_options,
     check_checkpoint_file,
 )
-from lightning_troll.training.faults import FAULT_EXIT_CODE, RunFault
+from lightning_troll.training.faults import RunFault
 from lightning_troll.training.module import DEFAULT_OPTIMIZER, TrollModule
 
 __all__ = ["BAD_INPUT", "TrollCLI", "main", "quarter_means", "run", "shows_help"]
@@ -100,6 +102,10 @@ class _TrainingStarted(Callback):
         if self.started:
             with contextlib.suppress(AttributeError):
                 exception.during_training = True  # read by main()
+        full = full_disk(exception)
+        if full is not None:  # read by stops.no_space
+            full.log_dir = trainer.log_dir  # type: ignore[attr-defined]
+            full.kept = getattr(trainer.checkpoint_callback, "last_model_path", None)  # type: ignore[attr-defined]
 
 
 def quarter_means(values: list[float]) -> list[float]:
@@ -168,6 +174,8 @@ class TrollCLI(LightningCLI):
         parser.add_lightning_class_args(ConstraintMonitor, "constraint_monitor")
         parser.add_class_arguments(RolloutCheckpoint, "checkpoint", fail_untyped=False)
         parser.link_arguments("model.model", "data.tokenizer")
+        # what the monitor reads, the module computes: asked for through the module's option
+        parser.link_arguments("trust_region_monitor.kl_end", "model.cache_old_distributions")
         parser.set_defaults({"model.optimizer": DEFAULT_OPTIMIZER})
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
@@ -317,13 +325,6 @@ def run(args: list[str] | None = None, debug: bool = False) -> TrollCLI:
         _COMMAND_LINE.reset(token)
 
 
-def _refuse(error: BaseException) -> None:
-    """Prints ``error`` as one line and exits with status 2."""
-    message = " ".join(str(error).split()) or type(error).__name__
-    print(f"lightning-troll: error: {message}", file=sys.stderr)
-    raise SystemExit(2) from None
-
-
 def main(args: list[str] | None = None) -> None:
     """Entry point of the ``lightning-troll`` console script.
 
@@ -343,24 +344,21 @@ def main(args: list[str] | None = None) -> None:
         except BAD_INPUT as error:
             if debug:
                 raise
-            _refuse(error)
+            refuse(error)
         return
     if args is None:  # LightningCLI reads sys.argv itself (and warns when both are given)
         sys.argv[1:] = rest
+    hook = threading.excepthook
+    if not debug:
+        threading.excepthook = quiet_about_no_space(hook)
     try:
         cli = run(None if args is None else rest, debug=debug)
-    except RunFault as fault:
+    except (RunFault, *BAD_INPUT) as error:
         if debug:
             raise
-        print(f"lightning-troll: stopped: {' '.join(str(fault).split())}", file=sys.stderr)
-        if fault.saved:
-            print(f"  saved {fault.saved}: fix the cause, then resume with the same command and "
-                  f"--ckpt_path {fault.saved}", file=sys.stderr)  # fmt: skip
-        raise SystemExit(FAULT_EXIT_CODE) from None
-    except BAD_INPUT as error:
-        if debug or getattr(error, "during_training", False):
-            raise
-        _refuse(error)
+        stop(error)
+    finally:
+        threading.excepthook = hook
     checkpoint = cli.checkpoint_callback
     if checkpoint is not None and checkpoint.stopped_by is not None:
         raise SystemExit(128 + int(checkpoint.stopped_by))

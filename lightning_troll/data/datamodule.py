@@ -62,9 +62,13 @@ class PromptDataModule(LightningDataModule):
             (overwriting a field of that name). None: the rows have no answers.
         template: Format string giving the prompt text from a row; may use any row field, with
             ``{prompt}`` standing for the ``prompt_field`` value, e.g. ``"Q: {prompt}\\nA:"``.
-        chat_template: Wrap the formatted prompt as a user message in the tokenizer's chat
-            template, with the assistant's turn opened (``add_generation_prompt=True``).
-        system_prompt: System message placed before the user message; needs ``chat_template``.
+        chat_template: Write prompts with the tokenizer's chat template, the assistant's turn
+            opened (``add_generation_prompt=True``). True: every prompt, a plain one as a user
+            message. False: none (conversational rows are refused). None (the default): the
+            conversational rows (lists of messages), and every row when ``system_prompt`` is
+            set; plain text stays as it is.
+        system_prompt: System message placed before the user message; refused with
+            ``chat_template=False``.
         tokenizer: Tokenizer name or path (``"tinymath"`` is the built-in one), loaded with
             ``lightning_troll.models.loading.load_tokenizer``; a tokenizer object is used as is.
         batch_size: Prompts per rollout on each device (G completions are generated per prompt).
@@ -93,7 +97,7 @@ class PromptDataModule(LightningDataModule):
         prompt_field: str = "prompt",
         answer_field: str | None = "answer",
         template: str = "{prompt}",
-        chat_template: bool = False,
+        chat_template: bool | None = None,
         system_prompt: str | None = None,
         tokenizer: str | PreTrainedTokenizerBase = "tinymath",
         batch_size: int = 8,
@@ -118,10 +122,16 @@ class PromptDataModule(LightningDataModule):
         check_count("max_prompt_tokens", max_prompt_tokens, 1, none_ok=False)
         check_count("val_samples", val_samples, 0, none_ok=False)
         check_count("seed", seed, 0, none_ok=False)
-        if system_prompt is not None and not chat_template:
+        if chat_template is not None and not isinstance(chat_template, bool):
             raise ValueError(
-                f"data.system_prompt={system_prompt[:40]!r} needs data.chat_template=True "
-                "(without a chat template, put the instructions in data.template)"
+                f"data.chat_template must be true, false or null (auto: conversational rows); "
+                f"got {chat_template!r}"
+            )
+        if system_prompt is not None and chat_template is False:
+            raise ValueError(
+                f"data.system_prompt={system_prompt[:40]!r} needs the chat template, but "
+                "data.chat_template=false (without a chat template, put the instructions in "
+                "data.template)"
             )
         if not isinstance(tokenizer, (str, PreTrainedTokenizerBase)):
             raise ValueError(
@@ -159,8 +169,8 @@ class PromptDataModule(LightningDataModule):
                 spec = load_tokenizer(spec)
             if self.chat_template and not getattr(spec, "chat_template", None):
                 raise ValueError(
-                    f"data.chat_template=True but the tokenizer {self._tokenizer_spec!r:.80} has "
-                    "no chat template; set data.chat_template=False or use a chat model's tokenizer"
+                    f"data.chat_template=true but the tokenizer {self._tokenizer_spec!r:.80} has "
+                    "no chat template; set data.chat_template: null or use a chat model's tokenizer"
                 )
             self._tokenizer = spec
         return self._tokenizer

@@ -9,9 +9,11 @@ Rows come in TRL's two formats. Plain: the prompt field holds text. Conversation
 field holds a list of ``{"role", "content"}`` messages, or (with the default
 ``prompt_field: prompt`` and no such field) a ``messages`` field holds the conversation, whose
 prompt is everything before its last assistant turn (all of it if it has none). A conversation
-is written with the tokenizer's chat template, so it needs ``data.chat_template: true``;
-``data.template`` formats the content of its last user message, and ``data.system_prompt`` is
-put first only where the row brings no system message of its own.
+is written with the tokenizer's chat template (unless ``data.chat_template: false``, which refuses
+it); ``data.template`` formats the content of its last user message, and ``data.system_prompt``
+is put first only where the row brings no system message of its own. Plain text goes through the
+chat template with ``data.chat_template: true``, or when ``data.system_prompt`` is set and
+``data.chat_template`` is left at null.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ class PromptFormatter:
     prompt_field: str
     answer_field: str | None
     template: str
-    chat_template: bool
+    chat_template: bool | None
+    """True: every prompt; None: conversations (every prompt with a system prompt); False: none."""
     system_prompt: str | None
     max_prompt_tokens: int
     tokenizer: PreTrainedTokenizerBase
@@ -49,8 +52,17 @@ class PromptFormatter:
         texts = [self.format(row, i, split) for i, row in enumerate(rows)]
         bos = self.tokenizer.bos_token
         # A chat template usually writes BOS itself: do not add a second one.
-        add_special = not (self.chat_template and bos and texts[0].startswith(bos))
-        ids = self.tokenizer(texts, add_special_tokens=add_special)["input_ids"]
+        chat = [
+            bool(bos) and self._uses_chat(row) and text.startswith(bos)
+            for row, text in zip(rows, texts, strict=True)
+        ]
+        ids: list[list[int]] = [[] for _ in texts]
+        for written in (False, True):
+            where = [i for i, c in enumerate(chat) if c == written]
+            if where:
+                batch = self.tokenizer([texts[i] for i in where], add_special_tokens=not written)
+                for i, seq in zip(where, batch["input_ids"], strict=True):
+                    ids[i] = seq
         lengths = [len(seq) for seq in ids]
         too_long = [i for i, n in enumerate(lengths) if n > self.max_prompt_tokens or n == 0]
         if too_long:
@@ -124,11 +136,11 @@ class PromptFormatter:
                     "{role, content} messages"
                 )
             check_messages(value, f"data.prompt_field={source!r}: row {i} of {where}")
-            if not self.chat_template:
+            if self.chat_template is False:
                 raise ValueError(
                     f"data.chat_template=false, but row {i} of {where} is a conversation (a list "
-                    f"of messages in {source!r}); set data.chat_template: true, so that the "
-                    "tokenizer's chat template writes it"
+                    f"of messages in {source!r}); leave data.chat_template at null (or true), so "
+                    "that the tokenizer's chat template writes it"
                 )
 
     def conversation(self, row: Mapping[str, Any]) -> list[dict[str, Any]] | None:
@@ -161,9 +173,15 @@ class PromptFormatter:
                 f"data.source: {split} row {index} of {self.describe(split)} is not valid Unicode "
                 f"text ({exc.reason} at position {exc.start} of {text[:60]!r}); fix or drop the row"
             ) from exc
-        if not self.chat_template:
+        if not self._uses_chat(row):
             return text
         return self._chat([{"role": "user", "content": text}])
+
+    def _uses_chat(self, row: Mapping[str, Any]) -> bool:
+        """Whether the chat template writes this row's prompt (see :attr:`chat_template`)."""
+        if self.chat_template is not None:
+            return self.chat_template
+        return self.system_prompt is not None or self.conversation(row) is not None
 
     def _format_messages(
         self, messages: list[dict[str, Any]], row: Mapping[str, Any], index: int, split: str
@@ -191,6 +209,12 @@ class PromptFormatter:
         system message), the assistant's turn opened."""
         if self.system_prompt is not None and messages[0]["role"] != "system":
             messages = [{"role": "system", "content": self.system_prompt}, *messages]
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(
+                "the tokenizer has no chat template to write a conversational row or "
+                "data.system_prompt; use a chat model's tokenizer, or plain-text prompts without "
+                "data.system_prompt"
+            )
         return self.tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, tokenize=False
         )

@@ -34,7 +34,7 @@ def _formatter(data: Mapping[str, Any]) -> PromptFormatter:
     options = {key: data.get(key, default) for key, default in _DEFAULTS.items()}
     return PromptFormatter(
         **options,
-        chat_template=bool(data.get("chat_template")),
+        chat_template=data.get("chat_template"),
         system_prompt=None,
         max_prompt_tokens=1,
         tokenizer=None,

@@ -6,7 +6,8 @@
 - :mod:`~lightning_troll.objectives.troll`, :mod:`~lightning_troll.objectives.clip`: the two
   objectives; :mod:`~lightning_troll.objectives.registry` picks one by name;
 - :mod:`~lightning_troll.objectives.base`: what both share (importance ratio, aggregation,
-  reference-KL and entropy terms, the row stage on chunks of rows), returning ``(loss, stats)``;
+  reference-KL and entropy terms, the row stage on chunks of rows), taking the per-token inputs
+  as one :class:`~lightning_troll.objectives.base.LossInputs` and returning ``(loss, stats)``;
 - :mod:`~lightning_troll.objectives.stats`: the detached statistics records;
 - :mod:`~lightning_troll.objectives.options`: the option records of ``model.trust_region``,
   ``model.clip`` and ``model.loss``;
@@ -23,7 +24,7 @@ from lightning_troll.objectives.aggregation import (
     IMPORTANCE_LEVELS,
     REF_KL_ESTIMATORS,
 )
-from lightning_troll.objectives.base import PolicyObjective, token_entropy
+from lightning_troll.objectives.base import LossInputs, PolicyObjective, token_entropy
 from lightning_troll.objectives.clip import ClipObjective
 from lightning_troll.objectives.options import ClipConfig, LossConfig, TrustRegionConfig
 from lightning_troll.objectives.registry import OBJECTIVES, build_objective
@@ -40,6 +41,7 @@ __all__ = [
     "ClipObjective",
     "ClipStats",
     "LossConfig",
+    "LossInputs",
     "ObjectiveStats",
     "PolicyObjective",
     "TrollObjective",

@@ -19,16 +19,18 @@ logits; ``forward_hidden`` takes ``(B, T, H)`` hidden states and the output laye
 row stage on chunks of rows under activation checkpointing, so ``(N, V)`` logits never exist.
 A subclass defines the row stage's ``_token_terms`` and the surrogate ``_surrogate``.
 
-Per-token inputs are padded ``(B, T)`` tensors with a boolean ``mask`` of response tokens; the
-old policy's sparse distributions hold one row per response token in the row-major order of
-``mask`` (the order of ``logits[mask]``). Nothing here imports Lightning or transformers.
+The per-token inputs travel by name in one :class:`LossInputs` record: padded ``(B, T)`` tensors
+with a boolean ``mask`` of response tokens, and the old policy's sparse distributions, one row per
+response token in the row-major order of ``mask`` (the order of ``logits[mask]``). Nothing here
+imports Lightning or transformers.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
-from functools import partial
+from functools import partial, wraps
 
 import torch
 from torch import Tensor, nn
@@ -40,15 +42,17 @@ from lightning_troll.objectives.aggregation import (
 )
 from lightning_troll.objectives.chunking import (
     DEFAULT_CHUNK_SIZE,
+    HiddenRows,
     check_chunk_size,
     head_logits,
     map_row_chunks,
 )
+from lightning_troll.objectives.options import LossConfig
 from lightning_troll.objectives.stats import ObjectiveStats
 from lightning_troll.trust_region.projection import ProjectionResult, SparseDistribution
 from lightning_troll.trust_region.sparse import compute_dtype
 
-__all__ = ["PolicyObjective", "TokenTerms", "check_choice", "token_entropy"]
+__all__ = ["LossInputs", "PolicyObjective", "TokenTerms", "check_choice", "token_entropy"]
 
 
 def check_choice(option: str, value: str, allowed: dict) -> str:
@@ -75,6 +79,55 @@ def _masked_stats(values: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         zero = values.new_zeros(())
         return zero, zero, zero
     return values.mean(), values.min(), values.max()
+
+
+@dataclass(frozen=True)
+class LossInputs:
+    """What an objective takes of a rollout besides the policy's logits (or hidden states).
+
+    Build one by name, or from a rollout with
+    :meth:`~lightning_troll.rollouts.rollout.Rollout.loss_inputs`; ``dataclasses.replace`` gives
+    a copy with one field changed (the dense support's ``old``, say).
+    """
+
+    tokens: Tensor
+    """(B, T) sampled response tokens."""
+    mask: Tensor
+    """(B, T) bool, True at response tokens."""
+    advantages: Tensor
+    """(B,) per sequence or (B, T) per token."""
+    old_logprobs: Tensor
+    """(B, T) log-probs of ``tokens`` under the behaviour policy."""
+    old: SparseDistribution | Tensor | HiddenRows | None
+    """The behaviour policy's sparse distributions, one row per response token (TROLL needs
+    them; clipping ignores them); with ``support: dense`` the snapshot's logit rows instead, an
+    (N, V) tensor or :class:`~lightning_troll.objectives.chunking.HiddenRows`; or None."""
+    ref_logprobs: Tensor | None = None
+    """(B, T) reference-policy log-probs of ``tokens``, needed when ``ref_kl_coef > 0``."""
+
+
+def _takes_loss_inputs(method: Callable) -> Callable:
+    """``method`` refusing, with a ``TypeError`` that says how to build one, any ``inputs`` but a
+    :class:`LossInputs` (such as the tensors once passed one by one, by position)."""
+    signature = inspect.signature(method)
+
+    @wraps(method)
+    def checked(self, *args, **kwargs):
+        try:
+            inputs = signature.bind(self, *args, **kwargs).arguments.get("inputs")
+            got = f"got inputs of type {type(inputs).__name__}"
+        except TypeError as error:
+            inputs, got = None, str(error)
+        if not isinstance(inputs, LossInputs):
+            raise TypeError(
+                f"{type(self).__name__}.{method.__name__} takes its per-token tensors as one "
+                f"LossInputs ({got}): pass LossInputs(tokens=..., mask=..., advantages=..., "
+                "old_logprobs=..., old=..., ref_logprobs=...) from lightning_troll.objectives, or "
+                "rollout.loss_inputs()"
+            )
+        return method(self, *args, **kwargs)
+
+    return checked
 
 
 @dataclass(frozen=True)
@@ -122,12 +175,12 @@ class PolicyObjective(nn.Module):
 
     def __init__(
         self,
-        importance: str = "token",
-        aggregation: str = "token_mean",
-        norm_length: int | None = None,
-        ref_kl_coef: float = 0.0,
+        importance: str = LossConfig.importance,
+        aggregation: str = LossConfig.aggregation,
+        norm_length: int | None = LossConfig.norm_length,
+        ref_kl_coef: float = LossConfig.ref_kl_coef,
         ref_kl_estimator: str = "k3",
-        entropy_coef: float = 0.0,
+        entropy_coef: float = LossConfig.entropy_coef,
     ) -> None:
         super().__init__()
         self.importance = check_choice("importance", importance, IMPORTANCE_LEVELS)
@@ -144,43 +197,27 @@ class PolicyObjective(nn.Module):
         self.ref_kl_coef = float(ref_kl_coef)
         self.entropy_coef = float(entropy_coef)
 
-    def forward(
-        self,
-        logits: Tensor,
-        tokens: Tensor,
-        mask: Tensor,
-        advantages: Tensor,
-        old_logprobs: Tensor,
-        old: SparseDistribution | None = None,
-        ref_logprobs: Tensor | None = None,
-    ) -> tuple[Tensor, ObjectiveStats]:
+    @_takes_loss_inputs
+    def forward(self, logits: Tensor, inputs: LossInputs) -> tuple[Tensor, ObjectiveStats]:
         """Loss ``-J`` (+ penalties) and its statistics.
 
         Args:
-            logits: ``(B, T, V)`` policy logits at the positions that predict ``tokens``.
-            tokens: ``(B, T)`` sampled response tokens.
-            mask: ``(B, T)`` bool, True at response tokens.
-            advantages: ``(B,)`` per sequence or ``(B, T)`` per token.
-            old_logprobs: ``(B, T)`` log-probs of ``tokens`` under the behaviour policy.
-            old: the behaviour policy's sparse distributions, one row per response token
-                (TROLL needs them; clipping ignores them).
-            ref_logprobs: ``(B, T)`` reference-policy log-probs, needed when ``ref_kl_coef > 0``.
+            logits: ``(B, T, V)`` policy logits at the positions that predict ``inputs.tokens``.
+            inputs: the response tokens, their mask and advantages, and the behaviour (and
+                reference) policy's view of them: :class:`LossInputs`.
         """
-        self._check_inputs("logits", logits, tokens, mask, advantages, old_logprobs, ref_logprobs)
-        terms = self._row_terms(logits[mask], tokens[mask], old)  # rows (N, V)
-        return self._aggregate(terms, mask, advantages, old_logprobs, ref_logprobs)
+        self._check_inputs("logits", logits, inputs)
+        mask = inputs.mask
+        terms = self._row_terms(logits[mask], inputs.tokens[mask], inputs.old)  # rows (N, V)
+        return self._aggregate(terms, inputs)
 
+    @_takes_loss_inputs
     def forward_hidden(
         self,
         hidden: Tensor,
         head: Callable[[Tensor], Tensor],
         temperature: float,
-        tokens: Tensor,
-        mask: Tensor,
-        advantages: Tensor,
-        old_logprobs: Tensor,
-        old: SparseDistribution | None = None,
-        ref_logprobs: Tensor | None = None,
+        inputs: LossInputs,
         chunk_size: int | None = DEFAULT_CHUNK_SIZE,
     ) -> tuple[Tensor, ObjectiveStats]:
         """:meth:`forward` with the logits ``head(hidden) / temperature`` made chunk by chunk.
@@ -192,23 +229,24 @@ class PolicyObjective(nn.Module):
 
         Args:
             hidden: ``(B, T, H)`` the policy's last hidden states at the positions that predict
-                ``tokens`` (after the final norm: the output layer's input).
+                ``inputs.tokens`` (after the final norm: the output layer's input).
             head: the output layer, ``(n, H) -> (n, V)`` logits (``get_output_embeddings()``).
             temperature: the sampling temperature, > 0; the logits are divided by it.
+            inputs: as in :meth:`forward`.
             chunk_size: response tokens per chunk, >= 1; None makes one chunk of all of them.
-            tokens, mask, advantages, old_logprobs, old, ref_logprobs: as in :meth:`forward`.
         """
-        self._check_inputs("hidden", hidden, tokens, mask, advantages, old_logprobs, ref_logprobs)
+        self._check_inputs("hidden", hidden, inputs)
         check_chunk_size(chunk_size, "chunk_size")
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0; got {temperature!r}")
+        mask, old = inputs.mask, inputs.old
         n = int(mask.sum())
         rows = old.shape[0] if isinstance(old, Tensor) else getattr(old, "num_rows", n)
         if rows != n:
             raise ValueError(f"old must have one row per response token, N = {n}; got {rows} rows")
         row_terms = partial(self._hidden_terms, head=head, temperature=temperature)
-        parts = map_row_chunks(row_terms, hidden[mask], chunk_size, tokens[mask], old)
-        return self._aggregate(TokenTerms.cat(parts), mask, advantages, old_logprobs, ref_logprobs)
+        parts = map_row_chunks(row_terms, hidden[mask], chunk_size, inputs.tokens[mask], old)
+        return self._aggregate(TokenTerms.cat(parts), inputs)
 
     # The row stage: (n, V) logit rows -> per-token terms ------------------------------------------
     def _hidden_terms(self, hidden, tokens, old, *, head, temperature) -> TokenTerms:
@@ -223,21 +261,16 @@ class PolicyObjective(nn.Module):
         return replace(terms, entropy=entropy)
 
     # The aggregation stage: (N,) terms -> loss and statistics -----------------------------------
-    def _aggregate(
-        self,
-        terms: TokenTerms,
-        mask: Tensor,
-        advantages: Tensor,
-        old_logprobs: Tensor,
-        ref_logprobs: Tensor | None,
-    ) -> tuple[Tensor, ObjectiveStats]:
+    def _aggregate(self, terms: TokenTerms, inputs: LossInputs) -> tuple[Tensor, ObjectiveStats]:
+        mask, ref_logprobs = inputs.mask, inputs.ref_logprobs
+
         def scatter(values: Tensor) -> Tensor:  # (N,) -> (B, T), zeros at padding
             return values.new_zeros(mask.shape).index_put((mask,), values)
 
         logp = scatter(terms.logprob)  # (B, T)
-        old_logp = old_logprobs.to(logp.dtype)
+        old_logp = inputs.old_logprobs.to(logp.dtype)
         ratio = IMPORTANCE_LEVELS[self.importance](logp, old_logp, mask)  # (B, T)
-        adv = advantages.to(logp.dtype)
+        adv = inputs.advantages.to(logp.dtype)
         adv = adv.unsqueeze(-1).expand_as(ratio) if adv.dim() == 1 else adv  # (B, T)
         objective, extra = self._surrogate(ratio, adv, mask)  # (B, T)
 
@@ -305,9 +338,9 @@ class PolicyObjective(nn.Module):
         return {}
 
     # -----------------------------------------------------------------------------------------
-    def _check_inputs(
-        self, what, values, tokens, mask, advantages, old_logprobs, ref_logprobs
-    ) -> None:
+    def _check_inputs(self, what: str, values: Tensor, inputs: LossInputs) -> None:
+        tokens, mask, advantages = inputs.tokens, inputs.mask, inputs.advantages
+        old_logprobs, ref_logprobs = inputs.old_logprobs, inputs.ref_logprobs
         if values.dim() != 3:
             last = "V" if what == "logits" else "H"
             raise ValueError(f"{what} must be (B, T, {last}); got shape {tuple(values.shape)}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from lightning_troll.objectives.base import PolicyObjective, TokenTerms
+from lightning_troll.objectives.options import ClipConfig
 from lightning_troll.objectives.stats import ClipStats
 from lightning_troll.trust_region.sparse import compute_dtype
 
@@ -33,9 +34,9 @@ class ClipObjective(PolicyObjective):
 
     def __init__(
         self,
-        eps_low: float = 0.2,
-        eps_high: float | None = None,
-        dual_clip: float | None = None,
+        eps_low: float = ClipConfig.eps_low,
+        eps_high: float | None = ClipConfig.eps_high,
+        dual_clip: float | None = ClipConfig.dual_clip,
         **kwargs,
     ) -> None:
         super().__init__(**kwargs)

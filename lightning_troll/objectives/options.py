@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from lightning_troll.trust_region import defaults
 from lightning_troll.trust_region.supports import check_support
 
 __all__ = ["ClipConfig", "LossConfig", "TrustRegionConfig"]
@@ -18,20 +19,20 @@ __all__ = ["ClipConfig", "LossConfig", "TrustRegionConfig"]
 class TrustRegionConfig:
     """TROLL's projection (used when ``objective: troll``)."""
 
-    eps: float = 0.05
+    eps: float = defaults.EPS
     """KL bound per token, > 0."""
     alpha: float = 1.0
     """Weight of the regression KL(pi_new || sg(pi_proj)), >= 0."""
-    max_tokens: int = 256
+    max_tokens: int = defaults.MAX_TOKENS
     """The most tokens kept per distribution, >= 1 (the paper keeps 64; with the official support,
     256 keeps the loss gradient within 3% of the exact projection's on SmolLM2, 64 within 8%)."""
-    mass_delta: float = 1e-5
+    mass_delta: float = defaults.MASS_DELTA
     """Keep tokens until their mass reaches 1 - mass_delta, in [0, 1)."""
-    keep_sampled_token: bool = True
+    keep_sampled_token: bool = defaults.KEEP_TOKEN
     """Always add the sampled token to the sparse supports (old and projected); false keeps only
     the most probable tokens, and a sampled token outside them shares the rest bucket's mass
     (union support only: the official support always holds it)."""
-    support: Literal["union", "official", "dense"] = "official"
+    support: Literal["union", "official", "dense"] = defaults.SUPPORT
     """Categories the projection runs on: union (old and new kept tokens plus one lumped rest
     bucket), official (the old policy's kept tokens, both distributions renormalised there, as
     the paper describes it) or dense (the whole vocabulary, exact; the snapshot's logits are
@@ -43,11 +44,7 @@ class TrustRegionConfig:
             check_support(self.support)
         except ValueError as error:
             raise ValueError(f"trust_region.{error}") from None
-        if self.support == "official" and not self.keep_sampled_token:
-            raise ValueError(
-                "trust_region.keep_sampled_token=False needs trust_region.support 'union' or "
-                "'dense': the official support always holds the sampled token"
-            )
+        defaults.check_keep_token(self.support, self.keep_sampled_token)
 
 
 @dataclass(frozen=True)

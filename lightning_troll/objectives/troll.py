@@ -15,6 +15,7 @@ import torch
 
 from lightning_troll.objectives.base import PolicyObjective, TokenTerms
 from lightning_troll.objectives.chunking import HiddenRows
+from lightning_troll.objectives.options import TrustRegionConfig
 from lightning_troll.objectives.stats import TrollStats
 from lightning_troll.trust_region.projection import TrustRegionProjection
 
@@ -42,12 +43,12 @@ class TrollObjective(PolicyObjective):
 
     def __init__(
         self,
-        eps: float = 0.05,
-        alpha: float = 1.0,
-        max_tokens: int = 64,
-        mass_delta: float = 1e-5,
-        keep_sampled_token: bool = True,
-        support: str = "union",
+        eps: float = TrustRegionConfig.eps,
+        alpha: float = TrustRegionConfig.alpha,
+        max_tokens: int = TrustRegionConfig.max_tokens,
+        mass_delta: float = TrustRegionConfig.mass_delta,
+        keep_sampled_token: bool = TrustRegionConfig.keep_sampled_token,
+        support: str = TrustRegionConfig.support,
         **kwargs,
     ) -> None:
         super().__init__(**kwargs)

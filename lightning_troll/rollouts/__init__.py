@@ -1,6 +1,9 @@
 """Rollouts: sampling, the behaviour policy's log-probs and sparse rows, teacher-forced passes,
 dynamic sampling, and how far the policy drifts from the behaviour policy.
 
+- :mod:`~lightning_troll.rollouts.collector`: the rollout pipeline, :class:`RolloutCollector`
+  (from a batch of prompts to a :class:`Rollout`), and :mod:`~lightning_troll.rollouts.samples`,
+  what it sampled;
 - :mod:`~lightning_troll.rollouts.rollout`: the :class:`Rollout` record and sampling
   (``model.sampling``);
 - :mod:`~lightning_troll.rollouts.decode`: the KV-cached decoding loop sampling uses (each
@@ -16,6 +19,7 @@ dynamic sampling, and how far the policy drifts from the behaviour policy.
 No Lightning here.
 """
 
+from lightning_troll.rollouts.collector import RolloutCollector
 from lightning_troll.rollouts.rollout import Rollout, SamplingConfig
 
-__all__ = ["Rollout", "SamplingConfig"]
+__all__ = ["Rollout", "RolloutCollector", "SamplingConfig"]

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 from transformers import GenerationConfig, LogitsProcessorList
 
+from lightning_troll.objectives.base import LossInputs
 from lightning_troll.rollouts.behaviour import BehaviourRecorder
 from lightning_troll.rollouts.decode import decode
 from lightning_troll.rollouts.forward import (  # re-exported: the teacher-forced passes over rollouts
@@ -107,6 +108,19 @@ class Rollout:
     def tokens(self) -> Tensor:
         """(B, T) the response tokens."""
         return self.input_ids[:, self.prompt_length :]
+
+    def loss_inputs(self) -> LossInputs:
+        """What the objective takes of this rollout besides the policy's logits: the response
+        tokens, ``response_mask``, the advantages and the behaviour (and reference) policy's
+        log-probs and sparse rows."""
+        return LossInputs(
+            tokens=self.tokens,
+            mask=self.response_mask,
+            advantages=self.advantages,
+            old_logprobs=self.old_logprobs,
+            old=self.old,
+            ref_logprobs=self.ref_logprobs,
+        )
 
     def select(self, sequences: Tensor) -> Rollout:
         """The rollout restricted to ``sequences`` (indices into B), in ascending order."""

@@ -148,6 +148,9 @@ class TrollModule(ResumeHooks, RolloutHooks, PolicyHooks, LightningModule):
         rollout_engine: what samples the rollouts: ``hf`` (the snapshot, in this process),
             ``vllm`` (after ``make setup-vllm``), or a ``RolloutEngine`` subclass's import path.
         rollout_engine_options: the engine's own options (docs/engines.md).
+        cache_old_distributions: cache the behaviour policy's sparse distributions in every
+            rollout with clipping too (TROLL always does), for what reads them (the trust-region
+            monitor's ``kl_end``); the command line sets it from ``trust_region_monitor.kl_end``.
     """
 
     def __init__(
@@ -181,6 +184,7 @@ class TrollModule(ResumeHooks, RolloutHooks, PolicyHooks, LightningModule):
         lora: LoraConfig | None = None,
         rollout_engine: str = "hf",
         rollout_engine_options: dict[str, Any] | None = None,
+        cache_old_distributions: bool = False,
     ) -> None:
         super().__init__()
         # not seed: loggers refuse model.seed and data.seed as one key with two values; the
@@ -209,9 +213,9 @@ class TrollModule(ResumeHooks, RolloutHooks, PolicyHooks, LightningModule):
         self.dynamic_sampling_max_rounds = dynamic_sampling_max_rounds
         self.objective: PolicyObjective = self._build_objective(objective, trust_region, clip, loss)
         self._trust_region = trust_region
-        self.cache_old_distributions = objective == "troll"
+        self.cache_old_distributions = objective == "troll" or bool(cache_old_distributions)
         """Cache the behaviour policy's sparse distributions in every rollout: always for TROLL;
-        for clipping only when something needs them (the trust-region monitor's ``kl_end``)."""
+        for clipping when asked to (``cache_old_distributions``)."""
         self._optimizer_factory = optimizer
         self._scheduler_factory = lr_scheduler
 
@@ -271,6 +275,8 @@ class TrollModule(ResumeHooks, RolloutHooks, PolicyHooks, LightningModule):
             minibatch = self.optimization.minibatch_size
             rewards = self.hparams.get("rewards")
             check_fit_data(rewards, minibatch, self.group_size, self.trainer.datamodule)
+        if stage == "fit":
+            self.check_engine_processes()
 
     def configure_optimizers(self):
         optimizer = self._optimizer_factory(

@@ -12,6 +12,7 @@ included, for the dense projection). The attributes it reads (``policy``, ``snap
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -107,29 +108,22 @@ class PolicyHooks:
 
     def loss_of(self, rollout: Rollout) -> tuple[Tensor, ObjectiveStats]:
         """The objective on a (part of a) rollout, with the policy's current weights."""
-        inputs = (rollout.input_ids, rollout.attention_mask)
+        ids, attention = rollout.input_ids, rollout.attention_mask
         length, temperature = rollout.response_mask.shape[1], rollout.temperature
-        targets = (
-            rollout.tokens,
-            rollout.response_mask,
-            rollout.advantages,
-            rollout.old_logprobs,
-            rollout.old,
-            rollout.ref_logprobs,
-        )
+        inputs = rollout.loss_inputs()
         head = None if self.logits_chunk_size is None else linear_head(self.policy)
         share = self.share_prompts and not is_sharded(self.policy)
         if self.objective.needs_old_logits:  # support: dense, from the snapshot's own pass
             chunked = self.logits_chunk_size is not None
             with self.behaviour_policy() as old:
                 rows = old_logit_rows(
-                    old, *inputs, rollout.response_mask, temperature, chunked, share
+                    old, ids, attention, rollout.response_mask, temperature, chunked, share
                 )
-            targets = (*targets[:4], rows, targets[5])
+            inputs = dataclasses.replace(inputs, old=rows)
         if head is None:
-            logits = response_logits(self.policy, *inputs, length, temperature)  # (B, T, V)
-            return self.objective(logits, *targets)
-        hidden = response_hidden(self.policy, *inputs, length, share)  # (B, T, H)
+            logits = response_logits(self.policy, ids, attention, length, temperature)  # (B, T, V)
+            return self.objective(logits, inputs)
+        hidden = response_hidden(self.policy, ids, attention, length, share)  # (B, T, H)
         return self.objective.forward_hidden(
-            hidden, head, temperature, *targets, chunk_size=self.logits_chunk_size
+            hidden, head, temperature, inputs, chunk_size=self.logits_chunk_size
         )

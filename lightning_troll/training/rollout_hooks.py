@@ -11,9 +11,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from lightning_troll.objectives.advantages import compute_advantages
+from lightning_troll.rollouts.collector import RolloutCollector
 from lightning_troll.rollouts.drift import kl_to_behaviour, support_rule
 from lightning_troll.rollouts.engine import EngineContext, RolloutEngine, build_engine
 from lightning_troll.rollouts.rollout import Rollout
@@ -48,6 +50,59 @@ class RolloutHooks:
                 "samples with the snapshot itself; set it to null, or use rollout_engine 'vllm'"
             )
         return engine
+
+    def check_engine_processes(self) -> None:
+        """Refuses an engine that runs in one process for a run of several."""
+        world = self.trainer.world_size if self._trainer is not None else 1
+        if world > 1 and not self.engine.several_processes:
+            raise ValueError(
+                f"model.rollout_engine={self.engine.name!r} runs in a single process; this run "
+                f"has {world} (trainer.devices x trainer.num_nodes): use rollout_engine 'hf' for "
+                "DDP and FSDP2, or one device"
+            )
+
+    def on_fit_start(self) -> None:
+        self.engine.stale = True  # the snapshot may hold other weights now (a resumed run)
+
+    def teardown(self, stage: str) -> None:
+        """Stops the reward worker processes and the rollout engine after a fit (a later fit
+        starts them again)."""
+        if stage == "fit":
+            self.scorer.close()
+            self.engine.close()
+
+    @property
+    def collector(self) -> RolloutCollector:
+        """The rollout pipeline (:class:`~lightning_troll.rollouts.collector.RolloutCollector`)
+        over this module's parts: its engine, scorer, policies and options."""
+        return RolloutCollector(
+            policy=self.policy,
+            behaviour=self.behaviour_policy,
+            engine=self.engine,
+            scorer=self.scorer,
+            decode=self.decode,
+            advantages=self.compute_advantages,
+            sampling=self.sampling,
+            group_size=self.group_size,
+            pad_id=self.pad_id,
+            stop_ids=self.stop_ids,
+            reference=self.reference_policy,
+            sparsify_old=self.sparsify_old,
+            loss=self.loss_config,
+            behaviour_logprobs=self.behaviour_logprobs,
+            logits_chunk_size=self.logits_chunk_size,
+            share_prompts=self.share_prompts,
+            max_rounds=self.dynamic_sampling_max_rounds,
+            any_process=self.on_any_process,
+        )
+
+    def on_any_process(self, flag: bool) -> bool:
+        """True if ``flag`` holds on any process (every process must call this alike)."""
+        trainer = self._trainer
+        if trainer is None or trainer.world_size == 1:
+            return flag
+        value = torch.tensor(float(flag), device=self.device)
+        return bool(trainer.strategy.reduce(value, reduce_op="sum") > 0)
 
     @property
     def support_rule(self) -> TrustRegionProjection:

@@ -24,11 +24,12 @@ sparse layer sums a rest mass too small for linear sums in log space), so only l
 the new policy make a row infeasible (see :mod:`lightning_troll.trust_region.kl_solver`).
 
 :func:`sparsify` keeps, per row, the most probable tokens of a distribution; the layer
-:class:`TrustRegionProjection` runs the projection on one of three supports: by default the union
-of the old and new supports plus one lumped "rest" bucket (:mod:`lightning_troll.trust_region.union`), whose
-cost is ``O(N * K)`` after one pass over the vocabulary; the old policy's kept tokens alone, or
-the whole vocabulary (:mod:`lightning_troll.trust_region.supports`, which also holds the dense
-:func:`kl_projection`).
+:class:`TrustRegionProjection` runs the projection on one of three supports: by default the old
+policy's kept tokens alone (``official``, :mod:`lightning_troll.trust_region.supports`, which also
+holds the dense :func:`kl_projection`); the union of the old and new supports plus one lumped
+"rest" bucket (:mod:`lightning_troll.trust_region.union`), whose cost is ``O(N * K)`` after one pass
+over the vocabulary; or the whole vocabulary. Its defaults are
+:mod:`lightning_troll.trust_region.defaults`, the configuration's too.
 
 Notation (shape comments below use these letters):
 
@@ -48,6 +49,7 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor, nn
 
+from lightning_troll.trust_region import defaults
 from lightning_troll.trust_region.kl_solver import kl_terms
 from lightning_troll.trust_region.sparse import (
     SparseDistribution,
@@ -152,11 +154,11 @@ class TrustRegionProjection(nn.Module):
 
     def __init__(
         self,
-        eps: float = 0.05,
-        max_tokens: int = 64,
-        mass_delta: float = 1e-5,
-        keep_token: bool = True,
-        support: str = "union",
+        eps: float = defaults.EPS,
+        max_tokens: int = defaults.MAX_TOKENS,
+        mass_delta: float = defaults.MASS_DELTA,
+        keep_token: bool = defaults.KEEP_TOKEN,
+        support: str = defaults.SUPPORT,
     ) -> None:
         super().__init__()
         _check_eps(eps)
@@ -164,11 +166,7 @@ class TrustRegionProjection(nn.Module):
         if not isinstance(keep_token, bool):
             raise ValueError(f"keep_token must be True or False; got {keep_token!r}")
         self.support = check_support(support)
-        if support == "official" and not keep_token:
-            raise ValueError(
-                "support='official' always holds the sampled token: keep_token (the config's "
-                "trust_region.keep_sampled_token) must be True"
-            )
+        defaults.check_keep_token(support, keep_token)
         self.eps = float(eps)
         self.max_tokens = max_tokens
         self.mass_delta = float(mass_delta)

@@ -4,32 +4,19 @@ examples/study_figures.py), the paper-regime study on it, and the size of every 
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 import math
 import shutil
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+from .helpers import EXAMPLES, load
+
 MAX_LINES = 400
 """The most lines an example script may have: past it, split the script by concern (the studies
 share this machinery for that reason)."""
-
-
-def load(name: str):
-    if str(EXAMPLES) not in sys.path:
-        sys.path.insert(0, str(EXAMPLES))
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
 
 
 kit = load("study_kit")

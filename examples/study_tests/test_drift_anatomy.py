@@ -13,7 +13,7 @@ import torch
 
 from lightning_troll.cli.command import run as cli_run
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.slow  # a short fit, then three variants of one rollout
 

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from tests.test_study_kit import load
+from .helpers import load
 
 words = load("word_problems")
 study = load("headroom_study")

@@ -1,6 +1,7 @@
 """examples/tinymath_study.py and its tables and plots (tinymath_report.py): grid, arguments,
 aggregation, table, plots, the committed outputs reported as they were, and a tiny end-to-end
-run. The machinery shared with the other studies is tested in tests/test_study_kit.py."""
+run. The machinery shared with the other studies is tested in
+examples/study_tests/test_study_kit.py."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from lightning_troll.models.tinymath import build_tokenizer
 
 pytestmark = pytest.mark.slow  # imports Lightning and matplotlib; the end-to-end run trains
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 pytest.importorskip("matplotlib")
 
 

@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from tests.test_study_kit import load
+from .helpers import load
 
 check = load("unseen_task_check")
 

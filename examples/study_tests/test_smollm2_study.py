@@ -1,7 +1,7 @@
 """examples/smollm2_study.py and its tables and plots (smollm2_report.py): grid, arguments,
 tables, the committed outputs reported as they were, and a dry run with an interrupted run resumed
 from its checkpoint. The machinery they share with the other studies is tested in
-tests/test_study_kit.py."""
+examples/study_tests/test_study_kit.py."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import pytest
 pytestmark = pytest.mark.slow  # imports Lightning and matplotlib; the dry run trains
 pytest.importorskip("matplotlib")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 COMMITTED = ROOT / "examples/results/smollm2/study"
 
 

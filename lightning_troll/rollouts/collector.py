@@ -1,0 +1,275 @@
+"""The rollout pipeline: from a batch of prompts to a :class:`~lightning_troll.rollouts.rollout.Rollout`.
+
+:meth:`RolloutCollector.collect` runs, in order:
+
+1. **sample** ``group_size`` completions per prompt through the rollout engine, from the
+   behaviour policy's weights (recording its log-probs and sparse rows while sampling where it
+   can), decode them and **score** them with the reward functions; a completion whose reward was
+   dropped takes its group's mean over the others;
+2. **dynamic sampling** (when extra prompts are given): more rounds while any process has fewer
+   informative groups than prompts, then the groups kept;
+3. the **loss mask**: dropped rewards and, with ``loss.mask_truncated``, truncated completions
+   leave it;
+4. the **advantages** of the rewards (over the global batch, through ``advantages``);
+5. the **behaviour policy's** log-probs (and sparse rows) unless recorded while sampling, and the
+   **reference policy's** log-probs when there is one;
+6. the **mismatch correction**: where the engine reports its own log-probs, their difference
+   from the trainer's, and with ``loss.engine_is_cap`` truncated importance weights on the
+   advantages.
+
+Nothing here imports Lightning: :class:`~lightning_troll.training.module.TrollModule` builds its
+collector from its parts (``TrollModule.collector``), and a script in plain PyTorch builds one
+from a model, an engine and a scorer (docs/api.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_troll.models.sharding import gathered, is_sharded
+from lightning_troll.objectives.options import LossConfig
+from lightning_troll.rewards.registry import RewardOutput
+from lightning_troll.rollouts.behaviour import BehaviourRecorder, records_while_sampling
+from lightning_troll.rollouts.dynamic_sampling import choose_groups
+from lightning_troll.rollouts.engine import RolloutEngine
+from lightning_troll.rollouts.rollout import Rollout, SamplingConfig, behaviour_outputs
+from lightning_troll.rollouts.samples import RolloutReport, Samples
+from lightning_troll.rollouts.timing import clock
+from lightning_troll.trust_region.sparse import SparseDistribution
+
+if TYPE_CHECKING:  # the data layer's package imports Lightning (its DataModule)
+    from lightning_troll.data.prompts import PromptBatch
+
+__all__ = ["RolloutCollector"]
+
+
+def _no_reference() -> AbstractContextManager[nn.Module | None]:
+    return nullcontext(None)
+
+
+def _this_process(flag: bool) -> bool:
+    return flag
+
+
+@dataclass
+class RolloutCollector:
+    """Collects rollouts from batches of prompts (see the module's docstring for the order)."""
+
+    policy: nn.Module
+    """The policy being trained (its device is the rollout's)."""
+    behaviour: Callable[[], AbstractContextManager[nn.Module]]
+    """Context manager giving the behaviour policy, ready to sample (the frozen snapshot)."""
+    engine: RolloutEngine
+    """What samples (``hf``: the behaviour policy itself, in this process)."""
+    scorer: Callable[..., RewardOutput]
+    """The reward functions: ``scorer(prompts, completions, rows, tokens, max_new_tokens,
+    device=...)`` (a :class:`~lightning_troll.rewards.registry.RewardScorer`)."""
+    decode: Callable[[Tensor, Tensor], list[str]]
+    """Response tokens and their mask -> text, without EOS and padding."""
+    advantages: Callable[[Tensor], Tensor]
+    """Rewards (B,) -> advantages (B,) (over the global batch under several processes)."""
+    sampling: SamplingConfig
+    group_size: int
+    pad_id: int
+    stop_ids: Sequence[int]
+    reference: Callable[[], AbstractContextManager[nn.Module | None]] = _no_reference
+    """Context manager giving the reference policy, or None when there is none."""
+    sparsify_old: Callable[[Tensor, Tensor], SparseDistribution | None] = lambda logits, ids: None
+    """The behaviour policy's sparse rows from its logits and the sampled tokens (TROLL), or
+    None when nothing reads them."""
+    loss: LossConfig = LossConfig()
+    """``mask_truncated`` and ``engine_is_cap`` apply here."""
+    behaviour_logprobs: str = "auto"
+    """``model.behaviour_logprobs``: record while sampling (``sampling``), recompute
+    (``forward``), or choose by the weights' dtype (``auto``)."""
+    logits_chunk_size: int | None = None
+    share_prompts: bool = False
+    max_rounds: int = 3
+    """The most extra rounds of dynamic sampling."""
+    any_process: Callable[[bool], bool] = _this_process
+    """Whether a flag holds on any process (every process calls it alike)."""
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.policy.parameters()).device
+
+    @torch.no_grad()
+    def collect(
+        self, batch: PromptBatch, more_prompts: Callable[[int], PromptBatch] | None = None
+    ) -> tuple[Rollout, RolloutReport]:
+        """Samples, scores and caches one rollout from a batch of prompts.
+
+        With ``more_prompts`` (dynamic sampling) extra rounds ``more_prompts(1)``, ... are
+        sampled while some process has fewer informative groups than ``len(batch)``, at most
+        :attr:`max_rounds` of them; the rollout keeps ``len(batch)`` groups.
+        """
+        start = clock(self.device)
+        rounds = [self.sample(batch)]
+        kept, capped = rounds[0], False
+        if more_prompts is not None:
+            target = len(batch)
+            for r in range(1, self.max_rounds + 1):
+                have = sum(int(s.informative.sum()) for s in rounds)
+                if not self.any_process(have < target):
+                    break
+                rounds.append(self.sample(more_prompts(r)))
+            groups, informative = choose_groups([s.informative for s in rounds], target)
+            capped = self.any_process(informative < target)
+            parts = [s.select(g) for s, g in zip(rounds, groups, strict=True) if g.numel()]
+            kept = Samples.cat(parts, self.pad_id)
+        response_mask = kept.response_mask & kept.scored.valid.unsqueeze(-1)  # dropped rewards
+        if self.loss.mask_truncated:
+            response_mask = response_mask & ~kept.truncated.unsqueeze(-1)
+        advantages = self.advantages(kept.rewards)
+        passes = clock(self.device)
+        old_logprobs, old, ref_logprobs = self._teacher_forced(kept, response_mask)
+        end = clock(self.device)
+        token_advantages, engine = self._mismatch(kept, response_mask, advantages, old_logprobs)
+        rollout = Rollout(
+            input_ids=kept.input_ids,
+            attention_mask=kept.attention_mask,
+            response_mask=response_mask,
+            old_logprobs=old_logprobs,
+            old=old,
+            rewards=kept.rewards,
+            advantages=token_advantages,
+            truncated=kept.truncated,
+            temperature=self.sampling.temperature,
+            group_size=self.group_size,
+            ref_logprobs=ref_logprobs,
+        )
+        seconds = {
+            "generation": sum(s.seconds for s in rounds),
+            "forward_passes": end - passes,
+            "rollout": end - start,
+        }
+        return rollout, RolloutReport(rounds, kept, capped, advantages, engine, seconds)
+
+    def _teacher_forced(
+        self, kept: Samples, response_mask: Tensor
+    ) -> tuple[Tensor, SparseDistribution | None, Tensor | None]:
+        """The behaviour policy's log-probs and sparse rows (recorded while sampling, or from a
+        pass now) and the reference policy's log-probs (None without one)."""
+        inputs = (kept.input_ids, kept.attention_mask, response_mask, self.sampling.temperature)
+        chunks = self.logits_chunk_size
+        if kept.behaviour is not None:  # recorded while sampling: no second pass
+            old_logprobs, old = kept.behaviour.outputs(response_mask)
+        else:
+            with self.behaviour() as snapshot:
+                share = self.share_prompts and not is_sharded(snapshot)
+                old_logprobs, old = behaviour_outputs(
+                    snapshot, *inputs, self.sparsify_old, chunks, share
+                )
+        ref_logprobs = None
+        with self.reference() as reference:
+            if reference is not None:
+                share = self.share_prompts and not is_sharded(reference)
+                ref_logprobs = behaviour_outputs(reference, *inputs, None, chunks, share)[0]
+        return old_logprobs, old, ref_logprobs
+
+    def _mismatch(
+        self, kept: Samples, response_mask: Tensor, advantages: Tensor, old_logprobs: Tensor
+    ) -> tuple[Tensor, dict[str, float]]:
+        """The engine's figures, and the advantages with the truncated importance weights of
+        ``loss.engine_is_cap`` (per token, ``(B, T)``) where the engine reports its own
+        log-probs; ``advantages`` as they are otherwise."""
+        engine = dict(self.engine.figures())
+        if kept.engine_logprobs is None:
+            return advantages, engine
+        tokens = response_mask.sum().clamp_min(1)
+        gap = (kept.engine_logprobs - old_logprobs).abs() * response_mask
+        engine["rollout/engine_logprob_diff"] = float(gap.sum() / tokens)
+        cap = self.loss.engine_is_cap
+        if cap is None:
+            return advantages, engine
+        weights = (old_logprobs - kept.engine_logprobs).exp().clamp(max=cap) * response_mask
+        engine["rollout/engine_is_weight_mean"] = float(weights.sum() / tokens)
+        engine["rollout/engine_is_capped_frac"] = float(
+            ((weights >= cap) & response_mask).sum() / tokens
+        )
+        return advantages.unsqueeze(-1) * weights, engine
+
+    def sample(self, batch: PromptBatch) -> Samples:
+        """One round: G completions per prompt of ``batch`` from the rollout engine (the
+        behaviour policy's weights), decoded and scored."""
+        group, engine = self.group_size, self.engine
+        recorder = None
+        if engine.records_behaviour and records_while_sampling(
+            self.behaviour_logprobs, self.policy
+        ):
+            recorder = BehaviourRecorder(self.sampling.temperature, self.sparsify_old)
+        start = clock(self.device)
+        with self.behaviour() as snapshot, gathered(snapshot):
+            # sharded weights are gathered once for the whole generation, not once per token
+            if engine.stale:  # the first rollout, or the snapshot was refreshed since the last
+                engine.load_weights(snapshot)
+            generation = engine.generate(
+                snapshot,
+                batch.prompt_ids,
+                group,
+                self.sampling,
+                self.pad_id,
+                self.stop_ids,
+                recorder=recorder,
+            )
+        input_ids, attention_mask = generation.input_ids, generation.attention_mask
+        response_mask, truncated = generation.response_mask, generation.truncated
+        length = response_mask.shape[1]
+        behaviour = None if recorder is None else recorder.finish(input_ids[:, -length:])
+        seconds = clock(self.device) - start
+        completions = self.decode(input_ids[:, -length:], response_mask)
+        prompts = [p for p in batch.prompts for _ in range(group)]
+        rows = [r for r in batch.rows for _ in range(group)]
+        scored = self._score(prompts, completions, rows, response_mask, input_ids.device)
+        return Samples(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            response_mask=response_mask,
+            truncated=truncated,
+            rewards=_filled(scored, group),
+            scored=scored,
+            completions=completions,
+            prompts=prompts,
+            rows=rows,
+            group_size=group,
+            behaviour=behaviour,
+            seconds=seconds,
+            engine_logprobs=generation.logprobs,
+        )
+
+    def _score(
+        self,
+        prompts: list[str],
+        completions: list[str],
+        rows: list[dict[str, Any]],
+        response_mask: Tensor,
+        device: torch.device,
+    ) -> RewardOutput:
+        tokens = response_mask.sum(-1).tolist()  # (B,) generated tokens, EOS included
+        scored = self.scorer(
+            prompts, completions, rows, tokens, self.sampling.max_new_tokens, device=device
+        )
+        return RewardOutput(
+            total=scored.total.to(device),
+            per_function={k: v.to(device) for k, v in scored.per_function.items()},
+            valid=scored.valid.to(device),
+            timeouts=scored.timeouts,
+            errors=scored.errors,
+        )
+
+
+def _filled(scored: RewardOutput, group: int) -> Tensor:
+    """(B,) float32 rewards; a dropped completion leaves the loss and, in its group, takes the
+    mean reward of the others, so it shifts no one's advantage."""
+    rewards = scored.total.to(torch.float32)
+    if bool(scored.valid.all()):
+        return rewards
+    grouped, ok = rewards.view(-1, group), scored.valid.view(-1, group)
+    mean = (grouped * ok).sum(-1) / ok.sum(-1).clamp_min(1)  # (P,)
+    return torch.where(scored.valid, rewards, mean.repeat_interleave(group))

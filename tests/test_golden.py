@@ -1,0 +1,35 @@
+"""The golden runs (``tests/golden.py``) give the weights and logged figures they were recorded
+with: a reorganisation of the library changes no number."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests import golden
+
+
+@pytest.mark.parametrize("name", sorted(golden.RUNS))
+def test_the_golden_run_gives_its_recorded_weights_and_figures(name, tmp_path, monkeypatch):
+    stored = json.loads(golden.FIXTURE.read_text())
+    monkeypatch.chdir(tmp_path)
+    record = golden.fit(name, tmp_path)
+    exact = stored["machine"] == golden.machine()
+    assert golden.differences(stored["runs"][name], record, exact) == []
+
+
+def test_a_changed_number_is_found():
+    stored = json.loads(golden.FIXTURE.read_text())["runs"]["troll"]
+    changed = json.loads(json.dumps(stored))
+    changed["scalars"]["reward/mean"][1] += 1e-12
+    assert golden.differences(stored, changed, exact=True) == [
+        f"reward/mean: {stored['scalars']['reward/mean']} -> {changed['scalars']['reward/mean']}"
+    ]
+    assert golden.differences(stored, changed, exact=False) == []
+    changed["weights_sha256"] = "0" * 64
+    changed["scalars"].pop("entropy")
+    assert golden.differences(stored, changed, exact=True)[:2] == [
+        "the final weights differ (sha256)",
+        "logged figures: missing ['entropy'], new []",
+    ]
