@@ -232,6 +232,51 @@ def test_truncated_importance_weights_scale_each_tokens_advantage(tmp_path, tiny
     assert 0.3 < capped < 0.7  # the odd positions
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("options", "figure", "share"),
+    [
+        # even positions (ratio 0.741) fall below the floor, odd ones (1.221) stay with their ratio
+        ({"engine_is_cap": 1.3, "engine_is_mode": "mask", "engine_is_floor": 0.8},
+         "rollout/engine_is_masked_frac", (0.3, 0.7)),
+        # one weight per completion: the product of its tokens' ratios, capped
+        ({"engine_is_cap": 1.1, "engine_is_level": "sequence"}, "rollout/engine_is_capped_frac",
+         (0.0, 1.0)),
+    ],
+)  # fmt: skip
+def test_masked_and_sequence_weights_scale_each_tokens_advantage(
+    tmp_path, tiny_model_dir, options, figure, share
+):
+    from lightning_troll.objectives import LossConfig
+    from tests.test_training import fit, make_module
+
+    loss = LossConfig(**options)
+    module = make_module(
+        tiny_model_dir, rollout_engine="tests.test_engines:ShiftedEngine", loss=loss
+    )
+    trainer, module, recorder = fit(tmp_path, tiny_model_dir, max_steps=2, module=module)
+    for rollout in recorder.rollouts:
+        mask = rollout.response_mask
+        ratios = torch.exp(-shifts(mask))
+        if loss.engine_is_level == "sequence":
+            product = torch.exp(-(shifts(mask) * mask).sum(-1, keepdim=True))
+            weights = product.clamp(max=loss.engine_is_cap).expand_as(mask) * mask
+        else:
+            band = (ratios >= loss.engine_is_floor) & (ratios <= loss.engine_is_cap)
+            weights = torch.where(band, ratios, 0.0) * mask
+        kept = weights.sum(-1) > 0
+        per_sequence = rollout.advantages.sum(-1) / weights.sum(-1).clamp_min(1e-12)
+        torch.testing.assert_close(
+            rollout.advantages, per_sequence[:, None] * weights, atol=1e-5, rtol=1e-5
+        )
+        assert bool(kept.any())  # a one-token completion at an even position is masked whole
+        whole = kept.view(-1, 4).all(-1)  # groups none of whose completions was masked whole
+        sums = per_sequence.view(-1, 4).sum(-1).abs()
+        assert bool(whole.any()) and bool((sums[whole] < 1e-4).all())  # GRPO: mean zero
+    low, high = share
+    assert low <= float(trainer.callback_metrics[figure]) <= high
+
+
 def test_importance_weights_need_an_engine_that_samples_apart(tiny_model_dir):
     from lightning_troll.objectives import LossConfig
     from tests.test_training import make_module
@@ -240,6 +285,8 @@ def test_importance_weights_need_an_engine_that_samples_apart(tiny_model_dir):
         make_module(tiny_model_dir, loss=LossConfig(engine_is_cap=2.0))
     with pytest.raises(ValueError, match=r"loss.engine_is_cap must be a number >= 1 or null"):
         LossConfig(engine_is_cap=0.5)
+    with pytest.raises(ValueError, match=r"engine_is_cap=2.0 .* the 'hf' engine samples with"):
+        make_module(tiny_model_dir, loss=LossConfig(engine_is_cap=2.0, engine_is_mode="mask"))
 
 
 def test_an_engine_for_one_process_is_refused_in_a_run_of_several():

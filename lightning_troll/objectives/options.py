@@ -12,7 +12,14 @@ from typing import Literal
 from lightning_troll.trust_region import defaults
 from lightning_troll.trust_region.supports import check_support
 
-__all__ = ["ClipConfig", "LossConfig", "TrustRegionConfig"]
+__all__ = [
+    "IS_LEVELS",
+    "IS_MODES",
+    "ClipConfig",
+    "LossConfig",
+    "TrustRegionConfig",
+    "check_engine_is",
+]
 
 
 @dataclass(frozen=True)
@@ -80,12 +87,50 @@ class LossConfig:
     mask_truncated_completions, DAPO's overlong filtering); their rewards still count in their
     group's baseline."""
     engine_is_cap: float | None = None
-    """Truncated importance sampling for a rollout engine that samples apart from the trainer
+    """Importance weights for a rollout engine that samples apart from the trainer
     (model.rollout_engine: vllm): each response token's advantage is multiplied by
-    min(p_snapshot / p_engine, engine_is_cap), the snapshot's probability of the sampled token
-    over the engine's (the correction TRL and verl offer); null: off."""
+    p_snapshot / p_engine, the snapshot's probability of the sampled token over the engine's,
+    truncated at this cap (or masked above it: engine_is_mode), per token or per sequence
+    (engine_is_level), as TRL and verl offer; null: off."""
+    engine_is_level: Literal["token", "sequence"] = "token"
+    """What engine_is_cap weighs: each token by its own ratio (token), or every token of a
+    completion by the product of its ratios (sequence)."""
+    engine_is_mode: Literal["truncate", "mask"] = "truncate"
+    """truncate: a ratio above engine_is_cap counts as the cap (TIS); mask: a ratio above it (or
+    below engine_is_floor) weighs 0, the others their ratio (MIS)."""
+    engine_is_floor: float | None = None
+    """With engine_is_mode mask, ratios below this (in (0, 1]) are masked too: the two-sided band
+    of IcePop; null: no lower bound."""
 
     def __post_init__(self) -> None:
-        cap = self.engine_is_cap
-        if cap is not None and not (isinstance(cap, int | float) and cap >= 1):
-            raise ValueError(f"loss.engine_is_cap must be a number >= 1 or null; got {cap!r}")
+        check_engine_is(
+            self.engine_is_cap, self.engine_is_level, self.engine_is_mode, self.engine_is_floor
+        )
+
+
+IS_LEVELS = ("token", "sequence")
+IS_MODES = ("truncate", "mask")
+
+
+def check_engine_is(cap: float | None, level: str, mode: str, floor: float | None) -> None:
+    """Refuses a combination of ``loss.engine_is_*`` options that cannot mean anything, in one
+    line naming the option."""
+    if cap is not None and not (isinstance(cap, int | float) and cap >= 1):
+        raise ValueError(f"loss.engine_is_cap must be a number >= 1 or null; got {cap!r}")
+    if level not in IS_LEVELS:
+        raise ValueError(f"loss.engine_is_level must be one of {list(IS_LEVELS)}; got {level!r}")
+    if mode not in IS_MODES:
+        raise ValueError(f"loss.engine_is_mode must be one of {list(IS_MODES)}; got {mode!r}")
+    if floor is not None:
+        if not (isinstance(floor, int | float) and 0 < floor <= 1):
+            raise ValueError(f"loss.engine_is_floor must be in (0, 1] or null; got {floor!r}")
+        if mode != "mask":
+            raise ValueError(
+                f"loss.engine_is_floor={floor} masks the ratios below it, so it needs "
+                f"loss.engine_is_mode 'mask'; got {mode!r}"
+            )
+    if cap is None and (level != "token" or mode != "truncate" or floor is not None):
+        raise ValueError(
+            "loss.engine_is_level, engine_is_mode and engine_is_floor shape the weights of "
+            "loss.engine_is_cap, which is null (off); set the cap"
+        )

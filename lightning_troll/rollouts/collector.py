@@ -14,8 +14,8 @@
 5. the **behaviour policy's** log-probs (and sparse rows) unless recorded while sampling, and the
    **reference policy's** log-probs when there is one;
 6. the **mismatch correction**: where the engine reports its own log-probs, their difference
-   from the trainer's, and with ``loss.engine_is_cap`` truncated importance weights on the
-   advantages.
+   from the trainer's, and with ``loss.engine_is_cap`` importance weights on the advantages
+   (truncated or masked, per token or per sequence: :mod:`lightning_troll.objectives.mismatch`).
 
 Nothing here imports Lightning: :class:`~lightning_troll.training.module.TrollModule` builds its
 collector from its parts (``TrollModule.collector``), and a script in plain PyTorch builds one
@@ -33,6 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_troll.models.sharding import gathered, is_sharded
+from lightning_troll.objectives.mismatch import mismatch_weights
 from lightning_troll.objectives.options import LossConfig
 from lightning_troll.rewards.registry import RewardOutput
 from lightning_troll.rollouts.behaviour import BehaviourRecorder, records_while_sampling
@@ -176,24 +177,27 @@ class RolloutCollector:
     def _mismatch(
         self, kept: Samples, response_mask: Tensor, advantages: Tensor, old_logprobs: Tensor
     ) -> tuple[Tensor, dict[str, float]]:
-        """The engine's figures, and the advantages with the truncated importance weights of
-        ``loss.engine_is_cap`` (per token, ``(B, T)``) where the engine reports its own
-        log-probs; ``advantages`` as they are otherwise."""
+        """The engine's figures, and the advantages weighted per token (``(B, T)``) by the
+        importance weights of ``loss.engine_is_*`` (:func:`mismatch_weights`) where the engine
+        reports its own log-probs; ``advantages`` as they are otherwise."""
         engine = dict(self.engine.figures())
         if kept.engine_logprobs is None:
             return advantages, engine
         tokens = response_mask.sum().clamp_min(1)
         gap = (kept.engine_logprobs - old_logprobs).abs() * response_mask
         engine["rollout/engine_logprob_diff"] = float(gap.sum() / tokens)
-        cap = self.loss.engine_is_cap
-        if cap is None:
+        loss = self.loss
+        if loss.engine_is_cap is None:
             return advantages, engine
-        weights = (old_logprobs - kept.engine_logprobs).exp().clamp(max=cap) * response_mask
-        engine["rollout/engine_is_weight_mean"] = float(weights.sum() / tokens)
-        engine["rollout/engine_is_capped_frac"] = float(
-            ((weights >= cap) & response_mask).sum() / tokens
+        weights, figures = mismatch_weights(
+            old_logprobs - kept.engine_logprobs,
+            response_mask,
+            loss.engine_is_cap,
+            loss.engine_is_level,
+            loss.engine_is_mode,
+            loss.engine_is_floor,
         )
-        return advantages.unsqueeze(-1) * weights, engine
+        return advantages.unsqueeze(-1) * weights, {**engine, **figures}
 
     def sample(self, batch: PromptBatch) -> Samples:
         """One round: G completions per prompt of ``batch`` from the rollout engine (the

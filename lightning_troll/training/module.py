@@ -259,7 +259,9 @@ class TrollModule(ResumeHooks, RolloutHooks, PolicyHooks, LightningModule):
     # -- construction ----------------------------------------------------------------------------
     def _build_objective(self, name, trust_region, clip, loss) -> PolicyObjective:
         shared = asdict(loss)
-        for option in ("mask_truncated", "engine_is_cap"):  # the rollout applies them
+        rollout_options = ("mask_truncated", "engine_is_cap", "engine_is_level", "engine_is_mode",
+                           "engine_is_floor")  # fmt: skip
+        for option in rollout_options:  # the rollout applies them
             shared.pop(option)
         shared["norm_length"] = loss.norm_length or self.sampling.max_new_tokens
         specific = asdict({"troll": trust_region, "clip": clip}[name])
