@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
+
+from lightning_troll.models.snapshots import CopySnapshot
 
 __all__ = ["OldPolicyRefresh", "one_step_trap"]
 
@@ -21,30 +24,84 @@ class OldPolicyRefresh(Callback):
     a re-quantisation, or an adapter copy (see :mod:`lightning_troll.models.snapshots`); a shared snapshot
     is the policy and refuses ``every_n_rollouts > 1`` before training.
 
+    **Staleness.** A policy version is the weights after a rollout's optimiser steps (version 0:
+    the weights the run starts with). With ``max_staleness: s`` rollout k + 1 is sampled by version
+    k - s (version 0 until k exceeds s): the data is exactly ``s`` versions stale, as it is at most
+    in an asynchronous trainer that lets the sampler run ``s`` rollouts ahead, so the semantics
+    can be studied on one device; the behaviour policy the objective bounds is that stale sampler.
+    Versions are counted in rollouts, not optimiser steps, because the sampler's weights change
+    only between rollouts. The ``s`` newest versions wait on the CPU (``s`` copies of the weights,
+    also in the checkpoint, so a resumed run continues exactly); a ``copy`` snapshot only. Every
+    rollout logs ``rollout/policy_version`` (the version that sampled it) and
+    ``rollout/staleness`` (the trainer's version minus that one).
+
     At the start of a fit it warns (once) when the configuration makes every optimiser step
     on-policy: one epoch, one minibatch per rollout and a refresh every rollout leave the policy
     equal to the behaviour policy at every step, so the trust region (or the clip) never acts.
 
     Args:
         every_n_rollouts: rollouts between two refreshes, >= 1.
+        max_staleness: versions the sampler lags behind the trainer, >= 0; 0 samples every
+            rollout with the current policy.
     """
 
-    def __init__(self, every_n_rollouts: int = 1) -> None:
+    def __init__(self, every_n_rollouts: int = 1, max_staleness: int = 0) -> None:
         if isinstance(every_n_rollouts, bool) or every_n_rollouts < 1:
             raise ValueError(
                 f"OldPolicyRefresh: every_n_rollouts must be an integer >= 1; got {every_n_rollouts!r}"
             )
+        if (
+            isinstance(max_staleness, bool)
+            or not isinstance(max_staleness, int)
+            or max_staleness < 0
+        ):
+            raise ValueError(
+                f"old_policy.max_staleness must be an integer >= 0; got {max_staleness!r}"
+            )
+        if max_staleness and every_n_rollouts > 1:
+            raise ValueError(
+                f"old_policy.every_n_rollouts={every_n_rollouts} and old_policy.max_staleness="
+                f"{max_staleness} both make the sampler lag; set one of them"
+            )
         self.every_n_rollouts = every_n_rollouts
+        self.max_staleness = max_staleness
         self.rollouts = 0
         self.refreshes = 0
+        self.version = 0
+        """The policy version the snapshot holds (the one that samples the next rollout)."""
+        self._waiting: deque[tuple[int, dict[str, torch.Tensor]]] = deque()
+
+    @override
+    def on_train_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        pl_module.log("rollout/policy_version", float(self.version), batch_size=1)
+        pl_module.log("rollout/staleness", float(self.rollouts - self.version), batch_size=1)
 
     @override
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self.rollouts += 1
-        if self.rollouts % self.every_n_rollouts == 0:
+        if self.max_staleness:
+            self._lagged(pl_module)
+        elif self.rollouts % self.every_n_rollouts == 0:
             self.refresh(pl_module)
+            self.version = self.rollouts
+
+    def _lagged(self, pl_module: LightningModule) -> None:
+        """Queues the version just trained; loads version ``rollouts - max_staleness`` into the
+        snapshot once it exists."""
+        state = {
+            k: v.detach().to("cpu", copy=True) for k, v in pl_module.policy.state_dict().items()
+        }
+        self._waiting.append((self.rollouts, state))
+        due = self.rollouts - self.max_staleness
+        if due >= 1:
+            version, state = self._waiting.popleft()
+            assert version == due, (version, due)
+            self.refresh(pl_module, _Weights(state))
+            self.version = version
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -54,6 +111,17 @@ class OldPolicyRefresh(Callback):
                 f"OldPolicyRefresh: every_n_rollouts={self.every_n_rollouts} needs a snapshot "
                 "that can lag behind the policy, but model.snapshot.mode='shared' makes the "
                 "snapshot the policy itself; use every_n_rollouts=1 or model.snapshot.mode='copy'"
+            )
+        if self.max_staleness and not isinstance(snapshot, CopySnapshot):
+            raise ValueError(
+                f"old_policy.max_staleness={self.max_staleness} keeps past versions of the weights "
+                "to load into the snapshot, which needs model.snapshot.mode 'copy' with dtype "
+                f"'same' or 'bfloat16' and no LoRA; got a {type(snapshot).__name__}"
+            )
+        if self.max_staleness and trainer.world_size > 1:
+            raise ValueError(
+                f"old_policy.max_staleness={self.max_staleness} runs in one process for now; "
+                f"this run has {trainer.world_size}"
             )
 
     @override
@@ -75,8 +143,10 @@ class OldPolicyRefresh(Callback):
             rank_zero_warn(message)
 
     @torch.no_grad()
-    def refresh(self, pl_module: LightningModule) -> None:
-        pl_module.snapshot.refresh(pl_module.policy)
+    def refresh(self, pl_module: LightningModule, weights: Any = None) -> None:
+        """Loads ``weights`` (a module, or what has its ``state_dict``; the policy by default)
+        into the snapshot."""
+        pl_module.snapshot.refresh(pl_module.policy if weights is None else weights)
         engine = getattr(pl_module, "engine", None)
         if engine is not None:  # it takes the new weights before its next rollout
             engine.stale = True
@@ -84,12 +154,30 @@ class OldPolicyRefresh(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"rollouts": self.rollouts, "refreshes": self.refreshes}
+        state = {"rollouts": self.rollouts, "refreshes": self.refreshes, "version": self.version}
+        if self._waiting:
+            state["waiting"] = [{"version": v, "weights": w} for v, w in self._waiting]
+        return state
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.rollouts = state_dict["rollouts"]
         self.refreshes = state_dict["refreshes"]
+        # before staleness was kept, the snapshot held the last refresh's version
+        default = self.rollouts - self.rollouts % self.every_n_rollouts
+        self.version = state_dict.get("version", default)
+        waiting = state_dict.get("waiting", [])
+        self._waiting = deque((entry["version"], entry["weights"]) for entry in waiting)
+
+
+class _Weights:
+    """Stored weights in the place of a module: what ``Snapshot.refresh`` reads of a policy."""
+
+    def __init__(self, state: dict[str, torch.Tensor]) -> None:
+        self._state = state
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self._state
 
 
 def one_step_trap(

@@ -58,6 +58,7 @@ def train(tmp_path: Path, model_dir: Path, name: str, max_steps: int, ckpt_path=
     """A fit with the project's callbacks, a CSV log and a checkpoint after every rollout."""
     torch.manual_seed(0)  # as seed_everything would; the resumed run must not depend on it
     every_n_rollouts = options.pop("every_n_rollouts", 1)
+    max_staleness = options.pop("max_staleness", 0)
     steps_per_rollout = options.pop("steps_per_rollout", 1)
     num_train = options.pop("num_train", 16)
     module = make_module(model_dir, **options)
@@ -70,7 +71,7 @@ def train(tmp_path: Path, model_dir: Path, name: str, max_steps: int, ckpt_path=
     )
     callbacks = [
         RolloutGeneration(log_samples=0),
-        OldPolicyRefresh(every_n_rollouts=every_n_rollouts),
+        OldPolicyRefresh(every_n_rollouts=every_n_rollouts, max_staleness=max_staleness),
         TrustRegionMonitor(histogram_every_n_rollouts=0),
         checkpoints,
     ]
@@ -114,6 +115,8 @@ def assert_same_steps(expected: dict, got: dict, steps: range) -> None:
             "dynamic_sampling",
             {"rewards": {"tests.reward_helpers:used_the_budget": 1.0}, "dynamic_sampling": True},
         ),
+        # a sampler 2 versions behind: the 2 versions waiting travel in the checkpoint
+        ("stale_sampler", {"max_staleness": 2}),
     ],
 )
 def test_resume_continues_like_an_uninterrupted_run(case, options, tmp_path, tiny_model_dir):
@@ -143,7 +146,12 @@ def test_resume_continues_like_an_uninterrupted_run(case, options, tmp_path, tin
             next(c for c in t.callbacks if isinstance(c, kind)).state_dict()
             for t in (uninterrupted, trainer)
         ]
+        waiting = [state.pop("waiting", []) for state in states]
         assert states[0] == states[1], kind.__name__  # counters and reward history carried over
+        assert [w["version"] for w in waiting[0]] == [w["version"] for w in waiting[1]]
+        for mine, theirs in zip(*waiting, strict=True):
+            for name, value in mine["weights"].items():
+                assert torch.equal(theirs["weights"][name], value), name
 
 
 class SaveInsideRollout(Callback):
