@@ -64,11 +64,15 @@ def test_every_n_rollouts_logs_its_own_staleness(tmp_path, tiny_model_dir):
 def test_staleness_mistakes_are_named_before_training(tiny_model_dir):
     from types import SimpleNamespace
 
-    with pytest.raises(ValueError, match=r"old_policy.max_staleness must be an integer >= 0; got -1"):
+    with pytest.raises(
+        ValueError, match=r"old_policy.max_staleness must be an integer >= 0; got -1"
+    ):
         OldPolicyRefresh(max_staleness=-1)
     with pytest.raises(ValueError, match=r"every_n_rollouts=2 and old_policy.max_staleness=1 both"):
         OldPolicyRefresh(every_n_rollouts=2, max_staleness=1)
     module = make_module(tiny_model_dir, snapshot=SnapshotConfig(dtype="int8"))
     trainer = SimpleNamespace(world_size=1)
-    with pytest.raises(ValueError, match=r"max_staleness=1 .* needs model.snapshot.mode .copy. with dtype"):
+    with pytest.raises(
+        ValueError, match=r"max_staleness=1 .* needs model.snapshot.mode .copy. with dtype"
+    ):
         OldPolicyRefresh(max_staleness=1).setup(trainer, module, "fit")
