@@ -102,12 +102,27 @@ class LossConfig:
     """With engine_is_mode mask, ratios below this (in (0, 1]) are masked too: the two-sided band
     of IcePop; null: no lower bound."""
 
+    anchor: Literal["behaviour", "proximal"] = "behaviour"
+    """What the trust region (or the clip) is drawn around when the sampler is stale
+    (old_policy.max_staleness): behaviour, the policy that sampled the rollout; proximal, the
+    current weights before this rollout's update (one more forward pass per rollout), with each
+    token's advantage weighted by min(p_proximal / p_behaviour, anchor_is_cap), the decoupled
+    objective of AReaL."""
+    anchor_is_cap: float = 2.0
+    """With anchor proximal: the cap of the proximal-over-behaviour weight, >= 1."""
+
     def __post_init__(self) -> None:
         check_engine_is(
             self.engine_is_cap, self.engine_is_level, self.engine_is_mode, self.engine_is_floor
         )
+        if self.anchor not in ANCHORS:
+            raise ValueError(f"loss.anchor must be one of {list(ANCHORS)}; got {self.anchor!r}")
+        cap = self.anchor_is_cap
+        if isinstance(cap, bool) or not (isinstance(cap, int | float) and cap >= 1):
+            raise ValueError(f"loss.anchor_is_cap must be a number >= 1; got {cap!r}")
 
 
+ANCHORS = ("behaviour", "proximal")
 IS_LEVELS = ("token", "sequence")
 IS_MODES = ("truncate", "mask")
 

@@ -15,7 +15,10 @@
    **reference policy's** log-probs when there is one;
 6. the **mismatch correction**: where the engine reports its own log-probs, their difference
    from the trainer's, and with ``loss.engine_is_cap`` importance weights on the advantages
-   (truncated or masked, per token or per sequence: :mod:`lightning_troll.objectives.mismatch`).
+   (truncated or masked, per token or per sequence: :mod:`lightning_troll.objectives.mismatch`);
+7. with ``loss.anchor: proximal`` (a stale sampler), the **proximal policy**: the current
+   weights' log-probs and sparse rows replace the sampler's as the old policy, and the
+   advantages take the truncated proximal-over-behaviour weight.
 
 Nothing here imports Lightning: :class:`~lightning_troll.training.module.TrollModule` builds its
 collector from its parts (``TrollModule.collector``), and a script in plain PyTorch builds one
@@ -130,8 +133,13 @@ class RolloutCollector:
         advantages = self.advantages(kept.rewards)
         passes = clock(self.device)
         old_logprobs, old, ref_logprobs = self._teacher_forced(kept, response_mask)
-        end = clock(self.device)
         token_advantages, engine = self._mismatch(kept, response_mask, advantages, old_logprobs)
+        if self.loss.anchor == "proximal":
+            old_logprobs, old, token_advantages, figures = self._proximal(
+                kept, response_mask, token_advantages, old_logprobs
+            )
+            engine.update(figures)
+        end = clock(self.device)
         rollout = Rollout(
             input_ids=kept.input_ids,
             attention_mask=kept.attention_mask,
@@ -198,6 +206,30 @@ class RolloutCollector:
             loss.engine_is_floor,
         )
         return advantages.unsqueeze(-1) * weights, {**engine, **figures}
+
+    def _proximal(
+        self, kept: Samples, response_mask: Tensor, advantages: Tensor, behaviour: Tensor
+    ) -> tuple[Tensor, SparseDistribution | None, Tensor, dict[str, float]]:
+        """``loss.anchor: proximal``: the current weights' log-probs and sparse rows (a
+        teacher-forced pass of the policy, before this rollout's update) become the old policy
+        the objective bounds, and each token's advantage is weighted by
+        ``min(p_proximal / p_behaviour, loss.anchor_is_cap)``."""
+        inputs = (kept.input_ids, kept.attention_mask, response_mask, self.sampling.temperature)
+        share = self.share_prompts and not is_sharded(self.policy)
+        proximal, rows = behaviour_outputs(
+            self.policy, *inputs, self.sparsify_old, self.logits_chunk_size, share
+        )
+        cap = self.loss.anchor_is_cap
+        weights = (proximal - behaviour).exp().clamp(max=cap) * response_mask
+        tokens = response_mask.sum().clamp_min(1)
+        figures = {
+            "rollout/proximal_is_weight_mean": float(weights.sum() / tokens),
+            "rollout/proximal_is_capped_frac": float(
+                ((weights >= cap) & response_mask).sum() / tokens
+            ),
+        }
+        per_token = advantages if advantages.dim() == 2 else advantages.unsqueeze(-1)
+        return proximal, rows, per_token * weights, figures
 
     def sample(self, batch: PromptBatch) -> Samples:
         """One round: G completions per prompt of ``batch`` from the rollout engine (the

@@ -260,7 +260,7 @@ class TrollModule(ResumeHooks, RolloutHooks, PolicyHooks, LightningModule):
     def _build_objective(self, name, trust_region, clip, loss) -> PolicyObjective:
         shared = asdict(loss)
         rollout_options = ("mask_truncated", "engine_is_cap", "engine_is_level", "engine_is_mode",
-                           "engine_is_floor")  # fmt: skip
+                           "engine_is_floor", "anchor", "anchor_is_cap")  # fmt: skip
         for option in rollout_options:  # the rollout applies them
             shared.pop(option)
         shared["norm_length"] = loss.norm_length or self.sampling.max_new_tokens
