@@ -12,7 +12,7 @@ from typing_extensions import override
 
 from lightning_troll.models.snapshots import CopySnapshot
 
-__all__ = ["OldPolicyRefresh", "one_step_trap"]
+__all__ = ["OldPolicyRefresh", "check_refresh", "one_step_trap"]
 
 
 class OldPolicyRefresh(Callback):
@@ -46,23 +46,7 @@ class OldPolicyRefresh(Callback):
     """
 
     def __init__(self, every_n_rollouts: int = 1, max_staleness: int = 0) -> None:
-        if isinstance(every_n_rollouts, bool) or every_n_rollouts < 1:
-            raise ValueError(
-                f"OldPolicyRefresh: every_n_rollouts must be an integer >= 1; got {every_n_rollouts!r}"
-            )
-        if (
-            isinstance(max_staleness, bool)
-            or not isinstance(max_staleness, int)
-            or max_staleness < 0
-        ):
-            raise ValueError(
-                f"old_policy.max_staleness must be an integer >= 0; got {max_staleness!r}"
-            )
-        if max_staleness and every_n_rollouts > 1:
-            raise ValueError(
-                f"old_policy.every_n_rollouts={every_n_rollouts} and old_policy.max_staleness="
-                f"{max_staleness} both make the sampler lag; set one of them"
-            )
+        check_refresh(every_n_rollouts, max_staleness)
         self.every_n_rollouts = every_n_rollouts
         self.max_staleness = max_staleness
         self.rollouts = 0
@@ -112,12 +96,18 @@ class OldPolicyRefresh(Callback):
                 "that can lag behind the policy, but model.snapshot.mode='shared' makes the "
                 "snapshot the policy itself; use every_n_rollouts=1 or model.snapshot.mode='copy'"
             )
-        if self.max_staleness and not isinstance(snapshot, CopySnapshot):
-            raise ValueError(
-                f"old_policy.max_staleness={self.max_staleness} keeps past versions of the weights "
-                "to load into the snapshot, which needs model.snapshot.mode 'copy' with dtype "
-                f"'same' or 'bfloat16' and no LoRA; got a {type(snapshot).__name__}"
+        if self.max_staleness:
+            check_refresh(
+                self.every_n_rollouts,
+                self.max_staleness,
+                getattr(pl_module, "snapshot_config", None),
+                getattr(pl_module, "lora", None),
             )
+            if not isinstance(snapshot, CopySnapshot):  # a snapshot built apart from its options
+                raise ValueError(
+                    f"old_policy.max_staleness={self.max_staleness} needs a copy snapshot; got a "
+                    f"{type(snapshot).__name__}"
+                )
         if self.max_staleness and trainer.world_size > 1:
             raise ValueError(
                 f"old_policy.max_staleness={self.max_staleness} runs in one process for now; "
@@ -168,6 +158,48 @@ class OldPolicyRefresh(Callback):
         self.version = state_dict.get("version", default)
         waiting = state_dict.get("waiting", [])
         self._waiting = deque((entry["version"], entry["weights"]) for entry in waiting)
+
+
+def check_refresh(
+    every_n_rollouts: int, max_staleness: int, snapshot: Any = None, lora: Any = None
+) -> None:
+    """Refuses ``old_policy`` options that cannot work, in one line naming the option; with the
+    module's ``snapshot`` options and ``lora`` (records or the command line's dicts), a stale
+    sampler on a snapshot that cannot hold past versions too. The command line calls it before
+    the model loads."""
+    if (
+        isinstance(every_n_rollouts, bool)
+        or not isinstance(every_n_rollouts, int)
+        or every_n_rollouts < 1
+    ):
+        raise ValueError(
+            f"old_policy.every_n_rollouts must be an integer >= 1; got {every_n_rollouts!r}"
+        )
+    if isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or max_staleness < 0:
+        raise ValueError(f"old_policy.max_staleness must be an integer >= 0; got {max_staleness!r}")
+    if max_staleness and every_n_rollouts > 1:
+        raise ValueError(
+            f"old_policy.every_n_rollouts={every_n_rollouts} and old_policy.max_staleness="
+            f"{max_staleness} both make the sampler lag; set one of them"
+        )
+    if not max_staleness:
+        return
+    mode, dtype = _option(snapshot, "mode", "copy"), _option(snapshot, "dtype", "same")
+    if mode != "copy" or dtype == "int8" or lora is not None:
+        raise ValueError(
+            f"old_policy.max_staleness={max_staleness} keeps past versions of the weights to load "
+            "into the snapshot, which needs model.snapshot.mode 'copy' with dtype 'same' or "
+            f"'bfloat16' and no model.lora; got mode {mode!r}, dtype {dtype!r}"
+            + (" and LoRA" if lora is not None else "")
+        )
+
+
+def _option(options: Any, name: str, default: Any) -> Any:
+    if options is None:
+        return default
+    if isinstance(options, dict):
+        return options.get(name, default)
+    return getattr(options, name, default)
 
 
 class _Weights:

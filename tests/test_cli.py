@@ -486,6 +486,11 @@ def broken_jsonl(tmp_path: Path) -> str:
                      id="no-prompts"),
         pytest.param(["--data.source", lambda tmp: str(tmp)], "is a folder, not a file",
                      id="folder-as-data"),
+        pytest.param(["--old_policy.max_staleness", "-1"],
+                     "old_policy.max_staleness must be an integer >= 0; got -1", id="staleness"),
+        pytest.param(["--old_policy.max_staleness", "2", "--model.snapshot.dtype", "int8"],
+                     "old_policy.max_staleness=2 keeps past versions of the weights",
+                     id="staleness-on-int8"),
         pytest.param(["--trainer.logger", "lightning.pytorch.loggers.MLFlowLogger",
                       "--trainer.logger.tracking_uri", "file:./mlruns"],
                      "lightning.pytorch.loggers.MLFlowLogger refused its arguments: MlflowException:"

@@ -8,6 +8,7 @@ import importlib
 import torch
 from lightning.pytorch.callbacks import Checkpoint
 
+from lightning_troll.callbacks.old_policy import check_refresh
 from lightning_troll.data.preflight import check_data_files
 from lightning_troll.models.loading import check_reachable
 from lightning_troll.rewards.registry import resolve_reward
@@ -117,3 +118,10 @@ def check_task(config) -> None:
     check_data_files(data)
     check_optimizer(config)
     check_checkpointing(config)
+    refresh = config.get("old_policy") or {}
+    check_refresh(
+        refresh.get("every_n_rollouts", 1),
+        refresh.get("max_staleness", 0),
+        model.get("snapshot"),
+        model.get("lora"),
+    )
