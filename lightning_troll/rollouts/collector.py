@@ -219,15 +219,11 @@ class RolloutCollector:
         proximal, rows = behaviour_outputs(
             self.policy, *inputs, self.sparsify_old, self.logits_chunk_size, share
         )
-        cap = self.loss.anchor_is_cap
-        weights = (proximal - behaviour).exp().clamp(max=cap) * response_mask
-        tokens = response_mask.sum().clamp_min(1)
-        figures = {
-            "rollout/proximal_is_weight_mean": float(weights.sum() / tokens),
-            "rollout/proximal_is_capped_frac": float(
-                ((weights >= cap) & response_mask).sum() / tokens
-            ),
-        }
+        # the same truncated weight as the engine's token-level correction, under its own names
+        weights, engine_figures = mismatch_weights(
+            proximal - behaviour, response_mask, self.loss.anchor_is_cap
+        )
+        figures = {k.replace("engine_is", "proximal_is"): v for k, v in engine_figures.items()}
         per_token = advantages if advantages.dim() == 2 else advantages.unsqueeze(-1)
         return proximal, rows, per_token * weights, figures
 
