@@ -100,6 +100,7 @@ def build(args, out: Path):
     from lightning_troll.data.datamodule import PromptDataModule
     from lightning_troll.models.lora import LoraConfig
     from lightning_troll.models.snapshots import SnapshotConfig
+    from lightning_troll.objectives.options import TrustRegionConfig
     from lightning_troll.rollouts.rollout import SamplingConfig
     from lightning_troll.training.module import OptimizationConfig, TrollModule
 
@@ -139,6 +140,10 @@ def build(args, out: Path):
         objective=args.objective,
         estimator=args.estimator,
         group_size=4,
+        # mass_delta 0: the support is TinyMath's whole vocabulary (17 < max_tokens), fixed. A
+        # support cut by mass would end at a token near 1e-6, and float32 rounding of another
+        # reduction order could move it across the cut (a discrete change of the projection).
+        trust_region=TrustRegionConfig(mass_delta=0.0),
         sampling=SamplingConfig(max_new_tokens=4),
         rewards={"tests.reward_helpers:length_reward": 1.0},
         optimization=OptimizationConfig(
