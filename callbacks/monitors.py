@@ -171,8 +171,8 @@ class TrustRegionMonitor(Callback):
             self._log_troll(trainer, pl_module, stats)
         elif isinstance(stats[0], ClipStats):
             self._log_clip(pl_module, stats)
-        if self.kl_end and pl_module.last_minibatch is not None:
-            lumped, sampled = pl_module.kl_to_behaviour(pl_module.last_minibatch)
+        if self.kl_end and pl_module.minibatch_loop.last_minibatch is not None:
+            lumped, sampled = pl_module.kl_to_behaviour(pl_module.minibatch_loop.last_minibatch)
             values = self.end.compute(
                 {
                     "trust_region/kl_end_mean": lumped,

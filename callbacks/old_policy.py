@@ -97,11 +97,12 @@ class OldPolicyRefresh(Callback):
                 "snapshot the policy itself; use every_n_rollouts=1 or model.snapshot.mode='copy'"
             )
         if self.max_staleness:
+            policies = getattr(pl_module, "policies", None)
             check_refresh(
                 self.every_n_rollouts,
                 self.max_staleness,
-                getattr(pl_module, "snapshot_config", None),
-                getattr(pl_module, "lora", None),
+                getattr(policies, "snapshot_config", None),
+                getattr(policies, "lora", None),
             )
             if not isinstance(snapshot, CopySnapshot):  # a snapshot built apart from its options
                 raise ValueError(

@@ -162,7 +162,7 @@ def anatomy(module, optimizer, scheduler, rollout, steps: int, seed: int) -> lis
     """Per minibatch position: KL at ``arrive``, ``own`` and ``end`` (summaries), with the
     sampled tokens' ratios pi / pi_old."""
     clip_norm = module.minibatch_loop.config.gradient_clip_norm
-    eps = module.support_rule.eps
+    eps = module.old_rows.rule.eps
     low, high = clip_range(module)
     size = rollout.num_sequences // steps
     minibatches = rollout.minibatches(size, torch.Generator().manual_seed(seed))
@@ -171,7 +171,7 @@ def anatomy(module, optimizer, scheduler, rollout, steps: int, seed: int) -> lis
         return drift_from_behaviour(
             module.policy,
             minibatch,
-            module.support_rule,
+            module.old_rows.rule,
             module.logits_chunk_size,
             module.share_prompts,
         )
@@ -226,7 +226,7 @@ def run(args: argparse.Namespace) -> dict:
             entry["objectives"][name] = anatomy(
                 module, optimizer, scheduler, rollout, args.steps, seed
             )
-            results["eps"] = module.support_rule.eps
+            results["eps"] = module.old_rows.rule.eps
             del module, optimizer, scheduler
         results["repeats"].append(entry)
         print(

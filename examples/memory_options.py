@@ -77,9 +77,9 @@ def optimiser_bytes(module: TrollModule, factory) -> int:
 def rollout_for(module: TrollModule, sequences: tuple) -> Rollout:
     """The completions scored by ``module``'s snapshot, as the first minibatch sees them."""
     input_ids, attention_mask, response_mask, truncated = sequences
-    with module.behaviour_policy() as snapshot:
+    with module.policies.behaviour() as snapshot:
         old_logprobs, old = behaviour_outputs(
-            snapshot, input_ids, attention_mask, response_mask, 1.0, module.sparsify_old
+            snapshot, input_ids, attention_mask, response_mask, 1.0, module.old_rows.sparsify
         )
     rewards = torch.arange(len(input_ids), dtype=torch.float32) % 3  # (B,) any spread will do
     return Rollout(
@@ -89,7 +89,7 @@ def rollout_for(module: TrollModule, sequences: tuple) -> Rollout:
         old_logprobs=old_logprobs,
         old=old,
         rewards=rewards,
-        advantages=module.compute_advantages(rewards),
+        advantages=module.global_batch.advantages(rewards),
         truncated=truncated,
         temperature=1.0,
         group_size=GROUP,

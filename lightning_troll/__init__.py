@@ -4,7 +4,8 @@ The package is cut by layer; a layer imports only the layers below it (``docs/ar
 
     cli            the lightning-troll command and export
     training       TrollModule, the minibatch loop, validation, checkpoints, resume
-    rollouts       sampling, behaviour log-probs, teacher-forced passes, drift
+    rollouts       sampling, behaviour log-probs, teacher-forced passes, drift, episodes
+    environments   tools, the environment protocol, multi-turn conversations rendered
     rewards        the reward registry, scorer and built-in rewards
     data           the prompt DataModule, row sources, prompt records
     models         loading, the demo policies, snapshots, LoRA, quantisation, sharding

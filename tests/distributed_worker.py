@@ -239,8 +239,8 @@ def greedy(module) -> torch.Tensor:
     prompts = [module.tokenizer.encode(p) for p in ("12+34=", "7-9=", "50+50=")]
     with gathered(module.policy):
         ids, *_ = sample(
-            module.policy, prompts, 1, SamplingConfig(max_new_tokens=6), module.pad_id,
-            module.eos_id, do_sample=False,
+            module.policy, prompts, 1, SamplingConfig(max_new_tokens=6), module.policies.pad_id,
+            module.policies.eos_id, do_sample=False,
         )  # fmt: skip
     return ids.cpu()
 

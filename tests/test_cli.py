@@ -15,7 +15,7 @@ from lightning_troll.cli.command import quarter_means, shows_help
 from lightning_troll.cli.command import run as cli_run
 from lightning_troll.objectives import ClipObjective, TrollObjective
 from lightning_troll.rewards.registry import RewardError
-from lightning_troll.training import module as module_file
+from lightning_troll.training import policies as policies_file
 from lightning_troll.training.module import TrollModule
 
 pytestmark = pytest.mark.slow  # whole fits: seconds each
@@ -152,11 +152,11 @@ def test_tinymath_and_presets_run_one_step(preset, tmp_path, monkeypatch, tiny_m
     assert isinstance(module.objective, TrollObjective)
     if preset:
         expected = yaml.safe_load((ROOT / "configs" / preset).read_text())["model"]
-        assert module.estimator == expected["estimator"]
+        assert module.global_batch.estimator == expected["estimator"]
         assert module.objective.importance == expected["loss"]["importance"]
         assert module.objective.aggregation == expected["loss"]["aggregation"]
         assert module.dynamic_sampling == expected.get("dynamic_sampling", False)
-        assert module.scale_rewards == expected.get("scale_rewards")
+        assert module.global_batch.scale_rewards == expected.get("scale_rewards")
     assert (tmp_path / LOGS / "config.yaml").exists()
 
 
@@ -505,9 +505,9 @@ def test_bad_input_prints_one_line_and_exits_2(
     monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
     base = ["fit", "--config", str(ROOT / "configs" / "tinymath.yaml"), *one_step(tiny_model_dir)]
     loaded = []
-    real_load = module_file.load_policy
+    real_load = policies_file.load_policy
     monkeypatch.setattr(
-        module_file, "load_policy", lambda *a, **k: loaded.append(a) or real_load(*a, **k)
+        policies_file, "load_policy", lambda *a, **k: loaded.append(a) or real_load(*a, **k)
     )
     status, err = main_exit(base + args, tmp_path, monkeypatch, capsys)
     assert status == 2

@@ -85,7 +85,7 @@ def located() -> list[tuple[str, str, str]]:
 
 
 def test_located_methods_are_found():
-    assert ("architecture.md", "training/policies.py", "loss_of") in located()
+    assert ("architecture.md", "training/module.py", "loss_of") in located()
 
 
 @pytest.mark.parametrize(("doc", "path", "method"), located())

@@ -145,7 +145,7 @@ def test_dynamic_sampling_keeps_only_informative_groups(tiny_model_dir):
     for i, (r, g) in enumerate(first):
         sampled = report.rounds[r]
         rows = slice(g * 4, g * 4 + 4)
-        assert module.decode(rollout.tokens[i * 4 : i * 4 + 4], rollout.response_mask[i * 4 : i * 4 + 4]) == sampled.completions[rows]  # fmt: skip
+        assert module.policies.decode(rollout.tokens[i * 4 : i * 4 + 4], rollout.response_mask[i * 4 : i * 4 + 4]) == sampled.completions[rows]  # fmt: skip
         torch.testing.assert_close(rollout.rewards[i * 4 : i * 4 + 4], sampled.rewards[rows])
 
 
@@ -203,7 +203,7 @@ def test_per_reward_means_are_those_of_the_sampled_completions(tmp_path, tiny_mo
     rollout = recorder.rollouts[0]
     lengths = rollout.response_mask.sum(-1)
     budget = (lengths >= 4).float()
-    texts = module.decode(rollout.tokens, rollout.response_mask)
+    texts = module.policies.decode(rollout.tokens, rollout.response_mask)
     chars = torch.tensor([float(len(t)) for t in texts])
     row = logged(tmp_path / "run" / "version_0")[0]
     assert row["reward/tests.reward_helpers_used_the_budget/mean"] == pytest.approx(

@@ -112,11 +112,12 @@ def test_a_users_engine_samples_every_rollout_and_takes_weights_after_each_refre
 
 def test_module_refuses_an_unknown_engine_before_the_model_loads(monkeypatch):
     import lightning_troll.training.module as module_file
+    import lightning_troll.training.policies as policies_file
 
     def no_loading(*args, **kwargs):
         raise AssertionError("the model loaded before the engine was checked")
 
-    monkeypatch.setattr(module_file, "load_policy", no_loading)
+    monkeypatch.setattr(policies_file, "load_policy", no_loading)
     with pytest.raises(ValueError, match="model.rollout_engine must be one of"):
         module_file.TrollModule(model="tinymath", rollout_engine="sglang")
 
@@ -292,19 +293,15 @@ def test_importance_weights_need_an_engine_that_samples_apart(tiny_model_dir):
 def test_an_engine_for_one_process_is_refused_in_a_run_of_several():
     """A user's engine that cannot share a run with other processes is refused at setup, before
     any rollout; the built-in engines both serve DDP and FSDP2."""
-    from types import SimpleNamespace
 
     from lightning_troll.rollouts.vllm_engine import VLLMEngine
-    from lightning_troll.training.rollout_hooks import RolloutHooks
+    from lightning_troll.training.rollout_parts import check_engine_processes
 
     class OneProcess(CountingEngine):
         several_processes = False
 
     assert HFEngine.several_processes and VLLMEngine.several_processes
     engine = OneProcess.__new__(OneProcess)
-    module = SimpleNamespace(engine=engine, _trainer=SimpleNamespace(world_size=2))
-    module.trainer = module._trainer
     with pytest.raises(ValueError, match=r"runs in a single process; this run has 2"):
-        RolloutHooks.check_engine_processes(module)
-    module._trainer.world_size = 1
-    RolloutHooks.check_engine_processes(module)  # one process: accepted
+        check_engine_processes(engine, 2)
+    check_engine_processes(engine, 1)  # one process: accepted

@@ -278,7 +278,14 @@ def test_nan_weights_stop_sampling_with_a_floating_point_error(tiny_model_dir):
     with pytest.raises(
         FloatingPointError, match=r"weight 'model.norm.weight' holds NaN or inf at 1"
     ):
-        sample(module.old_policy, [[1, 5, 6]], 2, module.sampling, module.pad_id, module.eos_id)
+        sample(
+            module.old_policy,
+            [[1, 5, 6]],
+            2,
+            module.sampling,
+            module.policies.pad_id,
+            module.policies.eos_id,
+        )
 
 
 def test_the_global_random_states_come_back_per_rank(tiny_model_dir):

@@ -63,6 +63,7 @@ def test_wheel_installs_into_a_fresh_venv(tmp_path):
         "models",
         "data",
         "rewards",
+        "environments",
         "rollouts",
         "training",
         "cli",

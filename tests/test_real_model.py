@@ -128,23 +128,23 @@ def test_generation_stops_at_a_generation_config_eos(tiny_model_dir):
     module = TrollModule(model=str(tiny_model_dir), sampling=SamplingConfig(max_new_tokens=6))
     prompts = [[1, 5, 6]] * 3
     free, _, free_mask, _ = sample(
-        module.policy, prompts, 4, module.sampling, module.pad_id, module.stop_ids
+        module.policy, prompts, 4, module.sampling, module.policies.pad_id, module.policies.stop_ids
     )
     tokens = free[:, -free_mask.shape[1] :][free_mask]
     turn_end = int(torch.bincount(tokens).argmax())  # a token the model does sample
-    module.policy.generation_config.eos_token_id = [module.eos_id, turn_end]
-    module.stop_ids = stop_token_ids(module.tokenizer, module.policy)
-    assert module.stop_ids == (module.eos_id, turn_end)
+    module.policy.generation_config.eos_token_id = [module.policies.eos_id, turn_end]
+    module.policies.stop_ids = stop_token_ids(module.tokenizer, module.policy)
+    assert module.policies.stop_ids == (module.policies.eos_id, turn_end)
     torch.manual_seed(0)
     ids, _, mask, truncated = sample(
-        module.policy, prompts, 4, module.sampling, module.pad_id, module.stop_ids
+        module.policy, prompts, 4, module.sampling, module.policies.pad_id, module.policies.stop_ids
     )
     responses = ids[:, -mask.shape[1] :]
-    ended = torch.isin(responses, torch.tensor(module.stop_ids)) & mask
+    ended = torch.isin(responses, torch.tensor(module.policies.stop_ids)) & mask
     assert (ended.sum(-1) == (~truncated).long()).all()  # one stop token per finished row
     assert bool((~truncated).any())
     turn_end_text = module.tokenizer.decode([turn_end])  # one character of TinyMath's
-    assert all(turn_end_text not in text for text in module.decode(responses, mask))
+    assert all(turn_end_text not in text for text in module.policies.decode(responses, mask))
 
 
 def test_samples_table_keeps_chat_prompts_on_one_row():

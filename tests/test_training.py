@@ -180,7 +180,7 @@ def test_keep_sampled_token_reaches_the_projection_and_the_cached_rows(tiny_mode
         )
         module = make_module(tiny_model_dir, trust_region=region)
         assert module.objective.projection.keep_token is keep
-        old = module.sparsify_old(logits, torch.tensor([9]))
+        old = module.old_rows.sparsify(logits, torch.tensor([9]))
         assert sorted(old.indices[0].tolist()) == ([0, 1, 9] if keep else [0, 1])
     assert TrustRegionConfig().keep_sampled_token is True
 
@@ -192,12 +192,14 @@ def test_scale_rewards_reaches_the_advantages(tiny_model_dir):
     rewards = torch.tensor([0.0, 1.0, 1.0, 1.0], dtype=torch.float64)
     module = make_module(tiny_model_dir, group_size=2, scale_rewards="none")
     torch.testing.assert_close(
-        module.compute_advantages(rewards),
+        module.global_batch.advantages(rewards),
         torch.tensor([-0.5, 0.5, 0.0, 0.0], dtype=torch.float64), rtol=0, atol=0,
     )  # fmt: skip
-    module.scale_rewards = "batch"
+    module.global_batch.scale_rewards = "batch"
     expected = torch.tensor([-0.5, 0.5, 0.0, 0.0], dtype=torch.float64) / (0.5 + 1e-6)
-    torch.testing.assert_close(module.compute_advantages(rewards), expected, rtol=0, atol=1e-12)
+    torch.testing.assert_close(
+        module.global_batch.advantages(rewards), expected, rtol=0, atol=1e-12
+    )
 
 
 def test_old_policy_refresh_every_n_rollouts(tmp_path, tiny_model_dir):
@@ -312,7 +314,7 @@ def test_kl_end_is_the_last_weights_against_the_behaviour_policy(
     torch.manual_seed(0)
     trainer.fit(module, datamodule=make_data(tiny_model_dir))
     assert len(recorder.stats) == 1 and len(recorder.stats[0]) == 2
-    last = module.last_minibatch
+    last = module.minibatch_loop.last_minibatch
     assert last is not None and last.num_sequences == 8 and last.old is not None
     mask = last.response_mask
     tokens = last.tokens[mask]
@@ -367,7 +369,7 @@ def test_drift_from_behaviour_gives_the_sampled_tokens_log_ratios(tiny_model_dir
         for p in module.policy.parameters():
             p.add_(0.05 * torch.randn_like(p))
     lumped, log_ratio = drift_from_behaviour(
-        module.policy, rollout, module.support_rule, module.logits_chunk_size
+        module.policy, rollout, module.old_rows.rule, module.logits_chunk_size
     )
     mask = rollout.response_mask
     with torch.no_grad():
@@ -442,7 +444,7 @@ def test_dropped_rewards_leave_the_loss(tmp_path, tiny_model_dir):
     for rollout in recorder.rollouts:
         kept = rollout.response_mask.any(-1)
         dropped += int((~kept).sum())
-        texts = module.decode(rollout.tokens[kept], rollout.response_mask[kept])
+        texts = module.policies.decode(rollout.tokens[kept], rollout.response_mask[kept])
         assert all(len(t) % 2 == 1 for t in texts), "even-length completions left the loss"
         assert torch.isfinite(rollout.advantages).all()
         # a dropped completion takes the mean reward of its group's valid ones (all 1.0 here)
@@ -497,12 +499,14 @@ def test_nan_in_the_snapshot_stops_before_caching(tmp_path, tiny_model_dir):
     ids = torch.tensor([[1, 5, 6, 2], [1, 7, 8, 2]])
     mask = torch.ones_like(ids)
     response = torch.tensor([[True, True], [True, False]])
-    logp, old = behaviour_outputs(module.old_policy, ids, mask, response, 1.0, module.sparsify_old)
+    logp, old = behaviour_outputs(
+        module.old_policy, ids, mask, response, 1.0, module.old_rows.sparsify
+    )
     assert torch.isfinite(logp).all() and old.num_rows == 3
     with torch.no_grad():
         module.old_policy.lm_head.weight[0, 0] = float("nan")
     with pytest.raises(FloatingPointError, match=r"NaN or \+inf .* at 3 response tokens"):
-        behaviour_outputs(module.old_policy, ids, mask, response, 1.0, module.sparsify_old)
+        behaviour_outputs(module.old_policy, ids, mask, response, 1.0, module.old_rows.sparsify)
 
 
 def test_gradient_checkpointing_gives_the_same_step(tmp_path, tiny_model_dir):

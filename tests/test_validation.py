@@ -59,7 +59,12 @@ def test_pass_at_k_samples_beside_the_greedy_answers(tiny_model_dir):
     assert batch.samples == 4 and len(batch.prompts) == 8
     torch.manual_seed(seeded_generator(0, "validation-0").initial_seed())
     _, _, response_mask, _ = sample(
-        module.policy, batch.prompt_ids, 4, module.sampling, module.pad_id, module.eos_id
+        module.policy,
+        batch.prompt_ids,
+        4,
+        module.sampling,
+        module.policies.pad_id,
+        module.policies.eos_id,
     )
     right = (response_mask.sum(-1) >= 4).view(8, 4)
     assert 0 < right.float().mean() < 1, "the case must mix right and wrong answers"

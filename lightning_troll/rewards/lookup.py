@@ -1,7 +1,8 @@
 """Where a reward named by import path is found: the working directory, then beside the configs.
 
-A reward ``"my_reward:score"`` in ``model.rewards`` names the module ``my_reward``. It is looked
-for, in this order:
+A reward ``"my_reward:score"`` in ``model.rewards`` names the module ``my_reward``; a tool in
+``model.episodes.tools`` and an environment in ``model.episodes.environment`` are named and found the same way
+(:func:`load_by_import_path`). The module is looked for, in this order:
 
 1. in the working directory (``my_reward.py``, or a folder ``my_reward/``);
 2. beside each ``--config`` file, in the order the files were given (the ``lightning-troll``
@@ -26,7 +27,14 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-__all__ = ["config_folders", "find_attribute", "import_reward_module", "search_folders"]
+__all__ = [
+    "config_folders",
+    "find_attribute",
+    "import_reward_module",
+    "load_by_import_path",
+    "search_folders",
+    "split_import_path",
+]
 
 _FOUND: dict[str, Path] = {}
 """Top-level module name -> the folder a lookup found it in (and put on ``sys.path``)."""
@@ -77,10 +85,13 @@ def _forget(top: str) -> None:
         del sys.modules[name]
 
 
-def import_reward_module(module_name: str, spec: str) -> tuple[ModuleType, str]:
+def import_reward_module(
+    module_name: str, spec: str, option: str = "model.rewards"
+) -> tuple[ModuleType, str]:
     """The module ``module_name`` of the reward ``spec``, and where it came from (for messages).
 
-    Raises ``ValueError`` in one line naming what was looked for and where."""
+    Raises ``ValueError`` in one line naming the option (``model.rewards``, or another that names
+    functions by import path), what was looked for and where."""
     top = module_name.partition(".")[0]
     folders = search_folders()
     for folder, _ in folders:
@@ -97,7 +108,7 @@ def import_reward_module(module_name: str, spec: str) -> tuple[ModuleType, str]:
         sys.path.insert(0, str(folder))  # first: this folder's module, not another's
         importlib.invalidate_caches()
         _FOUND[top] = folder
-        module = _import(module_name, spec, str(place))
+        module = _import(module_name, spec, str(place), option)
         return module, getattr(module, "__file__", None) or str(place)
     earlier = _FOUND.pop(top, None)
     if earlier is not None and str(earlier) in _ADDED:
@@ -114,34 +125,38 @@ def import_reward_module(module_name: str, spec: str) -> tuple[ModuleType, str]:
     except ModuleNotFoundError as exc:
         if exc.name and (module_name + ".").startswith(exc.name + "."):
             places = " or ".join(name for _, name in folders)
+            otherwise = ", or name a built-in reward" if option == "model.rewards" else ""
             raise ValueError(
-                f"model.rewards: {spec!r}: no module {top!r} in {places} (and not importable); "
-                f"put {top}.py with the function in one of these folders, or name a built-in reward"
+                f"{option}: {spec!r}: no module {top!r} in {places} (and not importable); "
+                f"put {top}.py with the function in one of these folders{otherwise}"
             ) from None
-        raise _failed(spec, module_name, exc) from exc
+        raise _failed(spec, module_name, exc, option) from exc
     except Exception as exc:  # the user's module itself failed to import
-        raise _failed(spec, module_name, exc) from exc
+        raise _failed(spec, module_name, exc, option) from exc
 
 
-def _import(module_name: str, spec: str, place: str) -> ModuleType:
+def _import(module_name: str, spec: str, place: str, option: str) -> ModuleType:
     try:
         return importlib.import_module(module_name)
     except Exception as exc:  # a syntax error, a missing dependency, anything the module raises
-        raise _failed(spec, place, exc) from exc
+        raise _failed(spec, place, exc, option) from exc
 
 
-def _failed(spec: str, place: str, exc: BaseException) -> ValueError:
+def _failed(spec: str, place: str, exc: BaseException, option: str) -> ValueError:
     where = ""
     if isinstance(exc, SyntaxError) and exc.lineno:
         where = f" ({exc.filename}, line {exc.lineno})"
     message = " ".join(str(exc).split())
     return ValueError(
-        f"model.rewards: {spec!r}: importing {place} failed: {type(exc).__name__}: {message}{where}"
+        f"{option}: {spec!r}: importing {place} failed: {type(exc).__name__}: {message}{where}"
     )
 
 
-def find_attribute(module: ModuleType, attr_path: str, spec: str, place: str) -> Any:
-    """``module.<attr_path>`` (dotted), or ``ValueError`` naming what the module does define."""
+def find_attribute(
+    module: ModuleType, attr_path: str, spec: str, place: str, option: str = "model.rewards"
+) -> Any:
+    """``module.<attr_path>`` (dotted), or ``ValueError`` naming ``option`` and what the module
+    does define."""
     obj: Any = module
     for part in attr_path.split("."):
         if hasattr(obj, part):
@@ -158,7 +173,31 @@ def find_attribute(module: ModuleType, attr_path: str, spec: str, place: str) ->
         close = difflib.get_close_matches(part, names, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         defined = f" (it defines {', '.join(sorted(names)[:8])})" if names else ""
-        raise ValueError(
-            f"model.rewards: {spec!r}: {place} has no function {part!r}{hint}{defined}"
-        )
+        raise ValueError(f"{option}: {spec!r}: {place} has no function {part!r}{hint}{defined}")
     return obj
+
+
+def split_import_path(spec: str) -> tuple[str, str] | None:
+    """``(module, attribute path)`` of ``"package.module:function"`` (the part after ``:`` may be
+    dotted, ``"module:Class.method"``) or ``"package.module.function"``; None for a bare name."""
+    if ":" in spec:
+        module_name, _, attr_path = spec.partition(":")
+    elif "." in spec:
+        module_name, _, attr_path = spec.rpartition(".")
+    else:
+        return None
+    return module_name, attr_path
+
+
+def load_by_import_path(spec: str, option: str) -> Any:
+    """What the import path ``spec`` names, its module found as a reward's is (the working
+    directory, then beside each config, then anything importable); ``ValueError`` naming
+    ``option`` for a bare name, a module not found or an attribute it lacks."""
+    parts = split_import_path(spec) if isinstance(spec, str) else None
+    if parts is None:
+        raise ValueError(
+            f"{option}: {spec!r} is not an import path; give 'module:name' (module.py in the "
+            "working directory or beside the config) or 'package.module.name'"
+        )
+    module, place = import_reward_module(parts[0], spec, option)
+    return find_attribute(module, parts[1], spec, place, option)

@@ -52,7 +52,7 @@ from lightning_troll.rewards.functions import (
     math_verify,
     tinymath,
 )
-from lightning_troll.rewards.lookup import find_attribute, import_reward_module
+from lightning_troll.rewards.lookup import find_attribute, import_reward_module, split_import_path
 from lightning_troll.rewards.options import (
     bind_kwargs,
     call_arguments,
@@ -130,17 +130,15 @@ def resolve_reward(spec: str | Callable[..., Any]) -> RewardFunction:
         )
     if spec in REWARD_FUNCTIONS:
         return REWARD_FUNCTIONS[spec]
-    if ":" in spec:
-        module_name, _, attr_path = spec.partition(":")
-    elif "." in spec:
-        module_name, _, attr_path = spec.rpartition(".")
-    else:
+    parts = split_import_path(spec)
+    if parts is None:
         raise ValueError(
             f"model.rewards: unknown reward {spec!r}; registered rewards are "
             f"{sorted(REWARD_FUNCTIONS)}, or give an import path 'module:function' of a function "
             "fn(prompt, completion, row) -> float (module.py in the working directory or beside "
             "the config)"
         )
+    module_name, attr_path = parts
     # the working directory first, then beside the configs, then anything importable (lookup.py)
     module, place = import_reward_module(module_name, spec)
     obj = find_attribute(module, attr_path, spec, place)

@@ -2,7 +2,10 @@
 ``model.reward_timeout``).
 
 :class:`RewardWorkers` keeps ``count`` processes; the calls of one scoring go to whichever is free,
-one call at a time each, so a rollout's rewards are scored in parallel. A call past its timeout is
+one call at a time each, so a rollout's rewards are scored in parallel. It is a
+:class:`WorkerPool` whose workers run :func:`~lightning_troll.rewards.calls.call_one`; a pool of
+another kind of call (the tools of :mod:`lightning_troll.environments.tool_workers`) names its own
+``runner``, a function at a module's top level, and its own options. A call past its timeout is
 abandoned: its worker cannot be interrupted from outside (the function may be in C code, or
 asleep), so it is killed and a fresh one started in its place. A worker that dies on its own (a
 segfault, the OOM killer, ``os._exit``) fails the call it held and is replaced too; the trainer
@@ -35,7 +38,7 @@ from typing import Any
 
 from lightning_troll.rewards.calls import Outcome, call_one
 
-__all__ = ["RewardWorkers", "check_picklable"]
+__all__ = ["RewardWorkers", "WorkerPool", "check_picklable"]
 
 _START_LIMIT = 300.0
 _START_DEATHS = 3
@@ -44,15 +47,19 @@ pool gives up (one killed by the OOM killer is replaced; a worker that cannot st
 """Seconds a new worker may take to start before scoring gives up (a broken environment)."""
 
 
-def check_picklable(name: str, fn: Callable[..., Any]) -> bytes:
-    """``fn`` pickled, or a ValueError that says why it cannot run in a worker process."""
+def check_picklable(
+    name: str, fn: Callable[..., Any], noun: str = "reward", option: str = "reward_workers"
+) -> bytes:
+    """``fn`` pickled, or a ValueError that says why it cannot run in a worker process (a
+    ``noun`` run in workers when ``model.<option>`` > 0)."""
     try:
         return pickle.dumps(fn)
     except Exception as exc:  # PicklingError, AttributeError, TypeError: all say "cannot"
+        verb = "score" if noun == "reward" else "run"
         raise ValueError(
-            f"reward {name!r} cannot run in a worker process (model.reward_workers > 0): it does "
+            f"{noun} {name!r} cannot run in a worker process (model.{option} > 0): it does "
             f"not pickle ({type(exc).__name__}: {exc}); define it at a module's top level and "
-            "name it by import path, or score in-process with model.reward_workers 0"
+            f"name it by import path, or {verb} in-process with model.{option} 0"
         ) from None
 
 
@@ -65,23 +72,24 @@ def _exit_with(alive: Connection) -> None:  # pragma: no cover - runs in the wor
 
 
 def _serve(conn: Connection, alive: Connection) -> None:  # pragma: no cover - worker process
-    """A worker's loop: load functions as they come, call them, send back ``(value, problem)``;
-    a thread ends the worker when the trainer is gone (:func:`_exit_with`)."""
+    """A worker's loop: load functions as they come, call each through the runner sent with it,
+    send back ``(value, problem, kind)``; a thread ends the worker when the trainer is gone
+    (:func:`_exit_with`)."""
     threading.Thread(target=_exit_with, args=(alive,), daemon=True).start()
     functions: dict[str, Any] = {}
     conn.send(("ready",))
     while True:
         try:
-            key, payload, prompt, completion, row, extra = conn.recv()
+            key, payload, runner, arguments = conn.recv()
         except (EOFError, OSError):
             return
         try:
             if payload is not None:
                 functions[key] = pickle.loads(payload)
-            outcome = call_one(functions[key], prompt, completion, row, extra)
+            outcome = runner(functions[key], *arguments)
         except Exception as exc:  # the function did not unpickle here
-            outcome = Outcome(0.0, f"cannot be loaded in a worker: {type(exc).__name__}: {exc}")
-        conn.send((outcome.value, outcome.problem))
+            outcome = (None, f"cannot be loaded in a worker: {type(exc).__name__}: {exc}", None)
+        conn.send(tuple(outcome)[:3])  # (value, problem, kind) of the runner's record
 
 
 class _Worker:
@@ -122,21 +130,38 @@ def _stop_all(workers: list[_Worker]) -> None:
 
 
 Call = tuple[str, bytes, Callable[..., Any], str, str, Mapping[str, Any], dict]
-"""(key, pickled function, function, prompt, completion, row, keyword arguments)."""
+"""A reward call: (key, pickled function, function, prompt, completion, row, keyword arguments).
+A :class:`WorkerPool` call in general is (key, pickled function, function, *arguments)."""
 
 
-class RewardWorkers:
-    """``count`` worker processes that run reward calls, each abandoned after ``timeout`` seconds.
+class WorkerPool:
+    """``count`` worker processes that run calls ``runner(function, *arguments)``, each abandoned
+    after ``timeout`` seconds; a subclass names its ``runner`` and the options it answers to.
 
     Started on the first :meth:`run`; stopped by :meth:`close`, when the pool is collected, or at
     exit. A pool pickles (and deep-copies) as its settings: the copy starts its own processes.
     """
 
+    runner: Callable[..., Any] = staticmethod(call_one)
+    """What a worker runs: ``runner(function, *arguments)`` returns a record whose first three
+    fields are ``(value, problem, kind)`` (an :class:`Outcome`); a function at a module's top
+    level, as it travels to the workers by reference."""
+    noun = "reward"
+    """What a call is, in messages (``"a reward worker process did not start"``)."""
+    workers_option = "reward_workers"
+    """The option that sets ``count``, in messages."""
+    timeout_option = "reward_timeout"
+    """The option that sets ``timeout``, in messages."""
+    outcome: Callable[..., Any] = Outcome
+    """The record of what a call gave: ``outcome(value, problem, kind)``."""
+    failed_value: Any = 0.0
+    """The ``value`` of a call that failed (raised, timed out, lost its worker)."""
+
     def __init__(self, count: int, timeout: float | None = None) -> None:
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-            raise ValueError(f"reward_workers must be an integer >= 0; got {count!r}")
+            raise ValueError(f"{self.workers_option} must be an integer >= 0; got {count!r}")
         if timeout is not None and not timeout > 0:
-            raise ValueError(f"reward_timeout must be null or > 0 seconds; got {timeout!r}")
+            raise ValueError(f"{self.timeout_option} must be null or > 0 seconds; got {timeout!r}")
         self.count = count
         self.timeout = timeout
         self.restarts = 0
@@ -158,9 +183,18 @@ class RewardWorkers:
         """Stops every worker (a later :meth:`run` starts new ones)."""
         _stop_all(self._workers)
 
+    def _arguments(self, call: tuple) -> tuple:
+        """What follows the function in ``runner(function, *arguments)`` for ``call``."""
+        return tuple(call[3:])
+
+    def _failed(self, problem: str, kind: str, value: Any = None) -> Any:
+        """The record of a call that failed: ``problem`` and ``kind``, its value ``value`` or the
+        pool's ``failed_value``."""
+        return self.outcome(self.failed_value if value is None else value, problem, kind)
+
     def _context(self) -> Any:
         context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload([__name__])
+        context.set_forkserver_preload(list(dict.fromkeys([__name__, self.runner.__module__])))
         return context
 
     def _replace(self, worker: _Worker) -> None:
@@ -190,7 +224,7 @@ class RewardWorkers:
                 for worker in list(self._workers):
                     if worker.task is not None:
                         self._replace(worker)
-                return [o if o is not None else Outcome(0.0, "was not scored", "skipped")
+                return [o if o is not None else self._failed("was not scored", "skipped")
                         for o in outcomes]  # fmt: skip
             for worker in list(self._workers):
                 if worker.ready and worker.task is None and pending:
@@ -199,15 +233,15 @@ class RewardWorkers:
                         pending.appendleft(index)
                         self._replace(worker)
             self._wait(outcomes)
-        return [o if o is not None else Outcome(0.0, "was not scored", "error") for o in outcomes]
+        return [o if o is not None else self._failed("was not scored", "error") for o in outcomes]
 
     def _send(self, worker: _Worker, index: int, calls: Sequence[Call]) -> bool:
         """Hands call ``index`` to ``worker``; False when its pipe is broken (it died)."""
-        key, payload, _, prompt, completion, row, extra = calls[index]
+        key, payload = calls[index][:2]
         first = key not in worker.known
         try:
             worker.conn.send(
-                (key, payload if first else None, prompt, completion, dict(row), extra)
+                (key, payload if first else None, self.runner, self._arguments(calls[index]))
             )
         except OSError:
             return False
@@ -237,13 +271,13 @@ class RewardWorkers:
         now = time.monotonic()
         for worker in list(self._workers):
             if worker.task is not None and now >= worker.deadline:
-                outcomes[worker.task] = Outcome(
-                    0.0, f"timed out after {self.timeout:g} s", "timeout"
+                outcomes[worker.task] = self._failed(
+                    f"timed out after {self.timeout:g} s", "timeout"
                 )
                 self._replace(worker)
             elif not worker.ready and now >= worker.born + _START_LIMIT:
                 raise RuntimeError(
-                    f"a reward worker process did not start in {_START_LIMIT:g} s (exit code "
+                    f"a {self.noun} worker process did not start in {_START_LIMIT:g} s (exit code "
                     f"{worker.process.exitcode})"
                 )
 
@@ -257,8 +291,11 @@ class RewardWorkers:
             worker.ready = True
             self._start_deaths = 0
         elif worker.task is not None:
-            value, problem = message
-            outcomes[worker.task] = Outcome(value, problem, None if problem is None else "error")
+            value, problem, kind = message
+            if problem is None:
+                outcomes[worker.task] = self.outcome(value, None, None)
+            else:
+                outcomes[worker.task] = self._failed(problem, kind or "error", value)
             worker.task, worker.deadline = None, float("inf")
         return True
 
@@ -271,14 +308,23 @@ class RewardWorkers:
             self._start_deaths += 1
             if self._start_deaths >= _START_DEATHS:
                 raise RuntimeError(
-                    f"{_START_DEATHS} reward worker processes in a row exited while starting "
+                    f"{_START_DEATHS} {self.noun} worker processes in a row exited while starting "
                     f"(the last with exit code {worker.process.exitcode}); run with "
-                    "model.reward_workers 0 to see why"
+                    f"model.{self.workers_option} 0 to see why"
                 )
         if worker.task is not None:
             code = worker.process.exitcode
-            outcomes[worker.task] = Outcome(
-                0.0, f"killed its worker process (exit code {code}); the worker was restarted",
-                "error",
-            )  # fmt: skip
+            outcomes[worker.task] = self._failed(
+                f"killed its worker process (exit code {code}); the worker was restarted", "error"
+            )
         self._replace(worker)
+
+
+class RewardWorkers(WorkerPool):
+    """``count`` worker processes that run reward calls, each abandoned after ``timeout`` seconds
+    (``model.reward_workers``, ``model.reward_timeout``); see :class:`WorkerPool`."""
+
+    def _arguments(self, call: tuple) -> tuple:
+        """``(prompt, completion, row, keyword arguments)`` of a reward :data:`Call`."""
+        _, _, _, prompt, completion, row, extra = call
+        return (prompt, completion, dict(row), extra)

@@ -12,6 +12,8 @@ dynamic sampling, and how far the policy drifts from the behaviour policy.
   recorded while sampling (``model.behaviour_logprobs``);
 - :mod:`~lightning_troll.rollouts.forward`: teacher-forced passes (hidden states, logits, shared
   prompts);
+- :mod:`~lightning_troll.rollouts.episodes`: multi-turn episodes at token level (the model's
+  turns, an environment's replies; :mod:`lightning_troll.environments`);
 - :mod:`~lightning_troll.rollouts.dynamic_sampling`, :mod:`~lightning_troll.rollouts.drift`,
   :mod:`~lightning_troll.rollouts.timing`: DAPO's dynamic sampling, the drift at a rollout's end,
   wall-clock readings.

@@ -5,7 +5,9 @@
 1. **sample** ``group_size`` completions per prompt through the rollout engine, from the
    behaviour policy's weights (recording its log-probs and sparse rows while sampling where it
    can), decode them and **score** them with the reward functions; a completion whose reward was
-   dropped takes its group's mean over the others;
+   dropped takes its group's mean over the others; with ``episodes``, multi-turn episodes
+   instead, the environment's tokens outside the response mask
+   (:mod:`lightning_troll.rollouts.multiturn`);
 2. **dynamic sampling** (when extra prompts are given): more rounds while any process has fewer
    informative groups than prompts, then the groups kept;
 3. the **loss mask**: dropped rewards and, with ``loss.mask_truncated``, truncated completions
@@ -42,8 +44,9 @@ from lightning_troll.rewards.registry import RewardOutput
 from lightning_troll.rollouts.behaviour import BehaviourRecorder, records_while_sampling
 from lightning_troll.rollouts.dynamic_sampling import choose_groups
 from lightning_troll.rollouts.engine import RolloutEngine
+from lightning_troll.rollouts.multiturn import EpisodeSampler, episode_figures
 from lightning_troll.rollouts.rollout import Rollout, SamplingConfig, behaviour_outputs
-from lightning_troll.rollouts.samples import RolloutReport, Samples
+from lightning_troll.rollouts.samples import RolloutReport, Samples, filled_rewards
 from lightning_troll.rollouts.timing import clock
 from lightning_troll.trust_region.sparse import SparseDistribution
 
@@ -98,6 +101,10 @@ class RolloutCollector:
     """The most extra rounds of dynamic sampling."""
     any_process: Callable[[bool], bool] = _this_process
     """Whether a flag holds on any process (every process calls it alike)."""
+    episodes: EpisodeSampler | None = None
+    """Multi-turn episodes (``model.episodes``) instead of single completions: the response
+    holds the model's turns and the environment's replies, the response mask the model's tokens
+    only (:mod:`lightning_troll.rollouts.multiturn`)."""
 
     @property
     def device(self) -> torch.device:
@@ -139,6 +146,8 @@ class RolloutCollector:
                 kept, response_mask, token_advantages, old_logprobs
             )
             engine.update(figures)
+        if kept.episodes is not None:
+            engine.update(episode_figures(kept.episodes))
         end = clock(self.device)
         rollout = Rollout(
             input_ids=kept.input_ids,
@@ -228,8 +237,10 @@ class RolloutCollector:
         return proximal, rows, per_token * weights, figures
 
     def sample(self, batch: PromptBatch) -> Samples:
-        """One round: G completions per prompt of ``batch`` from the rollout engine (the
-        behaviour policy's weights), decoded and scored."""
+        """One round: G completions (or episodes) per prompt of ``batch`` from the rollout engine
+        (the behaviour policy's weights), decoded and scored."""
+        if self.episodes is not None:
+            return self.episodes.round(self, batch)
         group, engine = self.group_size, self.engine
         recorder = None
         if engine.records_behaviour and records_while_sampling(
@@ -258,13 +269,13 @@ class RolloutCollector:
         completions = self.decode(input_ids[:, -length:], response_mask)
         prompts = [p for p in batch.prompts for _ in range(group)]
         rows = [r for r in batch.rows for _ in range(group)]
-        scored = self._score(prompts, completions, rows, response_mask, input_ids.device)
+        scored = self.score(prompts, completions, rows, response_mask, input_ids.device)
         return Samples(
             input_ids=input_ids,
             attention_mask=attention_mask,
             response_mask=response_mask,
             truncated=truncated,
-            rewards=_filled(scored, group),
+            rewards=filled_rewards(scored, group),
             scored=scored,
             completions=completions,
             prompts=prompts,
@@ -275,7 +286,7 @@ class RolloutCollector:
             engine_logprobs=generation.logprobs,
         )
 
-    def _score(
+    def score(
         self,
         prompts: list[str],
         completions: list[str],
@@ -294,14 +305,3 @@ class RolloutCollector:
             timeouts=scored.timeouts,
             errors=scored.errors,
         )
-
-
-def _filled(scored: RewardOutput, group: int) -> Tensor:
-    """(B,) float32 rewards; a dropped completion leaves the loss and, in its group, takes the
-    mean reward of the others, so it shifts no one's advantage."""
-    rewards = scored.total.to(torch.float32)
-    if bool(scored.valid.all()):
-        return rewards
-    grouped, ok = rewards.view(-1, group), scored.valid.view(-1, group)
-    mean = (grouped * ok).sum(-1) / ok.sum(-1).clamp_min(1)  # (P,)
-    return torch.where(scored.valid, rewards, mean.repeat_interleave(group))

@@ -21,7 +21,7 @@ from lightning_troll.rewards.registry import RewardOutput
 from lightning_troll.rollouts.behaviour import BehaviourRecord
 from lightning_troll.rollouts.dynamic_sampling import cat_sequences, group_rows
 
-__all__ = ["RolloutReport", "Samples"]
+__all__ = ["RolloutReport", "Samples", "filled_rewards"]
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,9 @@ class Samples:
     """Wall time of the generation that sampled this round (recording included)."""
     engine_logprobs: Tensor | None = None
     """(B, T) the rollout engine's own log-probs of the sampled tokens, where it reports them."""
+    episodes: list[Any] | None = None
+    """Multi-turn rollouts: each sequence's :class:`~lightning_troll.rollouts.episodes.Episode`
+    (its completion is the final answer; the response holds every turn and reply)."""
 
     @property
     def informative(self) -> Tensor:
@@ -75,6 +78,7 @@ class Samples:
             rows=[self.rows[i] for i in keep],
             behaviour=None if self.behaviour is None else self.behaviour.select(rows),
             engine_logprobs=None if self.engine_logprobs is None else self.engine_logprobs[rows],
+            episodes=None if self.episodes is None else [self.episodes[i] for i in keep],
         )
 
     @staticmethod
@@ -114,6 +118,7 @@ class Samples:
                 else BehaviourRecord.cat([p.behaviour for p in parts])
             ),
             engine_logprobs=engine_logprobs,
+            episodes=None if parts[0].episodes is None else [e for p in parts for e in p.episodes],
         )
 
 
@@ -142,3 +147,14 @@ class RolloutReport:
     def rewards(self) -> Tensor:
         """(all sampled,) total rewards of every completion sampled."""
         return torch.cat([s.rewards for s in self.rounds])
+
+
+def filled_rewards(scored: RewardOutput, group: int) -> Tensor:
+    """(B,) float32 rewards; a dropped completion leaves the loss and, in its group, takes the
+    mean reward of the others, so it shifts no one's advantage."""
+    rewards = scored.total.to(torch.float32)
+    if bool(scored.valid.all()):
+        return rewards
+    grouped, ok = rewards.view(-1, group), scored.valid.view(-1, group)
+    mean = (grouped * ok).sum(-1) / ok.sum(-1).clamp_min(1)  # (P,)
+    return torch.where(scored.valid, rewards, mean.repeat_interleave(group))

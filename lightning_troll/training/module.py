@@ -5,8 +5,11 @@ rollouts from the :class:`~lightning_troll.callbacks.RolloutGeneration` callback
 :class:`~lightning_troll.rollouts.rollout.Rollout` on ``module.rollout`` before every training step.
 Optimisation is manual: per rollout, ``epochs_per_rollout`` passes over shuffled minibatches,
 each minibatch one optimiser step, accumulated over micro-batches; the loop that does this is
-:class:`~lightning_troll.training.optimization.MinibatchLoop`. The checkpoint hooks (what a resumed run
-needs beyond the weights) are :class:`~lightning_troll.training.resume.ResumeHooks`. The option records
+:class:`~lightning_troll.training.optimization.MinibatchLoop`. The module owns its parts and calls them
+from Lightning's hooks: the policies (:class:`~lightning_troll.training.policies.Policies`), the rollout
+pipeline over them (``collector``), the old policy's sparse rows and the global batch
+(:mod:`~lightning_troll.training.rollout_parts`), and what a checkpoint keeps beyond the weights
+(:class:`~lightning_troll.training.resume.ResumeState`). The option records
 live beside the code they configure (``TrustRegionConfig``, ``ClipConfig`` and ``LossConfig`` in
 :mod:`~lightning_troll.objectives`, ``OptimizationConfig`` in
 :mod:`~lightning_troll.training.optimization`) and are importable from here too.
@@ -14,7 +17,6 @@ live beside the code they configure (``TrustRegionConfig``, ``ClipConfig`` and `
 
 from __future__ import annotations
 
-import os
 from dataclasses import asdict
 from typing import Any, Literal
 
@@ -22,13 +24,14 @@ import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
-from lightning_troll.models.loading import load_policy, load_tokenizer, stop_token_ids
-from lightning_troll.models.lora import LoraConfig, apply_lora
+from lightning_troll.environments.options import EpisodesConfig
+from lightning_troll.models.lora import LoraConfig
 from lightning_troll.models.sharding import (  # the two checks: importable from here too
     check_shardable,  # noqa: F401
-    check_strategy,  # noqa: F401
+    check_strategy,
+    data_parallel_mesh,
 )
-from lightning_troll.models.snapshots import Snapshot, SnapshotConfig, build_snapshot, frozen_copy
+from lightning_troll.models.snapshots import SnapshotConfig
 from lightning_troll.objectives import (
     ClipConfig,
     LossConfig,
@@ -39,20 +42,24 @@ from lightning_troll.objectives import (
 )
 from lightning_troll.objectives.chunking import DEFAULT_CHUNK_SIZE, check_chunk_size
 from lightning_troll.rewards.registry import RewardScorer
+from lightning_troll.rollouts.collector import RolloutCollector
+from lightning_troll.rollouts.drift import kl_to_behaviour
 from lightning_troll.rollouts.dynamic_sampling import check_dynamic_sampling
-from lightning_troll.rollouts.rollout import (
-    Rollout,
-    SamplingConfig,
-)
+from lightning_troll.rollouts.engine import EngineContext
+from lightning_troll.rollouts.multiturn import EpisodeSampler
+from lightning_troll.rollouts.rollout import Rollout, SamplingConfig
 from lightning_troll.rollouts.timing import clock
-from lightning_troll.training.optimization import MinibatchLoop, OptimizationConfig
-from lightning_troll.training.policies import PolicyHooks
-from lightning_troll.training.preflight import (
-    check_fit_data,
-    check_module_options,
+from lightning_troll.training.optimization import MinibatchLoop, OptimizationConfig, optimizers
+from lightning_troll.training.policies import Policies, policy_loss
+from lightning_troll.training.preflight import check_fit_data, check_module_options
+from lightning_troll.training.resume import ResumeState
+from lightning_troll.training.rollout_parts import (
+    GlobalBatch,
+    OldRows,
+    build_rollout_engine,
+    check_engine_processes,
+    world_size,
 )
-from lightning_troll.training.resume import ResumeHooks
-from lightning_troll.training.rollout_hooks import RolloutHooks
 from lightning_troll.training.validation import stopping_between_validations, validation_metrics
 
 __all__ = ["ClipConfig", "LossConfig", "OptimizationConfig", "TrollModule", "TrustRegionConfig"]
@@ -81,7 +88,23 @@ def _reward_scorer(rewards, on_error, kwargs, workers, timeout) -> RewardScorer:
         raise ValueError(f"{prefix}{error}") from None
 
 
-class TrollModule(ResumeHooks, RolloutHooks, PolicyHooks, LightningModule):
+def _objective(name, trust_region, clip, loss, sampling) -> PolicyObjective:
+    """The objective of ``model.objective`` from its records (the rollout applies the loss
+    options that are not the objective's)."""
+    shared = asdict(loss)
+    rollout_options = ("mask_truncated", "engine_is_cap", "engine_is_level", "engine_is_mode",
+                       "engine_is_floor", "anchor", "anchor_is_cap")  # fmt: skip
+    for option in rollout_options:
+        shared.pop(option)
+    shared["norm_length"] = loss.norm_length or sampling.max_new_tokens
+    specific = asdict({"troll": trust_region, "clip": clip}[name])
+    try:
+        return build_objective(name, **specific, **shared)
+    except ValueError as error:
+        raise ValueError(f"model: {error}") from None
+
+
+class TrollModule(LightningModule):
     """RL fine-tuning of a causal LM with TROLL (or clipping) from one switch.
 
     Args:
@@ -93,10 +116,8 @@ class TrollModule(ResumeHooks, RolloutHooks, PolicyHooks, LightningModule):
         clip: clipping's settings.
         loss: settings both objectives share.
         estimator: advantage estimator: grpo, dr_grpo, rloo, reinforce_pp, or a registered name.
-        scale_rewards: what the estimator's baseline-subtracted rewards are divided by (TRL's
-            names): ``group`` (the group's reward std + 1e-6), ``batch`` (the std of all rewards of
-            the rollout + 1e-6) or ``none`` (Dr.GRPO's choice); null keeps the estimator's own
-            (grpo: group, dr_grpo and rloo: none, reinforce_pp: its batch std).
+        scale_rewards: what baseline-subtracted rewards are divided by: ``group`` or ``batch``
+            (that reward std + 1e-6) or ``none``; null keeps the estimator's own.
         group_size: completions per prompt (G).
         sampling: how the snapshot samples (temperature, top_p, top_k, max_new_tokens).
         rewards: reward functions and their weights: built-in names (tinymath, gsm8k, boxed,
@@ -110,37 +131,24 @@ class TrollModule(ResumeHooks, RolloutHooks, PolicyHooks, LightningModule):
             policy, or reward names to policies (the rest raise).
         reward_workers: processes scoring a rollout's rewards in parallel; 0: in-process.
         reward_timeout: seconds per reward call in a worker, then abandoned; null: no limit.
-        dynamic_sampling: DAPO's dynamic sampling: prompt groups whose rewards have no spread
-            (no gradient under group-relative advantages) leave the rollout, and more prompts
-            (drawn from the training prompts) are sampled until it holds ``data.batch_size``
-            informative groups.
-        dynamic_sampling_max_rounds: the most extra rounds of sampling per rollout, >= 1; after
-            them the rollout is filled up with groups without spread (warned once).
+        dynamic_sampling: DAPO's: groups without reward spread leave the rollout, and more
+            prompts are sampled until it holds ``data.batch_size`` informative groups.
+        dynamic_sampling_max_rounds: the most extra rounds per rollout, >= 1 (then the rollout
+            is filled up with groups without spread, warned once).
         optimization: epochs per rollout, minibatches, accumulation, clipping.
         optimizer: any torch or bitsandbytes optimiser (``class_path`` + ``init_args``).
         lr_scheduler: an optional LR scheduler, stepped after every optimiser step.
         seed: seed of the minibatch shuffling; null follows the run's seed (seed_everything).
-        gradient_checkpointing: recompute the policy's activations in the backward pass instead
-            of storing them (less memory, about a third more compute); the snapshots, which
-            never run a backward pass, are unaffected.
-        logits_chunk_size: response tokens whose logits exist at once: the loss and the cached
-            old distributions are computed from the hidden states this many tokens at a time
-            (the loss's chunks recomputed in the backward pass), so no (tokens x vocabulary)
-            float32 logits are held; null computes all logits at once. Models with soft-capped
-            or scaled logits always use full logits.
-        behaviour_logprobs: where the behaviour policy's token log-probs (and TROLL's sparse old
-            distributions) come from: ``sampling`` keeps them from the logits generation computes
-            anyway, one step at a time (no second pass over the rollout); ``forward`` recomputes
-            them with a teacher-forced pass of the snapshot after sampling; ``auto`` (default):
-            ``sampling`` when the policy's weights are float32 (the two agree to 6e-5 there),
-            ``forward`` in bfloat16/float16 (they differ by up to 0.6 in log-prob there; see the
-            benchmarks page, docs/benchmarks.md).
-        share_prompts: run each distinct prompt of a micro-batch through the model once (a
-            group's completions share theirs) and its completions against its cached keys and
-            values, in the training passes and the passes after sampling; the same results up to
-            float rounding, with less compute and activation memory the longer prompts are
-            against completions. Off (or with gradient checkpointing, or under FSDP2 sharding)
-            every sequence runs whole.
+        gradient_checkpointing: recompute the policy's activations in the backward pass (less
+            memory, about a third more compute).
+        logits_chunk_size: response tokens whose logits exist at once in the loss and the cached
+            old distributions (recomputed in the backward pass); null: all at once.
+        behaviour_logprobs: where the behaviour log-probs come from: ``sampling`` (recorded
+            while sampling), ``forward`` (a teacher-forced pass after it) or ``auto`` (sampling
+            in float32, forward in bfloat16/float16; docs/configuration.md).
+        share_prompts: run each distinct prompt of a micro-batch once and its group's
+            completions against its cached keys and values (same results up to rounding; off
+            with gradient checkpointing or FSDP2).
         snapshot: how the behaviour-policy snapshot is held: a copy (in the policy's dtype,
             bfloat16 or int8) or the policy itself (``shared``).
         lora: low-rank adapters (peft) instead of full fine-tuning; null trains every weight.
@@ -151,6 +159,8 @@ class TrollModule(ResumeHooks, RolloutHooks, PolicyHooks, LightningModule):
         cache_old_distributions: cache the behaviour policy's sparse distributions in every
             rollout with clipping too (TROLL always does), for what reads them (the trust-region
             monitor's ``kl_end``); the command line sets it from ``trust_region_monitor.kl_end``.
+        episodes: multi-turn episodes with tools or an environment (docs/own-task.md); null:
+            one completion per sample.
     """
 
     def __init__(
@@ -185,91 +195,60 @@ class TrollModule(ResumeHooks, RolloutHooks, PolicyHooks, LightningModule):
         rollout_engine: str = "hf",
         rollout_engine_options: dict[str, Any] | None = None,
         cache_old_distributions: bool = False,
+        episodes: EpisodesConfig | None = None,
     ) -> None:
         super().__init__()
         # not seed: loggers refuse model.seed and data.seed as one key with two values; the
         # shuffle generator's state is in checkpoints (MinibatchLoop)
         self.save_hyperparameters(ignore=["optimizer", "lr_scheduler", "seed"])
         check_chunk_size(logits_chunk_size, "model.logits_chunk_size")
-        self.logits_chunk_size = logits_chunk_size
         check_module_options(
             objective, estimator, scale_rewards, group_size, behaviour_logprobs, rollout_engine
         )
-        self.behaviour_logprobs = behaviour_logprobs
-        self.share_prompts = share_prompts
-        self.objective_name = objective
-        self.estimator = estimator
-        self.scale_rewards = scale_rewards
-        self.group_size = group_size
-        self.sampling = sampling
-        self.optimization = optimization
-        self.loss_config = loss
+        check_dynamic_sampling(dynamic_sampling, dynamic_sampling_max_rounds, group_size)
+        self.logits_chunk_size, self.share_prompts = logits_chunk_size, share_prompts
+        self.behaviour_logprobs, self.objective_name = behaviour_logprobs, objective
+        self.group_size, self.sampling, self.loss_config = group_size, sampling, loss
+        self.optimization = optimization  # the minibatch loop's; callbacks read it too
+        self.dynamic_sampling = dynamic_sampling
+        self.dynamic_sampling_max_rounds = dynamic_sampling_max_rounds
         self.scorer = _reward_scorer(
             {"tinymath": 1.0} if rewards is None else rewards,  # TinyMath's: see setup
             on_reward_error, reward_kwargs, reward_workers, reward_timeout
         )  # fmt: skip
-        check_dynamic_sampling(dynamic_sampling, dynamic_sampling_max_rounds, group_size)
-        self.dynamic_sampling = dynamic_sampling
-        self.dynamic_sampling_max_rounds = dynamic_sampling_max_rounds
-        self.objective: PolicyObjective = self._build_objective(objective, trust_region, clip, loss)
-        self._trust_region = trust_region
+        self.objective: PolicyObjective = _objective(objective, trust_region, clip, loss, sampling)
+        self.old_rows = OldRows(self.objective, trust_region)
         self.cache_old_distributions = objective == "troll" or bool(cache_old_distributions)
-        """Cache the behaviour policy's sparse distributions in every rollout: always for TROLL;
-        for clipping when asked to (``cache_old_distributions``)."""
-        self._optimizer_factory = optimizer
-        self._scheduler_factory = lr_scheduler
+        self._optimizer_factory, self._scheduler_factory = optimizer, lr_scheduler
 
-        self.tokenizer = load_tokenizer(model)
-        self.policy = load_policy(model, dtype=dtype, load_in_4bit=bool(lora and lora.load_in_4bit))
-        vocab = self.policy.get_output_embeddings().weight.shape[0]
-        if vocab < len(self.tokenizer):
-            raise ValueError(
-                f"model: the policy {model!r} has {vocab} output tokens but its tokenizer has "
-                f"{len(self.tokenizer)}; they must come from the same model (the policy may have "
-                "more rows, never fewer)"
-            )
-        self.stop_ids = stop_token_ids(self.tokenizer, self.policy)
-        """Token ids that end a completion (the tokenizer's eos first; see ``stop_token_ids``)."""
-        if lora is not None:
-            self.policy = apply_lora(self.policy, lora)
-        self.policy.train()  # from_pretrained returns eval mode; snapshots stay in eval mode
-        self.lora = lora
-        self.snapshot_config = snapshot
-        self.snapshot: Snapshot = build_snapshot(
-            self.policy, snapshot, lora is not None, self.objective.needs_old_logits
-        )
-        if not self.snapshot.shares_policy:
-            self.old_policy = self.snapshot.model  # a child module: saved, moved, sharded
-        with_ref = loss.ref_kl_coef > 0 and lora is None
-        self.ref_policy = frozen_copy(self.policy) if with_ref else None
-        if gradient_checkpointing:
-            self.policy.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False}
-            )
+        self.policies = Policies(
+            model, dtype, lora, snapshot, self.objective.needs_old_logits,
+            loss.ref_kl_coef > 0, gradient_checkpointing
+        )  # fmt: skip
+        self.policy, self.ref_policy = self.policies.policy, self.policies.ref_policy
+        if not self.policies.snapshot.shares_policy:  # a child module: saved, moved, sharded
+            self.old_policy = self.policies.old_policy  # nn.Module registers it
+        self.tokenizer = self.policies.tokenizer  # the policy's (its stop ids: policies)
+        self.snapshot = self.policies.snapshot
         self.automatic_optimization = False
-        self.engine = self._build_engine(rollout_engine, rollout_engine_options, model, dtype)
+        context = EngineContext(model, dtype, self.tokenizer, lora)
+        self.engine = build_rollout_engine(rollout_engine, rollout_engine_options, context, loss)
+        self.global_batch = GlobalBatch(self, estimator, group_size, scale_rewards)
+        self.episodes = None if episodes is None else EpisodeSampler(
+            episodes, self.tokenizer, self.policies.stop_ids, sampling.max_new_tokens
+        )  # fmt: skip
 
-        self.rollout: Rollout | None = None
-        if seed is None:  # the run's seed, as Lightning's seed_everything recorded it
-            seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
-        self.minibatch_loop = MinibatchLoop(optimization, seed)
-        """Turns each rollout into optimiser steps; holds the shuffle generator and bad steps."""
-        self._rng_to_restore: dict[str, Any] | None = None
+        self.rollout: Rollout | None = None  # the next training step's, from the callback
+        self.minibatch_loop = MinibatchLoop(optimization, seed)  # seed None: the run's
+        self.resume = ResumeState(self.minibatch_loop)
 
-    # -- construction ----------------------------------------------------------------------------
-    def _build_objective(self, name, trust_region, clip, loss) -> PolicyObjective:
-        shared = asdict(loss)
-        rollout_options = ("mask_truncated", "engine_is_cap", "engine_is_level", "engine_is_mode",
-                           "engine_is_floor", "anchor", "anchor_is_cap")  # fmt: skip
-        for option in rollout_options:  # the rollout applies them
-            shared.pop(option)
-        shared["norm_length"] = loss.norm_length or self.sampling.max_new_tokens
-        specific = asdict({"troll": trust_region, "clip": clip}[name])
-        try:
-            return build_objective(name, **specific, **shared)
-        except ValueError as error:
-            raise ValueError(f"model: {error}") from None
+    @property
+    def old_policy(self) -> torch.nn.Module:
+        """The snapshot's module: a separate frozen copy, or the policy itself when the snapshot
+        shares it (``shared``, LoRA)."""
+        return self.policies.old_policy
 
+    # -- set-up and parts --------------------------------------------------------------------
     def setup(self, stage: str) -> None:
         """Before fitting, the checks the command makes before the model loads, for a module and
         a DataModule built apart in Python (see ``check_fit_data``)."""
@@ -278,19 +257,49 @@ class TrollModule(ResumeHooks, RolloutHooks, PolicyHooks, LightningModule):
             rewards = self.hparams.get("rewards")
             check_fit_data(rewards, minibatch, self.group_size, self.trainer.datamodule)
         if stage == "fit":
-            self.check_engine_processes()
+            check_engine_processes(self.engine, world_size(self))
+
+    def configure_model(self) -> None:
+        """Shards the policies with FSDP2 under ``ModelParallelStrategy`` (others wrap them)."""
+        if self._trainer is not None:  # load_from_checkpoint calls this without a trainer
+            check_strategy(self.trainer.strategy)
+        if self._device_mesh is not None:
+            self.policies.shard(data_parallel_mesh(self._device_mesh))
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        self.policies.keep_frozen_in_eval()
+        return self
+
+    @property
+    def collector(self) -> RolloutCollector:
+        """The rollout pipeline over this module's parts: engine, scorer, policies, options."""
+        policies, cached = self.policies, self.cache_old_distributions
+        return RolloutCollector(
+            policy=self.policy, behaviour=policies.behaviour, engine=self.engine,
+            scorer=self.scorer, decode=policies.decode, advantages=self.global_batch.advantages,
+            sampling=self.sampling, group_size=self.group_size, pad_id=policies.pad_id,
+            stop_ids=policies.stop_ids, reference=policies.reference, loss=self.loss_config,
+            sparsify_old=self.old_rows.sparsify if cached else RolloutCollector.sparsify_old,
+            behaviour_logprobs=self.behaviour_logprobs, share_prompts=self.share_prompts,
+            logits_chunk_size=self.logits_chunk_size,
+            max_rounds=self.dynamic_sampling_max_rounds,
+            any_process=self.global_batch.any_process, episodes=self.episodes,
+        )  # fmt: skip
+
+    def on_fit_start(self) -> None:
+        self.engine.stale = True  # the snapshot may hold other weights now (a resumed run)
+
+    def teardown(self, stage: str) -> None:
+        """Stops the reward workers and the rollout engine (a later fit starts them again)."""
+        if stage == "fit":
+            self.scorer.close()
+            self.engine.close()
+            if self.episodes is not None:
+                self.episodes.close()
 
     def configure_optimizers(self):
-        optimizer = self._optimizer_factory(
-            [p for p in self.policy.parameters() if p.requires_grad]
-        )
-        if self._scheduler_factory is None:
-            return optimizer
-        scheduler = self._scheduler_factory(optimizer)
-        return {
-            "optimizer": optimizer,
-            "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
-        }
+        return optimizers(self.policy, self._optimizer_factory, self._scheduler_factory)
 
     # -- training --------------------------------------------------------------------------------
     def training_step(self, batch: Any, batch_idx: int) -> None:
@@ -301,15 +310,38 @@ class TrollModule(ResumeHooks, RolloutHooks, PolicyHooks, LightningModule):
                 "to the trainer's callbacks (the lightning-troll command adds it)"
             )
         rollout, self.rollout = self.rollout, None
-        start = clock(self.device)
+        start = clock(self.device)  # every optimiser step of the rollout, from policy_loss
         self.minibatch_loop.run(self, rollout)
-        seconds = clock(self.device) - start  # every optimiser step of the rollout
+        seconds = clock(self.device) - start
         self.log("time/training", seconds, prog_bar=True, sync_dist=True, batch_size=1)
+
+    def loss_of(self, rollout: Rollout) -> tuple[torch.Tensor, ObjectiveStats]:
+        """The objective on a (part of a) rollout, with the policy's current weights."""
+        chunks, share = self.logits_chunk_size, self.share_prompts
+        return policy_loss(self.policies, self.objective, rollout, chunks, share)
 
     @property
     def last_stats(self) -> list[ObjectiveStats]:
         """The detached statistics of every optimiser step of the last rollout (for monitors)."""
         return self.minibatch_loop.last_stats
+
+    def kl_to_behaviour(self, rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per response token, how far the policy's current weights are from the behaviour
+        policy that sampled ``rollout`` (:func:`~lightning_troll.rollouts.drift.kl_to_behaviour`)."""
+        rule, chunks, share = self.old_rows.rule, self.logits_chunk_size, self.share_prompts
+        return kl_to_behaviour(self.policy, rollout, rule, chunks, share)
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.resume.save(checkpoint, self.global_rank, world_size(self))
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.resume.load(
+            checkpoint, self.state_dict, self.hparams, self.global_rank, world_size(self)
+        )
+
+    def on_train_start(self) -> None:
+        self.resume.start(self.global_rank, world_size(self))
 
     # -- validation ------------------------------------------------------------------------------
     def validation_step(self, batch: Any, batch_idx: int) -> None:

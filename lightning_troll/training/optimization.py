@@ -17,6 +17,7 @@ objective); the loop only decides how its gradients become steps.
 from __future__ import annotations
 
 import math
+import os
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
@@ -33,7 +34,7 @@ from lightning_troll.objectives.aggregation import AGGREGATION_SIZES
 from lightning_troll.objectives.stats import ObjectiveStats
 from lightning_troll.rollouts.rollout import Rollout
 
-__all__ = ["MinibatchLoop", "OptimizationConfig"]
+__all__ = ["MinibatchLoop", "OptimizationConfig", "optimizers"]
 
 
 @dataclass(frozen=True)
@@ -72,8 +73,10 @@ class MinibatchLoop:
         seed: seed of the minibatch shuffling.
     """
 
-    def __init__(self, config: OptimizationConfig, seed: int) -> None:
+    def __init__(self, config: OptimizationConfig, seed: int | None = None) -> None:
         self.config = config
+        if seed is None:  # the run's seed, as Lightning's seed_everything recorded it
+            seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
         self.shuffle = torch.Generator().manual_seed(seed)
         """Draws each epoch's minibatch order; saved in checkpoints."""
         self.bad_steps = 0
@@ -206,3 +209,13 @@ def log_step(
         on_epoch=False,
         sync_dist=True,  # the mean over processes of their weighted parts is the global loss
     )
+
+
+def optimizers(policy: nn.Module, optimizer_factory, scheduler_factory=None):
+    """What ``configure_optimizers`` returns: the optimiser over the policy's trainable
+    parameters and, with a scheduler, the scheduler stepped after every optimiser step."""
+    optimizer = optimizer_factory([p for p in policy.parameters() if p.requires_grad])
+    if scheduler_factory is None:
+        return optimizer
+    scheduler = scheduler_factory(optimizer)
+    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -1,33 +1,29 @@
 """TrollModule's policies: the policy, its behaviour snapshot and the reference policy, in the
-mode and shards each needs.
+mode and shards each needs, and the loss of a rollout under the policy's current weights.
 
-:class:`PolicyHooks` is a mixin of :class:`~lightning_troll.training.module.TrollModule` (as
-Lightning builds its LightningModule from hook mixins): which module samples, which one is the
-reference, the frozen copies kept in eval mode, FSDP2 sharding, and turning response tokens into
-text, and the loss of a rollout under the policy's current weights (the snapshot's own pass
-included, for the dense projection). The attributes it reads (``policy``, ``snapshot``, ``ref_policy``, ``lora``,
-``loss_config``, ``tokenizer``, ``stop_ids``, ``snapshot_config``, ``objective``,
-``logits_chunk_size``, ``share_prompts``) are set by the module.
+:class:`Policies` is a part that :class:`~lightning_troll.training.module.TrollModule` owns (its
+``policies``): it loads the policy and its tokenizer, adds adapters, builds the snapshot and the
+reference policy, says which module samples and which one is the reference, keeps the frozen
+copies in eval mode, shards all three with FSDP2 and turns response tokens into text. The module
+registers the modules it holds as its own children (``policy``, ``old_policy``, ``ref_policy``),
+so that checkpoints keep their keys. :func:`policy_loss` is the objective on a (part of a)
+rollout, the snapshot's own pass included for the dense projection.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from lightning_troll.models.lora import adapters_disabled
-from lightning_troll.models.sharding import (
-    check_shardable,
-    check_strategy,
-    data_parallel_mesh,
-    is_sharded,
-    shard_model,
-)
-from lightning_troll.objectives import ObjectiveStats
+from lightning_troll.models.loading import load_policy, load_tokenizer, stop_token_ids
+from lightning_troll.models.lora import LoraConfig, adapters_disabled, apply_lora
+from lightning_troll.models.sharding import check_shardable, is_sharded, shard_model
+from lightning_troll.models.snapshots import Snapshot, SnapshotConfig, build_snapshot, frozen_copy
+from lightning_troll.objectives import ObjectiveStats, PolicyObjective
 from lightning_troll.rollouts.forward import (
     linear_head,
     old_logit_rows,
@@ -36,27 +32,73 @@ from lightning_troll.rollouts.forward import (
 )
 from lightning_troll.rollouts.rollout import Rollout
 
-__all__ = ["PolicyHooks"]
+__all__ = ["Policies", "policy_loss"]
 
 
-class PolicyHooks:
-    """The policies' hooks of :class:`~lightning_troll.training.module.TrollModule`."""
+class Policies:
+    """The policy being trained, its behaviour snapshot and the reference policy.
+
+    Args:
+        model: hub name, local directory, or ``tinymath``.
+        dtype: the policy's weight dtype.
+        lora: adapters instead of full fine-tuning (the snapshot is then a second adapter and
+            the reference policy the base model), or None.
+        snapshot: how the behaviour snapshot is held.
+        in_loss: the snapshot also runs in the loss pass (the dense projection).
+        with_reference: keep a frozen reference policy (``loss.ref_kl_coef > 0``).
+        gradient_checkpointing: recompute the policy's activations in the backward pass.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        dtype: str,
+        lora: LoraConfig | None,
+        snapshot: SnapshotConfig,
+        in_loss: bool,
+        with_reference: bool,
+        gradient_checkpointing: bool,
+    ) -> None:
+        self.tokenizer = load_tokenizer(model)
+        policy = load_policy(model, dtype=dtype, load_in_4bit=bool(lora and lora.load_in_4bit))
+        vocab = policy.get_output_embeddings().weight.shape[0]
+        if vocab < len(self.tokenizer):
+            raise ValueError(
+                f"model: the policy {model!r} has {vocab} output tokens but its tokenizer has "
+                f"{len(self.tokenizer)}; they must come from the same model (the policy may have "
+                "more rows, never fewer)"
+            )
+        self.stop_ids = stop_token_ids(self.tokenizer, policy)
+        """Token ids that end a completion (the tokenizer's eos first; see ``stop_token_ids``)."""
+        if lora is not None:
+            policy = apply_lora(policy, lora)
+        policy.train()  # from_pretrained returns eval mode; snapshots stay in eval mode
+        self.policy: nn.Module = policy
+        self.lora = lora
+        self.snapshot_config = snapshot
+        self.snapshot: Snapshot = build_snapshot(policy, snapshot, lora is not None, in_loss)
+        self.ref_policy = frozen_copy(policy) if with_reference and lora is None else None
+        """A frozen copy of the initial policy (None with adapters: the base model is it)."""
+        self.with_reference = with_reference
+        if gradient_checkpointing:
+            policy.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
 
     @property
-    def old_policy(self) -> torch.nn.Module:
+    def old_policy(self) -> nn.Module:
         """The snapshot's module: a separate frozen copy, or the policy itself when the snapshot
-        shares it (``shared``, LoRA). Sample through :meth:`behaviour_policy`."""
-        separate = self._modules.get("old_policy")
-        return self.policy if separate is None else separate
+        shares it (``shared``, LoRA). Sample through :meth:`behaviour`."""
+        return self.snapshot.model
 
-    def behaviour_policy(self):
+    def behaviour(self) -> AbstractContextManager[nn.Module]:
         """Context manager: the module that samples and caches old log-probs, ready for it."""
         return self.snapshot.behaviour()
 
     @contextmanager
-    def reference_policy(self) -> Iterator[torch.nn.Module | None]:
-        """Context manager: the reference policy for ref_kl_coef, or None when it is off."""
-        if self.lora is not None and self.loss_config.ref_kl_coef > 0:
+    def reference(self) -> Iterator[nn.Module | None]:
+        """Context manager: the reference policy for ``ref_kl_coef``, or None when it is off."""
+        if self.lora is not None and self.with_reference:
             with adapters_disabled(self.policy) as base:  # the base model is the initial policy
                 yield base
         else:
@@ -70,32 +112,21 @@ class PolicyHooks:
     def eos_id(self) -> int:
         return int(self.tokenizer.eos_token_id)
 
-    def train(self, mode: bool = True):
+    def keep_frozen_in_eval(self) -> None:
         """Frozen snapshots stay in eval mode whatever the trainer sets."""
-        super().train(mode)
         if not self.snapshot.shares_policy:
             self.old_policy.eval()
         if self.ref_policy is not None:
             self.ref_policy.eval()
-        return self
 
-    def configure_model(self) -> None:
-        """Shards the policy and its snapshots with FSDP2 under ``ModelParallelStrategy``.
-
-        Each decoder layer, then the root, is sharded over the data-parallel mesh; the call is
-        idempotent. Other strategies (single device, DDP, FSDPStrategy) wrap the module
-        themselves and need nothing here.
-        """
-        if self._trainer is not None:  # load_from_checkpoint calls this without a trainer
-            check_strategy(self.trainer.strategy)
-        mesh = self._device_mesh
-        if mesh is None:
-            return
-        data_parallel = data_parallel_mesh(mesh)
+    def shard(self, mesh) -> None:
+        """Shards the policy and its snapshots over the data-parallel ``mesh`` with FSDP2: each
+        decoder layer, then the root (idempotent)."""
         check_shardable(self.snapshot_config, self.lora)
-        for model in (self.policy, self.old_policy, self.ref_policy):
+        separate = None if self.snapshot.shares_policy else self.old_policy
+        for model in (self.policy, separate, self.ref_policy):
             if model is not None:
-                shard_model(model, data_parallel)
+                shard_model(model, mesh)
 
     def decode(self, responses: Tensor, response_mask: Tensor) -> list[str]:
         """Response tokens -> text, without EOS and padding."""
@@ -106,24 +137,31 @@ class PolicyHooks:
             for row, m in zip(responses, keep, strict=True)
         ]
 
-    def loss_of(self, rollout: Rollout) -> tuple[Tensor, ObjectiveStats]:
-        """The objective on a (part of a) rollout, with the policy's current weights."""
-        ids, attention = rollout.input_ids, rollout.attention_mask
-        length, temperature = rollout.response_mask.shape[1], rollout.temperature
-        inputs = rollout.loss_inputs()
-        head = None if self.logits_chunk_size is None else linear_head(self.policy)
-        share = self.share_prompts and not is_sharded(self.policy)
-        if self.objective.needs_old_logits:  # support: dense, from the snapshot's own pass
-            chunked = self.logits_chunk_size is not None
-            with self.behaviour_policy() as old:
-                rows = old_logit_rows(
-                    old, ids, attention, rollout.response_mask, temperature, chunked, share
-                )
-            inputs = dataclasses.replace(inputs, old=rows)
-        if head is None:
-            logits = response_logits(self.policy, ids, attention, length, temperature)  # (B, T, V)
-            return self.objective(logits, inputs)
-        hidden = response_hidden(self.policy, ids, attention, length, share)  # (B, T, H)
-        return self.objective.forward_hidden(
-            hidden, head, temperature, inputs, chunk_size=self.logits_chunk_size
-        )
+
+def policy_loss(
+    policies: Policies,
+    objective: PolicyObjective,
+    rollout: Rollout,
+    chunk_size: int | None,
+    share_prompts: bool,
+) -> tuple[Tensor, ObjectiveStats]:
+    """The objective on a (part of a) rollout, with the policy's current weights: logits in
+    chunks of ``chunk_size`` response tokens (None: all at once), prompts shared by a group run
+    once where ``share_prompts`` allows it."""
+    policy = policies.policy
+    ids, attention = rollout.input_ids, rollout.attention_mask
+    length, temperature = rollout.response_mask.shape[1], rollout.temperature
+    inputs = rollout.loss_inputs()
+    head = None if chunk_size is None else linear_head(policy)
+    share = share_prompts and not is_sharded(policy)
+    if objective.needs_old_logits:  # support: dense, from the snapshot's own pass
+        with policies.behaviour() as old:
+            rows = old_logit_rows(
+                old, ids, attention, rollout.response_mask, temperature, head is not None, share
+            )
+        inputs = dataclasses.replace(inputs, old=rows)
+    if head is None:
+        logits = response_logits(policy, ids, attention, length, temperature)  # (B, T, V)
+        return objective(logits, inputs)
+    hidden = response_hidden(policy, ids, attention, length, share)  # (B, T, H)
+    return objective.forward_hidden(hidden, head, temperature, inputs, chunk_size=chunk_size)

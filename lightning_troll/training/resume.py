@@ -5,9 +5,9 @@ generator and the count of bad steps in a row) and every process's global random
 that a resumed run shuffles and samples as the interrupted one would have. Loading one checks
 that its tensors fit the model and warns of options that changed.
 
-:class:`ResumeHooks` holds these hooks as a mixin of :class:`~lightning_troll.training.module.TrollModule`
-(Lightning's own LightningModule is built from hook mixins the same way); the helpers it calls
-are in :mod:`lightning_troll.training.checkpoints`.
+:class:`ResumeState` is the part of :class:`~lightning_troll.training.module.TrollModule` that does
+this (the module's checkpoint hooks call it); the helpers it calls are in
+:mod:`lightning_troll.training.checkpoints`.
 
 The option records a module is built from are pickled with its hyper-parameters, and
 checkpoints are loaded with ``weights_only=True``, which accepts only allow-listed classes:
@@ -19,11 +19,13 @@ flat modules ``lightning_troll.objectives``, ``optimization``, ``rollout``, ``sn
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
+from lightning_troll.environments.options import EpisodesConfig
 from lightning_troll.models.lora import LoraConfig
 from lightning_troll.models.snapshots import SnapshotConfig
 from lightning_troll.objectives import ClipConfig, LossConfig, TrustRegionConfig
@@ -37,7 +39,7 @@ from lightning_troll.training.checkpoints import (
 )
 from lightning_troll.training.optimization import MinibatchLoop, OptimizationConfig
 
-__all__ = ["CHECKPOINT_CONFIGS", "MOVED_CONFIGS", "ResumeHooks"]
+__all__ = ["CHECKPOINT_CONFIGS", "MOVED_CONFIGS", "ResumeState"]
 
 CHECKPOINT_CONFIGS = (
     TrustRegionConfig,
@@ -47,6 +49,7 @@ CHECKPOINT_CONFIGS = (
     SamplingConfig,
     SnapshotConfig,
     LoraConfig,
+    EpisodesConfig,
 )
 """The option records TrollModule's hyper-parameters (and so its checkpoints) hold."""
 
@@ -68,41 +71,53 @@ present ``lightning_troll.objectives`` exports the first three under that name t
 torch.serialization.add_safe_globals([*CHECKPOINT_CONFIGS, *MOVED_CONFIGS])
 
 
-class ResumeHooks:
-    """The checkpoint hooks of :class:`~lightning_troll.training.module.TrollModule` and ``on_train_start``,
-    which sets the random states a resumed run needs once Lightning has built the dataloaders."""
+class ResumeState:
+    """What TrollModule keeps in a checkpoint beyond its weights, and restores from one: the
+    minibatch loop's state and every process's global random states (set as training starts,
+    once Lightning has built the dataloaders)."""
 
-    minibatch_loop: MinibatchLoop
-    _rng_to_restore: dict[str, Any] | None
+    def __init__(self, minibatch_loop: MinibatchLoop) -> None:
+        self.minibatch_loop = minibatch_loop
+        self._rng_to_restore: dict[str, Any] | None = None
 
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+    def save(self, checkpoint: dict[str, Any], rank: int, world: int) -> None:
         """Adds the minibatch loop's state (shuffle generator, bad-step count) and every rank's
         global RNG states.
 
         Only one process writes the checkpoint (or its metadata, when sharded), so the states
-        of all of them are gathered first; every process runs this hook.
+        of all of them are gathered first; every process runs this.
         """
-        world = self.trainer.world_size if self._trainer is not None else 1
-        by_rank = rng_states_by_rank(self.global_rank, world)
+        by_rank = rng_states_by_rank(rank, world)
         checkpoint["lightning_troll"] = {**self.minibatch_loop.state_dict(), "rng": by_rank}
 
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Checks the checkpoint fits this model, then restores what ``on_save_checkpoint`` added.
+    def load(
+        self,
+        checkpoint: dict[str, Any],
+        own: Callable[[], dict[str, Any]],
+        hparams: Mapping[str, Any],
+        rank: int,
+        world: int,
+    ) -> None:
+        """Checks the checkpoint fits this model (``own``: its state dict), warns of options
+        that changed from ``hparams``, then restores what :meth:`save` added.
 
-        The global RNG states are set in ``on_train_start``, after Lightning has built the
+        The global RNG states are set in :meth:`start`, after Lightning has built the
         dataloaders, so a resumed run draws the numbers the interrupted one would have drawn.
         """
         if "state_dict" in checkpoint:  # sharded strategies load the weights elsewhere
-            check_compatible(
-                self.state_dict(), checkpoint["state_dict"], f"model {self.hparams.model!r}"
+            check_compatible(own(), checkpoint["state_dict"], f"model {hparams['model']!r}")
+        changed = changed_options(hparams, checkpoint.get("hyper_parameters", {}))
+        if changed:
+            rank_zero_warn(
+                "resuming with other options than the checkpoint was written with (weights, "
+                "snapshot and optimiser carry over; the new options apply from here on): "
+                + "; ".join(changed)
             )
-        self._warn_changed_options(checkpoint.get("hyper_parameters", {}))
         state = checkpoint.get("lightning_troll", {})
         self.minibatch_loop.load_state_dict(state)
         saved = state.get("rng", {})
-        self._rng_to_restore = saved.get(self.global_rank)
-        ranks = self.trainer.world_size if self._trainer is not None else 1
-        missing = [rank for rank in range(ranks) if rank not in saved]
+        self._rng_to_restore = saved.get(rank)
+        missing = [r for r in range(world) if r not in saved]
         if missing:
             rank_zero_warn(
                 f"the checkpoint holds no random state for global ranks {missing} (it was written "
@@ -110,20 +125,11 @@ class ResumeHooks:
                 "would have"
             )
 
-    def on_train_start(self) -> None:
+    def start(self, rank: int, world: int) -> None:
         """Restores the global RNG states of a checkpoint being resumed; in a new run of several
         processes, gives each its own random streams (:func:`seed_per_rank`)."""
         if self._rng_to_restore is not None:
             restore_rng_states(self._rng_to_restore)
             self._rng_to_restore = None
-        elif self.trainer.world_size > 1:
-            seed_per_rank(self.global_rank)
-
-    def _warn_changed_options(self, saved: dict[str, Any]) -> None:
-        changed = changed_options(self.hparams, saved)
-        if changed:
-            rank_zero_warn(
-                "resuming with other options than the checkpoint was written with (weights, "
-                "snapshot and optimiser carry over; the new options apply from here on): "
-                + "; ".join(changed)
-            )
+        elif world > 1:
+            seed_per_rank(rank)

@@ -19,6 +19,7 @@ from torch import Tensor
 from lightning_troll.data.prompts import seeded_generator
 from lightning_troll.models.sharding import gathered
 from lightning_troll.rewards.registry import RewardOutput, reward_tag
+from lightning_troll.rollouts.episodes import sampled_turns
 from lightning_troll.rollouts.rollout import sample
 
 __all__ = ["pass_at_k", "stopping_between_validations", "validation_metrics"]
@@ -82,23 +83,39 @@ def validation_metrics(module: Any, batch: Any, batch_idx: int) -> dict[str, Ten
 
 
 def _answers(module: Any, batch: Any, group: int, do_sample: bool) -> RewardOutput:
-    """``group`` answers per prompt from the policy, scored: (P * group,) tensors."""
+    """``group`` answers per prompt from the policy, scored: (P * group,) tensors. With
+    ``model.episodes`` an answer is an episode's last turn, the policy taking every turn."""
+    if module.episodes is not None:
+        return _episode_answers(module, batch, group, do_sample)
     with gathered(module.policy):
         ids, _, response_mask, _ = sample(
             module.policy,
             batch.prompt_ids,
             group,
             module.sampling,
-            module.pad_id,
-            module.stop_ids,
+            module.policies.pad_id,
+            module.policies.stop_ids,
             do_sample=do_sample,
         )
-    completions = module.decode(ids[:, -response_mask.shape[1] :], response_mask)
+    completions = module.policies.decode(ids[:, -response_mask.shape[1] :], response_mask)
     prompts = [p for p in batch.prompts for _ in range(group)]
     rows = [r for r in batch.rows for _ in range(group)]
     tokens = response_mask.sum(-1).tolist()  # generated tokens, EOS included
     return module.scorer(
         prompts, completions, rows, tokens, module.sampling.max_new_tokens, device=module.device
+    )
+
+
+def _episode_answers(module: Any, batch: Any, group: int, do_sample: bool) -> RewardOutput:
+    rows = [r for r in batch.rows for _ in range(group)]
+    pad_id, episodes = module.policies.pad_id, module.episodes
+    with gathered(module.policy):
+        generate = sampled_turns(module.policy, module.sampling, pad_id, do_sample=do_sample)
+        sampled = episodes.sample(generate, rows, pad_id, module.device)
+    answers = episodes.answers(sampled, module.policies.decode)
+    tokens = sampled.response_mask.sum(-1).tolist()  # the model's tokens, stop tokens included
+    return module.scorer(
+        sampled.prompts, answers, rows, tokens, module.sampling.max_new_tokens, device=module.device
     )
 
 

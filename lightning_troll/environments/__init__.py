@@ -1,0 +1,55 @@
+"""Environments for multi-turn episodes: tools as plain Python functions, the environment
+protocol, and how a conversation and an environment's replies are rendered.
+
+- :mod:`~lightning_troll.environments.tools`: a tool's JSON schema from its signature and
+  docstring (``model.episodes.tools``), its arguments checked, its result rendered;
+- :mod:`~lightning_troll.environments.calls`: ``<tool_call>`` blocks parsed from the model's
+  output, one call run;
+- :mod:`~lightning_troll.environments.tool_workers`: :class:`ToolRunner`, the calls run in this
+  process or in worker processes with a timeout (``model.episodes.tool_workers``, ``model.episodes.tool_timeout``),
+  every failure an error message for the model;
+- :mod:`~lightning_troll.environments.rendering`: :class:`Conversation`, an episode through the
+  chat template, the tools shown where the template cannot;
+- :mod:`~lightning_troll.environments.protocol`: :class:`Environment` and :class:`Step`
+  (``model.episodes.environment``);
+- :mod:`~lightning_troll.environments.tool_env`: :class:`ToolEnvironment`, the environments of a
+  batch stepped together, :class:`EnvironmentFactory`.
+
+The episode loop itself, at token level, is
+:func:`lightning_troll.rollouts.episodes.run_episodes`. No Lightning here.
+"""
+
+from lightning_troll.environments.calls import (
+    TOOL_CALL_CLOSE,
+    TOOL_CALL_OPEN,
+    MalformedCall,
+    ToolCall,
+    parse_tool_calls,
+)
+from lightning_troll.environments.protocol import Environment, Step, load_environment
+from lightning_troll.environments.rendering import Conversation, template_support, tool_section
+from lightning_troll.environments.tool_env import EnvironmentFactory, ToolEnvironment, step_all
+from lightning_troll.environments.tool_workers import ToolResult, ToolRunner
+from lightning_troll.environments.tools import Tool, load_tool, load_tools
+
+__all__ = [
+    "TOOL_CALL_CLOSE",
+    "TOOL_CALL_OPEN",
+    "Conversation",
+    "Environment",
+    "EnvironmentFactory",
+    "MalformedCall",
+    "Step",
+    "Tool",
+    "ToolCall",
+    "ToolEnvironment",
+    "ToolResult",
+    "ToolRunner",
+    "load_environment",
+    "load_tool",
+    "load_tools",
+    "parse_tool_calls",
+    "step_all",
+    "template_support",
+    "tool_section",
+]

@@ -1,0 +1,135 @@
+"""Tool calls in the model's output, and one call run.
+
+The model calls a tool by writing, anywhere in its turn, the Hermes tool-call convention that
+many chat templates render (Qwen2.5's among them)::
+
+    <tool_call>
+    {"name": "multiply", "arguments": {"a": 6, "b": 7}}
+    </tool_call>
+
+one block per call, several in a turn if it likes. The block's text is a JSON object with a
+string ``"name"`` and an object ``"arguments"`` (given as a JSON string holding an object, as
+OpenAI's API writes them, it is read too; left out, it is ``{}``). A block that is not that is a
+:class:`MalformedCall`, and so is a ``<tool_call>`` never closed.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, NamedTuple
+
+from lightning_troll.environments.tools import render_result
+from lightning_troll.rewards.calls import short
+
+__all__ = [
+    "TOOL_CALL_CLOSE",
+    "TOOL_CALL_OPEN",
+    "MalformedCall",
+    "ToolCall",
+    "ToolErrorKind",
+    "ToolOutcome",
+    "parse_tool_calls",
+    "run_tool",
+]
+
+TOOL_CALL_OPEN = "<tool_call>"
+TOOL_CALL_CLOSE = "</tool_call>"
+"""The tags around one tool call; a model's turn that writes the closing tag stops there."""
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One well-formed tool call."""
+
+    name: str
+    """The tool called."""
+    arguments: dict[str, Any] = field(default_factory=dict)
+    """Its keyword arguments, as parsed from JSON."""
+
+
+@dataclass(frozen=True)
+class MalformedCall:
+    """A ``<tool_call>`` block that is not a JSON object with a name and arguments."""
+
+    text: str
+    """The block's text, between the tags."""
+    problem: str
+    """What is wrong with it, as a sentence's end (``"is not JSON (...)"``)."""
+
+
+def _call_of(body: str) -> ToolCall | MalformedCall:
+    """The call written in one block's text."""
+    try:
+        data = json.loads(body)
+    except json.JSONDecodeError as exc:
+        return MalformedCall(body, f"is not JSON ({exc.msg} at character {exc.pos})")
+    if not isinstance(data, dict):
+        return MalformedCall(body, f"is a JSON {type(data).__name__}, not an object")
+    name = data.get("name")
+    if not isinstance(name, str) or not name:
+        return MalformedCall(body, 'has no "name" string')
+    arguments = data.get("arguments", {})
+    if isinstance(arguments, str):  # {"arguments": "{\"a\": 1}"}, as OpenAI's API writes them
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            return MalformedCall(body, 'has "arguments" that are not a JSON object')
+    if not isinstance(arguments, dict):
+        return MalformedCall(body, 'has "arguments" that are not a JSON object')
+    return ToolCall(name, arguments)
+
+
+def parse_tool_calls(text: str) -> list[ToolCall | MalformedCall]:
+    """Every ``<tool_call>...</tool_call>`` block of ``text``, in order; an empty list when the
+    text calls no tool."""
+    calls: list[ToolCall | MalformedCall] = []
+    start = text.find(TOOL_CALL_OPEN)
+    while start >= 0:
+        begin = start + len(TOOL_CALL_OPEN)
+        end = text.find(TOOL_CALL_CLOSE, begin)
+        if end < 0:
+            calls.append(MalformedCall(text[begin:].strip(), f"has no closing {TOOL_CALL_CLOSE}"))
+            break
+        calls.append(_call_of(text[begin:end].strip()))
+        start = text.find(TOOL_CALL_OPEN, end + len(TOOL_CALL_CLOSE))
+    return calls
+
+
+_PROBLEM_CHARACTERS = 300
+"""The longest error message a tool's exception gives the model."""
+
+
+ToolErrorKind = Literal[
+    "malformed", "unknown", "bad_arguments", "raised", "timeout", "unrenderable", "crashed"
+]
+"""Why a tool call gave the model an error message: a block that is not a call, a tool not
+listed, arguments that do not fit its schema, an exception, the timeout (``model.episodes.tool_timeout``),
+a result that is neither text nor JSON-serialisable, its worker process dying."""
+
+
+class ToolOutcome(NamedTuple):
+    """What one tool run gave (in this process or a worker)."""
+
+    text: str
+    """The rendered result; ``""`` when the run failed."""
+    problem: str | None = None
+    """What went wrong, as a sentence's end (``"timed out after 5 s"``); None when it ran."""
+    kind: ToolErrorKind | None = None
+    """The kind of failure; None when it ran."""
+
+
+def run_tool(function: Callable[..., Any], arguments: Mapping[str, Any]) -> ToolOutcome:
+    """``function(**arguments)``, its result rendered; or an outcome whose ``problem`` says what
+    went wrong and whose ``kind`` is ``"raised"`` or ``"unrenderable"``. Runs in this process or
+    in a tool worker (:mod:`lightning_troll.environments.tool_workers`)."""
+    try:
+        value = function(**arguments)
+    except (Exception, SystemExit) as exc:  # a tool may raise anything, or call sys.exit
+        problem = short(f"raised {type(exc).__name__}: {exc}", _PROBLEM_CHARACTERS)
+        return ToolOutcome("", problem, "raised")
+    text, problem = render_result(value)
+    if problem is not None:
+        return ToolOutcome("", short(problem, _PROBLEM_CHARACTERS), "unrenderable")
+    return ToolOutcome(text)

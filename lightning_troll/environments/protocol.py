@@ -1,0 +1,118 @@
+"""The environment protocol: what a multi-turn episode asks of the world the model acts in
+(``model.episodes.environment``).
+
+An episode starts from a data row: :meth:`Environment.reset` returns the conversation the model
+answers (a list of ``{"role", "content"}`` messages, or a plain prompt string for a model without
+a chat template). Then, after each model turn, :meth:`Environment.step` gets the turn's text and
+returns a :class:`Step`: what the model reads next (``observation``), a reward for the turn if the
+environment gives one, and whether the episode is over. The episode loop
+(:func:`lightning_troll.rollouts.episodes.run_episodes`) also ends an episode at ``model.episodes.max_turns``
+model turns or when its token budget is spent.
+
+A minimal environment, a guessing game::
+
+    class Guess(Environment):
+        def reset(self, row):
+            self.secret = int(row["answer"])
+            return [{"role": "user", "content": "Guess my number between 1 and 100."}]
+
+        def step(self, turn):
+            guess = int("".join(c for c in turn if c.isdigit()) or 0)
+            if guess == self.secret:
+                return Step(reward=1.0, done=True)
+            return Step("Higher." if guess < self.secret else "Lower.", reward=0.0)
+
+``model.episodes.environment: my_env:Guess`` names it by import path, found as a reward's module is
+(the working directory, then beside the config, then anything importable); each episode gets a
+fresh one. The built-in environment is
+:class:`~lightning_troll.environments.tool_env.ToolEnvironment`, the tools of ``model.episodes.tools``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import numbers
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning_troll.rewards.lookup import load_by_import_path
+
+__all__ = ["Environment", "Step", "load_environment"]
+
+OPTION = "model.episodes.environment"
+
+
+@dataclass(frozen=True)
+class Step:
+    """What an environment answers to one model turn."""
+
+    observation: str | Sequence[Mapping[str, Any]] | None = None
+    """What the model reads before its next turn: a string (one message of ``role``) or messages
+    (``{"role", "content"}``; tool results as role ``tool``); None for nothing."""
+    reward: float | None = None
+    """A reward for the turn, if the environment gives one."""
+    done: bool = False
+    """True ends the episode (its observation is then not shown)."""
+    role: str = "user"
+    """The role of a string ``observation``."""
+    tool_calls: int = 0
+    """Tool calls the turn made (an environment that runs tools counts them)."""
+    tool_errors: Mapping[str, int] = field(default_factory=dict)
+    """kind -> the turn's tool calls that failed that way
+    (:data:`~lightning_troll.environments.calls.ToolErrorKind`)."""
+
+    def __post_init__(self) -> None:
+        if self.reward is not None and (
+            isinstance(self.reward, bool)
+            or not isinstance(self.reward, numbers.Real)
+            or not math.isfinite(self.reward)
+        ):
+            raise ValueError(f"Step.reward must be a finite number or None; got {self.reward!r}")
+        if not (self.observation is None or isinstance(self.observation, (str, Sequence))):
+            raise ValueError(
+                "Step.observation must be a string, a list of messages or None; got a "
+                f"{type(self.observation).__name__}"
+            )
+
+
+class Environment:
+    """Base class of an environment: one per episode. Subclass it and define :meth:`reset` and
+    :meth:`step` (any object with those two methods will do)."""
+
+    @property
+    def tool_schemas(self) -> Sequence[Mapping[str, Any]]:
+        """The JSON schemas of the tools the prompt shows the model (none here)."""
+        return ()
+
+    def reset(self, row: Mapping[str, Any]) -> Sequence[Mapping[str, Any]] | str:
+        """Starts an episode from a data row: the conversation the model answers first (messages),
+        or a plain prompt string."""
+        raise NotImplementedError(f"{type(self).__name__} must define reset(row)")
+
+    def step(self, turn: str) -> Step:
+        """Answers the model's turn (its text, the final stop token left out)."""
+        raise NotImplementedError(f"{type(self).__name__} must define step(turn)")
+
+    def close(self) -> None:
+        """Frees what the environment holds when its episode ends (nothing here)."""
+
+
+def load_environment(spec: str | Callable[..., Any]) -> Callable[..., Any]:
+    """What makes one environment per episode: the class (or function) that ``model.episodes.environment``
+    names by import path (``"my_env:Guess"``), or is. A class must define ``reset`` and ``step``."""
+    made = spec if callable(spec) else load_by_import_path(spec, OPTION)
+    if not callable(made):
+        raise ValueError(
+            f"{OPTION}: {spec!r} is a {type(made).__name__}; name an Environment class, or a "
+            "function that returns an environment"
+        )
+    if inspect.isclass(made):
+        missing = [m for m in ("reset", "step") if not callable(getattr(made, m, None))]
+        if missing:
+            raise ValueError(
+                f"{OPTION}: {spec!r} has no {' or '.join(missing)} method; an environment defines "
+                "reset(row) and step(turn) (see lightning_troll.environments.Environment)"
+            )
+    return made

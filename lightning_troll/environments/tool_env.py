@@ -1,0 +1,144 @@
+"""The built-in environment of tools (``model.episodes.tools``), the environments of a batch stepped
+together, and what ``model.episodes.environment`` and ``model.episodes.tools`` make of each episode.
+
+:class:`ToolEnvironment`: a model turn that calls tools gets their results as its observation (one
+``tool`` message per call, in order); a turn without a tool call is the final answer and ends the
+episode, scored by the ordinary rewards (``model.rewards``).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from lightning_troll.environments.calls import MalformedCall, ToolCall, parse_tool_calls
+from lightning_troll.environments.protocol import Environment, Step, load_environment
+from lightning_troll.environments.tool_workers import ToolResult, ToolRunner, count_errors
+
+__all__ = ["EnvironmentFactory", "ToolEnvironment", "step_all"]
+
+
+class ToolEnvironment(Environment):
+    """Tools for the model to call in its turns; a turn without a call ends the episode.
+
+    Args:
+        runner: The tools, and how their calls run (shared by the environments of a batch).
+        prompt_field: The row's field that holds the prompt: messages, or a string that becomes
+            one user message.
+    """
+
+    def __init__(self, runner: ToolRunner, prompt_field: str = "prompt") -> None:
+        self.runner = runner
+        self.prompt_field = prompt_field
+
+    @property
+    def tool_schemas(self) -> list[dict[str, Any]]:
+        return self.runner.schemas
+
+    def reset(self, row: Mapping[str, Any]) -> list[dict[str, Any]]:
+        if self.prompt_field not in row:
+            raise ValueError(
+                f"ToolEnvironment: the row has no field {self.prompt_field!r} to start the episode "
+                f"from (it has {', '.join(map(str, row)) or 'none'})"
+            )
+        prompt = row[self.prompt_field]
+        if isinstance(prompt, str):
+            return [{"role": "user", "content": prompt}]
+        return [dict(message) for message in prompt]
+
+    def calls(self, turn: str) -> list[ToolCall | MalformedCall]:
+        """The tool calls the turn makes."""
+        return parse_tool_calls(turn)
+
+    def answer(self, turn: str) -> Step:
+        """The step of a turn without a tool call: the episode ends (a subclass may score it)."""
+        return Step(done=True)
+
+    def observe(self, turn: str, results: Sequence[ToolResult]) -> Step:
+        """The step of a turn whose calls gave ``results``: one ``tool`` message each."""
+        messages = [{"role": "tool", "name": r.name or "", "content": r.text} for r in results]
+        return Step(messages, tool_calls=len(results), tool_errors=count_errors(results))
+
+    def step(self, turn: str) -> Step:
+        calls = self.calls(turn)
+        if not calls:
+            return self.answer(turn)
+        return self.observe(turn, self.runner.run(calls))
+
+
+def step_all(environments: Sequence[Any], turns: Sequence[str]) -> list[Step]:
+    """``environments[i].step(turns[i])`` for every i, with the tool calls of the
+    :class:`ToolEnvironment` s that share a runner (and keep its ``step``) run in one batch, in
+    parallel across its workers."""
+    steps: list[Step | None] = [None] * len(environments)
+    batches: dict[int, list[tuple[int, list[ToolCall | MalformedCall]]]] = {}
+    for i, (env, turn) in enumerate(zip(environments, turns, strict=True)):
+        if isinstance(env, ToolEnvironment) and type(env).step is ToolEnvironment.step:
+            calls = env.calls(turn)
+            if calls:
+                batches.setdefault(id(env.runner), []).append((i, calls))
+                continue
+            steps[i] = env.answer(turn)
+        else:
+            steps[i] = env.step(turn)
+    for batch in batches.values():
+        runner = environments[batch[0][0]].runner
+        results = iter(runner.run([call for _, calls in batch for call in calls]))
+        for i, calls in batch:
+            steps[i] = environments[i].observe(turns[i], [next(results) for _ in calls])
+    return steps  # type: ignore[return-value]
+
+
+class EnvironmentFactory:
+    """A fresh environment per episode, from ``model.episodes.environment`` and ``model.episodes.tools``.
+
+    Args:
+        environment: An environment class (or a function returning one), or its import path;
+            None for :class:`ToolEnvironment` over ``tools``. A :class:`ToolEnvironment`
+            subclass gets the tools' runner as its first argument.
+        tools: Tools (import paths or functions); only with no ``environment`` or a
+            :class:`ToolEnvironment` subclass.
+        tool_workers: Worker processes that run tool calls (``model.episodes.tool_workers``); 0 runs
+            them in this process.
+        tool_timeout: Seconds a tool call may take in a worker (``model.episodes.tool_timeout``); None
+            waits for ever.
+    """
+
+    def __init__(
+        self,
+        environment: str | Callable[..., Any] | None = None,
+        tools: Sequence[str | Callable[..., Any]] = (),
+        tool_workers: int = 0,
+        tool_timeout: float | None = None,
+    ) -> None:
+        self.make = ToolEnvironment if environment is None else load_environment(environment)
+        """What each episode's environment is made with."""
+        takes_tools = inspect.isclass(self.make) and issubclass(self.make, ToolEnvironment)
+        if environment is None and not tools:
+            raise ValueError(
+                "model.episodes.environment and model.episodes.tools are both unset; name an environment or list "
+                "tools for multi-turn episodes"
+            )
+        if tools and not takes_tools:
+            raise ValueError(
+                f"model.episodes.tools lists tools, but model.episodes.environment={environment!r} is not a "
+                "ToolEnvironment subclass to call them; leave model.episodes.environment null for the "
+                "built-in ToolEnvironment, or subclass it"
+            )
+        if takes_tools and not tools:
+            raise ValueError(
+                f"model.episodes.environment={environment!r} is a ToolEnvironment: list its tools in "
+                "model.episodes.tools"
+            )
+        self.runner = ToolRunner(tools, tool_workers, tool_timeout) if tools else None
+        """The tools and their workers; None without tools."""
+
+    def __call__(self) -> Environment:
+        """A fresh environment for one episode."""
+        return self.make(self.runner) if self.runner is not None else self.make()
+
+    def close(self) -> None:
+        """Stops the tool workers, if any."""
+        if self.runner is not None:
+            self.runner.close()

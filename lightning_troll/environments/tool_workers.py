@@ -1,0 +1,178 @@
+"""Tool calls run, in this process or in worker processes with a timeout (``model.episodes.tools``,
+``model.episodes.tool_workers``, ``model.episodes.tool_timeout``).
+
+:class:`ToolRunner` holds the tools and answers a turn's calls with one :class:`ToolResult`
+each: the tool's rendered result, or an error message the model reads as the result. A call
+never ends the run, whatever it does:
+
+============== =============================================================================
+kind           the model reads (``multiply`` being the tool)
+============== =============================================================================
+malformed      ``Error: the tool call is malformed: it is not JSON (...); write ...``
+unknown        ``Error: unknown tool 'divide'; the tools are multiply``
+bad_arguments  ``Error: tool 'multiply' got bad arguments: missing argument 'b'``
+raised         ``Error: tool 'multiply' raised ZeroDivisionError: division by zero``
+timeout        ``Error: tool 'multiply' timed out after 5 s``
+unrenderable   ``Error: tool 'multiply' returned a set, which is neither text nor ...``
+crashed        ``Error: tool 'multiply' killed its worker process (exit code -9); ...``
+============== =============================================================================
+
+With ``workers`` >= 1 the calls run in :class:`ToolWorkers`, the reward workers' pool
+(:class:`~lightning_troll.rewards.workers.WorkerPool`) running
+:func:`~lightning_troll.environments.calls.run_tool`: the calls of a batch in parallel, a call
+past ``timeout`` abandoned and its worker replaced, a worker that dies replaced too. With 0 they
+run in this process, one after another, and cannot be abandoned: a timeout needs workers.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_troll.environments.calls import (
+    TOOL_CALL_CLOSE,
+    TOOL_CALL_OPEN,
+    MalformedCall,
+    ToolCall,
+    ToolErrorKind,
+    ToolOutcome,
+    run_tool,
+)
+from lightning_troll.environments.options import check_tool_workers
+from lightning_troll.environments.tools import Tool, check_arguments, load_tools
+from lightning_troll.rewards.workers import WorkerPool, check_picklable
+
+__all__ = ["ToolResult", "ToolRunner", "ToolWorkers", "count_errors"]
+
+
+class ToolWorkers(WorkerPool):
+    """Worker processes that run tool calls, each abandoned after ``timeout`` seconds."""
+
+    runner = staticmethod(run_tool)
+    noun = "tool"
+    workers_option = "episodes.tool_workers"
+    timeout_option = "episodes.tool_timeout"
+    outcome = ToolOutcome
+    failed_value = ""
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    """What the model reads back for one call."""
+
+    name: str | None
+    """The tool called; None for a malformed call."""
+    text: str
+    """The tool's result rendered as text, or the error message (``"Error: ..."``)."""
+    error: ToolErrorKind | None = None
+    """Why the call failed; None when the tool ran and its result rendered."""
+
+
+def count_errors(results: Sequence[ToolResult]) -> dict[str, int]:
+    """kind -> the failed calls of that kind among ``results`` (kinds with none left out)."""
+    return dict(Counter(r.error for r in results if r.error is not None))
+
+
+CALL_FORMAT = f'{TOOL_CALL_OPEN}{{"name": ..., "arguments": {{...}}}}{TOOL_CALL_CLOSE}'
+
+
+class ToolRunner:
+    """The tools of ``model.episodes.tools``, and the calls of a turn (or of many) run.
+
+    Args:
+        tools: Import paths (``"my_tools:multiply"``) or functions, each type-hinted and with a
+            docstring (:mod:`~lightning_troll.environments.tools`).
+        workers: Worker processes that run the calls (``model.episodes.tool_workers``); 0 runs them in
+            this process.
+        timeout: Seconds a call may take in a worker before it is abandoned
+            (``model.episodes.tool_timeout``); None waits for ever. Needs ``workers`` >= 1.
+    """
+
+    def __init__(
+        self,
+        tools: Sequence[str | Callable[..., Any]],
+        workers: int = 0,
+        timeout: float | None = None,
+    ) -> None:
+        check_tool_workers(workers, timeout)
+        self.tools: dict[str, Tool] = load_tools(tools)
+        """name -> tool."""
+        if not self.tools:
+            raise ValueError("model.episodes.tools must name at least one tool; got none")
+        self.workers = None if workers == 0 else ToolWorkers(workers, timeout)
+        """The worker processes, or None to run calls in this process."""
+        self._payloads = {}
+        if self.workers is not None:
+            self._payloads = {
+                name: check_picklable(name, tool.function, "tool", ToolWorkers.workers_option)
+                for name, tool in self.tools.items()
+            }
+
+    @property
+    def schemas(self) -> list[dict[str, Any]]:
+        """The tools' JSON schemas, in the order of ``model.episodes.tools``."""
+        return [tool.schema for tool in self.tools.values()]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({list(self.tools)!r}, workers={self.workers!r})"
+
+    def close(self) -> None:
+        """Stops the worker processes, if any (the next :meth:`run` starts them again)."""
+        if self.workers is not None:
+            self.workers.close()
+
+    def run(self, calls: Sequence[ToolCall | MalformedCall]) -> list[ToolResult]:
+        """One result per call, in order: the checks here, then the tools (in parallel across the
+        workers, if any)."""
+        results: list[ToolResult | None] = [self._refused(call) for call in calls]
+        todo = [i for i, r in enumerate(results) if r is None]
+        if self.workers is not None:
+            jobs = []
+            for i in todo:
+                name = calls[i].name
+                function = self.tools[name].function
+                jobs.append((f"{name}@{id(function)}", self._payloads[name], function,
+                             calls[i].arguments))  # fmt: skip
+            outcomes = self.workers.run(jobs)
+        else:
+            outcomes = [run_tool(self.tools[calls[i].name].function, calls[i].arguments)
+                        for i in todo]  # fmt: skip
+        for i, outcome in zip(todo, outcomes, strict=True):
+            results[i] = self._result(calls[i].name, outcome)
+        return results  # type: ignore[return-value]
+
+    def _refused(self, call: ToolCall | MalformedCall) -> ToolResult | None:
+        """The error result of a call that is not run (malformed, unknown tool, bad arguments);
+        None for one that runs."""
+        if isinstance(call, MalformedCall):
+            return ToolResult(
+                None,
+                f"Error: the tool call is malformed: it {call.problem}; write {CALL_FORMAT}",
+                "malformed",
+            )
+        tool = self.tools.get(call.name)
+        if tool is None:
+            return ToolResult(
+                call.name,
+                f"Error: unknown tool {call.name!r}; the tools are {', '.join(self.tools)}",
+                "unknown",
+            )
+        problem = check_arguments(tool, call.arguments)
+        if problem is not None:
+            return ToolResult(
+                call.name,
+                f"Error: tool {call.name!r} got bad arguments: {problem}",
+                "bad_arguments",
+            )
+        return None
+
+    @staticmethod
+    def _result(name: str, outcome: ToolOutcome) -> ToolResult:
+        """The result of a call that ran; a worker's death (kind ``"error"``) is ``"crashed"``."""
+        text, problem, kind = outcome
+        if problem is None:
+            return ToolResult(name, text)
+        kind = kind if kind in ("raised", "timeout", "unrenderable") else "crashed"
+        return ToolResult(name, f"Error: tool {name!r} {problem}", kind)

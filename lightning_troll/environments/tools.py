@@ -1,0 +1,170 @@
+"""Tools as plain Python functions (``model.episodes.tools``): their JSON schemas, their arguments checked
+against them, and their results rendered as text.
+
+A tool is a function with a type hint on every argument and a Google-style docstring whose
+``Args:`` section describes each one::
+
+    def multiply(a: float, b: float) -> float:
+        \"\"\"Multiply two numbers.
+
+        Args:
+            a: The first number.
+            b: The second number.
+        \"\"\"
+        return a * b
+
+Its JSON schema (``{"type": "function", "function": {"name", "description", "parameters"}}``)
+comes from the signature and the docstring through transformers'
+``transformers.utils.get_json_schema``, the form chat templates take in
+``apply_chat_template(..., tools=...)``. ``model.episodes.tools`` names tools by import path
+(``my_tools:multiply``), found in the working directory, beside the config, or as any importable
+module, as a reward named by import path is (:mod:`lightning_troll.rewards.lookup`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_troll.rewards.lookup import load_by_import_path
+
+__all__ = ["Tool", "check_arguments", "load_tool", "load_tools", "render_result", "tool_schema"]
+
+OPTION = "model.episodes.tools"
+"""The option that lists the tools, as errors name it."""
+
+
+@dataclass(frozen=True)
+class Tool:
+    """One tool: the function the model calls by name, and the schema the prompt shows it."""
+
+    name: str
+    """The function's ``__name__``: the ``"name"`` of a tool call."""
+    function: Callable[..., Any]
+    """What a call runs, with the call's ``"arguments"`` as keyword arguments."""
+    schema: dict[str, Any]
+    """``{"type": "function", "function": {"name", "description", "parameters"}}``."""
+    spec: str
+    """How ``model.episodes.tools`` named it (an import path, or the function's name)."""
+
+    @property
+    def parameters(self) -> dict[str, Any]:
+        """The JSON schema of the arguments (``{"type": "object", "properties", "required"}``)."""
+        return self.schema["function"].get("parameters", {})
+
+
+def tool_schema(function: Callable[..., Any], spec: str) -> dict[str, Any]:
+    """The JSON schema of ``function``; ``ValueError`` naming ``model.episodes.tools`` and ``spec`` when
+    its type hints or docstring do not give one."""
+    from transformers.utils import get_json_schema
+
+    try:
+        return get_json_schema(function)
+    except Exception as exc:  # DocstringParsingException, TypeHintParsingException, ...
+        raise ValueError(
+            f"{OPTION}: {spec!r} cannot be a tool: {exc} A tool is a function with a type hint "
+            "on every argument and a docstring: a description, then an 'Args:' section with a "
+            "line 'name: description' per argument"
+        ) from None
+
+
+def load_tool(spec: str | Callable[..., Any]) -> Tool:
+    """A tool from an import path (``"my_tools:multiply"``) or a function."""
+    function = spec if callable(spec) else load_by_import_path(spec, OPTION)
+    label = spec if isinstance(spec, str) else getattr(spec, "__name__", repr(spec))
+    if inspect.isclass(function) or not callable(function):
+        what = "a class" if inspect.isclass(function) else f"a {type(function).__name__}"
+        raise ValueError(f"{OPTION}: {label!r} is {what}; a tool is a function")
+    schema = tool_schema(function, label)
+    return Tool(schema["function"]["name"], function, schema, label)
+
+
+def load_tools(specs: Sequence[str | Callable[..., Any]]) -> dict[str, Tool]:
+    """name -> tool, for every entry of ``model.episodes.tools``; refuses a name given twice."""
+    if isinstance(specs, str) or callable(specs):
+        specs = [specs]
+    tools: dict[str, Tool] = {}
+    for spec in specs:
+        tool = load_tool(spec)
+        if tool.name in tools:
+            raise ValueError(
+                f"{OPTION}: {tools[tool.name].spec!r} and {tool.spec!r} are both named "
+                f"{tool.name!r}; the model calls tools by name, so each needs its own"
+            )
+        tools[tool.name] = tool
+    return tools
+
+
+_JSON_TYPES: dict[str, tuple[type, ...]] = {
+    "string": (str,),
+    "integer": (int,),
+    "number": (int, float),
+    "boolean": (bool,),
+    "array": (list,),
+    "object": (dict,),
+    "null": (type(None),),
+}
+
+
+def _type_name(value: Any) -> str:
+    return {str: "string", bool: "boolean", int: "integer", float: "number", list: "array",
+            dict: "object", type(None): "null"}.get(type(value), type(value).__name__)  # fmt: skip
+
+
+def _mismatch(value: Any, schema: Mapping[str, Any]) -> str | None:
+    """Why ``value`` (parsed JSON) does not fit ``schema`` (type, nullable, enum, array items);
+    None when it fits. Types the check does not know pass."""
+    if value is None and schema.get("nullable"):
+        return None
+    if "enum" in schema and value not in schema["enum"]:
+        return f"is {value!r}, not one of {schema['enum']}"
+    names = schema.get("type")
+    names = [names] if isinstance(names, str) else list(names or [])
+    known = [n for n in names if n in _JSON_TYPES]
+    if known and len(known) == len(names):
+        fits = [
+            isinstance(value, _JSON_TYPES[n]) and not (isinstance(value, bool) and n != "boolean")
+            for n in known
+        ]
+        if not any(fits):
+            return f"should be {' or '.join(known)}, got {_type_name(value)} {value!r:.40}"
+    if isinstance(value, list) and isinstance(schema.get("items"), Mapping):
+        for i, item in enumerate(value):
+            problem = _mismatch(item, schema["items"])
+            if problem is not None:
+                return f"item {i} {problem}"
+    return None
+
+
+def check_arguments(tool: Tool, arguments: Mapping[str, Any]) -> str | None:
+    """Why the call's ``arguments`` do not fit the tool (an unexpected or missing argument, a
+    value of the wrong JSON type); None when they do."""
+    properties = tool.parameters.get("properties", {})
+    unexpected = sorted(set(arguments) - set(properties))
+    if unexpected:
+        return f"unexpected argument {unexpected[0]!r} (it takes {', '.join(properties) or 'none'})"
+    missing = [n for n in tool.parameters.get("required", []) if n not in arguments]
+    if missing:
+        return f"missing argument {missing[0]!r}"
+    for name, value in arguments.items():
+        problem = _mismatch(value, properties[name])
+        if problem is not None:
+            return f"argument {name!r} {problem}"
+    return None
+
+
+def render_result(value: Any) -> tuple[str | None, str | None]:
+    """``(text, None)``: a string as it is, anything JSON-serialisable as JSON; ``(None,
+    problem)`` for a value that is neither."""
+    if isinstance(value, str):
+        return value, None
+    try:
+        return json.dumps(value, ensure_ascii=False), None
+    except (TypeError, ValueError) as exc:  # not serialisable, or a circular structure
+        return None, (
+            f"returned a {type(value).__name__}, which is neither text nor JSON-serialisable "
+            f"({exc})"
+        )

@@ -1,0 +1,346 @@
+"""Multi-turn episodes at token level: the model's turns generated, the environment asked, its
+reply tokenized as the chat template renders it, until the episode ends.
+
+:func:`run_episodes` runs the episodes of a batch with any engine: it takes a ``generate_turn``
+callable (:class:`GenerateTurn`) that continues token sequences, one environment per episode
+(:mod:`lightning_troll.environments`) and their data rows. Each round, every running episode's
+context (prompt and response so far) is continued until a stop: an end-of-turn or end-of-text
+token (``<|im_end|>``, eos; kept), or the end of a stop string such as ``</tool_call>``
+(kept); tokens after the stop are dropped, so an engine that cannot stop at strings may run on.
+The environment answers the turn's text (:func:`~lightning_troll.environments.step_all`); its
+reply becomes the tokens the template writes between this turn and the next one's generation
+prompt (:class:`~lightning_troll.environments.Conversation`), with mask 0 and log-prob 0. An
+episode ends:
+
+- ``"done"``: the environment said so (a :class:`ToolEnvironment` turn without a tool call);
+- ``"max_turns"``: the model took ``model.episodes.max_turns`` turns;
+- ``"max_tokens"``: the token budget (model and environment tokens after the prompt) ran out,
+  inside a model turn (``truncated``) or before the environment's reply could be added whole
+  with room for one more token.
+
+An episode of one turn is exactly a plain completion: the same tokens, all with mask 1.
+
+Notation: B episodes, T_i episode i's response length (model and environment tokens), T = max_i
+T_i.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor, nn
+
+from lightning_troll.environments import TOOL_CALL_CLOSE, Conversation, step_all
+from lightning_troll.environments.protocol import Step
+from lightning_troll.rollouts.behaviour import BehaviourRecorder
+from lightning_troll.rollouts.rollout import SamplingConfig, sample
+
+__all__ = [
+    "ENDINGS",
+    "Episode",
+    "EpisodeLimits",
+    "GenerateTurn",
+    "GeneratedTurn",
+    "PaddedEpisodes",
+    "Stops",
+    "cut_at_stop",
+    "pad_episodes",
+    "run_episodes",
+    "sampled_turns",
+]
+
+ENDINGS = ("done", "max_turns", "max_tokens")
+"""Why an episode ended: the environment's word, the turn limit, the token budget."""
+
+
+@dataclass(frozen=True)
+class Stops:
+    """What ends a model turn (kept as its last tokens)."""
+
+    token_ids: tuple[int, ...]
+    """End-of-turn and end-of-text tokens (``<|im_end|>``, eos)."""
+    strings: tuple[str, ...] = (TOOL_CALL_CLOSE,)
+    """Texts that end a turn once written (the end of a tool call)."""
+
+
+@dataclass(frozen=True)
+class GeneratedTurn:
+    """What an engine generated for one sequence."""
+
+    token_ids: Sequence[int]
+    """The new tokens; a stop and anything after it may be included."""
+    logprobs: Sequence[float] | None = None
+    """The behaviour policy's log-prob of each new token; None gives 0 (computed later)."""
+
+
+class GenerateTurn(Protocol):
+    """Continues each of ``prompts`` (token ids) by at most ``max_new_tokens[i]`` tokens, ideally
+    stopping at ``stops``; returns one :class:`GeneratedTurn` (or a list of token ids) each."""
+
+    def __call__(
+        self, prompts: list[list[int]], max_new_tokens: list[int], stops: Stops
+    ) -> Sequence[GeneratedTurn | Sequence[int]]: ...
+
+
+@dataclass(frozen=True)
+class EpisodeLimits:
+    """Where an episode ends at the latest."""
+
+    max_turns: int
+    """Model turns per episode (``model.episodes.max_turns``), >= 1."""
+    max_tokens: int
+    """Response tokens per episode, model and environment tokens together (the rollout's response
+    length, ``model.sampling.max_new_tokens``), >= 1."""
+
+    def __post_init__(self) -> None:
+        for option, value in (("model.episodes.max_turns", self.max_turns),
+                              ("model.sampling.max_new_tokens", self.max_tokens)):  # fmt: skip
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{option} must be an integer >= 1; got {value!r}")
+
+
+@dataclass(frozen=True)
+class Episode:
+    """One finished episode; the lists over its response are all T_i long."""
+
+    prompt_ids: list[int]
+    """The prompt's tokens."""
+    token_ids: list[int]
+    """(T_i,) the response after the prompt: model turns and environment replies."""
+    mask: list[int]
+    """(T_i,) 1 on the model's own tokens, 0 on the environment's."""
+    logprobs: list[float]
+    """(T_i,) the behaviour policy's log-prob of each model token; 0.0 on environment tokens."""
+    turn_texts: list[str]
+    """Each model turn's text, its final stop token left out (the last is the final answer)."""
+    turn_rewards: list[float | None]
+    """The environment's reward for each model turn (None where it gave none)."""
+    end: str
+    """Why it ended: one of :data:`ENDINGS`."""
+    truncated: bool = False
+    """The last model turn ran out of tokens before a stop."""
+    tool_calls: int = 0
+    """Tool calls made over the episode."""
+    tool_errors: dict[str, int] = field(default_factory=dict)
+    """kind -> tool calls that failed that way over the episode."""
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    """The conversation: the prompt's messages, every model turn (its text) and every reply
+    (empty for a plain-text episode)."""
+
+    @property
+    def turns(self) -> int:
+        return len(self.turn_texts)
+
+
+def _decode(tokenizer: Any, ids: Sequence[int]) -> str:
+    return tokenizer.decode(
+        list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False
+    )
+
+
+def cut_at_stop(
+    token_ids: Sequence[int], tokenizer: Any, stops: Stops, limit: int
+) -> tuple[int, bool]:
+    """How many of ``token_ids`` (at most ``limit``) a turn keeps, and whether a stop ended it:
+    up to the first stop token, or to the first token whose text completes a stop string."""
+    ids = list(token_ids[:limit])
+    end = next((k + 1 for k, t in enumerate(ids) if t in stops.token_ids), None)
+    upto = len(ids) if end is None else end
+
+    def written(k: int) -> bool:
+        text = _decode(tokenizer, ids[:k])
+        return any(s in text for s in stops.strings)
+
+    if stops.strings and upto and written(upto):
+        low, high = 1, upto  # the first k whose text holds a stop string
+        while low < high:
+            middle = (low + high) // 2
+            low, high = (low, middle) if written(middle) else (middle + 1, high)
+        return low, True
+    return upto, end is not None
+
+
+def _turn_of(output: GeneratedTurn | Sequence[int]) -> tuple[list[int], list[float]]:
+    if not isinstance(output, GeneratedTurn):
+        output = GeneratedTurn(output)
+    ids = [int(t) for t in output.token_ids]
+    if output.logprobs is None:
+        return ids, [0.0] * len(ids)
+    logprobs = [float(x) for x in output.logprobs]
+    if len(logprobs) != len(ids):
+        raise ValueError(
+            f"generate_turn gave {len(ids)} tokens but {len(logprobs)} log-probs for one sequence"
+        )
+    return ids, logprobs
+
+
+class _Running:
+    """One episode on its way: its environment, conversation and response so far."""
+
+    def __init__(self, tokenizer: Any, environment: Any, row: Mapping[str, Any]) -> None:
+        self.tokenizer = tokenizer
+        self.environment = environment
+        schemas = getattr(environment, "tool_schemas", ())
+        self.conversation = Conversation(tokenizer, environment.reset(row), schemas)
+        self.prompt_ids = self.conversation.prompt_ids
+        self.tokens: list[int] = []
+        self.mask: list[int] = []
+        self.logprobs: list[float] = []
+        self.texts: list[str] = []
+        self.rewards: list[float | None] = []
+        self.closing = ""
+        self.end: str | None = None
+        self.truncated = False
+        self.tool_calls = 0
+        self.tool_errors: Counter[str] = Counter()
+
+    def room(self, limits: EpisodeLimits) -> int:
+        return limits.max_tokens - len(self.tokens)
+
+    def add_turn(self, output: Any, stops: Stops, limits: EpisodeLimits) -> bool:
+        """Adds the model's turn (cut at its stop); False when it ran out of tokens first."""
+        ids, logprobs = _turn_of(output)
+        keep, stopped = cut_at_stop(ids, self.tokenizer, stops, self.room(limits))
+        ids, logprobs = ids[:keep], logprobs[:keep]
+        self.tokens += ids
+        self.mask += [1] * keep
+        self.logprobs += logprobs
+        closed = stopped and ids[-1] in stops.token_ids
+        self.texts.append(_decode(self.tokenizer, ids[:-1] if closed else ids))
+        self.closing = _decode(self.tokenizer, ids[-1:]) if closed else ""
+        if not stopped:
+            self.rewards.append(None)
+            self.end, self.truncated = "max_tokens", True
+        return stopped
+
+    def answer(self, step: Step, limits: EpisodeLimits) -> None:
+        """Takes the environment's step: ends the episode, or adds its reply."""
+        if not isinstance(step, Step):
+            raise TypeError(
+                f"{type(self.environment).__name__}.step returned a {type(step).__name__}; an "
+                "environment's step returns a lightning_troll.environments.Step"
+            )
+        self.rewards.append(None if step.reward is None else float(step.reward))
+        self.tool_calls += step.tool_calls
+        self.tool_errors.update(step.tool_errors)
+        if step.done:
+            self.end = "done"
+            return
+        if len(self.texts) >= limits.max_turns:
+            self.end = "max_turns"
+            return
+        reply = self.conversation.reply_ids(
+            self.texts[-1], self.closing, step.observation, step.role
+        )
+        if len(reply) >= self.room(limits):  # the reply, and one token of the next turn
+            self.end = "max_tokens"
+            return
+        self.tokens += reply
+        self.mask += [0] * len(reply)
+        self.logprobs += [0.0] * len(reply)
+
+    def episode(self) -> Episode:
+        messages = [dict(m) for m in self.conversation.messages]
+        if not self.conversation.plain:  # the last turn, which no reply followed
+            messages.append({"role": "assistant", "content": self.texts[-1]})
+        return Episode(
+            self.prompt_ids, self.tokens, self.mask, self.logprobs, self.texts, self.rewards,
+            str(self.end), self.truncated, self.tool_calls, dict(self.tool_errors), messages,
+        )  # fmt: skip
+
+
+def run_episodes(
+    generate_turn: GenerateTurn,
+    tokenizer: Any,
+    environments: Sequence[Any],
+    rows: Sequence[Mapping[str, Any]],
+    limits: EpisodeLimits,
+    stops: Stops,
+) -> list[Episode]:
+    """Runs one episode per (environment, row) pair to its end; all of a batch's running episodes
+    generate each turn together. Each environment is closed when its episode ends."""
+    if len(environments) != len(rows):
+        raise ValueError(
+            f"run_episodes needs one environment per row; got {len(environments)} environments "
+            f"for {len(rows)} rows"
+        )
+    running = [_Running(tokenizer, env, row) for env, row in zip(environments, rows, strict=True)]
+    active = list(running)
+    while active:
+        outputs = generate_turn(
+            [r.prompt_ids + r.tokens for r in active], [r.room(limits) for r in active], stops
+        )
+        if len(outputs) != len(active):
+            raise ValueError(
+                f"generate_turn returned {len(outputs)} turns for {len(active)} sequences"
+            )
+        asking = [
+            r for r, out in zip(active, outputs, strict=True) if r.add_turn(out, stops, limits)
+        ]
+        steps = step_all([r.environment for r in asking], [r.texts[-1] for r in asking])
+        for episode, step in zip(asking, steps, strict=True):
+            episode.answer(step, limits)
+        for episode in active:
+            if episode.end is not None and callable(getattr(episode.environment, "close", None)):
+                episode.environment.close()
+        active = [r for r in active if r.end is None]
+    return [r.episode() for r in running]
+
+
+@dataclass(frozen=True)
+class PaddedEpisodes:
+    """A batch of episodes' responses as right-padded tensors, as a rollout holds them."""
+
+    tokens: Tensor
+    """(B, T) int64 response tokens, ``pad_id`` after each episode's end."""
+    attention_mask: Tensor
+    """(B, T) bool, True on every response token (the model's and the environment's)."""
+    mask: Tensor
+    """(B, T) bool, True on the model's own tokens: the loss's response mask."""
+    logprobs: Tensor
+    """(B, T) float32 behaviour log-probs, 0 where ``mask`` is False."""
+
+
+def pad_episodes(episodes: Sequence[Episode], pad_id: int) -> PaddedEpisodes:
+    """The episodes' responses as (B, T) tensors, right padded with ``pad_id``."""
+    width = max([len(e.token_ids) for e in episodes] + [1])  # T
+    tokens = torch.full((len(episodes), width), pad_id, dtype=torch.long)  # (B, T)
+    attention = torch.zeros((len(episodes), width), dtype=torch.bool)  # (B, T)
+    mask = torch.zeros((len(episodes), width), dtype=torch.bool)  # (B, T)
+    logprobs = torch.zeros((len(episodes), width), dtype=torch.float32)  # (B, T)
+    for i, episode in enumerate(episodes):
+        n = len(episode.token_ids)
+        tokens[i, :n] = torch.tensor(episode.token_ids, dtype=torch.long)
+        attention[i, :n] = True
+        mask[i, :n] = torch.tensor(episode.mask, dtype=torch.bool)
+        logprobs[i, :n] = torch.tensor(episode.logprobs, dtype=torch.float32)
+    return PaddedEpisodes(tokens, attention, mask, logprobs.masked_fill(~mask, 0.0))
+
+
+def sampled_turns(
+    model: nn.Module, sampling: SamplingConfig, pad_id: int, do_sample: bool = True
+) -> GenerateTurn:
+    """A ``generate_turn`` over :func:`~lightning_troll.rollouts.rollout.sample` (the HF
+    engine's KV-cached loop) that records the behaviour log-probs while it samples. It stops at
+    the stop tokens only; :func:`run_episodes` cuts a turn at a stop string."""
+
+    def generate(prompts: list[list[int]], max_new_tokens: list[int], stops: Stops):
+        turn = replace(sampling, max_new_tokens=max(max_new_tokens))
+        recorder = BehaviourRecorder(sampling.temperature)
+        input_ids, _, response_mask, _ = sample(
+            model, prompts, 1, turn, pad_id, list(stops.token_ids), do_sample, recorder
+        )  # (B, S + T), (B, T)
+        length = response_mask.shape[1]
+        record = recorder.finish(input_ids[:, -length:])  # logprobs (B, T)
+        return [
+            GeneratedTurn(ids[kept].tolist(), logprobs[kept].tolist())
+            for ids, logprobs, kept in zip(
+                input_ids[:, -length:], record.logprobs, response_mask, strict=True
+            )
+        ]
+
+    return generate

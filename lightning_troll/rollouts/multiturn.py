@@ -1,0 +1,225 @@
+"""A rollout of multi-turn episodes (``model.episodes``): the collector's sampling round when the
+model talks to tools or an environment instead of writing one completion.
+
+:class:`EpisodeSampler` runs ``group_size`` episodes per prompt with the rollout engine
+(:func:`engine_turns` continues every running episode by one turn through
+``RolloutEngine.generate``), then lays them out as a round of
+:class:`~lightning_troll.rollouts.samples.Samples`: the prompt (the environment's conversation,
+left padded), then the model's turns and the environment's replies (right padded). Every token
+is attended; the response mask, and with it the loss, the cached old distributions and every
+trust-region statistic, holds the model's own tokens only. The behaviour log-probs come from the
+teacher-forced pass after sampling (the engine's own, where it reports them, feed the mismatch
+correction). The reward functions score each episode's final answer (its last turn), and the
+environment's per-turn rewards add to it.
+
+Notation: B = P x G episodes, S the longest prompt, T the longest response.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_troll.environments import EnvironmentFactory
+from lightning_troll.environments.options import EpisodesConfig
+from lightning_troll.models.sharding import gathered
+from lightning_troll.rollouts.engine import RolloutEngine
+from lightning_troll.rollouts.episodes import (
+    ENDINGS,
+    Episode,
+    EpisodeLimits,
+    GeneratedTurn,
+    GenerateTurn,
+    Stops,
+    pad_episodes,
+    run_episodes,
+)
+from lightning_troll.rollouts.rollout import SamplingConfig, left_pad
+from lightning_troll.rollouts.samples import Samples, filled_rewards
+from lightning_troll.rollouts.timing import clock
+
+if TYPE_CHECKING:
+    from lightning_troll.data.prompts import PromptBatch
+
+__all__ = ["EngineTurns", "EpisodeSampler", "SampledEpisodes", "episode_figures", "last_turn"]
+
+
+class EngineTurns:
+    """A ``generate_turn`` (:class:`~lightning_troll.rollouts.episodes.GenerateTurn`) over
+    ``engine.generate``: one continuation per context, up to the largest budget left (each
+    episode is cut to its own), stopping at the stop tokens."""
+
+    def __init__(
+        self, engine: RolloutEngine, snapshot: nn.Module, sampling: SamplingConfig, pad_id: int
+    ) -> None:
+        self.engine, self.snapshot, self.sampling, self.pad_id = engine, snapshot, sampling, pad_id
+        self.reported = False
+        """Whether the engine gave its own log-probs of the sampled tokens."""
+
+    def __call__(
+        self, prompts: list[list[int]], max_new_tokens: list[int], stops: Stops
+    ) -> list[GeneratedTurn]:
+        turn = replace(self.sampling, max_new_tokens=max(max_new_tokens))
+        out = self.engine.generate(
+            self.snapshot, prompts, 1, turn, self.pad_id, list(stops.token_ids)
+        )
+        self.reported = out.logprobs is not None
+        length = out.response_mask.shape[1]
+        responses = out.input_ids[:, -length:]  # (B, T)
+        return [
+            GeneratedTurn(
+                responses[i][kept].tolist(),
+                None if out.logprobs is None else out.logprobs[i][kept].tolist(),
+            )
+            for i, kept in enumerate(out.response_mask)
+        ]
+
+
+def last_turn(response_mask: Tensor) -> Tensor:
+    """(B, T) bool: the model's last turn, the tokens of ``response_mask`` (B, T) after the
+    episode's last environment token."""
+    seen = response_mask.long().flip(-1).cumsum(-1).flip(-1)  # (B, T) model tokens from here on
+    after_env = torch.ones_like(response_mask)
+    positions = torch.arange(response_mask.shape[1], device=response_mask.device)
+    for i, row in enumerate(response_mask):
+        inside = (~row) & (seen[i] > 0)  # environment tokens before some model token
+        if inside.any():
+            after_env[i] = positions > positions[inside].max()
+    return response_mask & after_env
+
+
+def episode_figures(episodes: Sequence[Episode]) -> dict[str, float]:
+    """What the episodes of a rollout did: turns, tool calls and their errors per episode, the
+    share that called a tool, and the share of each ending (``episodes/...``)."""
+    n = max(len(episodes), 1)
+    errors: Counter[str] = Counter()
+    for episode in episodes:
+        errors.update(episode.tool_errors)
+    figures = {
+        "episodes/turns_mean": sum(e.turns for e in episodes) / n,
+        "episodes/tool_calls_mean": sum(e.tool_calls for e in episodes) / n,
+        "episodes/frac_tool_use": sum(e.tool_calls > 0 for e in episodes) / n,
+        "episodes/env_tokens_mean": sum(len(e.mask) - sum(e.mask) for e in episodes) / n,
+    }
+    figures.update({f"episodes/frac_end_{end}": sum(e.end == end for e in episodes) / n
+                    for end in ENDINGS})  # fmt: skip
+    figures.update({f"episodes/tool_errors_{kind}": count / n for kind, count in errors.items()})
+    return figures
+
+
+@dataclass(frozen=True)
+class SampledEpisodes:
+    """One round of episodes laid out as a rollout holds sequences."""
+
+    input_ids: Tensor
+    """(B, S + T) the prompt (left padded), then model turns and replies (right padded)."""
+    attention_mask: Tensor
+    """(B, S + T) 1 at every prompt and response token, the environment's included."""
+    response_mask: Tensor
+    """(B, T) bool, True at the model's own tokens."""
+    truncated: Tensor
+    """(B,) bool, True where the last turn ran out of tokens before a stop."""
+    engine_logprobs: Tensor | None
+    """(B, T) the engine's log-probs of the model's tokens (0 elsewhere), where it reports them."""
+    prompts: list[str]
+    """Each episode's prompt text (the environment's conversation, rendered)."""
+    env_rewards: Tensor
+    """(B,) float32 the environment's rewards summed over the episode's turns."""
+    episodes: list[Episode]
+
+
+class EpisodeSampler:
+    """Runs the episodes of ``model.episodes`` for the rollout collector.
+
+    Args:
+        config: the episodes' options.
+        tokenizer: the policy's tokenizer (its chat template renders the conversations).
+        stop_ids: the tokens that end a model turn (end of turn, end of text).
+        max_tokens: the token budget of an episode's response (model and environment tokens).
+    """
+
+    def __init__(
+        self, config: EpisodesConfig, tokenizer: Any, stop_ids: Sequence[int], max_tokens: int
+    ) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.make = EnvironmentFactory(
+            config.environment, config.tools or (), config.tool_workers, config.tool_timeout
+        )
+        self.limits = EpisodeLimits(config.max_turns, max_tokens)
+        self.stops = Stops(tuple(stop_ids))
+
+    def sample(
+        self, generate: GenerateTurn, rows: list[dict[str, Any]], pad_id: int, device
+    ) -> SampledEpisodes:
+        """One episode per row of ``rows`` (each with a fresh environment), continued turn by
+        turn by ``generate``, laid out on ``device``. The prompts the data wrote are not used:
+        the environment writes the conversation from the row."""
+        environments = [self.make() for _ in rows]
+        episodes = run_episodes(
+            generate, self.tokenizer, environments, rows, self.limits, self.stops
+        )
+        prompt_ids, prompt_mask = left_pad([e.prompt_ids for e in episodes], pad_id, device)
+        padded = pad_episodes(episodes, pad_id)
+        response = padded.tokens.to(device)  # (B, T)
+        reported = getattr(generate, "reported", False)
+        rewards = [sum(r for r in e.turn_rewards if r is not None) for e in episodes]
+        return SampledEpisodes(
+            input_ids=torch.cat([prompt_ids, response], dim=1),
+            attention_mask=torch.cat([prompt_mask, padded.attention_mask.to(device).long()], 1),
+            response_mask=padded.mask.to(device),
+            truncated=torch.tensor([e.truncated for e in episodes], device=device),
+            engine_logprobs=padded.logprobs.to(device) if reported else None,
+            prompts=[self.tokenizer.decode(e.prompt_ids) for e in episodes],
+            env_rewards=torch.tensor(rewards, dtype=torch.float32, device=device),
+            episodes=episodes,
+        )
+
+    def answers(
+        self, sampled: SampledEpisodes, decode: Callable[[Tensor, Tensor], list[str]]
+    ) -> list[str]:
+        """Each episode's final answer (its last turn), decoded as a completion is."""
+        mask = sampled.response_mask
+        return decode(sampled.input_ids[:, -mask.shape[1] :], last_turn(mask))
+
+    def round(self, collector: Any, batch: PromptBatch) -> Samples:
+        """A :class:`~lightning_troll.rollouts.collector.RolloutCollector`'s sampling round as
+        episodes: ``collector.group_size`` per row of
+        ``batch`` from its engine and behaviour policy, each scored on its final answer by the
+        reward functions (``collector.score``) plus the environment's rewards over its turns."""
+        group, engine = collector.group_size, collector.engine
+        start = clock(collector.device)
+        rows = [r for r in batch.rows for _ in range(group)]
+        with collector.behaviour() as snapshot, gathered(snapshot):
+            if engine.stale:
+                engine.load_weights(snapshot)
+            generate = EngineTurns(engine, snapshot, collector.sampling, collector.pad_id)
+            sampled = self.sample(generate, rows, collector.pad_id, collector.device)
+        seconds = clock(collector.device) - start
+        mask, device = sampled.response_mask, sampled.input_ids.device
+        answers = self.answers(sampled, collector.decode)
+        scored = collector.score(sampled.prompts, answers, rows, mask, device)
+        return Samples(
+            input_ids=sampled.input_ids,
+            attention_mask=sampled.attention_mask,
+            response_mask=mask,
+            truncated=sampled.truncated,
+            rewards=filled_rewards(scored, group) + sampled.env_rewards,
+            scored=scored,
+            completions=answers,
+            prompts=sampled.prompts,
+            rows=rows,
+            group_size=group,
+            seconds=seconds,
+            engine_logprobs=sampled.engine_logprobs,
+            episodes=sampled.episodes,
+        )
+
+    def close(self) -> None:
+        """Stops the tool workers."""
+        self.make.close()

@@ -1,0 +1,121 @@
+"""TrollModule's rollout parts: the rollout engine, the old policy's sparse rows, and what a
+rollout needs from the other processes (advantages over the global batch, a flag raised on any).
+
+Each is a small object or function that :class:`~lightning_troll.training.module.TrollModule`
+owns or calls; the module hands them to its
+:class:`~lightning_troll.rollouts.collector.RolloutCollector`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule
+from torch import Tensor, nn
+
+from lightning_troll.models.lora import LoraConfig
+from lightning_troll.objectives import LossConfig
+from lightning_troll.objectives.advantages import compute_advantages
+from lightning_troll.rollouts.drift import support_rule
+from lightning_troll.rollouts.engine import EngineContext, RolloutEngine, build_engine
+from lightning_troll.trust_region.projection import (
+    SparseDistribution,
+    TrustRegionProjection,
+    sparsify,
+)
+
+__all__ = ["GlobalBatch", "OldRows", "build_rollout_engine", "check_engine_processes"]
+
+
+def build_rollout_engine(
+    name: str,
+    options: dict[str, Any] | None,
+    context: EngineContext,
+    loss: LossConfig,
+) -> RolloutEngine:
+    """The engine of ``model.rollout_engine`` (it starts on its first rollout)."""
+    lora: LoraConfig | None = context.lora
+    if name != "hf" and lora is not None and lora.load_in_4bit:
+        raise ValueError(
+            f"model.rollout_engine={name!r} takes the policy's weights with the adapters "
+            "merged, which a 4-bit base rounds away; use rollout_engine 'hf' with "
+            "lora.load_in_4bit, or a base in float32/bfloat16"
+        )
+    engine = build_engine(name, context, options)
+    if loss.engine_is_cap is not None and engine.records_behaviour:
+        raise ValueError(
+            f"model.loss.engine_is_cap={loss.engine_is_cap} corrects for an engine that samples "
+            f"apart from the snapshot, but the {engine.name!r} engine samples with the snapshot "
+            "itself; set it to null, or use rollout_engine 'vllm'"
+        )
+    return engine
+
+
+def check_engine_processes(engine: RolloutEngine, world: int) -> None:
+    """Refuses an engine that runs in one process for a run of ``world`` processes."""
+    if world > 1 and not engine.several_processes:
+        raise ValueError(
+            f"model.rollout_engine={engine.name!r} runs in a single process; this run has "
+            f"{world} (trainer.devices x trainer.num_nodes): use rollout_engine 'hf' for DDP and "
+            "FSDP2, or one device"
+        )
+
+
+@dataclass
+class OldRows:
+    """The behaviour policy's sparse distributions, cut by ``model.trust_region``'s rule."""
+
+    objective: nn.Module
+    trust_region: Any
+    """The module's ``TrustRegionConfig`` (its rule also serves clipping's cached rows)."""
+
+    @property
+    def rule(self) -> TrustRegionProjection:
+        """The sparse rows' rule (see :func:`lightning_troll.rollouts.drift.support_rule`)."""
+        return support_rule(self.objective, self.trust_region)
+
+    def sparsify(self, logits: Tensor, tokens: Tensor) -> SparseDistribution:
+        """Sparse rows of ``logits`` (..., V) by the rule, the sampled ``tokens`` kept where
+        the rule keeps them."""
+        rule = self.rule
+        keep = tokens if rule.keep_token else None
+        return sparsify(logits, rule.max_tokens, rule.mass_delta, keep=keep)
+
+
+def world_size(module: LightningModule) -> int:
+    """Processes of the module's run (1 outside a trainer)."""
+    return module.trainer.world_size if module._trainer is not None else 1
+
+
+@dataclass
+class GlobalBatch:
+    """What a process's part of a rollout needs from all of them.
+
+    ``advantages`` gathers the (few) rewards of every process first, so that an estimator that
+    uses batch statistics (``reinforce_pp``'s std, ``scale_rewards: batch``, or a user's own)
+    sees the same batch as a single-process run would; groups never straddle processes.
+    """
+
+    module: LightningModule
+    estimator: str
+    group_size: int
+    scale_rewards: str | None
+
+    def advantages(self, rewards: Tensor) -> Tensor:
+        """Advantages (B,) of this process's rewards (B,), over the global batch."""
+        if world_size(self.module) == 1:
+            return compute_advantages(self.estimator, rewards, self.group_size, self.scale_rewards)
+        everyone = self.module.all_gather(rewards)  # (world, B)
+        advantages = compute_advantages(
+            self.estimator, everyone.flatten(), self.group_size, self.scale_rewards
+        )
+        return advantages.view_as(everyone)[self.module.global_rank]
+
+    def any_process(self, flag: bool) -> bool:
+        """True if ``flag`` holds on any process (every process must call this alike)."""
+        if world_size(self.module) == 1:
+            return flag
+        value = torch.tensor(float(flag), device=self.module.device)
+        return bool(self.module.trainer.strategy.reduce(value, reduce_op="sum") > 0)

@@ -1,0 +1,306 @@
+"""The episode loop at token level: model tokens with mask 1 and their log-probs, environment
+tokens with mask 0 as the template renders them, and the three ways an episode ends."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_troll.environments import Environment, Step, ToolEnvironment, ToolRunner
+from lightning_troll.rollouts.episodes import (
+    EpisodeLimits,
+    GeneratedTurn,
+    Stops,
+    cut_at_stop,
+    pad_episodes,
+    run_episodes,
+    sampled_turns,
+)
+from tests import tool_helpers
+from tests.chat_helpers import chat_tokenizer, encode
+
+CALL = '<tool_call>{"name": "multiply", "arguments": {"a": 6, "b": 7}}</tool_call>'
+FIRST = "Let me see.\n" + CALL
+"""The first turn: it ends at the end of the tool call (what follows it is cut)."""
+REPLY = (
+    "<|im_end|>\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n"
+    "<|im_start|>assistant\n"
+)
+"""What the template writes after the first turn: the close of the model's turn (the model
+stopped at the stop string, not at <|im_end|>), the result as a user turn (the template has no
+tool role), and the next generation prompt."""
+SECOND = "It is 42.<|im_end|>"
+
+
+def logprobs_of(n: int) -> list[float]:
+    return [-(k + 1) / 100 for k in range(n)]
+
+
+class Scripted:
+    """A ``generate_turn`` that plays each episode's scripted turns, found by a text its prompt
+    holds, each followed by text that a stop should cut; it records what it was asked."""
+
+    def __init__(self, tokenizer, scripts: dict[str, list[str]]) -> None:
+        self.tokenizer = tokenizer
+        self.scripts = {key: list(turns) for key, turns in scripts.items()}
+        self.asked: list[tuple[list[list[int]], list[int]]] = []
+
+    def __call__(self, prompts, max_new_tokens, stops):
+        self.asked.append((prompts, max_new_tokens))
+        turns = []
+        for prompt in prompts:
+            text = self.tokenizer.decode(prompt)
+            key = next(k for k in self.scripts if k in text)
+            ids = encode(self.tokenizer, self.scripts[key].pop(0) + "\nAND MORE")
+            turns.append(GeneratedTurn(ids, logprobs_of(len(ids))))
+        return turns
+
+
+def tool_episode(budget: int = 400, max_turns: int = 4, rows=({"prompt": "6*7?"},)):
+    tokenizer = chat_tokenizer()
+    runner = ToolRunner(["tests.tool_helpers:multiply"])
+    generate = Scripted(tokenizer, {row["prompt"]: [FIRST, SECOND] for row in rows})
+    envs = [ToolEnvironment(runner) for _ in rows]
+    stops = Stops((tokenizer.eos_token_id,))
+    episodes = run_episodes(
+        generate, tokenizer, envs, list(rows), EpisodeLimits(max_turns, budget), stops
+    )
+    return tokenizer, generate, episodes
+
+
+def test_a_tool_episode_masks_the_environments_tokens_as_the_template_renders_them():
+    tokenizer, generate, (episode,) = tool_episode()
+    first, reply, second = (
+        encode(tokenizer, FIRST),
+        encode(tokenizer, REPLY),
+        encode(tokenizer, SECOND),
+    )
+    assert episode.token_ids == first + reply + second
+    assert episode.mask == [1] * len(first) + [0] * len(reply) + [1] * len(second)
+    assert episode.logprobs == logprobs_of(len(first)) + [0.0] * len(reply) + logprobs_of(
+        len(second)
+    )
+    assert (episode.end, episode.truncated, episode.turns) == ("done", False, 2)
+    assert episode.turn_texts == [FIRST, "It is 42."]
+    assert episode.turn_rewards == [None, None]
+    assert (episode.tool_calls, episode.tool_errors) == (1, {})
+    # the prompt and the response are the whole conversation as the template renders it
+    rendered = tokenizer.apply_chat_template(episode.messages, tokenize=False)
+    whole = tokenizer.decode(episode.prompt_ids + episode.token_ids, skip_special_tokens=False)
+    assert "<bos>" + rendered == whole + "\n"  # the template's final close: <|im_end|>\n
+    # the second turn continued the whole context, with what was left of the budget
+    (_, _), (prompts, room) = generate.asked
+    assert prompts == [episode.prompt_ids + first + reply] and room == [400 - len(first + reply)]
+
+
+def test_tool_errors_are_counted_by_kind_over_the_episode():
+    tokenizer = chat_tokenizer()
+    bad = '<tool_call>{"name": "divide", "arguments": {}}</tool_call>'
+    generate = Scripted(tokenizer, {"6*7?": [bad, "<tool_call>{</tool_call>" + bad, SECOND]})
+    (episode,) = run_episodes(
+        generate, tokenizer, [ToolEnvironment(ToolRunner([tool_helpers.multiply]))],
+        [{"prompt": "6*7?"}], EpisodeLimits(4, 800), Stops((tokenizer.eos_token_id,)),
+    )  # fmt: skip
+    assert episode.end == "done" and episode.turns == 3
+    assert episode.tool_calls == 2  # a turn ends at its first </tool_call>
+    assert episode.tool_errors == {"unknown": 1, "malformed": 1}
+    assert "Error: unknown tool 'divide'; the tools are multiply" in episode.messages[-4]["content"]
+    assert "Error: the tool call is malformed: it is not JSON" in episode.messages[-2]["content"]
+
+
+def test_the_turn_limit_ends_an_episode_after_the_models_turn():
+    tokenizer = chat_tokenizer()
+    generate = Scripted(tokenizer, {"go": ["a<|im_end|>", "b<|im_end|>", "c<|im_end|>"]})
+    rows = [{"prompt": "go", "turns": 5}]
+    envs = [tool_helpers.Countdown()]
+    (episode,) = run_episodes(
+        generate, tokenizer, envs, rows, EpisodeLimits(2, 400), Stops((tokenizer.eos_token_id,))
+    )
+    assert (episode.end, episode.turns, episode.turn_rewards) == ("max_turns", 2, [0.0, 0.0])
+    reply = encode(tokenizer, "\n<|im_start|>user\n4 left<|im_end|>\n<|im_start|>assistant\n")
+    model = encode(tokenizer, "a<|im_end|>")
+    assert episode.token_ids == model + reply + encode(tokenizer, "b<|im_end|>")
+    assert episode.mask == [1] * len(model) + [0] * len(reply) + [1] * len(model)
+
+
+def test_the_environment_ends_an_episode_with_its_reward():
+    tokenizer = chat_tokenizer()
+    generate = Scripted(tokenizer, {"go": ["a<|im_end|>", "b<|im_end|>"]})
+    (episode,) = run_episodes(
+        generate, tokenizer, [tool_helpers.Countdown()], [{"prompt": "go", "turns": 2}],
+        EpisodeLimits(3, 400), Stops((tokenizer.eos_token_id,)),
+    )  # fmt: skip
+    assert (episode.end, episode.turns, episode.turn_rewards) == ("done", 2, [0.0, 1.0])
+
+
+def test_the_token_budget_cuts_a_turn_and_the_environment_is_not_asked():
+    tokenizer = chat_tokenizer()
+    budget = len(encode(tokenizer, FIRST)) - 3
+    _, _, (episode,) = tool_episode(budget)
+    assert (episode.end, episode.truncated, episode.turns) == ("max_tokens", True, 1)
+    assert episode.token_ids == encode(tokenizer, FIRST)[:budget] and episode.mask == [1] * budget
+    assert episode.turn_rewards == [None] and episode.tool_calls == 0
+
+
+def test_the_token_budget_ends_an_episode_before_a_reply_without_room_after_it():
+    """The reply would fill the budget exactly, leaving the next turn no token: the episode ends
+    after the model's turn. One token more, and the next turn gets that one token."""
+    tokenizer = chat_tokenizer()
+    first, reply = encode(tokenizer, FIRST), encode(tokenizer, REPLY)
+    _, _, (episode,) = tool_episode(len(first) + len(reply))
+    assert (episode.end, episode.truncated, episode.token_ids) == ("max_tokens", False, first)
+    assert episode.tool_calls == 1  # the environment was asked
+    _, generate, (episode,) = tool_episode(len(first) + len(reply) + 1)
+    assert (episode.end, episode.truncated) == ("max_tokens", True)
+    assert episode.token_ids == first + reply + encode(tokenizer, "I")
+    assert generate.asked[1][1] == [1]
+
+
+def test_a_batch_runs_each_episode_to_its_own_end_and_pads():
+    tokenizer = chat_tokenizer()
+    rows = [{"prompt": "go", "turns": 1}, {"prompt": "run", "turns": 2}]
+    generate = Scripted(tokenizer, {"go": ["a<|im_end|>"], "run": ["bb<|im_end|>", "c<|im_end|>"]})
+    episodes = run_episodes(
+        generate, tokenizer, [tool_helpers.Countdown(), tool_helpers.Countdown()], rows,
+        EpisodeLimits(4, 400), Stops((tokenizer.eos_token_id,)),
+    )  # fmt: skip
+    assert [len(prompts) for prompts, _ in generate.asked] == [2, 1]  # the first ended at once
+    padded = pad_episodes(episodes, pad_id=tokenizer.pad_token_id)
+    width = len(episodes[1].token_ids)
+    assert padded.tokens.shape == padded.mask.shape == padded.logprobs.shape == (2, width)
+    assert padded.tokens[0].tolist() == encode(tokenizer, "a<|im_end|>") + [0] * (width - 2)
+    assert padded.attention_mask.sum(-1).tolist() == [2, width]
+    assert padded.mask[1].tolist() == [bool(m) for m in episodes[1].mask]
+    assert padded.mask.sum().item() == 2 + 3 + 2  # model tokens: "a<im_end>", "bb<im_end>", ...
+    assert bool((padded.logprobs[~padded.mask] == 0).all())
+    assert padded.logprobs[1, :3].tolist() == pytest.approx(logprobs_of(3))
+
+
+def test_a_turn_is_cut_at_the_first_stop():
+    tokenizer = chat_tokenizer()
+    stops = Stops((tokenizer.eos_token_id,))
+    ids = encode(tokenizer, "ab<|im_end|>cd")
+    assert cut_at_stop(ids, tokenizer, stops, 10) == (3, True)
+    assert cut_at_stop(ids, tokenizer, stops, 2) == (2, False)
+    ids = encode(tokenizer, "x</tool_call>y<|im_end|>")
+    assert cut_at_stop(ids, tokenizer, stops, 100) == (len("x</tool_call>"), True)
+    assert cut_at_stop(ids, tokenizer, Stops((), ()), 100) == (len(ids), False)
+
+
+def test_generate_turn_must_answer_every_sequence_with_matching_log_probs():
+    tokenizer = chat_tokenizer()
+    args = ([tool_helpers.Countdown()], [{"prompt": "go", "turns": 1}], EpisodeLimits(1, 9),
+            Stops((tokenizer.eos_token_id,)))  # fmt: skip
+    with pytest.raises(ValueError, match="generate_turn returned 0 turns for 1 sequences"):
+        run_episodes(lambda p, n, s: [], tokenizer, *args)
+    with pytest.raises(ValueError, match="generate_turn gave 2 tokens but 1 log-probs"):
+        run_episodes(lambda p, n, s: [GeneratedTurn([5, 6], [0.0])], tokenizer, *args)
+    (episode,) = run_episodes(lambda p, n, s: [[5, tokenizer.eos_token_id]], tokenizer, *args)
+    assert episode.logprobs == [0.0, 0.0] and episode.end == "done"
+    with pytest.raises(ValueError, match="model.episodes.max_turns must be an integer >= 1; got 0"):
+        EpisodeLimits(0, 9)
+    with pytest.raises(ValueError, match="model.sampling.max_new_tokens must be an integer >= 1"):
+        EpisodeLimits(1, 0)
+
+
+# -- real sampling from TinyMath -------------------------------------------------------------------
+
+
+class OneTurn(Environment):
+    """A plain-text prompt, and the first turn ends the episode."""
+
+    def reset(self, row):
+        return row["prompt"]
+
+    def step(self, turn):
+        return Step(done=True)
+
+
+class MoreToAdd(Environment):
+    """A plain-text prompt; each turn is answered with ``+1=`` until ``turns`` turns."""
+
+    def __init__(self, turns: int) -> None:
+        self.turns = turns
+
+    def reset(self, row):
+        return row["prompt"]
+
+    def step(self, turn):
+        self.turns -= 1
+        return Step(done=True) if self.turns == 0 else Step("+1=")
+
+
+@pytest.fixture(scope="module")
+def tinymath():
+    from lightning_troll.models.loading import load_policy, load_tokenizer, stop_token_ids
+    from lightning_troll.models.tinymath import generate_problems
+
+    model, tokenizer = load_policy("tinymath"), load_tokenizer("tinymath")
+    return model, tokenizer, stop_token_ids(tokenizer, model), generate_problems(6, seed=3)
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_an_episode_of_one_turn_is_a_plain_completion(tinymath, do_sample):
+    """The same tokens, the same mask and the same behaviour log-probs as sampling the prompts
+    once, greedily or (from the same seed) at random."""
+    from lightning_troll.rollouts.behaviour import BehaviourRecorder
+    from lightning_troll.rollouts.rollout import SamplingConfig, sample
+
+    model, tokenizer, stop_ids, rows = tinymath
+    sampling = SamplingConfig(max_new_tokens=6)
+    pad = tokenizer.pad_token_id
+    prompts = [tokenizer(row["prompt"])["input_ids"] for row in rows]
+    recorder = BehaviourRecorder(sampling.temperature)
+    torch.manual_seed(0)
+    ids, _, response_mask, _ = sample(
+        model, prompts, 1, sampling, pad, list(stop_ids), do_sample, recorder
+    )  # (B, S + T), (B, T)
+    width = response_mask.shape[1]
+    logprobs = recorder.finish(ids[:, -width:]).logprobs.masked_fill(~response_mask, 0.0)
+    torch.manual_seed(0)
+    episodes = run_episodes(
+        sampled_turns(model, sampling, pad, do_sample), tokenizer, [OneTurn() for _ in rows],
+        rows, EpisodeLimits(1, sampling.max_new_tokens), Stops(stop_ids),
+    )  # fmt: skip
+    padded = pad_episodes(episodes, pad)
+    assert torch.equal(padded.tokens, ids[:, -width:])
+    assert torch.equal(padded.mask, response_mask)
+    assert torch.equal(padded.attention_mask, response_mask)
+    assert torch.allclose(padded.logprobs, logprobs, atol=1e-6)
+    assert all(e.prompt_ids == p for e, p in zip(episodes, prompts, strict=True))
+
+
+def test_sampled_episodes_continue_after_the_environments_tokens(tinymath):
+    model, tokenizer, stop_ids, rows = tinymath
+    from lightning_troll.rollouts.rollout import SamplingConfig
+
+    torch.manual_seed(1)
+    episodes = run_episodes(
+        sampled_turns(model, SamplingConfig(max_new_tokens=40), tokenizer.pad_token_id),
+        tokenizer, [MoreToAdd(3) for _ in rows], rows, EpisodeLimits(3, 40), Stops(stop_ids),
+    )  # fmt: skip
+    reply = tokenizer("+1=", add_special_tokens=False)["input_ids"]
+    for episode in episodes:
+        assert episode.end in ("done", "max_turns", "max_tokens")
+        environment = [t for t, m in zip(episode.token_ids, episode.mask, strict=True) if m == 0]
+        assert environment == reply * (episode.turns - 1)
+        # every model turn but a truncated last ends with the eos token
+        ends = [k for k, m in enumerate(episode.mask) if m and (k + 1 == len(episode.mask)
+                or episode.mask[k + 1] == 0)]  # fmt: skip
+        assert len(ends) == episode.turns
+        assert all(episode.token_ids[k] in stop_ids for k in ends[: len(ends) - episode.truncated])
+        assert all(lp < 0 for lp, m in zip(episode.logprobs, episode.mask, strict=True) if m)
+    assert any(episode.turns == 3 for episode in episodes)
+
+
+def test_a_step_that_is_not_a_step_is_refused():
+    class Tuple(OneTurn):
+        def step(self, turn):
+            return ("Lower.", 0.0, False)
+
+    tokenizer = chat_tokenizer()
+    with pytest.raises(TypeError, match=r"Tuple.step returned a tuple; an environment's step "):
+        run_episodes(
+            lambda p, n, s: [[5, tokenizer.eos_token_id]], tokenizer, [Tuple()],
+            [{"prompt": "go"}], EpisodeLimits(2, 9), Stops((tokenizer.eos_token_id,)),
+        )  # fmt: skip

@@ -1,0 +1,193 @@
+"""Multi-turn rollouts (``model.episodes``): the collector runs episodes instead of single
+completions, and the trust region acts on the model's own tokens only.
+
+TinyMath has no chat template, so its episodes are plain text: ``tests.tool_helpers:PlainTurns``
+starts from the row's prompt and replies ``"+1="`` after each turn but the last.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_troll.data.datamodule import PromptDataModule
+from lightning_troll.environments.options import EpisodesConfig
+from lightning_troll.rollouts.forward import response_logits
+from lightning_troll.rollouts.rollout import Rollout, SamplingConfig
+from lightning_troll.training.module import TrollModule
+
+ONE_TURN = EpisodesConfig(environment="tests.tool_helpers:PlainTurns", max_turns=4)
+THREE_TURNS = EpisodesConfig(environment="tests.tool_helpers:ThreePlainTurns", max_turns=4)
+
+
+def make_module(model_dir: Path, **kwargs) -> TrollModule:
+    options = {
+        "model": str(model_dir),
+        "group_size": 4,
+        "sampling": SamplingConfig(max_new_tokens=12),
+        "rewards": {"tests.reward_helpers:length_reward": 1.0},
+        "behaviour_logprobs": "forward",
+        "logits_chunk_size": None,
+    }
+    options.update(kwargs)
+    return TrollModule(**options)
+
+
+def a_batch(model_dir: Path):
+    data = PromptDataModule(
+        source="tinymath", tokenizer=str(model_dir), batch_size=2, num_train=8, num_val=0
+    )
+    data.setup("fit")
+    return next(iter(data.train_dataloader()))
+
+
+def collect(module: TrollModule, batch, seed: int = 0):
+    torch.manual_seed(seed)
+    return module.collector.collect(batch)
+
+
+def test_an_episode_of_one_turn_is_the_single_turn_rollout(tiny_model_dir):
+    """Bit for bit: the same tokens, masks, behaviour log-probs, sparse old rows, rewards and
+    advantages as a rollout without episodes, from the same seed."""
+    batch = a_batch(tiny_model_dir)
+    plain, _ = collect(make_module(tiny_model_dir), batch)
+    episodic, report = collect(make_module(tiny_model_dir, episodes=ONE_TURN), batch)
+    for field in dataclasses.fields(Rollout):
+        a, b = getattr(plain, field.name), getattr(episodic, field.name)
+        if isinstance(a, torch.Tensor):
+            assert a.dtype == b.dtype and torch.equal(a, b), field.name
+        elif field.name == "old":  # TROLL's sparse rows of the behaviour policy
+            for part in ("indices", "logprobs", "tail_logmass"):
+                assert torch.equal(getattr(a, part), getattr(b, part)), part
+        else:
+            assert a == b, field.name
+    assert report.engine["episodes/turns_mean"] == 1.0
+    assert report.engine["episodes/env_tokens_mean"] == 0.0
+
+
+def test_environment_tokens_are_attended_but_outside_the_loss(tiny_model_dir):
+    """Three turns: the replies are in the sequence (attended), never in the response mask; the
+    old distributions are cached for the model's tokens only; the behaviour log-probs of the
+    model's tokens equal a teacher-forced pass over the whole episode."""
+    module = make_module(tiny_model_dir, episodes=THREE_TURNS)
+    rollout, report = collect(module, a_batch(tiny_model_dir))
+    length = rollout.response_mask.shape[1]
+    responses = rollout.input_ids[:, -length:]
+    attended = rollout.attention_mask[:, -length:].bool()
+    env = attended & ~rollout.response_mask
+    assert env.any() and (rollout.response_mask <= attended).all()
+    episodes = report.kept.episodes
+    for i, episode in enumerate(episodes):
+        n = len(episode.token_ids)
+        assert responses[i, :n].tolist() == episode.token_ids
+        assert rollout.response_mask[i, :n].long().tolist() == episode.mask
+        replies = [t for t, m in zip(episode.token_ids, episode.mask, strict=True) if not m]
+        tokenizer = module.tokenizer
+        assert tokenizer.decode(replies) == "+1=" * (episode.turns - 1)
+    assert rollout.old.num_rows == int(rollout.response_mask.sum())
+    with torch.no_grad():
+        logits = response_logits(
+            module.policy, rollout.input_ids, rollout.attention_mask, length, 1.0
+        )  # (B, T, V)
+    forced = logits.log_softmax(-1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
+    mask = rollout.response_mask
+    torch.testing.assert_close(rollout.old_logprobs[mask], forced[mask], rtol=0, atol=1e-5)
+    assert (rollout.old_logprobs[~mask] == 0).all()
+    ended = [e.end for e in episodes]
+    assert report.engine["episodes/frac_end_done"] == ended.count("done") / len(ended)
+    assert report.engine["episodes/turns_mean"] == sum(e.turns for e in episodes) / len(ended)
+
+
+@pytest.mark.parametrize("objective", ["troll", "clip"])
+def test_environment_tokens_carry_exactly_zero_gradient(tiny_model_dir, objective):
+    """The loss's gradient with respect to the logits is exactly zero at every environment token
+    (and not at the model's), and the objective's statistics count the model's tokens only."""
+    module = make_module(tiny_model_dir, episodes=THREE_TURNS, objective=objective)
+    rollout, _ = collect(module, a_batch(tiny_model_dir))
+    # move the policy so the second pass is off-policy and the constraint acts
+    with torch.no_grad():
+        for p in module.policy.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    length = rollout.response_mask.shape[1]
+    logits = response_logits(
+        module.policy, rollout.input_ids, rollout.attention_mask, length, rollout.temperature
+    )  # (B, T, V)
+    logits.retain_grad()
+    loss, stats = module.objective(logits, rollout.loss_inputs())
+    loss.backward()
+    grad = logits.grad.abs().sum(-1)  # (B, T)
+    env = rollout.attention_mask[:, -length:].bool() & ~rollout.response_mask
+    assert env.any()
+    assert (grad[env] == 0).all() and (grad[~rollout.attention_mask[:, -length:].bool()] == 0).all()
+    assert (grad[rollout.response_mask] > 0).any()
+    assert int(stats.num_tokens) == int(rollout.response_mask.sum())
+
+
+def test_episodes_train_from_the_command_line(tmp_path, tiny_model_dir, monkeypatch):
+    """``model.episodes`` from the command line: two optimiser steps on three-turn episodes,
+    whose figures are logged."""
+    from tests.test_cli import ROOT, one_step, run
+
+    args = ["fit", "--config", str(ROOT / "configs" / "tinymath.yaml"), *one_step(tiny_model_dir)]
+    args += ["--model.episodes.environment", "tests.tool_helpers:ThreePlainTurns"]
+    args += ["--model.sampling.max_new_tokens", "16", "--trainer.max_steps", "2"]
+    monkeypatch.syspath_prepend(str(ROOT))
+    cli = run(args, tmp_path, monkeypatch)
+    assert cli.trainer.global_step == 2
+    assert cli.model.episodes.config.max_turns == 4
+    turns = float(cli.trainer.logged_metrics["episodes/turns_mean"])  # the last rollout's
+    assert 1 <= turns <= 3
+    assert 0 <= float(cli.trainer.logged_metrics["episodes/frac_end_done"]) <= 1
+    assert "val/accuracy" in cli.trainer.logged_metrics  # validated on episodes too
+
+
+def test_episodes_options_are_checked_before_the_model_loads():
+    with pytest.raises(ValueError, match=r"model.episodes.max_turns must be >= 1; got 0"):
+        EpisodesConfig(environment="x:y", max_turns=0)
+    with pytest.raises(ValueError, match=r"name an environment .* or list tools"):
+        EpisodesConfig()
+    with pytest.raises(ValueError, match=r"tool_timeout=5 needs model.episodes.tool_workers"):
+        EpisodesConfig(tools=["tests.tool_helpers:multiply"], tool_timeout=5)
+
+
+def test_validation_of_one_turn_episodes_is_the_single_turn_validation(tiny_model_dir):
+    """Validation plays episodes with the policy (greedy, and k sampled per prompt): with one
+    turn each, every figure equals the single-turn validation's."""
+    from lightning_troll.training.validation import validation_metrics
+
+    batch = dataclasses.replace(a_batch(tiny_model_dir), samples=3)
+    plain = validation_metrics(make_module(tiny_model_dir), batch, 0)
+    episodic = validation_metrics(make_module(tiny_model_dir, episodes=ONE_TURN), batch, 0)
+    assert set(plain) == set(episodic) == {"val/accuracy", "val/reward", "val/pass@3", "val/mean@3"}
+    for name, value in plain.items():
+        assert torch.equal(value, episodic[name]), name
+    assert float(plain["val/reward"]) > 0  # length rewards: the answers were scored
+
+
+def test_validation_of_several_turns_scores_the_last_turn(tiny_model_dir):
+    """Three turns: the validated answer is the episode's last turn, not the whole response."""
+    from lightning_troll.training import validation
+
+    module = make_module(tiny_model_dir, episodes=THREE_TURNS)
+    batch = a_batch(tiny_model_dir)
+    scored = validation._answers(module, batch, 1, do_sample=False)
+    generate = validation.sampled_turns(module.policy, module.sampling, 0, do_sample=False)
+    rows = list(batch.rows)
+    sampled = module.episodes.sample(generate, rows, 0, module.device)
+    last = [e.turn_texts[-1] for e in sampled.episodes]
+    assert all(e.turns == 3 or e.end != "done" for e in sampled.episodes)
+    lengths = [float(len(module.policies.decode(*pair)[0])) for pair in _last_turns(sampled)]
+    assert scored.total.tolist() == lengths
+    assert len(last) == len(rows)
+
+
+def _last_turns(sampled):
+    from lightning_troll.rollouts.multiturn import last_turn
+
+    mask = sampled.response_mask
+    responses = sampled.input_ids[:, -mask.shape[1] :]
+    last = last_turn(mask)
+    return [(responses[i : i + 1], last[i : i + 1]) for i in range(len(responses))]

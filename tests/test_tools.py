@@ -1,0 +1,318 @@
+"""Tools as plain Python functions: their schemas, the calls parsed from the model's output, and
+every way a call can fail giving the model an error message instead of ending the run."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+
+import pytest
+
+from lightning_troll.environments import (
+    MalformedCall,
+    ToolCall,
+    ToolResult,
+    ToolRunner,
+    load_tool,
+    load_tools,
+    parse_tool_calls,
+)
+from lightning_troll.environments.tools import check_arguments, render_result
+from lightning_troll.rewards.lookup import config_folders
+from tests import tool_helpers
+
+H = "tests.tool_helpers:"
+
+# -- schemas ---------------------------------------------------------------------------------------
+
+
+def test_the_schema_comes_from_the_hints_and_the_docstring():
+    """Written by hand: floats are JSON numbers, each argument's description is its Args: line,
+    the first docstring line is the description, and both arguments are required."""
+    tool = load_tool(H + "multiply")
+    assert tool.name == "multiply" and tool.function is tool_helpers.multiply
+    assert tool.schema == {
+        "type": "function",
+        "function": {
+            "name": "multiply",
+            "description": "Multiply two numbers.",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "a": {"type": "number", "description": "The first number."},
+                    "b": {"type": "number", "description": "The second number."},
+                },
+                "required": ["a", "b"],
+            },
+            "return": {"type": "number"},
+        },
+    }
+
+
+def test_optional_literal_and_defaulted_arguments():
+    tool = load_tool(tool_helpers.lookup)  # a function works as well as its import path
+    assert tool.parameters["required"] == ["city"]
+    assert tool.parameters["properties"]["unit"]["enum"] == ["celsius", "fahrenheit"]
+    assert tool.parameters["properties"]["days"] == {
+        "type": "integer", "nullable": True, "description": "How many days ahead, if any."
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("name", "reason"),
+    [
+        (
+            "no_docstring",
+            "Cannot generate JSON schema for no_docstring because it has no docstring",
+        ),
+        ("no_hints", "Argument a is missing a type hint in function no_hints"),
+    ],
+)
+def test_a_function_without_hints_or_docstring_is_refused(name, reason):
+    with pytest.raises(ValueError) as error:
+        load_tools([H + name])
+    message = str(error.value)
+    assert message.startswith(f"model.episodes.tools: '{H}{name}' cannot be a tool: {reason}")
+    assert "a type hint on every argument and a docstring" in message
+
+
+def test_refused_tools_name_the_option():
+    with pytest.raises(
+        ValueError, match=r"model.episodes.tools: 'tests.tool_helpers:Countdown' is a class"
+    ):
+        load_tool(H + "Countdown")
+    with pytest.raises(ValueError, match=r"model.episodes.tools: 'tests.tool_helpers:multiplyy': .* has "
+                       r"no function 'multiplyy'; did you mean 'multiply'\?"):  # fmt: skip
+        load_tool(H + "multiplyy")
+    with pytest.raises(ValueError, match=r"model.episodes.tools: 'multiply' is not an import path"):
+        load_tool("multiply")
+    with pytest.raises(ValueError, match=r"'tests.tool_helpers:multiply' and .* are both named "
+                       r"'multiply'"):  # fmt: skip
+        load_tools([H + "multiply", tool_helpers.multiply])
+    with pytest.raises(ValueError, match="model.episodes.tools must name at least one tool"):
+        ToolRunner([])
+
+
+def tools_module(folder, value):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "my_tools.py").write_text(textwrap.dedent(f'''
+        def add(a: int, b: int) -> int:
+            """Add two integers.
+
+            Args:
+                a: One.
+                b: The other.
+            """
+            return a + b + {value}
+    '''))  # fmt: skip
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_tools_module_is_found_beside_the_config_from_another_directory(
+    tmp_path, monkeypatch, workers
+):
+    """my_tools.py lies beside the config only; the working directory is elsewhere. The tool
+    is found there, and a worker process imports it too."""
+    configs, elsewhere = tmp_path / "configs", tmp_path / "elsewhere"
+    tools_module(configs, 100)
+    elsewhere.mkdir()
+    (configs / "task.yaml").write_text("model:\n  tools: [my_tools:add]\n")
+    monkeypatch.chdir(elsewhere)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.delitem(sys.modules, "my_tools", raising=False)
+    with config_folders([configs / "task.yaml"]):
+        runner = ToolRunner(["my_tools:add"], workers=workers)
+    try:
+        assert runner.run([ToolCall("add", {"a": 1, "b": 2})]) == [ToolResult("add", "103")]
+    finally:
+        runner.close()
+    with pytest.raises(ValueError) as error:  # without the config, it is nowhere
+        monkeypatch.delitem(sys.modules, "my_tools", raising=False)
+        sys.path.remove(str(configs))
+        load_tool("my_tools:add")
+    assert str(error.value).startswith(
+        f"model.episodes.tools: 'my_tools:add': no module 'my_tools' in the working directory {elsewhere}"
+    )
+    assert "built-in reward" not in str(error.value)
+
+
+# -- parsing ---------------------------------------------------------------------------------------
+
+
+def test_well_formed_calls_are_parsed_in_order():
+    text = (
+        'Let me compute.\n<tool_call>\n{"name": "multiply", "arguments": {"a": 6, "b": 7}}\n'
+        '</tool_call>\n<tool_call>{"name": "lookup", "arguments": "{\\"city\\": \\"Oslo\\"}"}'
+        '</tool_call><tool_call>{"name": "now"}</tool_call>'
+    )
+    assert parse_tool_calls(text) == [
+        ToolCall("multiply", {"a": 6, "b": 7}),
+        ToolCall("lookup", {"city": "Oslo"}),  # arguments as a JSON string, as OpenAI writes
+        ToolCall("now", {}),
+    ]
+
+
+def test_no_call_gives_an_empty_list():
+    assert parse_tool_calls("The answer is 42.") == []
+    assert parse_tool_calls("") == []
+
+
+@pytest.mark.parametrize(
+    ("body", "problem"),
+    [
+        ('{"name": "multiply", "arguments": {"a": 6,}}', "is not JSON (Expecting property name "
+         "enclosed in double quotes at character 42)"),
+        ('["multiply", 6, 7]', "is a JSON list, not an object"),
+        ('{"arguments": {"a": 1}}', 'has no "name" string'),
+        ('{"name": 3}', 'has no "name" string'),
+        ('{"name": "multiply", "arguments": [6, 7]}', 'has "arguments" that are not a JSON object'),
+        ('{"name": "multiply", "arguments": "6, 7"}', 'has "arguments" that are not a JSON object'),
+    ],
+)  # fmt: skip
+def test_malformed_calls_say_what_is_wrong(body, problem):
+    assert parse_tool_calls(f"x <tool_call>{body}</tool_call> y") == [MalformedCall(body, problem)]
+
+
+def test_an_unclosed_call_is_malformed_and_a_good_one_before_it_stays():
+    text = '<tool_call>{"name": "a"}</tool_call> then <tool_call>{"name": "b"'
+    assert parse_tool_calls(text) == [
+        ToolCall("a", {}), MalformedCall('{"name": "b"', "has no closing </tool_call>")
+    ]  # fmt: skip
+
+
+# -- arguments and results -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("arguments", "problem"),
+    [
+        ({"a": 1, "b": 2.5}, None),
+        ({"a": 1}, "missing argument 'b'"),
+        ({"a": 1, "b": 2, "c": 3}, "unexpected argument 'c' (it takes a, b)"),
+        ({"a": "six", "b": 2}, "argument 'a' should be number, got string 'six'"),
+        ({"a": True, "b": 2}, "argument 'a' should be number, got boolean True"),
+    ],
+)
+def test_arguments_are_checked_against_the_schema(arguments, problem):
+    assert check_arguments(load_tool(H + "multiply"), arguments) == problem
+
+
+def test_nullable_and_enum_arguments():
+    tool = load_tool(H + "lookup")
+    assert check_arguments(tool, {"city": "Oslo", "days": None}) is None
+    assert check_arguments(tool, {"city": "Oslo", "unit": "kelvin"}) == (
+        "argument 'unit' is 'kelvin', not one of ['celsius', 'fahrenheit']"
+    )
+    assert check_arguments(tool, {"city": "Oslo", "days": 1.5}) == (
+        "argument 'days' should be integer, got number 1.5"
+    )
+
+
+def test_results_render_as_text_or_json():
+    assert render_result("42") == ("42", None)
+    assert render_result(42.0) == ("42.0", None)
+    assert render_result({"t": [1, None, "é"]}) == ('{"t": [1, null, "é"]}', None)
+    text, problem = render_result({1, 2})
+    assert text is None and problem.startswith("returned a set, which is neither text nor JSON")
+
+
+# -- calls that fail -------------------------------------------------------------------------------
+
+FAILING_CALLS = [
+    (ToolCall("divide", {"a": 1, "b": 0}), "raised",
+     "Error: tool 'divide' raised ZeroDivisionError: division by zero"),
+    (ToolCall("square_root", {"x": 4}), "unknown",
+     "Error: unknown tool 'square_root'; the tools are multiply, divide, make_set, sleep, "
+     "exit_worker"),
+    (ToolCall("multiply", {"a": 6}), "bad_arguments",
+     "Error: tool 'multiply' got bad arguments: missing argument 'b'"),
+    (ToolCall("make_set", {"n": 2}), "unrenderable",
+     "Error: tool 'make_set' returned a set, which is neither text nor JSON-serialisable (Object "
+     "of type set is not JSON serializable)"),
+    (MalformedCall("{", "is not JSON (Expecting property name at character 1)"), "malformed",
+     'Error: the tool call is malformed: it is not JSON (Expecting property name at character '
+     '1); write <tool_call>{"name": ..., "arguments": {...}}</tool_call>'),
+]  # fmt: skip
+TOOLS = [H + n for n in ("multiply", "divide", "make_set", "sleep", "exit_worker")]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_each_failing_call_gives_its_error_text_and_kind(workers):
+    """In this process and in workers alike; the good call among them is answered."""
+    runner = ToolRunner(TOOLS, workers=workers)
+    try:
+        calls = [ToolCall("multiply", {"a": 6, "b": 7})] + [c for c, _, _ in FAILING_CALLS]
+        results = runner.run(calls)
+    finally:
+        runner.close()
+    assert results[0] == ToolResult("multiply", "42")
+    for result, (call, kind, text) in zip(results[1:], FAILING_CALLS, strict=True):
+        assert (result.error, result.text) == (kind, text)
+        assert result.name == (None if kind == "malformed" else call.name)
+
+
+def test_a_hanging_tool_times_out_and_the_workers_go_on():
+    """One call sleeps past the 1 s timeout: it is abandoned, its worker replaced, and the calls
+    beside it and after it are answered."""
+    runner = ToolRunner(TOOLS, workers=2, timeout=1.0)
+    try:
+        results = runner.run(
+            [ToolCall("sleep", {"seconds": 30}), ToolCall("multiply", {"a": 2, "b": 3})]
+        )
+        assert results == [
+            ToolResult("sleep", "Error: tool 'sleep' timed out after 1 s", "timeout"),
+            ToolResult("multiply", "6"),
+        ]
+        assert runner.workers.restarts == 1
+        assert runner.run([ToolCall("sleep", {"seconds": 0.01})]) == [ToolResult("sleep", "awake")]
+    finally:
+        runner.close()
+
+
+def test_a_tool_that_kills_its_worker_is_an_error_and_the_worker_is_replaced():
+    runner = ToolRunner(TOOLS, workers=1, timeout=30.0)
+    try:
+        (result,) = runner.run([ToolCall("exit_worker", {"code": 3})])
+        assert result.error == "crashed"
+        assert result.text == (
+            "Error: tool 'exit_worker' killed its worker process (exit code 3); the worker was "
+            "restarted"
+        )
+        assert runner.run([ToolCall("multiply", {"a": 2, "b": 2})]) == [ToolResult("multiply", "4")]
+    finally:
+        runner.close()
+
+
+def test_worker_options_are_checked():
+    with pytest.raises(ValueError) as error:
+        ToolRunner(TOOLS, workers=0, timeout=5)
+    assert str(error.value).startswith(
+        "model.episodes.tool_timeout=5 needs model.episodes.tool_workers >= 1: a call in the trainer's own process "
+        "cannot be abandoned"
+    )
+    with pytest.raises(
+        ValueError, match=r"model.episodes.tool_workers must be an integer >= 0; got -1"
+    ):
+        ToolRunner(TOOLS, workers=-1)
+    with pytest.raises(
+        ValueError, match=r"model.episodes.tool_timeout must be null or > 0 seconds; got 0"
+    ):
+        ToolRunner(TOOLS, workers=1, timeout=0)
+
+
+def test_a_tool_that_does_not_pickle_runs_in_process_only():
+    def local(a: int) -> int:
+        """A closure.
+
+        Args:
+            a: A number.
+        """
+        return a
+
+    assert ToolRunner([local]).run([ToolCall("local", {"a": 1})]) == [ToolResult("local", "1")]
+    refused = (
+        r"tool 'local' cannot run in a worker process \(model.episodes.tool_workers > 0\).*or run "
+        r"in-process with model.episodes.tool_workers 0"
+    )
+    with pytest.raises(ValueError, match=refused):
+        ToolRunner([local], workers=1)

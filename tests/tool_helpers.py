@@ -1,0 +1,125 @@
+"""Tools and environments that tests name by import path (``tests.tool_helpers:...``); the tool
+workers import them from here."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from lightning_troll.environments import Environment, Step
+
+
+def multiply(a: float, b: float) -> float:
+    """Multiply two numbers.
+
+    Args:
+        a: The first number.
+        b: The second number.
+    """
+    return a * b
+
+
+def lookup(city: str, unit: Literal["celsius", "fahrenheit"] = "celsius", days: int | None = None):
+    """Tell the weather in a city.
+
+    Args:
+        city: The city's name.
+        unit: The temperature unit.
+        days: How many days ahead, if any.
+    """
+    return {"city": city, "unit": unit, "days": days, "temperature": 21}
+
+
+def divide(a: float, b: float) -> float:
+    """Divide one number by another (raises on a zero divisor).
+
+    Args:
+        a: The dividend.
+        b: The divisor.
+    """
+    return a / b
+
+
+def sleep(seconds: float) -> str:
+    """Sleep for a while, then say so (hangs a worker past its timeout).
+
+    Args:
+        seconds: How long to sleep.
+    """
+    time.sleep(seconds)
+    return "awake"
+
+
+def make_set(n: int) -> set:
+    """A set of the numbers below n, which is neither text nor JSON.
+
+    Args:
+        n: How many numbers.
+    """
+    return set(range(n))
+
+
+def exit_worker(code: int) -> str:
+    """End the process at once (a segfault, the OOM killer).
+
+    Args:
+        code: The exit status.
+    """
+    os._exit(code)
+
+
+def no_docstring(a: int) -> int:
+    return a
+
+
+def no_hints(a, b):
+    """Add two things.
+
+    Args:
+        a: One.
+        b: The other.
+    """
+    return a + b
+
+
+class Countdown(Environment):
+    """An episode of ``row["turns"]`` turns: each reply says how many are left; the last turn
+    gets reward 1."""
+
+    def reset(self, row: Mapping[str, Any]):
+        self.left = int(row["turns"])
+        return [{"role": "user", "content": str(row["prompt"])}]
+
+    def step(self, turn: str) -> Step:
+        self.left -= 1
+        if self.left == 0:
+            return Step(reward=1.0, done=True)
+        return Step(f"{self.left} left", reward=0.0)
+
+
+class NotAnEnvironment:
+    """Has neither reset nor step."""
+
+
+class PlainTurns(Environment):
+    """A plain-text episode (for a model without a chat template, such as TinyMath) of
+    ``turns`` model turns: it starts from the row's prompt, each reply is ``"+1="``, and it gives
+    no reward of its own."""
+
+    turns = 1
+
+    def reset(self, row: Mapping[str, Any]) -> str:
+        self.left = self.turns
+        return str(row["prompt"])
+
+    def step(self, turn: str) -> Step:
+        self.left -= 1
+        return Step(done=True) if self.left <= 0 else Step("+1=")
+
+
+class ThreePlainTurns(PlainTurns):
+    """:class:`PlainTurns` of three turns."""
+
+    turns = 3
