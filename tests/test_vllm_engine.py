@@ -187,3 +187,33 @@ def test_several_processes_each_sample_with_an_engine_of_their_own(tmp_path, str
     # the policy trained, so rollouts 2 and 3 sampled from weights the engine was pushed
     trained, start = weights(out)["policy"], load_policy("tinymath").state_dict()
     assert max(float((trained[n] - v).abs().max()) for n, v in start.items()) > 0
+
+
+def test_episodes_sample_with_vllm_and_its_logprobs_match_the_snapshot():
+    """Three-turn plain-text episodes sampled by vLLM: the environment's replies are in the
+    sequence and outside the response mask, and vLLM's log-probs of the model's tokens agree
+    with the snapshot's teacher-forced pass (the logged mismatch, over the model's tokens)."""
+    from lightning_troll.environments.options import EpisodesConfig
+    from tests.test_multiturn import a_batch
+    from tests.test_training import make_module
+
+    episodes = EpisodesConfig(environment="tests.tool_helpers:ThreePlainTurns", max_turns=4)
+    module = make_module(
+        "tinymath",
+        rollout_engine="vllm",
+        rollout_engine_options={"kv_cache_gib": 0.25},
+        episodes=episodes,
+        sampling=SamplingConfig(max_new_tokens=16),
+    )
+    try:
+        torch.manual_seed(0)
+        rollout, report = module.collector.collect(a_batch("tinymath"))
+    finally:
+        module.engine.close()
+    length = rollout.response_mask.shape[1]
+    attended = rollout.attention_mask[:, -length:].bool()
+    assert (attended & ~rollout.response_mask).any()  # the replies
+    assert report.engine["episodes/turns_mean"] > 1
+    assert report.engine["rollout/engine_logprob_diff"] <= 1e-4
+    assert report.kept.engine_logprobs is not None
+    assert (report.kept.engine_logprobs[~rollout.response_mask] == 0).all()
