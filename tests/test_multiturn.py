@@ -18,22 +18,21 @@ from lightning_troll.environments.options import EpisodesConfig
 from lightning_troll.rollouts.forward import response_logits
 from lightning_troll.rollouts.rollout import Rollout, SamplingConfig
 from lightning_troll.training.module import TrollModule
+from tests.test_training import make_module as training_module
 
 ONE_TURN = EpisodesConfig(environment="tests.tool_helpers:PlainTurns", max_turns=4)
 THREE_TURNS = EpisodesConfig(environment="tests.tool_helpers:ThreePlainTurns", max_turns=4)
 
 
 def make_module(model_dir: Path, **kwargs) -> TrollModule:
+    """test_training's module, with room for three turns, a teacher-forced behaviour pass and
+    full logits (so that a test can take their gradient)."""
     options = {
-        "model": str(model_dir),
-        "group_size": 4,
         "sampling": SamplingConfig(max_new_tokens=12),
-        "rewards": {"tests.reward_helpers:length_reward": 1.0},
         "behaviour_logprobs": "forward",
         "logits_chunk_size": None,
     }
-    options.update(kwargs)
-    return TrollModule(**options)
+    return training_module(model_dir, **{**options, **kwargs})
 
 
 def a_batch(model_dir: Path):
