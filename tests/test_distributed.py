@@ -208,6 +208,21 @@ def test_decoder_layers_of_the_demo_policy():
     assert layers == list(policy.model.layers) and len(layers) == policy.config.num_hidden_layers
 
 
+def test_fsdp2_parameter_groups_of_either_torch_layout():
+    """FSDP2's state holds a list of parameter groups in newer torch and one group (or None) in
+    torch 2.11; gathering reads either (2.11's attribute name failed the first GPU check)."""
+    from types import SimpleNamespace
+
+    from lightning_troll.models.sharding import _param_groups
+
+    one, two = SimpleNamespace(post_forward_mesh_info=None), SimpleNamespace()
+    assert _param_groups(SimpleNamespace(_fsdp_param_groups=[one, two])) == [one, two]
+    assert _param_groups(SimpleNamespace(_fsdp_param_group=one)) == [one]
+    assert _param_groups(SimpleNamespace(_fsdp_param_group=None)) == []
+    with pytest.raises(AttributeError):  # a layout neither names is not read as "no groups"
+        _param_groups(SimpleNamespace())
+
+
 def test_fsdp1_is_refused_with_the_way_out():
     from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
 

@@ -240,6 +240,9 @@ def test_tiny_check_runs_every_phase_and_reports_it(tmp_path):
     assert overhead["paper"] == {"time_ratio": 1.091, "memory_ratio": 1.046}
     for row in overhead["rows"]:
         assert row["clip_ms"] > 0 and row["troll_ms"] > 0 and row["clip_peak_mib"] > 0
+        calls = "launches" if cuda else "aten_calls"  # kernel launches on CUDA
+        assert row[f"troll_{calls}"] > row[f"clip_{calls}"] > 100
+        assert row["troll_syncs"] >= 0 and row["clip_syncs"] >= 0
         assert row["time_ratio"] == pytest.approx(row["troll_ms"] / row["clip_ms"], rel=1e-3)
         assert row["memory_ratio"] == pytest.approx(
             row["troll_peak_mib"] / row["clip_peak_mib"], rel=1e-3
@@ -276,3 +279,20 @@ def test_a_phase_that_raises_is_recorded_and_the_next_one_runs(tmp_path):
     assert second["name"] == "generation" and second["status"] == "ok"
     assert report["summary"] == {"ok": 1, "skipped": 0, "failed": 1}
     assert "[1/2] overhead: failed" in done.stdout and "[2/2] generation: ok" in done.stdout
+
+
+@pytest.mark.slow  # builds and steps two tiny models
+def test_the_step_profile_counts_calls_and_host_syncs(capsys):
+    """``examples/profile_step.py --tiny``: both objectives timed and profiled; TROLL's step makes
+    more operator calls than clipping's (the projection), and every count is a real one."""
+    import profile_step
+
+    report = profile_step.main(["--tiny", "--tables", "0", "--repeats", "1"])
+    assert set(report) == {"clip", "troll"}
+    for row in report.values():
+        assert set(row) == {"median_ms", "aten_calls", "syncs"}
+        assert row["median_ms"] > 0 and row["aten_calls"] > 100
+    assert report["troll"]["aten_calls"] > report["clip"]["aten_calls"]
+    assert "troll / clip step time: x" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        profile_step.main(["--repeats", "0"])

@@ -72,3 +72,25 @@ def test_pass_at_k_samples_beside_the_greedy_answers(tiny_model_dir):
     assert first["val/mean@4"] == pytest.approx(right.float().mean().item(), abs=1e-7)
     one = validate(module, tiny_model_dir, 1)
     assert one["val/pass@1"] == one["val/mean@1"]
+
+
+def test_validation_logs_its_figures_on_the_module_device(tiny_model_dir, monkeypatch):
+    """The scores are CPU tensors; with ``sync_dist`` NCCL reduces only tensors on the module's
+    device, so each figure moves there before it is logged (the first GPU check failed here)."""
+    from types import SimpleNamespace
+
+    import lightning_troll.training.module as module_file
+
+    module = make_module(tiny_model_dir)
+    figures = {"val/accuracy": torch.tensor(0.5), "val/reward": torch.tensor(0.25)}
+    monkeypatch.setattr(module_file, "validation_metrics", lambda *args: figures)
+    monkeypatch.setattr(module_file, "stopping_between_validations", lambda trainer: False)
+    monkeypatch.setattr(type(module), "device", property(lambda self: torch.device("meta")))
+    module._trainer = SimpleNamespace()  # read by stopping_between_validations only
+    logged = {}
+    monkeypatch.setattr(module, "log", lambda name, value, **kw: logged.update({name: (value, kw)}))
+    module.validation_step(SimpleNamespace(prompts=["a", "b", "c"]), 0)
+    assert set(logged) == set(figures)
+    for name, (value, options) in logged.items():
+        assert value.device == torch.device("meta"), name
+        assert options == {"batch_size": 3, "sync_dist": True}

@@ -95,9 +95,22 @@ def check_shardable(snapshot: SnapshotConfig, lora: LoraConfig | None) -> None:
         )
 
 
+def _param_groups(state) -> list:
+    """An FSDP2 state's parameter groups: a list in newer torch, one group (or None) in torch 2.11,
+    which the GPU image holds."""
+    if hasattr(state, "_fsdp_param_groups"):
+        return list(state._fsdp_param_groups)
+    if hasattr(state, "_fsdp_param_group"):
+        return [] if state._fsdp_param_group is None else [state._fsdp_param_group]
+    raise AttributeError(
+        f"this torch's FSDP2 state ({type(state).__name__}) has neither _fsdp_param_groups nor "
+        f"_fsdp_param_group; lightning_troll.models.sharding.gathered needs updating for it"
+    )
+
+
 def _groups_reshard_after_forward(module: FSDPModule) -> bool:
     state = module._get_fsdp_state()
-    return any(g.post_forward_mesh_info is not None for g in state._fsdp_param_groups)
+    return any(g.post_forward_mesh_info is not None for g in _param_groups(state))
 
 
 @contextmanager

@@ -351,6 +351,6 @@ class TrollModule(LightningModule):
         (:func:`~lightning_troll.training.validation.stopping_between_validations`)."""
         if stopping_between_validations(self.trainer):
             return
-        size = len(batch.prompts)
+        size = len(batch.prompts)  # scores are CPU tensors: NCCL reduces them on self.device
         for name, value in validation_metrics(self, batch, batch_idx).items():
-            self.log(name, value, batch_size=size, sync_dist=True)
+            self.log(name, value.to(self.device), batch_size=size, sync_dist=True)

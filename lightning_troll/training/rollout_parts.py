@@ -107,11 +107,12 @@ class GlobalBatch:
         """Advantages (B,) of this process's rewards (B,), over the global batch."""
         if world_size(self.module) == 1:
             return compute_advantages(self.estimator, rewards, self.group_size, self.scale_rewards)
-        everyone = self.module.all_gather(rewards)  # (world, B)
+        # rewards are scored on the CPU; NCCL gathers only tensors on the module's device
+        everyone = self.module.all_gather(rewards.to(self.module.device))  # (world, B)
         advantages = compute_advantages(
             self.estimator, everyone.flatten(), self.group_size, self.scale_rewards
         )
-        return advantages.view_as(everyone)[self.module.global_rank]
+        return advantages.view_as(everyone)[self.module.global_rank].to(rewards.device)
 
     def any_process(self, flag: bool) -> bool:
         """True if ``flag`` holds on any process (every process must call this alike)."""
