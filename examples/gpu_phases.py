@@ -218,7 +218,7 @@ def overhead_at(shape: Shape, setting: OverheadSetting, sequences: int) -> dict[
         row[f"{name}_baseline_mib"] = round(baseline, 1)
         if name == "troll":
             row["projected_frac"] = round(float(stats.active_frac), 4)
-        del optimizer, rollout
+        del optimizer, rollout, step
         policy.zero_grad(set_to_none=True)
         free_memory()
     row["time_ratio"] = round(row["troll_ms"] / row["clip_ms"], 4)
