@@ -1,9 +1,10 @@
 """What reward worker processes save: a slow reward scored serially and across workers.
 
 A reward that takes 50 ms a call (a verifier, a sandbox, a remote check) scores one rollout of 64
-completions, first in the trainer's process (``model.reward_workers: 0``), then across two worker
-processes (``model.reward_workers: 2``), in one run. The workers are started (and warmed up) before
-the timed call, as they are after a run's first rollout; their start-up is printed apart.
+completions, first in the trainer's process (``model.reward_options.workers: 0``), then across two
+worker processes (``model.reward_options.workers: 2``), in one run. The workers are started (and
+warmed up) before the timed call, as they are after a run's first rollout; their start-up is
+printed apart.
 
     .venv/bin/python examples/benchmark_reward_workers.py [--completions 64] [--delay 0.05]
         [--workers 2] [--json out.json]

@@ -40,7 +40,7 @@ BASE = [
     "--data.num_val", "16",
     "--data.val_batch_size", "16",
     "--model.optimization.minibatch_size", "64",
-    "--model.reward_workers", "0",
+    "--model.reward_options.workers", "0",
     "--model.optimizer.init_args.lr", "3e-3",  # steps large enough that both constraints act
     "--model.trust_region.eps", "0.002",
 ]  # fmt: skip

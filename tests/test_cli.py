@@ -14,6 +14,7 @@ from lightning_troll.cli.command import main as cli_main
 from lightning_troll.cli.command import quarter_means, shows_help
 from lightning_troll.cli.command import run as cli_run
 from lightning_troll.objectives import ClipObjective, TrollObjective
+from lightning_troll.rewards.options import DEPRECATED_KEYS
 from lightning_troll.rewards.registry import RewardError
 from lightning_troll.training import policies as policies_file
 from lightning_troll.training.module import TrollModule
@@ -238,6 +239,34 @@ def test_objective_switches_from_one_key(tmp_path, monkeypatch, tiny_model_dir):
     assert "clip/active_frac" in cli.trainer.callback_metrics
 
 
+@pytest.mark.parametrize("spelling", ["reward_options", "flat keys"])
+def test_reward_options_in_a_config_file_reach_the_scorer(
+    spelling, tmp_path, monkeypatch, tiny_model_dir
+):
+    """``model.reward_options`` in a YAML file reaches the scorer, and the checkpoint stores it;
+    the flat keys it replaced still do the same, each warned in one line."""
+    options = {"kwargs": None, "on_error": 0.0, "workers": 1, "timeout": 30.0}
+    flat = {"on_reward_error": 0.0, "reward_workers": 1, "reward_timeout": 30.0}
+    model = {"reward_options": options} if spelling == "reward_options" else flat
+    config = tmp_path / "rewards.yaml"
+    config.write_text(yaml.safe_dump({"model": model}))
+    args = ["fit", "--config", str(ROOT / "configs" / "tinymath.yaml"), "--config", str(config)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cli = run([*args, *one_step(tiny_model_dir)], tmp_path, monkeypatch)
+    deprecated = {str(w.message) for w in caught if w.category is FutureWarning}
+    assert deprecated == {
+        f"model.{key} is deprecated: use model.reward_options.{DEPRECATED_KEYS[key]}"
+        for key in (flat if spelling == "flat keys" else {})
+    }
+    scorer = cli.model.scorer
+    assert (scorer.workers.count, scorer.workers.timeout) == (1, 30.0)
+    assert scorer.policies == {"tinymath": 0.0}
+    last = tmp_path / LOGS / "checkpoints" / "last.ckpt"
+    stored = torch.load(last, map_location="cpu", weights_only=True)["hyper_parameters"]
+    assert stored["reward_options"] == options and not set(DEPRECATED_KEYS) & set(stored)
+
+
 def test_help_shows_documented_options(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit):
         run(["fit", "--help"], tmp_path, monkeypatch)
@@ -255,7 +284,8 @@ def test_help_shows_documented_options(tmp_path, monkeypatch, capsys):
         "--model.dynamic_sampling_max_rounds",
         "--model.loss.mask_truncated",
         "--model.scale_rewards",
-        "--model.reward_kwargs",
+        "--model.reward_options.kwargs",
+        "--model.reward_options.timeout",
         "--model.trust_region.keep_sampled_token",
         "--data.val_samples",
     ):
@@ -314,7 +344,7 @@ def test_print_config_shows_the_peer_options_with_their_defaults(tmp_path, monke
     printed = yaml.safe_load(capsys.readouterr().out)
     model = printed["model"]
     assert model["dynamic_sampling"] is False and model["dynamic_sampling_max_rounds"] == 3
-    assert model["scale_rewards"] is None and model["reward_kwargs"] is None
+    assert model["scale_rewards"] is None and model["reward_options"]["kwargs"] is None
     assert model["loss"]["mask_truncated"] is False
     assert model["trust_region"]["keep_sampled_token"] is True
     assert printed["data"]["val_samples"] == 0

@@ -55,7 +55,16 @@ SECTIONS = (
     "release_memory",
     "checkpoint",
 )
-MODEL_GROUPS = ("trust_region", "clip", "loss", "optimization", "sampling", "snapshot", "lora")
+MODEL_GROUPS = (
+    "trust_region",
+    "clip",
+    "loss",
+    "optimization",
+    "sampling",
+    "snapshot",
+    "lora",
+    "reward_options",
+)
 FILE_SUFFIXES = (".py", ".yaml", ".json", ".jsonl", ".md", ".ckpt", ".png", ".csv", ".gguf")
 
 

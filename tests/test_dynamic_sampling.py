@@ -10,6 +10,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning_troll.data.datamodule import collate_prompts
 from lightning_troll.data.prompts import draw_prompts
 from lightning_troll.objectives.advantages import flat_groups
+from lightning_troll.rewards.options import RewardOptions
 from lightning_troll.rollouts.dynamic_sampling import cat_sequences, choose_groups, group_rows
 from lightning_troll.training.module import LossConfig
 from tests.test_resume import logged
@@ -67,7 +68,10 @@ def test_cat_sequences_pads_prompts_left_and_responses_right():
         ),
         # the group estimators refuse a group of one first (an estimator of one's own may not)
         ({"dynamic_sampling": True, "group_size": 1}, r"model.group_size=1: the estimator 'grpo'"),
-        ({"reward_kwargs": {"nope": {}}}, r"model.reward_kwargs names 'nope', which is not one"),
+        (
+            {"reward_options": RewardOptions(kwargs={"nope": {}})},
+            r"model.reward_options.kwargs names 'nope', which is not one",
+        ),
     ],
 )
 def test_bad_options_are_refused_when_the_module_is_built(tiny_model_dir, kwargs, message):

@@ -124,7 +124,8 @@ def test_export_needs_neither_the_reward_nor_the_engine(checkpoint, tmp_path, ca
     installed here) exports its policy all the same."""
     stored = torch.load(checkpoint, weights_only=False)
     stored["hyper_parameters"]["rewards"] = {"nowhere_to_be_found:reward": 1.0}
-    stored["hyper_parameters"]["reward_workers"] = 2
+    stored["hyper_parameters"]["reward_options"] = {"workers": 2}
+    stored["hyper_parameters"]["reward_workers"] = 2  # the flat key a checkpoint held before
     stored["hyper_parameters"]["rollout_engine"] = "vllm"
     moved = tmp_path / "moved.ckpt"
     torch.save(stored, moved)

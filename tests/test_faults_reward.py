@@ -1,4 +1,4 @@
-"""A reward that fails under ``on_reward_error: raise`` stops the run cleanly and loses nothing:
+"""A reward that fails under ``reward_options.on_error: raise`` stops the run cleanly and loses nothing:
 one line naming the function, the error and the completion, a checkpoint saved on the way out,
 exit status 3, and the run, its reward fixed, resumes from that checkpoint."""
 

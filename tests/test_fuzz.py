@@ -15,6 +15,7 @@ import torch
 
 from lightning_troll.data.datamodule import PromptDataModule
 from lightning_troll.data.prompts import collate_prompts
+from lightning_troll.rewards.options import RewardOptions
 from lightning_troll.rewards.registry import RewardError, RewardScorer
 from tests.test_training import make_module
 
@@ -138,7 +139,7 @@ def test_malformed_rewards_raise_a_reward_error_or_are_dropped(seed):
 @pytest.mark.parametrize("seed", range(3))
 def test_dropped_rewards_never_bring_nan_into_the_loss(seed, tiny_model_dir):
     torch.manual_seed(seed)
-    module = make_module(tiny_model_dir, on_reward_error="drop")
+    module = make_module(tiny_model_dir, reward_options=RewardOptions(on_error="drop"))
     module.scorer = RewardScorer({FuzzedReward(seed, 0.5): 1.0}, on_error="drop")
     data = PromptDataModule(tokenizer=str(tiny_model_dir), batch_size=4, num_train=4, num_val=0)
     data.setup("fit")

@@ -12,6 +12,7 @@ import pytest
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_troll.callbacks.figures import markdown_table
+from lightning_troll.rewards.options import RewardOptions
 from tests.test_training import fit, make_data, make_module, make_trainer
 
 HISTOGRAMS = ("kl_before", "kl_after", "eta", "support_size")
@@ -120,9 +121,7 @@ def test_a_reward_that_hangs_times_out_and_the_run_finishes(tmp_path, tiny_model
     module = make_module(
         tiny_model_dir,
         rewards={"tests.reward_helpers:hangs_on_a_third": 1.0},
-        on_reward_error=0.0,
-        reward_workers=2,
-        reward_timeout=2.0,
+        reward_options=RewardOptions(on_error=0.0, workers=2, timeout=2.0),
     )
     logger = CSVLogger(tmp_path, name="csv")
     trainer = make_trainer(tmp_path, 2, logger=logger)

@@ -109,7 +109,7 @@ def test_each_function_keeps_its_own_policy():
     # none_for_even_lengths fails and drops the sample
     assert out.valid.tolist() == [True, False]
     assert out.total.tolist() == [1.0, 0.0]
-    with pytest.raises(ValueError, match=r"on_reward_error names \['nope'\]"):
+    with pytest.raises(ValueError, match=r"reward_options.on_error names \['nope'\]"):
         RewardScorer({"gsm8k": 1.0}, on_error={"nope": "drop"})
     with pytest.raises(ValueError, match="must be 'raise', 'drop' or a finite number"):
         RewardScorer({"gsm8k": 1.0}, on_error={"gsm8k": float("nan")})
@@ -131,11 +131,13 @@ def test_a_batched_function_of_the_wrong_length_fails_every_sample():
 
 
 def test_timeouts_need_workers_and_workers_need_picklable_functions():
-    with pytest.raises(ValueError, match="reward_timeout=2.0 needs reward_workers >= 1"):
+    with pytest.raises(
+        ValueError, match="reward_options.timeout=2.0 needs reward_options.workers >= 1"
+    ):
         RewardScorer({"gsm8k": 1.0}, timeout=2.0)
     with pytest.raises(ValueError, match="cannot run in a worker process"):
         RewardScorer([lambda p, c, r: 1.0], workers=1)
-    with pytest.raises(ValueError, match="reward_workers must be an integer >= 0"):
+    with pytest.raises(ValueError, match="reward_options.workers must be an integer >= 0"):
         RewardScorer({"gsm8k": 1.0}, workers=-1)
 
 
@@ -314,7 +316,7 @@ def test_workers_that_cannot_start_are_named_after_three_tries(monkeypatch):
     try:
         with pytest.raises(RuntimeError, match=r"3 reward worker processes in a row exited while "
                            r"starting \(the last with exit code -9\); run with "
-                           r"model.reward_workers 0"):  # fmt: skip
+                           r"model.reward_options.workers 0"):  # fmt: skip
             scorer(["p"], ["a"], [{}])
     finally:
         scorer.close()

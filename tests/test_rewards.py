@@ -10,6 +10,12 @@ import warnings
 import pytest
 import torch
 
+from lightning_troll.rewards.options import (
+    DEPRECATED_KEYS,
+    RewardOptions,
+    fold_stored,
+    merge_deprecated,
+)
 from lightning_troll.rewards.registry import (
     REWARD_FUNCTIONS,
     RewardError,
@@ -225,7 +231,7 @@ def test_scorer_validation(rewards, match):
 
 def test_scorer_rejects_an_unknown_mode_and_mismatched_lengths():
     with pytest.raises(
-        ValueError, match="on_error must be 'raise', 'drop' or a number; got 'skip'"
+        ValueError, match="reward_options.on_error must be 'raise', 'drop' or a number; got 'skip'"
     ):
         RewardScorer(["gsm8k"], on_error="skip")
     with pytest.raises(ValueError, match="same length; got 3, 2 and 3"):
@@ -324,7 +330,7 @@ def test_overlong_by_hand(tokens, buffer, expected):
     assert value == pytest.approx(expected, abs=1e-12)
 
 
-def test_scorer_passes_completion_tokens_and_binds_reward_kwargs():
+def test_scorer_passes_completion_tokens_and_binds_keyword_arguments():
     """overlong (buffer 2, budget 4) at 2, 3 and 4 tokens: 0, -0.5, -1; weighted by 0.5 next to
     an exact-answer reward; full marks count overlong's best score, 0."""
     scorer = RewardScorer({"tinymath": 1.0, "overlong": 0.5}, kwargs={"overlong": {"buffer": 2}})
@@ -342,16 +348,18 @@ def test_scorer_passes_completion_tokens_and_binds_reward_kwargs():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"gsm8k": {"x": 1}}, r"reward_kwargs names 'gsm8k', which is not one of the rewards"),
-        ({"overlong": {"width": 2}}, r"reward_kwargs.overlong: \['width'\] is not a keyword "
-         r"argument the reward 'overlong' takes; it takes \['buffer'\]"),
+        ({"gsm8k": {"x": 1}}, r"reward_options.kwargs names 'gsm8k', which is not one of the "
+         r"rewards"),
+        ({"overlong": {"width": 2}}, r"reward_options.kwargs.overlong: \['width'\] is not a "
+         r"keyword argument the reward 'overlong' takes; it takes \['buffer'\]"),
         ({"overlong": {"max_new_tokens": 2}}, r"\['max_new_tokens'\] is not a keyword argument"),
-        ({"overlong": {"buffer": 0}}, r"reward_kwargs.overlong: buffer must be null or an "
-         r"integer >= 1; got 0"),
-        ({"overlong": 3}, r"reward_kwargs.overlong must map argument names to values; got 3"),
+        ({"overlong": {"buffer": 0}}, r"reward_options.kwargs.overlong: buffer must be null or "
+         r"an integer >= 1; got 0"),
+        ({"overlong": 3}, r"reward_options.kwargs.overlong must map argument names to "
+         r"values; got 3"),
     ],
 )  # fmt: skip
-def test_reward_kwargs_are_checked_when_the_scorer_is_built(kwargs, match):
+def test_reward_options_kwargs_are_checked_when_the_scorer_is_built(kwargs, match):
     with pytest.raises(ValueError, match=match):
         RewardScorer({"tinymath": 1.0, "overlong": 1.0}, kwargs=kwargs)
 
@@ -379,13 +387,13 @@ def _takes_the_budget(prompt, completion, row, max_new_tokens, completion_tokens
     [
         (_two_arguments, None, False),  # no row
         (_needs_a_keyword, None, False),  # a required keyword nobody gives
-        (_needs_a_keyword, {"_needs_a_keyword": {"scale": 2.0}}, True),  # given by reward_kwargs
+        (_needs_a_keyword, {"_needs_a_keyword": {"scale": 2.0}}, True),  # given as kwargs
         (_takes_the_budget, None, True),  # the scorer passes the budget by keyword
         (lambda *args, **kwargs: 1.0, None, True),
     ],
 )
 def test_a_reward_whose_signature_cannot_take_the_call_is_refused_at_once(fn, kwargs, allowed):
-    """The scorer calls fn(prompt, completion, row, **reward_kwargs, **the per-completion
+    """The scorer calls fn(prompt, completion, row, **kwargs, **the per-completion
     keywords it names); a signature that cannot take that call is refused when the scorer is
     built, before any model loads, with the signature in the message."""
     if allowed:
@@ -395,3 +403,56 @@ def test_a_reward_whose_signature_cannot_take_the_call_is_refused_at_once(fn, kw
     expected = rf"model.rewards: '{name}' cannot be called as fn\(prompt, completion, row\) "
     with pytest.raises(ValueError, match=expected + rf".*its signature is {name}\("):
         RewardScorer([fn], kwargs=kwargs)
+
+
+# ----------------------------------------------------------------------------- options
+
+
+def test_the_flat_reward_keys_still_work_warned_and_map_to_the_record(tiny_model_dir):
+    """``reward_kwargs``, ``on_reward_error``, ``reward_workers`` and ``reward_timeout`` (before
+    ``model.reward_options``) build the same record and scorer, each warned in one line; given
+    beside their new name with another value they are refused, naming both; a checkpoint of the
+    old keys reads as the record."""
+    from tests.test_training import make_module
+
+    old = {
+        "reward_kwargs": {"overlong": {"buffer": 2}},
+        "on_reward_error": "drop",
+        "reward_workers": 1,
+        "reward_timeout": 5.0,
+    }
+    record = RewardOptions(
+        kwargs={"overlong": {"buffer": 2}}, on_error="drop", workers=1, timeout=5.0
+    )
+    rewards = {"tinymath": 1.0, "overlong": 1.0}
+    with pytest.warns(FutureWarning) as warned:
+        module = make_module(tiny_model_dir, rewards=rewards, **old)
+    assert sorted(str(w.message) for w in warned if w.category is FutureWarning) == sorted(
+        f"model.{key} is deprecated: use model.reward_options.{field}"
+        for key, field in DEPRECATED_KEYS.items()
+    )
+    assert merge_deprecated(RewardOptions(), **old, warn=False) == record
+    assert module.hparams["reward_options"] == record  # the record, not the old keys
+    assert not set(DEPRECATED_KEYS) & set(module.hparams)
+    scorer = module.scorer
+    assert (scorer.workers.count, scorer.workers.timeout) == (1, 5.0)
+    assert scorer.kwargs == {"overlong": {"buffer": 2}}
+    assert scorer.policies == {"tinymath": "drop", "overlong": "drop"}
+    new = RewardScorer.from_options(rewards, record)
+    assert (new.kwargs, new.policies, new.workers.timeout) == (
+        scorer.kwargs, scorer.policies, scorer.workers.timeout
+    )  # fmt: skip
+
+    both = r"model.reward_workers \(1\) and model.reward_options.workers \(2\) are both given"
+    with pytest.raises(ValueError, match=both):
+        make_module(tiny_model_dir, reward_options=RewardOptions(workers=2), reward_workers=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same value twice is no conflict, only warned
+        with pytest.raises(FutureWarning, match="model.reward_workers is deprecated"):
+            merge_deprecated(RewardOptions(workers=2), reward_workers=2)
+
+    stored = {"model": "m", "reward_kwargs": None, "on_reward_error": "drop", "reward_workers": 2}
+    assert fold_stored(stored) == {
+        "model": "m",
+        "reward_options": RewardOptions(on_error="drop", workers=2),
+    }

@@ -20,6 +20,7 @@ from lightning_troll.callbacks import (
 from lightning_troll.callbacks.old_policy import one_step_trap
 from lightning_troll.data.datamodule import PromptDataModule
 from lightning_troll.objectives import ClipStats, TrollStats
+from lightning_troll.rewards.options import RewardOptions
 from lightning_troll.rewards.registry import RewardError
 from lightning_troll.rollouts.rollout import SamplingConfig
 from lightning_troll.training.module import OptimizationConfig, TrollModule, TrustRegionConfig
@@ -434,7 +435,7 @@ def test_dropped_rewards_leave_the_loss(tmp_path, tiny_model_dir):
     module = make_module(
         tiny_model_dir,
         rewards={"tests.reward_helpers:none_for_even_lengths": 1.0},
-        on_reward_error="drop",
+        reward_options=RewardOptions(on_error="drop"),
     )
     with pytest.warns(UserWarning, match=r"drop"):
         _, _, recorder = fit(

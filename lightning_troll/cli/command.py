@@ -53,6 +53,7 @@ from lightning_troll.cli import export
 from lightning_troll.cli.checks import check_schedule_length, check_task, config_files
 from lightning_troll.cli.parse_errors import explain
 from lightning_troll.cli.quiet import quiet_library_notices
+from lightning_troll.cli.renamed import fold_renamed_options
 from lightning_troll.cli.stops import full_disk, quiet_about_no_space, refuse, stop
 from lightning_troll.data.datamodule import PromptDataModule
 from lightning_troll.rewards.lookup import config_folders as reward_config_folders
@@ -203,12 +204,14 @@ class TrollCLI(LightningCLI):
         return trainer
 
     def parse_arguments(self, parser, args) -> None:
-        """Parses, then refuses a run that cannot train (see ``check_task``) and an unreadable
+        """Parses, folds renamed options into their present place (``fold_renamed_options``),
+        then refuses a run that cannot train (see ``check_task``) and an unreadable
         ``--ckpt_path``, before anything is seeded or loaded."""
         super().parse_arguments(parser, args)
         self._given_model = None
         subcommand = self.config.get("subcommand")
         config = self.config[subcommand] if subcommand else self.config
+        fold_renamed_options(config.model)
         self._config_files = config_files(config)
         with reward_config_folders(self._config_files):
             check_task(config)
@@ -226,6 +229,7 @@ class TrollCLI(LightningCLI):
         ``--ckpt_path``, whatever the command line says)."""
         subcommand = self.config.get("subcommand")
         config = self.config[subcommand] if subcommand else self.config
+        fold_renamed_options(config.model, from_checkpoint=True)  # what an old one stored
         follow_run_seed(config)  # seed_everything: true is drawn after parsing
         check_schedule_length(config)
         if self._given_model is None:
@@ -332,8 +336,8 @@ def main(args: list[str] | None = None) -> None:
     unless ``--debug`` is given or ``LIGHTNING_TROLL_DEBUG`` is set (then the traceback shows). A
     run stopped by Ctrl-C or SIGTERM, after saving its checkpoint, exits with 128 + the signal; a
     run stopped by a fault it cannot go past (:class:`RunFault`: a full disk, a reward that failed
-    under ``on_reward_error: raise``) prints one line (and the checkpoint saved on the way out, if
-    any) and exits with status 3.
+    under ``reward_options.on_error: raise``) prints one line (and the checkpoint saved on the way
+    out, if any) and exits with status 3.
     """
     given = sys.argv[1:] if args is None else args
     debug = DEBUG_FLAG in given or os.environ.get(DEBUG_VARIABLE, "") not in ("", "0")

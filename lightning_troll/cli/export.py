@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from lightning_troll.rewards.options import DEPRECATED_KEYS
 from lightning_troll.training.checkpoints import CheckpointError, check_checkpoint_file
 
 __all__ = ["MARKER", "POLICY_ONLY", "export_policy", "main", "read_checkpoint"]
@@ -46,16 +47,15 @@ MARKER = ".lightning-troll-export.json"
 wrote, which is what ``--overwrite`` may replace."""
 POLICY_ONLY: dict[str, Any] = {
     "rewards": None,
-    "reward_kwargs": None,
-    "on_reward_error": "raise",
-    "reward_workers": 0,
-    "reward_timeout": None,
     "dynamic_sampling": False,
     "rollout_engine": "hf",
     "rollout_engine_options": None,
 }
 """The module options an export replaces in the checkpoint's: what scores and samples rollouts,
 which writing a policy never uses (a reward module of one's own need not be importable)."""
+DEFAULTED = ("reward_options", *DEPRECATED_KEYS)
+"""The module options an export leaves out of the checkpoint's, so that they take their defaults:
+how rewards are called (``model.reward_options``, or the flat keys an older checkpoint holds)."""
 
 
 def read_checkpoint(path: str | Path) -> dict[str, Any]:
@@ -126,7 +126,9 @@ def export_policy(
     # before the minutes a big checkpoint takes to read
     _check_output(output_dir, overwrite, Path(ckpt_path).expanduser())
     checkpoint = read_checkpoint(ckpt_path)
-    checkpoint["hyper_parameters"] = {**checkpoint.get("hyper_parameters", {}), **POLICY_ONLY}
+    stored = checkpoint.get("hyper_parameters", {})
+    kept = {key: value for key, value in stored.items() if key not in DEFAULTED}
+    checkpoint["hyper_parameters"] = {**kept, **POLICY_ONLY}
     lora = checkpoint.get("hyper_parameters", {}).get("lora")
     if adapters_only and lora is None:
         raise ValueError(

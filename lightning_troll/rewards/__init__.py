@@ -5,12 +5,14 @@ options.
   :class:`RewardScorer`;
 - :mod:`~lightning_troll.rewards.functions`: the built-ins (``tinymath``, ``gsm8k``, ``boxed``,
   ``last_number``, ``math_verify``);
-- :mod:`~lightning_troll.rewards.options`: keyword options (``model.reward_kwargs``), ``overlong``;
+- :mod:`~lightning_troll.rewards.options`: :class:`RewardOptions` (``model.reward_options``),
+  ``overlong``;
 - :mod:`~lightning_troll.rewards.calls` and :mod:`~lightning_troll.rewards.workers`: one call and
   what a failed one scores; calls in worker processes with a timeout;
 - :mod:`~lightning_troll.rewards.reward_model`: :class:`RewardModel`, a classifier as a reward.
 """
 
+from lightning_troll.rewards.options import RewardOptions
 from lightning_troll.rewards.registry import (
     REWARD_FUNCTIONS,
     RewardError,
@@ -36,6 +38,7 @@ __all__ = [
     "RewardError",
     "RewardFunction",
     "RewardModel",
+    "RewardOptions",
     "RewardOutput",
     "RewardScorer",
     "RewardWarning",

@@ -1,5 +1,5 @@
 """One reward call and what became of it: a score, an error or a timeout, and the policy that
-scores a failed call (``model.on_reward_error``).
+scores a failed call (``model.reward_options.on_error``).
 
 A call is ``fn(prompt, completion, row, **keywords)`` for one completion, or, for a function with
 ``batched = True`` (a reward model), ``fn(prompts, completions, rows, **keywords)`` returning one
@@ -53,7 +53,7 @@ class Outcome(NamedTuple):
     problem: str | None = None
     """What went wrong, as a sentence's end (``"raised KeyError: 'answer'"``); None when valid."""
     kind: Literal["error", "timeout", "skipped"] | None = None
-    """``"timeout"`` for a call abandoned at ``model.reward_timeout``, ``"skipped"`` for one
+    """``"timeout"`` for a call abandoned at ``model.reward_options.timeout``, ``"skipped"`` for one
     never answered because an earlier failure stops the run, else ``"error"``."""
     cause: BaseException | None = None
     """The exception the call raised in this process, if one did."""
@@ -132,7 +132,7 @@ def check_policies(
     unknown = set(given) - set(names)
     if unknown:
         raise ValueError(
-            f"on_reward_error names {sorted(unknown)}, which are not among the rewards "
+            f"reward_options.on_error names {sorted(unknown)}, which are not among the rewards "
             f"{sorted(names)}"
         )
     for name, policy in given.items():
@@ -140,8 +140,8 @@ def check_policies(
         if number and math.isfinite(policy) or policy in ("raise", "drop"):
             continue
         raise ValueError(
-            f"on_reward_error for {name!r} must be 'raise', 'drop' or a finite number (the score "
-            f"a failed call gets); got {policy!r}"
+            f"reward_options.on_error for {name!r} must be 'raise', 'drop' or a finite number "
+            f"(the score a failed call gets); got {policy!r}"
         )
     return {name: given.get(name, "raise") for name in names}
 

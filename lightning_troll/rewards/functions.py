@@ -179,11 +179,12 @@ def math_verify(prompt: str, completion: str, row: Mapping[str, Any]) -> float:
     ``\\boxed{}``, ``$...$`` or plain text and bare expressions become SymPy objects, compared by
     ``math_verify.verify``: ``\\frac{2}{4}`` equals ``1/2`` and ``0.5``, ``\\{2,1\\}`` equals
     ``\\{1,2\\}``, intervals and matrices compare as such. A completion with nothing to parse scores
-    0.0; a gold answer with nothing to parse is an error (``model.on_reward_error`` decides).
+    0.0; a gold answer with nothing to parse is an error (``model.reward_options.on_error``
+    decides).
 
     Use it for MATH, AIME and other competition data whose answers are expressions, not only
     numbers; it is slower than ``boxed`` (milliseconds a call, SymPy), so give it reward workers
-    (``model.reward_workers``) for large rollouts. Needs the ``math`` extra
+    (``model.reward_options.workers``) for large rollouts. Needs the ``math`` extra
     (``pip install 'lightning-troll[math]'``). Parsing and verification are bounded by the
     package's own timeouts in a process's main thread (a reward worker's, or the trainer's).
     """

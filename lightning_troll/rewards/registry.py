@@ -54,6 +54,7 @@ from lightning_troll.rewards.functions import (
 )
 from lightning_troll.rewards.lookup import find_attribute, import_reward_module, split_import_path
 from lightning_troll.rewards.options import (
+    RewardOptions,
     bind_kwargs,
     call_arguments,
     check_call_signatures,
@@ -222,6 +223,9 @@ class RewardScorer:
             (reward models) always score in this process.
         timeout: Seconds a call may take in a worker before it is abandoned (and its worker
             replaced); None waits for ever. Needs ``workers`` >= 1.
+
+    :meth:`from_options` builds one from a :class:`~lightning_troll.rewards.options.RewardOptions`
+    record (``model.reward_options``); errors name the options as that record's fields.
     """
 
     def __init__(
@@ -253,7 +257,9 @@ class RewardScorer:
             self.functions[name] = _build(spec)
             self.weights[name] = float(weight)
         if isinstance(on_error, str) and on_error not in ("raise", "drop"):
-            raise ValueError(f"on_error must be 'raise', 'drop' or a number; got {on_error!r}")
+            raise ValueError(
+                f"reward_options.on_error must be 'raise', 'drop' or a number; got {on_error!r}"
+            )
         self.on_error = on_error
         self.policies = check_policies(on_error, list(self.functions))
         """name -> what a failed call of that function does."""
@@ -268,8 +274,8 @@ class RewardScorer:
         """name -> the per-completion keywords (``SAMPLE_KEYWORDS``) its signature names."""
         if timeout is not None and workers == 0:
             raise ValueError(
-                f"reward_timeout={timeout!r} needs reward_workers >= 1: a call in the trainer's "
-                "own process cannot be abandoned"
+                f"reward_options.timeout={timeout!r} needs reward_options.workers >= 1: a call in "
+                "the trainer's own process cannot be abandoned"
             )
         self.workers = None if workers == 0 else RewardWorkers(workers, timeout)
         """The worker processes, or None to score in this process."""
@@ -277,6 +283,13 @@ class RewardScorer:
             for name, fn in self.functions.items():
                 if not getattr(fn, "batched", False):
                     check_picklable(name, fn)
+
+    @classmethod
+    def from_options(
+        cls, rewards: Mapping[str, float] | Sequence[str], options: RewardOptions
+    ) -> RewardScorer:
+        """The scorer of ``rewards`` called as ``options`` (``model.reward_options``) says."""
+        return cls(rewards, options.on_error, options.kwargs, options.workers, options.timeout)
 
     @property
     def full_marks(self) -> float:

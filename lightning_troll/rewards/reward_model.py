@@ -6,7 +6,7 @@ RewardModel("org/name")`` in ``my_rewards.py``), or a subclass's instance that c
 sample becomes text (:meth:`RewardModel.text`). The model is any transformers
 ``AutoModelForSequenceClassification`` checkpoint; it loads on the first call, with its own
 tokenizer, and scores every completion of a rollout in batches, without gradients, on the
-policy's device. Its keyword options come from ``model.reward_kwargs`` under the same name.
+policy's device. Its keyword options come from ``model.reward_options.kwargs`` under the same name.
 """
 
 from __future__ import annotations

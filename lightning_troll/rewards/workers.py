@@ -1,5 +1,5 @@
-"""Reward calls in worker processes, with a timeout per call (``model.reward_workers``,
-``model.reward_timeout``).
+"""Reward calls in worker processes, with a timeout per call (``model.reward_options.workers``,
+``model.reward_options.timeout``).
 
 :class:`RewardWorkers` keeps ``count`` processes; the calls of one scoring go to whichever is free,
 one call at a time each, so a rollout's rewards are scored in parallel. It is a
@@ -19,7 +19,7 @@ one killed with SIGKILL (the server and Python's resource tracker then exit as w
 worker runs must therefore pickle: a function by reference (a built-in, anything named by import
 path, a function defined at a module's top level, ``__main__`` included when the script guards
 its entry point) or a picklable object. Lambdas and closures run in-process only
-(``reward_workers: 0``).
+(``reward_options.workers: 0``).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ pool gives up (one killed by the OOM killer is replaced; a worker that cannot st
 
 
 def check_picklable(
-    name: str, fn: Callable[..., Any], noun: str = "reward", option: str = "reward_workers"
+    name: str, fn: Callable[..., Any], noun: str = "reward", option: str = "reward_options.workers"
 ) -> bytes:
     """``fn`` pickled, or a ValueError that says why it cannot run in a worker process (a
     ``noun`` run in workers when ``model.<option>`` > 0)."""
@@ -148,9 +148,9 @@ class WorkerPool:
     level, as it travels to the workers by reference."""
     noun = "reward"
     """What a call is, in messages (``"a reward worker process did not start"``)."""
-    workers_option = "reward_workers"
+    workers_option = "reward_options.workers"
     """The option that sets ``count``, in messages."""
-    timeout_option = "reward_timeout"
+    timeout_option = "reward_options.timeout"
     """The option that sets ``timeout``, in messages."""
     outcome: Callable[..., Any] = Outcome
     """The record of what a call gave: ``outcome(value, problem, kind)``."""
@@ -322,7 +322,7 @@ class WorkerPool:
 
 class RewardWorkers(WorkerPool):
     """``count`` worker processes that run reward calls, each abandoned after ``timeout`` seconds
-    (``model.reward_workers``, ``model.reward_timeout``); see :class:`WorkerPool`."""
+    (``model.reward_options.workers``, ``.timeout``); see :class:`WorkerPool`."""
 
     def _arguments(self, call: tuple) -> tuple:
         """``(prompt, completion, row, keyword arguments)`` of a reward :data:`Call`."""

@@ -41,6 +41,12 @@ from lightning_troll.objectives import (
     build_objective,
 )
 from lightning_troll.objectives.chunking import DEFAULT_CHUNK_SIZE, check_chunk_size
+from lightning_troll.rewards.options import (  # RewardErrorPolicy: importable from here too
+    DEPRECATED_KEYS,
+    RewardErrorPolicy,
+    RewardOptions,
+    merge_deprecated,
+)
 from lightning_troll.rewards.registry import RewardScorer
 from lightning_troll.rollouts.collector import RolloutCollector
 from lightning_troll.rollouts.drift import kl_to_behaviour
@@ -62,7 +68,15 @@ from lightning_troll.training.rollout_parts import (
 )
 from lightning_troll.training.validation import stopping_between_validations, validation_metrics
 
-__all__ = ["ClipConfig", "LossConfig", "OptimizationConfig", "TrollModule", "TrustRegionConfig"]
+__all__ = [
+    "ClipConfig",
+    "LossConfig",
+    "OptimizationConfig",
+    "RewardErrorPolicy",
+    "RewardOptions",
+    "TrollModule",
+    "TrustRegionConfig",
+]
 
 
 DEFAULT_OPTIMIZER = {"class_path": "torch.optim.AdamW", "init_args": {"lr": 1e-6}}
@@ -74,18 +88,22 @@ def _default_optimizer(params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, **DEFAULT_OPTIMIZER["init_args"])
 
 
-RewardErrorPolicy = Literal["raise", "drop"] | float | dict[str, Literal["raise", "drop"] | float]
-"""``model.on_reward_error``: one policy, or reward names to policies."""
-
-
-def _reward_scorer(rewards, on_error, kwargs, workers, timeout) -> RewardScorer:
-    """The scorer of ``model.rewards``; an error names the option (``model.reward_kwargs``)."""
+def _reward_scorer(rewards, options: RewardOptions) -> RewardScorer:
+    """The scorer of ``model.rewards`` (None: TinyMath's, see ``setup``) called as
+    ``model.reward_options`` says; an error names the option (``model.reward_options.kwargs``)."""
     try:
-        return RewardScorer(rewards, on_error, kwargs, workers=workers, timeout=timeout)
+        return RewardScorer.from_options({"tinymath": 1.0} if rewards is None else rewards, options)
     except ValueError as error:
-        options = ("reward_kwargs", "on_reward_error", "reward_timeout", "reward_workers")
-        prefix = "model." if str(error).startswith(options) else ""
+        prefix = "model." if str(error).startswith("reward_options.") else ""
         raise ValueError(f"{prefix}{error}") from None
+
+
+def _keep_reward_options(hparams, options: RewardOptions) -> None:
+    """Hyper-parameters given without ``reward_options`` (a checkpoint of the old flat keys) get
+    the record the old keys made: as the dict of its fields where the command line's instantiator
+    rebuilds the module from them (it takes no record), else the record."""
+    if "reward_options" not in hparams:
+        hparams["reward_options"] = asdict(options) if "_instantiator" in hparams else options
 
 
 def _objective(name, trust_region, clip, loss, sampling) -> PolicyObjective:
@@ -124,13 +142,11 @@ class TrollModule(LightningModule):
             last_number, math_verify, overlong), ``reward_model:<model>``, or import paths
             ``module:function`` (``module.py`` in the working directory or beside the config);
             null only for the built-in TinyMath data, whose reward it is (other data is refused).
-        reward_kwargs: keyword arguments bound to reward functions by name, e.g.
-            ``{overlong: {buffer: 256}}`` (the last 256 tokens of the budget carry the penalty).
-        on_reward_error: a failed reward call (raised, timed out, NaN, None, ...): ``raise``
-            stops; ``drop`` leaves the completion out of the loss; a number is its score. One
-            policy, or reward names to policies (the rest raise).
-        reward_workers: processes scoring a rollout's rewards in parallel; 0: in-process.
-        reward_timeout: seconds per reward call in a worker, then abandoned; null: no limit.
+        reward_options: how the rewards are called: keyword arguments, failed calls, workers.
+        reward_kwargs: deprecated alias of ``reward_options.kwargs`` (warned when given).
+        on_reward_error: deprecated alias of ``reward_options.on_error`` (warned when given).
+        reward_workers: deprecated alias of ``reward_options.workers`` (warned when given).
+        reward_timeout: deprecated alias of ``reward_options.timeout`` (warned when given).
         dynamic_sampling: DAPO's: groups without reward spread leave the rollout, and more
             prompts are sampled until it holds ``data.batch_size`` informative groups.
         dynamic_sampling_max_rounds: the most extra rounds per rollout, >= 1 (then the rollout
@@ -176,9 +192,10 @@ class TrollModule(LightningModule):
         group_size: int = 8,
         sampling: SamplingConfig = SamplingConfig(),
         rewards: dict[str, float] | None = None,
+        reward_options: RewardOptions = RewardOptions(),
         reward_kwargs: dict[str, dict[str, Any]] | None = None,
-        on_reward_error: RewardErrorPolicy = "raise",
-        reward_workers: int = 0,
+        on_reward_error: RewardErrorPolicy | None = None,
+        reward_workers: int | None = None,
         reward_timeout: float | None = None,
         dynamic_sampling: bool = False,
         dynamic_sampling_max_rounds: int = 3,
@@ -198,9 +215,13 @@ class TrollModule(LightningModule):
         episodes: EpisodesConfig | None = None,
     ) -> None:
         super().__init__()
+        reward_options = merge_deprecated(
+            reward_options, reward_kwargs, on_reward_error, reward_workers, reward_timeout
+        )  # before the hyper-parameters are saved: they keep the record, not the old keys
         # not seed: loggers refuse model.seed and data.seed as one key with two values; the
         # shuffle generator's state is in checkpoints (MinibatchLoop)
-        self.save_hyperparameters(ignore=["optimizer", "lr_scheduler", "seed"])
+        self.save_hyperparameters(ignore=["optimizer", "lr_scheduler", "seed", *DEPRECATED_KEYS])
+        _keep_reward_options(self.hparams, reward_options)
         check_chunk_size(logits_chunk_size, "model.logits_chunk_size")
         check_module_options(
             objective, estimator, scale_rewards, group_size, behaviour_logprobs, rollout_engine
@@ -212,10 +233,7 @@ class TrollModule(LightningModule):
         self.optimization = optimization  # the minibatch loop's; callbacks read it too
         self.dynamic_sampling = dynamic_sampling
         self.dynamic_sampling_max_rounds = dynamic_sampling_max_rounds
-        self.scorer = _reward_scorer(
-            {"tinymath": 1.0} if rewards is None else rewards,  # TinyMath's: see setup
-            on_reward_error, reward_kwargs, reward_workers, reward_timeout
-        )  # fmt: skip
+        self.scorer = _reward_scorer(rewards, reward_options)
         self.objective: PolicyObjective = _objective(objective, trust_region, clip, loss, sampling)
         self.old_rows = OldRows(self.objective, trust_region)
         self.cache_old_distributions = objective == "troll" or bool(cache_old_distributions)

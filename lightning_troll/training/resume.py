@@ -29,6 +29,7 @@ from lightning_troll.environments.options import EpisodesConfig
 from lightning_troll.models.lora import LoraConfig
 from lightning_troll.models.snapshots import SnapshotConfig
 from lightning_troll.objectives import ClipConfig, LossConfig, TrustRegionConfig
+from lightning_troll.rewards.options import RewardOptions, fold_stored
 from lightning_troll.rollouts.rollout import SamplingConfig
 from lightning_troll.training.checkpoints import (
     changed_options,
@@ -50,6 +51,7 @@ CHECKPOINT_CONFIGS = (
     SnapshotConfig,
     LoraConfig,
     EpisodesConfig,
+    RewardOptions,
 )
 """The option records TrollModule's hyper-parameters (and so its checkpoints) hold."""
 
@@ -106,7 +108,8 @@ class ResumeState:
         """
         if "state_dict" in checkpoint:  # sharded strategies load the weights elsewhere
             check_compatible(own(), checkpoint["state_dict"], f"model {hparams['model']!r}")
-        changed = changed_options(hparams, checkpoint.get("hyper_parameters", {}))
+        stored = fold_stored(checkpoint.get("hyper_parameters", {}))  # the old reward keys
+        changed = changed_options(hparams, stored)
         if changed:
             rank_zero_warn(
                 "resuming with other options than the checkpoint was written with (weights, "
