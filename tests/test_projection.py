@@ -129,7 +129,8 @@ def test_float32_rows_far_over_the_bound_converge_in_few_steps(monkeypatch):
     eta = solver.solve_eta(a, b, eps)
     after = solver.kl_terms(solver.log_interpolate(a, b, eta), b)[2]
     assert len(calls) <= 20, f"{len(calls)} evaluations"
-    assert (after <= eps * (1 + 1e-6)).all() and (after >= eps * (1 - 1e-4)).all()
+    # the solver stops at |log KL - log eps| <= 1e-6; 2e-6 leaves float32's rounding of the check
+    assert (after <= eps * (1 + 2e-6)).all() and (after >= eps * (1 - 1e-4)).all()
 
 
 def test_dense_identity_inside_bound():
