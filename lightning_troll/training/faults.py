@@ -1,8 +1,8 @@
 """Faults that stop a run cleanly: one line for the user, a documented exit status, nothing lost.
 
-A :class:`RunFault` raised during training (a checkpoint that found no room, a reward that
-failed under ``model.reward_options.on_error: raise``) ends the fit; the ``lightning-troll``
-command prints its message on one line and exits with :data:`FAULT_EXIT_CODE`. A fault that strikes between two
+A :class:`RunFault` raised during training (a checkpoint that found no room, a reward that failed
+under ``model.reward_options.on_error: raise``) ends the fit; the ``lightning-troll`` command prints
+its message on one line and exits with :data:`FAULT_EXIT_CODE`. A fault that strikes between two
 optimiser steps' worth of state (:attr:`RunFault.resumable`: a reward fails while a rollout is
 scored, before it trains) has what the run trained saved first
 (:class:`~lightning_troll.callbacks.RolloutCheckpoint`), and the command names the checkpoint to
