@@ -35,11 +35,10 @@ from gpu_models import (  # noqa: E402
     shape_figures,
     shape_table,
     snapshot_and_policy,
-    synchronize,
     train_step,
 )
 from peak_memory import PeakMemory  # noqa: E402
-from profile_step import counts  # noqa: E402
+from profile_step import counts, profiled  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PAPER = {"time_ratio": 1.091, "memory_ratio": 1.046}
@@ -212,7 +211,7 @@ def overhead_at(shape: Shape, setting: OverheadSetting, sequences: int) -> dict[
             times.append(clock() - start)
         row[f"{name}_ms"] = round(1000 * statistics.median(times), 2)
         step = partial(train_step, policy, objective, optimizer, rollout, None, setting.chunk)
-        for key, value in profiled_counts(step).items():
+        for key, value in counts(*profiled(step)).items():
             row[f"{name}_{key}"] = value  # kernel launches and host syncs (ATen calls on a CPU)
         row[f"{name}_peak_mib"] = round(meter.peak(), 1)
         row[f"{name}_baseline_mib"] = round(baseline, 1)
@@ -224,20 +223,6 @@ def overhead_at(shape: Shape, setting: OverheadSetting, sequences: int) -> dict[
     row["time_ratio"] = round(row["troll_ms"] / row["clip_ms"], 4)
     row["memory_ratio"] = round(row["troll_peak_mib"] / row["clip_peak_mib"], 4)
     return row
-
-
-def profiled_counts(step) -> dict[str, int]:
-    """Operator calls and host synchronisations of one call of ``step``
-    (:func:`profile_step.counts`): a step bound by the host shows here on any device."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    cuda = torch.cuda.is_available()
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as prof:
-        step()
-        synchronize()
-    return counts(prof.key_averages(), cuda)
 
 
 # -- phase 4: generation and the split of a GRPO iteration ------------------------------------

@@ -180,8 +180,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--report", action="store_true", help="tables and plots of finished runs")
     p.add_argument("--dry-run", action="store_true", help="TinyMath, tiny budgets: seconds")
     args = p.parse_args(argv)
-    if args.dry_run and args.out == p.get_default("out"):
-        p.error("--dry-run needs its own --out (it must not mix with the study's results)")
+    study_kit.check_dry_run_out(p, args)
     return args
 
 

@@ -292,8 +292,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.prompts * GROUP % STEPS:
         p.error(f"--prompts x {GROUP} must split into {STEPS} minibatches; got {args.prompts}")
-    if args.dry_run and args.out == p.get_default("out"):
-        p.error("--dry-run needs its own --out (it must not mix with the study's results)")
+    study_kit.check_dry_run_out(p, args)
     return args
 
 

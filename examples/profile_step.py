@@ -54,6 +54,21 @@ def counts(events, cuda: bool) -> dict[str, int]:
     }
 
 
+def profiled(step):
+    """Runs ``step`` once under the profiler (waiting for the device at the end): its averaged
+    events, and whether CUDA was profiled."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+    return prof.key_averages(), cuda
+
+
 def main(argv: list[str] | None = None) -> dict[str, dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", default="qwen3-0.6b", choices=sorted(QWEN3))
@@ -67,7 +82,6 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
         parser.error(f"--repeats must be >= 1; got {args.repeats}")
 
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
     from lightning_troll.objectives import build_objective
 
@@ -98,22 +112,16 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
             start = clock()
             step(name)
             times[name].append(clock() - start)
-    cuda = torch.cuda.is_available()
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     report: dict[str, dict] = {}
     for name in OBJECTIVES:
-        with profile(activities=activities) as prof:
-            step(name)
-            if cuda:
-                torch.cuda.synchronize()
-        events = prof.key_averages()
+        events, cuda = profiled(lambda name=name: step(name))
         report[name] = {"median_ms": round(1000 * statistics.median(times[name]), 2),
                         **counts(events, cuda)}  # fmt: skip
         if args.tables:
             key = "cuda_time_total" if cuda else "cpu_time_total"
             print(f"==== {name}, by {key}")
             print(events.table(sort_by=key, row_limit=args.tables, max_name_column_width=60))
-    where = torch.cuda.get_device_name(0) if cuda else "CPU"
+    where = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
     print(f"{args.shape}{' (tiny)' if args.tiny else ''} on {where}, torch {torch.__version__}, "
           f"{sequences} x {prompt + response} tokens, perturb {args.perturb}")  # fmt: skip
     for name, row in report.items():

@@ -105,6 +105,13 @@ def write_atomic(path: Path, text: str) -> None:
     partial.replace(path)
 
 
+def check_dry_run_out(parser, args) -> None:
+    """Refuses ``--dry-run`` with ``--out`` at its default: a dry run must not mix with the
+    study's results."""
+    if args.dry_run and args.out == parser.get_default("out"):
+        parser.error("--dry-run needs its own --out (it must not mix with the study's results)")
+
+
 def cli(args: list[str]):
     """``lightning_troll.cli.run(args)`` with the study's own command line hidden from it."""
     from lightning_troll.cli import run as cli_run

@@ -210,8 +210,8 @@ class Conversation:
         following = self.render([*self.messages, turn, *replies], generation_prompt=True)
         if not following.startswith(closed):
             raise ValueError(
-                "model.episodes.environment: the chat template renders the earlier turns differently once "
-                "the environment's reply follows (it rewrites past assistant turns, as templates "
+                "model.episodes.environment: the chat template renders the earlier turns "
+                "differently once the environment's reply follows (it rewrites past assistant turns, as templates "
                 "that drop past reasoning do), so the reply cannot be told apart as tokens; use a "
                 "template that leaves past turns as they were"
             )
