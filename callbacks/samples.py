@@ -85,14 +85,19 @@ def log_rollout(module: Any, report: RolloutReport) -> None:
     if generation > 0:
         speed = float(lengths.sum()) / generation
         values["throughput/generated_tokens_per_s"] = torch.tensor(speed)
-    module.log("reward/mean", rewards.mean(), prog_bar=True, sync_dist=True, batch_size=size)
+
+    def log(figures: dict[str, Tensor | float], **options: Any) -> None:
+        # Rewards, lengths and timings are CPU tensors; with sync_dist NCCL reduces only
+        # tensors on the module's device (it has no CPU backend), so each figure moves there.
+        on_device = {name: torch.as_tensor(v).to(module.device) for name, v in figures.items()}
+        module.log_dict(on_device, sync_dist=True, batch_size=size, **options)
+
+    log({"reward/mean": rewards.mean()}, prog_bar=True)
     if "generation" in seconds:
-        module.log("time/generation", generation, prog_bar=True, sync_dist=True, batch_size=size)
-    module.log_dict(values, sync_dist=True, batch_size=size)
-    module.log_dict(_failures(report), sync_dist=True, reduce_fx="sum", batch_size=size)
-    module.log(
-        "completion/max_length", lengths.max(), sync_dist=True, reduce_fx="max", batch_size=size
-    )
+        log({"time/generation": generation}, prog_bar=True)
+    log(values)
+    log(_failures(report), reduce_fx="sum")
+    log({"completion/max_length": lengths.max()}, reduce_fx="max")
 
 
 def _failures(report: RolloutReport) -> dict[str, Tensor]:

@@ -77,3 +77,37 @@ def test_the_modules_collector_is_the_pipeline_over_its_parts(tiny_model_dir):
     assert torch.equal(first.input_ids, again.input_ids)
     assert torch.equal(first.old_logprobs, again.old_logprobs)
     assert torch.equal(first.advantages, again.advantages)
+
+
+def test_every_rollout_figure_is_logged_on_the_module_device(tiny_model_dir):
+    """Rewards, lengths and timings are CPU tensors; with ``sync_dist`` NCCL reduces only tensors
+    on the module's device, so log_rollout moves every figure there (a GPU check's FSDP2 run over
+    NCCL failed here with "No backend type associated with device type cpu")."""
+    from types import SimpleNamespace
+
+    from lightning_troll.callbacks.samples import log_rollout
+    from lightning_troll.data.prompts import collate_prompts
+    from tests.test_training import make_data, make_module
+
+    module = make_module(tiny_model_dir)
+    data = make_data(tiny_model_dir)
+    data.setup("fit")
+    torch.manual_seed(0)
+    _, report = module.collector.collect(collate_prompts(data.train_items[:2]))
+    logged: dict[str, tuple[torch.Tensor, dict]] = {}
+
+    def log_dict(values, **options):
+        logged.update({name: (value, options) for name, value in values.items()})
+
+    meta = torch.device("meta")
+    fake = SimpleNamespace(device=meta, dynamic_sampling=False, group_size=module.group_size)
+    fake.log_dict = log_dict
+    log_rollout(fake, report)
+    expected = {"reward/mean", "reward/std", "time/generation", "completion/max_length"}
+    expected |= {"rewards/errors", "rewards/timeouts", "throughput/generated_tokens_per_s"}
+    assert expected <= set(logged)
+    for name, (value, options) in logged.items():
+        assert isinstance(value, torch.Tensor) and value.device == meta, name
+        assert options["sync_dist"] is True and options["batch_size"] == 8, name
+    assert logged["completion/max_length"][1]["reduce_fx"] == "max"
+    assert logged["rewards/errors"][1]["reduce_fx"] == "sum"

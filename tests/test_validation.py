@@ -76,7 +76,7 @@ def test_pass_at_k_samples_beside_the_greedy_answers(tiny_model_dir):
 
 def test_validation_logs_its_figures_on_the_module_device(tiny_model_dir, monkeypatch):
     """The scores are CPU tensors; with ``sync_dist`` NCCL reduces only tensors on the module's
-    device, so each figure moves there before it is logged (the first GPU check failed here)."""
+    device, so each figure moves there before it is logged."""
     from types import SimpleNamespace
 
     import lightning_troll.training.module as module_file
