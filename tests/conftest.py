@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,17 @@ def pytest_collection_modifyitems(config, items) -> None:
     skip = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)")
     for item in cuda_tests:
         item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def no_seed_left_behind():
+    """Lightning's ``seed_everything`` records its seed in ``os.environ["PL_GLOBAL_SEED"]``, which
+    the module's defaults read (the minibatch shuffle, the prompt order) and Lightning reseeds
+    from; left there, it would reach every later test and every process a later test starts, and
+    a run's result would depend on which tests ran before it."""
+    os.environ.pop("PL_GLOBAL_SEED", None)
+    yield
+    os.environ.pop("PL_GLOBAL_SEED", None)
 
 
 @pytest.fixture(scope="session")

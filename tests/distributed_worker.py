@@ -207,7 +207,10 @@ def gather_counts(module, prompts: list[list[int]]) -> dict[str, int]:
     from lightning_troll.rollouts.rollout import SamplingConfig, sample
 
     calls = {"n": 0}
-    original = dist.all_gather_single  # what FSDP2 gathers weights with
+    # What FSDP2 gathers weights with: all_gather_single in torch 2.13; torch 2.11 (the GPU
+    # image's) has no such function and calls all_gather_into_tensor
+    name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+    original = getattr(dist, name)
 
     def counting(*args, **kwargs):
         calls["n"] += 1
@@ -216,7 +219,7 @@ def gather_counts(module, prompts: list[list[int]]) -> dict[str, int]:
     sampling = SamplingConfig(max_new_tokens=8)
     sharded = [m for m in module.old_policy.modules() if isinstance(m, FSDPModule)]
     counts = {"modules": len(sharded)}
-    dist.all_gather_single = counting
+    setattr(dist, name, counting)
     try:
         for name, context in (("per_token", contextlib.nullcontext), ("gathered", gathered)):
             for m in sharded:  # both start from sharded weights
@@ -227,7 +230,7 @@ def gather_counts(module, prompts: list[list[int]]) -> dict[str, int]:
             counts[name] = calls["n"]
             counts[f"{name}_steps"] = ids.shape[1] - max(len(p) for p in prompts)
     finally:
-        dist.all_gather_single = original
+        setattr(dist, name, original)
     return counts
 
 
@@ -282,6 +285,10 @@ def main(argv: list[str] | None = None) -> None:
 
     if not args.real_sampling and args.engine == "hf":  # the HF engine samples with it
         engines.sample = scripted_sample
+    # One intra-op thread per process, as Lightning gives each of 2 processes on 2 cores: with
+    # two, the one-process reference was not bit-repeatable (1 run in 6 took another float32
+    # rounding path, which Adam's first step turned into a 0.3% change of the policy loss).
+    torch.set_num_threads(1)
     torch.manual_seed(0)
     args.out.mkdir(parents=True, exist_ok=True)
     module, data, trainer = build(args, args.out)

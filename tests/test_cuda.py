@@ -251,4 +251,7 @@ def test_fsdp2_over_nccl_matches_one_cpu_process(tmp_path):
     single = launch(tmp_path / "cpu", "--micro-batch-size", "3", "--prompts", prompts)
     out = launch(tmp_path / "nccl", "--strategy", "fsdp2", "--accelerator", "gpu",
                  "--devices", str(devices), "--micro-batch-size", "3", "--prompts", prompts)  # fmt: skip
-    assert_same_run(single, out, weight_atol=2e-5)
+    # loss/total (about -0.08) is the sum of terms of size about 1 (loss/policy -1.13): float32
+    # rounding of the GPU's kernels moved it by 1.9e-5 on an H200, while loss/policy agreed to
+    # 1.7e-5 relative and the weights to 1.5e-6 (docs/gpu-and-fsdp.md)
+    assert_same_run(single, out, weight_atol=2e-5, metric_atol=5e-5)

@@ -69,12 +69,18 @@ def fsdp2(tmp_path_factory) -> tuple[Path, Path]:
     return out, ckpt
 
 
-def assert_same_run(reference: Path, other: Path, weight_atol: float = WEIGHT_ATOL) -> None:
+def assert_same_metrics(reference: Path, other: Path, metric_atol: float = 1e-5) -> None:
     ref, got = metrics(reference), metrics(other)
     for name in COMPARED:
         assert set(ref[name]) == set(got[name]) == {"0", "1"}, name
         for step, value in ref[name].items():
-            assert got[name][step] == pytest.approx(value, rel=1e-4, abs=1e-5), (name, step)
+            assert got[name][step] == pytest.approx(value, rel=1e-4, abs=metric_atol), (name, step)
+
+
+def assert_same_run(
+    reference: Path, other: Path, weight_atol: float = WEIGHT_ATOL, metric_atol: float = 1e-5
+) -> None:
+    assert_same_metrics(reference, other, metric_atol)
     ref_w, got_w = weights(reference), weights(other)
     for part in ("policy", "old_policy"):
         assert ref_w[part].keys() == got_w[part].keys()
