@@ -190,3 +190,38 @@ def _last_turns(sampled):
     responses = sampled.input_ids[:, -mask.shape[1] :]
     last = last_turn(mask)
     return [(responses[i : i + 1], last[i : i + 1]) for i in range(len(responses))]
+
+
+SCORED = EpisodesConfig(environment="tests.tool_helpers:ScoredPlainTurns", max_turns=4)
+
+
+def test_the_environment_alone_scores_episodes_with_empty_rewards(tiny_model_dir):
+    """``model.rewards: {}`` with episodes: an episode's reward is the sum of its environment's
+    turn rewards (here each turn's length), in training and in validation, where an episode
+    with a positive reward is correct."""
+    from lightning_troll.training import validation
+
+    module = make_module(tiny_model_dir, rewards={}, episodes=SCORED)
+    assert module.scorer.functions == {}
+    batch = a_batch(tiny_model_dir)
+    rollout, report = collect(module, batch)
+    expected = [_env_reward(e) for e in report.kept.episodes]
+    assert rollout.rewards.tolist() == expected and report.kept.scored.per_function == {}
+    assert len(set(expected)) > 1  # turns of several lengths: the rewards vary
+    greedy = validation._answers(module, batch, 1, do_sample=False)
+    generate = validation.sampled_turns(module.policy, module.sampling, 0, do_sample=False)
+    played = module.episodes.sample(generate, list(batch.rows), 0, module.device)
+    assert greedy.total.tolist() == [_env_reward(e) for e in played.episodes]
+    figures = validation.validation_metrics(module, batch, 0)
+    assert torch.equal(figures["val/reward"], greedy.total.mean())
+    assert torch.equal(figures["val/accuracy"], (greedy.total > 0).float().mean())
+
+
+def _env_reward(episode) -> float:
+    """The sum of an episode's turn rewards (None: a turn the environment did not answer)."""
+    return sum(r for r in episode.turn_rewards if r is not None)
+
+
+def test_empty_rewards_without_episodes_are_refused(tiny_model_dir):
+    with pytest.raises(ValueError, match=r"model.rewards must name at least one reward function"):
+        make_module(tiny_model_dir, rewards={})

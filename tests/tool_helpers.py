@@ -3,6 +3,7 @@ workers import them from here."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Mapping
@@ -123,3 +124,12 @@ class ThreePlainTurns(PlainTurns):
     """:class:`PlainTurns` of three turns."""
 
     turns = 3
+
+
+class ScoredPlainTurns(PlainTurns):
+    """:class:`PlainTurns` of two turns that rewards each turn with its length in characters."""
+
+    turns = 2
+
+    def step(self, turn: str) -> Step:
+        return dataclasses.replace(super().step(turn), reward=float(len(turn)))

@@ -223,6 +223,8 @@ class RewardScorer:
             (reward models) always score in this process.
         timeout: Seconds a call may take in a worker before it is abandoned (and its worker
             replaced); None waits for ever. Needs ``workers`` >= 1.
+        none_ok: ``rewards`` may name no function: every sample then scores 0 (with
+            ``model.episodes``, the environment's turn rewards alone score an episode).
 
     :meth:`from_options` builds one from a :class:`~lightning_troll.rewards.options.RewardOptions`
     record (``model.reward_options``); errors name the options as that record's fields.
@@ -235,14 +237,19 @@ class RewardScorer:
         kwargs: Mapping[str, Mapping[str, Any]] | None = None,
         workers: int = 0,
         timeout: float | None = None,
+        *,
+        none_ok: bool = False,
     ) -> None:
         if isinstance(rewards, str) or callable(rewards):
             rewards = [rewards]
         items = (
             list(rewards.items()) if isinstance(rewards, Mapping) else [(r, 1.0) for r in rewards]
         )
-        if not items:
-            raise ValueError("rewards must name at least one reward function; got none")
+        if not items and not none_ok:
+            raise ValueError(
+                "rewards must name at least one reward function; got none (none only with "
+                "model.episodes, whose environment's turn rewards then score an episode alone)"
+            )
         self.functions: dict[str, RewardFunction] = {}
         """name -> reward function; a callable is named by its ``__name__``."""
         self.weights: dict[str, float] = {}
@@ -286,10 +293,17 @@ class RewardScorer:
 
     @classmethod
     def from_options(
-        cls, rewards: Mapping[str, float] | Sequence[str], options: RewardOptions
+        cls,
+        rewards: Mapping[str, float] | Sequence[str],
+        options: RewardOptions,
+        none_ok: bool = False,
     ) -> RewardScorer:
-        """The scorer of ``rewards`` called as ``options`` (``model.reward_options``) says."""
-        return cls(rewards, options.on_error, options.kwargs, options.workers, options.timeout)
+        """The scorer of ``rewards`` called as ``options`` (``model.reward_options``) says;
+        ``none_ok``: no functions is allowed (a scorer that gives every sample 0)."""
+        return cls(
+            rewards, options.on_error, options.kwargs, options.workers, options.timeout,
+            none_ok=none_ok,
+        )  # fmt: skip
 
     @property
     def full_marks(self) -> float:

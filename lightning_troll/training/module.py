@@ -88,13 +88,15 @@ def _default_optimizer(params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, **DEFAULT_OPTIMIZER["init_args"])
 
 
-def _reward_scorer(rewards, options: RewardOptions) -> RewardScorer:
-    """The scorer of ``model.rewards`` (None: TinyMath's, see ``setup``) called as
-    ``model.reward_options`` says; an error names the option (``model.reward_options.kwargs``)."""
+def _reward_scorer(rewards, options: RewardOptions, episodes) -> RewardScorer:
+    """The scorer of ``model.rewards`` (None: TinyMath's, see ``setup``; empty: none, with
+    episodes only) called as ``model.reward_options`` says; an error names the option
+    (``model.reward_options.kwargs``)."""
+    rewards = {"tinymath": 1.0} if rewards is None else rewards
     try:
-        return RewardScorer.from_options({"tinymath": 1.0} if rewards is None else rewards, options)
+        return RewardScorer.from_options(rewards, options, none_ok=episodes is not None)
     except ValueError as error:
-        prefix = "model." if str(error).startswith("reward_options.") else ""
+        prefix = "model." if str(error).startswith(("reward_options.", "rewards ")) else ""
         raise ValueError(f"{prefix}{error}") from None
 
 
@@ -138,10 +140,10 @@ class TrollModule(LightningModule):
             (that reward std + 1e-6) or ``none``; null keeps the estimator's own.
         group_size: completions per prompt (G).
         sampling: how the snapshot samples (temperature, top_p, top_k, max_new_tokens).
-        rewards: reward functions and their weights: built-in names (tinymath, gsm8k, boxed,
-            last_number, math_verify, overlong), ``reward_model:<model>``, or import paths
-            ``module:function`` (``module.py`` in the working directory or beside the config);
-            null only for the built-in TinyMath data, whose reward it is (other data is refused).
+        rewards: reward functions and weights: built-in names (tinymath, gsm8k, boxed,
+            last_number, math_verify, overlong), ``reward_model:<model>`` or ``module:function``
+            (``module.py`` in the working directory or beside the config); null only on TinyMath's
+            data (its reward); ``{}`` only with ``episodes`` (the environment scores alone).
         reward_options: how the rewards are called: keyword arguments, failed calls, workers.
         reward_kwargs: deprecated alias of ``reward_options.kwargs`` (warned when given).
         on_reward_error: deprecated alias of ``reward_options.on_error`` (warned when given).
@@ -233,7 +235,7 @@ class TrollModule(LightningModule):
         self.optimization = optimization  # the minibatch loop's; callbacks read it too
         self.dynamic_sampling = dynamic_sampling
         self.dynamic_sampling_max_rounds = dynamic_sampling_max_rounds
-        self.scorer = _reward_scorer(rewards, reward_options)
+        self.scorer = _reward_scorer(rewards, reward_options, episodes)
         self.objective: PolicyObjective = _objective(objective, trust_region, clip, loss, sampling)
         self.old_rows = OldRows(self.objective, trust_region)
         self.cache_old_distributions = objective == "troll" or bool(cache_old_distributions)

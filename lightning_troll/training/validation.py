@@ -60,7 +60,9 @@ def validation_metrics(module: Any, batch: Any, batch_idx: int) -> dict[str, Ten
     ``val/mean@k`` of k answers sampled at ``model.sampling``.
 
     A completion is correct when its total reward reaches full marks
-    (:attr:`~lightning_troll.rewards.registry.RewardScorer.full_marks`).
+    (:attr:`~lightning_troll.rewards.registry.RewardScorer.full_marks`). With episodes scored by
+    their environment alone (``model.rewards: {}``) the reward is the sum of the environment's
+    turn rewards, and an episode with a positive one is correct.
     """
     greedy = _answers(module, batch, 1, do_sample=False)
     correct = _correct(module, greedy)
@@ -112,6 +114,9 @@ def _episode_answers(module: Any, batch: Any, group: int, do_sample: bool) -> Re
     with gathered(module.policy):
         generate = sampled_turns(module.policy, module.sampling, pad_id, do_sample=do_sample)
         sampled = episodes.sample(generate, rows, pad_id, module.device)
+    if not module.scorer.functions:  # the environment's rewards alone (model.rewards: {})
+        rewards = sampled.env_rewards.cpu()
+        return RewardOutput(rewards, {}, torch.ones_like(rewards, dtype=torch.bool))
     answers = episodes.answers(sampled, module.policies.decode)
     tokens = sampled.response_mask.sum(-1).tolist()  # the model's tokens, stop tokens included
     return module.scorer(
@@ -120,4 +125,6 @@ def _episode_answers(module: Any, batch: Any, group: int, do_sample: bool) -> Re
 
 
 def _correct(module: Any, scored: RewardOutput) -> Tensor:
+    if not module.scorer.functions:  # the environment's rewards alone: a positive one counts
+        return (scored.total > 0) & scored.valid
     return (scored.total >= module.scorer.full_marks - 1e-6) & scored.valid
