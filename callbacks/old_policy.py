@@ -11,6 +11,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_troll.models.snapshots import CopySnapshot
+from lightning_troll.models.weights import full_weights
 
 __all__ = ["OldPolicyRefresh", "check_refresh", "one_step_trap"]
 
@@ -61,6 +62,31 @@ class OldPolicyRefresh(Callback):
     ) -> None:
         pl_module.log("rollout/policy_version", float(self.version), batch_size=1)
         pl_module.log("rollout/staleness", float(self.rollouts - self.version), batch_size=1)
+        if self.max_staleness and hasattr(getattr(pl_module, "engine", None), "submit"):
+            self._sample_ahead(trainer, pl_module)
+
+    def _sample_ahead(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Asks an engine in its own process for the next rollout now, while this one trains:
+        the next rollout is sampled by version ``rollouts + 1 - max_staleness``, which exists
+        already (see :mod:`lightning_troll.rollouts.engine_process`). Nothing is asked ahead of
+        a rollout that dynamic sampling or episodes make, or past the end of an epoch."""
+        loader = getattr(trainer.datamodule, "train_loader", None)
+        upcoming = loader.peek() if loader is not None else None
+        if upcoming is None or pl_module.dynamic_sampling or pl_module.episodes is not None:
+            return
+        engine, collector = pl_module.engine, pl_module.collector
+        version = self.rollouts + 1 - self.max_staleness
+        if version >= 1 and engine.policy_version != version:
+            held, weights = self._waiting[0]
+            assert held == version, (held, version)
+            engine.push(_named(pl_module.policy, weights), pl_module.device)
+            engine.policy_version = version
+        elif version < 1:
+            engine.policy_version = 0
+        engine.submit(
+            upcoming.prompt_ids, collector.group_size, collector.sampling, collector.pad_id,
+            collector.stop_ids,
+        )  # fmt: skip
 
     @override
     def on_train_batch_end(
@@ -84,7 +110,7 @@ class OldPolicyRefresh(Callback):
         if due >= 1:
             version, state = self._waiting.popleft()
             assert version == due, (version, due)
-            self.refresh(pl_module, _Weights(state))
+            self.refresh(pl_module, _Weights(state), version)
             self.version = version
 
     @override
@@ -134,12 +160,13 @@ class OldPolicyRefresh(Callback):
             rank_zero_warn(message)
 
     @torch.no_grad()
-    def refresh(self, pl_module: LightningModule, weights: Any = None) -> None:
+    def refresh(self, pl_module: LightningModule, weights: Any = None, version: int = -1) -> None:
         """Loads ``weights`` (a module, or what has its ``state_dict``; the policy by default)
-        into the snapshot."""
+        into the snapshot; ``version``: the policy version they are, when known."""
         pl_module.snapshot.refresh(pl_module.policy if weights is None else weights)
         engine = getattr(pl_module, "engine", None)
-        if engine is not None:  # it takes the new weights before its next rollout
+        # it takes the new weights before its next rollout, unless it sampled ahead with them
+        if engine is not None and getattr(engine, "policy_version", None) != version:
             engine.stale = True
         self.refreshes += 1
 
@@ -201,6 +228,11 @@ def _option(options: Any, name: str, default: Any) -> Any:
     if isinstance(options, dict):
         return options.get(name, default)
     return getattr(options, name, default)
+
+
+def _named(policy: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Stored weights under the names an engine takes (:func:`full_weights`: the parameters)."""
+    return {name: state[name] for name, _ in full_weights(policy)}
 
 
 class _Weights:

@@ -153,6 +153,8 @@ class PromptDataModule(LightningDataModule):
         self._tokenizer: PreTrainedTokenizerBase | None = None
         self.train_items: list[PromptItem] | None = None
         """Prepared training prompts (after ``setup``)."""
+        self.train_loader: ResumableLoader | None = None
+        """The loader of the last train_dataloader() call (its peek() shows the next batch)."""
         self.val_items: list[PromptItem] | None = None
         """Prepared validation prompts (after ``setup``)."""
 
@@ -230,7 +232,7 @@ class PromptDataModule(LightningDataModule):
         """
         if self.train_items is None:
             self.setup("fit")
-        return ResumableLoader(
+        self.train_loader = ResumableLoader(
             self.train_items,
             batch_size=self.batch_size,
             sampler=EpochShuffleSampler(
@@ -242,6 +244,7 @@ class PromptDataModule(LightningDataModule):
             generator=torch.Generator(),  # iterating must not draw from the global RNG
             position=self._position,
         )
+        return self.train_loader
 
     def _process_share(self) -> dict[str, int]:
         """This process's rank and the number of processes that share the data."""

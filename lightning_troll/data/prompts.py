@@ -156,6 +156,7 @@ class ResumableLoader(DataLoader):
         super().__init__(*args, **kwargs)
         self.position = position
         self._resume_at: tuple[int, int] | None = None
+        self._live: _Lookahead | None = None
 
     def state_dict(self) -> dict[str, int]:
         """The epoch and the batches finished in it (zeros without ``position``)."""
@@ -167,7 +168,14 @@ class ResumableLoader(DataLoader):
         self._resume_at = (int(state_dict["epoch"]), int(state_dict["batches"]))
 
     def __iter__(self) -> Iterator[Any]:
-        return self._batches()
+        self._live = _Lookahead(self._batches())
+        return self._live
+
+    def peek(self) -> Any:
+        """The batch the current pass yields next, without taking it (None: no pass, or the
+        pass is at its end); what samples a rollout ahead reads it
+        (:mod:`~lightning_troll.rollouts.engine_process`)."""
+        return None if self._live is None else self._live.peek()
 
     def _batches(self) -> Iterator[Any]:
         # A generator: runs on the first next(), after Lightning has called set_epoch.
@@ -178,6 +186,27 @@ class ResumableLoader(DataLoader):
             for _ in range(resume[1]):
                 next(iterator)
         yield from iterator
+
+
+class _Lookahead:
+    """An iterator that can show its next item without giving it."""
+
+    def __init__(self, iterator: Iterator[Any]) -> None:
+        self.iterator, self.ahead = iterator, []
+
+    def __iter__(self) -> _Lookahead:
+        return self
+
+    def __next__(self) -> Any:
+        return self.ahead.pop() if self.ahead else next(self.iterator)
+
+    def peek(self) -> Any:
+        if not self.ahead:
+            try:
+                self.ahead.append(next(self.iterator))
+            except StopIteration:
+                return None
+        return self.ahead[0]
 
 
 def write_jsonl(path: str | Path, rows: Iterable[Mapping[str, Any]]) -> Path:

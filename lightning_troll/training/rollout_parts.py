@@ -20,6 +20,7 @@ from lightning_troll.objectives import LossConfig
 from lightning_troll.objectives.advantages import compute_advantages
 from lightning_troll.rollouts.drift import support_rule
 from lightning_troll.rollouts.engine import EngineContext, RolloutEngine, build_engine
+from lightning_troll.rollouts.engine_process import ProcessEngine
 from lightning_troll.trust_region.projection import (
     SparseDistribution,
     TrustRegionProjection,
@@ -43,7 +44,7 @@ def build_rollout_engine(
             "merged, which a 4-bit base rounds away; use rollout_engine 'hf' with "
             "lora.load_in_4bit, or a base in float32/bfloat16"
         )
-    engine = build_engine(name, context, options)
+    engine = engine_in_a_process(name, context, options) or build_engine(name, context, options)
     if loss.engine_is_cap is not None and engine.records_behaviour:
         raise ValueError(
             f"model.loss.engine_is_cap={loss.engine_is_cap} corrects for an engine that samples "
@@ -51,6 +52,23 @@ def build_rollout_engine(
             "itself; set it to null, or use rollout_engine 'vllm'"
         )
     return engine
+
+
+def engine_in_a_process(
+    name: str, context: EngineContext, options: dict[str, Any] | None
+) -> ProcessEngine | None:
+    """With ``process: true`` in ``model.rollout_engine_options``, the engine ``name`` in a
+    process of its own (its other options, but ``threads``, are the engine's); otherwise None."""
+    options = dict(options or {})
+    process = options.pop("process", False)
+    if not isinstance(process, bool):
+        raise ValueError(
+            f"model.rollout_engine_options.process must be true or false; got {process!r}"
+        )
+    if not process:
+        return None
+    threads = options.pop("threads", None)
+    return ProcessEngine(context, name, options, threads)
 
 
 def check_engine_processes(engine: RolloutEngine, world: int) -> None:

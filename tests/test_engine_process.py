@@ -1,0 +1,137 @@
+"""An engine in its own process (``model.rollout_engine_options.process: true``): it samples what
+the engine in the trainer's process samples, and with ``old_policy.max_staleness`` it samples
+the next rollout while the trainer trains, with the weights the staleness asks for."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lightning.pytorch import Callback
+
+from lightning_troll.callbacks import OldPolicyRefresh, RolloutGeneration
+from lightning_troll.models.weights import full_weights
+from lightning_troll.rollouts.engine import HFEngine
+from lightning_troll.rollouts.engine_process import ProcessEngine, fingerprint
+from lightning_troll.training.rollout_parts import engine_in_a_process
+from tests.test_training import make_data, make_module, make_trainer
+
+
+def weights_of(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: w.detach().clone() for name, w in full_weights(module)}
+
+
+@pytest.mark.slow  # starts a Python process
+def test_the_engine_apart_samples_what_the_engine_here_samples(tiny_model_dir):
+    module = make_module(tiny_model_dir)
+    snapshot, collector = module.old_policy, module.collector
+    prompts = [[5, 6, 7], [8, 9]]
+    options = (4, collector.sampling, collector.pad_id, collector.stop_ids)
+    engine = engine_in_a_process("hf", module.engine.context, {"process": True})
+    assert isinstance(engine, ProcessEngine) and not engine.records_behaviour
+    try:
+        torch.manual_seed(3)
+        got = engine.generate(snapshot, prompts, *options)
+        torch.manual_seed(3)
+        seed = int(torch.randint(0, 2**63 - 1, ()))  # what the request drew
+        torch.manual_seed(seed)
+        here = HFEngine(module.engine.context).generate(snapshot, prompts, *options)
+        for name in ("input_ids", "attention_mask", "response_mask", "truncated"):
+            assert torch.equal(getattr(got, name), getattr(here, name)), name
+        assert engine.last_fingerprint == fingerprint(weights_of(snapshot))
+        figures = engine.figures()
+        assert figures["engine/process_prefetched"] == 0.0 and figures["engine/weight_push_s"] > 0
+        # new weights: the next sample is theirs
+        changed = {k: v + 0.01 for k, v in weights_of(snapshot).items()}
+        engine.push(changed, torch.device("cpu"))
+        engine.generate(snapshot, prompts, *options)
+        assert engine.last_fingerprint == fingerprint(changed)
+    finally:
+        engine.close()
+
+
+class SamplerWeights(Callback):
+    """Per rollout: the fingerprint of the snapshot that the trust region is built around, and of
+    the weights that sampled the rollout (reported by the engine's process), and its figures."""
+
+    def __init__(self) -> None:
+        self.snapshot, self.sampler, self.prefetched = [], [], []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.snapshot.append(fingerprint(weights_of(pl_module.old_policy)))
+        self.sampler.append(pl_module.engine.last_fingerprint)
+        self.prefetched.append(float(trainer.callback_metrics["engine/process_prefetched"]))
+
+
+@pytest.mark.slow  # starts a Python process and trains
+@pytest.mark.parametrize("staleness", [1, 2])
+def test_the_next_rollout_is_sampled_ahead_by_the_stale_version(
+    tmp_path, tiny_model_dir, staleness
+):
+    """Every rollout after the first is sampled ahead, while the one before it trained, by the
+    weights of the snapshot it then trains against (the version ``max_staleness`` behind)."""
+    seen = SamplerWeights()
+    callbacks = [RolloutGeneration(log_samples=0), OldPolicyRefresh(max_staleness=staleness), seen]
+    trainer = make_trainer(tmp_path, 5, callbacks=callbacks, limit_val_batches=0)
+    module = make_module(tiny_model_dir, rollout_engine_options={"process": True})
+    torch.manual_seed(0)
+    try:
+        trainer.fit(module, datamodule=make_data(tiny_model_dir))
+    finally:
+        module.engine.close()
+    assert seen.prefetched == [0.0, 1.0, 1.0, 1.0, 1.0]
+    assert seen.sampler == seen.snapshot
+    assert len(set(seen.snapshot)) == 5 - staleness  # version 0, then one per rollout
+    assert float(trainer.callback_metrics["rollout/staleness"]) == staleness
+
+
+def test_the_process_option_is_checked(tiny_model_dir):
+    context = make_module(tiny_model_dir).engine.context
+    with pytest.raises(ValueError, match=r"rollout_engine_options.process must be true or false"):
+        engine_in_a_process("hf", context, {"process": "yes"})
+    with pytest.raises(ValueError, match=r"options.threads must be null or an integer >= 1; got 0"):
+        engine_in_a_process("hf", context, {"process": True, "threads": 0})
+    with pytest.raises(ValueError, match=r"the hf engine takes no options; got \['kv_cache_gib'\]"):
+        engine_in_a_process("hf", context, {"process": True, "kv_cache_gib": 1})
+    assert engine_in_a_process("hf", context, {}) is None
+
+
+def test_the_loader_shows_its_next_batch_without_taking_it(tiny_model_dir):
+    data = make_data(tiny_model_dir)
+    data.setup("fit")
+    loader = data.train_dataloader()
+    assert data.train_loader is loader and loader.peek() is None  # no pass yet
+    batches = iter(loader)
+    ahead = loader.peek()
+    assert loader.peek() is ahead  # looking twice takes nothing
+    first = next(batches)
+    assert first is ahead
+    second_ahead = loader.peek()
+    assert next(batches) is second_ahead
+    taken = 2 + sum(1 for _ in batches)
+    assert taken == len(loader) and loader.peek() is None
+
+
+@pytest.mark.slow  # four Python processes
+def test_the_overlap_benchmark_times_both_arms_on_tinymath(tmp_path):
+    """examples/benchmark_overlap.py end to end on TinyMath: both arms ran their iterations, the
+    figures printed are the JSON's, and the overlapped arm sampled ahead."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "examples" / "benchmark_overlap.py"
+    out = tmp_path / "overlap.json"
+    args = ["--tiny", "--iterations", "3", "--repeats", "1", "--json", str(out)]
+    done = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert {arm: len(t) for arm, t in report["times_s"].items()} == {"in turn": 2, "overlapped": 2}
+    assert report["ratio"] == pytest.approx(
+        report["median_s"]["overlapped"] / report["median_s"]["in turn"]
+    )
+    assert f"overlapped / in turn: x{report['ratio']:.3f}" in done.stdout
+    assert report["prefetched"] == {"in turn": 0.0, "overlapped": 1.0}
+    bad = subprocess.run([sys.executable, str(script), "--engine-threads", "2"],
+                         capture_output=True, text=True)  # fmt: skip
+    assert bad.returncode == 2 and "--engine-threads must be in [1, --threads); got 2" in bad.stderr
