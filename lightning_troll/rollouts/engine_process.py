@@ -29,6 +29,7 @@ Figures: ``engine/process_wait_s`` (seconds the trainer waited for a sample it a
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -223,7 +224,8 @@ class ProcessEngine(RolloutEngine):
     def close(self) -> None:
         if self._child is not None:
             if self._child.is_alive():
-                self._conn.send(("stop", None))
+                with contextlib.suppress(OSError):  # OSError: the child's end is gone
+                    self._conn.send(("stop", None))  # read once a sample in flight is done
                 self._child.join(timeout=30)
             if self._child.is_alive():
                 self._child.kill()
