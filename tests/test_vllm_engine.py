@@ -217,3 +217,29 @@ def test_episodes_sample_with_vllm_and_its_logprobs_match_the_snapshot():
     assert report.engine["rollout/engine_logprob_diff"] <= 1e-4
     assert report.kept.engine_logprobs is not None
     assert (report.kept.engine_logprobs[~rollout.response_mask] == 0).all()
+
+
+def test_vllm_in_a_process_of_its_own_samples_with_the_weights_it_was_sent(tinymath):
+    """``rollout_engine_options: {process: true}`` with vLLM: the child starts vLLM, samples the
+    prompts with the weights sent (its fingerprint says so), and its log-probs are the policy's
+    own at the sampled tokens."""
+    from lightning_troll.rollouts.engine_process import fingerprint
+    from lightning_troll.training.rollout_parts import engine_in_a_process
+
+    _, policy, tokenizer = tinymath
+    context = EngineContext("tinymath", "float32", tokenizer)
+    engine = engine_in_a_process("vllm", context, {"process": True, "kv_cache_gib": 0.25})
+    sampling = SamplingConfig(max_new_tokens=6)
+    other = perturbed(policy, 0.05, seed=1)
+    try:
+        engine.push({n: w.detach().clone() for n, w in full_weights(other)}, torch.device("cpu"))
+        engine.stale = False
+        stops = stop_token_ids(tokenizer, policy)
+        generation = engine.generate(other, PROMPTS, 3, sampling, 0, stops)
+        assert engine.last_fingerprint == fingerprint(dict(full_weights(other)))
+        assert generation.input_ids.shape[0] == len(PROMPTS) * 3
+        mask = generation.response_mask
+        expected = teacher_forced(other, generation, sampling.temperature)
+        assert torch.allclose(generation.logprobs[mask], expected[mask], atol=1e-4)
+    finally:
+        engine.close()
