@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -78,10 +80,8 @@ def run_arm(spec: dict) -> list[float]:
         data = PromptDataModule(source="tinymath", batch_size=8, num_train=64, num_val=0)
         model, rewards = "tinymath", {"tinymath": 1.0}
     else:
-        path = Path(spec["tmp"]) / "prompts.jsonl"
-        rows = pick_rows(
-            8 * (spec["iterations"] + 1)
-        )  # one epoch: every rollout can be asked ahead
+        path = Path(tempfile.mkdtemp(prefix="overlap-")) / "prompts.jsonl"
+        rows = pick_rows(8 * (spec["iterations"] + 1))  # one epoch: each rollout asked ahead
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
         data = PromptDataModule(
             source=str(path), num_train=None, num_val=0, prompt_field="question",
@@ -105,6 +105,8 @@ def run_arm(spec: dict) -> list[float]:
         enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
     )  # fmt: skip
     trainer.fit(module, datamodule=data)
+    if not spec["tiny"]:
+        shutil.rmtree(path.parent, ignore_errors=True)
     return timer.rows
 
 
@@ -133,7 +135,7 @@ def main(argv: list[str] | None = None) -> dict:
     rows: dict[str, list[dict[str, float]]] = {arm: [] for arm in ARMS}
     for repeat in range(args.repeats):
         for arm in ARMS:
-            spec = {"arm": arm, "tiny": args.tiny, "model": str(args.model), "tmp": "/tmp",
+            spec = {"arm": arm, "tiny": args.tiny, "model": str(args.model),
                     "iterations": args.iterations, "steps": args.steps,
                     "max_new_tokens": args.max_new_tokens, "threads": args.threads,
                     "engine_threads": args.engine_threads}  # fmt: skip
