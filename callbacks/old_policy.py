@@ -81,8 +81,6 @@ class OldPolicyRefresh(Callback):
             assert held == version, (held, version)
             engine.push(_named(pl_module.policy, weights), pl_module.device)
             engine.policy_version = version
-        elif version < 1:
-            engine.policy_version = 0
         engine.submit(
             upcoming.prompt_ids, collector.group_size, collector.sampling, collector.pad_id,
             collector.stop_ids,

@@ -168,7 +168,7 @@ class ProcessEngine(RolloutEngine):
             self._receive("generation")
             self._pending = None
         self.version += 1
-        self._send(("weights", (self.version, {k: v.share_memory_() for k, v in weights.items()})))
+        self._send(("weights", {k: v.share_memory_() for k, v in weights.items()}))
         self._receive("weights")
         self._figures["engine/weight_push_s"] = time.perf_counter() - start
         return self.version
@@ -182,13 +182,17 @@ class ProcessEngine(RolloutEngine):
         stop_ids: Sequence[int],
     ) -> None:
         """Asks the child for a sample of the weights it holds now, and returns at once."""
-        request = Request(tuple(map(tuple, prompt_ids)), group_size, sampling, pad_id,
-                          tuple(stop_ids), self.version)  # fmt: skip
+        request = self._request(prompt_ids, group_size, sampling, pad_id, stop_ids)
         if self._pending is not None:
             self._receive("generation")  # only one request in flight: the older one is dropped
         seed = int(torch.randint(0, 2**63 - 1, ()))
         self._send(("generate", (request, seed)))
         self._pending = request
+
+    def _request(self, prompt_ids, group_size, sampling, pad_id, stop_ids) -> Request:
+        """The request for these prompts and options, of the weights the child holds now."""
+        prompts = tuple(map(tuple, prompt_ids))
+        return Request(prompts, group_size, sampling, pad_id, tuple(stop_ids), self.version)
 
     def generate(
         self,
@@ -204,9 +208,9 @@ class ProcessEngine(RolloutEngine):
             raise ValueError("an engine in its own process cannot record the snapshot's logits")
         if self.stale or self._child is None:
             self.load_weights(snapshot)
-        request = Request(tuple(map(tuple, prompt_ids)), group_size, sampling, pad_id,
-                          tuple(stop_ids), self.version)  # fmt: skip
-        prefetched = self._pending == request
+        prefetched = self._pending == self._request(
+            prompt_ids, group_size, sampling, pad_id, stop_ids
+        )
         if not prefetched:
             self.submit(prompt_ids, group_size, sampling, pad_id, stop_ids)
         start = time.perf_counter()
@@ -257,7 +261,7 @@ def _serve(
                 engine.close()
                 return
             if kind == "weights":
-                _, weights = payload
+                weights = payload
                 missing, unexpected = model.load_state_dict(weights, strict=False)
                 if unexpected or any(not _tied(model, name) for name in missing):
                     raise ValueError(
