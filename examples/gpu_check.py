@@ -11,7 +11,8 @@ limit, so that a phase that fails or runs out of time is recorded and the next o
 3. ``overhead``: TROLL against clip, one whole training step (forward, objective, backward,
    gradient clipping, AdamW) at Qwen3-0.6B, 1.7B and 4B shapes (random initialisation, bf16,
    V = 151,936, 4 sequences of 1,024 tokens, fewer where they do not fit): the ratio of the median
-   step times and of ``torch.cuda.max_memory_allocated``, beside the paper's x1.091 and x1.046;
+   step times and of ``torch.cuda.max_memory_allocated``, beside the paper's x1.091 and x1.046,
+   and TROLL's step with its root finder compiled (``trust_region.compile_solver``);
 4. ``generation``: sampling tokens per second at the same shapes, and the split of one GRPO
    iteration (64 completions of 256 tokens) into rollout and training;
 5. ``tinymath-demo``: ``configs/tinymath.yaml`` for 100 rollouts on the GPU: wall time, reward,
@@ -74,7 +75,7 @@ class Phase:
 PHASES = (
     Phase("cuda-tests", "CUDA-only tests (pytest -m cuda)", 150, 120, cuda_only=True),
     Phase("fsdp2-nccl", "FSDP2 over NCCL against one CPU process", 150, 120, cuda_only=True),
-    Phase("overhead", "TROLL vs clip, one training step, Qwen3 shapes", 150, 120),
+    Phase("overhead", "TROLL vs clip, one training step, Qwen3 shapes", 240, 120),
     Phase("generation", "tokens/s and one GRPO iteration, Qwen3 shapes", 150, 120),
     Phase("tinymath-demo", "the TinyMath demo, shortened", 120, 120),
     Phase("grpo-smollm2", "one GRPO iteration at SmolLM2-135M's shape", 120, 120),

@@ -159,13 +159,18 @@ class OverheadSetting:
     warmup: int = 2
     repeats: int = 5
     perturb: float = 0.1
+    compiled: bool = True
+    """Also TROLL with ``trust_region.compile_solver`` (its warm-up compiles)."""
 
 
-TINY_OVERHEAD = OverheadSetting(sequences=2, prompt=8, response=24, chunk=16, warmup=1, repeats=2)
+TINY_OVERHEAD = OverheadSetting(
+    sequences=2, prompt=8, response=24, chunk=16, warmup=1, repeats=2, compiled=False
+)  # the compiled solver's own tests run it on a CPU; a compile here would triple the phase
 
 
 def overhead(results: Results, tiny: bool) -> None:
-    """Median step time and peak memory of TROLL and clip at each Qwen3 shape."""
+    """Median step time and peak memory of TROLL and clip at each Qwen3 shape, and TROLL's step
+    time with its root finder compiled (``troll_compiled``)."""
     setting, shapes = (TINY_OVERHEAD, TINY_QWEN3) if tiny else (OverheadSetting(), QWEN3)
     results.update(paper=PAPER, memory=PeakMemory().source, shapes=shape_table(shapes),
                    **asdict(setting))  # fmt: skip
@@ -177,8 +182,10 @@ def overhead(results: Results, tiny: bool) -> None:
     rows = [r for r in results.rows if "time_ratio" in r]
     if rows:
         last = rows[-1]
+        compiled = (f" (compiled solver x{last['compiled_time_ratio']:.3f})"
+                    if "compiled_time_ratio" in last else "")  # fmt: skip
         results.update(
-            summary=f"{last['shape']}: time x{last['time_ratio']:.3f}, memory "
+            summary=f"{last['shape']}: time x{last['time_ratio']:.3f}{compiled}, memory "
             f"x{last['memory_ratio']:.3f} (paper x{PAPER['time_ratio']}, x{PAPER['memory_ratio']})"
         )
 
@@ -196,8 +203,10 @@ def overhead_at(shape: Shape, setting: OverheadSetting, sequences: int) -> dict[
     response = torch.ones(sequences, setting.response, dtype=torch.bool, device=device())
     rewards = torch.randn(sequences, generator=g, device=device())
     meter, row = PeakMemory(), {"sequences": sequences, "tokens": length}
-    for name in ("clip", "troll"):
-        objective = build_objective(name)
+    arms = {"clip": {}, "troll": {}} | ({"troll_compiled": {"compile_solver": True}}
+                                        if setting.compiled else {})  # fmt: skip
+    for name, options in arms.items():
+        objective = build_objective(name.removesuffix("_compiled"), **options)
         rollout = make_rollout(snapshot, objective, ids, attention, response, rewards,
                                sequences, setting.chunk)  # fmt: skip
         optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-6)
@@ -221,6 +230,8 @@ def overhead_at(shape: Shape, setting: OverheadSetting, sequences: int) -> dict[
         policy.zero_grad(set_to_none=True)
         free_memory()
     row["time_ratio"] = round(row["troll_ms"] / row["clip_ms"], 4)
+    if setting.compiled:
+        row["compiled_time_ratio"] = round(row["troll_compiled_ms"] / row["clip_ms"], 4)
     row["memory_ratio"] = round(row["troll_peak_mib"] / row["clip_peak_mib"], 4)
     return row
 

@@ -13,6 +13,7 @@ on the device's speed::
     python examples/profile_step.py                       # qwen3-0.6b, 4 x 1,024 tokens
     python examples/profile_step.py --tiny                # tiny shapes, any CPU, seconds
     python examples/profile_step.py --tiny --tables 0     # counts only
+    python examples/profile_step.py --compiled            # and TROLL with its solver compiled
 """
 
 from __future__ import annotations
@@ -77,6 +78,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
                         help="policy = snapshot + perturb x std noise (0.1: every token projected)")  # fmt: skip
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--tables", type=int, default=20, help="rows per profiler table (0: none)")
+    parser.add_argument("--compiled", action="store_true",
+                        help="also TROLL with trust_region.compile_solver (the warm-up compiles)")  # fmt: skip
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1; got {args.repeats}")
@@ -94,7 +97,10 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     attention = torch.ones_like(ids)
     mask = torch.ones(sequences, response, dtype=torch.bool, device=device())
     rewards = torch.randn(sequences, generator=g, device=device())
+    names = OBJECTIVES + (("troll_compiled",) if args.compiled else ())
     objectives = {name: build_objective(name) for name in OBJECTIVES}
+    if args.compiled:
+        objectives["troll_compiled"] = build_objective("troll", compile_solver=True)
     rollouts = {
         name: make_rollout(snapshot, o, ids, attention, mask, rewards, sequences, chunk)
         for name, o in objectives.items()
@@ -104,16 +110,16 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     def step(name: str):
         return train_step(policy, objectives[name], optimizer, rollouts[name], None, chunk)
 
-    for name in OBJECTIVES:  # warm-up
+    for name in names:  # warm-up
         step(name)
-    times: dict[str, list[float]] = {name: [] for name in OBJECTIVES}
-    for _ in range(args.repeats):  # in turn, so that both see the same machine
-        for name in OBJECTIVES:
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for _ in range(args.repeats):  # in turn, so that all see the same machine
+        for name in names:
             start = clock()
             step(name)
             times[name].append(clock() - start)
     report: dict[str, dict] = {}
-    for name in OBJECTIVES:
+    for name in names:
         events, cuda = profiled(lambda name=name: step(name))
         report[name] = {"median_ms": round(1000 * statistics.median(times[name]), 2),
                         **counts(events, cuda)}  # fmt: skip
@@ -125,9 +131,12 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     print(f"{args.shape}{' (tiny)' if args.tiny else ''} on {where}, torch {torch.__version__}, "
           f"{sequences} x {prompt + response} tokens, perturb {args.perturb}")  # fmt: skip
     for name, row in report.items():
-        print(f"{name:>6}: " + ", ".join(f"{k} {v}" for k, v in row.items()))
+        print(f"{name:>14}: " + ", ".join(f"{k} {v}" for k, v in row.items()))
     ratio = report["troll"]["median_ms"] / report["clip"]["median_ms"]
     print(f"troll / clip step time: x{ratio:.3f}")
+    if args.compiled:
+        compiled = report["troll_compiled"]["median_ms"] / report["clip"]["median_ms"]
+        print(f"troll (compiled solver) / clip step time: x{compiled:.3f}")
     return report
 
 

@@ -3,7 +3,15 @@ the configuration's ``model.trust_region`` all take them from here. Nothing here
 
 from __future__ import annotations
 
-__all__ = ["EPS", "KEEP_TOKEN", "MASS_DELTA", "MAX_TOKENS", "SUPPORT", "check_keep_token"]
+__all__ = [
+    "COMPILE_SOLVER",
+    "EPS",
+    "KEEP_TOKEN",
+    "MASS_DELTA",
+    "MAX_TOKENS",
+    "SUPPORT",
+    "check_keep_token",
+]
 
 EPS = 0.05
 """KL bound per token."""
@@ -16,6 +24,9 @@ KEEP_TOKEN = True
 """Always add the sampled token to the sparse supports."""
 SUPPORT = "official"
 """The old policy's kept tokens, as the paper describes its sparsification."""
+COMPILE_SOLVER = False
+"""Run the root finder's steps eagerly: compiling them (``torch.compile``) fuses each step's
+kernels, but costs a compile in every process and has not yet been timed on a GPU."""
 
 
 def check_keep_token(support: str, keep_token: bool) -> None:

@@ -17,6 +17,8 @@ row is *infeasible*: it gets the limit (eta* = inf), the closest any interpolati
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -54,8 +56,61 @@ def kl_and_var(logp: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
     return kl, var
 
 
+def _evaluate(a: Tensor, b: Tensor, t: Tensor, log_eps: Tensor) -> tuple[Tensor, Tensor]:
+    """f(t) = log KL(pi_eta || pi_old) - log eps at eta = exp(t), and df/dt; (M,) each."""
+    tiny = torch.finfo(a.dtype).tiny
+    eta = t.exp()
+    kl, var = kl_and_var(log_interpolate(a, b, eta), b)
+    f = kl.clamp_min(tiny).log() - log_eps
+    # d log KL / dt = eta * dKL/deta / KL, with dKL/deta = -Var / (1 + eta)
+    slope = -eta / (1 + eta) * var / kl.clamp_min(tiny)
+    return f, slope
+
+
+def _bracket_step(a, b, log_eps, up, pending, probe, t_lo, t_hi, t, f, slope):
+    """One step of the bracket search: every pending row moves its probe by ``_BRACKET_STEP``
+    (up where ``up``, else down) and narrows its bracket; a row stays pending while its probe
+    keeps the sign it started with."""
+    probe = torch.where(pending, probe + torch.where(up, _BRACKET_STEP, -_BRACKET_STEP), probe)
+    fp, sp = _evaluate(a, b, probe, log_eps)
+    violated = fp > 0
+    t_lo = torch.where(pending & violated, probe, t_lo)
+    t_hi = torch.where(pending & ~violated, probe, t_hi)
+    # Newton starts from the last probe, which lies next to the root.
+    t, f, slope = (torch.where(pending, x, y) for x, y in ((probe, t), (fp, f), (sp, slope)))
+    pending = pending & (violated == up)
+    return pending, probe, t_lo, t_hi, t, f, slope
+
+
+def _newton_step(a, b, log_eps, done, t, f, slope, t_lo, t_hi, ftol: float, ttol: float):
+    """One safeguarded Newton step on every row not yet ``done`` (a step that leaves the bracket
+    is replaced by bisection); rows done are left unchanged."""
+    step = t - f / slope
+    inside = (step > t_lo) & (step < t_hi) & step.isfinite()
+    t_new = torch.where(inside, step, 0.5 * (t_lo + t_hi))
+    f_new, s_new = _evaluate(a, b, t_new, log_eps)
+    live = ~done
+    t_lo = torch.where(live & (f_new > 0), t_new, t_lo)
+    t_hi = torch.where(live & (f_new <= 0), t_new, t_hi)
+    t, f, slope = (torch.where(live, x, y) for x, y in ((t_new, t), (f_new, f), (s_new, slope)))
+    done = done | (f.abs() <= ftol) | (t_hi - t_lo <= ttol * t_hi.abs().clamp_min(1.0))
+    return done, t, f, slope, t_lo, t_hi
+
+
+_STEPS = (_evaluate, _bracket_step, _newton_step)
+
+
+@functools.cache
+def _compiled_steps() -> tuple:
+    """The solver's three steps compiled with ``torch.compile`` (dynamic shapes: one compile
+    serves every number of rows and categories), each fused into a few kernels: eagerly a step
+    is some forty small kernels, and on a GPU at TROLL's shapes the host launching them, not the
+    device, paces the projection."""
+    return tuple(torch.compile(step, dynamic=True, fullgraph=True) for step in _STEPS)
+
+
 @torch.no_grad()
-def solve_eta(a: Tensor, b: Tensor, eps: Tensor) -> Tensor:
+def solve_eta(a: Tensor, b: Tensor, eps: Tensor, compiled: bool = False) -> Tensor:
     """Root eta* of KL(pi_eta || pi_old) = eps for rows that violate the bound and can reach it.
 
     a, b: (M, C) log-probs, eps: (M,); every row must have ``kl_floor(a, b) < eps`` (see the
@@ -66,7 +121,12 @@ def solve_eta(a: Tensor, b: Tensor, eps: Tensor) -> Tensor:
     the bracket width, never on a fixed step count; a row that stops on the width returns t_hi:
     a probe whose KL met the bound, or, if none did, the bracket's end t = 84 (eta ~ 3e36), where
     the KL equals kl_floor < eps up to float rounding.
+
+    ``compiled`` runs the steps through :func:`torch.compile` (the first call compiles them):
+    the same iteration, its floating-point rounding that of fused kernels, so eta* agrees with
+    the eager solver's to the tolerances above, not bit for bit.
     """
+    evaluate, bracket_step, newton_step = _compiled_steps() if compiled else _STEPS
     dtype = a.dtype
     ftol = 1e-12 if dtype == torch.float64 else 1e-6
     # In float32 the rounding of KL (a sum over C categories) is about ftol, so near the root
@@ -75,17 +135,9 @@ def solve_eta(a: Tensor, b: Tensor, eps: Tensor) -> Tensor:
     ttol = 1e-13 if dtype == torch.float64 else 1e-6
     log_eps = eps.log()
 
-    def f_and_slope(t: Tensor) -> tuple[Tensor, Tensor]:
-        eta = t.exp()
-        kl, var = kl_and_var(log_interpolate(a, b, eta), b)
-        f = kl.clamp_min(torch.finfo(dtype).tiny).log() - log_eps
-        # d log KL / dt = eta * dKL/deta / KL, with dKL/deta = -Var / (1 + eta)
-        slope = -eta / (1 + eta) * var / kl.clamp_min(torch.finfo(dtype).tiny)
-        return f, slope
-
     # Bracket: from t = 0 step up (rows still violating) or down (rows already inside).
     t = torch.zeros_like(eps)
-    f, slope = f_and_slope(t)
+    f, slope = evaluate(a, b, t, log_eps)
     t_lo = torch.full_like(t, -_BRACKET_STEP * _BRACKET_STEPS)
     t_hi = torch.full_like(t, _BRACKET_STEP * _BRACKET_STEPS)
     up = f > 0
@@ -94,14 +146,9 @@ def solve_eta(a: Tensor, b: Tensor, eps: Tensor) -> Tensor:
     probe = t.clone()
     pending = torch.ones_like(up)
     for step_count in range(1, _BRACKET_STEPS + 1):
-        probe = torch.where(pending, probe + torch.where(up, _BRACKET_STEP, -_BRACKET_STEP), probe)
-        fp, sp = f_and_slope(probe)
-        violated = fp > 0
-        t_lo = torch.where(pending & violated, probe, t_lo)
-        t_hi = torch.where(pending & ~violated, probe, t_hi)
-        # Newton starts from the last probe, which lies next to the root.
-        t, f, slope = (torch.where(pending, x, y) for x, y in ((probe, t), (fp, f), (sp, slope)))
-        pending = pending & (violated == up)
+        pending, probe, t_lo, t_hi, t, f, slope = bracket_step(
+            a, b, log_eps, up, pending, probe, t_lo, t_hi, t, f, slope
+        )
         if step_count % _CHECK_EVERY == 0 and not pending.any():
             break
 
@@ -109,15 +156,9 @@ def solve_eta(a: Tensor, b: Tensor, eps: Tensor) -> Tensor:
     for step_count in range(_MAX_SOLVER_STEPS):
         if step_count % _CHECK_EVERY == 0 and done.all():
             break
-        step = t - f / slope
-        inside = (step > t_lo) & (step < t_hi) & step.isfinite()
-        t_new = torch.where(inside, step, 0.5 * (t_lo + t_hi))
-        f_new, s_new = f_and_slope(t_new)
-        live = ~done
-        t_lo = torch.where(live & (f_new > 0), t_new, t_lo)
-        t_hi = torch.where(live & (f_new <= 0), t_new, t_hi)
-        t, f, slope = (torch.where(live, x, y) for x, y in ((t_new, t), (f_new, f), (s_new, slope)))
-        done = done | (f.abs() <= ftol) | (t_hi - t_lo <= ttol * t_hi.abs().clamp_min(1.0))
+        done, t, f, slope, t_lo, t_hi = newton_step(
+            a, b, log_eps, done, t, f, slope, t_lo, t_hi, ftol, ttol
+        )
     t = torch.where(f <= ftol, t, t_hi)
     return t.exp()
 
@@ -155,11 +196,14 @@ def regression_kl(a: Tensor, logp: Tensor, eta: Tensor) -> Tensor:
     return torch.where(eta > 0, kl, torch.zeros_like(kl))
 
 
-def project_log_probs(a: Tensor, b: Tensor, eps: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def project_log_probs(
+    a: Tensor, b: Tensor, eps: Tensor, compiled: bool = False
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Projects rows of a onto {pi : KL(pi || exp(b)) <= eps}.
 
     a: (M, C) log-probs of the new policy (differentiable), -inf where it has no category;
-    b: (M, C) log-probs of the old policy (constant); eps: (M,).
+    b: (M, C) log-probs of the old policy (constant); eps: (M,); ``compiled``: the root finder's
+    steps through ``torch.compile`` (:func:`solve_eta`).
     Returns log pi_proj (M, C) with the exact implicit gradient, eta* (M,), KL before and after.
 
     A row over the bound whose :func:`kl_floor` is >= eps (infeasible: no finite eta reaches the
@@ -186,7 +230,7 @@ def project_log_probs(a: Tensor, b: Tensor, eps: Tensor) -> tuple[Tensor, Tensor
         return logp_out, eta, kl_before, kl_after
 
     a_act, b_act = a[rows], b[rows]  # (m, C)
-    eta_act = solve_eta(a_act.detach(), b_act, eps[rows])  # (m,)
+    eta_act = solve_eta(a_act.detach(), b_act, eps[rows], compiled)  # (m,)
     # log pi at eta*, differentiable in a with eta held fixed ...
     logp = log_interpolate(a_act, b_act, eta_act)  # (m, C)
     p, u, kl = kl_terms(logp, b_act)  # kl depends on a through p and u

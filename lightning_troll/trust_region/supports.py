@@ -56,7 +56,9 @@ def _token_terms(a: Tensor, b: Tensor, logp: Tensor, eta: Tensor, pos: Tensor):
     )
 
 
-def official_rows(x: Tensor, old: SparseDistribution, tokens: Tensor, eps: Tensor) -> dict:
+def official_rows(
+    x: Tensor, old: SparseDistribution, tokens: Tensor, eps: Tensor, compiled: bool = False
+) -> dict:
     """The projection on S_old, both distributions renormalised there (see the module docstring).
 
     Args:
@@ -64,6 +66,7 @@ def official_rows(x: Tensor, old: SparseDistribution, tokens: Tensor, eps: Tenso
         old: the old policy's sparse rows; each must hold its row's sampled token.
         tokens: ``(n,)`` the sampled tokens.
         eps: ``(n,)`` the bound, in the compute dtype.
+        compiled: the root finder compiled (:func:`~lightning_troll.trust_region.kl_solver.solve_eta`).
 
     Returns:
         The fields of a :class:`~lightning_troll.trust_region.projection.ProjectionResult`.
@@ -82,7 +85,7 @@ def official_rows(x: Tensor, old: SparseDistribution, tokens: Tensor, eps: Tenso
     old_lp = old.logprobs.to(dtype)  # (n, K)
     log_coverage = old_lp.logsumexp(-1)  # (n,) log pi_old(S_old)
     b = old_lp - log_coverage.unsqueeze(-1)  # (n, K) old, renormalised on S_old
-    logp, eta, kl_before, kl_after = project_log_probs(a, b, eps)
+    logp, eta, kl_before, kl_after = project_log_probs(a, b, eps, compiled)
     token_logp, _, token_b, regression = _token_terms(
         a, b, logp, eta, is_token.to(torch.int8).argmax(-1)
     )
@@ -101,7 +104,9 @@ def official_rows(x: Tensor, old: SparseDistribution, tokens: Tensor, eps: Tenso
     }
 
 
-def dense_rows(x: Tensor, old_logits: Tensor, tokens: Tensor, eps: Tensor) -> dict:
+def dense_rows(
+    x: Tensor, old_logits: Tensor, tokens: Tensor, eps: Tensor, compiled: bool = False
+) -> dict:
     """The exact projection over the whole vocabulary.
 
     Args:
@@ -109,6 +114,7 @@ def dense_rows(x: Tensor, old_logits: Tensor, tokens: Tensor, eps: Tensor) -> di
         old_logits: ``(n, V)`` the old policy's logits at the same positions (constant).
         tokens: ``(n,)`` the sampled tokens.
         eps: ``(n,)`` the bound, in the compute dtype.
+        compiled: as in :func:`official_rows`.
 
     Returns:
         The fields of a :class:`~lightning_troll.trust_region.projection.ProjectionResult`.
@@ -116,7 +122,7 @@ def dense_rows(x: Tensor, old_logits: Tensor, tokens: Tensor, eps: Tensor) -> di
     dtype = eps.dtype
     a = torch.log_softmax(x.to(dtype), dim=-1)  # (n, V)
     b = torch.log_softmax(old_logits.detach().to(dtype), dim=-1)  # (n, V)
-    logp, eta, kl_before, kl_after = project_log_probs(a, b, eps)  # (n, V), (n,) x 3
+    logp, eta, kl_before, kl_after = project_log_probs(a, b, eps, compiled)  # (n, V), (n,) x 3
     token_logp, token_a, token_b, regression = _token_terms(a, b, logp, eta, tokens)
     return {
         "logprob": token_logp,

@@ -110,13 +110,16 @@ def lumped_problem(
     return Lumped(a, b, a_rest, spread, support, token_pos, in_u)
 
 
-def union_rows(rule, x: Tensor, old: SparseDistribution, tokens: Tensor, eps: Tensor) -> dict:
+def union_rows(
+    rule, x: Tensor, old: SparseDistribution, tokens: Tensor, eps: Tensor, compiled: bool = False
+) -> dict:
     """The projection on the union support U plus the rest bucket: the fields of a
     :class:`~lightning_troll.trust_region.projection.ProjectionResult` for rows ``x`` (n, V), differentiable;
-    ``rule`` as in :func:`lumped_problem`, ``eps`` (n,) in the compute dtype."""
+    ``rule`` as in :func:`lumped_problem`, ``eps`` (n,) in the compute dtype, ``compiled`` as in
+    :func:`~lightning_troll.trust_region.kl_solver.solve_eta`."""
     dtype = eps.dtype
     a, b, a_rest, spread, support, token_pos, in_u = lumped_problem(rule, x, old, tokens, dtype)
-    logp, eta, kl_before, kl_after = project_log_probs(a, b, eps)  # (n, L+1), (n,) x 3
+    logp, eta, kl_before, kl_after = project_log_probs(a, b, eps, compiled)  # (n, L+1), (n,) x 3
 
     pos = token_pos.unsqueeze(-1)  # (n, 1)
     token_logp = logp.gather(-1, pos).squeeze(-1)  # (n,)
