@@ -153,6 +153,7 @@ class OldPolicyRefresh(Callback):
             sequences,
             self.every_n_rollouts,
             getattr(pl_module, "objective_name", "troll"),
+            self.max_staleness,
         )
         if message is not None:
             rank_zero_warn(message)
@@ -249,18 +250,19 @@ def one_step_trap(
     rollout_sequences: int | None,
     every_n_rollouts: int,
     objective: str = "troll",
+    max_staleness: int = 0,
 ) -> str | None:
     """The warning for a configuration whose every optimiser step is on-policy, else None.
 
     One epoch over a rollout taken as one minibatch (``minibatch_size`` null, or at least the
-    ``rollout_sequences``), with the snapshot refreshed after every rollout, makes one step per
-    rollout from the very policy that sampled it: the importance ratios are 1, the projection (or
-    the clip) never acts, and the update is a plain policy gradient.
+    ``rollout_sequences``), with the snapshot refreshed after every rollout and no staleness,
+    makes one step per rollout from the very policy that sampled it: the importance ratios are 1,
+    the projection (or the clip) never acts, and the update is a plain policy gradient.
     """
     one_minibatch = minibatch_size is None or (
         rollout_sequences is not None and minibatch_size >= rollout_sequences
     )
-    if epochs_per_rollout != 1 or not one_minibatch or every_n_rollouts != 1:
+    if epochs_per_rollout != 1 or not one_minibatch or every_n_rollouts != 1 or max_staleness:
         return None
     acts = "TROLL's projection" if objective == "troll" else "the clip"
     size = f"{rollout_sequences} sequences" if rollout_sequences is not None else "the rollout"
@@ -272,6 +274,6 @@ def one_step_trap(
         f"so the policy equals the behaviour policy at every step, {acts} never acts and the "
         "update is a plain policy gradient. For off-policy steps set "
         f"model.optimization.minibatch_size {smaller} (data.batch_size x model.group_size "
-        "sequences make a rollout), model.optimization.epochs_per_rollout above 1, or "
-        "old_policy.every_n_rollouts above 1"
+        "sequences make a rollout), model.optimization.epochs_per_rollout above 1, "
+        "old_policy.every_n_rollouts above 1, or old_policy.max_staleness above 0"
     )

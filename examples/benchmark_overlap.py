@@ -5,7 +5,8 @@ Both arms train SmolLM2-135M-Instruct with GRPO and TROLL at ``old_policy.max_st
 next rollout sampled by the weights before this rollout's update, in both), on the iteration
 benchmark's prompts (8 prompts x 8 completions, 32 new tokens, 4 optimiser steps per rollout):
 
-- ``in turn``: the ``hf`` engine in the trainer's process, torch on ``--threads`` threads;
+- ``in turn``: the engine (``--engine``: ``hf`` or ``vllm``) in the trainer's process, torch on
+  ``--threads`` threads;
 - ``overlapped``: ``model.rollout_engine_options: {process: true, threads: t}``, the engine in a
   process of its own on ``t`` threads and the trainer on ``--threads - t``, so that the two
   arms use the same cores (:mod:`lightning_troll.rollouts.engine_process`).
@@ -16,6 +17,7 @@ and loads its model). Prints a table and writes ``--json``::
 
     python examples/benchmark_overlap.py --json examples/results/smollm2/overlap.json
     python examples/benchmark_overlap.py --tiny          # TinyMath, seconds, any machine
+    python examples/benchmark_overlap.py --engine vllm   # vLLM (make setup-vllm)
     python examples/benchmark_overlap.py --accelerator cuda --max-new-tokens 256   # one GPU
 
 On one GPU both processes share the device: the trainer's and the engine's kernels interleave, so
@@ -40,6 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from iteration_workers import SMOLLM2  # noqa: E402
 
 ARMS = ("in turn", "overlapped")
+VLLM_KV_CACHE_GIB = 1.0
+"""vLLM's KV cache: 64 sequences of SmolLM2 at these lengths need far less."""
 PARTS = (
     "time/generation", "time/forward_passes", "time/training", "engine/process_wait_s",
     "engine/weight_push_s", "engine/process_prefetched",
@@ -94,13 +98,15 @@ def run_arm(spec: dict) -> list[float]:
             batch_size=8,
         )  # fmt: skip
         model, rewards = spec["model"], {"last_number": 1.0}
-    options = {"process": True, "threads": spec["engine_threads"]} if overlapped else None
+    options = {"kv_cache_gib": VLLM_KV_CACHE_GIB} if spec["engine"] == "vllm" else {}
+    if overlapped:
+        options |= {"process": True, "threads": spec["engine_threads"]}
     module = TrollModule(
         model=model, objective="troll", group_size=8, rewards=rewards,
         sampling=SamplingConfig(temperature=1.0, max_new_tokens=spec["max_new_tokens"]),
         optimization=OptimizationConfig(epochs_per_rollout=spec["steps"]),
         optimizer=lambda params: torch.optim.AdamW(params, lr=1e-6, weight_decay=0.0),
-        rollout_engine_options=options,
+        rollout_engine=spec["engine"], rollout_engine_options=options or None,
     )  # fmt: skip
     timer = Timer()
     trainer = Trainer(
@@ -125,6 +131,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2, help="cores both arms use")
     parser.add_argument("--engine-threads", type=int, default=1, help="the engine's, overlapped")
+    parser.add_argument("--engine", choices=("hf", "vllm"), default="hf", help="the rollout engine")
     parser.add_argument(
         "--accelerator", choices=("cpu", "cuda"), default="cpu", help="where both arms run"
     )
@@ -147,7 +154,7 @@ def main(argv: list[str] | None = None) -> dict:
                     "iterations": args.iterations, "steps": args.steps,
                     "max_new_tokens": args.max_new_tokens, "threads": args.threads,
                     "engine_threads": args.engine_threads,
-                    "accelerator": args.accelerator}  # fmt: skip
+                    "accelerator": args.accelerator, "engine": args.engine}  # fmt: skip
             done = subprocess.run(
                 [sys.executable, __file__, "--worker", json.dumps(spec)],
                 capture_output=True, text=True, check=False,

@@ -233,17 +233,20 @@ def test_old_policy_refresh_every_n_rollouts(tmp_path, tiny_model_dir):
 
 
 @pytest.mark.parametrize(
-    ("epochs", "minibatch", "every_n", "traps"),
+    ("epochs", "minibatch", "every_n", "stale", "traps"),
     [
-        (1, None, 1, True),  # the whole rollout in one step, refreshed every rollout
-        (1, 32, 1, True),  # a minibatch as large as the rollout
-        (1, 16, 1, False),  # two minibatches: the second is off-policy
-        (2, None, 1, False),  # a second epoch
-        (1, None, 2, False),  # a snapshot that lags
+        (1, None, 1, 0, True),  # the whole rollout in one step, refreshed every rollout
+        (1, 32, 1, 0, True),  # a minibatch as large as the rollout
+        (1, 16, 1, 0, False),  # two minibatches: the second is off-policy
+        (2, None, 1, 0, False),  # a second epoch
+        (1, None, 2, 0, False),  # a snapshot that lags
+        (1, None, 1, 1, False),  # data sampled by the version before
     ],
 )
-def test_one_step_trap_is_named_with_the_options_that_change_it(epochs, minibatch, every_n, traps):
-    message = one_step_trap(epochs, minibatch, 32, every_n, "troll")
+def test_one_step_trap_is_named_with_the_options_that_change_it(
+    epochs, minibatch, every_n, stale, traps
+):
+    message = one_step_trap(epochs, minibatch, 32, every_n, "troll", stale)
     assert (message is not None) == traps
     if traps:
         for option in (
@@ -251,6 +254,7 @@ def test_one_step_trap_is_named_with_the_options_that_change_it(epochs, minibatc
             "model.optimization.minibatch_size below 32",
             "model.optimization.epochs_per_rollout above 1",
             "old_policy.every_n_rollouts above 1",
+            "old_policy.max_staleness above 0",
             "TROLL's projection never acts",
         ):
             assert option in message, option

@@ -243,3 +243,27 @@ def test_vllm_in_a_process_of_its_own_samples_with_the_weights_it_was_sent(tinym
         assert torch.allclose(generation.logprobs[mask], expected[mask], atol=1e-4)
     finally:
         engine.close()
+
+
+def test_a_fit_samples_ahead_with_vllm_in_a_process_of_its_own(tmp_path):
+    """vLLM in a child process and data one version stale: every rollout after the first is
+    sampled by vLLM while the one before it trains, by the weights of the snapshot its trust
+    region is built around."""
+    from lightning_troll.callbacks import OldPolicyRefresh, RolloutGeneration
+    from tests.test_engine_process import SamplerWeights
+    from tests.test_training import make_data, make_module, make_trainer
+
+    seen = SamplerWeights()
+    callbacks = [RolloutGeneration(log_samples=0), OldPolicyRefresh(max_staleness=1), seen]
+    trainer = make_trainer(tmp_path, 4, callbacks=callbacks, limit_val_batches=0)
+    options = {"process": True, "kv_cache_gib": 0.25}
+    module = make_module("tinymath", rollout_engine="vllm", rollout_engine_options=options)
+    torch.manual_seed(0)
+    try:
+        trainer.fit(module, datamodule=make_data("tinymath"))
+    finally:
+        module.engine.close()
+    assert seen.prefetched == [0.0, 1.0, 1.0, 1.0]
+    assert seen.sampler == seen.snapshot
+    assert len(set(seen.snapshot)) == 3  # version 0 twice, then versions 1 and 2
+    assert float(trainer.callback_metrics["rollout/staleness"]) == 1
