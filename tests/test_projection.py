@@ -856,7 +856,9 @@ def test_the_compiled_solver_meets_the_bound_with_a_tenth_of_the_operator_calls(
 
     g = generator(3)
     a = torch.log_softmax(2.0 * torch.randn(1024, 48, generator=g), -1)
-    b = torch.log_softmax(a + torch.randn(1024, 48, generator=g) * torch.rand(1024, 1) * 3, -1)
+    b = torch.log_softmax(
+        a + torch.randn(1024, 48, generator=g) * torch.rand(1024, 1, generator=g) * 3, -1
+    )
     eps = torch.full((1024,), 0.05)
     over = (kl_terms(a, b)[2] > eps) & (kl_floor(a, b) < eps)
     a, b, eps = a[over], b[over], eps[over]
@@ -875,7 +877,7 @@ def test_the_compiled_solver_meets_the_bound_with_a_tenth_of_the_operator_calls(
     eager, eager_calls = solved(False)
     fused, fused_calls = solved(True)
     for eta in (eager, fused):
-        torch.testing.assert_close(kl64(eta), eps.double(), rtol=1e-4, atol=0)
+        torch.testing.assert_close(kl64(eta), eps.double(), rtol=1e-5, atol=0)
     assert fused_calls * 10 <= eager_calls, (fused_calls, eager_calls)
 
 
