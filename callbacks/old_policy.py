@@ -69,7 +69,8 @@ class OldPolicyRefresh(Callback):
         """Asks an engine in its own process for the next rollout now, while this one trains:
         the next rollout is sampled by version ``rollouts + 1 - max_staleness``, which exists
         already (see :mod:`lightning_troll.rollouts.engine_process`). Nothing is asked ahead of
-        a rollout that dynamic sampling or episodes make, or past the end of an epoch."""
+        a rollout that dynamic sampling or episodes make; at an epoch's end the next rollout is the
+        next epoch's first (:meth:`~lightning_troll.data.prompts.ResumableLoader.peek`)."""
         loader = getattr(trainer.datamodule, "train_loader", None)
         upcoming = loader.peek() if loader is not None else None
         if upcoming is None or pl_module.dynamic_sampling or pl_module.episodes is not None:

@@ -108,7 +108,53 @@ def test_the_loader_shows_its_next_batch_without_taking_it(tiny_model_dir):
     second_ahead = loader.peek()
     assert next(batches) is second_ahead
     taken = 2 + sum(1 for _ in batches)
-    assert taken == len(loader) and loader.peek() is None
+    assert taken == len(loader)  # at the end, peek() shows the next epoch's first batch
+
+
+def batch_ids(batch) -> list[list[int]]:
+    return [list(ids) for ids in batch.prompt_ids]
+
+
+def test_at_an_epochs_end_the_loader_shows_the_next_epochs_first_batch(tiny_model_dir):
+    """Peeking past the last batch of an epoch begins the next epoch's pass: it shows that
+    epoch's first batch, and iterating the next epoch yields it and then the rest, the very
+    batches a loader nobody peeked into yields."""
+    data = make_data(tiny_model_dir, num_train=12)  # 3 batches an epoch
+    data.setup("fit")
+    loader, plain = data.train_dataloader(), data.train_dataloader()
+    expected = []
+    for epoch in (0, 1):
+        plain.sampler.set_epoch(epoch)
+        expected.append([batch_ids(b) for b in plain])
+    assert expected[0] != expected[1]  # each epoch its own order
+
+    loader.sampler.set_epoch(0)
+    seen = [batch_ids(b) for b in loader]
+    ahead = loader.peek()
+    assert loader.peek() is ahead and loader.sampler.epoch == 0  # the epoch is left as it was
+    assert batch_ids(ahead) == expected[1][0]
+    loader.sampler.set_epoch(1)  # as Lightning does before the next pass
+    second = iter(loader)
+    assert next(second) is ahead
+    assert [batch_ids(b) for b in [ahead, *second]] == expected[1] and seen == expected[0]
+
+
+@pytest.mark.slow  # starts a Python process and trains
+def test_the_first_rollout_of_an_epoch_is_sampled_ahead_too(tmp_path, tiny_model_dir):
+    """Two batches an epoch, five rollouts: the rollouts that open epochs 2 and 3 are sampled
+    ahead like the others, by the weights their trust region is built around."""
+    seen = SamplerWeights()
+    callbacks = [RolloutGeneration(log_samples=0), OldPolicyRefresh(max_staleness=1), seen]
+    trainer = make_trainer(tmp_path, 5, callbacks=callbacks, limit_val_batches=0)
+    module = make_module(tiny_model_dir, rollout_engine_options={"process": True})
+    torch.manual_seed(0)
+    try:
+        trainer.fit(module, datamodule=make_data(tiny_model_dir, num_train=8))
+    finally:
+        module.engine.close()
+    assert len(trainer.datamodule.train_loader) == 2  # rollouts 3 and 5 open epochs 1 and 2
+    assert seen.prefetched == [0.0, 1.0, 1.0, 1.0, 1.0]
+    assert seen.sampler == seen.snapshot
 
 
 @pytest.mark.slow  # four Python processes

@@ -157,6 +157,8 @@ class ResumableLoader(DataLoader):
         self.position = position
         self._resume_at: tuple[int, int] | None = None
         self._live: _Lookahead | None = None
+        self._next: tuple[int, _Lookahead] | None = None
+        """The next epoch's pass, built early by :meth:`peek` at the end of this one."""
 
     def state_dict(self) -> dict[str, int]:
         """The epoch and the batches finished in it (zeros without ``position``)."""
@@ -168,14 +170,36 @@ class ResumableLoader(DataLoader):
         self._resume_at = (int(state_dict["epoch"]), int(state_dict["batches"]))
 
     def __iter__(self) -> Iterator[Any]:
-        self._live = _Lookahead(self._batches())
+        ready, self._next = self._next, None
+        epoch = getattr(self.sampler, "epoch", None)
+        if ready is not None and ready[0] == epoch and self._resume_at is None:
+            self._live = ready[1]  # the pass peek() began, for the epoch it began it for
+        else:
+            self._live = _Lookahead(self._batches())
         return self._live
 
     def peek(self) -> Any:
-        """The batch the current pass yields next, without taking it (None: no pass, or the
-        pass is at its end); what samples a rollout ahead reads it
-        (:mod:`~lightning_troll.rollouts.engine_process`)."""
-        return None if self._live is None else self._live.peek()
+        """The batch the loader yields next, without taking it; what samples a rollout ahead
+        reads it (:mod:`~lightning_troll.rollouts.engine_process`). At the end of a pass, the
+        next epoch's first batch: the pass over the next epoch is begun here, and the next
+        ``iter()`` for that epoch continues it, so the batches are the ones it would yield
+        anyway. None before the first pass, and at a pass's end where the sampler's order is not
+        fixed by its epoch (a sampler without ``epoch`` and ``set_epoch``)."""
+        if self._live is None:
+            return None
+        upcoming = self._live.peek()
+        epoch = getattr(self.sampler, "epoch", None)
+        if upcoming is not None or epoch is None or not hasattr(self.sampler, "set_epoch"):
+            return upcoming
+        if self._next is None:
+            self.sampler.set_epoch(epoch + 1)
+            try:
+                ahead = _Lookahead(self._batches())
+                ahead.peek()  # the sampler's order is drawn here, at the next epoch
+            finally:
+                self.sampler.set_epoch(epoch)
+            self._next = (epoch + 1, ahead)
+        return self._next[1].peek()
 
     def _batches(self) -> Iterator[Any]:
         # A generator: runs on the first next(), after Lightning has called set_epoch.
