@@ -209,31 +209,50 @@ def overhead_at(shape: Shape, setting: OverheadSetting, sequences: int) -> dict[
         objective = build_objective(name.removesuffix("_compiled"), **options)
         rollout = make_rollout(snapshot, objective, ids, attention, response, rewards,
                                sequences, setting.chunk)  # fmt: skip
-        optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-6)
-        for _ in range(setting.warmup):
-            train_step(policy, objective, optimizer, rollout, None, setting.chunk)
-        baseline = meter.reset()
-        times, stats = [], None
-        for _ in range(setting.repeats):
-            start = clock()
-            stats = train_step(policy, objective, optimizer, rollout, None, setting.chunk)
-            times.append(clock() - start)
-        row[f"{name}_ms"] = round(1000 * statistics.median(times), 2)
-        step = partial(train_step, policy, objective, optimizer, rollout, None, setting.chunk)
-        for key, value in counts(*profiled(step)).items():
-            row[f"{name}_{key}"] = value  # kernel launches and host syncs (ATen calls on a CPU)
-        row[f"{name}_peak_mib"] = round(meter.peak(), 1)
-        row[f"{name}_baseline_mib"] = round(baseline, 1)
-        if name == "troll":
-            row["projected_frac"] = round(float(stats.active_frac), 4)
-        del optimizer, rollout, step
+        step = partial(train_step, policy, objective, rollout=rollout, micro_batch=None,
+                       chunk=setting.chunk)  # fmt: skip
+        try:
+            figures, stats = arm_figures(policy, step, setting, meter)
+        except Exception as error:  # the compiled arm's compiler is the GPU image's, untried
+            if name != "troll_compiled" or out_of_memory(error):
+                raise
+            row["troll_compiled_error"] = f"{type(error).__name__}: {error}"[:400]
+        else:
+            row |= {f"{name}_{key}": value for key, value in figures.items()}
+            if name == "troll":
+                row["projected_frac"] = round(float(stats.active_frac), 4)
+        del rollout, step
         policy.zero_grad(set_to_none=True)
         free_memory()
     row["time_ratio"] = round(row["troll_ms"] / row["clip_ms"], 4)
-    if setting.compiled:
+    if "troll_compiled_ms" in row:
         row["compiled_time_ratio"] = round(row["troll_compiled_ms"] / row["clip_ms"], 4)
     row["memory_ratio"] = round(row["troll_peak_mib"] / row["clip_peak_mib"], 4)
     return row
+
+
+def arm_figures(
+    policy, step, setting: OverheadSetting, meter: PeakMemory
+) -> tuple[dict[str, Any], Any]:
+    """One objective's figures and its last step's statistics: ``step(optimizer=...)`` takes one
+    training step of ``policy``; warm-up steps, then the median of ``setting.repeats`` timed
+    steps, one profiled step's counts and the peak memory."""
+    import torch
+
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-6)
+    for _ in range(setting.warmup):
+        step(optimizer=optimizer)
+    baseline = meter.reset()
+    times, stats = [], None
+    for _ in range(setting.repeats):
+        start = clock()
+        stats = step(optimizer=optimizer)
+        times.append(clock() - start)
+    figures = {"ms": round(1000 * statistics.median(times), 2)}
+    # kernel launches and host syncs (ATen calls on a CPU)
+    figures |= counts(*profiled(partial(step, optimizer=optimizer)))
+    figures |= {"peak_mib": round(meter.peak(), 1), "baseline_mib": round(baseline, 1)}
+    return figures, stats
 
 
 # -- phase 4: generation and the split of a GRPO iteration ------------------------------------
