@@ -3,6 +3,7 @@
     python examples/feedback_game_study.py --estimate                      # hours, then stop
     nohup python examples/feedback_game_study.py --seeds 0 > g0.log 2>&1 &     # a share
     python examples/feedback_game_study.py --report                         # tables so far
+    python examples/feedback_game_study.py --report --figure docs/images/feedback-game.png
     python examples/feedback_game_study.py --dry-run --out /tmp/dry         # the machinery
 
 Every run is ``examples/feedback_game/task.yaml`` (the environment ``retry.py`` beside it: a wrong
@@ -25,7 +26,9 @@ import paper_regime_study as paper  # noqa: E402
 import study_kit  # noqa: E402
 import word_problems  # noqa: E402
 from paper_regime_tables import ACCURACY  # noqa: E402
+from study_figures import Line, Panel, plot_panels  # noqa: E402
 from study_kit import Grid, Interrupted, Run  # noqa: E402
+from study_stats import paired, sign_test  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 GAME = ROOT / "examples" / "feedback_game"
@@ -97,6 +100,81 @@ def table(records: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
+def at_rollout(record: dict, metric: str, rollout: int) -> float | None:
+    """``metric`` as logged at ``rollout``, or None."""
+    found = [row[metric] for row in record["history"]
+             if row["rollout"] == rollout and row.get(metric) is not None]  # fmt: skip
+    return found[-1] if found else None
+
+
+def endpoints(records: Sequence[dict], rollouts: int) -> str:
+    """The plan's endpoints (docs/feedback-game-plan.md) over the finished runs: per run, the
+    late window minus the early one of the reward and of the turns, and the held-out accuracy
+    at the last validation minus at the start, each with its exact sign test; then TROLL minus
+    clipping per seed (the seeds both finished), with the paired t-test."""
+    lines = []
+    changes = {
+        "reward/mean, late - early (learns: > 0)": lambda r: _late_minus_early(r, "reward/mean"),
+        "episodes/turns_mean, late - early (fewer retries: < 0)": lambda r: _late_minus_early(
+            r, "episodes/turns_mean"
+        ),
+        f"{ACCURACY}, rollout {rollouts} - rollout 0": lambda r: _difference(
+            at_rollout(r, ACCURACY, rollouts), at_rollout(r, ACCURACY, 0)
+        ),
+    }
+    for title, change in changes.items():
+        diffs = {r["name"]: change(r) for r in records}
+        known = [d for d in diffs.values() if d is not None]
+        if not known:
+            continue
+        each = ", ".join(f"{name} {d:+.3f}" for name, d in diffs.items() if d is not None)
+        lines.append(f"- {title}: mean {sum(known) / len(known):+.3f} over {len(known)} runs "
+                     f"({each}); sign test p {sign_test(known):.3f}")  # fmt: skip
+    by_name = {r["name"]: r for r in records}
+    seeds = sorted({r["fields"]["seed"] for r in records})
+    pairs = [(by_name.get(f"troll-s{s}"), by_name.get(f"clip-s{s}")) for s in seeds]
+    pairs = [(t, c) for t, c in pairs if t is not None and c is not None]
+    for title, value in (
+        ("reward/mean, late window", lambda r: window_mean(r, "reward/mean", WINDOWS["late"])),
+        (f"{ACCURACY} at rollout {rollouts}", lambda r: at_rollout(r, ACCURACY, rollouts)),
+    ):
+        both = [(value(t), value(c)) for t, c in pairs]
+        both = [(a, b) for a, b in both if a is not None and b is not None]
+        if both:
+            comparison = paired([a for a, _ in both], [b for _, b in both])
+            lines.append(f"- TROLL - clipping, {title}: {comparison.text()}")
+    return "\n".join(lines)
+
+
+def _late_minus_early(record: dict, metric: str) -> float | None:
+    late, early = (window_mean(record, metric, WINDOWS[w]) for w in ("late", "early"))
+    return _difference(late, early)
+
+
+def _difference(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else a - b
+
+
+def figure(records: Sequence[dict], path: Path) -> Path:
+    """Reward, turns per episode and held-out accuracy against the rollout for every run (the
+    plan's plots): colour by objective, line style by seed."""
+    colours = {"troll": "tab:blue", "clip": "tab:orange"}
+    styles = ("-", "--", ":", "-.")
+
+    def lines(metric: str) -> list[Line]:
+        return [Line([r], metric, r["name"], colours[r["fields"]["objective"]],
+                     styles[r["fields"]["seed"] % len(styles)], band=False)
+                for r in records]  # fmt: skip
+
+    panels = [
+        Panel("reward per episode", "reward/mean", lines("reward/mean")),
+        Panel("turns per episode", "episodes/turns_mean", lines("episodes/turns_mean")),
+        Panel("held-out accuracy (greedy)", ACCURACY, lines(ACCURACY), top=1.0),
+    ]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return plot_panels(panels, path)
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, default=ROOT / "examples/results/smollm2/feedback_game")
@@ -105,9 +183,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--prior-seconds", type=float, default=120.0, help="s / rollout, no run done")
     p.add_argument("--estimate", action="store_true", help="print the hours and stop")
-    p.add_argument("--report", action="store_true", help="the table of finished runs")
+    p.add_argument(
+        "--report",
+        action="store_true",
+        help="the table and the plan's endpoints of the finished runs",
+    )
+    p.add_argument("--figure", type=Path, default=None,
+                   help="with --report: the curves of the finished runs, as a PNG")  # fmt: skip
     p.add_argument("--dry-run", action="store_true", help="TinyMath, tiny budgets: seconds")
     args = p.parse_args(argv)
+    if args.figure is not None and not args.report:
+        p.error(f"--figure {args.figure} draws the report's runs: it needs --report")
     study_kit.check_dry_run_out(p, args)
     if args.dry_run:
         args.model, args.rollouts = "tinymath", 2
@@ -118,7 +204,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     study = grid(args)
     if args.report:
-        print(table(study.finished(runs(args))))
+        records = study.finished(runs(args))
+        print(table(records))
+        print(endpoints(records, args.rollouts))
+        if args.figure is not None:
+            print(f"figure: {figure(records, args.figure)}")
         return
     if args.estimate:
         total, left = study.estimate(runs(args))

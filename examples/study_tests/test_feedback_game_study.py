@@ -70,6 +70,53 @@ def test_window_means_read_the_rollouts_of_a_window():
     assert study.window_mean(record, "reward/mean", (21, 30)) is None
 
 
+def game_record(objective, seed, reward, turns, accuracy):
+    """A run's record: ``reward`` and ``turns`` (early, late) logged at rollouts 5 and 25, and
+    the held-out ``accuracy`` (start, end) at rollouts 0 and 30."""
+    history = [
+        {"rollout": 0, "val/accuracy": accuracy[0]},
+        {"rollout": 5, "reward/mean": reward[0], "episodes/turns_mean": turns[0]},
+        {"rollout": 25, "reward/mean": reward[1], "episodes/turns_mean": turns[1]},
+        {"rollout": 30, "val/accuracy": accuracy[1]},
+    ]
+    fields = {"objective": objective, "seed": seed}
+    return {"name": f"{objective}-s{seed}", "fields": fields, "history": history}
+
+
+def test_the_plans_endpoints_by_hand():
+    """Four runs. Reward, late - early: +0.4, +0.2, +0.2, +0.3, mean +0.275, 4 of 4 above 0, so a
+    sign test p of 2/16. TROLL - clipping at the end: late reward +0.2 and -0.1, mean +0.05, sd
+    0.212, t = 0.05 / (0.212 / sqrt 2) = 0.33, p = 1 - 2 atan(1/3) / pi = 0.80; accuracy +0.10 and +0.04: mean +0.07, sd 0.0424, t = 0.07 / (0.0424 / sqrt 2) = 2.33
+    on 1 degree of freedom, p = 1 - 2 atan(2.33) / pi = 0.26."""
+    records = [
+        game_record("troll", 0, (0.2, 0.6), (2.5, 2.0), (0.1, 0.4)),
+        game_record("clip", 0, (0.2, 0.4), (2.5, 2.2), (0.1, 0.3)),
+        game_record("troll", 1, (0.1, 0.3), (2.6, 2.4), (0.2, 0.3)),
+        game_record("clip", 1, (0.1, 0.4), (2.6, 2.1), (0.2, 0.26)),
+    ]
+    text = study.endpoints(records, 30)
+    assert "reward/mean, late - early (learns: > 0): mean +0.275 over 4 runs" in text
+    assert (
+        "troll-s0 +0.400, clip-s0 +0.200, troll-s1 +0.200, clip-s1 +0.300); sign test p 0.125"
+        in text
+    )
+    assert "turns_mean, late - early (fewer retries: < 0): mean -0.375 over 4 runs" in text
+    assert "val/accuracy, rollout 30 - rollout 0: mean +0.165 over 4 runs" in text
+    assert (
+        "TROLL - clipping, reward/mean, late window: +0.050 (+0.200, -0.100); t-test p 0.80" in text
+    )
+    assert (
+        "TROLL - clipping, val/accuracy at rollout 30: +0.070 (+0.100, +0.040); t-test p 0.26, sign test p 0.50"
+        in text
+    )
+
+
+def test_a_figure_needs_the_report(capsys):
+    with pytest.raises(SystemExit):
+        study.parse_args(["--figure", "x.png"])
+    assert "--figure x.png draws the report's runs: it needs --report" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_the_study_runs_both_objectives_on_tinymath_episodes(tmp_path):
     """Two runs of three-turn plain-text episodes on TinyMath: records with the episodes'
@@ -85,3 +132,6 @@ def test_the_study_runs_both_objectives_on_tinymath_episodes(tmp_path):
         assert all(1 <= row["episodes/turns_mean"] <= 3 for row in rows)
         assert record["history"][0]["rollout"] == 0 and "val/accuracy" in record["history"][0]
     assert "| troll-s0 |" in study.table(records)
+    image = tmp_path / "game.png"
+    study.main(["--dry-run", "--out", str(out), "--seeds", "0", "--report", "--figure", str(image)])
+    assert image.read_bytes().startswith(b"\x89PNG")
