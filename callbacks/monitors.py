@@ -69,22 +69,34 @@ class TrustRegionMonitor(Callback):
     the sampled tokens, an unbiased estimate of the mean KL over the whole vocabulary unless
     ``sampling.top_p`` or ``top_k`` truncates the sampling).
 
+    With ``kl_start``, the same figures at a rollout's start, ``trust_region/kl_start_{mean,max,
+    sampled}``: before its first optimiser step, on that step's minibatch. On-policy data gives 0
+    (the behaviour policy is the policy); with ``old_policy.max_staleness`` it is how far the
+    stale sampler lies from the weights that train on its data.
+
     Args:
         histogram_every_n_rollouts: how often the per-token histograms (and, in W&B and MLflow,
             the chart of KL against the bound) are written; 0 = never.
         kl_end: log the KL at the end of each rollout (one more forward pass per rollout).
+        kl_start: log the KL at the start of each rollout (one more forward pass per rollout).
     """
 
-    def __init__(self, histogram_every_n_rollouts: int = 10, kl_end: bool = False) -> None:
+    def __init__(
+        self, histogram_every_n_rollouts: int = 10, kl_end: bool = False, kl_start: bool = False
+    ) -> None:
         if histogram_every_n_rollouts < 0:
             raise ValueError(
                 "TrustRegionMonitor: histogram_every_n_rollouts must be >= 0; got "
                 f"{histogram_every_n_rollouts}"
             )
-        if not isinstance(kl_end, bool):
-            raise ValueError(f"TrustRegionMonitor: kl_end must be true or false; got {kl_end!r}")
+        for name, value in (("kl_end", kl_end), ("kl_start", kl_start)):
+            if not isinstance(value, bool):
+                raise ValueError(f"TrustRegionMonitor: {name} must be true or false; got {value!r}")
         self.histogram_every_n_rollouts = histogram_every_n_rollouts
         self.kl_end = kl_end
+        self.kl_start = kl_start
+        self._start: tuple[Tensor, Tensor] | None = None
+        """This rollout's KL at its start (lumped, sampled), until it is logged."""
         self.rollouts = 0
         self.kl_history: list[list[float]] = []
         """[step, kl_after_max, kl_after_mean, bound] of every TROLL rollout, for the chart."""
@@ -100,12 +112,15 @@ class TrustRegionMonitor(Callback):
                 "trust_region/eta_max": MaxMetric,
             }
         )
-        self.end = _Reductions(
-            {
-                "trust_region/kl_end_mean": MeanMetric,
-                "trust_region/kl_end_max": MaxMetric,
-                "trust_region/kl_end_sampled": MeanMetric,
-            }
+        self.end, self.start = (
+            _Reductions(
+                {
+                    f"trust_region/kl_{at}_mean": MeanMetric,
+                    f"trust_region/kl_{at}_max": MaxMetric,
+                    f"trust_region/kl_{at}_sampled": MeanMetric,
+                }
+            )
+            for at in ("end", "start")
         )
         self.clip = _Reductions(
             {
@@ -121,13 +136,11 @@ class TrustRegionMonitor(Callback):
         self.troll.to(pl_module.device)
         self.clip.to(pl_module.device)
         self.end.to(pl_module.device)
-        if (
-            self.kl_end
-            and stage == "fit"
-            and not getattr(pl_module, "cache_old_distributions", True)
-        ):
+        self.start.to(pl_module.device)
+        asked = [name for name in ("kl_end", "kl_start") if getattr(self, name)]
+        if asked and stage == "fit" and not getattr(pl_module, "cache_old_distributions", True):
             raise ValueError(
-                "trust_region_monitor.kl_end reads the behaviour policy's sparse distributions, "
+                f"trust_region_monitor.{asked[0]} reads the behaviour policy's sparse distributions, "
                 "which a clipping run caches only when asked: build the module with "
                 "cache_old_distributions=True (the command line sets it from "
                 "trust_region_monitor.kl_end; a resumed run keeps the value its checkpoint stores)"
@@ -172,15 +185,29 @@ class TrustRegionMonitor(Callback):
         elif isinstance(stats[0], ClipStats):
             self._log_clip(pl_module, stats)
         if self.kl_end and pl_module.minibatch_loop.last_minibatch is not None:
-            lumped, sampled = pl_module.kl_to_behaviour(pl_module.minibatch_loop.last_minibatch)
-            values = self.end.compute(
-                {
-                    "trust_region/kl_end_mean": lumped,
-                    "trust_region/kl_end_max": lumped,
-                    "trust_region/kl_end_sampled": sampled,
-                }
-            )
-            pl_module.log_dict(values)
+            kl = pl_module.kl_to_behaviour(pl_module.minibatch_loop.last_minibatch)
+            pl_module.log_dict(self._kl_figures(self.end, "end", *kl))
+        if self._start is not None:
+            pl_module.log_dict(self._kl_figures(self.start, "start", *self._start))
+            self._start = None
+
+    @override
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer):
+        loop = getattr(pl_module, "minibatch_loop", None)
+        first = loop is not None and loop.last_minibatch is None and self._start is None
+        if self.kl_start and first and loop.current_minibatch is not None:
+            # the weights are still those the rollout started with: the step comes after this
+            self._start = pl_module.kl_to_behaviour(loop.current_minibatch)
+
+    @staticmethod
+    def _kl_figures(reductions: _Reductions, at: str, lumped: Tensor, sampled: Tensor) -> dict:
+        return reductions.compute(
+            {
+                f"trust_region/kl_{at}_mean": lumped,
+                f"trust_region/kl_{at}_max": lumped,
+                f"trust_region/kl_{at}_sampled": sampled,
+            }
+        )
 
     def _log_troll(self, trainer, pl_module, stats: list[TrollStats]) -> None:
         cat = lambda name: torch.cat([getattr(s.projection, name) for s in stats])  # noqa: E731

@@ -85,8 +85,9 @@ def test_kl_end_asks_the_module_for_its_cache_and_never_sets_it(tmp_path, tiny_m
 
 
 def test_the_command_line_links_kl_end_to_the_cache(tmp_path, monkeypatch, tiny_model_dir):
-    """A clipping run with ``trust_region_monitor.kl_end`` caches the old distributions (and
-    logs the KL at each rollout's end) without the user setting the module's option."""
+    """A clipping run with ``trust_region_monitor.kl_end`` or ``kl_start`` caches the old
+    distributions (and logs the KL at each rollout's end or start) without the user setting the
+    module's option."""
     from lightning_troll.cli.command import run
     from tests.test_cli import ROOT, one_step
 
@@ -95,5 +96,9 @@ def test_the_command_line_links_kl_end_to_the_cache(tmp_path, monkeypatch, tiny_
     cli = run([*args, "--model.objective", "clip", "--trust_region_monitor.kl_end", "true"])
     assert cli.model.cache_old_distributions is True
     assert "trust_region/kl_end_mean" in cli.trainer.callback_metrics
+    cli = run([*args, "--model.objective", "clip", "--trust_region_monitor.kl_start", "true"])
+    assert cli.model.cache_old_distributions is True
+    assert "trust_region/kl_start_mean" in cli.trainer.callback_metrics
+    assert "trust_region/kl_end_mean" not in cli.trainer.callback_metrics
     cli = run([*args, "--model.objective", "clip"])
     assert cli.model.cache_old_distributions is False

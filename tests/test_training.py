@@ -290,6 +290,49 @@ def test_clip_objective_logs_clip_statistics(tmp_path, tiny_model_dir):
     assert not any(k.startswith("trust_region/") for k in metrics)
 
 
+class KLStart(Callback):
+    """Each rollout's ``trust_region/kl_start_mean``, as the monitor before it logged it."""
+
+    def __init__(self) -> None:
+        self.values: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.values.append(float(trainer.callback_metrics["trust_region/kl_start_mean"]))
+
+
+@pytest.mark.parametrize(("objective", "staleness"), [("troll", 0), ("troll", 2), ("clip", 2)])
+def test_kl_start_is_how_stale_the_data_is(tmp_path, tiny_model_dir, objective, staleness):
+    """kl_start: the policy against the behaviour policy before a rollout's first step. On-policy
+    it is 0 at every rollout. With the sampler two versions behind, rollout 1 is sampled by the
+    weights it starts with (0); rollouts 2 and 3 by version 0, which the policy has left."""
+    module = make_module(
+        tiny_model_dir,
+        objective=objective,
+        optimization=OptimizationConfig(minibatch_size=8),
+        optimizer=lambda params: torch.optim.AdamW(params, lr=3e-2),
+        cache_old_distributions=True,
+    )
+    seen = KLStart()
+    callbacks = [
+        RolloutGeneration(log_samples=0),
+        OldPolicyRefresh(max_staleness=staleness),
+        TrustRegionMonitor(histogram_every_n_rollouts=0, kl_start=True),
+        seen,
+    ]
+    trainer = make_trainer(tmp_path, 6, callbacks=callbacks, limit_val_batches=0)
+    torch.manual_seed(0)
+    trainer.fit(module, datamodule=make_data(tiny_model_dir))
+    assert len(seen.values) == 3  # two steps a rollout
+    assert seen.values[0] == pytest.approx(0.0, abs=1e-6)
+    for value in seen.values[1:]:
+        assert value == pytest.approx(0.0, abs=1e-6) if staleness == 0 else value > 1e-3
+
+
+def test_kl_start_is_checked():
+    with pytest.raises(ValueError, match=r"kl_start must be true or false; got 'yes'"):
+        TrustRegionMonitor(kl_start="yes")
+
+
 @pytest.mark.parametrize("objective", ["troll", "clip"])
 def test_kl_end_is_the_last_weights_against_the_behaviour_policy(
     tmp_path, tiny_model_dir, objective

@@ -176,7 +176,11 @@ class TrollCLI(LightningCLI):
         parser.add_class_arguments(RolloutCheckpoint, "checkpoint", fail_untyped=False)
         parser.link_arguments("model.model", "data.tokenizer")
         # what the monitor reads, the module computes: asked for through the module's option
-        parser.link_arguments("trust_region_monitor.kl_end", "model.cache_old_distributions")
+        parser.link_arguments(
+            ("trust_region_monitor.kl_end", "trust_region_monitor.kl_start"),
+            "model.cache_old_distributions",
+            compute_fn=_either,
+        )
         parser.set_defaults({"model.optimizer": DEFAULT_OPTIMIZER})
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
@@ -370,3 +374,8 @@ def main(args: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def _either(*flags: bool) -> bool:
+    """Whether any of ``flags`` is set (a link's compute function)."""
+    return any(flags)

@@ -85,6 +85,9 @@ class MinibatchLoop:
         """The detached statistics of every part of every optimiser step of the last rollout."""
         self.last_minibatch: Rollout | None = None
         """The minibatch of the last rollout's last optimiser step (None before one is taken)."""
+        self.current_minibatch: Rollout | None = None
+        """The minibatch of the optimiser step being taken (what ``on_before_optimizer_step``
+        hooks see; with ``last_minibatch`` None, the rollout's first step)."""
 
     def run(self, module: LightningModule, rollout: Rollout) -> None:
         """``epochs_per_rollout`` passes over shuffled minibatches, one optimiser step each."""
@@ -97,6 +100,7 @@ class MinibatchLoop:
 
     def step(self, module: LightningModule, minibatch: Rollout, opt) -> None:
         """One optimiser step on ``minibatch``, accumulated over its micro-batches."""
+        self.current_minibatch = minibatch
         trainer = module.trainer
         size = AGGREGATION_SIZES[module.objective.aggregation]
         # Each process weighs its part by the global total, times the world size because
