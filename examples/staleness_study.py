@@ -1,0 +1,230 @@
+"""TROLL and clipping as the data grows stale: the headroom task with a lagging sampler.
+
+    python examples/staleness_study.py --estimate                       # hours, then stop
+    nohup python examples/staleness_study.py --seeds 0 > s0.log 2>&1 &      # a share
+    python examples/staleness_study.py --report                          # tables so far
+    python examples/staleness_study.py --dry-run --out /tmp/dry --s0-here   # the machinery
+
+The plan, its endpoints and windows are fixed in docs/staleness-plan.md before any run. Every run
+is a run of the headroom study (:func:`headroom_study.run`: its task, its regime, the lr its pilot
+chose, validated every 10 rollouts on its 512 held-out problems) for ``--rollouts`` (40), with the
+KL at each rollout's start logged (``trust_region_monitor.kl_start``), in one of the arms of
+:data:`ARMS`. The arm ``s0`` (no lag) is the headroom study's main comparison cut at rollout 40
+(``--headroom``); ``--s0-here`` runs it here instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import headroom_study as headroom  # noqa: E402
+import paper_regime_study as paper  # noqa: E402
+import study_kit  # noqa: E402
+import word_problems  # noqa: E402
+from paper_regime_tables import ACCURACY  # noqa: E402
+from study_kit import Grid, Interrupted, Run  # noqa: E402
+from study_stats import paired  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+ARMS = {
+    "s0": (0, "behaviour", paper.STEPS),
+    "s2": (2, "behaviour", paper.STEPS),
+    "s4": (4, "behaviour", paper.STEPS),
+    "s4-proximal": (4, "proximal", paper.STEPS),
+    "steps32": (0, "behaviour", 32),
+}
+"""Arm -> (old_policy.max_staleness, loss.anchor, optimiser steps per rollout)."""
+ENDPOINT = (30, 40)
+"""The validations whose mean held-out accuracy is a run's endpoint."""
+KL_WINDOW = (11, 40)
+"""The rollouts over which the KL at a rollout's start is averaged (the staleness check)."""
+KL_START = "trust_region/kl_start_mean"
+DRY_LR = 1e-5
+"""The dry run's lr (no headroom pilot is run for it)."""
+
+
+def headroom_args(args) -> argparse.Namespace:
+    """The headroom study's own arguments (its defaults), pointed at ``--headroom``."""
+    argv = ["--out", str(args.headroom), "--prompts", str(args.prompts)]
+    argv += ["--dry-run"] if args.dry_run else ["--model", str(args.model)]
+    return headroom.parse_args(argv)
+
+
+def study_lr(args) -> float:
+    """The lr the headroom study's pilot chose; the study stops with a reason without one."""
+    if args.dry_run:
+        return DRY_LR
+    h = headroom_args(args)
+    pilots = headroom.grid(h, "pilot").finished(headroom.pilot_runs(h))
+    lr = headroom.choose_lr(pilots) if len(pilots) == len(headroom.pilot_runs(h)) else None
+    if lr is None:
+        sys.exit(f"the headroom study's pilot has not chosen an lr (in {args.headroom}/pilot)")
+    return lr
+
+
+def arm_args(arm: str, prompts: int) -> tuple[str, ...]:
+    staleness, anchor, steps = ARMS[arm]
+    minibatch = prompts * paper.GROUP // steps
+    return (
+        "--old_policy.max_staleness", str(staleness),
+        "--model.loss.anchor", anchor,
+        "--model.optimization.minibatch_size", str(minibatch),
+        "--trust_region_monitor.kl_start", "true",
+    )  # fmt: skip
+
+
+def runs(args, lr: float) -> list[Run]:
+    """The runs of ``--arms`` on ``--seeds`` (``s0`` only with ``--s0-here``)."""
+    h, found = headroom_args(args), []
+    for seed in args.seeds:
+        for arm in args.arms:
+            if arm == "s0" and not args.s0_here:
+                continue
+            steps = ARMS[arm][2]
+            for objective in paper.OBJECTIVES:
+                extra = arm_args(arm, args.prompts)
+                run = headroom.run(h, f"{arm}-{objective}-s{seed}", objective, lr, seed,
+                                   args.rollouts, extra)  # fmt: skip
+                found.append(replace(run, max_steps=args.rollouts * steps,
+                                     fields={**run.fields, "arm": arm}))  # fmt: skip
+    return found
+
+
+def headroom_s0(args, lr: float) -> list[dict]:
+    """The headroom study's finished main runs on ``--seeds``, cut at ``--rollouts``, as arm s0."""
+    h = headroom_args(args)
+    records = headroom.grid(h, "main").finished(headroom.main_runs(h, lr))
+    return [cut(r, args.rollouts) for r in records if r["fields"]["seed"] in args.seeds]
+
+
+def cut(record: dict, rollouts: int) -> dict:
+    """``record`` up to rollout ``rollouts``, as arm ``s0``."""
+    history = [row for row in record["history"] if row["rollout"] <= rollouts]
+    return {**record, "history": history, "fields": {**record["fields"], "arm": "s0"}}
+
+
+def grid(args) -> Grid:
+    def start() -> dict:
+        return study_kit.validate(runs(args, study_lr(args))[0], ACCURACY)
+
+    settings = {"rollouts": args.rollouts, "prompts": args.prompts, "dry_run": args.dry_run}
+    return Grid(args.out, settings, paper.METRICS, start, args.prior_seconds)
+
+
+def endpoint(record: dict) -> float | None:
+    """The mean held-out accuracy over the validations at the rollouts of :data:`ENDPOINT`."""
+    found = [row[ACCURACY] for row in record["history"]
+             if row["rollout"] in ENDPOINT and row.get(ACCURACY) is not None]  # fmt: skip
+    return statistics.fmean(found) if len(found) == len(ENDPOINT) else None
+
+
+def window_mean(record: dict, metric: str, window: tuple[int, int]) -> float | None:
+    low, high = window
+    found = [row[metric] for row in record["history"]
+             if low <= row["rollout"] <= high and row.get(metric) is not None]  # fmt: skip
+    return statistics.fmean(found) if found else None
+
+
+def gaps(records: Sequence[dict]) -> dict[str, dict[int, float]]:
+    """arm -> seed -> ``acc(TROLL) - acc(clipping)``, where both runs reached the endpoint."""
+    acc = {(r["fields"]["arm"], r["fields"]["objective"], r["fields"]["seed"]): endpoint(r)
+           for r in records}  # fmt: skip
+    out: dict[str, dict[int, float]] = {}
+    for (arm, objective, seed), value in acc.items():
+        other = acc.get((arm, "clip", seed))
+        if objective == "troll" and value is not None and other is not None:
+            out.setdefault(arm, {})[seed] = value - other
+    return out
+
+
+def compare(gap: dict[str, dict[int, float]], arm: str, base: str) -> str | None:
+    """``gap(arm, s) - gap(base, s)`` over the seeds both have, with the paired tests."""
+    seeds = sorted(set(gap.get(arm, {})) & set(gap.get(base, {})))
+    if not seeds:
+        return None
+    result = paired([gap[arm][s] for s in seeds], [gap[base][s] for s in seeds])
+    return f"gap({arm}) - gap({base}), seeds {seeds}: {result.text()}"
+
+
+def report(records: Sequence[dict]) -> str:
+    """The plan's endpoints over ``records`` (every arm's, s0's included)."""
+    lines = ["| arm | seed | TROLL | clipping | gap | KL at the start, rollouts 11-40 (TROLL / clipping) |",
+             "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    by_key = {(r["fields"]["arm"], r["fields"]["objective"], r["fields"]["seed"]): r
+              for r in records}  # fmt: skip
+    for arm in ARMS:
+        for seed in sorted({s for a, _, s in by_key if a == arm}):
+            runs_ = [by_key.get((arm, o, seed)) for o in ("troll", "clip")]
+            accs = [None if r is None else endpoint(r) for r in runs_]
+            kls = [None if r is None else window_mean(r, KL_START, KL_WINDOW) for r in runs_]
+            gap = None if None in accs else accs[0] - accs[1]
+            cells = [_cell(accs[0]), _cell(accs[1]), _cell(gap, "+.3f"),
+                     " / ".join(_cell(k, ".2e") for k in kls)]  # fmt: skip
+            lines.append(f"| {arm} | {seed} | " + " | ".join(cells) + " |")
+    gap = gaps(records)
+    comparisons = [compare(gap, "s4", "s0")] + [
+        compare(gap, arm, "s0") for arm in ("s2", "s4-proximal", "steps32")
+    ] + [compare(gap, "s4-proximal", "s4")]  # fmt: skip
+    lines += ["", "primary first:"] + [f"- {c}" for c in comparisons if c is not None]
+    return "\n".join(lines)
+
+
+def _cell(value: float | None, spec: str = ".3f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", type=Path, default=ROOT / "examples/results/smollm2/staleness")
+    p.add_argument("--headroom", type=Path, default=ROOT / "examples/results/smollm2/headroom",
+                   help="the headroom study's results: its task, its lr, its runs for s0")  # fmt: skip
+    p.add_argument("--model", type=Path, default=word_problems.SMOLLM2)
+    p.add_argument("--prompts", type=int, default=8, help="prompts per rollout (x 8 samples)")
+    p.add_argument("--rollouts", type=int, default=40, help="rollouts per run")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS))
+    p.add_argument("--s0-here", action="store_true", help="run the arm s0 here")
+    p.add_argument("--prior-seconds", type=float, default=90.0, help="s / rollout, no run done")
+    p.add_argument("--estimate", action="store_true", help="print the hours and stop")
+    p.add_argument("--report", action="store_true", help="the endpoints of the finished runs")
+    p.add_argument("--dry-run", action="store_true", help="TinyMath, tiny budgets: seconds")
+    args = p.parse_args(argv)
+    study_kit.check_dry_run_out(p, args)
+    if args.dry_run:  # two rollouts: no validation reaches the endpoint, the machinery runs
+        args.model, args.rollouts = "tinymath", 2
+        if args.headroom == p.get_default("headroom"):
+            args.headroom = args.out / "headroom"
+    elif args.rollouts < max(ENDPOINT):
+        p.error(f"--rollouts must reach the endpoint's last validation, {max(ENDPOINT)}; "
+                f"got {args.rollouts}")  # fmt: skip
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    lr = study_lr(args)
+    study, planned = grid(args), runs(args, lr)
+    if args.estimate:
+        total, left = study.estimate(planned)
+        print(f"{total:.1f} h in all, {left:.1f} h left")
+        return
+    if not args.report:
+        try:
+            study.run_all(planned)
+        except Interrupted as stopped:
+            print(f"{stopped}; the same command resumes it", flush=True)
+            sys.exit(stopped.exit_code)
+    records = study.finished(planned)
+    if not args.s0_here:
+        records += headroom_s0(args, lr)
+    print(report(records))
+
+
+if __name__ == "__main__":
+    main()
