@@ -372,10 +372,10 @@ def main(args: list[str] | None = None) -> None:
         raise SystemExit(128 + int(checkpoint.stopped_by))
 
 
-if __name__ == "__main__":
-    main()
-
-
 def _either(*flags: bool) -> bool:
     """Whether any of ``flags`` is set (a link's compute function)."""
     return any(flags)
+
+
+if __name__ == "__main__":
+    main()
