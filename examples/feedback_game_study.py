@@ -26,7 +26,7 @@ import paper_regime_study as paper  # noqa: E402
 import study_kit  # noqa: E402
 import word_problems  # noqa: E402
 from paper_regime_tables import ACCURACY  # noqa: E402
-from study_figures import Line, Panel, plot_panels  # noqa: E402
+from study_figures import Line, Panel, plot_panels, window_mean  # noqa: E402
 from study_kit import Grid, Interrupted, Run  # noqa: E402
 from study_stats import paired, sign_test  # noqa: E402
 
@@ -75,14 +75,6 @@ def grid(args) -> Grid:
 
     settings = {"rollouts": args.rollouts, "dry_run": args.dry_run}
     return Grid(args.out, settings, METRICS, start, args.prior_seconds)
-
-
-def window_mean(record: dict, metric: str, window: tuple[int, int]) -> float | None:
-    """The mean of ``metric`` over the rollouts of ``window`` (inclusive), or None."""
-    low, high = window
-    values = [row[metric] for row in record["history"]
-              if low <= row["rollout"] <= high and row.get(metric) is not None]  # fmt: skip
-    return sum(values) / len(values) if values else None
 
 
 def table(records: Sequence[dict]) -> str:

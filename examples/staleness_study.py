@@ -28,6 +28,7 @@ import paper_regime_study as paper  # noqa: E402
 import study_kit  # noqa: E402
 import word_problems  # noqa: E402
 from paper_regime_tables import ACCURACY  # noqa: E402
+from study_figures import window_mean  # noqa: E402
 from study_kit import Grid, Interrupted, Run  # noqa: E402
 from study_stats import paired  # noqa: E402
 
@@ -122,13 +123,6 @@ def endpoint(record: dict) -> float | None:
     found = [row[ACCURACY] for row in record["history"]
              if row["rollout"] in ENDPOINT and row.get(ACCURACY) is not None]  # fmt: skip
     return statistics.fmean(found) if len(found) == len(ENDPOINT) else None
-
-
-def window_mean(record: dict, metric: str, window: tuple[int, int]) -> float | None:
-    low, high = window
-    found = [row[metric] for row in record["history"]
-             if low <= row["rollout"] <= high and row.get(metric) is not None]  # fmt: skip
-    return statistics.fmean(found) if found else None
 
 
 def gaps(records: Sequence[dict]) -> dict[str, dict[int, float]]:

@@ -25,6 +25,7 @@ __all__ = [
     "plot_panels",
     "run_mean",
     "values",
+    "window_mean",
 ]
 
 
@@ -37,6 +38,15 @@ def run_mean(record: dict, metric: str, last: int | None = None) -> float | None
     """The mean of ``metric`` over a run's rollouts (the last ``last`` of those that log it)."""
     found = values(record, metric)
     found = found[-last:] if last else found
+    return statistics.fmean(found) if found else None
+
+
+def window_mean(record: dict, metric: str, window: tuple[int, int]) -> float | None:
+    """The mean of ``metric`` over a run's rollouts in ``window`` (inclusive), or None where none
+    of them logs it."""
+    low, high = window
+    found = [row[metric] for row in record["history"]
+             if low <= row["rollout"] <= high and row.get(metric) is not None]  # fmt: skip
     return statistics.fmean(found) if found else None
 
 
