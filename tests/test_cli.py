@@ -475,6 +475,19 @@ def main_exit(args: list[str], tmp_path: Path, monkeypatch, capsys) -> tuple[int
     return exited.value.code, capsys.readouterr().err
 
 
+def test_a_true_false_or_choice_option_names_every_allowed_value(tmp_path, monkeypatch, capsys):
+    """An option typed ``bool | Literal['auto']`` refuses a value by naming true and false too."""
+    args = ["fit", "--config", str(ROOT / "configs" / "tinymath.yaml")]
+    status, err = main_exit(
+        args + ["--model.trust_region.compile_solver", "maybe"], tmp_path, monkeypatch, capsys
+    )
+    assert status == 2
+    assert (
+        "lightning-troll: error: model.trust_region.compile_solver: 'maybe' is not allowed; "
+        "choose one of true, false, auto\n" in err
+    )
+
+
 def broken_jsonl(tmp_path: Path) -> str:
     path = tmp_path / "broken.jsonl"
     path.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", \n')

@@ -242,6 +242,35 @@ def test_projection_bound_at_qwen_vocabulary_on_cuda():
     assert (kl <= EPS * (1 + 1e-4)).all() and kl.max() >= EPS * (1 - 1e-3)
 
 
+@pytest.mark.parametrize("support", ["union", "official"])
+def test_the_default_compiles_the_solver_on_cuda_and_equals_the_eager_one(support):
+    """``compile_solver`` 'auto' (the default) compiles the root finder on a GPU, with no fallback
+    to the eager steps, and its projected log-probs, eta* and gradients equal the eager layer's
+    (float64, where both solve to 1e-12)."""
+    from lightning_troll.trust_region import kl_solver
+
+    new, old, tokens = sparse_case(n=64, vocab=40, max_tokens=8, shift=2.0, seed=4)
+    new, old, tokens = new.to(CUDA), old.to(CUDA), tokens.to(CUDA)
+    kl_solver._compiled_steps.cache_clear()
+    results, grads = [], []
+    for setting in (False, "auto"):
+        x = new.clone().requires_grad_(True)
+        layer = TrustRegionProjection(0.05, 8, 1e-3, support=support, compile_solver=setting)
+        result = layer(x, old, tokens)
+        (result.logprob.exp().sum() + result.regression_kl.sum()).backward()
+        results.append(result)
+        grads.append(x.grad)
+    assert kl_solver._compile_failure == [], kl_solver._compile_failure
+    assert kl_solver._compiled_steps.cache_info().currsize == 1  # the compiled steps were built
+    eager, fused = results
+    assert int((eager.eta > 0).sum()) > 32
+    for name in ("logprob", "eta", "kl_after", "regression_kl"):
+        torch.testing.assert_close(
+            getattr(fused, name), getattr(eager, name), rtol=1e-9, atol=1e-12
+        )
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-8, atol=1e-10)
+
+
 def test_fsdp2_over_nccl_matches_one_cpu_process(tmp_path):
     """FSDP2 (ModelParallelStrategy) over NCCL on every visible GPU (world size 1 or more)
     trains as one CPU process on the same global batch: the same losses, rewards, KL and

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+import re
 import shutil
+import warnings
 from functools import partial
 
 import pytest
@@ -908,8 +910,78 @@ def test_the_compiled_projection_equals_the_eager_one_in_float64(support):
 def test_compile_solver_reaches_the_projection_and_is_checked():
     from lightning_troll.objectives import TrollObjective
 
-    assert TrollObjective().projection.compile_solver is False
+    assert TrollObjective().projection.compile_solver == "auto"
     assert TrollObjective(compile_solver=True).projection.compile_solver is True
+    assert TrollObjective(compile_solver=False).projection.compile_solver is False
     assert "compile_solver=True" in repr(TrustRegionProjection(compile_solver=True))
-    with pytest.raises(ValueError, match=r"compile_solver must be True or False; got 'yes'"):
-        TrustRegionProjection(compile_solver="yes")
+    assert "compile_solver='auto'" in repr(TrustRegionProjection())
+    allowed = r"compile_solver must be True, False or 'auto'; got "
+    for bad in ("yes", 1, None):
+        with pytest.raises(ValueError, match=allowed + re.escape(repr(bad))):
+            TrustRegionProjection(compile_solver=bad)
+
+
+def test_auto_compiles_the_solver_on_a_gpu_only():
+    """'auto' compiles where the rows live on CUDA and nowhere else; True and False are as
+    given; a failed compile under 'auto' stops it for the process."""
+    from lightning_troll.trust_region import kl_solver
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert kl_solver.compiles_on("auto", cuda) and not kl_solver.compiles_on("auto", cpu)
+    assert kl_solver.compiles_on(True, cpu) and not kl_solver.compiles_on(False, cuda)
+    kl_solver._compile_failure.append("an earlier failure")
+    try:
+        assert not kl_solver.compiles_on("auto", cuda)
+        assert kl_solver.compiles_on(True, cuda)
+    finally:
+        kl_solver._compile_failure.clear()
+
+
+def test_auto_runs_eagerly_on_a_cpu(monkeypatch):
+    """The default never reaches the compiler on a CPU: the projection runs with torch.compile
+    made to fail, and equals the one with compile_solver False bit for bit."""
+    from lightning_troll.trust_region import kl_solver
+
+    def refuse():
+        raise AssertionError("the compiled steps were asked for on a CPU")
+
+    monkeypatch.setattr(kl_solver, "_compiled_steps", refuse)
+    new, old, tokens = sparse_case(n=16, vocab=30, max_tokens=6, shift=2.0, seed=2)
+    auto = TrustRegionProjection(0.05, 6, 1e-3)(new, old, tokens)
+    eager = TrustRegionProjection(0.05, 6, 1e-3, compile_solver=False)(new, old, tokens)
+    assert int((eager.eta > 0).sum()) > 4
+    assert torch.equal(auto.logprob, eager.logprob) and torch.equal(auto.eta, eager.eta)
+
+
+def test_a_failed_compile_under_auto_warns_once_and_solves_eagerly(monkeypatch):
+    """Where 'auto' compiles (a GPU; here a CPU made to look like one) and the compiler fails,
+    the solve is redone eagerly with the same eta*, a RuntimeWarning names the option, and the
+    process stays eager; with True the failure is raised."""
+    from lightning_troll.trust_region import kl_solver
+
+    def broken(*args):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(kl_solver, "_compiled_steps", lambda: (broken, broken, broken))
+    monkeypatch.setattr(kl_solver, "_compile_failure", [])
+    real = kl_solver.compiles_on
+    monkeypatch.setattr(kl_solver, "compiles_on", lambda c, device: real(c, torch.device("cuda")))
+    from lightning_troll.trust_region.kl_solver import kl_floor, kl_terms
+
+    g = generator(3)
+    a = torch.log_softmax(2.0 * torch.randn(64, 12, generator=g), -1)
+    b = torch.log_softmax(a + 2.0 * torch.randn(64, 12, generator=g), -1)
+    eps = torch.full((64,), 0.05)
+    over = (kl_terms(a, b)[2] > eps) & (kl_floor(a, b) < eps)
+    a, b, eps = a[over], b[over], eps[over]
+    assert len(eps) > 8
+    expected = kl_solver.solve_eta(a, b, eps, compiled=False)
+    with pytest.warns(RuntimeWarning, match=r"compile_solver 'auto'.*RuntimeError: no compiler"):
+        eta = kl_solver.solve_eta(a, b, eps, compiled="auto")
+    assert torch.equal(eta, expected)
+    assert kl_solver._compile_failure == ["RuntimeError: no compiler here"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.equal(kl_solver.solve_eta(a, b, eps, compiled="auto"), expected)
+    with pytest.raises(RuntimeError, match="no compiler here"):
+        kl_solver.solve_eta(a, b, eps, compiled=True)

@@ -173,7 +173,8 @@ def _bad_value(key: str, message: str, parser, files: Sequence[str]) -> str:
     at = f" (in {where})" if where else ""
     allowed = literal_values(hint)
     if allowed:
-        choices = ", ".join(str(v) for v in allowed)
+        flags = ["true", "false"] if bool in typing.get_args(hint) else []  # bool | Literal[...]
+        choices = ", ".join(flags + [str(v) for v in allowed])
         none = " or null" if type(None) in typing.get_args(hint) else ""
         return f"{key}: {value!r} is not allowed{at}; choose one of {choices}{none}"
     special = _class_option(key, message)

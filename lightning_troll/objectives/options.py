@@ -45,10 +45,12 @@ class TrustRegionConfig:
     the paper describes it) or dense (the whole vocabulary, exact; the snapshot's logits are
     recomputed in the loss pass, so it needs snapshot.mode copy and costs one more forward pass
     of the snapshot per optimiser step)."""
-    compile_solver: bool = defaults.COMPILE_SOLVER
+    compile_solver: bool | Literal["auto"] = defaults.COMPILE_SOLVER
     """Run the root finder for eta* through torch.compile: each of its steps becomes a few fused
     kernels instead of some forty, which a GPU's host otherwise launches one by one; the first
-    projection of every process compiles (tens of seconds), and a CPU needs a C++ compiler."""
+    projection of every process compiles (tens of seconds), and a CPU needs a C++ compiler.
+    auto (the default): compiled where the projected rows are on a GPU, eager elsewhere; a
+    failed compile under auto warns and runs eagerly."""
 
     def __post_init__(self) -> None:
         try:

@@ -36,7 +36,8 @@ class TrollObjective(PolicyObjective):
         support: ``union``, ``official`` or ``dense`` (:mod:`lightning_troll.trust_region.supports`); with
             ``dense`` the objective's ``old`` is the old policy's logit rows (an ``(N, V)``
             tensor, or :class:`~lightning_troll.objectives.chunking.HiddenRows`) instead of sparse rows.
-        compile_solver: the projection's root finder through ``torch.compile``.
+        compile_solver: the projection's root finder through ``torch.compile``: True, False or
+            'auto' (on a GPU only).
         **kwargs: see :class:`PolicyObjective`.
     """
 
@@ -50,7 +51,7 @@ class TrollObjective(PolicyObjective):
         mass_delta: float = TrustRegionConfig.mass_delta,
         keep_sampled_token: bool = TrustRegionConfig.keep_sampled_token,
         support: str = TrustRegionConfig.support,
-        compile_solver: bool = TrustRegionConfig.compile_solver,
+        compile_solver: bool | str = TrustRegionConfig.compile_solver,
         **kwargs,
     ) -> None:
         super().__init__(**kwargs)

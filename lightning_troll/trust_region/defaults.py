@@ -10,6 +10,7 @@ __all__ = [
     "MASS_DELTA",
     "MAX_TOKENS",
     "SUPPORT",
+    "check_compile_solver",
     "check_keep_token",
 ]
 
@@ -24,9 +25,19 @@ KEEP_TOKEN = True
 """Always add the sampled token to the sparse supports."""
 SUPPORT = "official"
 """The old policy's kept tokens, as the paper describes its sparsification."""
-COMPILE_SOLVER = False
-"""Run the root finder's steps eagerly: compiling them (``torch.compile``) fuses each step's
-kernels, but costs a compile in every process and has not yet been timed on a GPU."""
+COMPILE_SOLVER = "auto"
+"""Compile the root finder's steps (``torch.compile``) where the projected rows are on a GPU, and
+run them eagerly elsewhere. On a GPU the host launching the eager steps' small kernels one by one
+is most of TROLL's extra time (the fourth GPU report: TROLL's step x1.39 of clipping's at the
+Qwen3-4B shape, x1.13 compiled); on a CPU the compile needs a C++ compiler and pays back little."""
+COMPILE_SOLVER_CHOICES = (True, False, "auto")
+
+
+def check_compile_solver(value: object) -> bool | str:
+    """``value`` if it is True, False or 'auto'; else a ValueError that says what is allowed."""
+    if value is True or value is False or value == "auto":
+        return value  # type: ignore[return-value]
+    raise ValueError(f"compile_solver must be True, False or 'auto'; got {value!r}")
 
 
 def check_keep_token(support: str, keep_token: bool) -> None:

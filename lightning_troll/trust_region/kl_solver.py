@@ -18,6 +18,7 @@ row is *infeasible*: it gets the limit (eta* = inf), the closest any interpolati
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 from torch import Tensor
@@ -109,8 +110,21 @@ def _compiled_steps() -> tuple:
     return tuple(torch.compile(step, dynamic=True, fullgraph=True) for step in _STEPS)
 
 
+_compile_failure: list[str] = []
+"""Why ``compiled='auto'`` fell back to the eager steps in this process (empty: it has not)."""
+
+
+def compiles_on(compiled: bool | str, device: torch.device) -> bool:
+    """Whether the solver's steps run compiled: ``compiled`` itself, or with 'auto' (the
+    default, :data:`~lightning_troll.trust_region.defaults.COMPILE_SOLVER`) on a CUDA device,
+    unless a compile has already failed in this process."""
+    if compiled == "auto":
+        return device.type == "cuda" and not _compile_failure
+    return bool(compiled)
+
+
 @torch.no_grad()
-def solve_eta(a: Tensor, b: Tensor, eps: Tensor, compiled: bool = False) -> Tensor:
+def solve_eta(a: Tensor, b: Tensor, eps: Tensor, compiled: bool | str = False) -> Tensor:
     """Root eta* of KL(pi_eta || pi_old) = eps for rows that violate the bound and can reach it.
 
     a, b: (M, C) log-probs, eps: (M,); every row must have ``kl_floor(a, b) < eps`` (see the
@@ -124,9 +138,33 @@ def solve_eta(a: Tensor, b: Tensor, eps: Tensor, compiled: bool = False) -> Tens
 
     ``compiled`` runs the steps through :func:`torch.compile` (the first call compiles them):
     the same iteration, its floating-point rounding that of fused kernels, so eta* agrees with
-    the eager solver's to the tolerances above, not bit for bit.
+    the eager solver's to the tolerances above, not bit for bit. With 'auto' they are compiled
+    on a GPU only (:func:`compiles_on`), and a compile that fails there warns once and leaves
+    this process's solver eager: the default never stops a run. True raises the failure.
     """
-    evaluate, bracket_step, newton_step = _compiled_steps() if compiled else _STEPS
+    if not compiles_on(compiled, a.device):
+        return _solve(a, b, eps, _STEPS)
+    if compiled is True:
+        return _solve(a, b, eps, _compiled_steps())
+    try:
+        return _solve(a, b, eps, _compiled_steps())
+    except torch.cuda.OutOfMemoryError:
+        raise
+    except Exception as error:  # the compiler's: the steps are pure, so the eager solve redoes it
+        _compile_failure.append(f"{type(error).__name__}: {error}")
+        warnings.warn(
+            "trust_region.compile_solver 'auto' could not compile the projection's root finder "
+            f"({_compile_failure[0][:300]}); it runs eagerly in this process. Set "
+            "model.trust_region.compile_solver to false to silence this, or true to raise.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return _solve(a, b, eps, _STEPS)
+
+
+def _solve(a: Tensor, b: Tensor, eps: Tensor, steps: tuple) -> Tensor:
+    """:func:`solve_eta`'s iteration with the given (evaluate, bracket_step, newton_step)."""
+    evaluate, bracket_step, newton_step = steps
     dtype = a.dtype
     ftol = 1e-12 if dtype == torch.float64 else 1e-6
     # In float32 the rounding of KL (a sum over C categories) is about ftol, so near the root
@@ -197,7 +235,7 @@ def regression_kl(a: Tensor, logp: Tensor, eta: Tensor) -> Tensor:
 
 
 def project_log_probs(
-    a: Tensor, b: Tensor, eps: Tensor, compiled: bool = False
+    a: Tensor, b: Tensor, eps: Tensor, compiled: bool | str = False
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Projects rows of a onto {pi : KL(pi || exp(b)) <= eps}.
 

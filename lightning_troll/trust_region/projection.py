@@ -153,6 +153,7 @@ class TrustRegionProjection(nn.Module):
         compile_solver: run the root finder for eta* through ``torch.compile``
             (:func:`~lightning_troll.trust_region.kl_solver.solve_eta`): each of its steps
             becomes a few fused kernels instead of some forty; the first projection compiles.
+            True, False, or 'auto' (the default): compiled where the rows are on a GPU.
     """
 
     def __init__(
@@ -162,7 +163,7 @@ class TrustRegionProjection(nn.Module):
         mass_delta: float = defaults.MASS_DELTA,
         keep_token: bool = defaults.KEEP_TOKEN,
         support: str = defaults.SUPPORT,
-        compile_solver: bool = defaults.COMPILE_SOLVER,
+        compile_solver: bool | str = defaults.COMPILE_SOLVER,
     ) -> None:
         super().__init__()
         _check_eps(eps)
@@ -175,9 +176,7 @@ class TrustRegionProjection(nn.Module):
         self.max_tokens = max_tokens
         self.mass_delta = float(mass_delta)
         self.keep_token = keep_token
-        if not isinstance(compile_solver, bool):
-            raise ValueError(f"compile_solver must be True or False; got {compile_solver!r}")
-        self.compile_solver = compile_solver
+        self.compile_solver = defaults.check_compile_solver(compile_solver)
 
     @property
     def needs_old_logits(self) -> bool:
@@ -189,7 +188,7 @@ class TrustRegionProjection(nn.Module):
         return (
             f"eps={self.eps}, max_tokens={self.max_tokens}, mass_delta={self.mass_delta}, "
             f"keep_token={self.keep_token}, support={self.support}, "
-            f"compile_solver={self.compile_solver}"
+            f"compile_solver={self.compile_solver!r}"
         )
 
     def forward(

@@ -57,7 +57,7 @@ def _token_terms(a: Tensor, b: Tensor, logp: Tensor, eta: Tensor, pos: Tensor):
 
 
 def official_rows(
-    x: Tensor, old: SparseDistribution, tokens: Tensor, eps: Tensor, compiled: bool = False
+    x: Tensor, old: SparseDistribution, tokens: Tensor, eps: Tensor, compiled: bool | str = False
 ) -> dict:
     """The projection on S_old, both distributions renormalised there (see the module docstring).
 
@@ -105,7 +105,7 @@ def official_rows(
 
 
 def dense_rows(
-    x: Tensor, old_logits: Tensor, tokens: Tensor, eps: Tensor, compiled: bool = False
+    x: Tensor, old_logits: Tensor, tokens: Tensor, eps: Tensor, compiled: bool | str = False
 ) -> dict:
     """The exact projection over the whole vocabulary.
 

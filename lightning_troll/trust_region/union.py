@@ -111,7 +111,12 @@ def lumped_problem(
 
 
 def union_rows(
-    rule, x: Tensor, old: SparseDistribution, tokens: Tensor, eps: Tensor, compiled: bool = False
+    rule,
+    x: Tensor,
+    old: SparseDistribution,
+    tokens: Tensor,
+    eps: Tensor,
+    compiled: bool | str = False,
 ) -> dict:
     """The projection on the union support U plus the rest bucket: the fields of a
     :class:`~lightning_troll.trust_region.projection.ProjectionResult` for rows ``x`` (n, V), differentiable;
