@@ -6,11 +6,13 @@
     python examples/feedback_game_study.py --report --figure docs/images/feedback-game.png
     python examples/feedback_game_study.py --dry-run --out /tmp/dry         # the machinery
 
-Every run is ``examples/feedback_game/task.yaml`` (the environment ``retry.py`` beside it: a wrong
-answer is told so and tried again, up to 3 turns; the final answer scores 1.0 when right, each
-retry costs 0.25), both objectives at the task's lr on ``--seeds``, validated every
-:data:`VAL_EVERY` rollouts on the game's 64 validation problems (greedy episodes). The plan, its
-endpoints and windows are in docs/feedback-game-plan.md, fixed before the first run.
+Every run is the game of ``--game`` (:data:`GAMES`; the environment ``retry.py`` beside its YAML: a
+wrong answer is told so and tried again, up to 3 turns), both objectives at the task's lr on
+``--seeds``, validated every :data:`VAL_EVERY` rollouts on the game's 64 validation problems
+(greedy episodes). ``scored``, the default, is ``examples/feedback_game/task.yaml``, where the
+environment scores and running out the token budget costs; ``first`` is the first version
+(``first_game.yaml``), whose runs found that running out the budget cost nothing. The plan, its
+endpoints and windows are in docs/feedback-game-plan.md, fixed before each game's first run.
 """
 
 from __future__ import annotations
@@ -36,6 +38,11 @@ VAL_EVERY = 10
 STEPS = 8
 """Optimiser steps per rollout (task.yaml: 8 prompts x 8 episodes, minibatches of 8)."""
 METRICS = (*paper.METRICS, "episodes/")
+GAMES = {
+    "scored": ("task.yaml", "feedback_game_scored"),
+    "first": ("first_game.yaml", "feedback_game"),
+}
+"""--game -> (its YAML in examples/feedback_game/, its results' folder in examples/results/smollm2/)."""
 WINDOWS = {"early": (1, 10), "late": (21, 30)}
 """Rollout windows of the plan's reward endpoint (inclusive)."""
 
@@ -51,7 +58,7 @@ def run(args, objective: str, seed: int) -> Run:
                  "--model.optimization.minibatch_size", "4", "--data.val_batch_size", "8",
                  "--model.sampling.max_new_tokens", "12")  # fmt: skip
     run_args = (
-        "--config", str(GAME / "task.yaml"),
+        "--config", str(GAME / GAMES[args.game][0]),
         "--model.model", str(args.model),
         "--data.source", str(GAME / "data" / "train.jsonl"),
         "--data.val_file", str(GAME / "data" / "val.jsonl"),
@@ -169,7 +176,10 @@ def figure(records: Sequence[dict], path: Path) -> Path:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", type=Path, default=ROOT / "examples/results/smollm2/feedback_game")
+    p.add_argument("--game", choices=sorted(GAMES), default="scored",
+                   help="scored (task.yaml, the default) or first (first_game.yaml, as first run)")  # fmt: skip
+    p.add_argument("--out", type=Path, default=None,
+                   help="the results' folder (default: examples/results/smollm2/ and the game's)")  # fmt: skip
     p.add_argument("--model", type=Path, default=word_problems.SMOLLM2)
     p.add_argument("--rollouts", type=int, default=30)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -187,6 +197,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.figure is not None and not args.report:
         p.error(f"--figure {args.figure} draws the report's runs: it needs --report")
     study_kit.check_dry_run_out(p, args)
+    if args.out is None:
+        args.out = ROOT / "examples" / "results" / "smollm2" / GAMES[args.game][1]
     if args.dry_run:
         args.model, args.rollouts = "tinymath", 2
     return args

@@ -156,6 +156,61 @@ def test_the_token_budget_ends_an_episode_before_a_reply_without_room_after_it()
     assert generate.asked[1][1] == [1]
 
 
+class Judged(tool_helpers.Countdown):
+    """A countdown that hears how the loop ended its episode and prices it, and records the
+    order of the calls it gets at the end."""
+
+    prices = {"max_turns": -0.5, "max_tokens": -2.0}
+
+    def reset(self, row):
+        self.heard: list[str] = []
+        return super().reset(row)
+
+    def on_end(self, end):
+        self.heard.append(f"on_end {end}")
+        return self.prices[end]
+
+    def close(self):
+        self.heard.append("close")
+
+
+def test_on_end_hears_the_turn_limit_and_the_budget_and_prices_the_last_turn():
+    """The loop's ends reach ``on_end`` once, before ``close``; its reward adds to the last
+    turn's (None counting as 0); an end the environment decided does not call it."""
+    tokenizer = chat_tokenizer()
+    stops = Stops((tokenizer.eos_token_id,))
+    cases = [  # limits, the turns' rewards, what the environment heard
+        (EpisodeLimits(2, 400), "max_turns", [0.0, -0.5], ["on_end max_turns", "close"]),
+        (EpisodeLimits(3, 2), "max_tokens", [-2.0], ["on_end max_tokens", "close"]),
+        (EpisodeLimits(3, 400), "done", [0.0, 0.0, 1.0], ["close"]),
+    ]
+    for limits, end, rewards, heard in cases:
+        generate = Scripted(tokenizer, {"go": ["aaaa<|im_end|>"] * 3})
+        env = Judged()
+        (episode,) = run_episodes(
+            generate, tokenizer, [env], [{"prompt": "go", "turns": 3}], limits, stops
+        )
+        assert (episode.end, episode.turn_rewards, env.heard) == (end, rewards, heard)
+
+
+def test_on_end_must_return_a_finite_number_or_none():
+    tokenizer = chat_tokenizer()
+    for bad in (float("nan"), "1", True):
+
+        class Bad(tool_helpers.Countdown):
+            def on_end(self, end, bad=bad):
+                return bad
+
+        generate = Scripted(tokenizer, {"go": ["a<|im_end|>"] * 2})
+        with pytest.raises(
+            ValueError,
+            match=r"Bad.on_end\('max_turns'\) returned .*; it "
+            r"returns a finite number \(a reward for the episode's end\) or None",
+        ):
+            run_episodes(generate, tokenizer, [Bad()], [{"prompt": "go", "turns": 5}],
+                         EpisodeLimits(1, 400), Stops((tokenizer.eos_token_id,)))  # fmt: skip
+
+
 def test_a_batch_runs_each_episode_to_its_own_end_and_pads():
     tokenizer = chat_tokenizer()
     rows = [{"prompt": "go", "turns": 1}, {"prompt": "run", "turns": 2}]

@@ -1,10 +1,17 @@
 """A multi-turn game with feedback: answer a word problem; a wrong answer is told so and may be
 tried again, up to the episode's turn limit (``model.episodes.max_turns``).
 
-Scoring: the reward functions of the config (``last_number``) score the final answer, 1.0 when
-it is right; each wrong answer that is sent back costs :data:`RETRY_COST` (the environment's own
-reward for that turn). A problem solved at once scores 1.0, on the second try 0.75, on the third
-0.5; one never solved scores -0.25 per wrong answer sent back.
+Two scorings, both planned in docs/feedback-game-plan.md:
+
+- :class:`Scored`, the game (``task.yaml``): the environment scores alone. A right answer ends the
+  episode with 1.0, each wrong one costs :data:`RETRY_COST`, and an episode that runs out of its
+  token budget costs :data:`BUDGET_COST` more. Solved at once 1.0, on the second try 0.75, on the
+  third 0.5; never solved in 3 turns -0.75; cut off by the budget -1.0 or less, below every
+  answered episode.
+- :class:`Retry`, the first game (``first_game.yaml``), kept as its runs played it: the reward
+  functions of the config (``last_number``) score the final answer, 1.0 when it is right, and each
+  wrong answer costs :data:`RETRY_COST`. An episode cut off by the budget paid nothing for it, and
+  the first run learned to write until the budget ran out rather than answer.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from lightning_troll.environments import Environment, Step
 INSTRUCTION = "Answer in one short sentence that ends with the number."
 FEEDBACK = "That is not right. Check your steps and answer again, ending with the number."
 RETRY_COST = 0.25
+BUDGET_COST = 1.0
 
 
 def last_number(text: str) -> str | None:
@@ -37,3 +45,15 @@ class Retry(Environment):
         if last_number(turn) == self.answer:
             return Step(done=True)  # the reward functions score the final answer
         return Step(FEEDBACK, reward=-RETRY_COST)
+
+
+class Scored(Retry):
+    """The game: :class:`Retry` that scores its own episodes, running out the budget included."""
+
+    def step(self, turn: str) -> Step:
+        if last_number(turn) == self.answer:
+            return Step(reward=1.0, done=True)
+        return Step(FEEDBACK, reward=-RETRY_COST)
+
+    def on_end(self, end: str) -> float | None:
+        return -BUDGET_COST if end == "max_tokens" else None

@@ -39,6 +39,44 @@ def test_a_right_answer_ends_the_game_and_a_wrong_one_is_sent_back():
     assert retry.last_number("no number") is None
 
 
+def test_the_scored_game_prices_running_out_the_budget_below_every_answer():
+    """The game (``Scored``): a right answer ends the episode with 1.0, a wrong one -0.25 and
+    feedback, the turn limit adds nothing, the budget -1.0. Every episode's total by how it
+    ends: answered within 3 turns 1.0, 0.75, 0.5, or -0.75 never solved; cut off by the budget
+    after 0, 1 or 2 wrong answers -1.0, -1.25, -1.5: below every answered one."""
+    retry = retry_module()
+    game = retry.Scored()
+    game.reset({"question": "How many?", "answer": "12"})
+    wrong, right = game.step("It is 7."), game.step("She has 12")
+    assert (wrong.observation, wrong.reward, wrong.done) == (retry.FEEDBACK, -0.25, False)
+    assert (right.observation, right.reward, right.done) == (None, 1.0, True)
+    assert (game.on_end("max_turns"), game.on_end("max_tokens")) == (None, -1.0)
+    answered = [1.0 - 0.25 * k for k in range(3)] + [-0.75]
+    cut = [-0.25 * k + game.on_end("max_tokens") for k in range(3)]
+    assert answered == [1.0, 0.75, 0.5, -0.75] and cut == [-1.0, -1.25, -1.5]
+    assert max(cut) < min(answered)
+    assert retry.Retry().on_end("max_tokens") is None  # the first game: the budget paid nothing
+
+
+def test_each_game_has_its_yaml_and_its_own_results(capsys):
+    """--game scored (the default) runs task.yaml into feedback_game_scored/, --game first runs
+    first_game.yaml into feedback_game/, where the first game's records are; a dry run still
+    needs its own --out."""
+    scored, first = study.parse_args([]), study.parse_args(["--game", "first"])
+    assert (scored.out.name, first.out.name) == ("feedback_game_scored", "feedback_game")
+    for args, yaml in ((scored, "task.yaml"), (first, "first_game.yaml")):
+        config = study.run(args, "troll", 0).args[1]
+        assert config.endswith(f"feedback_game/{yaml}"), config
+    task = (EXAMPLES / "feedback_game" / "task.yaml").read_text()
+    assert "environment: retry:Scored" in task and "rewards: {}" in task
+    assert (
+        "environment: retry:Retry" in (EXAMPLES / "feedback_game" / "first_game.yaml").read_text()
+    )
+    with pytest.raises(SystemExit):
+        study.parse_args(["--dry-run"])
+    assert "--dry-run needs its own --out" in capsys.readouterr().err
+
+
 def test_the_games_problems_are_apart_from_the_headroom_studys_held_out_and_pilot_sets():
     """640 training and 64 validation problems, distinct, none in both, none among the headroom
     study's held-out or pilot problems, every answer a whole number."""

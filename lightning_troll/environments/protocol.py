@@ -39,9 +39,14 @@ from typing import Any
 
 from lightning_troll.rewards.lookup import load_by_import_path
 
-__all__ = ["Environment", "Step", "load_environment"]
+__all__ = ["Environment", "Step", "is_finite_reward", "load_environment"]
 
 OPTION = "model.episodes.environment"
+
+
+def is_finite_reward(value: object) -> bool:
+    """Whether ``value`` can be a reward: a finite real number, not a bool."""
+    return not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value)
 
 
 @dataclass(frozen=True)
@@ -64,11 +69,7 @@ class Step:
     (:data:`~lightning_troll.environments.calls.ToolErrorKind`)."""
 
     def __post_init__(self) -> None:
-        if self.reward is not None and (
-            isinstance(self.reward, bool)
-            or not isinstance(self.reward, numbers.Real)
-            or not math.isfinite(self.reward)
-        ):
+        if self.reward is not None and not is_finite_reward(self.reward):
             raise ValueError(f"Step.reward must be a finite number or None; got {self.reward!r}")
         if not (self.observation is None or isinstance(self.observation, (str, Sequence))):
             raise ValueError(
@@ -94,6 +95,14 @@ class Environment:
     def step(self, turn: str) -> Step:
         """Answers the model's turn (its text, the final stop token left out)."""
         raise NotImplementedError(f"{type(self).__name__} must define step(turn)")
+
+    def on_end(self, end: str) -> float | None:
+        """Called once when the episode loop, not :meth:`step`, ends the episode: ``end`` is
+        ``"max_turns"`` (the turn limit) or ``"max_tokens"`` (the token budget ran out, inside a
+        model turn or before a reply fitted). A number returned is a reward added to the last
+        turn's; None (here) adds nothing. A game whose answers cost something when wrong can make
+        running out the budget cost more, so that no policy learns to prefer it."""
+        return None
 
     def close(self) -> None:
         """Frees what the environment holds when its episode ends (nothing here)."""

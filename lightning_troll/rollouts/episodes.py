@@ -18,6 +18,9 @@ episode ends:
   inside a model turn (``truncated``) or before the environment's reply could be added whole
   with room for one more token.
 
+At the last two, the environment's ``on_end(end)`` (where it defines one) may add a reward to the
+last turn's; then its ``close()`` runs.
+
 An episode of one turn is exactly a plain completion: the same tokens, all with mask 1.
 
 Notation: B episodes, T_i episode i's response length (model and environment tokens), T = max_i
@@ -35,7 +38,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_troll.environments import TOOL_CALL_CLOSE, Conversation, step_all
-from lightning_troll.environments.protocol import Step
+from lightning_troll.environments.protocol import Step, is_finite_reward
 from lightning_troll.rollouts.behaviour import BehaviourRecorder
 from lightning_troll.rollouts.rollout import SamplingConfig, sample
 
@@ -243,6 +246,25 @@ class _Running:
         self.mask += [0] * len(reply)
         self.logprobs += [0.0] * len(reply)
 
+    def finish(self) -> None:
+        """Ends the episode with its environment: ``on_end(end)``, where it has one, hears an end
+        that the loop decided (the turn limit or the token budget) and may add a reward to the
+        last turn's; then ``close()`` frees what it holds."""
+        environment = self.environment
+        on_end = getattr(environment, "on_end", None)
+        if self.end != "done" and callable(on_end):
+            reward = on_end(self.end)
+            if reward is not None:
+                if not is_finite_reward(reward):
+                    raise ValueError(
+                        f"{type(environment).__name__}.on_end({self.end!r}) returned {reward!r}; "
+                        "it returns a finite number (a reward for the episode's end) or None"
+                    )
+                last = self.rewards[-1]
+                self.rewards[-1] = float(reward) + (0.0 if last is None else last)
+        if callable(getattr(environment, "close", None)):
+            environment.close()
+
     def episode(self) -> Episode:
         messages = [dict(m) for m in self.conversation.messages]
         if not self.conversation.plain:  # the last turn, which no reply followed
@@ -285,8 +307,8 @@ def run_episodes(
         for episode, step in zip(asking, steps, strict=True):
             episode.answer(step, limits)
         for episode in active:
-            if episode.end is not None and callable(getattr(episode.environment, "close", None)):
-                episode.environment.close()
+            if episode.end is not None:
+                episode.finish()
         active = [r for r in active if r.end is None]
     return [r.episode() for r in running]
 
