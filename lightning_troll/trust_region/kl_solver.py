@@ -190,9 +190,12 @@ def _solve(a: Tensor, b: Tensor, eps: Tensor, steps: tuple) -> Tensor:
         if step_count % _CHECK_EVERY == 0 and not pending.any():
             break
 
+    # No check before the first Newton step: the bracket search leaves hardly a row on its root,
+    # and a check that always fails is one more wait on the device. Steps on finished rows
+    # change nothing (``newton_step`` holds them), so where the checks fall changes no result.
     done = f.abs() <= ftol
     for step_count in range(_MAX_SOLVER_STEPS):
-        if step_count % _CHECK_EVERY == 0 and done.all():
+        if step_count and step_count % _CHECK_EVERY == 0 and done.all():
             break
         done, t, f, slope, t_lo, t_hi = newton_step(
             a, b, log_eps, done, t, f, slope, t_lo, t_hi, ftol, ttol

@@ -136,7 +136,7 @@ def check_tokens(tokens: Tensor, n: int, vocab: int, device: torch.device, name:
         raise ValueError(f"{name} must hold int64 token ids; got dtype {tokens.dtype}")
     if tokens.device != device:
         raise ValueError(f"{name} is on {tokens.device} but the logits are on {device}")
-    if n and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab):
+    if n and bool(((tokens < 0) | (tokens >= vocab)).any()):  # one wait on the device, not two
         raise ValueError(
             f"{name} must hold token ids in [0, {vocab}); got values in "
             f"[{int(tokens.min())}, {int(tokens.max())}]"
