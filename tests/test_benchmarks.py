@@ -60,3 +60,20 @@ def test_overhead_benchmark_refuses_bad_arguments(args, message, capsys, monkeyp
     captured = capsys.readouterr()
     assert message in captured.err
     assert "| V |" not in captured.out  # refused before any work
+
+
+def test_the_decoding_loop_waits_on_the_device_at_most_six_times_a_step(capsys, monkeypatch):
+    """examples/decode_waits.py counts a tiny rollout's host synchronisations: 24 steps (no
+    completion drew the end token), and per step at most the draw's finiteness check, the
+    recorder's bad-logits check (read twice), the stop check, and the index of the sequences
+    kept on the steps where some end; the stop check's index is no longer read when all run on
+    (that took 6.46 a step)."""
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    waits = importlib.import_module("decode_waits")
+    result = waits.main([])
+    assert result["steps"] == 24
+    assert 4.0 <= result["waits_per_step"] <= 6.0, result
+    assert f"24 decoding steps, {result['waits']} host waits" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        waits.main(["--group", "0"])
+    assert "--group must be >= 1; got 0" in capsys.readouterr().err

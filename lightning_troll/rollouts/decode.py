@@ -161,14 +161,16 @@ class _Batch:
     def __init__(self, rows: Tensor, mask: Tensor, positions: Tensor, cache: DynamicCache):
         self.rows, self.mask, self.positions, self.cache = rows, mask, positions, cache
 
-    def keep(self, running: Tensor) -> None:
-        """Keeps the sequences where ``running`` (n,) bool is True (no-op if all are)."""
+    def keep(self, running: Tensor) -> Tensor | None:
+        """Keeps the sequences where ``running`` (n,) bool is True; returns their indices (n',)
+        into the n, or None where all are kept (nothing changes)."""
         if bool(running.all()):
-            return
+            return None
         keep = running.nonzero().squeeze(-1)  # (n',)
         self.rows, self.mask = self.rows[keep], self.mask[keep]
         self.positions = self.positions[keep]
         self.cache.batch_select_indices(keep)
+        return keep
 
 
 @torch.no_grad()
@@ -239,9 +241,9 @@ def decode(
             if recorder is not None:
                 recorder.record_rows(logits, tokens, batch.rows)
             responses[batch.rows, steps] = tokens
-            running = ~torch.isin(tokens, stops)  # (n,)
-            batch.keep(running)
-            tokens = tokens[running]  # (n',)
+            kept = batch.keep(~torch.isin(tokens, stops))  # (n',) or None: all run on
+            if kept is not None:  # indexing only then: one wait on the device fewer a step
+                tokens = tokens[kept]  # (n',)
             steps += 1
         going = batch.rows.numel() > 0 and steps < budget
         if synced:

@@ -1,0 +1,70 @@
+"""How often the HF engine's decoding loop waits on the device: host synchronisations per step.
+
+On a GPU the decoding loop of a small model is paced by the host (the third GPU report), and
+each synchronisation stops the host from queueing the next kernels while the device works. This
+counts them on any machine: a profiled rollout of a tiny model (TinyMath's tokenizer, 2 layers),
+``--prompts`` x ``--group`` completions of ``--max-new-tokens`` at temperature 1.0 with the
+behaviour recorder on, and the profiler's ``aten::_local_scalar_dense`` (a value read back to
+the host) and ``aten::nonzero`` (an output whose size the host must learn) calls.
+
+    python examples/decode_waits.py
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+WAITS = ("aten::_local_scalar_dense", "aten::nonzero")
+
+
+def count(prompts: int, group: int, max_new_tokens: int, seed: int = 1) -> dict[str, float]:
+    """One profiled rollout (after an unprofiled warm-up): its decoding steps and host waits."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from lightning_troll.models.loading import tiny_causal_lm
+    from lightning_troll.models.tinymath import build_tokenizer
+    from lightning_troll.rollouts.behaviour import BehaviourRecorder
+    from lightning_troll.rollouts.rollout import SamplingConfig, sample
+
+    tokenizer = build_tokenizer()
+    model = tiny_causal_lm(len(tokenizer)).eval()
+    prompt_ids = [tokenizer.encode(f"{12 + k}+7=") for k in range(prompts)]
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=max_new_tokens)
+
+    def rollout():
+        recorder = BehaviourRecorder(1.0)
+        ids, _, mask, _ = sample(model, prompt_ids, group, sampling, tokenizer.pad_token_id,
+                                 [tokenizer.eos_token_id], True, recorder)  # fmt: skip
+        recorder.finish(ids[:, -mask.shape[1] :])
+        return mask
+
+    torch.manual_seed(seed)
+    rollout()
+    torch.manual_seed(seed)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        mask = rollout()
+    calls = {e.key: e.count for e in prof.key_averages()}
+    waits = sum(calls.get(k, 0) for k in WAITS)
+    steps = mask.shape[1]
+    return {"steps": steps, "waits": waits, "waits_per_step": round(waits / steps, 2)}
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, float]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--group", type=int, default=4, help="completions per prompt")
+    parser.add_argument("--max-new-tokens", type=int, default=24)
+    args = parser.parse_args(argv)
+    for name in ("prompts", "group", "max_new_tokens"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")
+    result = count(args.prompts, args.group, args.max_new_tokens)
+    print(f"{result['steps']} decoding steps, {result['waits']} host waits, "
+          f"{result['waits_per_step']} a step")  # fmt: skip
+    return result
+
+
+if __name__ == "__main__":
+    main()
