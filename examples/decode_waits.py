@@ -4,8 +4,10 @@ On a GPU the decoding loop of a small model is paced by the host (the third GPU 
 each synchronisation stops the host from queueing the next kernels while the device works. This
 counts them on any machine: a profiled rollout of a tiny model (TinyMath's tokenizer, 2 layers),
 ``--prompts`` x ``--group`` completions of ``--max-new-tokens`` at temperature 1.0 with the
-behaviour recorder on, and the profiler's ``aten::_local_scalar_dense`` (a value read back to
-the host) and ``aten::nonzero`` (an output whose size the host must learn) calls.
+behaviour recorder on: the profiler's ``aten::_local_scalar_dense`` (a value read back to the
+host) and ``aten::nonzero`` (an output whose size the host must learn) calls, and the
+``Tensor.tolist`` calls (several values read back at once, which the profiler does not show on a
+CPU).
 
     python examples/decode_waits.py
 """
@@ -21,6 +23,7 @@ WAITS = ("aten::_local_scalar_dense", "aten::nonzero")
 def count(prompts: int, group: int, max_new_tokens: int, seed: int = 1) -> dict[str, float]:
     """One profiled rollout (after an unprofiled warm-up): its decoding steps and host waits."""
     import torch
+    from torch.overrides import TorchFunctionMode
     from torch.profiler import ProfilerActivity, profile
 
     from lightning_troll.models.loading import tiny_causal_lm
@@ -42,11 +45,19 @@ def count(prompts: int, group: int, max_new_tokens: int, seed: int = 1) -> dict[
 
     torch.manual_seed(seed)
     rollout()
+
+    class ToList(TorchFunctionMode):
+        calls = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            ToList.calls += func is torch.Tensor.tolist
+            return func(*args, **(kwargs or {}))
+
     torch.manual_seed(seed)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with profile(activities=[ProfilerActivity.CPU]) as prof, ToList():
         mask = rollout()
     calls = {e.key: e.count for e in prof.key_averages()}
-    waits = sum(calls.get(k, 0) for k in WAITS)
+    waits = sum(calls.get(k, 0) for k in WAITS) + ToList.calls
     steps = mask.shape[1]
     return {"steps": steps, "waits": waits, "waits_per_step": round(waits / steps, 2)}
 

@@ -290,6 +290,25 @@ def test_draw_refuses_rows_that_are_not_a_distribution(bad):
         decode_module.draw(torch.full((2, 5), float("-inf")))
 
 
+@pytest.mark.parametrize("recorded", [False, True])
+def test_decoding_from_logits_that_are_not_finite_stops_with_the_check_that_caught_them(recorded):
+    """A policy whose output layer holds NaN: with no recorder the draw's check, read in the
+    same wait as the stop check, raises (and ``sample`` names the weight); with one, the
+    recorder's check of the logits does, at the first step (it runs before that read)."""
+    model = tiny_llama()
+    with torch.no_grad():
+        model.lm_head.weight[3, 0] = float("nan")
+    recorder = BehaviourRecorder(1.0) if recorded else None
+    error, message = (
+        (FloatingPointError, "at generation step 0") if recorded
+        else (FloatingPointError, r"sampling failed \(probability tensor contains either .*"
+              r"weight '[\w.]+' holds NaN or inf at 1 entries")
+    )  # fmt: skip
+    with pytest.raises(error, match=message):
+        generated(model, [[5, 6, 7]], 2, SamplingConfig(max_new_tokens=4), [VOCAB - 1], True,
+                  recorder)  # fmt: skip
+
+
 @pytest.mark.parametrize("top_k", [1, 3, 17, 100, 250])
 def test_top_k_mask_equals_transformers_warper(top_k):
     generator = torch.Generator().manual_seed(top_k)

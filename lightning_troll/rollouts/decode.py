@@ -59,6 +59,7 @@ from lightning_troll.rollouts.forward import is_checkpointed
 __all__ = [
     "Sampling",
     "cannot_decode",
+    "check_drawn",
     "choose_tokens",
     "decode",
     "draw",
@@ -116,9 +117,12 @@ def top_p_mask(scores: Tensor, top_p: float) -> Tensor:
     return scores.masked_fill(drop.scatter(1, order, drop), _NEG_INF)  # (n, V)
 
 
-def choose_tokens(scores: Tensor, sampling: Sampling, do_sample: bool) -> Tensor:
+def choose_tokens(
+    scores: Tensor, sampling: Sampling, do_sample: bool, defer: list[Tensor] | None = None
+) -> Tensor:
     """The next token of each row of ``scores`` (n, V), float32 logits: the argmax, or a draw
-    from the softmax at ``sampling.temperature`` after its top-k and top-p. Returns (n,)."""
+    from the softmax at ``sampling.temperature`` after its top-k and top-p. Returns (n,).
+    ``defer`` as in :func:`draw`."""
     if not do_sample:
         return scores.argmax(dim=-1)  # (n,)
     if sampling.temperature != 1.0:
@@ -127,10 +131,10 @@ def choose_tokens(scores: Tensor, sampling: Sampling, do_sample: bool) -> Tensor
         scores = top_k_mask(scores, sampling.top_k)
     if sampling.top_p < 1.0:
         scores = top_p_mask(scores, sampling.top_p)
-    return draw(scores)
+    return draw(scores, defer)
 
 
-def draw(scores: Tensor) -> Tensor:
+def draw(scores: Tensor, defer: list[Tensor] | None = None) -> Tensor:
     """One token per row of ``scores`` (n, V), drawn from ``softmax(scores)`` by inverting the
     cumulative distribution at a uniform number from torch's global generator. Returns (n,).
 
@@ -138,17 +142,28 @@ def draw(scores: Tensor) -> Tensor:
     cost on a CPU grows with the vocabulary and runs on one thread); the cumulative sums are
     float64, so a token's share of the unit interval is its probability to ~1e-16 however
     small. Tokens at -inf are never drawn. A row holding NaN or +inf, or -inf throughout,
-    raises ``RuntimeError`` (as ``torch.multinomial`` does).
+    raises ``RuntimeError`` (as ``torch.multinomial`` does). With ``defer``, a list, that check
+    is appended to it instead (a 0-dim bool tensor, True where every row is a distribution; see
+    :func:`check_drawn`), for a caller that reads several values in one wait on the device.
     """
     weights = (scores - scores.amax(dim=-1, keepdim=True)).exp()  # (n, V), at most 1
     cdf = weights.double().cumsum(dim=-1)  # (n, V), nondecreasing
     total = cdf[:, -1:]  # (n, 1)
-    if not bool((total.isfinite() & (total > 0)).all()):
-        raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
+    drawable = (total.isfinite() & (total > 0)).all()  # ()
+    if defer is None:
+        check_drawn(bool(drawable))
+    else:
+        defer.append(drawable)
     uniform = torch.rand(total.shape, dtype=torch.float64, device=scores.device)  # (n, 1)
     tokens = torch.searchsorted(cdf, uniform * total, right=True)  # (n, 1) first cdf > u
     last = cdf.argmax(dim=-1, keepdim=True)  # (n, 1) the last token of positive weight
     return torch.minimum(tokens, last).squeeze(-1)  # (n,)
+
+
+def check_drawn(drawable: bool) -> None:
+    """Raises ``RuntimeError`` where :func:`draw`'s rows were not all distributions."""
+    if not drawable:
+        raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
 
 
 class _Batch:
@@ -161,10 +176,15 @@ class _Batch:
     def __init__(self, rows: Tensor, mask: Tensor, positions: Tensor, cache: DynamicCache):
         self.rows, self.mask, self.positions, self.cache = rows, mask, positions, cache
 
-    def keep(self, running: Tensor) -> Tensor | None:
+    def keep(self, running: Tensor, checks: list[Tensor]) -> Tensor | None:
         """Keeps the sequences where ``running`` (n,) bool is True; returns their indices (n',)
-        into the n, or None where all are kept (nothing changes)."""
-        if bool(running.all()):
+        into the n, or None where all are kept (nothing changes). ``checks`` (0-dim bool
+        tensors, the draw's) are read in the same wait on the device as ``running.all()``, and
+        the draw's raises if it failed."""
+        everyone, *drawn = torch.stack([running.all(), *checks]).tolist()
+        for ok in drawn:
+            check_drawn(ok)
+        if everyone:
             return None
         keep = running.nonzero().squeeze(-1)  # (n',)
         self.rows, self.mask = self.rows[keep], self.mask[keep]
@@ -237,11 +257,12 @@ def decode(
     steps = 0
     while steps < budget:
         if logits is not None:
-            tokens = choose_tokens(logits, sampling, do_sample)  # (n,)
+            checks: list[Tensor] = []  # read with the stop check, in one wait on the device
+            tokens = choose_tokens(logits, sampling, do_sample, checks)  # (n,)
             if recorder is not None:
                 recorder.record_rows(logits, tokens, batch.rows)
             responses[batch.rows, steps] = tokens
-            kept = batch.keep(~torch.isin(tokens, stops))  # (n',) or None: all run on
+            kept = batch.keep(~torch.isin(tokens, stops), checks)  # (n',) or None: all run on
             if kept is not None:  # indexing only then: one wait on the device fewer a step
                 tokens = tokens[kept]  # (n',)
             steps += 1
