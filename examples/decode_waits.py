@@ -9,7 +9,8 @@ host) and ``aten::nonzero`` (an output whose size the host must learn) calls, an
 ``Tensor.tolist`` calls (several values read back at once, which the profiler does not show on a
 CPU).
 
-    python examples/decode_waits.py
+    python examples/decode_waits.py            # the recorder keeps log-probs (clipping)
+    python examples/decode_waits.py --sparse   # and TROLL's sparse rows
 """
 
 from __future__ import annotations
@@ -20,8 +21,11 @@ from collections.abc import Sequence
 WAITS = ("aten::_local_scalar_dense", "aten::nonzero")
 
 
-def count(prompts: int, group: int, max_new_tokens: int, seed: int = 1) -> dict[str, float]:
-    """One profiled rollout (after an unprofiled warm-up): its decoding steps and host waits."""
+def count(
+    prompts: int, group: int, max_new_tokens: int, sparse: bool = False, seed: int = 1
+) -> dict[str, float]:
+    """One profiled rollout (after an unprofiled warm-up): its decoding steps and host waits;
+    ``sparse`` also records TROLL's sparse rows at every step (its defaults)."""
     import torch
     from torch.overrides import TorchFunctionMode
     from torch.profiler import ProfilerActivity, profile
@@ -30,14 +34,19 @@ def count(prompts: int, group: int, max_new_tokens: int, seed: int = 1) -> dict[
     from lightning_troll.models.tinymath import build_tokenizer
     from lightning_troll.rollouts.behaviour import BehaviourRecorder
     from lightning_troll.rollouts.rollout import SamplingConfig, sample
+    from lightning_troll.trust_region import defaults
+    from lightning_troll.trust_region.sparse import sparsify
 
     tokenizer = build_tokenizer()
     model = tiny_causal_lm(len(tokenizer)).eval()
     prompt_ids = [tokenizer.encode(f"{12 + k}+7=") for k in range(prompts)]
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=max_new_tokens)
 
+    def rows(logits, tokens):
+        return sparsify(logits, defaults.MAX_TOKENS, defaults.MASS_DELTA, keep=tokens)
+
     def rollout():
-        recorder = BehaviourRecorder(1.0)
+        recorder = BehaviourRecorder(1.0, rows if sparse else None)
         ids, _, mask, _ = sample(model, prompt_ids, group, sampling, tokenizer.pad_token_id,
                                  [tokenizer.eos_token_id], True, recorder)  # fmt: skip
         recorder.finish(ids[:, -mask.shape[1] :])
@@ -67,11 +76,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--group", type=int, default=4, help="completions per prompt")
     parser.add_argument("--max-new-tokens", type=int, default=24)
+    parser.add_argument("--sparse", action="store_true",
+                        help="the recorder also keeps TROLL's sparse rows, as a TROLL rollout does")  # fmt: skip
     args = parser.parse_args(argv)
     for name in ("prompts", "group", "max_new_tokens"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")
-    result = count(args.prompts, args.group, args.max_new_tokens)
+    result = count(args.prompts, args.group, args.max_new_tokens, args.sparse)
     print(f"{result['steps']} decoding steps, {result['waits']} host waits, "
           f"{result['waits_per_step']} a step")  # fmt: skip
     return result

@@ -74,6 +74,8 @@ def test_the_decoding_loop_waits_on_the_device_at_most_five_times_a_step(capsys,
     assert result["steps"] == 24
     assert 3.0 <= result["waits_per_step"] <= 5.0, result
     assert f"24 decoding steps, {result['waits']} host waits" in capsys.readouterr().out
+    sparse = waits.main(["--sparse"])  # and TROLL's sparse rows: three more a step
+    assert sparse["waits_per_step"] == pytest.approx(result["waits_per_step"] + 3, abs=0.5)
     with pytest.raises(SystemExit):
         waits.main(["--group", "0"])
     assert "--group must be >= 1; got 0" in capsys.readouterr().err
