@@ -30,7 +30,6 @@ COMPILE_SOLVER = "auto"
 run them eagerly elsewhere. On a GPU the host launching the eager steps' small kernels one by one
 is most of TROLL's extra time (the fourth GPU report: TROLL's step x1.39 of clipping's at the
 Qwen3-4B shape, x1.13 compiled); on a CPU the compile needs a C++ compiler and pays back little."""
-COMPILE_SOLVER_CHOICES = (True, False, "auto")
 
 
 def check_compile_solver(value: object) -> bool | str:
