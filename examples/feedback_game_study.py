@@ -44,6 +44,9 @@ GAMES = {
 }
 """--game -> (its YAML in examples/feedback_game/, its results' folder in examples/results/smollm2/)."""
 WINDOWS = {"early": (1, 10), "late": (21, 30)}
+BUDGET_ENDS, BUDGET_LIMIT = "episodes/frac_end_max_tokens", 0.5
+"""The scored game's fifth endpoint: the late share of episodes that ran out of the budget, below
+the limit in every run (the first game's clipping run: 0.997)."""
 """Rollout windows of the plan's reward endpoint (inclusive)."""
 
 
@@ -109,8 +112,9 @@ def at_rollout(record: dict, metric: str, rollout: int) -> float | None:
 def endpoints(records: Sequence[dict], rollouts: int) -> str:
     """The plan's endpoints (docs/feedback-game-plan.md) over the finished runs: per run, the
     late window minus the early one of the reward and of the turns, and the held-out accuracy
-    at the last validation minus at the start, each with its exact sign test; then TROLL minus
-    clipping per seed (the seeds both finished), with the paired t-test."""
+    at the last validation minus at the start, each with its exact sign test; the late share of
+    episodes that ran out of the budget; then TROLL minus clipping per seed (the seeds both
+    finished), with the paired t-test."""
     lines = []
     changes = {
         "reward/mean, late - early (learns: > 0)": lambda r: _late_minus_early(r, "reward/mean"),
@@ -129,6 +133,14 @@ def endpoints(records: Sequence[dict], rollouts: int) -> str:
         each = ", ".join(f"{name} {d:+.3f}" for name, d in diffs.items() if d is not None)
         lines.append(f"- {title}: mean {sum(known) / len(known):+.3f} over {len(known)} runs "
                      f"({each}); sign test p {sign_test(known):.3f}")  # fmt: skip
+    budget = {r["name"]: window_mean(r, BUDGET_ENDS, WINDOWS["late"]) for r in records}
+    known = {name: share for name, share in budget.items() if share is not None}
+    if known:
+        each = ", ".join(f"{name} {share:.3f}" for name, share in known.items())
+        held = all(share < BUDGET_LIMIT for share in known.values())
+        lines.append(f"- {BUDGET_ENDS}, late window (the budget is not the way out: < "
+                     f"{BUDGET_LIMIT} in every run): {each}; "
+                     f"{'holds' if held else 'fails'} over {len(known)} runs")  # fmt: skip
     by_name = {r["name"]: r for r in records}
     seeds = sorted({r["fields"]["seed"] for r in records})
     pairs = [(by_name.get(f"troll-s{s}"), by_name.get(f"clip-s{s}")) for s in seeds]

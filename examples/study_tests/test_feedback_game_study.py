@@ -108,13 +108,15 @@ def test_window_means_read_the_rollouts_of_a_window():
     assert study.window_mean(record, "reward/mean", (21, 30)) is None
 
 
-def game_record(objective, seed, reward, turns, accuracy):
-    """A run's record: ``reward`` and ``turns`` (early, late) logged at rollouts 5 and 25, and
-    the held-out ``accuracy`` (start, end) at rollouts 0 and 30."""
+def game_record(objective, seed, reward, turns, accuracy, budget=(0.1, 0.2)):
+    """A run's record: ``reward``, ``turns`` and the share of ``budget`` ends (early, late)
+    logged at rollouts 5 and 25, and the held-out ``accuracy`` (start, end) at rollouts 0 and
+    30."""
+    ends = "episodes/frac_end_max_tokens"
     history = [
         {"rollout": 0, "val/accuracy": accuracy[0]},
-        {"rollout": 5, "reward/mean": reward[0], "episodes/turns_mean": turns[0]},
-        {"rollout": 25, "reward/mean": reward[1], "episodes/turns_mean": turns[1]},
+        {"rollout": 5, "reward/mean": reward[0], "episodes/turns_mean": turns[0], ends: budget[0]},
+        {"rollout": 25, "reward/mean": reward[1], "episodes/turns_mean": turns[1], ends: budget[1]},
         {"rollout": 30, "val/accuracy": accuracy[1]},
     ]
     fields = {"objective": objective, "seed": seed}
@@ -130,9 +132,15 @@ def test_the_plans_endpoints_by_hand():
         game_record("troll", 0, (0.2, 0.6), (2.5, 2.0), (0.1, 0.4)),
         game_record("clip", 0, (0.2, 0.4), (2.5, 2.2), (0.1, 0.3)),
         game_record("troll", 1, (0.1, 0.3), (2.6, 2.4), (0.2, 0.3)),
-        game_record("clip", 1, (0.1, 0.4), (2.6, 2.1), (0.2, 0.26)),
+        game_record("clip", 1, (0.1, 0.4), (2.6, 2.1), (0.2, 0.26), budget=(0.3, 0.6)),
     ]
     text = study.endpoints(records, 30)
+    assert (
+        "- episodes/frac_end_max_tokens, late window (the budget is not the way out: < 0.5 in "
+        "every run): troll-s0 0.200, clip-s0 0.200, troll-s1 0.200, clip-s1 0.600; fails over "
+        "4 runs" in text
+    )
+    assert "; holds over 3 runs" in study.endpoints(records[:3], 30)
     assert "reward/mean, late - early (learns: > 0): mean +0.275 over 4 runs" in text
     assert (
         "troll-s0 +0.400, clip-s0 +0.200, troll-s1 +0.200, clip-s1 +0.300); sign test p 0.125"
