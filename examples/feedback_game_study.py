@@ -195,7 +195,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", type=Path, default=word_problems.SMOLLM2)
     p.add_argument("--rollouts", type=int, default=30)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--prior-seconds", type=float, default=120.0, help="s / rollout, no run done")
+    p.add_argument("--prior-seconds", type=float, default=211.0,
+                   help="s / rollout before a run is done (the first game's clipping run: 211)")  # fmt: skip
     p.add_argument("--estimate", action="store_true", help="print the hours and stop")
     p.add_argument(
         "--report",
