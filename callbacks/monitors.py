@@ -143,7 +143,8 @@ class TrustRegionMonitor(Callback):
                 f"trust_region_monitor.{asked[0]} reads the behaviour policy's sparse distributions, "
                 "which a clipping run caches only when asked: build the module with "
                 "cache_old_distributions=True (the command line sets it from "
-                "trust_region_monitor.kl_end; a resumed run keeps the value its checkpoint stores)"
+                "trust_region_monitor.kl_end and kl_start; a resumed run keeps the value its "
+                "checkpoint stores)"
             )
 
     @override

@@ -110,9 +110,9 @@ def cut(record: dict, rollouts: int) -> dict:
     return {**record, "history": history, "fields": {**record["fields"], "arm": "s0"}}
 
 
-def grid(args) -> Grid:
+def grid(args, lr: float) -> Grid:
     def start() -> dict:
-        return study_kit.validate(runs(args, study_lr(args))[0], ACCURACY)
+        return study_kit.validate(runs(args, lr)[0], ACCURACY)
 
     settings = {"rollouts": args.rollouts, "prompts": args.prompts, "dry_run": args.dry_run}
     return Grid(args.out, settings, paper.METRICS, start, args.prior_seconds)
@@ -203,7 +203,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     lr = study_lr(args)
-    study, planned = grid(args), runs(args, lr)
+    study, planned = grid(args, lr), runs(args, lr)
     if args.estimate:
         total, left = study.estimate(planned)
         print(f"{total:.1f} h in all, {left:.1f} h left")

@@ -86,7 +86,7 @@ def test_a_dry_run_trains_a_stale_arm_and_logs_how_stale(tmp_path, capsys):
     argv = ["--dry-run", "--out", str(out), "--s0-here", "--arms", "s0", "s2", "--seeds", "0"]
     study.main(argv)
     args = study.parse_args(argv)
-    records = study.grid(args).finished(study.runs(args, study.DRY_LR))
+    records = study.grid(args, study.DRY_LR).finished(study.runs(args, study.DRY_LR))
     assert sorted(r["name"] for r in records) == [
         "s0-clip-s0", "s0-troll-s0", "s2-clip-s0", "s2-troll-s0"
     ]  # fmt: skip
