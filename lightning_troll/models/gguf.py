@@ -96,7 +96,8 @@ def convert_gguf(
     ``out_dir`` gets ``config.json``, ``generation_config.json``, ``model.safetensors`` (float32,
     dequantised), the tokenizer files with the chat template, ``README.md`` with ``card`` when
     given, and ``extra_files`` (name -> text). The folder is written beside ``out_dir`` first
-    and renamed into place, so an interrupted conversion leaves no half-written model behind.
+    and renamed into place, so an interrupted conversion leaves no half-written model behind (a
+    write that fails removes it).
     An existing ``out_dir`` is replaced only with ``overwrite``; otherwise ``FileExistsError``.
     Returns ``out_dir``.
     """
@@ -109,12 +110,16 @@ def convert_gguf(
     if staging.exists():
         shutil.rmtree(staging)
     staging.mkdir(parents=True)
-    model.save_pretrained(staging)
-    tokenizer.save_pretrained(staging)
-    if card is not None:
-        (staging / "README.md").write_text(card, encoding="utf-8")
-    for name, text in (extra_files or {}).items():
-        (staging / name).write_text(text, encoding="utf-8")
+    try:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        if card is not None:
+            (staging / "README.md").write_text(card, encoding="utf-8")
+        for name, text in (extra_files or {}).items():
+            (staging / name).write_text(text, encoding="utf-8")
+    except BaseException:  # a full disk: the half-written copy would keep its space taken
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     if out.exists():
         shutil.rmtree(out)
     staging.rename(out)

