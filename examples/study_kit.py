@@ -20,9 +20,10 @@ fields it is recorded with) and a :class:`Grid` that runs them one after another
   ``runs/`` move up, and a record that keeps its fields beside its name (``legacy_fields``) is
   read with them moved into ``fields``.
 
-Tables and plots (:mod:`study_figures`, whose names this module gives too): :func:`mean_std`,
-:func:`values`, :func:`run_mean`, :func:`curve`, :func:`markdown_table`, :func:`plot_curves`
-and :func:`plot_panels`. Nothing here knows a particular study.
+Reading the logs (:mod:`study_logs`, whose names this module gives too): :func:`read_history`
+and :func:`attempts_spent`. Tables and plots (:mod:`study_figures`, whose names this module gives
+too): :func:`mean_std`, :func:`values`, :func:`run_mean`, :func:`curve`, :func:`markdown_table`,
+:func:`plot_curves` and :func:`plot_panels`. Nothing here knows a particular study.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ from __future__ import annotations
 import csv
 import gc
 import json
-import re
 import shutil
 import statistics
 import sys
@@ -51,6 +51,13 @@ from study_figures import (  # noqa: E402
     run_mean,
     values,
 )
+from study_logs import (  # noqa: E402
+    TIME,
+    attempts_spent,
+    kept,
+    measured_attempts,
+    read_history,
+)
 
 __all__ = [
     "Grid",
@@ -58,6 +65,7 @@ __all__ = [
     "Line",
     "Panel",
     "Run",
+    "attempts_spent",
     "curve",
     "markdown_table",
     "mean_std",
@@ -69,9 +77,6 @@ __all__ = [
     "values",
     "write_atomic",
 ]
-
-TIME = "time/iteration"
-"""The metric that times a rollout (sampling and optimiser steps)."""
 
 
 class Interrupted(RuntimeError):
@@ -132,12 +137,6 @@ def validate(run: Run, metric: str) -> dict:
     return {"rollout": 0, metric: float(done.trainer.callback_metrics[metric])}
 
 
-def kept(name: str, metrics: Sequence[str]) -> bool:
-    """Whether the logged metric ``name`` is one of ``metrics``: a name, or a prefix ending in
-    ``/`` that keeps every metric under it (``trust_region/`` keeps all the monitor logs)."""
-    return name in metrics or any(m.endswith("/") and name.startswith(m) for m in metrics)
-
-
 def columns(records: Sequence[dict], metrics: Sequence[str]) -> list[str]:
     """The metric columns of ``records``' histories: ``metrics``' names in their order, each
     prefix replaced by the names under it that the histories hold, sorted."""
@@ -147,28 +146,6 @@ def columns(records: Sequence[dict], metrics: Sequence[str]) -> list[str]:
         names = sorted(k for k in seen if k.startswith(m)) if m.endswith("/") else [m]
         out += [n for n in names if n not in out]
     return out
-
-
-def read_history(log_root: Path, metrics: Sequence[str]) -> list[dict[str, float]]:
-    """Per rollout, ``metrics`` (names, or prefixes: :func:`kept`) of every attempt's CSV log
-    (``log_root/version_<k>``) merged in attempt order, a later attempt's rows replacing the
-    rollouts it ran again. Lightning's logging step counts rollouts from 0: rollout r (from 1)
-    is step r - 1."""
-    versions = sorted(
-        (int(m.group(1)), p)
-        for p in log_root.glob("version_*")
-        if (m := re.fullmatch(r"version_(\d+)", p.name)) and (p / "metrics.csv").exists()
-    )
-    rollouts: dict[int, dict[str, float]] = {}
-    for _, path in versions:
-        rows: dict[int, dict[str, float]] = {}
-        with (path / "metrics.csv").open() as f:
-            for row in csv.DictReader(f):
-                rollout = int(row["step"]) + 1
-                merged = rows.setdefault(rollout, {"rollout": rollout})
-                merged.update({k: float(v) for k, v in row.items() if kept(k, metrics) and v != ""})
-        rollouts.update(rows)
-    return [rollouts[r] for r in sorted(rollouts)]
 
 
 class Grid:
@@ -374,11 +351,11 @@ class Grid:
         if checkpoint.exists():
             args += ["--ckpt_path", str(checkpoint)]
         attempts_file = run_dir / "attempts.json"
-        attempts = json.loads(attempts_file.read_text()) if attempts_file.exists() else []
+        measured = measured_attempts(attempts_file, logs)
         began = time.perf_counter()
         done = cli(args)
-        attempts.append(time.perf_counter() - began)
-        write_atomic(attempts_file, json.dumps(attempts))
+        measured[str(version)] = time.perf_counter() - began
+        write_atomic(attempts_file, json.dumps(measured))
         steps, stopper = done.trainer.global_step, done.checkpoint_callback
         signal = stopper.stopped_by if stopper is not None else None
         del done
@@ -386,11 +363,12 @@ class Grid:
         if steps < run.max_steps:
             raise Interrupted(run.name, 128 + int(signal) if signal else 1)
         history = [*start, *read_history(logs, self.metrics)]
+        seconds, attempts = attempts_spent(logs, measured)
         return {
             "name": run.name,
             "fields": run.fields,
-            "seconds": sum(attempts),
-            "attempts": len(attempts),
+            "seconds": seconds,
+            "attempts": attempts,
             **(self.figures(history) if self.figures else {}),
             "history": history,
         }

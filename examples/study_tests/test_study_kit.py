@@ -41,6 +41,24 @@ def test_read_history_merges_attempts_later_rows_winning(tmp_path):
     ]
 
 
+def test_a_killed_attempt_counts_its_rollouts_time_and_an_older_list_the_last_attempts(tmp_path):
+    """Three attempts logged: version 0 returned after 50 s; version 1's process was killed (no
+    seconds kept), so it counts its rollouts' time/iteration, 7 + 8 = 15 s; version 2 returned
+    after 30 s: 95 s over 3 attempts. A list, as older runs kept, is the last attempts'."""
+    logs = tmp_path / "logs"
+    for version, times in ((0, [20, 20]), (1, [7, 8]), (2, [9])):
+        folder = logs / f"version_{version}"
+        folder.mkdir(parents=True)
+        lines = ["step,time/iteration"] + [f"{s},{t}" for s, t in enumerate(times)]
+        (folder / "metrics.csv").write_text("\n".join(lines) + "\n")
+    assert kit.attempts_spent(logs, {"0": 50.0, "2": 30.0}) == (95.0, 3)
+    stored = tmp_path / "attempts.json"
+    stored.write_text(json.dumps([30.0]))  # only the last attempt returned
+    assert kit.measured_attempts(stored, logs) == {"2": 30.0}
+    assert kit.attempts_spent(logs, kit.measured_attempts(stored, logs)) == (20 + 20 + 15 + 30, 3)
+    assert kit.measured_attempts(tmp_path / "none.json", logs) == {}
+
+
 def record(objective, lr, accuracies, active):
     history = [
         {"rollout": 5 * i, "val/accuracy": a, tables.ACTIVE[objective]: active}
