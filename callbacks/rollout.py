@@ -17,9 +17,10 @@ from lightning_troll.callbacks.samples import (
     samples_table,
 )
 from lightning_troll.data.prompts import PromptBatch, draw_prompts
+from lightning_troll.environments.protocol import EnvironmentFailure
 from lightning_troll.rewards.calls import RewardError
 from lightning_troll.rollouts.timing import clock
-from lightning_troll.training.faults import RewardFault
+from lightning_troll.training.faults import EpisodeFault, RewardFault
 
 __all__ = ["RolloutGeneration", "RolloutReport", "Samples", "samples_table"]
 
@@ -77,6 +78,8 @@ class RolloutGeneration(Callback):
             rollout, report = pl_module.collector.collect(batch, more)
         except RewardError as error:  # before any step of this rollout: the run's state is whole
             raise RewardFault(str(error)) from error
+        except EnvironmentFailure as error:  # as above: the episodes ran, nothing trained
+            raise EpisodeFault(str(error)) from error
         pl_module.rollout = rollout
         self.rollouts += 1
         self.mean_rewards.append(float(report.rewards.mean()))

@@ -4,6 +4,7 @@ environment's replies are rendered through the chat template."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -165,11 +166,30 @@ def test_on_smollm2_the_reply_tokens_are_the_rendered_difference():
 
 
 def test_a_step_refuses_a_reward_that_is_not_a_finite_number():
-    for reward in (float("nan"), "1", True):
-        with pytest.raises(ValueError, match="Step.reward must be a finite number or None"):
+    """1e39 is finite as a Python float but inf in float32, where rewards are kept."""
+    for reward in (float("nan"), "1", True, 1e39, -(10**40)):
+        with pytest.raises(ValueError, match="Step.reward must be a number finite in float32"):
             Step(reward=reward)
-    with pytest.raises(ValueError, match="Step.observation must be a string"):
-        Step(observation=3)
+    assert Step(reward=3.0e38).reward == 3.0e38
+
+
+def test_a_step_refuses_an_observation_that_is_not_text_or_messages():
+    """Each malformed observation is refused where the environment made it, naming what is
+    wrong, instead of failing later inside the chat template."""
+    cases = [
+        (3, "Step.observation (a string, messages or None) must be a list of messages; got a int"),
+        (["Try again."], "message 0 is a str ('Try again.'); a message is a mapping"),
+        ([{"role": "user"}], "message 0 needs a string 'content'; got {'role': 'user'}"),
+        ([{"role": "tool", "text": "42"}], "message 0 needs a string 'content'"),
+        ([{"role": "user", "content": "ok"}, {"content": "x"}], "message 1 needs a string 'role'"),
+        ([{"role": "user", "content": 42}], "message 0 needs a string 'content'"),
+    ]
+    for observation, message in cases:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            Step(observation=observation)
+    with pytest.raises(ValueError, match="Step.role must be a string; got None"):
+        Step("ok", role=None)
+    assert Step([{"role": "tool", "name": "f", "content": "4"}]).observation[0]["content"] == "4"
 
 
 def test_the_tool_environment_answers_calls_and_ends_at_an_answer():

@@ -3,10 +3,13 @@ tokens with mask 0 as the template renders them, and the three ways an episode e
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
 from lightning_troll.environments import Environment, Step, ToolEnvironment, ToolRunner
+from lightning_troll.environments.protocol import EnvironmentFailure
 from lightning_troll.rollouts.episodes import (
     EpisodeLimits,
     GeneratedTurn,
@@ -16,6 +19,7 @@ from lightning_troll.rollouts.episodes import (
     run_episodes,
     sampled_turns,
 )
+from lightning_troll.rollouts.multiturn import last_turn
 from tests import tool_helpers
 from tests.chat_helpers import chat_tokenizer, encode
 
@@ -195,7 +199,7 @@ def test_on_end_hears_the_turn_limit_and_the_budget_and_prices_the_last_turn():
 
 def test_on_end_must_return_a_finite_number_or_none():
     tokenizer = chat_tokenizer()
-    for bad in (float("nan"), "1", True):
+    for bad in (float("nan"), "1", True, 1e39):
 
         class Bad(tool_helpers.Countdown):
             def on_end(self, end, bad=bad):
@@ -203,9 +207,9 @@ def test_on_end_must_return_a_finite_number_or_none():
 
         generate = Scripted(tokenizer, {"go": ["a<|im_end|>"] * 2})
         with pytest.raises(
-            ValueError,
-            match=r"Bad.on_end\('max_turns'\) returned .*; it "
-            r"returns a finite number \(a reward for the episode's end\) or None",
+            EnvironmentFailure,
+            match=r"the environment Bad.on_end\('max_turns'\) returned .*; it returns a number "
+            r"finite in float32 \(a reward for the episode's end\) or None",
         ):
             run_episodes(generate, tokenizer, [Bad()], [{"prompt": "go", "turns": 5}],
                          EpisodeLimits(1, 400), Stops((tokenizer.eos_token_id,)))  # fmt: skip
@@ -354,8 +358,83 @@ def test_a_step_that_is_not_a_step_is_refused():
             return ("Lower.", 0.0, False)
 
     tokenizer = chat_tokenizer()
-    with pytest.raises(TypeError, match=r"Tuple.step returned a tuple; an environment's step "):
+    with pytest.raises(
+        EnvironmentFailure, match=r"the environment Tuple.step returned a tuple; an environment's "
+    ):
         run_episodes(
             lambda p, n, s: [[5, tokenizer.eos_token_id]], tokenizer, [Tuple()],
             [{"prompt": "go"}], EpisodeLimits(2, 9), Stops((tokenizer.eos_token_id,)),
         )  # fmt: skip
+
+
+class Unprintable(Exception):
+    def __str__(self):
+        raise RuntimeError("no text")
+
+
+def test_an_environment_that_raises_is_named_with_the_method_and_the_error():
+    """reset, step and close raising (one with an exception whose own __str__ raises): each is
+    an EnvironmentFailure that names the environment, the method and the error."""
+    tokenizer = chat_tokenizer()
+
+    def run(environment):
+        generate = Scripted(tokenizer, {"go": ["a<|im_end|>"] * 3})
+        run_episodes(generate, tokenizer, [environment], [{"prompt": "go", "turns": 2}],
+                     EpisodeLimits(3, 400), Stops((tokenizer.eos_token_id,)))  # fmt: skip
+
+    class BadReset(tool_helpers.Countdown):
+        def reset(self, row):
+            raise KeyError("answer")
+
+    class BadStep(tool_helpers.Countdown):
+        def step(self, turn):
+            raise Unprintable()
+
+    class BadClose(tool_helpers.Countdown):
+        def close(self):
+            raise OSError("the sandbox is gone")
+
+    class BadStart(tool_helpers.Countdown):
+        def reset(self, row):
+            return [{"role": "user"}]
+
+    expected = [
+        (BadReset, "the environment BadReset.reset raised KeyError: 'answer'"),
+        (BadStep, "the environment BadStep.step raised Unprintable: (its message could not be "),
+        (BadClose, "the environment BadClose.close raised OSError: the sandbox is gone"),
+        (BadStart, "the episode BadStart.reset started: reset(row) (a plain prompt string, or "
+         "messages): message 0 needs a string 'content'"),
+    ]  # fmt: skip
+    for environment, message in expected:
+        with pytest.raises(EnvironmentFailure, match=re.escape(message)):
+            run(environment())
+
+
+class PlainEmptyReplies(Environment):
+    """A plain-text episode of 3 turns whose replies are empty: no environment tokens part the
+    turns."""
+
+    def reset(self, row):
+        self.turns = 0
+        return str(row["prompt"])
+
+    def step(self, turn):
+        self.turns += 1
+        return Step(done=True) if self.turns == 3 else Step("", reward=0.0)
+
+
+def test_with_empty_replies_the_final_answer_is_the_last_turn_alone():
+    """Turns '142', '19' and '7' with nothing between them: the answer a reward scores is '7',
+    not the whole response '142197'."""
+    tokenizer = chat_tokenizer()
+    eos = tokenizer.eos_token
+    generate = Scripted(tokenizer, {"Sum": [f"142{eos}", f"19{eos}", f"7{eos}"]})
+    (episode,) = run_episodes(generate, tokenizer, [PlainEmptyReplies()], [{"prompt": "Sum:"}],
+                              EpisodeLimits(3, 400), Stops((tokenizer.eos_token_id,)))  # fmt: skip
+    assert episode.turn_texts == ["142", "19", "7"] and all(episode.mask)
+    last = encode(tokenizer, f"7{eos}")
+    assert episode.token_ids[episode.last_turn_start :] == last
+    mask = torch.tensor([episode.mask], dtype=torch.bool)
+    chosen = last_turn(mask, [episode])[0]
+    kept = [t for t, keep in zip(episode.token_ids, chosen.tolist(), strict=True) if keep]
+    assert kept == last

@@ -188,7 +188,7 @@ def _last_turns(sampled):
 
     mask = sampled.response_mask
     responses = sampled.input_ids[:, -mask.shape[1] :]
-    last = last_turn(mask)
+    last = last_turn(mask, sampled.episodes)
     return [(responses[i : i + 1], last[i : i + 1]) for i in range(len(responses))]
 
 

@@ -221,9 +221,11 @@ def test_results_render_as_text_or_json():
 FAILING_CALLS = [
     (ToolCall("divide", {"a": 1, "b": 0}), "raised",
      "Error: tool 'divide' raised ZeroDivisionError: division by zero"),
+    (ToolCall("unprintable", {"n": 1}), "raised",
+     "Error: tool 'unprintable' raised Unprintable: (its message could not be written)"),
     (ToolCall("square_root", {"x": 4}), "unknown",
      "Error: unknown tool 'square_root'; the tools are multiply, divide, make_set, sleep, "
-     "exit_worker"),
+     "exit_worker, unprintable"),
     (ToolCall("multiply", {"a": 6}), "bad_arguments",
      "Error: tool 'multiply' got bad arguments: missing argument 'b'"),
     (ToolCall("make_set", {"n": 2}), "unrenderable",
@@ -233,7 +235,7 @@ FAILING_CALLS = [
      'Error: the tool call is malformed: it is not JSON (Expecting property name at character '
      '1); write <tool_call>{"name": ..., "arguments": {...}}</tool_call>'),
 ]  # fmt: skip
-TOOLS = [H + n for n in ("multiply", "divide", "make_set", "sleep", "exit_worker")]
+TOOLS = [H + n for n in ("multiply", "divide", "make_set", "sleep", "exit_worker", "unprintable")]
 
 
 @pytest.mark.parametrize("workers", [0, 2])

@@ -71,6 +71,22 @@ def exit_worker(code: int) -> str:
     os._exit(code)
 
 
+class Unprintable(Exception):
+    """An exception whose own ``__str__`` raises."""
+
+    def __str__(self) -> str:
+        raise RuntimeError("no text")
+
+
+def unprintable(n: int) -> int:
+    """Raise an exception that cannot be written as text.
+
+    Args:
+        n: Ignored.
+    """
+    raise Unprintable()
+
+
 def no_docstring(a: int) -> int:
     return a
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
 from lightning_troll.environments.tools import render_result
-from lightning_troll.rewards.calls import short
+from lightning_troll.rewards.calls import describe, short
 
 __all__ = [
     "TOOL_CALL_CLOSE",
@@ -127,7 +127,7 @@ def run_tool(function: Callable[..., Any], arguments: Mapping[str, Any]) -> Tool
     try:
         value = function(**arguments)
     except (Exception, SystemExit) as exc:  # a tool may raise anything, or call sys.exit
-        problem = short(f"raised {type(exc).__name__}: {exc}", _PROBLEM_CHARACTERS)
+        problem = short(f"raised {describe(exc)}", _PROBLEM_CHARACTERS)
         return ToolOutcome("", problem, "raised")
     text, problem = render_result(value)
     if problem is not None:

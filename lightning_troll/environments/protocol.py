@@ -31,22 +31,70 @@ fresh one. The built-in environment is
 from __future__ import annotations
 
 import inspect
-import math
 import numbers
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from lightning_troll.rewards.calls import as_float, describe
 from lightning_troll.rewards.lookup import load_by_import_path
 
-__all__ = ["Environment", "Step", "is_finite_reward", "load_environment"]
+__all__ = [
+    "Environment",
+    "EnvironmentFailure",
+    "Step",
+    "call_environment",
+    "check_messages",
+    "is_finite_reward",
+    "load_environment",
+]
 
 OPTION = "model.episodes.environment"
 
 
+class EnvironmentFailure(RuntimeError):
+    """An environment's ``reset``, ``step``, ``on_end`` or ``close`` raised, or returned what the
+    protocol does not allow, during an episode; the message names the environment and the method.
+    Nothing of the rollout it struck has trained, so a run saves its checkpoint and stops."""
+
+
+def call_environment(environment: Any, method: str, *args: Any) -> Any:
+    """``environment.method(*args)``; what it raises becomes an :class:`EnvironmentFailure` that
+    names the environment and the method."""
+    try:
+        return getattr(environment, method)(*args)
+    except EnvironmentFailure:
+        raise
+    except Exception as error:  # an environment is a user's code: it may raise anything
+        raise EnvironmentFailure(
+            f"the environment {type(environment).__name__}.{method} raised {describe(error)}"
+        ) from error
+
+
 def is_finite_reward(value: object) -> bool:
-    """Whether ``value`` can be a reward: a finite real number, not a bool."""
-    return not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value)
+    """Whether ``value`` can be a reward: a real number finite in float32 (rewards are kept in
+    float32), not a bool."""
+    return (
+        not isinstance(value, bool)
+        and isinstance(value, numbers.Real)
+        and (as_float(value) is not None)
+    )
+
+
+def check_messages(messages: object, what: str) -> None:
+    """Refuses ``messages`` unless they are a list of ``{"role": str, "content": str}`` mappings,
+    saying which one is wrong; ``what`` names where they came from."""
+    if isinstance(messages, str | bytes) or not isinstance(messages, Sequence):
+        raise ValueError(f"{what} must be a list of messages; got a {type(messages).__name__}")
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise ValueError(
+                f"{what}: message {i} is a {type(message).__name__} ({message!r:.60}); a message "
+                'is a mapping {"role": ..., "content": ...}'
+            )
+        for key in ("role", "content"):
+            if not isinstance(message.get(key), str):
+                raise ValueError(f"{what}: message {i} needs a string {key!r}; got {message!r:.80}")
 
 
 @dataclass(frozen=True)
@@ -70,12 +118,13 @@ class Step:
 
     def __post_init__(self) -> None:
         if self.reward is not None and not is_finite_reward(self.reward):
-            raise ValueError(f"Step.reward must be a finite number or None; got {self.reward!r}")
-        if not (self.observation is None or isinstance(self.observation, (str, Sequence))):
             raise ValueError(
-                "Step.observation must be a string, a list of messages or None; got a "
-                f"{type(self.observation).__name__}"
+                f"Step.reward must be a number finite in float32, or None; got {self.reward!r}"
             )
+        if not (self.observation is None or isinstance(self.observation, str)):
+            check_messages(self.observation, "Step.observation (a string, messages or None)")
+        if not isinstance(self.role, str):
+            raise ValueError(f"Step.role must be a string; got {self.role!r}")
 
 
 class Environment:

@@ -34,12 +34,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_troll.environments.calls import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+from lightning_troll.environments.protocol import check_messages
 
 __all__ = [
     "TOOL_RESPONSE_CLOSE",
     "TOOL_RESPONSE_OPEN",
     "Conversation",
     "TemplateSupport",
+    "check_chat_template",
     "template_support",
     "tool_section",
 ]
@@ -110,6 +112,24 @@ def prompt_ids(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=add)["input_ids"])
 
 
+def check_chat_template(tokenizer: Any, tools: bool) -> None:
+    """Refuses a tokenizer without a chat template for episodes of messages (``tools``: with
+    tools, which only messages can show)."""
+    if _template_source(tokenizer):
+        return
+    if tools:
+        raise ValueError(
+            "model.episodes.tools: the model's tokenizer has no chat template to show the tools "
+            "and write their results; tools need a chat model (one whose tokenizer has a "
+            "chat_template)"
+        )
+    raise ValueError(
+        "model.episodes.environment: the tokenizer has no chat template to write the episode's "
+        "messages and the environment's replies; use a chat model's tokenizer, or start "
+        "episodes from a plain string (reset returning text)"
+    )
+
+
 class Conversation:
     """One episode's conversation: its prompt, and each environment reply as tokens.
 
@@ -139,12 +159,8 @@ class Conversation:
             self.messages: list[Message] = []
             self.prompt_text = str(start)
         else:
-            if not _template_source(tokenizer):
-                raise ValueError(
-                    "model.episodes.environment: the tokenizer has no chat template to write the episode's "
-                    "messages and the environment's replies; use a chat model's tokenizer, or "
-                    "start episodes from a plain string (reset returning text)"
-                )
+            check_messages(start, "reset(row) (a plain prompt string, or messages)")
+            check_chat_template(tokenizer, bool(self.schemas))
             self.messages = [dict(m) for m in start]
             if self.schemas and not self.support.tools:
                 self.messages = _with_tool_section(self.messages, self.schemas)

@@ -13,7 +13,12 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from lightning_troll.environments.calls import MalformedCall, ToolCall, parse_tool_calls
-from lightning_troll.environments.protocol import Environment, Step, load_environment
+from lightning_troll.environments.protocol import (
+    Environment,
+    Step,
+    call_environment,
+    load_environment,
+)
 from lightning_troll.environments.tool_workers import ToolResult, ToolRunner, count_errors
 
 __all__ = ["EnvironmentFactory", "ToolEnvironment", "step_all"]
@@ -75,18 +80,19 @@ def step_all(environments: Sequence[Any], turns: Sequence[str]) -> list[Step]:
     batches: dict[int, list[tuple[int, list[ToolCall | MalformedCall]]]] = {}
     for i, (env, turn) in enumerate(zip(environments, turns, strict=True)):
         if isinstance(env, ToolEnvironment) and type(env).step is ToolEnvironment.step:
-            calls = env.calls(turn)
+            calls = call_environment(env, "calls", turn)
             if calls:
                 batches.setdefault(id(env.runner), []).append((i, calls))
                 continue
-            steps[i] = env.answer(turn)
+            steps[i] = call_environment(env, "answer", turn)
         else:
-            steps[i] = env.step(turn)
+            steps[i] = call_environment(env, "step", turn)
     for batch in batches.values():
         runner = environments[batch[0][0]].runner
         results = iter(runner.run([call for _, calls in batch for call in calls]))
         for i, calls in batch:
-            steps[i] = environments[i].observe(turns[i], [next(results) for _ in calls])
+            outcomes = [next(results) for _ in calls]
+            steps[i] = call_environment(environments[i], "observe", turns[i], outcomes)
     return steps  # type: ignore[return-value]
 
 

@@ -27,6 +27,7 @@ __all__ = [
     "call_batched",
     "call_one",
     "check_policies",
+    "describe",
 ]
 
 
@@ -57,6 +58,16 @@ class Outcome(NamedTuple):
     never answered because an earlier failure stops the run, else ``"error"``."""
     cause: BaseException | None = None
     """The exception the call raised in this process, if one did."""
+
+
+def describe(exc: BaseException) -> str:
+    """``Type: message`` of an exception, whatever its own ``__str__`` does (a user's exception
+    may raise there too)."""
+    try:
+        text = str(exc)
+    except Exception:  # noqa: BLE001 - any failure of a user's __str__
+        text = "(its message could not be written)"
+    return f"{type(exc).__name__}: {text}"
 
 
 def short(text: str, limit: int = 80) -> str:
@@ -96,7 +107,7 @@ def call_one(
     try:
         value = fn(prompt, completion, row, **extra)
     except Exception as exc:  # a user's function may raise anything
-        return Outcome(0.0, f"raised {type(exc).__name__}: {exc}", "error", exc)
+        return Outcome(0.0, f"raised {describe(exc)}", "error", exc)
     return _checked(value)
 
 
@@ -113,7 +124,7 @@ def call_batched(
     try:
         values = fn(list(prompts), list(completions), list(rows), **extra)
     except Exception as exc:
-        return [Outcome(0.0, f"raised {type(exc).__name__}: {exc}", "error", exc)] * size
+        return [Outcome(0.0, f"raised {describe(exc)}", "error", exc)] * size
     if hasattr(values, "tolist"):
         values = values.tolist()
     if not isinstance(values, Sequence) or isinstance(values, str) or len(values) != size:

@@ -38,7 +38,12 @@ import torch
 from torch import Tensor, nn
 
 from lightning_troll.environments import TOOL_CALL_CLOSE, Conversation, step_all
-from lightning_troll.environments.protocol import Step, is_finite_reward
+from lightning_troll.environments.protocol import (
+    EnvironmentFailure,
+    Step,
+    call_environment,
+    is_finite_reward,
+)
 from lightning_troll.rollouts.behaviour import BehaviourRecorder
 from lightning_troll.rollouts.rollout import SamplingConfig, sample
 
@@ -133,6 +138,9 @@ class Episode:
     messages: list[dict[str, Any]] = field(default_factory=list)
     """The conversation: the prompt's messages, every model turn (its text) and every reply
     (empty for a plain-text episode)."""
+    last_turn_start: int = 0
+    """Where the last model turn (the final answer) starts in ``token_ids``: known from the turns
+    themselves, not from the environment's tokens, which an empty reply leaves out."""
 
     @property
     def turns(self) -> int:
@@ -187,9 +195,16 @@ class _Running:
     def __init__(self, tokenizer: Any, environment: Any, row: Mapping[str, Any]) -> None:
         self.tokenizer = tokenizer
         self.environment = environment
+        self.name = type(environment).__name__
         schemas = getattr(environment, "tool_schemas", ())
-        self.conversation = Conversation(tokenizer, environment.reset(row), schemas)
+        start = call_environment(environment, "reset", row)
+        try:
+            self.conversation = Conversation(tokenizer, start, schemas)
+        except ValueError as error:
+            raise EnvironmentFailure(f"the episode {self.name}.reset started: {error}") from error
         self.prompt_ids = self.conversation.prompt_ids
+        self.last_turn_start = 0
+        """Where the latest model turn starts in :attr:`tokens`."""
         self.tokens: list[int] = []
         self.mask: list[int] = []
         self.logprobs: list[float] = []
@@ -209,6 +224,7 @@ class _Running:
         ids, logprobs = _turn_of(output)
         keep, stopped = cut_at_stop(ids, self.tokenizer, stops, self.room(limits))
         ids, logprobs = ids[:keep], logprobs[:keep]
+        self.last_turn_start = len(self.tokens)
         self.tokens += ids
         self.mask += [1] * keep
         self.logprobs += logprobs
@@ -223,8 +239,8 @@ class _Running:
     def answer(self, step: Step, limits: EpisodeLimits) -> None:
         """Takes the environment's step: ends the episode, or adds its reply."""
         if not isinstance(step, Step):
-            raise TypeError(
-                f"{type(self.environment).__name__}.step returned a {type(step).__name__}; an "
+            raise EnvironmentFailure(
+                f"the environment {self.name}.step returned a {type(step).__name__}; an "
                 "environment's step returns a lightning_troll.environments.Step"
             )
         self.rewards.append(None if step.reward is None else float(step.reward))
@@ -236,9 +252,12 @@ class _Running:
         if len(self.texts) >= limits.max_turns:
             self.end = "max_turns"
             return
-        reply = self.conversation.reply_ids(
-            self.texts[-1], self.closing, step.observation, step.role
-        )
+        try:
+            reply = self.conversation.reply_ids(
+                self.texts[-1], self.closing, step.observation, step.role
+            )
+        except ValueError as error:
+            raise EnvironmentFailure(f"the reply of {self.name}.step: {error}") from error
         if len(reply) >= self.room(limits):  # the reply, and one token of the next turn
             self.end = "max_tokens"
             return
@@ -251,19 +270,19 @@ class _Running:
         that the loop decided (the turn limit or the token budget) and may add a reward to the
         last turn's; then ``close()`` frees what it holds."""
         environment = self.environment
-        on_end = getattr(environment, "on_end", None)
-        if self.end != "done" and callable(on_end):
-            reward = on_end(self.end)
+        if self.end != "done" and callable(getattr(environment, "on_end", None)):
+            reward = call_environment(environment, "on_end", self.end)
             if reward is not None:
                 if not is_finite_reward(reward):
-                    raise ValueError(
-                        f"{type(environment).__name__}.on_end({self.end!r}) returned {reward!r}; "
-                        "it returns a finite number (a reward for the episode's end) or None"
+                    raise EnvironmentFailure(
+                        f"the environment {self.name}.on_end({self.end!r}) returned {reward!r}; "
+                        "it returns a number finite in float32 (a reward for the episode's end) "
+                        "or None"
                     )
                 last = self.rewards[-1]
                 self.rewards[-1] = float(reward) + (0.0 if last is None else last)
         if callable(getattr(environment, "close", None)):
-            environment.close()
+            call_environment(environment, "close")
 
     def episode(self) -> Episode:
         messages = [dict(m) for m in self.conversation.messages]
@@ -272,6 +291,7 @@ class _Running:
         return Episode(
             self.prompt_ids, self.tokens, self.mask, self.logprobs, self.texts, self.rewards,
             str(self.end), self.truncated, self.tool_calls, dict(self.tool_errors), messages,
+            self.last_turn_start,
         )  # fmt: skip
 
 

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from lightning_troll.environments import EnvironmentFactory
 from lightning_troll.environments.options import EpisodesConfig
+from lightning_troll.environments.rendering import check_chat_template
 from lightning_troll.models.sharding import gathered
 from lightning_troll.rollouts.engine import RolloutEngine
 from lightning_troll.rollouts.episodes import (
@@ -80,17 +81,12 @@ class EngineTurns:
         ]
 
 
-def last_turn(response_mask: Tensor) -> Tensor:
-    """(B, T) bool: the model's last turn, the tokens of ``response_mask`` (B, T) after the
-    episode's last environment token."""
-    seen = response_mask.long().flip(-1).cumsum(-1).flip(-1)  # (B, T) model tokens from here on
-    after_env = torch.ones_like(response_mask)
-    positions = torch.arange(response_mask.shape[1], device=response_mask.device)
-    for i, row in enumerate(response_mask):
-        inside = (~row) & (seen[i] > 0)  # environment tokens before some model token
-        if inside.any():
-            after_env[i] = positions > positions[inside].max()
-    return response_mask & after_env
+def last_turn(response_mask: Tensor, episodes: Sequence[Episode]) -> Tensor:
+    """(B, T) bool: each episode's last model turn, the tokens of ``response_mask`` (B, T) from
+    its :attr:`~lightning_troll.rollouts.episodes.Episode.last_turn_start` on."""
+    starts = torch.tensor([e.last_turn_start for e in episodes], device=response_mask.device)
+    positions = torch.arange(response_mask.shape[1], device=response_mask.device)  # (T,)
+    return response_mask & (positions >= starts.unsqueeze(-1))
 
 
 def episode_figures(episodes: Sequence[Episode]) -> dict[str, float]:
@@ -148,6 +144,8 @@ class EpisodeSampler:
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
+        if config.tools:  # episodes with tools are messages: refused now, not at the first turn
+            check_chat_template(tokenizer, tools=True)
         self.make = EnvironmentFactory(
             config.environment, config.tools or (), config.tool_workers, config.tool_timeout
         )
@@ -185,7 +183,7 @@ class EpisodeSampler:
     ) -> list[str]:
         """Each episode's final answer (its last turn), decoded as a completion is."""
         mask = sampled.response_mask
-        return decode(sampled.input_ids[:, -mask.shape[1] :], last_turn(mask))
+        return decode(sampled.input_ids[:, -mask.shape[1] :], last_turn(mask, sampled.episodes))
 
     def round(self, collector: Any, batch: PromptBatch) -> Samples:
         """A :class:`~lightning_troll.rollouts.collector.RolloutCollector`'s sampling round as

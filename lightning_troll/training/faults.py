@@ -1,19 +1,22 @@
 """Faults that stop a run cleanly: one line for the user, a documented exit status, nothing lost.
 
 A :class:`RunFault` raised during training (a checkpoint that found no room, a reward that failed
-under ``model.reward_options.on_error: raise``) ends the fit; the ``lightning-troll`` command prints
+under ``model.reward_options.on_error: raise``, an environment that failed in an episode) ends the
+fit; the ``lightning-troll`` command prints
 its message on one line and exits with :data:`FAULT_EXIT_CODE`. A fault that strikes between two
 optimiser steps' worth of state (:attr:`RunFault.resumable`: a reward fails while a rollout is
-scored, before it trains) has what the run trained saved first
+scored, or an environment fails while its episodes run, before the rollout trains) has what the
+run trained saved first
 (:class:`~lightning_troll.callbacks.RolloutCheckpoint`), and the command names the checkpoint to
 resume from once the cause is fixed. Nothing here imports Lightning.
 """
 
 from __future__ import annotations
 
+from lightning_troll.environments.protocol import EnvironmentFailure
 from lightning_troll.rewards.calls import RewardError
 
-__all__ = ["FAULT_EXIT_CODE", "RewardFault", "RunFault"]
+__all__ = ["FAULT_EXIT_CODE", "EpisodeFault", "RewardFault", "RunFault"]
 
 FAULT_EXIT_CODE = 3
 """The exit status of a run stopped by a :class:`RunFault` (2 is bad input found before
@@ -35,3 +38,13 @@ class RewardFault(RewardError, RunFault):
     nothing of the rollout has trained yet."""
 
     resumable = True
+
+
+class EpisodeFault(EnvironmentFailure, RunFault):
+    """An environment failed (:class:`EnvironmentFailure`) while a rollout's episodes ran, before
+    it trained (``resumable``), or while a validation's did (not: the checkpoint of the last
+    rollout stays as it was)."""
+
+    def __init__(self, message: str, resumable: bool = True) -> None:
+        super().__init__(message)
+        self.resumable = resumable
