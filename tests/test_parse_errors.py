@@ -85,6 +85,15 @@ def test_a_yaml_syntax_error_names_its_file_and_line(tmp_path, monkeypatch, caps
             ["--model.optimizer.init_args.lrr", "1"],
             "model.optimizer: torch.optim.AdamW takes no argument 'lrr'; did you mean 'lr'?",
         ),
+        # the fields of an optional record, which jsonargparse reports against the whole record
+        (["--model.episodes.max_turns", "1.5"],
+         "model.episodes.max_turns: expected an integer; got '1.5'"),
+        (["--model.episodes.tool_workers", "two"],
+         "model.episodes.tool_workers: expected an integer; got 'two'"),
+        (["--model.episodes.tools", "my_tools:multiply"],
+         "model.episodes.tools: expected a list or null; got 'my_tools:multiply'"),
+        (["--model.episodes.max_turnz", "3"],
+         "no option model.episodes.max_turnz; did you mean model.episodes.max_turns?"),
     ],
 )  # fmt: skip
 def test_a_bad_value_says_what_is_allowed(args, expected, tmp_path, monkeypatch, capsys):

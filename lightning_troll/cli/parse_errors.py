@@ -9,6 +9,7 @@ type with the type expected, a missing config file with where it was looked for.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import importlib
 import inspect
@@ -146,23 +147,44 @@ def _syntax_error(message: str, files: Sequence[str]) -> str:
 def _class_option(key: str, message: str) -> str | None:
     """A class-typed option (``model.optimizer``): an unknown init argument or class path."""
     option = re.search(r"Option '(\w+)' is not accepted", message)
-    class_path = re.search(r"class_path='([\w.]+)'", message)
+    class_path = re.search(r"class_path[= ]'([\w.]+)'", message)
     if option and class_path:
         name = class_path.group(1)
         module_name, _, attr = name.rpartition(".")
         try:
-            params = list(
-                inspect.signature(getattr(importlib.import_module(module_name), attr)).parameters
-            )
+            made = getattr(importlib.import_module(module_name), attr)
+            params = list(inspect.signature(made).parameters)
         except Exception:  # the class named could not be inspected: say what is known
-            params = []
+            made, params = None, []
         close = difflib.get_close_matches(option.group(1), params, n=1)
+        if dataclasses.is_dataclass(made):  # an optional record's field (model.episodes)
+            hint = f"; did you mean {key}.{close[0]}?" if close else ""
+            return f"no option {key}.{option.group(1)}{hint}"
         hint = f"; did you mean {close[0]!r}?" if close else ""
         return f"{key}: {name} takes no argument {option.group(1)!r}{hint}"
     missing = re.search(r"Expected a path but (\S+) either not accessible", message)
     if missing:
         return f"{key}: cannot import {missing.group(1)!r}; give a class path such as torch.optim.AdamW"
     return None
+
+
+def _nested_field(key: str, message: str) -> str | None:
+    """A bad value of one field of an optional record (``model.episodes.max_turns 1.5``), which
+    jsonargparse reports against the whole record."""
+    found = re.search(
+        r"Problem with given class_path '([\w.]+)':\s*Parser key \"(\w+)\":(.*)", message, re.S
+    )
+    if found is None:
+        return None
+    class_path, field, rest = found.groups()
+    module_name, _, name = class_path.rpartition(".")
+    try:
+        hint = typing.get_type_hints(getattr(importlib.import_module(module_name), name))[field]
+    except Exception:  # the record could not be inspected: say what is known
+        return None
+    value = re.search(r"(?:Given|Got) value: (.*)", rest)
+    got = f"; got {value.group(1).strip()!r}" if value else ""
+    return f"{key}.{field}: expected {describe(hint)}{got}"
 
 
 def _bad_value(key: str, message: str, parser, files: Sequence[str]) -> str:
@@ -177,7 +199,7 @@ def _bad_value(key: str, message: str, parser, files: Sequence[str]) -> str:
         choices = ", ".join(flags + [str(v) for v in allowed])
         none = " or null" if type(None) in typing.get_args(hint) else ""
         return f"{key}: {value!r} is not allowed{at}; choose one of {choices}{none}"
-    special = _class_option(key, message)
+    special = _nested_field(key, message) or _class_option(key, message)
     if special:
         return special
     if hint is not None and value is not None:
