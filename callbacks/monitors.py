@@ -74,6 +74,14 @@ class TrustRegionMonitor(Callback):
     (the behaviour policy is the policy); with ``old_policy.max_staleness`` it is how far the
     stale sampler lies from the weights that train on its data.
 
+    Both measure against the old policy the objective bounds, the rollout's cached log-probs and
+    sparse rows: under ``model.loss.anchor: behaviour`` the sampler, as above; under ``proximal``
+    the weights the rollout's update starts from, so ``kl_start`` is 0 at every rollout whatever
+    the staleness, ``kl_end`` is how far the update moved from them, and ``kl_end_sampled`` is
+    biased (its tokens come from the stale sampler, not from that old policy). How far the stale
+    sampler lies from the weights is then ``rollout/proximal_is_weight_mean`` (1 when it is not
+    stale) and ``rollout/proximal_is_capped_frac``.
+
     Args:
         histogram_every_n_rollouts: how often the per-token histograms (and, in W&B and MLflow,
             the chart of KL against the bound) are written; 0 = never.

@@ -13,7 +13,7 @@ from typing_extensions import override
 from lightning_troll.models.snapshots import CopySnapshot
 from lightning_troll.models.weights import full_weights
 
-__all__ = ["OldPolicyRefresh", "check_refresh", "one_step_trap"]
+__all__ = ["OldPolicyRefresh", "check_refresh", "idle_proximal", "one_step_trap"]
 
 
 class OldPolicyRefresh(Callback):
@@ -36,9 +36,19 @@ class OldPolicyRefresh(Callback):
     rollout logs ``rollout/policy_version`` (the version that sampled it) and
     ``rollout/staleness`` (the trainer's version minus that one).
 
+    **Another staleness on resume.** The checkpoint keeps ``max_staleness``; a run resumed with
+    another value ``s'`` warns once and goes on from there. Lower: the snapshot moves at once to
+    the version now due, ``rollouts - s'``, taken from the queue (with ``s' = 0`` the current
+    policy, and the queue is emptied). Higher: the lag grows by one rollout at a time until it
+    reaches ``s'``, as at a fresh run's start. A version that was never kept (a run that
+    refreshed ``every_n_rollouts``) is replaced by the next one kept, or the current policy.
+
     At the start of a fit it warns (once) when the configuration makes every optimiser step
     on-policy: one epoch, one minibatch per rollout and a refresh every rollout leave the policy
     equal to the behaviour policy at every step, so the trust region (or the clip) never acts.
+    It warns (once) too when ``model.loss.anchor`` is ``proximal`` but the sampler always holds
+    the current weights (no staleness and a refresh every rollout into a snapshot in the policy's
+    dtype, or a shared snapshot): the proximal weight is then 1 and its forward pass buys nothing.
 
     Args:
         every_n_rollouts: rollouts between two refreshes, >= 1.
@@ -55,6 +65,9 @@ class OldPolicyRefresh(Callback):
         self.version = 0
         """The policy version the snapshot holds (the one that samples the next rollout)."""
         self._waiting: deque[tuple[int, dict[str, torch.Tensor]]] = deque()
+        """The versions kept for the snapshot, oldest first (those after ``version``)."""
+        self._resumed_from: int | None = None
+        """The checkpoint's ``max_staleness``, until the resumed fit has applied this one's."""
 
     @override
     def on_train_batch_start(
@@ -76,10 +89,11 @@ class OldPolicyRefresh(Callback):
         if upcoming is None or pl_module.dynamic_sampling or pl_module.episodes is not None:
             return
         engine, collector = pl_module.engine, pl_module.collector
-        version = self.rollouts + 1 - self.max_staleness
-        if version >= 1 and engine.policy_version != version:
-            held, weights = self._waiting[0]
-            assert held == version, (held, version)
+        version = self._due(self.rollouts + 1)
+        if version > self.rollouts:  # the trainer's own weights after this rollout: not yet
+            return
+        if version != self.version and engine.policy_version != version:
+            weights = next(w for v, w in self._waiting if v == version)
             engine.push(_named(pl_module.policy, weights), pl_module.device)
             engine.policy_version = version
         engine.submit(
@@ -101,16 +115,48 @@ class OldPolicyRefresh(Callback):
     def _lagged(self, pl_module: LightningModule) -> None:
         """Queues the version just trained; loads version ``rollouts - max_staleness`` into the
         snapshot once it exists."""
-        state = {
-            k: v.detach().to("cpu", copy=True) for k, v in pl_module.policy.state_dict().items()
-        }
-        self._waiting.append((self.rollouts, state))
-        due = self.rollouts - self.max_staleness
-        if due >= 1:
-            version, state = self._waiting.popleft()
-            assert version == due, (version, due)
-            self.refresh(pl_module, _Weights(state), version)
-            self.version = version
+        self._waiting.append((self.rollouts, _cpu_copy(pl_module.policy)))
+        self._move_to(pl_module, self._due(self.rollouts))
+
+    def _due(self, rollouts: int) -> int:
+        """The version that samples once ``rollouts`` rollouts are trained: the snapshot's while
+        it is at most ``max_staleness`` behind, else the oldest kept version that is not (the
+        trainer's own, ``rollouts``, when none is kept)."""
+        due = rollouts - self.max_staleness
+        if self.version >= due:
+            return self.version
+        return next((v for v, _ in self._waiting if v >= due), rollouts)
+
+    def _move_to(self, pl_module: LightningModule, version: int) -> None:
+        """Loads ``version`` into the snapshot (a kept one, or the policy's own weights) and
+        drops the kept versions up to it."""
+        if version == self.version:
+            return
+        weights = None  # the policy itself: version == rollouts
+        while self._waiting and self._waiting[0][0] <= version:
+            held, state = self._waiting.popleft()
+            weights = _Weights(state) if held == version else None
+        self.refresh(pl_module, weights, version)
+        self.version = version
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """A resumed run with another ``max_staleness``: the snapshot and the kept versions are
+        brought to this one's (after Lightning has restored the weights and this state)."""
+        stored, self._resumed_from = self._resumed_from, None
+        if self.max_staleness:
+            if self.version < self.rollouts and not any(
+                v == self.rollouts for v, _ in self._waiting
+            ):  # a run that refreshed every_n_rollouts kept none: the policy's weights are one
+                self._waiting.append((self.rollouts, _cpu_copy(pl_module.policy)))
+            version = self._due(self.rollouts)
+        else:
+            version = self.rollouts if self._waiting else self.version
+        if stored is not None and stored != self.max_staleness:
+            rank_zero_warn(_staleness_change(self, stored, version))
+        self._move_to(pl_module, version)
+        if not self.max_staleness:
+            self._waiting.clear()
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -142,6 +188,11 @@ class OldPolicyRefresh(Callback):
 
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        snapshot = getattr(getattr(pl_module, "policies", None), "snapshot_config", None)
+        anchor = getattr(getattr(pl_module, "loss_config", None), "anchor", "behaviour")
+        message = idle_proximal(anchor, self.every_n_rollouts, self.max_staleness, snapshot)
+        if message is not None:
+            rank_zero_warn(message)
         optimization = getattr(pl_module, "optimization", None)
         group_size = getattr(pl_module, "group_size", None)
         prompts = getattr(trainer.datamodule, "batch_size", None)
@@ -173,6 +224,7 @@ class OldPolicyRefresh(Callback):
     @override
     def state_dict(self) -> dict[str, Any]:
         state = {"rollouts": self.rollouts, "refreshes": self.refreshes, "version": self.version}
+        state["max_staleness"] = self.max_staleness
         if self._waiting:
             state["waiting"] = [{"version": v, "weights": w} for v, w in self._waiting]
         return state
@@ -186,6 +238,7 @@ class OldPolicyRefresh(Callback):
         self.version = state_dict.get("version", default)
         waiting = state_dict.get("waiting", [])
         self._waiting = deque((entry["version"], entry["weights"]) for entry in waiting)
+        self._resumed_from = state_dict.get("max_staleness")  # unknown in older checkpoints
 
 
 def check_refresh(
@@ -228,6 +281,37 @@ def _option(options: Any, name: str, default: Any) -> Any:
     if isinstance(options, dict):
         return options.get(name, default)
     return getattr(options, name, default)
+
+
+def _staleness_change(refresh: OldPolicyRefresh, stored: int, version: int) -> str:
+    """The warning for a resume of ``refresh`` with another ``max_staleness`` than the checkpoint's
+    ``stored``, before the snapshot moves to ``version``: what happens to the sampler."""
+    s, lag = refresh.max_staleness, refresh.rollouts - refresh.version
+    head = f"old_policy.max_staleness={s} differs from the checkpoint's {stored}: "
+    if not s:
+        dropped = [v for v, _ in refresh._waiting]
+        return head + (
+            f"the snapshot moves at once from version {refresh.version} to the current policy "
+            f"(version {refresh.rollouts}) and the queued versions {dropped} are dropped"
+        )
+    if version != refresh.version:
+        due = refresh.rollouts - s
+        which = f"rollouts {refresh.rollouts} - {s}"
+        if version != due:  # a run that refreshed every_n_rollouts kept no past versions
+            which = f"the next kept after version {due} = {which}, which was not kept"
+        queued = [v for v, _ in refresh._waiting if v > version]
+        return head + (
+            f"the snapshot moves at once from version {refresh.version} to version {version} "
+            f"({which}); versions {queued} stay queued"
+        )
+    if lag < s:
+        return head + f"the sampler's lag grows by one rollout at a time from {lag} to {s}"
+    return head + f"the sampler stays at version {refresh.version}, {lag} behind"
+
+
+def _cpu_copy(policy: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The policy's weights now, copied to the CPU: a version kept for the snapshot."""
+    return {k: v.detach().to("cpu", copy=True) for k, v in policy.state_dict().items()}
 
 
 def _named(policy: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -277,4 +361,32 @@ def one_step_trap(
         f"model.optimization.minibatch_size {smaller} (data.batch_size x model.group_size "
         "sequences make a rollout), model.optimization.epochs_per_rollout above 1, "
         "old_policy.every_n_rollouts above 1, or old_policy.max_staleness above 0"
+    )
+
+
+def idle_proximal(
+    anchor: str, every_n_rollouts: int, max_staleness: int, snapshot: Any = None
+) -> str | None:
+    """The warning for ``model.loss.anchor: proximal`` where the sampler always holds the current
+    weights, else None: a shared snapshot (the policy itself), or a copy in the policy's dtype
+    refreshed after every rollout with no staleness. The proximal policy is then the sampler, its
+    weight is 1 (up to rounding) and its forward pass per rollout buys nothing. A snapshot in
+    another dtype differs from the policy by its rounding, which the anchor does correct."""
+    if anchor != "proximal":
+        return None
+    mode, dtype = _option(snapshot, "mode", "copy"), _option(snapshot, "dtype", "same")
+    if mode == "shared":
+        why = "model.snapshot.mode='shared' makes the sampler the policy itself"
+    elif every_n_rollouts == 1 and not max_staleness and dtype == "same":
+        why = (
+            "old_policy.max_staleness=0 and old_policy.every_n_rollouts=1 refresh the sampler "
+            "with the current weights after every rollout"
+        )
+    else:
+        return None
+    return (
+        f"model.loss.anchor='proximal' has nothing to correct: {why}, so the proximal policy is "
+        "the sampler, the proximal-over-behaviour weight is 1 and the anchor's extra forward "
+        "pass per rollout buys nothing; for stale data set old_policy.max_staleness (with "
+        "model.snapshot.mode 'copy'), or use model.loss.anchor 'behaviour'"
     )

@@ -534,6 +534,11 @@ def broken_jsonl(tmp_path: Path) -> str:
         pytest.param(["--old_policy.max_staleness", "2", "--model.snapshot.dtype", "int8"],
                      "old_policy.max_staleness=2 keeps past versions of the weights",
                      id="staleness-on-int8"),
+        pytest.param(["--model.trust_region.support", "dense", "--model.loss.anchor", "proximal"],
+                     "model.loss.anchor='proximal' does not work with "
+                     "model.trust_region.support='dense'", id="proximal-on-dense"),
+        pytest.param(["--model.loss.anchor_is_cap", "1e400"],
+                     "loss.anchor_is_cap must be a finite number >= 1; got inf", id="infinite-cap"),
         pytest.param(["--trainer.logger", "lightning.pytorch.loggers.MLFlowLogger",
                       "--trainer.logger.tracking_uri", "file:./mlruns"],
                      "lightning.pytorch.loggers.MLFlowLogger refused its arguments: MlflowException:"

@@ -4,6 +4,8 @@ the next rollout while the trainer trains, with the weights the staleness asks f
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import pytest
 import torch
 from lightning.pytorch import Callback
@@ -82,6 +84,41 @@ def test_the_next_rollout_is_sampled_ahead_by_the_stale_version(
     assert seen.sampler == seen.snapshot
     assert len(set(seen.snapshot)) == 5 - staleness  # version 0, then one per rollout
     assert float(trainer.callback_metrics["rollout/staleness"]) == staleness
+
+
+@pytest.mark.slow  # starts a Python process and trains, twice
+@pytest.mark.parametrize(("before", "now"), [(2, 1), (1, 2)])
+def test_a_resume_with_another_staleness_samples_ahead_with_the_weights_due(
+    tmp_path, tiny_model_dir, before, now
+):
+    """Stopped after 3 rollouts at max_staleness ``before`` and resumed with ``now``: every
+    resumed rollout after the first is still sampled ahead, by the snapshot's weights, and the
+    staleness ends at ``now``."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    for name, staleness, steps, ckpt in (
+        ("first", before, 3, None),
+        ("resumed", now, 6, tmp_path / "first" / "step=3.ckpt"),
+    ):
+        seen = SamplerWeights()
+        saves = ModelCheckpoint(
+            dirpath=tmp_path / name, filename="{step}", every_n_train_steps=1, save_top_k=-1
+        )
+        refresh = OldPolicyRefresh(max_staleness=staleness)
+        callbacks = [RolloutGeneration(log_samples=0), refresh, seen, saves]
+        trainer = make_trainer(
+            tmp_path, steps, callbacks=callbacks, limit_val_batches=0, enable_checkpointing=True
+        )
+        module = make_module(tiny_model_dir, rollout_engine_options={"process": True})
+        torch.manual_seed(0)
+        try:
+            with pytest.warns(UserWarning, match="differs from") if ckpt else nullcontext():
+                trainer.fit(module, datamodule=make_data(tiny_model_dir), ckpt_path=ckpt)
+        finally:
+            module.engine.close()
+    assert seen.prefetched == [0.0, 1.0, 1.0]
+    assert seen.sampler == seen.snapshot
+    assert float(trainer.callback_metrics["rollout/staleness"]) == now
 
 
 def test_the_process_option_is_checked(tiny_model_dir):

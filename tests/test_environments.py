@@ -253,7 +253,8 @@ def test_the_factory_makes_a_fresh_environment_per_episode():
         ({"environment": H + "NotAnEnvironment"},
          "model.episodes.environment: 'tests.tool_helpers:NotAnEnvironment' has no reset or step method"),
         ({"environment": H + "Countdwn"}, "model.episodes.environment: 'tests.tool_helpers:Countdwn': .* "
-         "has no function 'Countdwn'"),
+         "has no class or function 'Countdwn'; did you mean 'Countdown'\\? \\(it defines .*, "
+         r"and \d+ more\)"),
         ({"environment": "Countdown"}, "model.episodes.environment: 'Countdown' is not an import path"),
         ({"tools": [H + "multiply"], "tool_timeout": 5},
          "model.episodes.tool_timeout=5 needs model.episodes.tool_workers >= 1"),

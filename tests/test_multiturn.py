@@ -225,3 +225,18 @@ def _env_reward(episode) -> float:
 def test_empty_rewards_without_episodes_are_refused(tiny_model_dir):
     with pytest.raises(ValueError, match=r"model.rewards must name at least one reward function"):
         make_module(tiny_model_dir, rewards={})
+
+
+def test_tools_and_the_environment_are_refused_before_the_model_loads(tmp_path):
+    """A tool or an environment named wrong is refused before anything loads: the model folder
+    here is empty, and loading it would fail with another error."""
+    empty = tmp_path / "no_model_here"
+    empty.mkdir()
+    wrong = [
+        (EpisodesConfig(tools=["no_such_module:multiply"]), "model.episodes.tools"),
+        (EpisodesConfig(environment="tests.tool_helpers:NoSuchEnvironment"),
+         "model.episodes.environment"),
+    ]  # fmt: skip
+    for episodes, option in wrong:
+        with pytest.raises(ValueError, match=option):
+            TrollModule(model=str(empty), rewards={}, episodes=episodes)

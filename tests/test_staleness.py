@@ -4,6 +4,8 @@ named before training."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from lightning.pytorch import Callback
@@ -134,5 +136,176 @@ def test_anchor_mistakes_are_named():
 
     with pytest.raises(ValueError, match=r"loss.anchor must be one of \['behaviour', 'proximal'\]"):
         LossConfig(anchor="current")
-    with pytest.raises(ValueError, match=r"loss.anchor_is_cap must be a number >= 1; got 0.5"):
-        LossConfig(anchor="proximal", anchor_is_cap=0.5)
+    for cap, shown in (
+        (0.5, "0.5"),
+        (float("inf"), "inf"),
+        (float("1e400"), "inf"),
+        (True, "True"),
+    ):
+        with pytest.raises(
+            ValueError, match=rf"loss.anchor_is_cap must be a finite number >= 1; got {shown} "
+        ):
+            LossConfig(anchor="proximal", anchor_is_cap=cap)
+
+
+def test_the_proximal_anchor_is_refused_on_the_dense_support_before_the_model_loads(
+    tiny_model_dir, monkeypatch
+):
+    """The dense support reads the old logits from the snapshot (the stale sampler) in the loss
+    pass, while the proximal anchor's old log-probs are the weights before the update: the loss
+    would mix two old policies. Clipping has no support, so it takes the proximal anchor."""
+    from lightning_troll.objectives import LossConfig, TrustRegionConfig
+    from lightning_troll.training import policies
+
+    loaded = []
+    monkeypatch.setattr(policies, "load_policy", lambda *a, **k: loaded.append(a))
+    dense, proximal = TrustRegionConfig(support="dense"), LossConfig(anchor="proximal")
+    with pytest.raises(ValueError) as error:
+        make_module(tiny_model_dir, trust_region=dense, loss=proximal)
+    assert str(error.value).startswith(
+        "model.loss.anchor='proximal' does not work with model.trust_region.support='dense': "
+    )
+    assert "use model.trust_region.support 'union' or 'official'" in str(error.value)
+    assert "or model.loss.anchor 'behaviour'" in str(error.value)
+    assert not loaded, "the model was loaded before the options were refused"
+    monkeypatch.undo()
+    for objective, trust_region, loss in (
+        ("troll", dense, LossConfig()),
+        ("troll", TrustRegionConfig(support="union"), proximal),
+        ("clip", dense, proximal),
+    ):
+        make_module(tiny_model_dir, objective=objective, trust_region=trust_region, loss=loss)
+
+
+@pytest.mark.parametrize(
+    ("anchor", "refresh", "snapshot", "why"),
+    [
+        ("proximal", {}, {}, "old_policy.max_staleness=0 and old_policy.every_n_rollouts=1"),
+        ("proximal", {}, {"mode": "shared"}, "model.snapshot.mode='shared'"),
+        ("proximal", {"max_staleness": 2}, {}, None),
+        ("proximal", {"every_n_rollouts": 2}, {}, None),
+        ("proximal", {}, {"dtype": "bfloat16"}, None),  # the sampler rounds: the weight is not 1
+        ("behaviour", {}, {}, None),
+    ],
+)
+def test_a_proximal_anchor_with_nothing_to_correct_is_warned(anchor, refresh, snapshot, why):
+    from lightning_troll.callbacks.old_policy import idle_proximal
+
+    every_n, staleness = refresh.get("every_n_rollouts", 1), refresh.get("max_staleness", 0)
+    message = idle_proximal(anchor, every_n, staleness, SnapshotConfig(**snapshot))
+    if why is None:
+        assert message is None
+    else:
+        assert message.startswith(f"model.loss.anchor='proximal' has nothing to correct: {why}")
+
+
+def test_the_idle_proximal_warning_comes_once_at_the_start(tmp_path, tiny_model_dir):
+    from lightning_troll.objectives import LossConfig
+
+    callbacks = [RolloutGeneration(log_samples=0), OldPolicyRefresh()]
+    trainer = make_trainer(tmp_path, 2, callbacks=callbacks, limit_val_batches=0)
+    module = make_module(tiny_model_dir, loss=LossConfig(anchor="proximal"))
+    with pytest.warns(UserWarning) as caught:
+        trainer.fit(module, datamodule=make_data(tiny_model_dir))
+    idle = [w for w in caught if "has nothing to correct" in str(w.message)]
+    assert len(idle) == 1
+
+
+def run(tmp_path, model_dir, name: str, rollouts: int, ckpt_path=None, **refresh):
+    """A fit with a checkpoint after every rollout (``tmp_path/name/step=k.ckpt``)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    versions = Versions()
+    saves = ModelCheckpoint(
+        dirpath=tmp_path / name, filename="{step}", every_n_train_steps=1, save_top_k=-1
+    )
+    callbacks = [RolloutGeneration(log_samples=0), versions, OldPolicyRefresh(**refresh), saves]
+    trainer = make_trainer(
+        tmp_path, rollouts, callbacks=callbacks, limit_val_batches=0, enable_checkpointing=True
+    )
+    torch.manual_seed(0)
+    module = make_module(model_dir)
+    trainer.fit(module, datamodule=make_data(model_dir), ckpt_path=ckpt_path)
+    return versions
+
+
+def kept(path) -> dict:
+    """OldPolicyRefresh's state in a checkpoint."""
+    return torch.load(path, map_location="cpu", weights_only=True)["callbacks"]["OldPolicyRefresh"]
+
+
+@pytest.mark.parametrize(
+    ("now", "message", "logged", "waiting"),
+    [
+        # 4 rollouts at s = 2: the snapshot holds version 2, versions 3 and 4 wait
+        (1, "from version 2 to version 3 (rollouts 4 - 1); versions [4] stay queued", [3, 4, 5], [7]),
+        (0, "from version 2 to the current policy (version 4) and the queued versions [3, 4] are dropped", [4, 5, 6], []),
+    ],
+)  # fmt: skip
+def test_a_resume_with_less_staleness_moves_the_sampler_at_once(
+    tmp_path, tiny_model_dir, now, message, logged, waiting
+):
+    """Stopped after 4 rollouts at max_staleness 2, resumed with 1 (or 0) for 3 more: the first
+    resumed rollout is sampled by version 4 - s' (the checkpoint's queued copy of version 3, or
+    the current policy), the staleness logged is s' from then on, and the queue (in the state
+    and in the next checkpoint) holds s' versions."""
+    first = run(tmp_path, tiny_model_dir, "first", 4, max_staleness=2)
+    expected = (
+        f"old_policy.max_staleness={now} differs from the checkpoint's 2: .*{re.escape(message)}"
+    )
+    with pytest.warns(UserWarning, match=expected):
+        resumed = run(
+            tmp_path, tiny_model_dir, "resumed", 7, tmp_path / "first" / "step=4.ckpt",
+            max_staleness=now,
+        )  # fmt: skip
+    assert resumed.logged == [(float(v), float(now)) for v in logged]
+    version = first.policy[logged[0] - 1]  # the policy after rollout 3 (or 4)
+    for name, value in resumed.sampler[0].items():
+        assert torch.equal(value, version[name]), name
+    state = kept(tmp_path / "resumed" / "step=7.ckpt")
+    assert state["max_staleness"] == now
+    assert [entry["version"] for entry in state.get("waiting", [])] == waiting
+
+
+@pytest.mark.parametrize(
+    ("before", "logged"),
+    [(1, [(3, 1), (3, 2), (4, 2), (5, 2)]), (0, [(4, 0), (4, 1), (4, 2), (5, 2)])],
+)
+def test_a_resume_with_more_staleness_lets_the_lag_grow_one_rollout_at_a_time(
+    tmp_path, tiny_model_dir, before, logged
+):
+    """Stopped after 4 rollouts at max_staleness 1 (or 0), resumed with 2 for 4 more: no version
+    is missing, the lag grows by one rollout a time to 2, as at a fresh run's start, and the run
+    trains."""
+    run(tmp_path, tiny_model_dir, "first", 4, max_staleness=before)
+    lag = 4 - logged[0][0]
+    expected = f"max_staleness=2 differs from the checkpoint's {before}: .* from {lag} to 2"
+    with pytest.warns(UserWarning, match=expected):
+        resumed = run(
+            tmp_path, tiny_model_dir, "resumed", 8, tmp_path / "first" / "step=4.ckpt",
+            max_staleness=2,
+        )  # fmt: skip
+    assert resumed.logged == [(float(v), float(s)) for v, s in logged]
+    for name, value in resumed.sampler[3].items():  # version 5: the first resumed rollout's
+        assert torch.equal(value, resumed.policy[0][name]), name
+    assert not all(
+        torch.equal(resumed.policy[0][n], resumed.policy[3][n]) for n in resumed.policy[0]
+    )
+    state = kept(tmp_path / "resumed" / "step=8.ckpt")
+    assert [entry["version"] for entry in state["waiting"]] == [7, 8]
+
+
+def test_a_resume_from_every_n_rollouts_to_a_staleness_takes_the_next_version_kept(
+    tmp_path, tiny_model_dir
+):
+    """Stopped after 3 rollouts refreshed every 4 (the snapshot holds version 0, versions 1 and 2
+    were never kept) and resumed with max_staleness 1: version 2 is due but gone, so the next one
+    kept, the current policy (version 3), samples; the lag then grows to 1."""
+    run(tmp_path, tiny_model_dir, "first", 3, every_n_rollouts=4)
+    expected = r"from version 0 to version 3 \(the next kept after version 2 = rollouts 3 - 1, "
+    with pytest.warns(UserWarning, match=expected):
+        resumed = run(
+            tmp_path, tiny_model_dir, "resumed", 6, tmp_path / "first" / "step=3.ckpt",
+            max_staleness=1,
+        )  # fmt: skip
+    assert resumed.logged == [(3.0, 0.0), (3.0, 1.0), (4.0, 1.0)]

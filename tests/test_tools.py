@@ -65,7 +65,7 @@ def test_optional_literal_and_defaulted_arguments():
             "no_docstring",
             "Cannot generate JSON schema for no_docstring because it has no docstring",
         ),
-        ("no_hints", "Argument a is missing a type hint in function no_hints"),
+        ("no_hints", "Argument a is missing a type hint in function no_hints. A tool is"),
     ],
 )
 def test_a_function_without_hints_or_docstring_is_refused(name, reason):

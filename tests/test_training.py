@@ -300,14 +300,27 @@ class KLStart(Callback):
         self.values.append(float(trainer.callback_metrics["trust_region/kl_start_mean"]))
 
 
-@pytest.mark.parametrize(("objective", "staleness"), [("troll", 0), ("troll", 2), ("clip", 2)])
-def test_kl_start_is_how_stale_the_data_is(tmp_path, tiny_model_dir, objective, staleness):
-    """kl_start: the policy against the behaviour policy before a rollout's first step. On-policy
-    it is 0 at every rollout. With the sampler two versions behind, rollout 1 is sampled by the
-    weights it starts with (0); rollouts 2 and 3 by version 0, which the policy has left."""
+@pytest.mark.parametrize(
+    ("objective", "staleness", "anchor"),
+    [
+        ("troll", 0, "behaviour"),
+        ("troll", 2, "behaviour"),
+        ("clip", 2, "behaviour"),
+        ("troll", 2, "proximal"),
+    ],
+)
+def test_kl_start_is_how_stale_the_data_is(tmp_path, tiny_model_dir, objective, staleness, anchor):
+    """kl_start: the policy against the old policy the objective bounds, before a rollout's first
+    step. On-policy it is 0 at every rollout. With the sampler two versions behind, rollout 1 is
+    sampled by the weights it starts with (0); rollouts 2 and 3 by version 0, which the policy has
+    left. Under the proximal anchor the old policy is the weights the rollout starts from: 0
+    whatever the staleness (the stale sampler shows in rollout/proximal_is_weight_mean)."""
+    from lightning_troll.objectives import LossConfig
+
     module = make_module(
         tiny_model_dir,
         objective=objective,
+        loss=LossConfig(anchor=anchor),
         optimization=OptimizationConfig(minibatch_size=8),
         optimizer=lambda params: torch.optim.AdamW(params, lr=3e-2),
         cache_old_distributions=True,
@@ -325,7 +338,8 @@ def test_kl_start_is_how_stale_the_data_is(tmp_path, tiny_model_dir, objective, 
     assert len(seen.values) == 3  # two steps a rollout
     assert seen.values[0] == pytest.approx(0.0, abs=1e-6)
     for value in seen.values[1:]:
-        assert value == pytest.approx(0.0, abs=1e-6) if staleness == 0 else value > 1e-3
+        fresh = staleness == 0 or anchor == "proximal"
+        assert value == pytest.approx(0.0, abs=1e-6) if fresh else value > 1e-3
 
 
 def test_kl_start_is_checked():

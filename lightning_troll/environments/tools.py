@@ -65,9 +65,9 @@ def tool_schema(function: Callable[..., Any], spec: str) -> dict[str, Any]:
         return get_json_schema(function)
     except Exception as exc:  # DocstringParsingException, TypeHintParsingException, ...
         raise ValueError(
-            f"{OPTION}: {spec!r} cannot be a tool: {exc} A tool is a function with a type hint "
-            "on every argument and a docstring: a description, then an 'Args:' section with a "
-            "line 'name: description' per argument"
+            f"{OPTION}: {spec!r} cannot be a tool: {str(exc).rstrip('.')}. A tool is a function "
+            "with a type hint on every argument and a docstring: a description, then an 'Args:' "
+            "section with a line 'name: description' per argument"
         ) from None
 
 

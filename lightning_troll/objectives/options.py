@@ -6,6 +6,7 @@ turns them into an objective. Nothing here imports torch, Lightning or transform
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -18,6 +19,7 @@ __all__ = [
     "ClipConfig",
     "LossConfig",
     "TrustRegionConfig",
+    "check_anchor",
     "check_engine_is",
 ]
 
@@ -96,8 +98,8 @@ class LossConfig:
     """Importance weights for a rollout engine that samples apart from the trainer
     (model.rollout_engine: vllm): each response token's advantage is multiplied by
     p_snapshot / p_engine, the snapshot's probability of the sampled token over the engine's,
-    truncated at this cap (or masked above it: engine_is_mode), per token or per sequence
-    (engine_is_level), as TRL and verl offer; null: off."""
+    truncated at this cap, a finite number >= 1 (or masked above it: engine_is_mode), per token or
+    per sequence (engine_is_level), as TRL and verl offer; null: off."""
     engine_is_level: Literal["token", "sequence"] = "token"
     """What engine_is_cap weighs: each token by its own ratio (token), or every token of a
     completion by the product of its ratios (sequence)."""
@@ -113,9 +115,13 @@ class LossConfig:
     (old_policy.max_staleness): behaviour, the policy that sampled the rollout; proximal, the
     current weights before this rollout's update (one more forward pass per rollout), with each
     token's advantage weighted by min(p_proximal / p_behaviour, anchor_is_cap), the decoupled
-    objective of AReaL."""
+    objective of AReaL. proximal takes trust_region.support union or official, not dense (the
+    dense support recomputes the old logits from the sampler's snapshot in the loss pass). Where
+    the sampler always holds the current weights (old_policy.max_staleness 0 and every_n_rollouts
+    1 with snapshot.dtype same, or snapshot.mode shared) the proximal policy is the sampler and
+    the weight is 1 up to rounding: the extra pass buys nothing (warned at the start of a fit)."""
     anchor_is_cap: float = 2.0
-    """With anchor proximal: the cap of the proximal-over-behaviour weight, >= 1."""
+    """With anchor proximal: the cap of the proximal-over-behaviour weight, a finite number >= 1."""
 
     def __post_init__(self) -> None:
         check_engine_is(
@@ -123,9 +129,12 @@ class LossConfig:
         )
         if self.anchor not in ANCHORS:
             raise ValueError(f"loss.anchor must be one of {list(ANCHORS)}; got {self.anchor!r}")
-        cap = self.anchor_is_cap
-        if isinstance(cap, bool) or not (isinstance(cap, int | float) and cap >= 1):
-            raise ValueError(f"loss.anchor_is_cap must be a number >= 1; got {cap!r}")
+        if not _finite_cap(self.anchor_is_cap):
+            raise ValueError(
+                f"loss.anchor_is_cap must be a finite number >= 1; got {self.anchor_is_cap!r} "
+                "(the proximal-over-behaviour weight is always capped: a large cap such as 100 "
+                "hardly truncates it; 1 weighs every token at most 1)"
+            )
 
 
 ANCHORS = ("behaviour", "proximal")
@@ -136,8 +145,11 @@ IS_MODES = ("truncate", "mask")
 def check_engine_is(cap: float | None, level: str, mode: str, floor: float | None) -> None:
     """Refuses a combination of ``loss.engine_is_*`` options that cannot mean anything, in one
     line naming the option."""
-    if cap is not None and not (isinstance(cap, int | float) and cap >= 1):
-        raise ValueError(f"loss.engine_is_cap must be a number >= 1 or null; got {cap!r}")
+    if cap is not None and not _finite_cap(cap):
+        raise ValueError(
+            "loss.engine_is_cap must be a finite number >= 1 (weights above it are truncated or "
+            f"masked), or null to switch the correction off; got {cap!r}"
+        )
     if level not in IS_LEVELS:
         raise ValueError(f"loss.engine_is_level must be one of {list(IS_LEVELS)}; got {level!r}")
     if mode not in IS_MODES:
@@ -154,4 +166,27 @@ def check_engine_is(cap: float | None, level: str, mode: str, floor: float | Non
         raise ValueError(
             "loss.engine_is_level, engine_is_mode and engine_is_floor shape the weights of "
             "loss.engine_is_cap, which is null (off); set the cap"
+        )
+
+
+def _finite_cap(cap: object) -> bool:
+    """Whether ``cap`` is a cap of importance weights: a finite number >= 1 (not a bool)."""
+    if isinstance(cap, bool) or not isinstance(cap, int | float):
+        return False
+    return math.isfinite(cap) and cap >= 1
+
+
+def check_anchor(objective: str, support: str, anchor: str) -> None:
+    """Refuses ``loss.anchor: proximal`` with TROLL's dense support: the dense projection reads
+    the old logits from the snapshot (the stale sampler) in the loss pass, while the proximal
+    anchor's old log-probs are the current weights' before the update, which are not kept
+    during it; the loss would mix two old policies."""
+    if objective == "troll" and support == "dense" and anchor == "proximal":
+        raise ValueError(
+            "model.loss.anchor='proximal' does not work with model.trust_region.support='dense': "
+            "the dense projection recomputes the old logits from the sampler's snapshot in the "
+            "loss pass, so it would bound the update around the stale sampler while the ratio's "
+            "old log-probs are the proximal weights' (not kept during the update); use "
+            "model.trust_region.support 'union' or 'official' with the proximal anchor, or "
+            "model.loss.anchor 'behaviour' with the dense support"
         )

@@ -172,8 +172,10 @@ def find_attribute(
         ]
         close = difflib.get_close_matches(part, names, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
-        defined = f" (it defines {', '.join(sorted(names)[:8])})" if names else ""
-        raise ValueError(f"{option}: {spec!r}: {place} has no function {part!r}{hint}{defined}")
+        shown = sorted(names)[:8] + ([f"and {len(names) - 8} more"] if len(names) > 8 else [])
+        defined = f" (it defines {', '.join(shown)})" if names else ""
+        kind = "class or function" if option.endswith(".environment") else "function"
+        raise ValueError(f"{option}: {spec!r}: {place} has no {kind} {part!r}{hint}{defined}")
     return obj
 
 

@@ -47,7 +47,14 @@ from lightning_troll.rollouts.timing import clock
 if TYPE_CHECKING:
     from lightning_troll.data.prompts import PromptBatch
 
-__all__ = ["EngineTurns", "EpisodeSampler", "SampledEpisodes", "episode_figures", "last_turn"]
+__all__ = [
+    "EngineTurns",
+    "EpisodeSampler",
+    "SampledEpisodes",
+    "environment_factory",
+    "episode_figures",
+    "last_turn",
+]
 
 
 class EngineTurns:
@@ -129,6 +136,14 @@ class SampledEpisodes:
     episodes: list[Episode]
 
 
+def environment_factory(config: EpisodesConfig) -> EnvironmentFactory:
+    """The fresh environment per episode of ``model.episodes``: its tools loaded and checked and
+    its environment class found (refused in one line naming the option)."""
+    return EnvironmentFactory(
+        config.environment, config.tools or (), config.tool_workers, config.tool_timeout
+    )
+
+
 class EpisodeSampler:
     """Runs the episodes of ``model.episodes`` for the rollout collector.
 
@@ -137,18 +152,24 @@ class EpisodeSampler:
         tokenizer: the policy's tokenizer (its chat template renders the conversations).
         stop_ids: the tokens that end a model turn (end of turn, end of text).
         max_tokens: the token budget of an episode's response (model and environment tokens).
+        make: the environments' factory, made from ``config`` by :func:`environment_factory`
+            where not given (a module makes it before its model loads, so that a tool or an
+            environment named wrong is refused first).
     """
 
     def __init__(
-        self, config: EpisodesConfig, tokenizer: Any, stop_ids: Sequence[int], max_tokens: int
+        self,
+        config: EpisodesConfig,
+        tokenizer: Any,
+        stop_ids: Sequence[int],
+        max_tokens: int,
+        make: EnvironmentFactory | None = None,
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
         if config.tools:  # episodes with tools are messages: refused now, not at the first turn
             check_chat_template(tokenizer, tools=True)
-        self.make = EnvironmentFactory(
-            config.environment, config.tools or (), config.tool_workers, config.tool_timeout
-        )
+        self.make = environment_factory(config) if make is None else make
         self.limits = EpisodeLimits(config.max_turns, max_tokens)
         self.stops = Stops(tuple(stop_ids))
 

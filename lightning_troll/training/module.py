@@ -41,6 +41,7 @@ from lightning_troll.objectives import (
     build_objective,
 )
 from lightning_troll.objectives.chunking import DEFAULT_CHUNK_SIZE, check_chunk_size
+from lightning_troll.objectives.options import check_anchor
 from lightning_troll.rewards.options import (  # RewardErrorPolicy: importable from here too
     DEPRECATED_KEYS,
     RewardErrorPolicy,
@@ -52,7 +53,7 @@ from lightning_troll.rollouts.collector import RolloutCollector
 from lightning_troll.rollouts.drift import kl_to_behaviour
 from lightning_troll.rollouts.dynamic_sampling import check_dynamic_sampling
 from lightning_troll.rollouts.engine import EngineContext
-from lightning_troll.rollouts.multiturn import EpisodeSampler
+from lightning_troll.rollouts.multiturn import EpisodeSampler, environment_factory
 from lightning_troll.rollouts.rollout import Rollout, SamplingConfig
 from lightning_troll.rollouts.timing import clock
 from lightning_troll.training.optimization import MinibatchLoop, OptimizationConfig, optimizers
@@ -110,7 +111,8 @@ def _keep_reward_options(hparams, options: RewardOptions) -> None:
 
 def _objective(name, trust_region, clip, loss, sampling) -> PolicyObjective:
     """The objective of ``model.objective`` from its records (the rollout applies the loss
-    options that are not the objective's)."""
+    options that are not the objective's), once the records are checked against each other."""
+    check_anchor(name, trust_region.support, loss.anchor)
     shared = asdict(loss)
     rollout_options = ("mask_truncated", "engine_is_cap", "engine_is_level", "engine_is_mode",
                        "engine_is_floor", "anchor", "anchor_is_cap")  # fmt: skip
@@ -128,8 +130,7 @@ class TrollModule(LightningModule):
     """RL fine-tuning of a causal LM with TROLL (or clipping) from one switch.
 
     Args:
-        model: a transformers causal LM: hub name, local directory, or ``tinymath`` (the shipped
-            demo policy).
+        model: a causal LM: hub name, local directory, or ``tinymath`` (the shipped demo).
         dtype: weight dtype of the policy: float32, bfloat16, float16 or auto.
         objective: ``troll`` (trust-region projection) or ``clip`` (PPO-style clipping).
         trust_region: TROLL's settings.
@@ -236,6 +237,7 @@ class TrollModule(LightningModule):
         self.dynamic_sampling = dynamic_sampling
         self.dynamic_sampling_max_rounds = dynamic_sampling_max_rounds
         self.scorer = _reward_scorer(rewards, reward_options, episodes)
+        make = environment_factory(episodes) if episodes else None  # refused before the model
         self.objective: PolicyObjective = _objective(objective, trust_region, clip, loss, sampling)
         self.old_rows = OldRows(self.objective, trust_region)
         self.cache_old_distributions = objective == "troll" or bool(cache_old_distributions)
@@ -255,7 +257,7 @@ class TrollModule(LightningModule):
         self.engine = build_rollout_engine(rollout_engine, rollout_engine_options, context, loss)
         self.global_batch = GlobalBatch(self, estimator, group_size, scale_rewards)
         self.episodes = None if episodes is None else EpisodeSampler(
-            episodes, self.tokenizer, self.policies.stop_ids, sampling.max_new_tokens
+            episodes, self.tokenizer, self.policies.stop_ids, sampling.max_new_tokens, make
         )  # fmt: skip
 
         self.rollout: Rollout | None = None  # the next training step's, from the callback

@@ -17,10 +17,12 @@ import torch
 from torch import Tensor
 
 from lightning_troll.data.prompts import seeded_generator
+from lightning_troll.environments.protocol import EnvironmentFailure
 from lightning_troll.models.sharding import gathered
 from lightning_troll.rewards.registry import RewardOutput, reward_tag
 from lightning_troll.rollouts.episodes import sampled_turns
 from lightning_troll.rollouts.rollout import sample
+from lightning_troll.training.faults import EpisodeFault
 
 __all__ = ["pass_at_k", "stopping_between_validations", "validation_metrics"]
 
@@ -113,7 +115,10 @@ def _episode_answers(module: Any, batch: Any, group: int, do_sample: bool) -> Re
     pad_id, episodes = module.policies.pad_id, module.episodes
     with gathered(module.policy):
         generate = sampled_turns(module.policy, module.sampling, pad_id, do_sample=do_sample)
-        sampled = episodes.sample(generate, rows, pad_id, module.device)
+        try:
+            sampled = episodes.sample(generate, rows, pad_id, module.device)
+        except EnvironmentFailure as error:  # the last checkpoint stays as it was
+            raise EpisodeFault(str(error), resumable=False) from error
     if not module.scorer.functions:  # the environment's rewards alone (model.rewards: {})
         rewards = sampled.env_rewards.cpu()
         return RewardOutput(rewards, {}, torch.ones_like(rewards, dtype=torch.bool))
