@@ -197,12 +197,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         total, left = g.estimate(runs)
         print(f"{len(runs)} runs, about {total:.1f} h in all, {left:.1f} h left")
         return None
+    here = os.getcwd()
     os.chdir(args.task)  # the task's relative paths (data, reward module) are its folder's
     try:
         g.run_all(runs)
     except Interrupted as stopped:
         print(f"{stopped}; the same command resumes it", flush=True)
         sys.exit(stopped.exit_code)
+    finally:  # whatever ends the runs (a refusal too), the caller's folder is back
+        os.chdir(here)
     report(args)
     return None
 

@@ -70,10 +70,8 @@ def test_both_objectives_train_the_task_from_its_folder(tmp_path, smollm2_dir, c
     args = ["--task", str(folder), "--model", str(smollm2_dir), "--prompts", "1",
             "--rollouts", "1", "--", "--model.sampling.max_new_tokens", "8",
             "--trainer.val_check_interval", "1"]  # fmt: skip
-    try:
-        check.main(args)
-    finally:
-        os.chdir(here)
+    check.main(args)
+    assert os.getcwd() == here  # the runs start in the task's folder; the caller's is back
     out = folder / "check"
     records = {r["name"]: r for r in json.loads((out / "results.json").read_text())}
     assert set(records) == {"clip-s0", "troll-s0"}
@@ -89,10 +87,8 @@ def test_both_objectives_train_the_task_from_its_folder(tmp_path, smollm2_dir, c
     rows = (out / "metrics.csv").read_text().splitlines()
     assert rows[0].startswith("name,") and len(rows) == 1 + 2 * 2  # the start and one rollout each
     capsys.readouterr()
-    try:
-        check.main(args)  # again: both runs are done, nothing trains
-    finally:
-        os.chdir(here)
+    check.main(args)  # again: both runs are done, nothing trains
     assert capsys.readouterr().out.count("done before, skipped") == 2
     with pytest.raises(ValueError, match="holds runs made with"):  # other settings: refused
         check.main([*args[:-2]])
+    assert os.getcwd() == here  # refused, it left the caller's folder as it was
