@@ -538,7 +538,7 @@ def broken_jsonl(tmp_path: Path) -> str:
                      "model.loss.anchor='proximal' does not work with "
                      "model.trust_region.support='dense'", id="proximal-on-dense"),
         pytest.param(["--model.loss.anchor_is_cap", "1e400"],
-                     "loss.anchor_is_cap must be a finite number >= 1; got inf", id="infinite-cap"),
+                     "model.loss.anchor_is_cap must be a finite number >= 1; got inf", id="infinite-cap"),
         pytest.param(["--trainer.logger", "lightning.pytorch.loggers.MLFlowLogger",
                       "--trainer.logger.tracking_uri", "file:./mlruns"],
                      "lightning.pytorch.loggers.MLFlowLogger refused its arguments: MlflowException:"

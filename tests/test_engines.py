@@ -285,7 +285,7 @@ def test_importance_weights_need_an_engine_that_samples_apart(tiny_model_dir):
     with pytest.raises(ValueError, match=r"engine_is_cap=2.0 .* the 'hf' engine samples with"):
         make_module(tiny_model_dir, loss=LossConfig(engine_is_cap=2.0))
     with pytest.raises(
-        ValueError, match=r"loss.engine_is_cap must be a finite number >= 1 .* or null"
+        ValueError, match=r"model.loss.engine_is_cap must be a finite number >= 1 .* or null"
     ):
         LossConfig(engine_is_cap=0.5)
     with pytest.raises(ValueError, match=r"engine_is_cap=2.0 .* the 'hf' engine samples with"):

@@ -128,10 +128,12 @@ class LossConfig:
             self.engine_is_cap, self.engine_is_level, self.engine_is_mode, self.engine_is_floor
         )
         if self.anchor not in ANCHORS:
-            raise ValueError(f"loss.anchor must be one of {list(ANCHORS)}; got {self.anchor!r}")
+            raise ValueError(
+                f"model.loss.anchor must be one of {list(ANCHORS)}; got {self.anchor!r}"
+            )
         if not _finite_cap(self.anchor_is_cap):
             raise ValueError(
-                f"loss.anchor_is_cap must be a finite number >= 1; got {self.anchor_is_cap!r} "
+                f"model.loss.anchor_is_cap must be a finite number >= 1; got {self.anchor_is_cap!r} "
                 "(the proximal-over-behaviour weight is always capped: a large cap such as 100 "
                 "hardly truncates it; 1 weighs every token at most 1)"
             )
@@ -147,25 +149,27 @@ def check_engine_is(cap: float | None, level: str, mode: str, floor: float | Non
     line naming the option."""
     if cap is not None and not _finite_cap(cap):
         raise ValueError(
-            "loss.engine_is_cap must be a finite number >= 1 (weights above it are truncated or "
+            "model.loss.engine_is_cap must be a finite number >= 1 (weights above it are truncated or "
             f"masked), or null to switch the correction off; got {cap!r}"
         )
     if level not in IS_LEVELS:
-        raise ValueError(f"loss.engine_is_level must be one of {list(IS_LEVELS)}; got {level!r}")
+        raise ValueError(
+            f"model.loss.engine_is_level must be one of {list(IS_LEVELS)}; got {level!r}"
+        )
     if mode not in IS_MODES:
-        raise ValueError(f"loss.engine_is_mode must be one of {list(IS_MODES)}; got {mode!r}")
+        raise ValueError(f"model.loss.engine_is_mode must be one of {list(IS_MODES)}; got {mode!r}")
     if floor is not None:
         if not (isinstance(floor, int | float) and 0 < floor <= 1):
-            raise ValueError(f"loss.engine_is_floor must be in (0, 1] or null; got {floor!r}")
+            raise ValueError(f"model.loss.engine_is_floor must be in (0, 1] or null; got {floor!r}")
         if mode != "mask":
             raise ValueError(
-                f"loss.engine_is_floor={floor} masks the ratios below it, so it needs "
-                f"loss.engine_is_mode 'mask'; got {mode!r}"
+                f"model.loss.engine_is_floor={floor} masks the ratios below it, so it needs "
+                f"model.loss.engine_is_mode 'mask'; got {mode!r}"
             )
     if cap is None and (level != "token" or mode != "truncate" or floor is not None):
         raise ValueError(
-            "loss.engine_is_level, engine_is_mode and engine_is_floor shape the weights of "
-            "loss.engine_is_cap, which is null (off); set the cap"
+            "model.loss.engine_is_level, engine_is_mode and engine_is_floor shape the weights of "
+            "model.loss.engine_is_cap, which is null (off); set the cap"
         )
 
 
