@@ -222,6 +222,8 @@ def option_problem(options: dict[str, argparse.Action], name: str) -> str | None
     parts = name.split(".")
     for i in range(len(parts), 0, -1):
         action = options.get("--" + ".".join(parts[:i]))
+        if i == len(parts) and type(action).__name__ == "_ActionHelpClassPath":
+            return None  # --model.episodes.help: the help of an optional record's fields
         if action is None or type(action).__name__ in ("_HelpAction", "_ActionHelpClassPath"):
             continue
         hint = getattr(action, "_typehint", None)
