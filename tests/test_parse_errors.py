@@ -101,6 +101,16 @@ def test_a_bad_value_says_what_is_allowed(args, expected, tmp_path, monkeypatch,
     assert line == expected or expected in line
 
 
+def test_a_misspelt_field_of_an_optional_record_in_a_file_names_the_file(
+    tmp_path, monkeypatch, capsys
+):
+    name = write(tmp_path, "task.yaml", "model:\n  episodes:\n    max_turn: 3\n")
+    line = refused(["fit", "--config", TINYMATH, "--config", name], tmp_path, monkeypatch, capsys)
+    assert line == (
+        "task.yaml: no option model.episodes.max_turn; did you mean model.episodes.max_turns?"
+    )
+
+
 def test_a_bad_value_in_a_file_names_the_file(tmp_path, monkeypatch, capsys):
     name = write(tmp_path, "task.yaml", "model:\n  objective: kl\n")
     line = refused(["fit", "--config", name], tmp_path, monkeypatch, capsys)

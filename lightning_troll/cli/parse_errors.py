@@ -144,7 +144,7 @@ def _syntax_error(message: str, files: Sequence[str]) -> str:
     return "a config is not valid YAML: " + " ".join(message.split("config:", 1)[-1].split())
 
 
-def _class_option(key: str, message: str) -> str | None:
+def _class_option(key: str, message: str, files: Sequence[str] = ()) -> str | None:
     """A class-typed option (``model.optimizer``): an unknown init argument or class path."""
     option = re.search(r"Option '(\w+)' is not accepted", message)
     class_path = re.search(r"class_path[= ]'([\w.]+)'", message)
@@ -159,7 +159,8 @@ def _class_option(key: str, message: str) -> str | None:
         close = difflib.get_close_matches(option.group(1), params, n=1)
         if dataclasses.is_dataclass(made):  # an optional record's field (model.episodes)
             hint = f"; did you mean {key}.{close[0]}?" if close else ""
-            return f"no option {key}.{option.group(1)}{hint}"
+            where = _where_key(f"{key}.{option.group(1)}", files)
+            return f"{where + ': ' if where else ''}no option {key}.{option.group(1)}{hint}"
         hint = f"; did you mean {close[0]!r}?" if close else ""
         return f"{key}: {name} takes no argument {option.group(1)!r}{hint}"
     missing = re.search(r"Expected a path but (\S+) either not accessible", message)
@@ -199,7 +200,7 @@ def _bad_value(key: str, message: str, parser, files: Sequence[str]) -> str:
         choices = ", ".join(flags + [str(v) for v in allowed])
         none = " or null" if type(None) in typing.get_args(hint) else ""
         return f"{key}: {value!r} is not allowed{at}; choose one of {choices}{none}"
-    special = _nested_field(key, message) or _class_option(key, message)
+    special = _nested_field(key, message) or _class_option(key, message, files)
     if special:
         return special
     if hint is not None and value is not None:
