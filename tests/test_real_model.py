@@ -183,6 +183,19 @@ def test_missing_model_files_say_what_to_do(tmp_path, monkeypatch):
     assert gguf.is_gguf("a/B.GGUF") and not gguf.is_gguf("a/b.ggufx")
 
 
+def test_make_smollm2s_module_runs_without_a_runpy_warning():
+    """`make smollm2` runs the module with -m; the package must not have imported it already."""
+    done = subprocess.run(
+        [sys.executable, "-W", "error::RuntimeWarning", "-m", "lightning_troll.models.smollm2"]
+        + ["--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "RuntimeWarning" not in done.stderr and "--out" in done.stdout
+
+
 def test_convert_gguf_never_replaces_a_folder_unasked(tmp_path):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "weights.bin").write_bytes(b"mine")

@@ -134,7 +134,9 @@ def test_the_proximal_anchor_bounds_the_current_weights_and_weighs_the_stale_sam
 def test_anchor_mistakes_are_named():
     from lightning_troll.objectives import LossConfig
 
-    with pytest.raises(ValueError, match=r"model.loss.anchor must be one of \['behaviour', 'proximal'\]"):
+    with pytest.raises(
+        ValueError, match=r"model.loss.anchor must be one of \['behaviour', 'proximal'\]"
+    ):
         LossConfig(anchor="current")
     for cap, shown in (
         (0.5, "0.5"),
@@ -143,7 +145,8 @@ def test_anchor_mistakes_are_named():
         (True, "True"),
     ):
         with pytest.raises(
-            ValueError, match=rf"model.loss.anchor_is_cap must be a finite number >= 1; got {shown} "
+            ValueError,
+            match=rf"model.loss.anchor_is_cap must be a finite number >= 1; got {shown} ",
         ):
             LossConfig(anchor="proximal", anchor_is_cap=cap)
 

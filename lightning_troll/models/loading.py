@@ -25,7 +25,6 @@ from transformers import (
 )
 
 from lightning_troll.models.gguf import is_gguf, load_gguf_policy, load_gguf_tokenizer
-from lightning_troll.models.smollm2 import DEFAULT_DIR as SMOLLM2_DIR
 from lightning_troll.models.tinymath import TINYMATH_DIR
 
 __all__ = [
@@ -70,6 +69,9 @@ def _resolve(name_or_path: str | Path) -> str:
     path = Path(name_or_path).expanduser()
     if path.exists():
         return str(path)
+    # imported here: `python -m lightning_troll.models.smollm2` must not find it imported already
+    from lightning_troll.models.smollm2 import DEFAULT_DIR as SMOLLM2_DIR
+
     if path.parts[-2:] == SMOLLM2_DIR.parts:
         raise FileNotFoundError(
             f"model: the folder {str(name_or_path)!r} does not exist; run `make smollm2` (or "
