@@ -29,7 +29,7 @@ import study_kit  # noqa: E402
 import word_problems  # noqa: E402
 from paper_regime_tables import ACCURACY  # noqa: E402
 from study_figures import Line, Panel, plot_panels, window_mean  # noqa: E402
-from study_kit import Grid, Interrupted, Run  # noqa: E402
+from study_kit import Grid, Run  # noqa: E402
 from study_stats import paired, sign_test  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -231,11 +231,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         total, left = study.estimate(runs(args))
         print(f"{total:.1f} h in all, {left:.1f} h left")
         return
-    try:
+    with study_kit.resumable():
         study.run_all(runs(args))
-    except Interrupted as stopped:
-        print(f"{stopped}; the same command resumes it", flush=True)
-        sys.exit(stopped.exit_code)
     print(table(study.finished(runs(args))))
 
 

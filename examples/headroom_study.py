@@ -39,7 +39,7 @@ import paper_regime_study as paper  # noqa: E402
 import study_kit  # noqa: E402
 import word_problems  # noqa: E402
 from paper_regime_tables import ACCURACY, active_share, compare_arms  # noqa: E402
-from study_kit import Grid, Interrupted, Run  # noqa: E402
+from study_kit import Grid, Run  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 VAL_EVERY = 10
@@ -196,7 +196,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         hours = len(args.seeds) * len(paper.OBJECTIVES) * args.rollouts * rate / 3600
         print(f"pilot: {total:.1f} h ({left:.1f} h left); main: about {hours:.1f} h")
         return None
-    try:
+    with study_kit.resumable():
         if args.phase == "pilot":
             pilot.run_all(pilots)
         else:
@@ -206,9 +206,6 @@ def main(argv: Sequence[str] | None = None) -> None:
                     "the main comparison needs every pilot finished, with an lr where both act"
                 )
             grid(args, "main").run_all(main_runs(args, lr))
-    except Interrupted as stopped:
-        print(f"{stopped}; the same command resumes it", flush=True)
-        sys.exit(stopped.exit_code)
     report(args)
     return None
 

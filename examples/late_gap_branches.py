@@ -36,7 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import paper_regime_study as paper  # noqa: E402
 import study_kit  # noqa: E402
-from study_kit import Grid, Interrupted, Run  # noqa: E402
+from study_kit import Grid, Run  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 LR = 3e-6
@@ -190,12 +190,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         return report(args)
     if args.estimate:
         return estimate(args)
-    try:
+    with study_kit.resumable():
         for seed in args.seeds:
             run_seed(args, seed)
-    except Interrupted as stopped:
-        print(f"{stopped}; the same command resumes it", flush=True)
-        sys.exit(stopped.exit_code)
     report(args)
 
 

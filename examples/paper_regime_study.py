@@ -57,7 +57,7 @@ from paper_regime_tables import (  # noqa: E402
     pilot_score,
     pilot_table,
 )
-from study_kit import Grid, Interrupted, Run  # noqa: E402
+from study_kit import Grid, Run  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 OBJECTIVES = ("clip", "troll")
@@ -313,7 +313,7 @@ def main(argv: Sequence[str] | None = None) -> None:
               f"{len(causes)} runs, at most {cause_hours:.1f} h; main: {main_count} runs, about "
               f"{main_hours:.1f} h at {rate:.0f} s per rollout")  # fmt: skip
         return None
-    try:
+    with study_kit.resumable():
         if args.phase in ("pilot", "all"):
             pilot.run_all(pilots)
         if args.phase in ("causes", "all"):
@@ -326,9 +326,6 @@ def main(argv: Sequence[str] | None = None) -> None:
                 sys.exit("the main grid needs every pilot finished: run --phase pilot first")
             print(f"chosen learning rates: {lrs}", flush=True)
             grid(args, "main").run_all(main_runs(args, lrs))
-    except Interrupted as stopped:
-        print(f"{stopped}; the same command resumes it", flush=True)
-        sys.exit(stopped.exit_code)
     report(args)
 
 

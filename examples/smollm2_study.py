@@ -75,7 +75,7 @@ from smollm2_report import (  # noqa: E402
     summarise,
     write_plots,
 )
-from study_kit import TIME, Grid, Interrupted, Run  # noqa: E402
+from study_kit import TIME, Grid, Run  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
@@ -344,11 +344,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
             sys.exit(f"--report: no finished run in {args.out} yet")
         print(f"{len(records)} of {len(runs)} runs finished", flush=True)
     else:
-        try:
+        with study_kit.resumable():
             records = study.run_all(runs, args.keep_checkpoints)
-        except Interrupted as stop:
-            print(f"{stop}; run the same command again to resume it", flush=True)
-            sys.exit(stop.exit_code)
     start = study.kept("start.json")
     start_seconds = json.loads(start.read_text()).get("seconds", 0.0) if start.exists() else 0.0
     print(grid_time(records, start_seconds), flush=True)

@@ -29,7 +29,7 @@ import study_kit  # noqa: E402
 import word_problems  # noqa: E402
 from paper_regime_tables import ACCURACY  # noqa: E402
 from study_figures import window_mean  # noqa: E402
-from study_kit import Grid, Interrupted, Run  # noqa: E402
+from study_kit import Grid, Run  # noqa: E402
 from study_stats import paired  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -209,11 +209,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"{total:.1f} h in all, {left:.1f} h left")
         return
     if not args.report:
-        try:
+        with study_kit.resumable():
             study.run_all(planned)
-        except Interrupted as stopped:
-            print(f"{stopped}; the same command resumes it", flush=True)
-            sys.exit(stopped.exit_code)
     records = study.finished(planned)
     if not args.s0_here:
         records += headroom_s0(args, lr)

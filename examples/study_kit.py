@@ -35,7 +35,8 @@ import shutil
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -72,6 +73,7 @@ __all__ = [
     "plot_curves",
     "plot_panels",
     "read_history",
+    "resumable",
     "run_mean",
     "validate",
     "values",
@@ -85,6 +87,17 @@ class Interrupted(RuntimeError):
     def __init__(self, name: str, exit_code: int) -> None:
         super().__init__(f"{name} stopped before its last rollout")
         self.name, self.exit_code = name, exit_code
+
+
+@contextmanager
+def resumable() -> Iterator[None]:
+    """Around a study's runs: a run stopped by a signal ends the process with its exit status
+    (128 + the signal), saying that the same command resumes it."""
+    try:
+        yield
+    except Interrupted as stopped:
+        print(f"{stopped}; the same command resumes it", flush=True)
+        sys.exit(stopped.exit_code)
 
 
 @dataclass(frozen=True)

@@ -58,7 +58,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import study_kit  # noqa: E402
-from study_kit import Grid, Interrupted, Run  # noqa: E402
+from study_kit import Grid, Run  # noqa: E402
 from tinymath_report import (  # noqa: E402
     ACCURACY,
     GSPO_CLIP,
@@ -379,11 +379,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
         print("sparse support for 1 - delta:", json.dumps(support))
         if args.support_only:
             return []
-        try:
+        with study_kit.resumable():
             records = study.run_all(runs)
-        except Interrupted as stop:
-            print(f"{stop}; run the same command again to resume it", flush=True)
-            sys.exit(stop.exit_code)
     table = format_table(summarise(records, args.threshold), args.threshold, budget.minibatches)
     study_kit.write_atomic(args.out / "table.md", table)
     write_plots(records, args.out)

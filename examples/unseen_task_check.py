@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import paper_regime_study as paper  # noqa: E402
 import study_kit  # noqa: E402
 from paper_regime_tables import ACCURACY, compare_arms  # noqa: E402
-from study_kit import Grid, Interrupted, Run  # noqa: E402
+from study_kit import Grid, Run  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOLLM2 = ROOT / "models" / "SmolLM2-135M-Instruct"
@@ -200,10 +200,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     here = os.getcwd()
     os.chdir(args.task)  # the task's relative paths (data, reward module) are its folder's
     try:
-        g.run_all(runs)
-    except Interrupted as stopped:
-        print(f"{stopped}; the same command resumes it", flush=True)
-        sys.exit(stopped.exit_code)
+        with study_kit.resumable():
+            g.run_all(runs)
     finally:  # whatever ends the runs (a refusal too), the caller's folder is back
         os.chdir(here)
     report(args)

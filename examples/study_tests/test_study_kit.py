@@ -281,6 +281,22 @@ def test_train_adds_logging_and_checkpoints_resumes_and_raises_when_stopped(tmp_
     assert [row["rollout"] for row in record["history"]] == [0, 1, 2, 3]
 
 
+def test_resumable_ends_a_stopped_study_with_the_signals_status_and_lets_other_errors_through(
+    capsys,
+):
+    with pytest.raises(SystemExit) as ended, kit.resumable():
+        raise kit.Interrupted("troll-s0", 143)
+    assert ended.value.code == 143
+    assert capsys.readouterr().out == (
+        "troll-s0 stopped before its last rollout; the same command resumes it\n"
+    )
+    with pytest.raises(ValueError, match="not a stop"), kit.resumable():
+        raise ValueError("not a stop")
+    with kit.resumable():
+        done = "ran"
+    assert done == "ran" and capsys.readouterr().out == ""
+
+
 def test_run_all_skips_finished_runs_and_starts_over_one_without_a_checkpoint(
     tmp_path, monkeypatch
 ):
