@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lightning_troll.training.checkpoints import check_checkpoint_file
-from tests.test_faults_reward import FIXED, command
+from tests.test_faults_reward import FIXED, command, stop_lines
 
 pytestmark = pytest.mark.slow  # whole fits in a subprocess
 
@@ -48,11 +48,7 @@ def test_a_failing_environment_stops_in_one_line_saves_and_the_fixed_run_resumes
     done = subprocess.run(run, cwd=tmp_path, capture_output=True, text=True)
     assert done.returncode == 3, done.stderr[-3000:]
     assert "Traceback" not in done.stderr
-    told = [
-        line
-        for line in done.stderr.splitlines()
-        if line.startswith(("lightning-troll:", "  saved"))
-    ]
+    told = stop_lines(done.stderr)
     assert told[0] == (
         "lightning-troll: stopped: the environment Breaks.reset raised ConnectionError: the game "
         "server went away"

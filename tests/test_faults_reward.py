@@ -49,6 +49,13 @@ def command(folder: Path, model_dir: Path, steps: int, *extra: str) -> list[str]
     return [str(Path(sys.executable).parent / "lightning-troll"), *base, *extra]
 
 
+def stop_lines(stderr: str) -> list[str]:
+    """What a stopped run tells its user on stderr: the failure, then where it saved."""
+    return [
+        line for line in stderr.splitlines() if line.startswith(("lightning-troll:", "  saved"))
+    ]
+
+
 def test_a_failing_reward_stops_in_one_line_saves_and_the_fixed_run_resumes(
     tmp_path, tiny_model_dir
 ):
@@ -60,11 +67,7 @@ def test_a_failing_reward_stops_in_one_line_saves_and_the_fixed_run_resumes(
                           capture_output=True, text=True)  # fmt: skip
     assert done.returncode == 3, done.stderr[-3000:]
     assert "Traceback" not in done.stderr
-    told = [
-        line
-        for line in done.stderr.splitlines()
-        if line.startswith(("lightning-troll:", "  saved"))
-    ]
+    told = stop_lines(done.stderr)
     assert len(told) == 2, done.stderr[-3000:]
     assert told[0].startswith(
         "lightning-troll: stopped: reward function 'my_reward:reward' on sample"
