@@ -86,7 +86,8 @@ class Paired:
     def text(self) -> str:
         """``+0.012 (+0.010, -0.004, +0.030); t-test p 0.41, sign test p 1.00``."""
         each = ", ".join(f"{d:+.3f}" for d in self.diffs)
-        return f"{self.mean:+.3f} ({each}); t-test p {self.p_t:.2f}, sign test p {self.p_sign:.2f}"
+        t_test = "no t-test (one seed)" if math.isnan(self.p_t) else f"t-test p {self.p_t:.2f}"
+        return f"{self.mean:+.3f} ({each}); {t_test}, sign test p {self.p_sign:.2f}"
 
 
 def paired(a: Sequence[float], b: Sequence[float]) -> Paired:

@@ -135,6 +135,11 @@ def test_paired_tests_match_the_t_tables_and_exact_sign_test():
     assert late.p_t == pytest.approx(0.04, abs=0.005) and late.p_sign == 0.25
     equal = stats.paired([1.0, 2.0], [0.5, 1.5])
     assert equal.t == math.inf and equal.p_t == 0.0
+    one = stats.paired([0.4], [0.5])
+    assert (
+        math.isnan(one.p_t)
+        and one.text() == "-0.100 (-0.100); no t-test (one seed), sign test p 1.00"
+    )
     with pytest.raises(ValueError, match="equal, non-empty"):
         stats.paired([1.0], [1.0, 2.0])
 
