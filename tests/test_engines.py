@@ -257,14 +257,20 @@ def test_masked_and_sequence_weights_scale_each_tokens_advantage(
     )
     trainer, module, recorder = fit(tmp_path, tiny_model_dir, max_steps=2, module=module)
     for rollout in recorder.rollouts:
+        sampled = rollout.attention_mask[:, rollout.prompt_length :].bool()  # every response token
         mask = rollout.response_mask
         ratios = torch.exp(-shifts(mask))
         if loss.engine_is_level == "sequence":
             product = torch.exp(-(shifts(mask) * mask).sum(-1, keepdim=True))
             weights = product.clamp(max=loss.engine_is_cap).expand_as(mask) * mask
+            assert torch.equal(mask, sampled)  # truncating keeps every token in the loss
         else:
             band = (ratios >= loss.engine_is_floor) & (ratios <= loss.engine_is_cap)
             weights = torch.where(band, ratios, 0.0) * mask
+            # a masked token leaves the loss: the response mask, the old rows and log-probs
+            assert torch.equal(mask, sampled & band) and bool((sampled & ~band).any())
+            assert rollout.old.indices.shape[0] == int(mask.sum())
+            assert bool((rollout.old_logprobs[~mask] == 0).all())
         kept = weights.sum(-1) > 0
         per_sequence = rollout.advantages.sum(-1) / weights.sum(-1).clamp_min(1e-12)
         torch.testing.assert_close(
@@ -290,6 +296,13 @@ def test_importance_weights_need_an_engine_that_samples_apart(tiny_model_dir):
         LossConfig(engine_is_cap=0.5)
     with pytest.raises(ValueError, match=r"engine_is_cap=2.0 .* the 'hf' engine samples with"):
         make_module(tiny_model_dir, loss=LossConfig(engine_is_cap=2.0, engine_is_mode="mask"))
+    # in a process of its own the HF engine still samples with the snapshot's weights
+    with pytest.raises(ValueError, match=r"the 'hf' engine \(in a process of its own\) samples"):
+        make_module(
+            tiny_model_dir,
+            rollout_engine_options={"process": True},
+            loss=LossConfig(engine_is_cap=2.0),
+        )
 
 
 def test_an_engine_for_one_process_is_refused_in_a_run_of_several():

@@ -17,7 +17,9 @@ MASK = torch.tensor([[True, True, True, True], [True, True, False, False]])
 
 
 def weights(**options):
-    got, figures = mismatch_weights(RATIOS.log(), MASK, **options)
+    got, stay, figures = mismatch_weights(RATIOS.log(), MASK, **options)
+    # the tokens that stay in the loss: all when truncating, the unmasked ones when masking
+    assert torch.equal(stay, MASK if options.get("mode", "truncate") == "truncate" else got > 0)
     return [[round(v, 6) for v in row] for row in got.tolist()], figures
 
 
@@ -52,8 +54,9 @@ def test_sequence_level_weighs_every_token_by_the_product_of_its_ratios():
 def test_a_sequence_whose_product_overflows_is_capped_or_masked_not_nan():
     log_ratio = torch.full((1, 200), 1.0)  # e^200 overflows float32
     mask = torch.ones(1, 200, dtype=torch.bool)
-    capped, _ = mismatch_weights(log_ratio, mask, 2.0, "sequence")
-    masked, figures = mismatch_weights(log_ratio, mask, 2.0, "sequence", "mask")
+    capped, _, _ = mismatch_weights(log_ratio, mask, 2.0, "sequence")
+    masked, stay, figures = mismatch_weights(log_ratio, mask, 2.0, "sequence", "mask")
+    assert not bool(stay.any())
     assert torch.equal(capped, torch.full((1, 200), 2.0))
     assert (
         torch.equal(masked, torch.zeros(1, 200)) and figures["rollout/engine_is_masked_frac"] == 1.0

@@ -131,6 +131,26 @@ def test_the_proximal_anchor_bounds_the_current_weights_and_weighs_the_stale_sam
     assert mean != pytest.approx(1.0, abs=1e-6)  # the sampler is stale: the weights moved
 
 
+def test_the_proximal_pass_reads_the_policy_without_dropout(tmp_path, tiny_model_dir):
+    """The proximal pass reads the policy as the snapshot samples it, in eval mode: with LoRA
+    dropout 0.5 and a sampler that is not stale, p_proximal = p_behaviour, so every weight is 1
+    (in train mode dropout made them random)."""
+    from lightning_troll.models.lora import LoraConfig
+    from lightning_troll.objectives import LossConfig
+
+    callbacks = [RolloutGeneration(log_samples=0), OldPolicyRefresh()]
+    trainer = make_trainer(tmp_path, 2, callbacks=callbacks, limit_val_batches=0)
+    module = make_module(
+        tiny_model_dir, lora=LoraConfig(dropout=0.5), loss=LossConfig(anchor="proximal")
+    )
+    torch.manual_seed(0)
+    with pytest.warns(UserWarning, match="max_staleness=0"):  # nothing to correct, as here
+        trainer.fit(module, datamodule=make_data(tiny_model_dir))
+    metrics = trainer.callback_metrics
+    assert float(metrics["rollout/proximal_is_weight_mean"]) == pytest.approx(1.0, abs=1e-6)
+    assert module.policy.training  # the pass gave the policy its train mode back
+
+
 def test_anchor_mistakes_are_named():
     from lightning_troll.objectives import LossConfig
 

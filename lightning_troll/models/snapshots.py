@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Literal
 
@@ -43,6 +43,7 @@ __all__ = [
     "Snapshot",
     "SnapshotConfig",
     "build_snapshot",
+    "evaluating",
     "frozen_copy",
     "module_bytes",
 ]
@@ -53,6 +54,18 @@ ADAPTER = "default"
 """The trainable LoRA adapter's name (peft's default)."""
 SNAPSHOT_ADAPTER = "snapshot"
 """The frozen LoRA adapter that samples."""
+
+
+@contextmanager
+def evaluating(model: nn.Module) -> Iterator[nn.Module]:
+    """``model`` in eval mode (no dropout) and without gradients; its mode comes back after."""
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield model
+    finally:
+        model.train(training)
 
 
 @dataclass(frozen=True)
@@ -176,15 +189,8 @@ class SharedSnapshot(Snapshot):
     def nbytes(self) -> int:
         return 0
 
-    @contextmanager
-    def behaviour(self) -> Iterator[nn.Module]:
-        training = self.model.training
-        self.model.eval()
-        try:
-            with torch.no_grad():
-                yield self.model
-        finally:
-            self.model.train(training)
+    def behaviour(self) -> AbstractContextManager[nn.Module]:
+        return evaluating(self.model)
 
 
 class AdapterSnapshot(Snapshot):
@@ -219,15 +225,12 @@ class AdapterSnapshot(Snapshot):
 
     @contextmanager
     def behaviour(self) -> Iterator[nn.Module]:
-        training = self.model.training
-        self.model.eval()
-        self.model.set_adapter(SNAPSHOT_ADAPTER, inference_mode=True)
-        try:
-            with torch.no_grad():
-                yield self.model
-        finally:
-            self.model.set_adapter(ADAPTER)  # the trainable adapter, trainable again
-            self.model.train(training)
+        with evaluating(self.model) as model:
+            model.set_adapter(SNAPSHOT_ADAPTER, inference_mode=True)
+            try:
+                yield model
+            finally:
+                model.set_adapter(ADAPTER)  # the trainable adapter, trainable again
 
 
 def build_snapshot(

@@ -11,7 +11,10 @@ With ``rho_t = pi_snapshot(y_t) / pi_engine(y_t)`` for each response token:
 - ``level: sequence``: the same on the sequence's ratio ``rho = prod_t rho_t`` (the product over
   its response tokens), one weight for every token of the completion.
 
-Each response token's advantage is multiplied by its weight; the options are checked by
+Each response token's advantage is multiplied by its weight. A masked token leaves the loss: it is
+taken out of the response mask, as ``loss.mask_truncated`` takes out a truncated completion, so it
+counts in no denominator, gets no gradient from any term (the regression, the reference KL, the
+entropy bonus) and is left out of the trust-region figures. The options are checked by
 :class:`~lightning_troll.objectives.options.LossConfig`. Nothing here imports Lightning.
 """
 
@@ -32,10 +35,11 @@ def mismatch_weights(
     level: Literal["token", "sequence"] = "token",
     mode: Literal["truncate", "mask"] = "truncate",
     floor: float | None = None,
-) -> tuple[Tensor, dict[str, float]]:
+) -> tuple[Tensor, Tensor, dict[str, float]]:
     """The weights ``(B, T)`` (0 outside ``mask``) for per-token log-ratios ``log_ratio``
-    ``(B, T)`` of the trainer's probability of each sampled token over the sampler's, and the
-    figures to log: ``rollout/engine_is_weight_mean`` (the mean weight over response tokens) and
+    ``(B, T)`` of the trainer's probability of each sampled token over the sampler's, the tokens
+    of ``mask`` that stay in the loss (all of them when truncating; those not masked otherwise),
+    and the figures to log: ``rollout/engine_is_weight_mean`` (the mean weight over response tokens) and
     ``rollout/engine_is_capped_frac`` (truncate: the share of response tokens whose weight is the
     cap) or ``rollout/engine_is_masked_frac`` (mask: the share of response tokens masked)."""
     if level == "sequence":  # one ratio per completion, on each of its tokens
@@ -45,11 +49,13 @@ def mismatch_weights(
     if mode == "truncate":
         weights = ratio.clamp(max=cap) * mask
         figures = {"rollout/engine_is_capped_frac": float(((weights >= cap) & mask).sum() / tokens)}
+        kept = mask
     else:
         keep = ratio <= cap
         if floor is not None:
             keep = keep & (ratio >= floor)
         weights = torch.where(keep, ratio, torch.zeros_like(ratio)) * mask
         figures = {"rollout/engine_is_masked_frac": float((~keep & mask).sum() / tokens)}
+        kept = keep & mask
     figures["rollout/engine_is_weight_mean"] = float(weights.sum() / tokens)
-    return weights, figures
+    return weights, kept, figures

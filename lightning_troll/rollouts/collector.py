@@ -18,6 +18,7 @@
 6. the **mismatch correction**: where the engine reports its own log-probs, their difference
    from the trainer's, and with ``loss.engine_is_cap`` importance weights on the advantages
    (truncated or masked, per token or per sequence: :mod:`lightning_troll.objectives.mismatch`);
+   masked tokens leave the loss mask;
 7. with ``loss.anchor: proximal`` (a stale sampler), the **proximal policy**: the current
    weights' log-probs and sparse rows replace the sampler's as the old policy, and the
    advantages take the truncated proximal-over-behaviour weight.
@@ -38,6 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_troll.models.sharding import gathered, is_sharded
+from lightning_troll.models.snapshots import evaluating
 from lightning_troll.objectives.mismatch import mismatch_weights
 from lightning_troll.objectives.options import LossConfig
 from lightning_troll.rewards.registry import RewardOutput
@@ -140,7 +142,14 @@ class RolloutCollector:
         advantages = self.advantages(kept.rewards)
         passes = clock(self.device)
         old_logprobs, old, ref_logprobs = self._teacher_forced(kept, response_mask)
-        token_advantages, engine = self._mismatch(kept, response_mask, advantages, old_logprobs)
+        token_advantages, engine, masked = self._mismatch(
+            kept, response_mask, advantages, old_logprobs
+        )
+        if masked is not None:  # masked importance sampling: the masked tokens leave the loss
+            old = None if old is None else old.select(masked[response_mask])
+            response_mask = masked
+            old_logprobs = old_logprobs * masked
+            ref_logprobs = None if ref_logprobs is None else ref_logprobs * masked
         if self.loss.anchor == "proximal":
             old_logprobs, old, token_advantages, figures = self._proximal(
                 kept, response_mask, token_advantages, old_logprobs
@@ -193,20 +202,21 @@ class RolloutCollector:
 
     def _mismatch(
         self, kept: Samples, response_mask: Tensor, advantages: Tensor, old_logprobs: Tensor
-    ) -> tuple[Tensor, dict[str, float]]:
-        """The engine's figures, and the advantages weighted per token (``(B, T)``) by the
+    ) -> tuple[Tensor, dict[str, float], Tensor | None]:
+        """The engine's figures, the advantages weighted per token (``(B, T)``) by the
         importance weights of ``loss.engine_is_*`` (:func:`mismatch_weights`) where the engine
-        reports its own log-probs; ``advantages`` as they are otherwise."""
+        reports its own log-probs (``advantages`` as they are otherwise), and with
+        ``engine_is_mode: mask`` the response tokens that stay in the loss (None otherwise)."""
         engine = dict(self.engine.figures())
         if kept.engine_logprobs is None:
-            return advantages, engine
+            return advantages, engine, None
         tokens = response_mask.sum().clamp_min(1)
         gap = (kept.engine_logprobs - old_logprobs).abs() * response_mask
         engine["rollout/engine_logprob_diff"] = float(gap.sum() / tokens)
         loss = self.loss
         if loss.engine_is_cap is None:
-            return advantages, engine
-        weights, figures = mismatch_weights(
+            return advantages, engine, None
+        weights, stay, figures = mismatch_weights(
             old_logprobs - kept.engine_logprobs,
             response_mask,
             loss.engine_is_cap,
@@ -214,7 +224,8 @@ class RolloutCollector:
             loss.engine_is_mode,
             loss.engine_is_floor,
         )
-        return advantages.unsqueeze(-1) * weights, {**engine, **figures}
+        masked = stay if loss.engine_is_mode == "mask" else None
+        return advantages.unsqueeze(-1) * weights, {**engine, **figures}, masked
 
     def _proximal(
         self, kept: Samples, response_mask: Tensor, advantages: Tensor, behaviour: Tensor
@@ -225,11 +236,12 @@ class RolloutCollector:
         ``min(p_proximal / p_behaviour, loss.anchor_is_cap)``."""
         inputs = (kept.input_ids, kept.attention_mask, response_mask, self.sampling.temperature)
         share = self.share_prompts and not is_sharded(self.policy)
-        proximal, rows = behaviour_outputs(
-            self.policy, *inputs, self.sparsify_old, self.logits_chunk_size, share
-        )
+        with evaluating(self.policy) as policy:  # no dropout: the policy as the snapshot samples
+            proximal, rows = behaviour_outputs(
+                policy, *inputs, self.sparsify_old, self.logits_chunk_size, share
+            )
         # the same truncated weight as the engine's token-level correction, under its own names
-        weights, engine_figures = mismatch_weights(
+        weights, _, engine_figures = mismatch_weights(
             proximal - behaviour, response_mask, self.loss.anchor_is_cap
         )
         figures = {k.replace("engine_is", "proximal_is"): v for k, v in engine_figures.items()}

@@ -103,7 +103,10 @@ class ProcessEngine(RolloutEngine):
                 f"{threads!r}"
             )
         self.inner, self.options, self.threads = inner, dict(options or {}), threads
-        build_engine(inner, replace(context, tokenizer=None), self.options)  # fails here, early
+        probe = build_engine(inner, replace(context, tokenizer=None), self.options)  # fails early
+        self.inner_samples_with_snapshot = probe.records_behaviour
+        """Whether the inner engine samples with the snapshot itself (``hf``), so that it
+        reports no log-probs of its own and the sampler's mismatch has nothing to correct."""
         self.version = 0
         """How many times weights were sent: names what the child holds (0: none yet)."""
         self.policy_version: int | None = None

@@ -45,11 +45,15 @@ def build_rollout_engine(
             "lora.load_in_4bit, or a base in float32/bfloat16"
         )
     engine = engine_in_a_process(name, context, options) or build_engine(name, context, options)
-    if loss.engine_is_cap is not None and engine.records_behaviour:
+    in_process = isinstance(engine, ProcessEngine)
+    with_snapshot = engine.inner_samples_with_snapshot if in_process else engine.records_behaviour
+    if loss.engine_is_cap is not None and with_snapshot:
+        where = " (in a process of its own)" if in_process else ""
         raise ValueError(
             f"model.loss.engine_is_cap={loss.engine_is_cap} corrects for an engine that samples "
-            f"apart from the snapshot, but the {engine.name!r} engine samples with the snapshot "
-            "itself; set it to null, or use rollout_engine 'vllm'"
+            f"apart from the snapshot, but the {name!r} engine{where} samples with the "
+            "snapshot's weights and reports no log-probs of its own; set it to null, or use "
+            "rollout_engine 'vllm'"
         )
     return engine
 
