@@ -42,6 +42,8 @@ class OldPolicyRefresh(Callback):
     policy, and the queue is emptied). Higher: the lag grows by one rollout at a time until it
     reaches ``s'``, as at a fresh run's start. A version that was never kept (a run that
     refreshed ``every_n_rollouts``) is replaced by the next one kept, or the current policy.
+    Another ``every_n_rollouts`` warns once too: the snapshot is refreshed whenever it lags that
+    many rollouts or more, at once if it already does.
 
     At the start of a fit it warns (once) when the configuration makes every optimiser step
     on-policy: one epoch, one minibatch per rollout and a refresh every rollout leave the policy
@@ -66,8 +68,9 @@ class OldPolicyRefresh(Callback):
         """The policy version the snapshot holds (the one that samples the next rollout)."""
         self._waiting: deque[tuple[int, dict[str, torch.Tensor]]] = deque()
         """The versions kept for the snapshot, oldest first (those after ``version``)."""
-        self._resumed_from: int | None = None
-        """The checkpoint's ``max_staleness``, until the resumed fit has applied this one's."""
+        self._resumed_from: dict[str, int] = {}
+        """The checkpoint's ``max_staleness`` and ``every_n_rollouts``, until the resumed fit has
+        applied this one's."""
 
     @override
     def on_train_batch_start(
@@ -94,7 +97,7 @@ class OldPolicyRefresh(Callback):
             return
         if version != self.version and engine.policy_version != version:
             weights = next(w for v, w in self._waiting if v == version)
-            engine.push(_named(pl_module.policy, weights), pl_module.device)
+            engine.push(_named(pl_module.policy, weights, pl_module.snapshot), pl_module.device)
             engine.policy_version = version
         engine.submit(
             upcoming.prompt_ids, collector.group_size, collector.sampling, collector.pad_id,
@@ -108,7 +111,7 @@ class OldPolicyRefresh(Callback):
         self.rollouts += 1
         if self.max_staleness:
             self._lagged(pl_module)
-        elif self.rollouts % self.every_n_rollouts == 0:
+        elif self.rollouts - self.version >= self.every_n_rollouts:
             self.refresh(pl_module)
             self.version = self.rollouts
 
@@ -143,17 +146,21 @@ class OldPolicyRefresh(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """A resumed run with another ``max_staleness``: the snapshot and the kept versions are
         brought to this one's (after Lightning has restored the weights and this state)."""
-        stored, self._resumed_from = self._resumed_from, None
+        stored, self._resumed_from = self._resumed_from, {}
         if self.max_staleness:
             if self.version < self.rollouts and not any(
                 v == self.rollouts for v, _ in self._waiting
             ):  # a run that refreshed every_n_rollouts kept none: the policy's weights are one
                 self._waiting.append((self.rollouts, _cpu_copy(pl_module.policy)))
             version = self._due(self.rollouts)
-        else:
-            version = self.rollouts if self._waiting else self.version
-        if stored is not None and stored != self.max_staleness:
-            rank_zero_warn(_staleness_change(self, stored, version))
+        else:  # the current policy, if versions were queued or a refresh is due
+            due = self._waiting or self.rollouts - self.version >= self.every_n_rollouts
+            version = self.rollouts if due else self.version
+        if stored.get("max_staleness", self.max_staleness) != self.max_staleness:
+            rank_zero_warn(_staleness_change(self, stored["max_staleness"], version))
+        every = stored.get("every_n_rollouts", self.every_n_rollouts)
+        if every != self.every_n_rollouts and not self.max_staleness:
+            rank_zero_warn(_every_change(self, stored["every_n_rollouts"], version))
         self._move_to(pl_module, version)
         if not self.max_staleness:
             self._waiting.clear()
@@ -225,6 +232,7 @@ class OldPolicyRefresh(Callback):
     def state_dict(self) -> dict[str, Any]:
         state = {"rollouts": self.rollouts, "refreshes": self.refreshes, "version": self.version}
         state["max_staleness"] = self.max_staleness
+        state["every_n_rollouts"] = self.every_n_rollouts
         if self._waiting:
             state["waiting"] = [{"version": v, "weights": w} for v, w in self._waiting]
         return state
@@ -238,7 +246,8 @@ class OldPolicyRefresh(Callback):
         self.version = state_dict.get("version", default)
         waiting = state_dict.get("waiting", [])
         self._waiting = deque((entry["version"], entry["weights"]) for entry in waiting)
-        self._resumed_from = state_dict.get("max_staleness")  # unknown in older checkpoints
+        keys = ("max_staleness", "every_n_rollouts")  # either unknown in older checkpoints
+        self._resumed_from = {key: state_dict[key] for key in keys if key in state_dict}
 
 
 def check_refresh(
@@ -283,6 +292,22 @@ def _option(options: Any, name: str, default: Any) -> Any:
     return getattr(options, name, default)
 
 
+def _every_change(refresh: OldPolicyRefresh, stored: int, version: int) -> str:
+    """The warning for a resume of ``refresh`` with another ``every_n_rollouts`` than the
+    checkpoint's ``stored``, before the snapshot moves to ``version``."""
+    head = f"old_policy.every_n_rollouts={refresh.every_n_rollouts} differs from the checkpoint's "
+    if version != refresh.version:
+        return head + (
+            f"{stored}: the snapshot moves at once from version {refresh.version} to the current "
+            f"policy (version {version}), which it lagged by {version - refresh.version} "
+            f"rollout{'s' if version - refresh.version != 1 else ''}"
+        )
+    return head + (
+        f"{stored}: the snapshot stays at version {refresh.version} and is refreshed once it lags "
+        f"{refresh.every_n_rollouts} rollouts"
+    )
+
+
 def _staleness_change(refresh: OldPolicyRefresh, stored: int, version: int) -> str:
     """The warning for a resume of ``refresh`` with another ``max_staleness`` than the checkpoint's
     ``stored``, before the snapshot moves to ``version``: what happens to the sampler."""
@@ -314,9 +339,12 @@ def _cpu_copy(policy: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu", copy=True) for k, v in policy.state_dict().items()}
 
 
-def _named(policy: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Stored weights under the names an engine takes (:func:`full_weights`: the parameters)."""
-    return {name: state[name] for name, _ in full_weights(policy)}
+def _named(policy: torch.nn.Module, state: dict[str, torch.Tensor], snapshot: Any) -> dict:
+    """Stored weights under the names an engine takes (:func:`full_weights`: the parameters), in
+    the snapshot's dtypes: the weights the snapshot holds once it loads them (a ``bfloat16``
+    snapshot rounds them), so that a rollout sampled ahead is sampled by the snapshot's weights."""
+    held = dict(snapshot.model.named_parameters(remove_duplicate=False))
+    return {name: state[name].to(held[name].dtype) for name, _ in full_weights(policy)}
 
 
 class _Weights:

@@ -65,16 +65,23 @@ class SamplerWeights(Callback):
 
 
 @pytest.mark.slow  # starts a Python process and trains
-@pytest.mark.parametrize("staleness", [1, 2])
+@pytest.mark.parametrize(("staleness", "dtype"), [(1, "same"), (2, "same"), (1, "bfloat16")])
 def test_the_next_rollout_is_sampled_ahead_by_the_stale_version(
-    tmp_path, tiny_model_dir, staleness
+    tmp_path, tiny_model_dir, staleness, dtype
 ):
     """Every rollout after the first is sampled ahead, while the one before it trained, by the
-    weights of the snapshot it then trains against (the version ``max_staleness`` behind)."""
+    weights of the snapshot it then trains against (the version ``max_staleness`` behind), as
+    the snapshot holds them: a bfloat16 snapshot's rounded weights."""
+    from lightning_troll.models.snapshots import SnapshotConfig
+
     seen = SamplerWeights()
     callbacks = [RolloutGeneration(log_samples=0), OldPolicyRefresh(max_staleness=staleness), seen]
     trainer = make_trainer(tmp_path, 5, callbacks=callbacks, limit_val_batches=0)
-    module = make_module(tiny_model_dir, rollout_engine_options={"process": True})
+    module = make_module(
+        tiny_model_dir,
+        rollout_engine_options={"process": True},
+        snapshot=SnapshotConfig(dtype=dtype),
+    )
     torch.manual_seed(0)
     try:
         trainer.fit(module, datamodule=make_data(tiny_model_dir))

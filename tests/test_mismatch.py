@@ -77,6 +77,8 @@ def test_a_sequence_whose_product_overflows_is_capped_or_masked_not_nan():
         ({"cap": 2.0, "mode": "mask", "floor": 1.5}, "model.loss.engine_is_floor must be in (0, 1] or null; got 1.5"),
         ({"cap": 2.0, "floor": 0.5}, "model.loss.engine_is_floor=0.5 masks the ratios below it, so it needs model.loss.engine_is_mode 'mask'"),
         ({"cap": None, "mode": "mask"}, "shape the weights of model.loss.engine_is_cap, which is null (off)"),
+        ({"cap": None, "floor": 0.5}, "which is null (off); got engine_is_level='token', engine_is_mode='truncate', engine_is_floor=0.5; set the cap"),
+        ({"cap": 2.0, "mode": "mask", "floor": True}, "model.loss.engine_is_floor must be in (0, 1] or null; got True"),
     ],
 )  # fmt: skip
 def test_option_mistakes_are_named(options, message):

@@ -169,6 +169,13 @@ def test_anchor_mistakes_are_named():
             match=rf"model.loss.anchor_is_cap must be a finite number >= 1; got {shown} ",
         ):
             LossConfig(anchor="proximal", anchor_is_cap=cap)
+    with pytest.raises(
+        ValueError,
+        match=r"model.loss.anchor_is_cap=5.0 caps the weight of model.loss.anchor 'proximal', "
+        r"but the anchor is 'behaviour', which has no such weight",
+    ):
+        LossConfig(anchor_is_cap=5.0)
+    assert LossConfig(anchor_is_cap=2.0).anchor == "behaviour"  # the default cap is no mistake
 
 
 def test_the_proximal_anchor_is_refused_on_the_dense_support_before_the_model_loads(
@@ -316,6 +323,31 @@ def test_a_resume_with_more_staleness_lets_the_lag_grow_one_rollout_at_a_time(
     )
     state = kept(tmp_path / "resumed" / "step=8.ckpt")
     assert [entry["version"] for entry in state["waiting"]] == [7, 8]
+
+
+@pytest.mark.parametrize(
+    ("every", "message", "logged"),
+    [
+        (1, "the snapshot moves at once from version 3 to the current policy (version 4), which it lagged by 1 rollout", [(4, 0), (5, 0)]),
+        (2, "the snapshot stays at version 3 and is refreshed once it lags 2 rollouts", [(3, 1), (5, 0), (5, 1)]),
+    ],
+)  # fmt: skip
+def test_a_resume_with_another_every_n_rollouts_refreshes_once_the_snapshot_lags_that_many(
+    tmp_path, tiny_model_dir, every, message, logged
+):
+    """Stopped after 4 rollouts refreshed every 3 (the snapshot holds version 3) and resumed
+    refreshing every 1 (or 2): the snapshot is refreshed whenever it lags that many rollouts, at
+    once if it already does, so no rollout is staler than the new setting allows; a warning
+    says so."""
+    run(tmp_path, tiny_model_dir, "first", 4, every_n_rollouts=3)
+    expected = f"every_n_rollouts={every} differs from the checkpoint's 3: {re.escape(message)}"
+    with pytest.warns(UserWarning, match=expected):
+        resumed = run(
+            tmp_path, tiny_model_dir, "resumed", 4 + len(logged),
+            tmp_path / "first" / "step=4.ckpt", every_n_rollouts=every,
+        )  # fmt: skip
+    assert resumed.logged == [(float(v), float(s)) for v, s in logged]
+    assert kept(tmp_path / "resumed" / f"step={4 + len(logged)}.ckpt")["every_n_rollouts"] == every
 
 
 def test_a_resume_from_every_n_rollouts_to_a_staleness_takes_the_next_version_kept(

@@ -104,8 +104,8 @@ class LossConfig:
     """What engine_is_cap weighs: each token by its own ratio (token), or every token of a
     completion by the product of its ratios (sequence)."""
     engine_is_mode: Literal["truncate", "mask"] = "truncate"
-    """truncate: a ratio above engine_is_cap counts as the cap (TIS); mask: a ratio above it (or
-    below engine_is_floor) weighs 0, the others their ratio (MIS)."""
+    """truncate: a ratio above engine_is_cap counts as the cap (TIS); mask: a token whose ratio
+    is above it (or below engine_is_floor) leaves the loss, the others keep their ratio (MIS)."""
     engine_is_floor: float | None = None
     """With engine_is_mode mask, ratios below this (in (0, 1]) are masked too: the two-sided band
     of IcePop; null: no lower bound."""
@@ -114,12 +114,13 @@ class LossConfig:
     """What the trust region (or the clip) is drawn around when the sampler is stale
     (old_policy.max_staleness): behaviour, the policy that sampled the rollout; proximal, the
     current weights before this rollout's update (one more forward pass per rollout), with each
-    token's advantage weighted by min(p_proximal / p_behaviour, anchor_is_cap), the decoupled
-    objective of AReaL. proximal takes trust_region.support union or official, not dense (the
-    dense support recomputes the old logits from the sampler's snapshot in the loss pass). Where
-    the sampler always holds the current weights (old_policy.max_staleness 0 and every_n_rollouts
-    1 with snapshot.dtype same, or snapshot.mode shared) the proximal policy is the sampler and
-    the weight is 1 up to rounding: the extra pass buys nothing (warned at the start of a fit)."""
+    token's advantage weighted by min(p_proximal / p_behaviour, anchor_is_cap): AReaL's
+    decoupled objective, truncating the weight at the cap where AReaL drops the tokens above it.
+    proximal takes trust_region.support union or official, not dense (the dense support
+    recomputes the old logits from the sampler's snapshot in the loss pass). Where the sampler
+    always holds the current weights (old_policy.max_staleness 0 and every_n_rollouts 1 with
+    snapshot.dtype same, or snapshot.mode shared) the proximal policy is the sampler and the
+    weight is 1 up to rounding: the extra pass buys nothing (warned at the start of a fit)."""
     anchor_is_cap: float = 2.0
     """With anchor proximal: the cap of the proximal-over-behaviour weight, a finite number >= 1."""
 
@@ -136,6 +137,13 @@ class LossConfig:
                 f"model.loss.anchor_is_cap must be a finite number >= 1; got {self.anchor_is_cap!r} "
                 "(the proximal-over-behaviour weight is always capped: a large cap such as 100 "
                 "hardly truncates it; 1 weighs every token at most 1)"
+            )
+        default = type(self).__dataclass_fields__["anchor_is_cap"].default
+        if self.anchor == "behaviour" and self.anchor_is_cap != default:
+            raise ValueError(
+                f"model.loss.anchor_is_cap={self.anchor_is_cap} caps the weight of "
+                "model.loss.anchor 'proximal', but the anchor is 'behaviour', which has no such "
+                "weight; set model.loss.anchor 'proximal' or leave the cap out"
             )
 
 
@@ -158,19 +166,20 @@ def check_engine_is(cap: float | None, level: str, mode: str, floor: float | Non
         )
     if mode not in IS_MODES:
         raise ValueError(f"model.loss.engine_is_mode must be one of {list(IS_MODES)}; got {mode!r}")
+    if cap is None and (level != "token" or mode != "truncate" or floor is not None):
+        raise ValueError(
+            "model.loss.engine_is_level, engine_is_mode and engine_is_floor shape the weights of "
+            f"model.loss.engine_is_cap, which is null (off); got engine_is_level={level!r}, "
+            f"engine_is_mode={mode!r}, engine_is_floor={floor!r}; set the cap"
+        )
     if floor is not None:
-        if not (isinstance(floor, int | float) and 0 < floor <= 1):
+        if isinstance(floor, bool) or not (isinstance(floor, int | float) and 0 < floor <= 1):
             raise ValueError(f"model.loss.engine_is_floor must be in (0, 1] or null; got {floor!r}")
         if mode != "mask":
             raise ValueError(
                 f"model.loss.engine_is_floor={floor} masks the ratios below it, so it needs "
                 f"model.loss.engine_is_mode 'mask'; got {mode!r}"
             )
-    if cap is None and (level != "token" or mode != "truncate" or floor is not None):
-        raise ValueError(
-            "model.loss.engine_is_level, engine_is_mode and engine_is_floor shape the weights of "
-            "model.loss.engine_is_cap, which is null (off); set the cap"
-        )
 
 
 def _finite_cap(cap: object) -> bool:
