@@ -14,8 +14,12 @@ import pytest
 import torch
 
 from lightning_troll.data.datamodule import PromptDataModule
+from lightning_troll.environments import Step
+from lightning_troll.environments.calls import TOOL_ERROR_KINDS
 from lightning_troll.environments.options import EpisodesConfig
+from lightning_troll.rollouts.episodes import Episode
 from lightning_troll.rollouts.forward import response_logits
+from lightning_troll.rollouts.multiturn import episode_figures
 from lightning_troll.rollouts.rollout import Rollout, SamplingConfig
 from lightning_troll.training.module import TrollModule
 from tests.test_training import make_module as training_module
@@ -240,3 +244,38 @@ def test_tools_and_the_environment_are_refused_before_the_model_loads(tmp_path):
     for episodes, option in wrong:
         with pytest.raises(ValueError, match=option):
             TrollModule(model=str(empty), rewards={}, episodes=episodes)
+
+
+def test_every_kind_of_tool_error_has_its_figure_at_zero_where_none_occurred():
+    """Figures are reduced over the processes name by name, so every process must log the same
+    names whatever its episodes met: a rollout without tool errors gives every kind's figure at
+    0, and one with errors gives each kind its count per episode (2 timeouts and 1 unknown tool
+    over 2 episodes: 1.0 and 0.5)."""
+    quiet = Episode([1], [5, 6], [1, 1], [0.0, 0.0], ["a"], [None], "done")
+    kinds = (
+        "malformed",
+        "unknown",
+        "bad_arguments",
+        "raised",
+        "timeout",
+        "unrenderable",
+        "crashed",
+    )
+    assert kinds == TOOL_ERROR_KINDS
+    names = [f"episodes/tool_errors_{kind}" for kind in kinds]
+    figures = episode_figures([quiet, quiet])
+    assert {name: figures[name] for name in names} == dict.fromkeys(names, 0.0)
+    noisy = dataclasses.replace(quiet, tool_calls=3, tool_errors={"timeout": 2, "unknown": 1})
+    figures = episode_figures([quiet, noisy])
+    expected = {**dict.fromkeys(names, 0.0), names[4]: 1.0, names[1]: 0.5}
+    assert {name: figures[name] for name in names} == expected
+    assert set(episode_figures([quiet])) == set(episode_figures([noisy]))
+
+
+def test_a_step_refuses_a_kind_of_tool_error_that_has_no_figure():
+    with pytest.raises(ValueError) as error:
+        Step(tool_errors={"mine": 1, "timeout": 1})
+    assert str(error.value) == (
+        "Step.tool_errors: 'mine' is not a kind of tool error; the kinds are malformed, unknown, "
+        "bad_arguments, raised, timeout, unrenderable, crashed"
+    )

@@ -224,18 +224,24 @@ FAILING_CALLS = [
     (ToolCall("unprintable", {"n": 1}), "raised",
      "Error: tool 'unprintable' raised Unprintable: (its message could not be written)"),
     (ToolCall("square_root", {"x": 4}), "unknown",
-     "Error: unknown tool 'square_root'; the tools are multiply, divide, make_set, sleep, "
-     "exit_worker, unprintable"),
+     "Error: unknown tool 'square_root'; the tools are multiply, divide, make_set, nested, "
+     "sleep, exit_worker, unprintable"),
     (ToolCall("multiply", {"a": 6}), "bad_arguments",
      "Error: tool 'multiply' got bad arguments: missing argument 'b'"),
     (ToolCall("make_set", {"n": 2}), "unrenderable",
-     "Error: tool 'make_set' returned a set, which is neither text nor JSON-serialisable (Object "
-     "of type set is not JSON serializable)"),
+     "Error: tool 'make_set' returned a set, which is neither text nor JSON-serialisable "
+     "(TypeError: Object of type set is not JSON serializable)"),
+    (ToolCall("nested", {"depth": 100_000}), "unrenderable",
+     "Error: tool 'nested' returned a list, which is neither text nor JSON-serialisable "
+     "(RecursionError: maximum recursion depth exceeded while encoding a JSON object)"),
     (MalformedCall("{", "is not JSON (Expecting property name at character 1)"), "malformed",
      'Error: the tool call is malformed: it is not JSON (Expecting property name at character '
      '1); write <tool_call>{"name": ..., "arguments": {...}}</tool_call>'),
 ]  # fmt: skip
-TOOLS = [H + n for n in ("multiply", "divide", "make_set", "sleep", "exit_worker", "unprintable")]
+TOOLS = [
+    H + n
+    for n in ("multiply", "divide", "make_set", "nested", "sleep", "exit_worker", "unprintable")
+]
 
 
 @pytest.mark.parametrize("workers", [0, 2])

@@ -62,6 +62,18 @@ def make_set(n: int) -> set:
     return set(range(n))
 
 
+def nested(depth: int) -> list:
+    """A list nested ``depth`` deep, past what the JSON encoder can write (100,000 is).
+
+    Args:
+        depth: How deep.
+    """
+    value: list = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
 def exit_worker(code: int) -> str:
     """End the process at once (a segfault, the OOM killer).
 

@@ -7,10 +7,14 @@ many chat templates render (Qwen2.5's among them)::
     {"name": "multiply", "arguments": {"a": 6, "b": 7}}
     </tool_call>
 
-one block per call, several in a turn if it likes. The block's text is a JSON object with a
-string ``"name"`` and an object ``"arguments"`` (given as a JSON string holding an object, as
-OpenAI's API writes them, it is read too; left out, it is ``{}``). A block that is not that is a
-:class:`MalformedCall`, and so is a ``<tool_call>`` never closed.
+one block per call. A turn makes one call: the episode loop ends every model turn at the end of
+its first ``</tool_call>`` (whatever the environment, one of your own included), so its results
+come back before the model writes anything more (:func:`parse_tool_calls` reads every block of
+a text it is given, as a :class:`~lightning_troll.environments.ToolEnvironment` called outside
+the loop may be). The block's text is a JSON object with a string ``"name"`` and an object
+``"arguments"`` (given as a JSON string holding an object, as OpenAI's API writes them, it is
+read too; left out, it is ``{}``). A block that is not that is a :class:`MalformedCall`, and so
+is a ``<tool_call>`` never closed.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, get_args
 
 from lightning_troll.environments.tools import render_result
 from lightning_troll.rewards.calls import describe, short
@@ -27,6 +31,7 @@ __all__ = [
     "TOOL_CALL_CLOSE",
     "TOOL_CALL_OPEN",
     "MalformedCall",
+    "TOOL_ERROR_KINDS",
     "ToolCall",
     "ToolErrorKind",
     "ToolOutcome",
@@ -36,7 +41,8 @@ __all__ = [
 
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
-"""The tags around one tool call; a model's turn that writes the closing tag stops there."""
+"""The tags around one tool call; a model's turn that writes the closing tag stops there (one
+call a turn)."""
 
 
 @dataclass(frozen=True)
@@ -106,7 +112,11 @@ ToolErrorKind = Literal[
 ]
 """Why a tool call gave the model an error message: a block that is not a call, a tool not
 listed, arguments that do not fit its schema, an exception, the timeout (``model.episodes.tool_timeout``),
-a result that is neither text nor JSON-serialisable, its worker process dying."""
+a result that cannot be rendered as text (neither text nor JSON-serialisable, or its rendering
+failed), its worker process dying."""
+
+TOOL_ERROR_KINDS: tuple[str, ...] = get_args(ToolErrorKind)
+"""Every kind of :data:`ToolErrorKind`, in order: the ``episodes/tool_errors_<kind>`` figures."""
 
 
 class ToolOutcome(NamedTuple):
@@ -122,8 +132,9 @@ class ToolOutcome(NamedTuple):
 
 def run_tool(function: Callable[..., Any], arguments: Mapping[str, Any]) -> ToolOutcome:
     """``function(**arguments)``, its result rendered; or an outcome whose ``problem`` says what
-    went wrong and whose ``kind`` is ``"raised"`` or ``"unrenderable"``. Runs in this process or
-    in a tool worker (:mod:`lightning_troll.environments.tool_workers`)."""
+    went wrong and whose ``kind`` is ``"raised"`` or ``"unrenderable"`` (whatever rendering the
+    result raised). Runs in this process or in a tool worker
+    (:mod:`lightning_troll.environments.tool_workers`)."""
     try:
         value = function(**arguments)
     except (Exception, SystemExit) as exc:  # a tool may raise anything, or call sys.exit

@@ -36,6 +36,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from lightning_troll.environments.calls import TOOL_ERROR_KINDS
 from lightning_troll.rewards.calls import as_float, describe
 from lightning_troll.rewards.lookup import load_by_import_path
 
@@ -113,8 +114,9 @@ class Step:
     tool_calls: int = 0
     """Tool calls the turn made (an environment that runs tools counts them)."""
     tool_errors: Mapping[str, int] = field(default_factory=dict)
-    """kind -> the turn's tool calls that failed that way
-    (:data:`~lightning_troll.environments.calls.ToolErrorKind`)."""
+    """kind -> the turn's tool calls that failed that way, each kind one of
+    :data:`~lightning_troll.environments.calls.TOOL_ERROR_KINDS` (each has its figure,
+    ``episodes/tool_errors_<kind>``)."""
 
     def __post_init__(self) -> None:
         if self.reward is not None and not is_finite_reward(self.reward):
@@ -125,6 +127,12 @@ class Step:
             check_messages(self.observation, "Step.observation (a string, messages or None)")
         if not isinstance(self.role, str):
             raise ValueError(f"Step.role must be a string; got {self.role!r}")
+        unknown = sorted(map(repr, set(self.tool_errors) - set(TOOL_ERROR_KINDS)))
+        if unknown:
+            raise ValueError(
+                f"Step.tool_errors: {', '.join(unknown)} is not a kind of tool error; the kinds "
+                f"are {', '.join(TOOL_ERROR_KINDS)}"
+            )
 
 
 class Environment:

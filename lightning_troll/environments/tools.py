@@ -29,6 +29,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_troll.rewards.calls import describe
 from lightning_troll.rewards.lookup import load_by_import_path
 
 __all__ = ["Tool", "check_arguments", "load_tool", "load_tools", "render_result", "tool_schema"]
@@ -158,13 +159,14 @@ def check_arguments(tool: Tool, arguments: Mapping[str, Any]) -> str | None:
 
 def render_result(value: Any) -> tuple[str | None, str | None]:
     """``(text, None)``: a string as it is, anything JSON-serialisable as JSON; ``(None,
-    problem)`` for a value that is neither."""
+    problem)`` for a value that is neither, or whose rendering raised anything at all (a
+    circular or too deeply nested structure, a subclass whose methods raise): it never raises."""
     if isinstance(value, str):
         return value, None
     try:
         return json.dumps(value, ensure_ascii=False), None
-    except (TypeError, ValueError) as exc:  # not serialisable, or a circular structure
+    except Exception as exc:  # noqa: BLE001 - not serialisable, circular, nested past the stack
         return None, (
             f"returned a {type(value).__name__}, which is neither text nor JSON-serialisable "
-            f"({exc})"
+            f"({describe(exc)})"
         )

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_troll.environments import EnvironmentFactory
+from lightning_troll.environments.calls import TOOL_ERROR_KINDS
 from lightning_troll.environments.options import EpisodesConfig
 from lightning_troll.environments.rendering import check_chat_template
 from lightning_troll.models.sharding import gathered
@@ -98,7 +99,10 @@ def last_turn(response_mask: Tensor, episodes: Sequence[Episode]) -> Tensor:
 
 def episode_figures(episodes: Sequence[Episode]) -> dict[str, float]:
     """What the episodes of a rollout did: turns, tool calls and their errors per episode, the
-    share that called a tool, and the share of each ending (``episodes/...``)."""
+    share that called a tool, and the share of each ending (``episodes/...``). Every ending and
+    every kind of tool error (:data:`~lightning_troll.environments.calls.TOOL_ERROR_KINDS`) has
+    its figure, 0 where none occurred, so that every process logs the same names (figures are
+    reduced over the processes name by name)."""
     n = max(len(episodes), 1)
     errors: Counter[str] = Counter()
     for episode in episodes:
@@ -111,7 +115,7 @@ def episode_figures(episodes: Sequence[Episode]) -> dict[str, float]:
     }
     figures.update({f"episodes/frac_end_{end}": sum(e.end == end for e in episodes) / n
                     for end in ENDINGS})  # fmt: skip
-    figures.update({f"episodes/tool_errors_{kind}": count / n for kind, count in errors.items()})
+    figures.update({f"episodes/tool_errors_{kind}": errors[kind] / n for kind in TOOL_ERROR_KINDS})
     return figures
 
 
