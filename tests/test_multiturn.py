@@ -17,10 +17,12 @@ from lightning_troll.data.datamodule import PromptDataModule
 from lightning_troll.environments import Step
 from lightning_troll.environments.calls import TOOL_ERROR_KINDS
 from lightning_troll.environments.options import EpisodesConfig
+from lightning_troll.rewards.registry import RewardOutput
 from lightning_troll.rollouts.episodes import Episode
 from lightning_troll.rollouts.forward import response_logits
 from lightning_troll.rollouts.multiturn import episode_figures
 from lightning_troll.rollouts.rollout import Rollout, SamplingConfig
+from lightning_troll.rollouts.samples import filled_rewards
 from lightning_troll.training.module import TrollModule
 from tests.test_training import make_module as training_module
 
@@ -279,3 +281,34 @@ def test_a_step_refuses_a_kind_of_tool_error_that_has_no_figure():
         "Step.tool_errors: 'mine' is not a kind of tool error; the kinds are malformed, unknown, "
         "bad_arguments, raised, timeout, unrenderable, crashed"
     )
+
+
+def test_a_dropped_reward_is_filled_from_the_whole_rewards_of_its_group():
+    """A group of three: the reward functions give 1, (dropped), 0.5 and the environment 0.25,
+    0.75, -0.5. The valid episodes' whole rewards are 1.25 and 0.0, so the dropped one takes
+    their mean, 0.625, and the group's mean stays 0.625: no one's advantage shifts. Filling from
+    the functions' rewards alone (0.75), then adding its own 0.75, would give 1.5."""
+    scored = RewardOutput(torch.tensor([1.0, 0.0, 0.5]), {}, torch.tensor([True, False, True]))
+    rewards = filled_rewards(scored, 3, torch.tensor([0.25, 0.75, -0.5]))
+    assert rewards.dtype == torch.float32 and rewards.tolist() == [1.25, 0.625, 0.0]
+
+
+def test_a_dropped_episode_shifts_no_advantage(tiny_model_dir):
+    """Episodes whose environment rewards each turn's length, in groups of 4; the reward
+    functions give 1, 0 (dropped), 0.5 and 0.25. The dropped episode's reward is the mean of
+    the three others' whole rewards, so its group's mean is theirs."""
+    module = make_module(tiny_model_dir, episodes=SCORED)
+    totals = torch.tensor([1.0, 0.0, 0.5, 0.25] * 2)
+    valid = torch.tensor([True, False, True, True] * 2)
+    scorer = lambda *args, **kwargs: RewardOutput(totals, {"f": totals}, valid)  # noqa: E731
+    torch.manual_seed(0)
+    _, report = dataclasses.replace(module.collector, scorer=scorer).collect(
+        a_batch(tiny_model_dir)
+    )
+    env = torch.tensor([_env_reward(e) for e in report.kept.episodes])
+    assert len(set(env.tolist())) > 1  # turns of several lengths
+    whole = (totals + env).view(2, 4)[:, [0, 2, 3]]  # (P, 3) the valid episodes'
+    rewards = report.kept.rewards.view(2, 4)
+    torch.testing.assert_close(rewards[:, [0, 2, 3]], whole, rtol=0, atol=1e-5)
+    torch.testing.assert_close(rewards[:, 1], whole.mean(-1), rtol=0, atol=1e-5)
+    torch.testing.assert_close(rewards.mean(-1), whole.mean(-1), rtol=0, atol=1e-5)

@@ -214,7 +214,9 @@ class EpisodeSampler:
         """A :class:`~lightning_troll.rollouts.collector.RolloutCollector`'s sampling round as
         episodes: ``collector.group_size`` per row of
         ``batch`` from its engine and behaviour policy, each scored on its final answer by the
-        reward functions (``collector.score``) plus the environment's rewards over its turns."""
+        reward functions (``collector.score``) plus the environment's rewards over its turns. An
+        episode whose reward was dropped (``model.reward_options.on_error: drop``) takes the mean
+        of its group's other episodes' whole rewards (:func:`filled_rewards`)."""
         group, engine = collector.group_size, collector.engine
         start = clock(collector.device)
         rows = [r for r in batch.rows for _ in range(group)]
@@ -232,7 +234,7 @@ class EpisodeSampler:
             attention_mask=sampled.attention_mask,
             response_mask=mask,
             truncated=sampled.truncated,
-            rewards=filled_rewards(scored, group) + sampled.env_rewards,
+            rewards=filled_rewards(scored, group, sampled.env_rewards),
             scored=scored,
             completions=answers,
             prompts=sampled.prompts,

@@ -149,10 +149,14 @@ class RolloutReport:
         return torch.cat([s.rewards for s in self.rounds])
 
 
-def filled_rewards(scored: RewardOutput, group: int) -> Tensor:
-    """(B,) float32 rewards; a dropped completion leaves the loss and, in its group, takes the
-    mean reward of the others, so it shifts no one's advantage."""
+def filled_rewards(scored: RewardOutput, group: int, env_rewards: Tensor | None = None) -> Tensor:
+    """(B,) float32 rewards: the reward functions' totals, plus ``env_rewards`` (B,) where given
+    (an episode's environment rewards). A dropped completion leaves the loss and, in its group,
+    takes the mean reward of the others (their whole rewards, the environment's included), so it
+    shifts no one's advantage."""
     rewards = scored.total.to(torch.float32)
+    if env_rewards is not None:
+        rewards = rewards + env_rewards.to(rewards)
     if bool(scored.valid.all()):
         return rewards
     grouped, ok = rewards.view(-1, group), scored.valid.view(-1, group)
