@@ -8,7 +8,13 @@ import re
 import pytest
 import torch
 
-from lightning_troll.environments import Environment, Step, ToolEnvironment, ToolRunner
+from lightning_troll.environments import (
+    Environment,
+    EnvironmentFactory,
+    Step,
+    ToolEnvironment,
+    ToolRunner,
+)
 from lightning_troll.environments.protocol import EnvironmentFailure
 from lightning_troll.rollouts.episodes import (
     EpisodeLimits,
@@ -408,6 +414,59 @@ def test_an_environment_that_raises_is_named_with_the_method_and_the_error():
     for environment, message in expected:
         with pytest.raises(EnvironmentFailure, match=re.escape(message)):
             run(environment())
+
+
+STRICT = (
+    "{% if messages[0].role == 'system' %}{{ raise_exception('System role not supported') }}"
+    "{% endif %}{% for message in messages %}{% if message.role == 'critic' %}"
+    "{{ raise_exception('no critics here') }}{% endif %}<|im_start|>{{ message.role }}\n"
+    "{{ message.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+"""ChatML whose template refuses a system message and a message of role ``critic``."""
+
+
+def test_an_environment_that_cannot_be_made_or_rendered_is_named_with_the_error():
+    """Making the environment (its class or its function) and rendering its episode through the
+    chat template (whose raise_exception raises jinja2's TemplateError, not a ValueError) fail
+    as its methods do: an EnvironmentFailure naming the environment, what failed and the error,
+    which a run stops on (last.ckpt saved, exit status 3)."""
+
+    class Unmade(tool_helpers.Countdown):
+        def __init__(self):
+            raise ConnectionError("the game server went away")
+
+    def unmade_game():
+        raise KeyError("seed")
+
+    class SystemStart(tool_helpers.Countdown):
+        def reset(self, row):
+            return [{"role": "system", "content": "Count."}, *super().reset(row)]
+
+    class Critic(tool_helpers.Countdown):
+        def step(self, turn):
+            return Step("Try again.", role="critic")
+
+    for make, message in [
+        (Unmade, "the environment Unmade could not be made: ConnectionError: the game server "
+         "went away"),
+        (unmade_game, "the environment unmade_game could not be made: KeyError: 'seed'"),
+    ]:  # fmt: skip
+        with pytest.raises(EnvironmentFailure) as error:
+            EnvironmentFactory(make)()
+        assert str(error.value) == message
+    tokenizer = chat_tokenizer(STRICT)
+    for environment, message in [
+        (SystemStart(), "the episode SystemStart.reset started: the chat template raised "
+         "TemplateError: System role not supported"),
+        (Critic(), "the reply of Critic.step: the chat template raised TemplateError: no "
+         "critics here"),
+    ]:  # fmt: skip
+        generate = Scripted(tokenizer, {"go": ["a<|im_end|>"] * 3})
+        with pytest.raises(EnvironmentFailure) as error:
+            run_episodes(generate, tokenizer, [environment], [{"prompt": "go", "turns": 2}],
+                         EpisodeLimits(3, 400), Stops((tokenizer.eos_token_id,)))  # fmt: skip
+        assert str(error.value) == message
 
 
 class PlainEmptyReplies(Environment):

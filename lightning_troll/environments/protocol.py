@@ -48,15 +48,17 @@ __all__ = [
     "check_messages",
     "is_finite_reward",
     "load_environment",
+    "make_environment",
 ]
 
 OPTION = "model.episodes.environment"
 
 
 class EnvironmentFailure(RuntimeError):
-    """An environment's ``reset``, ``step``, ``on_end`` or ``close`` raised, or returned what the
-    protocol does not allow, during an episode; the message names the environment and the method.
-    Nothing of the rollout it struck has trained, so a run saves its checkpoint and stops."""
+    """An environment could not be made, its ``reset``, ``step``, ``on_end`` or ``close`` raised
+    or returned what the protocol does not allow, or the chat template could not render its
+    episode; the message names the environment, what failed and the error. Nothing of the
+    rollout it struck has trained, so a run saves its checkpoint and stops."""
 
 
 def call_environment(environment: Any, method: str, *args: Any) -> Any:
@@ -69,6 +71,20 @@ def call_environment(environment: Any, method: str, *args: Any) -> Any:
     except Exception as error:  # an environment is a user's code: it may raise anything
         raise EnvironmentFailure(
             f"the environment {type(environment).__name__}.{method} raised {describe(error)}"
+        ) from error
+
+
+def make_environment(make: Callable[..., Any], *args: Any) -> Any:
+    """``make(*args)``, one episode's environment from its class or function; what it raises
+    becomes an :class:`EnvironmentFailure` that names it."""
+    try:
+        return make(*args)
+    except EnvironmentFailure:
+        raise
+    except Exception as error:  # as call_environment: a user's code
+        name = getattr(make, "__name__", type(make).__name__)
+        raise EnvironmentFailure(
+            f"the environment {name} could not be made: {describe(error)}"
         ) from error
 
 

@@ -34,7 +34,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_troll.environments.calls import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
-from lightning_troll.environments.protocol import check_messages
+from lightning_troll.environments.protocol import EnvironmentFailure, check_messages
+from lightning_troll.rewards.calls import describe
 
 __all__ = [
     "TOOL_RESPONSE_CLOSE",
@@ -44,6 +45,7 @@ __all__ = [
     "check_chat_template",
     "template_support",
     "tool_section",
+    "unrendered",
 ]
 
 TOOL_RESPONSE_OPEN = "<tool_response>"
@@ -110,6 +112,14 @@ def prompt_ids(tokenizer: Any, text: str) -> list[int]:
     bos = getattr(tokenizer, "bos_token", None)
     add = not (bos and text.startswith(bos))
     return list(tokenizer(text, add_special_tokens=add)["input_ids"])
+
+
+def unrendered(what: str, error: Exception) -> EnvironmentFailure:
+    """The failure to render ``what`` (an episode's start, an environment's reply): a refusal of
+    ours (a ``ValueError`` that names the option), or whatever the chat template raised (its
+    ``raise_exception`` raises ``jinja2.TemplateError``), named with its type."""
+    told = error if isinstance(error, ValueError) else f"the chat template raised {describe(error)}"
+    return EnvironmentFailure(f"{what}: {told}")
 
 
 def check_chat_template(tokenizer: Any, tools: bool) -> None:

@@ -18,6 +18,7 @@ from lightning_troll.environments.protocol import (
     Step,
     call_environment,
     load_environment,
+    make_environment,
 )
 from lightning_troll.environments.tool_workers import ToolResult, ToolRunner, count_errors
 
@@ -141,8 +142,9 @@ class EnvironmentFactory:
         """The tools and their workers; None without tools."""
 
     def __call__(self) -> Environment:
-        """A fresh environment for one episode."""
-        return self.make(self.runner) if self.runner is not None else self.make()
+        """A fresh environment for one episode; an :class:`EnvironmentFailure` naming it where
+        making it raises."""
+        return make_environment(self.make, *(() if self.runner is None else (self.runner,)))
 
     def close(self) -> None:
         """Stops the tool workers, if any."""

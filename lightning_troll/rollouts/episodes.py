@@ -44,6 +44,7 @@ from lightning_troll.environments.protocol import (
     call_environment,
     is_finite_reward,
 )
+from lightning_troll.environments.rendering import unrendered
 from lightning_troll.rollouts.behaviour import BehaviourRecorder
 from lightning_troll.rollouts.rollout import SamplingConfig, sample
 
@@ -200,9 +201,9 @@ class _Running:
         start = call_environment(environment, "reset", row)
         try:
             self.conversation = Conversation(tokenizer, start, schemas)
-        except ValueError as error:
-            raise EnvironmentFailure(f"the episode {self.name}.reset started: {error}") from error
-        self.prompt_ids = self.conversation.prompt_ids
+            self.prompt_ids = self.conversation.prompt_ids
+        except Exception as error:  # a start the protocol refuses, or the template raised
+            raise unrendered(f"the episode {self.name}.reset started", error) from error
         self.last_turn_start = 0
         """Where the latest model turn starts in :attr:`tokens`."""
         self.tokens: list[int] = []
@@ -256,8 +257,8 @@ class _Running:
             reply = self.conversation.reply_ids(
                 self.texts[-1], self.closing, step.observation, step.role
             )
-        except ValueError as error:
-            raise EnvironmentFailure(f"the reply of {self.name}.step: {error}") from error
+        except Exception as error:  # a reply the protocol refuses, or the template raised
+            raise unrendered(f"the reply of {self.name}.step", error) from error
         if len(reply) >= self.room(limits):  # the reply, and one token of the next turn
             self.end = "max_tokens"
             return
