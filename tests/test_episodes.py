@@ -166,6 +166,31 @@ def test_the_token_budget_ends_an_episode_before_a_reply_without_room_after_it()
     assert generate.asked[1][1] == [1]
 
 
+def test_an_episode_ended_before_a_reply_holds_no_message_the_model_did_not_read():
+    """The budget has no room for the tool's result after the first turn: the conversation ends
+    at that turn (system, user, the assistant's call), with neither the result the model never
+    read nor the turn twice. With room, the result and the second turn follow."""
+    tokenizer = chat_tokenizer()
+    first, reply = encode(tokenizer, FIRST), encode(tokenizer, REPLY)
+    _, _, (cut,) = tool_episode(len(first) + len(reply))
+    _, _, (whole,) = tool_episode()
+    assert [m["role"] for m in whole.messages] == [
+        "system",
+        "user",
+        "assistant",
+        "user",
+        "assistant",
+    ]
+    assert whole.messages[3]["content"] == "<tool_response>\n42\n</tool_response>"
+    assert whole.messages[2:5:2] == [
+        {"role": "assistant", "content": FIRST},
+        {"role": "assistant", "content": "It is 42."},
+    ]
+    assert cut.messages == whole.messages[:3]
+    rendered = tokenizer.apply_chat_template(cut.messages, tokenize=False)
+    assert rendered.endswith("<|im_start|>assistant\n" + FIRST + "<|im_end|>\n")
+
+
 class Judged(tool_helpers.Countdown):
     """A countdown that hears how the loop ended its episode and prices it, and records the
     order of the calls it gets at the end."""

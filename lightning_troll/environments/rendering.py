@@ -41,6 +41,7 @@ __all__ = [
     "TOOL_RESPONSE_CLOSE",
     "TOOL_RESPONSE_OPEN",
     "Conversation",
+    "Reply",
     "TemplateSupport",
     "check_chat_template",
     "template_support",
@@ -56,6 +57,19 @@ Message = dict[str, Any]
 
 _SENTINEL = "\ue000"
 """A private-use character standing for an assistant turn's content, to find where it ends."""
+
+
+@dataclass(frozen=True)
+class Reply:
+    """An environment's reply, as :meth:`Conversation.reply` renders it."""
+
+    text: str
+    """What the template writes between the model's turn and its next one."""
+    ids: list[int]
+    """``text``'s tokens (no special tokens added): the environment's, mask 0."""
+    messages: list[Message]
+    """The model's turn and the reply's messages, which :meth:`Conversation.add` appends (none
+    in a plain-text conversation)."""
 
 
 @dataclass(frozen=True)
@@ -216,20 +230,22 @@ class Conversation:
                 results["content"] += "\n" + block
         return merged
 
-    def reply_text(
+    def reply(
         self,
         content: str,
         closing: str,
         observation: str | Sequence[Mapping[str, Any]] | None,
         role: str = "user",
-    ) -> str:
-        """The text between the model's turn and its next one, and the conversation moved on.
+    ) -> Reply:
+        """What the environment's reply puts between the model's turn and its next one; the
+        conversation stays as it was until :meth:`add` takes the reply (an episode whose budget
+        has no room for it ends without it).
 
         ``content`` is the model's turn as text, its final stop token left out; ``closing`` that
         stop token's text (``""`` when a stop string ended the turn)."""
         replies = self.observation_messages(observation, role)
         if self.plain:
-            return "".join(str(m["content"]) for m in replies)
+            return self._reply("".join(str(m["content"]) for m in replies), [])
         turn = {"role": "assistant", "content": content}
         close = self._turn_close(closing)
         closed = self.render([*self.messages, turn], generation_prompt=False)
@@ -241,8 +257,16 @@ class Conversation:
                 "that drop past reasoning do), so the reply cannot be told apart as tokens; use a "
                 "template that leaves past turns as they were"
             )
-        self.messages += [turn, *replies]
-        return close + following[len(closed) :]
+        return self._reply(close + following[len(closed) :], [turn, *replies])
+
+    def _reply(self, text: str, messages: list[Message]) -> Reply:
+        ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
+        return Reply(text, ids, messages)
+
+    def add(self, reply: Reply) -> None:
+        """Moves the conversation on by ``reply`` (the model's turn and the environment's
+        messages)."""
+        self.messages += reply.messages
 
     def _turn_close(self, closing: str) -> str:
         """What the template writes after the next assistant turn's content that the model did
@@ -253,6 +277,18 @@ class Conversation:
         close = rendered[rendered.rindex(_SENTINEL) + len(_SENTINEL) :]
         return close[len(closing) :] if closing and close.startswith(closing) else close
 
+    def reply_text(
+        self,
+        content: str,
+        closing: str,
+        observation: str | Sequence[Mapping[str, Any]] | None,
+        role: str = "user",
+    ) -> str:
+        """:meth:`reply`'s text, the conversation moved on by it."""
+        reply = self.reply(content, closing, observation, role)
+        self.add(reply)
+        return reply.text
+
     def reply_ids(
         self,
         content: str,
@@ -260,6 +296,7 @@ class Conversation:
         observation: str | Sequence[Mapping[str, Any]] | None,
         role: str = "user",
     ) -> list[int]:
-        """:meth:`reply_text` as tokens (no special tokens added)."""
-        text = self.reply_text(content, closing, observation, role)
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
+        """:meth:`reply`'s tokens (no special tokens added), the conversation moved on by it."""
+        reply = self.reply(content, closing, observation, role)
+        self.add(reply)
+        return reply.ids

@@ -137,8 +137,9 @@ class Episode:
     tool_errors: dict[str, int] = field(default_factory=dict)
     """kind -> tool calls that failed that way over the episode."""
     messages: list[dict[str, Any]] = field(default_factory=list)
-    """The conversation: the prompt's messages, every model turn (its text) and every reply
-    (empty for a plain-text episode)."""
+    """The conversation: the prompt's messages, every model turn (its text) and every reply the
+    model read, each once (a reply that did not fit the budget is left out; empty for a
+    plain-text episode)."""
     last_turn_start: int = 0
     """Where the last model turn (the final answer) starts in ``token_ids``: known from the turns
     themselves, not from the environment's tokens, which an empty reply leaves out."""
@@ -254,17 +255,18 @@ class _Running:
             self.end = "max_turns"
             return
         try:
-            reply = self.conversation.reply_ids(
+            reply = self.conversation.reply(
                 self.texts[-1], self.closing, step.observation, step.role
             )
         except Exception as error:  # a reply the protocol refuses, or the template raised
             raise unrendered(f"the reply of {self.name}.step", error) from error
-        if len(reply) >= self.room(limits):  # the reply, and one token of the next turn
+        if len(reply.ids) >= self.room(limits):  # the reply, and one token of the next turn
             self.end = "max_tokens"
-            return
-        self.tokens += reply
-        self.mask += [0] * len(reply)
-        self.logprobs += [0.0] * len(reply)
+            return  # the model never read the reply: the conversation ends at its turn
+        self.conversation.add(reply)
+        self.tokens += reply.ids
+        self.mask += [0] * len(reply.ids)
+        self.logprobs += [0.0] * len(reply.ids)
 
     def finish(self) -> None:
         """Ends the episode with its environment: ``on_end(end)``, where it has one, hears an end
