@@ -41,6 +41,13 @@ def used_the_budget(
     return float(completion_tokens >= max_new_tokens)
 
 
+def token_count(
+    prompt: str, completion: str, row: Mapping[str, Any], *, completion_tokens: int
+) -> float:
+    """The ``completion_tokens`` the scorer passed (an episode's: its whole response)."""
+    return float(completion_tokens)
+
+
 def constant(prompt: str, completion: str, row: Mapping[str, Any]) -> float:
     """0.5 whatever the completion: every group is without spread."""
     return 0.5

@@ -154,11 +154,12 @@ def test_the_token_budget_cuts_a_turn_and_the_environment_is_not_asked():
 
 def test_the_token_budget_ends_an_episode_before_a_reply_without_room_after_it():
     """The reply would fill the budget exactly, leaving the next turn no token: the episode ends
-    after the model's turn. One token more, and the next turn gets that one token."""
+    after the model's turn, cut off by the budget, so truncated (neither the environment nor a
+    final answer ended it). One token more, and the next turn gets that one token."""
     tokenizer = chat_tokenizer()
     first, reply = encode(tokenizer, FIRST), encode(tokenizer, REPLY)
     _, _, (episode,) = tool_episode(len(first) + len(reply))
-    assert (episode.end, episode.truncated, episode.token_ids) == ("max_tokens", False, first)
+    assert (episode.end, episode.truncated, episode.token_ids) == ("max_tokens", True, first)
     assert episode.tool_calls == 1  # the environment was asked
     _, generate, (episode,) = tool_episode(len(first) + len(reply) + 1)
     assert (episode.end, episode.truncated) == ("max_tokens", True)

@@ -17,6 +17,7 @@ from lightning_troll.data.datamodule import PromptDataModule
 from lightning_troll.environments import Step
 from lightning_troll.environments.calls import TOOL_ERROR_KINDS
 from lightning_troll.environments.options import EpisodesConfig
+from lightning_troll.objectives import LossConfig
 from lightning_troll.rewards.registry import RewardOutput
 from lightning_troll.rollouts.episodes import Episode
 from lightning_troll.rollouts.forward import response_logits
@@ -312,3 +313,30 @@ def test_a_dropped_episode_shifts_no_advantage(tiny_model_dir):
     torch.testing.assert_close(rewards[:, [0, 2, 3]], whole, rtol=0, atol=1e-5)
     torch.testing.assert_close(rewards[:, 1], whole.mean(-1), rtol=0, atol=1e-5)
     torch.testing.assert_close(rewards.mean(-1), whole.mean(-1), rtol=0, atol=1e-5)
+
+
+def test_an_episode_counts_its_whole_response_against_the_budget(tiny_model_dir):
+    """``completion_tokens`` (what the ``overlong`` penalty reads) is an episode's response
+    length, the model's and the environment's tokens, which share the budget
+    ``max_new_tokens``: in training and in validation alike. An episode the budget cut off is
+    truncated, and with ``mask_truncated`` leaves the loss."""
+    from lightning_troll.training import validation
+
+    module = make_module(
+        tiny_model_dir,
+        episodes=THREE_TURNS,
+        rewards={"tests.reward_helpers:token_count": 1.0},
+        loss=LossConfig(mask_truncated=True),
+    )
+    batch = a_batch(tiny_model_dir)
+    rollout, report = collect(module, batch)
+    episodes = report.kept.episodes
+    assert report.kept.scored.total.tolist() == [float(len(e.token_ids)) for e in episodes]
+    assert any(sum(e.mask) < len(e.token_ids) for e in episodes)  # the replies count too
+    cut = [e.end == "max_tokens" for e in episodes]
+    assert report.kept.truncated.tolist() == cut and any(cut)
+    assert not rollout.response_mask[torch.tensor(cut)].any()
+    greedy = validation._answers(module, batch, 1, do_sample=False)
+    generate = validation.sampled_turns(module.policy, module.sampling, 0, do_sample=False)
+    played = module.episodes.sample(generate, list(batch.rows), 0, module.device)
+    assert greedy.total.tolist() == [float(len(e.token_ids)) for e in played.episodes]

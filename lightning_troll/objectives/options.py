@@ -91,9 +91,9 @@ class LossConfig:
     entropy_coef: float = 0.0
     """Weight of an entropy bonus; 0 switches it off."""
     mask_truncated: bool = False
-    """Leave completions that hit sampling.max_new_tokens without EOS out of the loss (TRL's
-    mask_truncated_completions, DAPO's overlong filtering); their rewards still count in their
-    group's baseline."""
+    """Leave completions that hit sampling.max_new_tokens without EOS (episodes: those the token
+    budget cut off) out of the loss (TRL's mask_truncated_completions, DAPO's overlong
+    filtering); their rewards still count in their group's baseline."""
     engine_is_cap: float | None = None
     """Importance weights for a rollout engine that samples apart from the trainer
     (model.rollout_engine: vllm): each response token's advantage is multiplied by

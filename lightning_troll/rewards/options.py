@@ -4,7 +4,8 @@ timeout), the per-completion keywords the scorer passes, logging tags, and the l
 ``overlong`` penalty.
 
 Besides ``(prompt, completion, row)`` a reward function may take the keyword-only parameters
-``completion_tokens`` (the tokens generated for this completion, EOS included) and
+``completion_tokens`` (the tokens generated for this completion, EOS included; with
+``model.episodes``, the episode's whole response, the environment's tokens included) and
 ``max_new_tokens`` (the budget): the scorer passes them to a function whose signature names them.
 Further keyword parameters are bound from the configuration (``model.reward_options.kwargs``,
 e.g. ``{overlong: {buffer: 256}}``). A function may carry a ``check`` attribute, called with those

@@ -15,8 +15,9 @@ episode ends:
 - ``"done"``: the environment said so (a :class:`ToolEnvironment` turn without a tool call);
 - ``"max_turns"``: the model took ``model.episodes.max_turns`` turns;
 - ``"max_tokens"``: the token budget (model and environment tokens after the prompt) ran out,
-  inside a model turn (``truncated``) or before the environment's reply could be added whole
-  with room for one more token.
+  inside a model turn or before the environment's reply could be added whole with room for one
+  more token. Either way the episode is ``truncated``: cut off, it ended neither at the
+  environment's word nor at a final answer of the model's.
 
 At the last two, the environment's ``on_end(end)`` (where it defines one) may add a reward to the
 last turn's; then its ``close()`` runs.
@@ -130,8 +131,6 @@ class Episode:
     """The environment's reward for each model turn (None where it gave none)."""
     end: str
     """Why it ended: one of :data:`ENDINGS`."""
-    truncated: bool = False
-    """The last model turn ran out of tokens before a stop."""
     tool_calls: int = 0
     """Tool calls made over the episode."""
     tool_errors: dict[str, int] = field(default_factory=dict)
@@ -147,6 +146,12 @@ class Episode:
     @property
     def turns(self) -> int:
         return len(self.turn_texts)
+
+    @property
+    def truncated(self) -> bool:
+        """The token budget cut the episode off (``end`` is ``"max_tokens"``): inside a model
+        turn, or before a reply that did not fit; ``model.loss.mask_truncated`` leaves it out."""
+        return self.end == "max_tokens"
 
 
 def _decode(tokenizer: Any, ids: Sequence[int]) -> str:
@@ -214,7 +219,6 @@ class _Running:
         self.rewards: list[float | None] = []
         self.closing = ""
         self.end: str | None = None
-        self.truncated = False
         self.tool_calls = 0
         self.tool_errors: Counter[str] = Counter()
 
@@ -235,7 +239,7 @@ class _Running:
         self.closing = _decode(self.tokenizer, ids[-1:]) if closed else ""
         if not stopped:
             self.rewards.append(None)
-            self.end, self.truncated = "max_tokens", True
+            self.end = "max_tokens"
         return stopped
 
     def answer(self, step: Step, limits: EpisodeLimits) -> None:
@@ -261,7 +265,7 @@ class _Running:
         except Exception as error:  # a reply the protocol refuses, or the template raised
             raise unrendered(f"the reply of {self.name}.step", error) from error
         if len(reply.ids) >= self.room(limits):  # the reply, and one token of the next turn
-            self.end = "max_tokens"
+            self.end = "max_tokens"  # cut off: truncated, as inside a turn
             return  # the model never read the reply: the conversation ends at its turn
         self.conversation.add(reply)
         self.tokens += reply.ids
@@ -293,7 +297,7 @@ class _Running:
             messages.append({"role": "assistant", "content": self.texts[-1]})
         return Episode(
             self.prompt_ids, self.tokens, self.mask, self.logprobs, self.texts, self.rewards,
-            str(self.end), self.truncated, self.tool_calls, dict(self.tool_errors), messages,
+            str(self.end), self.tool_calls, dict(self.tool_errors), messages,
             self.last_turn_start,
         )  # fmt: skip
 

@@ -130,7 +130,8 @@ class SampledEpisodes:
     response_mask: Tensor
     """(B, T) bool, True at the model's own tokens."""
     truncated: Tensor
-    """(B,) bool, True where the last turn ran out of tokens before a stop."""
+    """(B,) bool, True where the token budget cut the episode off (inside a turn, or before a
+    reply that did not fit)."""
     engine_logprobs: Tensor | None
     """(B, T) the engine's log-probs of the model's tokens (0 elsewhere), where it reports them."""
     prompts: list[str]
@@ -138,6 +139,12 @@ class SampledEpisodes:
     env_rewards: Tensor
     """(B,) float32 the environment's rewards summed over the episode's turns."""
     episodes: list[Episode]
+
+    @property
+    def budget_mask(self) -> Tensor:
+        """(B, T) 1 at every response token, the model's and the environment's: what the token
+        budget counts, and what ``completion_tokens`` (the ``overlong`` penalty) counts."""
+        return self.attention_mask[:, -self.response_mask.shape[1] :]
 
 
 def environment_factory(config: EpisodesConfig) -> EnvironmentFactory:
@@ -228,7 +235,7 @@ class EpisodeSampler:
         seconds = clock(collector.device) - start
         mask, device = sampled.response_mask, sampled.input_ids.device
         answers = self.answers(sampled, collector.decode)
-        scored = collector.score(sampled.prompts, answers, rows, mask, device)
+        scored = collector.score(sampled.prompts, answers, rows, sampled.budget_mask, device)
         return Samples(
             input_ids=sampled.input_ids,
             attention_mask=sampled.attention_mask,

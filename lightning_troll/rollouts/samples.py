@@ -35,7 +35,8 @@ class Samples:
     response_mask: Tensor
     """(B, T) bool, response tokens up to and including the first EOS (nothing masked out yet)."""
     truncated: Tensor
-    """(B,) bool, True where the completion hit the token budget without an EOS."""
+    """(B,) bool, True where the completion hit the token budget without an EOS (an episode: where
+    the budget cut it off)."""
     rewards: Tensor
     """(B,) float32 total reward; a dropped completion has its group's mean over the valid ones."""
     scored: RewardOutput

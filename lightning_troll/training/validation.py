@@ -123,7 +123,7 @@ def _episode_answers(module: Any, batch: Any, group: int, do_sample: bool) -> Re
         rewards = sampled.env_rewards.cpu()
         return RewardOutput(rewards, {}, torch.ones_like(rewards, dtype=torch.bool))
     answers = episodes.answers(sampled, module.policies.decode)
-    tokens = sampled.response_mask.sum(-1).tolist()  # the model's tokens, stop tokens included
+    tokens = sampled.budget_mask.sum(-1).tolist()  # the model's and the environment's tokens
     return module.scorer(
         sampled.prompts, answers, rows, tokens, module.sampling.max_new_tokens, device=module.device
     )
