@@ -19,6 +19,7 @@ from lightning_troll.callbacks.samples import (
 from lightning_troll.data.prompts import PromptBatch, draw_prompts
 from lightning_troll.environments.protocol import EnvironmentFailure
 from lightning_troll.rewards.calls import RewardError
+from lightning_troll.rollouts.multiturn import behaviour_logprobs_warning
 from lightning_troll.rollouts.timing import clock
 from lightning_troll.training.faults import EpisodeFault, RewardFault
 
@@ -34,7 +35,9 @@ class RolloutGeneration(Callback):
     each training step, draws dynamic sampling's extra prompts from the training prompts, hands
     the rollout to the module (``model.rollout``), and logs the figures of
     :func:`~lightning_troll.callbacks.samples.log_rollout`, a table of samples and
-    ``time/iteration`` (the rollout and its optimiser steps, validation not counted).
+    ``time/iteration`` (the rollout and its optimiser steps, validation not counted). At the
+    start of a fit it warns once where ``model.behaviour_logprobs: sampling`` cannot apply
+    (``model.episodes``).
 
     Args:
         log_samples: completions shown per rollout in the samples table (every logger); 0
@@ -58,7 +61,13 @@ class RolloutGeneration(Callback):
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if stage != "fit" or not getattr(pl_module, "dynamic_sampling", False):
+        if stage != "fit":
+            return
+        if getattr(pl_module, "episodes", None) is not None:
+            message = behaviour_logprobs_warning(getattr(pl_module, "behaviour_logprobs", "auto"))
+            if message is not None:
+                rank_zero_warn(message)
+        if not getattr(pl_module, "dynamic_sampling", False):
             return
         data = trainer.datamodule
         if not (hasattr(data, "train_items") and hasattr(data, "seed")):

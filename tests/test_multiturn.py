@@ -57,7 +57,10 @@ def collect(module: TrollModule, batch, seed: int = 0):
 
 def test_an_episode_of_one_turn_is_the_single_turn_rollout(tiny_model_dir):
     """Bit for bit: the same tokens, masks, behaviour log-probs, sparse old rows, rewards and
-    advantages as a rollout without episodes, from the same seed."""
+    advantages as a rollout without episodes, from the same seed, when both take the behaviour
+    log-probs from a teacher-forced pass (make_module's ``behaviour_logprobs: forward``; under
+    ``auto`` in float32 the single-turn rollout records them while sampling instead, and the
+    two agree up to float rounding)."""
     batch = a_batch(tiny_model_dir)
     plain, _ = collect(make_module(tiny_model_dir), batch)
     episodic, report = collect(make_module(tiny_model_dir, episodes=ONE_TURN), batch)
@@ -340,3 +343,32 @@ def test_an_episode_counts_its_whole_response_against_the_budget(tiny_model_dir)
     generate = validation.sampled_turns(module.policy, module.sampling, 0, do_sample=False)
     played = module.episodes.sample(generate, list(batch.rows), 0, module.device)
     assert greedy.total.tolist() == [float(len(e.token_ids)) for e in played.episodes]
+
+
+def test_sampling_behaviour_logprobs_with_episodes_warn_once_at_the_start_of_a_fit():
+    """Episodes take their behaviour log-probs from a teacher-forced pass whatever
+    ``model.behaviour_logprobs`` says: ``sampling`` warns once, as the fit starts; ``auto`` and
+    ``forward`` with episodes, and ``sampling`` without, do not."""
+    import warnings
+    from types import SimpleNamespace
+
+    from lightning_troll.callbacks import RolloutGeneration
+
+    def setup(episodes, behaviour_logprobs):
+        module = SimpleNamespace(
+            episodes=episodes, behaviour_logprobs=behaviour_logprobs, dynamic_sampling=False
+        )
+        RolloutGeneration().setup(None, module, "fit")
+
+    with pytest.warns(UserWarning) as record:
+        setup(object(), "sampling")
+    assert [str(w.message) for w in record] == [
+        "model.behaviour_logprobs='sampling' does not apply to model.episodes: an episode's "
+        "behaviour log-probs come from one teacher-forced pass of the snapshot over the whole "
+        "episode once it is played, as with 'forward'; set model.behaviour_logprobs to 'forward' "
+        "or 'auto'"
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for episodes, option in [(object(), "auto"), (object(), "forward"), (None, "sampling")]:
+            setup(episodes, option)

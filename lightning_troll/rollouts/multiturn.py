@@ -8,8 +8,9 @@ model talks to tools or an environment instead of writing one completion.
 left padded), then the model's turns and the environment's replies (right padded). Every token
 is attended; the response mask, and with it the loss, the cached old distributions and every
 trust-region statistic, holds the model's own tokens only. The behaviour log-probs come from the
-teacher-forced pass after sampling (the engine's own, where it reports them, feed the mismatch
-correction). The reward functions score each episode's final answer (its last turn), and the
+teacher-forced pass after sampling, whatever ``model.behaviour_logprobs`` says (``sampling``
+warns: :func:`behaviour_logprobs_warning`); the engine's own, where it reports them, feed the
+mismatch correction. The reward functions score each episode's final answer (its last turn), and the
 environment's per-turn rewards add to it.
 
 Notation: B = P x G episodes, S the longest prompt, T the longest response.
@@ -52,6 +53,7 @@ __all__ = [
     "EngineTurns",
     "EpisodeSampler",
     "SampledEpisodes",
+    "behaviour_logprobs_warning",
     "environment_factory",
     "episode_figures",
     "last_turn",
@@ -145,6 +147,21 @@ class SampledEpisodes:
         """(B, T) 1 at every response token, the model's and the environment's: what the token
         budget counts, and what ``completion_tokens`` (the ``overlong`` penalty) counts."""
         return self.attention_mask[:, -self.response_mask.shape[1] :]
+
+
+def behaviour_logprobs_warning(behaviour_logprobs: str) -> str | None:
+    """The warning for ``model.behaviour_logprobs: sampling`` with ``model.episodes``, else None.
+    An episode's behaviour log-probs always come from one teacher-forced pass over the whole
+    episode once it is played (the environment's tokens lie between the model's turns), as with
+    ``forward``: recording them while sampling does not apply."""
+    if behaviour_logprobs != "sampling":
+        return None
+    return (
+        "model.behaviour_logprobs='sampling' does not apply to model.episodes: an episode's "
+        "behaviour log-probs come from one teacher-forced pass of the snapshot over the whole "
+        "episode once it is played, as with 'forward'; set model.behaviour_logprobs to 'forward' "
+        "or 'auto'"
+    )
 
 
 def environment_factory(config: EpisodesConfig) -> EnvironmentFactory:
