@@ -12,8 +12,10 @@ from lightning_troll.environments import (
     Environment,
     EnvironmentFactory,
     Step,
+    ToolCall,
     ToolEnvironment,
     ToolRunner,
+    parse_tool_calls,
 )
 from lightning_troll.environments.protocol import EnvironmentFailure
 from lightning_troll.rollouts.episodes import (
@@ -276,6 +278,30 @@ def test_a_turn_is_cut_at_the_first_stop():
     ids = encode(tokenizer, "x</tool_call>y<|im_end|>")
     assert cut_at_stop(ids, tokenizer, stops, 100) == (len("x</tool_call>"), True)
     assert cut_at_stop(ids, tokenizer, Stops((), ()), 100) == (len(ids), False)
+
+
+def test_a_turn_makes_one_tool_call_whatever_the_environment():
+    """A turn that writes two tool calls ends at the end of the first: an environment of our
+    own, no ToolEnvironment, reads that one call, and the second is no part of the episode."""
+
+    class Reads(Environment):
+        def reset(self, row):
+            self.turns = []
+            return [{"role": "user", "content": row["prompt"]}]
+
+        def step(self, turn):
+            self.turns.append(turn)
+            return Step(done=True)
+
+    tokenizer = chat_tokenizer()
+    environment = Reads()
+    (episode,) = run_episodes(
+        Scripted(tokenizer, {"go": [CALL + "\n" + CALL]}), tokenizer, [environment],
+        [{"prompt": "go"}], EpisodeLimits(2, 400), Stops((tokenizer.eos_token_id,)),
+    )  # fmt: skip
+    assert environment.turns == [CALL] == episode.turn_texts
+    assert episode.token_ids == encode(tokenizer, CALL) and episode.end == "done"
+    assert parse_tool_calls(environment.turns[0]) == [ToolCall("multiply", {"a": 6, "b": 7})]
 
 
 def test_generate_turn_must_answer_every_sequence_with_matching_log_probs():

@@ -1,9 +1,11 @@
 """The built-in environment of tools (``model.episodes.tools``), the environments of a batch stepped
 together, and what ``model.episodes.environment`` and ``model.episodes.tools`` make of each episode.
 
-:class:`ToolEnvironment`: a model turn that calls tools gets their results as its observation (one
-``tool`` message per call, in order); a turn without a tool call is the final answer and ends the
-episode, scored by the ordinary rewards (``model.rewards``).
+:class:`ToolEnvironment`: a model turn that calls a tool gets its result as its observation (a
+``tool`` message; one a turn, since the episode loop ends a turn at its first ``</tool_call>``,
+though a text given to :meth:`ToolEnvironment.step` by hand may hold several calls, one message
+each, in order); a turn without a tool call is the final answer and ends the episode, scored by
+the ordinary rewards (``model.rewards``).
 """
 
 from __future__ import annotations
@@ -54,7 +56,8 @@ class ToolEnvironment(Environment):
         return [dict(message) for message in prompt]
 
     def calls(self, turn: str) -> list[ToolCall | MalformedCall]:
-        """The tool calls the turn makes."""
+        """The tool calls the turn makes (one at most in the episode loop, which ends a turn at
+        its first ``</tool_call>``)."""
         return parse_tool_calls(turn)
 
     def answer(self, turn: str) -> Step:

@@ -5,8 +5,9 @@ reply tokenized as the chat template renders it, until the episode ends.
 callable (:class:`GenerateTurn`) that continues token sequences, one environment per episode
 (:mod:`lightning_troll.environments`) and their data rows. Each round, every running episode's
 context (prompt and response so far) is continued until a stop: an end-of-turn or end-of-text
-token (``<|im_end|>``, eos; kept), or the end of a stop string such as ``</tool_call>``
-(kept); tokens after the stop are dropped, so an engine that cannot stop at strings may run on.
+token (``<|im_end|>``, eos; kept), or the end of a stop string, ``</tool_call>`` for every
+environment (kept: a turn makes one tool call); tokens after the stop are dropped, so an engine
+that cannot stop at strings may run on.
 The environment answers the turn's text (:func:`~lightning_troll.environments.step_all`); its
 reply becomes the tokens the template writes between this turn and the next one's generation
 prompt (:class:`~lightning_troll.environments.Conversation`), with mask 0 and log-prob 0. An
@@ -74,7 +75,8 @@ class Stops:
     token_ids: tuple[int, ...]
     """End-of-turn and end-of-text tokens (``<|im_end|>``, eos)."""
     strings: tuple[str, ...] = (TOOL_CALL_CLOSE,)
-    """Texts that end a turn once written (the end of a tool call)."""
+    """Texts that end a turn once written: the end of a tool call, whatever the environment (one
+    call a turn)."""
 
 
 @dataclass(frozen=True)
