@@ -219,7 +219,7 @@ def test_the_proximal_anchor_is_refused_on_the_dense_support_before_the_model_lo
     ],
 )
 def test_a_proximal_anchor_with_nothing_to_correct_is_warned(anchor, refresh, snapshot, why):
-    from lightning_troll.callbacks.old_policy import idle_proximal
+    from lightning_troll.callbacks.refresh_options import idle_proximal
 
     every_n, staleness = refresh.get("every_n_rollouts", 1), refresh.get("max_staleness", 0)
     message = idle_proximal(anchor, every_n, staleness, SnapshotConfig(**snapshot))

@@ -17,7 +17,7 @@ from lightning_troll.callbacks import (
     SparsityCoverageMonitor,
     TrustRegionMonitor,
 )
-from lightning_troll.callbacks.old_policy import one_step_trap
+from lightning_troll.callbacks.refresh_options import one_step_trap
 from lightning_troll.data.datamodule import PromptDataModule
 from lightning_troll.objectives import ClipStats, TrollStats
 from lightning_troll.rewards.options import RewardOptions

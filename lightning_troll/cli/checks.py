@@ -8,7 +8,7 @@ import importlib
 import torch
 from lightning.pytorch.callbacks import Checkpoint
 
-from lightning_troll.callbacks.old_policy import check_refresh
+from lightning_troll.callbacks.refresh_options import check_refresh
 from lightning_troll.data.preflight import check_data_files
 from lightning_troll.models.loading import check_reachable
 from lightning_troll.rewards.registry import resolve_reward

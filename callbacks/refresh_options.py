@@ -1,0 +1,116 @@
+"""The ``old_policy`` options' checks and the warnings a fit gives at its start about them:
+:func:`check_refresh` (also called by the command line before the model loads),
+:func:`one_step_trap` (every optimiser step on-policy) and :func:`idle_proximal` (a proximal
+anchor with nothing to correct). :class:`~lightning_troll.callbacks.old_policy.OldPolicyRefresh`
+calls them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["check_refresh", "idle_proximal", "one_step_trap"]
+
+
+def check_refresh(
+    every_n_rollouts: int, max_staleness: int, snapshot: Any = None, lora: Any = None
+) -> None:
+    """Refuses ``old_policy`` options that cannot work, in one line naming the option; with the
+    module's ``snapshot`` options and ``lora`` (records or the command line's dicts), a stale
+    sampler on a snapshot that cannot hold past versions too. The command line calls it before
+    the model loads."""
+    if (
+        isinstance(every_n_rollouts, bool)
+        or not isinstance(every_n_rollouts, int)
+        or every_n_rollouts < 1
+    ):
+        raise ValueError(
+            f"old_policy.every_n_rollouts must be an integer >= 1; got {every_n_rollouts!r}"
+        )
+    if isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or max_staleness < 0:
+        raise ValueError(f"old_policy.max_staleness must be an integer >= 0; got {max_staleness!r}")
+    if max_staleness and every_n_rollouts > 1:
+        raise ValueError(
+            f"old_policy.every_n_rollouts={every_n_rollouts} and old_policy.max_staleness="
+            f"{max_staleness} both make the sampler lag; set one of them"
+        )
+    if not max_staleness:
+        return
+    mode, dtype = _option(snapshot, "mode", "copy"), _option(snapshot, "dtype", "same")
+    if mode != "copy" or dtype == "int8" or lora is not None:
+        raise ValueError(
+            f"old_policy.max_staleness={max_staleness} keeps past versions of the weights to load "
+            "into the snapshot, which needs model.snapshot.mode 'copy' with dtype 'same' or "
+            f"'bfloat16' and no model.lora; got mode {mode!r}, dtype {dtype!r}"
+            + (" and LoRA" if lora is not None else "")
+        )
+
+
+def _option(options: Any, name: str, default: Any) -> Any:
+    if options is None:
+        return default
+    if isinstance(options, dict):
+        return options.get(name, default)
+    return getattr(options, name, default)
+
+
+def one_step_trap(
+    epochs_per_rollout: int,
+    minibatch_size: int | None,
+    rollout_sequences: int | None,
+    every_n_rollouts: int,
+    objective: str = "troll",
+    max_staleness: int = 0,
+) -> str | None:
+    """The warning for a configuration whose every optimiser step is on-policy, else None.
+
+    One epoch over a rollout taken as one minibatch (``minibatch_size`` null, or at least the
+    ``rollout_sequences``), with the snapshot refreshed after every rollout and no staleness,
+    makes one step per rollout from the very policy that sampled it: the importance ratios are 1,
+    the projection (or the clip) never acts, and the update is a plain policy gradient.
+    """
+    one_minibatch = minibatch_size is None or (
+        rollout_sequences is not None and minibatch_size >= rollout_sequences
+    )
+    if epochs_per_rollout != 1 or not one_minibatch or every_n_rollouts != 1 or max_staleness:
+        return None
+    acts = "TROLL's projection" if objective == "troll" else "the clip"
+    size = f"{rollout_sequences} sequences" if rollout_sequences is not None else "the rollout"
+    smaller = f"below {rollout_sequences}" if rollout_sequences is not None else "to a number"
+    return (
+        f"every optimiser step is on-policy: model.optimization.epochs_per_rollout=1 and "
+        f"model.optimization.minibatch_size={minibatch_size} (one minibatch of {size}) take one "
+        "step per rollout, and old_policy.every_n_rollouts=1 refreshes the snapshot after each, "
+        f"so the policy equals the behaviour policy at every step, {acts} never acts and the "
+        "update is a plain policy gradient. For off-policy steps set "
+        f"model.optimization.minibatch_size {smaller} (data.batch_size x model.group_size "
+        "sequences make a rollout), model.optimization.epochs_per_rollout above 1, "
+        "old_policy.every_n_rollouts above 1, or old_policy.max_staleness above 0"
+    )
+
+
+def idle_proximal(
+    anchor: str, every_n_rollouts: int, max_staleness: int, snapshot: Any = None
+) -> str | None:
+    """The warning for ``model.loss.anchor: proximal`` where the sampler always holds the current
+    weights, else None: a shared snapshot (the policy itself), or a copy in the policy's dtype
+    refreshed after every rollout with no staleness. The proximal policy is then the sampler, its
+    weight is 1 (up to rounding) and its forward pass per rollout buys nothing. A snapshot in
+    another dtype differs from the policy by its rounding, which the anchor does correct."""
+    if anchor != "proximal":
+        return None
+    mode, dtype = _option(snapshot, "mode", "copy"), _option(snapshot, "dtype", "same")
+    if mode == "shared":
+        why = "model.snapshot.mode='shared' makes the sampler the policy itself"
+    elif every_n_rollouts == 1 and not max_staleness and dtype == "same":
+        why = (
+            "old_policy.max_staleness=0 and old_policy.every_n_rollouts=1 refresh the sampler "
+            "with the current weights after every rollout"
+        )
+    else:
+        return None
+    return (
+        f"model.loss.anchor='proximal' has nothing to correct: {why}, so the proximal policy is "
+        "the sampler, the proximal-over-behaviour weight is 1 and the anchor's extra forward "
+        "pass per rollout buys nothing; for stale data set old_policy.max_staleness (with "
+        "model.snapshot.mode 'copy'), or use model.loss.anchor 'behaviour'"
+    )
