@@ -20,7 +20,7 @@ from lightning_troll.environments import (
     template_support,
     tool_section,
 )
-from lightning_troll.environments.rendering import TemplateSupport
+from lightning_troll.environments.rendering import Reply, TemplateSupport
 from tests import tool_helpers
 from tests.chat_helpers import CHATML, CHATML_TOOLS, FORGETFUL, chat_tokenizer
 
@@ -73,13 +73,20 @@ def test_with_template_support_the_template_gets_the_schemas():
 # -- an environment's reply as the difference of two renderings ------------------------------------
 
 
+def replied(conversation: Conversation, *args) -> Reply:
+    """The reply to the model's turn, taken into the conversation."""
+    reply = conversation.reply(*args)
+    conversation.add(reply)
+    return reply
+
+
 def test_a_reply_is_what_the_template_writes_between_two_turns():
     """The model wrote ``hi<|im_end|>``; the template closes a turn with ``<|im_end|>\\n``, so
     the reply starts with the ``\\n`` the model did not write, then the user turn, then the next
     generation prompt."""
     tokenizer = chat_tokenizer(CHATML)
     conversation = Conversation(tokenizer, USER)
-    text = conversation.reply_text("hi", "<|im_end|>", "Say more.")
+    text = replied(conversation, "hi", "<|im_end|>", "Say more.").text
     assert text == "\n<|im_start|>user\nSay more.<|im_end|>\n<|im_start|>assistant\n"
     assert conversation.messages == [*USER, {"role": "assistant", "content": "hi"},
                                       {"role": "user", "content": "Say more."}]  # fmt: skip
@@ -90,7 +97,7 @@ def test_a_reply_is_what_the_template_writes_between_two_turns():
 
 def test_a_turn_ended_by_a_stop_string_gets_the_templates_close_as_environment_text():
     conversation = Conversation(chat_tokenizer(CHATML), USER)
-    text = conversation.reply_text(CALL, "", [{"role": "tool", "content": "42"}])
+    text = replied(conversation, CALL, "", [{"role": "tool", "content": "42"}]).text
     assert text == (
         "<|im_end|>\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n"
         "<|im_start|>assistant\n"
@@ -111,7 +118,7 @@ def test_tool_results_with_a_tool_role_are_the_templates_to_render():
     conversation = Conversation(chat_tokenizer(CHATML_TOOLS), USER)
     results = [{"role": "tool", "content": "42"}]
     assert conversation.observation_messages(results) == results
-    text = conversation.reply_text(CALL, "<|im_end|>", results)
+    text = replied(conversation, CALL, "<|im_end|>", results).text
     assert text == (
         "\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n"
         "<|im_start|>assistant\n"
@@ -122,19 +129,21 @@ def test_a_stop_token_other_than_the_templates_close_stays_and_the_close_follows
     """The model ended with ``<eos>``, not the template's ``<|im_end|>``: its ``<eos>`` stays its
     own, and the whole close is the environment's."""
     conversation = Conversation(chat_tokenizer(CHATML), USER)
-    assert conversation.reply_text("hi", "<eos>", "ok").startswith("<|im_end|>\n<|im_start|>user")
+    assert replied(conversation, "hi", "<eos>", "ok").text.startswith(
+        "<|im_end|>\n<|im_start|>user"
+    )
 
 
 def test_a_template_that_rewrites_past_turns_is_refused():
     conversation = Conversation(chat_tokenizer(FORGETFUL), USER)
     with pytest.raises(ValueError, match="renders the earlier turns differently"):
-        conversation.reply_text("hi", "<|im_end|>", "Say more.")
+        conversation.reply("hi", "<|im_end|>", "Say more.")
 
 
 def test_plain_text_episodes_append_replies_as_they_are():
     conversation = Conversation(chat_tokenizer(None), "12+3=")
     assert conversation.prompt_text == "12+3=" and conversation.prompt_ids[0] == 1  # <bos>
-    assert conversation.reply_text("15", "<|im_end|>", " ok ") == " ok "
+    assert replied(conversation, "15", "<|im_end|>", " ok ").text == " ok "
     with pytest.raises(
         ValueError, match="model.episodes.tools: an episode with tools starts from messages"
     ):
@@ -153,7 +162,7 @@ def test_on_smollm2_the_reply_tokens_are_the_rendered_difference():
     schemas = ToolRunner([H + "multiply"]).schemas
     conversation = Conversation(tokenizer, USER, schemas)
     before = conversation.prompt_text
-    reply = conversation.reply_ids(CALL, "", [{"role": "tool", "content": "42"}])
+    reply = replied(conversation, CALL, "", [{"role": "tool", "content": "42"}]).ids
     after = conversation.render(conversation.messages, generation_prompt=True)
     assert tokenizer.decode(reply) == after[len(before + CALL) :]
     assert after[len(before + CALL) :].startswith("<|im_end|>\n<|im_start|>user\n<tool_response>")

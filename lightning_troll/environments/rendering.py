@@ -276,27 +276,3 @@ class Conversation:
         rendered = self.render(probe, generation_prompt=False)
         close = rendered[rendered.rindex(_SENTINEL) + len(_SENTINEL) :]
         return close[len(closing) :] if closing and close.startswith(closing) else close
-
-    def reply_text(
-        self,
-        content: str,
-        closing: str,
-        observation: str | Sequence[Mapping[str, Any]] | None,
-        role: str = "user",
-    ) -> str:
-        """:meth:`reply`'s text, the conversation moved on by it."""
-        reply = self.reply(content, closing, observation, role)
-        self.add(reply)
-        return reply.text
-
-    def reply_ids(
-        self,
-        content: str,
-        closing: str,
-        observation: str | Sequence[Mapping[str, Any]] | None,
-        role: str = "user",
-    ) -> list[int]:
-        """:meth:`reply`'s tokens (no special tokens added), the conversation moved on by it."""
-        reply = self.reply(content, closing, observation, role)
-        self.add(reply)
-        return reply.ids
