@@ -291,12 +291,21 @@ def test_a_worker_killed_while_idle_is_replaced_before_the_next_call():
         scorer.close()
 
 
-def test_a_worker_killed_while_starting_is_replaced():
-    """The OOM killer may take a worker before it has said it is ready: the pool starts another."""
+def _never_ready(conn, alive) -> None:  # pragma: no cover - a worker process
+    """A worker that never says it is ready (until it is killed)."""
+    time.sleep(120)
+
+
+def test_a_worker_killed_while_starting_is_replaced(monkeypatch):
+    """The OOM killer may take a worker before it has said it is ready: the pool starts another.
+    The worker killed here never says it is ready, so the kill comes while it starts however
+    loaded the machine is (a real worker may say it before the kill lands)."""
     scorer = RewardScorer({H + "length_reward": 1.0}, workers=1)
     pool = scorer.workers
     try:
-        pool._workers.append(workers_module._Worker(pool._context()))
+        with monkeypatch.context() as patch:
+            patch.setattr(workers_module, "_serve", _never_ready)
+            pool._workers.append(workers_module._Worker(pool._context()))
         pool._workers[0].process.kill()
         out = scorer(["p"] * 2, ["a", "ab"], [{}] * 2)
         assert out.total.tolist() == [1.0, 2.0] and pool.restarts == 1
