@@ -161,7 +161,7 @@ class OldPolicyRefresh(Callback):
             rank_zero_warn(_staleness_change(self, stored["max_staleness"], version))
         every = stored.get("every_n_rollouts", self.every_n_rollouts)
         if every != self.every_n_rollouts and not self.max_staleness:
-            rank_zero_warn(_every_change(self, stored["every_n_rollouts"], version))
+            rank_zero_warn(_every_change(self, every, version))
         self._move_to(pl_module, version)
         if not self.max_staleness:
             self._waiting.clear()
