@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import headroom_tables  # noqa: E402
 import paper_regime_study as paper  # noqa: E402
 import study_kit  # noqa: E402
 import word_problems  # noqa: E402
@@ -161,7 +162,8 @@ def report(args) -> None:
     records = grid(args, "main").finished(main_runs(args, lr))
     if not records:
         return
-    compare_arms(records, lr, args.out / "main")
+    compare_arms(records, lr, args.out / "main", headroom_tables.SECONDARY)
+    headroom_tables.report(records, lr, args.out / "main")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

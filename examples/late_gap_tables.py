@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import paper_regime_tables as tables  # noqa: E402
 import study_kit  # noqa: E402
 from paper_regime_tables import ACCURACY, REWARD, window_mean  # noqa: E402
 from study_figures import Line, Panel, markdown_table, plot_panels  # noqa: E402
@@ -25,7 +26,6 @@ MIN_GAP = 0.02
 """The least gap between the main grid's clipping and the control for a recovery to be given."""
 ARMS = ("control", "clip", "eps0.2", "alpha0")
 MAIN = Path(__file__).resolve().parent / "results" / "smollm2" / "paper_regime" / "main"
-CONFIDENCE = ("below_0.5", "0.5_0.8", "0.8_0.95", "above_0.95")
 SECONDARY = (
     (REWARD, (41, 60), "reward 41-60"),
     ("entropy", (51, 60), "entropy 51-60"),
@@ -95,26 +95,8 @@ def arm_table(records: Sequence[dict]) -> str:
 def bins_table(records: Sequence[dict]) -> str:
     """Per arm and constraint mask: the mean share of each confidence and advantage bin's tokens
     the constraint acts on over the branches' rollouts, and the bin's share of tokens."""
-    rows = []
-    for arm in ARMS:
-        mine = [r for r in records if r["fields"]["arm"] == arm]
-        if not mine:
-            continue
-        masks = sorted({k.rsplit("/", 1)[1] for r in mine for row in r["history"] for k in row
-                        if k.startswith("trust_region/by_confidence/")} - {"tokens"})  # fmt: skip
-        for mask in [*masks, "tokens"]:
-            cells = []
-            for group, names in (
-                ("by_confidence", CONFIDENCE),
-                ("by_advantage", ("positive", "negative", "zero")),
-            ):
-                for name in names:
-                    key = f"trust_region/{group}/{name}/{mask}"
-                    found = [v for r in mine if (v := study_kit.run_mean(r, key)) is not None]
-                    cells.append(f"{statistics.fmean(found):.2%}" if found else "-")
-            rows.append([arm, mask, *cells])
-    header = ["arm", "share of", *(f"p {c}" for c in CONFIDENCE), "A > 0", "A < 0", "A = 0"]
-    return markdown_table(header, rows, "ll" + "r" * 7)
+    groups = {arm: [r for r in records if r["fields"]["arm"] == arm] for arm in ARMS}
+    return tables.bins_table({arm: runs for arm, runs in groups.items() if runs})
 
 
 def reproducibility(trunks: Sequence[dict]) -> str:

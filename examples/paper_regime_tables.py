@@ -7,13 +7,22 @@ A record is a finished run's (:mod:`study_kit`): its ``fields`` (objective, lr, 
 
 from __future__ import annotations
 
+import math
 import statistics
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from study_kit import TIME, mean_std, plot_curves, run_mean, values, write_atomic  # noqa: E402
+from study_kit import (  # noqa: E402
+    TIME,
+    markdown_table,
+    mean_std,
+    plot_curves,
+    run_mean,
+    values,
+    write_atomic,
+)
 from study_stats import paired  # noqa: E402
 
 ACCURACY, REWARD = "val/accuracy", "reward/mean"
@@ -26,6 +35,10 @@ PLOTS = (
     ("trust_region/kl_end_mean", "KL(new || old) at the rollout's end", "kl_end", 0.05),
 )
 """(metric, label, file name, bound) of each plot of :func:`plot_arms`."""
+CONFIDENCE = ("below_0.5", "0.5_0.8", "0.8_0.95", "above_0.95")
+"""The bins of the old policy's probability of the sampled token (``trust_region/by_confidence``)."""
+ADVANTAGE = ("positive", "negative", "zero")
+"""The bins of the advantage's sign (``trust_region/by_advantage``)."""
 
 
 def pilot_score(record: dict) -> float:
@@ -163,6 +176,28 @@ def window_mean(record: dict, metric: str, window: tuple[int, int], at=None) -> 
     return statistics.fmean(found) if found else float("nan")
 
 
+def bins_table(groups: dict[str, Sequence[dict]], window=(0, math.inf), label="arm") -> str:
+    """Per group of runs and constraint mask (TROLL: ``projected``; clipping: ``clipped`` and
+    ``outside``): the mean share of each confidence and advantage bin's tokens the constraint
+    acts on over the rollouts in ``window`` (inclusive), and each bin's share of the tokens;
+    ``label`` heads the groups' column."""
+    rows = []
+    for name, runs in groups.items():
+        keys = {k for r in runs for row in r["history"] for k in row}
+        masks = sorted({k.rsplit("/", 1)[1] for k in keys
+                        if k.startswith("trust_region/by_confidence/")} - {"tokens"})  # fmt: skip
+        for mask in [*masks, "tokens"]:
+            cells = []
+            for group, bins in (("by_confidence", CONFIDENCE), ("by_advantage", ADVANTAGE)):
+                for b in bins:
+                    key = f"trust_region/{group}/{b}/{mask}"
+                    found = [v for r in runs if not math.isnan(v := window_mean(r, key, window))]
+                    cells.append(f"{statistics.fmean(found):.2%}" if found else "-")
+            rows.append([name, mask, *cells])
+    header = [label, "share of", *(f"p {c}" for c in CONFIDENCE), "A > 0", "A < 0", "A = 0"]
+    return markdown_table(header, rows, "ll" + "r" * 7)
+
+
 def seed_pairs(records: Sequence[dict], a: str, b: str) -> list[tuple[dict, dict]]:
     """(run of arm ``a``, run of arm ``b``) per seed both arms ran, by seed."""
     by_seed: dict[int, dict[str, dict]] = {}
@@ -171,9 +206,11 @@ def seed_pairs(records: Sequence[dict], a: str, b: str) -> list[tuple[dict, dict
     return [(runs[a], runs[b]) for _, runs in sorted(by_seed.items()) if a in runs and b in runs]
 
 
-def paired_table(records: Sequence[dict], a: str, b: str) -> str:
+def paired_table(
+    records: Sequence[dict], a: str, b: str, figures: Sequence[str] = (REWARD, "entropy")
+) -> str:
     """Arm ``a`` against arm ``b``, paired by seed: held-out accuracy over the :func:`thirds` of
-    the validations every run shares, then the reward and entropy over windows of 10 rollouts;
+    the validations every run shares, then each of ``figures`` over windows of 10 rollouts;
     each row the two means, the per-seed differences ``a - b``, their mean and the paired t and
     sign tests."""
     pairs = seed_pairs(records, a, b)
@@ -184,7 +221,7 @@ def paired_table(records: Sequence[dict], a: str, b: str) -> str:
         "| --- | --- | ---: | ---: | --- |",
     ]
     rows = [(ACCURACY, w, shared) for w in thirds(points)]
-    rows += [(m, w, None) for m in (REWARD, "entropy") for w in training_windows(last)]
+    rows += [(m, w, None) for m in figures for w in training_windows(last)]
     for metric, window, at in rows:
         first = [window_mean(x, metric, window, at) for x, _ in pairs]
         second = [window_mean(y, metric, window, at) for _, y in pairs]
@@ -198,15 +235,21 @@ def paired_table(records: Sequence[dict], a: str, b: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def compare_arms(records: Sequence[dict], lr: float | None, folder: Path) -> None:
+def compare_arms(
+    records: Sequence[dict],
+    lr: float | None,
+    folder: Path,
+    figures: Sequence[str] = (REWARD, "entropy"),
+) -> None:
     """Writes into ``folder`` and prints the main table (``table.md``), TROLL against clipping
-    paired by seed at ``lr`` where both ran there (``paired.md``), and the plots."""
+    paired by seed at ``lr`` where both ran there (``paired.md``, with ``figures`` in windows of
+    10 rollouts), and the plots."""
     text = main_table(records)
     write_atomic(folder / "table.md", text)
     print(text)
     troll, clip = (f"{o} lr {lr:g}" for o in ("troll", "clip")) if lr is not None else ("", "")
     if lr is not None and seed_pairs(records, troll, clip):
-        text = paired_table(records, troll, clip)
+        text = paired_table(records, troll, clip, figures)
         write_atomic(folder / "paired.md", text)
         print(
             f"TROLL against clipping, paired by seed, on the validations every run shares:\n{text}"

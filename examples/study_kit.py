@@ -6,8 +6,8 @@ fields it is recorded with) and a :class:`Grid` that runs them one after another
 
 - each run keeps ``<out>/runs/<name>/`` (a CSV log per attempt, ``checkpoints/last.ckpt``);
   Ctrl-C or SIGTERM lets the rollout in progress finish, saves, and ends the study (exit status
-  128 + the signal); running the same study again skips finished runs and resumes the
-  interrupted one from its checkpoint;
+  128 + the signal), before the next run when that rollout was a run's last; running the same
+  study again skips finished runs and resumes the interrupted one from its checkpoint;
 - a finished run's record (its fields, seconds, and per rollout the kept metrics) goes to
   ``runs/<name>/result.json``, and the grid's ``results.json`` and ``metrics.csv`` are rewritten
   (to a ``.partial`` file, then moved into place, so a stop mid-write leaves the old file whole);
@@ -82,11 +82,14 @@ __all__ = [
 
 
 class Interrupted(RuntimeError):
-    """A run stopped before its last rollout (a signal); its ``last.ckpt`` resumes it."""
+    """A signal stopped the study: a run stopped before its last rollout (its ``last.ckpt``
+    resumes it), or the signal came during a run's last rollout, the run finished, and the grid
+    stops before the next run (``finished``)."""
 
-    def __init__(self, name: str, exit_code: int) -> None:
-        super().__init__(f"{name} stopped before its last rollout")
-        self.name, self.exit_code = name, exit_code
+    def __init__(self, name: str, exit_code: int, finished: bool = False) -> None:
+        what = "finished; the grid stopped before the next run" if finished else "stopped"
+        super().__init__(f"{name} {what if finished else what + ' before its last rollout'}")
+        self.name, self.exit_code, self.finished = name, exit_code, finished
 
 
 @contextmanager
@@ -96,7 +99,8 @@ def resumable() -> Iterator[None]:
     try:
         yield
     except Interrupted as stopped:
-        print(f"{stopped}; the same command resumes it", flush=True)
+        again = "goes on with the next run" if stopped.finished else "resumes it"
+        print(f"{stopped}; the same command {again}", flush=True)
         sys.exit(stopped.exit_code)
 
 
@@ -192,6 +196,8 @@ class Grid:
         self.start_row, self.prior_seconds = start_row, prior_seconds
         self.checkpoint_every = checkpoint_every
         self.legacy_fields, self.figures = tuple(legacy_fields), figures
+        self.stopped_by: int | None = None
+        """The signal that came during the last run :meth:`train` finished (it finished anyway)."""
 
     def read(self, record: dict) -> dict:
         """``record`` in this format: an older one's ``legacy_fields`` moved into ``fields``."""
@@ -300,7 +306,8 @@ class Grid:
         prepare: Callable[[Run, Path], None] | None = None,
     ) -> list[dict]:
         """Trains every run that has not finished (resuming interrupted ones); returns the
-        records of all of them. Raises :class:`Interrupted` when a signal stops a run.
+        records of all of them. Raises :class:`Interrupted` when a signal stops a run, or came
+        during a run's last rollout and a run is left to do.
         ``prepare(run, run_dir)`` is called before a run starts anew (no checkpoint of its
         own): it may put a ``checkpoints/last.ckpt`` there for the run to start from."""
         self.check_settings()
@@ -327,6 +334,9 @@ class Grid:
             if not keep_checkpoints:
                 shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
             print(f"{tag}: finished in {record['seconds'] / 60:.1f} min", flush=True)
+            left = [r for r in runs[i + 1 :] if r.name not in done]
+            if self.stopped_by and left:
+                raise Interrupted(run.name, 128 + self.stopped_by, finished=True)
         return self.finished(runs)
 
     def _start(self) -> list[dict]:
@@ -373,6 +383,7 @@ class Grid:
         signal = stopper.stopped_by if stopper is not None else None
         del done
         gc.collect()
+        self.stopped_by = int(signal) if signal else None
         if steps < run.max_steps:
             raise Interrupted(run.name, 128 + int(signal) if signal else 1)
         history = [*start, *read_history(logs, self.metrics)]

@@ -340,6 +340,32 @@ def test_run_all_skips_finished_runs_and_starts_over_one_without_a_checkpoint(
     assert sorted(r["name"] for r in written) == ["a", "b"]
 
 
+def test_a_signal_in_a_runs_last_rollout_stops_the_grid_before_the_next_run(
+    tmp_path, monkeypatch, capsys
+):
+    """SIGINT (2) lands while ``a`` trains its last rollout: ``a`` finishes and is recorded, ``b``
+    does not start, and the study ends with status 130 saying the same command goes on; run
+    again, it trains ``b``. A signal in the grid's last run ends it normally."""
+    runs = [kit.Run("a", (), 1, 1), kit.Run("b", (), 1, 1)]
+    grid = kit.Grid(tmp_path, {}, ["val/accuracy", kit.TIME])
+    trained = []
+
+    def train(run, run_dir, start):
+        trained.append(run.name)
+        grid.stopped_by = 2
+        return finished(run.name, {}, [0.4, 0.7])
+
+    monkeypatch.setattr(grid, "train", train)
+    with pytest.raises(SystemExit) as ended, kit.resumable():
+        grid.run_all(runs)
+    assert ended.value.code == 130 and trained == ["a"]
+    assert (tmp_path / "runs" / "a" / "result.json").exists()
+    assert "a finished; the grid stopped before the next run; the same command goes on with " \
+        "the next run" in capsys.readouterr().out  # fmt: skip
+    records = grid.run_all(runs)  # b is the last run left: its signal ends nothing
+    assert trained == ["a", "b"] and [r["name"] for r in records] == ["a", "b"]
+
+
 def test_markdown_table_aligns_the_columns_it_is_told():
     text = kit.markdown_table(["a", "b", "c"], [["1", "2", "3"]], "lr")
     assert text == "| a | b | c |\n| --- | ---: | --- |\n| 1 | 2 | 3 |\n"
