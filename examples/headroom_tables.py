@@ -40,6 +40,8 @@ SECONDARY = (REWARD, ZERO_STD, "entropy", "trust_region/kl_end_mean")
 BINS_WINDOW = (61, 80)
 MASK = {"troll": "projected", "clip": "clipped"}
 """The bins' mask each objective acts with: TROLL projects; clipping stops the gradient."""
+COLOUR = {"troll": "C0", "clip": "C1"}
+"""Each objective's colour in the plot, its band the same."""
 
 
 def verdict(result: Paired | None) -> str:
@@ -125,11 +127,13 @@ def plot_bins(records: Sequence[dict], troll: str, clip: str, path: Path) -> Pat
             [
                 Line(
                     runs,
-                    f"trust_region/by_confidence/{b}/{MASK[runs[0]['fields']['objective']]}",
+                    f"trust_region/by_confidence/{b}/{MASK[objective]}",
                     arm,
+                    COLOUR[objective],
                 )
                 for arm, runs in groups.items()
                 if runs
+                for objective in [runs[0]["fields"]["objective"]]
             ],  # fmt: skip
         )
         for b in CONFIDENCE
