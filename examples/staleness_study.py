@@ -2,21 +2,20 @@
 
     python examples/staleness_study.py --estimate                       # hours, then stop
     nohup python examples/staleness_study.py --seeds 0 > s0.log 2>&1 &      # a share
-    python examples/staleness_study.py --report                          # tables so far
+    python examples/staleness_study.py --report                          # tables and plot so far
     python examples/staleness_study.py --dry-run --out /tmp/dry --s0-here   # the machinery
 
 The plan, its endpoints and windows are fixed in docs/staleness-plan.md before any run. Every run
 is a run of the headroom study (:func:`headroom_study.run`: its task, its regime, the lr its pilot
 chose, validated every 10 rollouts on its 512 held-out problems) for ``--rollouts`` (40), with the
 KL at each rollout's start logged (``trust_region_monitor.kl_start``), in one of the arms of
-:data:`ARMS`. The arm ``s0`` (no lag) is the headroom study's main comparison cut at rollout 40
+:data:`staleness_tables.ARMS`. The arm ``s0`` (no lag) is the headroom study's main comparison cut at rollout 40
 (``--headroom``); ``--s0-here`` runs it here instead.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from collections.abc import Sequence
 from dataclasses import replace
@@ -28,24 +27,10 @@ import paper_regime_study as paper  # noqa: E402
 import study_kit  # noqa: E402
 import word_problems  # noqa: E402
 from paper_regime_tables import ACCURACY  # noqa: E402
-from study_figures import window_mean  # noqa: E402
+from staleness_tables import ARMS, ENDPOINT, plot, report  # noqa: E402
 from study_kit import Grid, Run  # noqa: E402
-from study_stats import paired  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-ARMS = {
-    "s0": (0, "behaviour", paper.STEPS),
-    "s2": (2, "behaviour", paper.STEPS),
-    "s4": (4, "behaviour", paper.STEPS),
-    "s4-proximal": (4, "proximal", paper.STEPS),
-    "steps32": (0, "behaviour", 32),
-}
-"""Arm -> (old_policy.max_staleness, loss.anchor, optimiser steps per rollout)."""
-ENDPOINT = (30, 40)
-"""The validations whose mean held-out accuracy is a run's endpoint."""
-KL_WINDOW = (11, 40)
-"""The rollouts over which the KL at a rollout's start is averaged (the staleness check)."""
-KL_START = "trust_region/kl_start_mean"
 DRY_LR = 1e-5
 """The dry run's lr (no headroom pilot is run for it)."""
 
@@ -118,61 +103,6 @@ def grid(args, lr: float) -> Grid:
     return Grid(args.out, settings, paper.METRICS, start, args.prior_seconds)
 
 
-def endpoint(record: dict) -> float | None:
-    """The mean held-out accuracy over the validations at the rollouts of :data:`ENDPOINT`."""
-    found = [row[ACCURACY] for row in record["history"]
-             if row["rollout"] in ENDPOINT and row.get(ACCURACY) is not None]  # fmt: skip
-    return statistics.fmean(found) if len(found) == len(ENDPOINT) else None
-
-
-def gaps(records: Sequence[dict]) -> dict[str, dict[int, float]]:
-    """arm -> seed -> ``acc(TROLL) - acc(clipping)``, where both runs reached the endpoint."""
-    acc = {(r["fields"]["arm"], r["fields"]["objective"], r["fields"]["seed"]): endpoint(r)
-           for r in records}  # fmt: skip
-    out: dict[str, dict[int, float]] = {}
-    for (arm, objective, seed), value in acc.items():
-        other = acc.get((arm, "clip", seed))
-        if objective == "troll" and value is not None and other is not None:
-            out.setdefault(arm, {})[seed] = value - other
-    return out
-
-
-def compare(gap: dict[str, dict[int, float]], arm: str, base: str) -> str | None:
-    """``gap(arm, s) - gap(base, s)`` over the seeds both have, with the paired tests."""
-    seeds = sorted(set(gap.get(arm, {})) & set(gap.get(base, {})))
-    if not seeds:
-        return None
-    result = paired([gap[arm][s] for s in seeds], [gap[base][s] for s in seeds])
-    return f"gap({arm}) - gap({base}), seeds {seeds}: {result.text()}"
-
-
-def report(records: Sequence[dict]) -> str:
-    """The plan's endpoints over ``records`` (every arm's, s0's included)."""
-    lines = ["| arm | seed | TROLL | clipping | gap | KL at the start, rollouts 11-40 (TROLL / clipping) |",
-             "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
-    by_key = {(r["fields"]["arm"], r["fields"]["objective"], r["fields"]["seed"]): r
-              for r in records}  # fmt: skip
-    for arm in ARMS:
-        for seed in sorted({s for a, _, s in by_key if a == arm}):
-            runs_ = [by_key.get((arm, o, seed)) for o in ("troll", "clip")]
-            accs = [None if r is None else endpoint(r) for r in runs_]
-            kls = [None if r is None else window_mean(r, KL_START, KL_WINDOW) for r in runs_]
-            gap = None if None in accs else accs[0] - accs[1]
-            cells = [_cell(accs[0]), _cell(accs[1]), _cell(gap, "+.3f"),
-                     " / ".join(_cell(k, ".2e") for k in kls)]  # fmt: skip
-            lines.append(f"| {arm} | {seed} | " + " | ".join(cells) + " |")
-    gap = gaps(records)
-    comparisons = [compare(gap, "s4", "s0")] + [
-        compare(gap, arm, "s0") for arm in ("s2", "s4-proximal", "steps32")
-    ] + [compare(gap, "s4-proximal", "s4")]  # fmt: skip
-    lines += ["", "primary first:"] + [f"- {c}" for c in comparisons if c is not None]
-    return "\n".join(lines)
-
-
-def _cell(value: float | None, spec: str = ".3f") -> str:
-    return "-" if value is None else format(value, spec)
-
-
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, default=ROOT / "examples/results/smollm2/staleness")
@@ -215,6 +145,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if not args.s0_here:
         records += headroom_s0(args, lr)
     print(report(records))
+    if records and not args.dry_run:
+        print(f"wrote {plot(records, args.out / 'staleness.png')}")
 
 
 if __name__ == "__main__":

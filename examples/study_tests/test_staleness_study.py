@@ -8,6 +8,7 @@ import pytest
 from .helpers import load
 
 study = load("staleness_study")
+tables = load("staleness_tables")
 
 
 def record(arm, objective, seed, accuracy=(0.5, 0.5), kl=0.0):
@@ -15,8 +16,8 @@ def record(arm, objective, seed, accuracy=(0.5, 0.5), kl=0.0):
     rollouts 20 and 30."""
     history = [
         {"rollout": 0, "val/accuracy": 0.1},
-        {"rollout": 20, study.KL_START: kl},
-        {"rollout": 30, "val/accuracy": accuracy[0], study.KL_START: kl},
+        {"rollout": 20, tables.KL_START: kl},
+        {"rollout": 30, "val/accuracy": accuracy[0], tables.KL_START: kl},
         {"rollout": 40, "val/accuracy": accuracy[1]},
     ]
     fields = {"arm": arm, "objective": objective, "seed": seed}
@@ -44,10 +45,10 @@ def test_the_plans_endpoints_by_hand():
         record("s4", "troll", 0, (0.5, 0.5), kl=0.02), record("s4", "clip", 0, (0.3, 0.3), kl=0.04),
         record("s4", "troll", 1, (0.6, 0.6), kl=0.02), record("s4", "clip", 1, (0.4, 0.4)),
     ]  # fmt: skip
-    gaps = study.gaps(records)
+    gaps = tables.gaps(records)
     assert gaps["s0"] == pytest.approx({0: 0.10, 1: 0.05})
     assert gaps["s4"] == pytest.approx({0: 0.20, 1: 0.20})
-    text = study.report(records)
+    text = tables.report(records)
     assert "gap(s4) - gap(s0), seeds [0, 1]: +0.125 (+0.100, +0.150); t-test p 0.13" in text
     assert "| s4 | 0 | 0.500 | 0.300 | +0.200 | 2.00e-02 / 4.00e-02 |" in text
     assert "gap(s2)" not in text  # no run of it
@@ -56,8 +57,97 @@ def test_the_plans_endpoints_by_hand():
 def test_a_run_without_both_endpoint_validations_has_no_endpoint():
     partial = record("s2", "troll", 0)
     partial["history"] = [row for row in partial["history"] if row["rollout"] != 40]
-    assert study.endpoint(partial) is None
-    assert "s2" not in study.gaps([partial, record("s2", "clip", 0)])
+    assert tables.endpoint(partial) is None
+    assert "s2" not in tables.gaps([partial, record("s2", "clip", 0)])
+
+
+@pytest.mark.parametrize(
+    ("diffs", "expected"),
+    [
+        ((0.05, 0.06, 0.055), "better"),
+        ((-0.05, -0.06, -0.055), "worse"),
+        ((0.01, 0.30, 0.02), "no difference shown: mean +0.110"),  # all above 0, p 0.37
+        ((0.05, -0.01, 0.06), "no difference shown"),
+        ((0.05, 0.06), "no verdict: the rule is for 3 paired seeds, and 2 are in"),
+    ],
+)
+def test_the_verdict_needs_every_seed_and_the_t_test(diffs, expected):
+    result = load("study_stats").paired(list(diffs), [0.0] * len(diffs))
+    assert tables.verdict(result, "better", "worse").startswith(expected)
+
+
+def test_a_level_is_stale_only_above_twice_s0s_kl_and_the_proximal_arm_follows_its_sampler():
+    """s0 at KL 0.01 (run here), s2 at 0.015 (not above 0.02: not measurably stale), s4 at 0.03
+    (stale); s4-proximal shares s4's sampler. Without s0's figure (the headroom study's runs do
+    not log it) s0 counts as 0, so any KL above 0 is stale."""
+    records = [record("s0", o, 0, kl=0.01) for o in ("troll", "clip")]
+    records += [record("s2", o, 0, kl=0.015) for o in ("troll", "clip")]
+    records += [record("s4", o, 0, kl=0.03) for o in ("troll", "clip")]
+    text, flat = tables.stale_check(records)
+    assert flat == {"s2"}
+    assert "- s2: KL at a rollout's start 1.50e-02 against s0's 1.00e-02" in text
+    assert "not measurably stale" in text.splitlines()[0] and text.splitlines()[1].endswith("stale")
+    records[4:] = [record("s4", o, 0, kl=0.019) for o in ("troll", "clip")]
+    assert tables.stale_check(records)[1] == {"s2", "s4", "s4-proximal"}
+    headroom = [record("s0", o, 0) for o in ("troll", "clip")]
+    for r in headroom:
+        r["history"] = [row for row in r["history"] if tables.KL_START not in row]
+    assert tables.kl_start(headroom, "s0") == 0.0
+    assert tables.stale_check(headroom + records[2:])[1] == set()
+
+
+def test_the_primary_comparison_carries_its_verdict_and_a_flat_level_is_named():
+    """Three seeds where TROLL's gap grows by 0.10, 0.11 and 0.12 from s0 to s4: TROLL holds up
+    better; with s4 not measurably stale the line says so."""
+    records = []
+    for seed, extra in enumerate((0.10, 0.11, 0.12)):
+        records += [record("s0", "troll", seed, (0.5, 0.5), kl=0.0),
+                    record("s0", "clip", seed, (0.5, 0.5), kl=0.0),
+                    record("s4", "troll", seed, (0.5 + extra, 0.5 + extra), kl=0.02),
+                    record("s4", "clip", seed, (0.5, 0.5), kl=0.02)]  # fmt: skip
+    lines = tables.comparisons(records)
+    assert lines[0].startswith("gap(s4) - gap(s0), seeds [0, 1, 2]: +0.110")
+    assert lines[0].endswith("verdict: TROLL holds up better under staleness")
+    assert "acc(troll, s4) - acc(troll, s0), seeds [0, 1, 2]: +0.110" in lines[1]
+    assert "acc(clip, s4) - acc(clip, s0), seeds [0, 1, 2]: +0.000" in lines[2]
+    for r in records:
+        for row in r["history"]:
+            if tables.KL_START in row and r["fields"]["arm"] == "s4":
+                row[tables.KL_START] = 0.0
+    assert "not a comparison under stale data" in tables.comparisons(records)[0]
+
+
+def full(arm, objective, seed, kl_end, active, reward):
+    """A run of 40 rollouts: ``kl_end`` and ``active`` before rollout 21 and twice them from it;
+    the reward ``reward`` + rollout / 100; validations at 30 and 40."""
+    history = []
+    for r in range(1, 41):
+        late = 2 if r >= 21 else 1
+        row = {"rollout": r, "trust_region/kl_end_mean": kl_end * late,
+               tables.ACTIVE[objective]: active * late, "reward/mean": reward + r / 100}  # fmt: skip
+        if r in (30, 40):
+            row["val/accuracy"] = 0.5
+        history.append(row)
+    fields = {"arm": arm, "objective": objective, "seed": seed}
+    return {"name": f"{arm}-{objective}-s{seed}", "fields": fields, "history": history}
+
+
+def test_the_secondary_table_reads_its_windows_by_hand():
+    """KL end and the share acted on over rollouts 21-40 (twice the early values); the reward in
+    windows of 10 (rollouts 1-10: reward + 0.055); means over the seeds."""
+    records = [full("s2", "troll", s, 0.01, 0.02 * (s + 1), 0.1) for s in range(2)]
+    table = tables.secondary_table(records).splitlines()
+    assert table[0].startswith("| arm | objective | seeds | KL end mean 21-40 | acts on 21-40 |")
+    assert table[0].endswith("| reward 1-10 | reward 11-20 | reward 21-30 | reward 31-40 |")
+    assert table[2] == "| s2 | troll | 2 | 0.02 | 0.06 | 0.155 | 0.255 | 0.355 | 0.455 |"
+
+
+def test_the_plot_draws_a_panel_per_arm_and_the_kl_at_the_start(tmp_path):
+    pytest.importorskip("matplotlib")
+    records = [record(arm, o, 0, kl=0.01) for arm in ("s0", "s4", "s4-proximal")
+               for o in ("troll", "clip")]  # fmt: skip
+    path = tables.plot(records, tmp_path / "staleness.png")
+    assert path.stat().st_size > 0
 
 
 def test_the_headroom_runs_are_cut_at_the_studys_last_rollout():
@@ -91,7 +181,7 @@ def test_a_dry_run_trains_a_stale_arm_and_logs_how_stale(tmp_path, capsys):
         "s0-clip-s0", "s0-troll-s0", "s2-clip-s0", "s2-troll-s0"
     ]  # fmt: skip
     for r in records:
-        kl = [row[study.KL_START] for row in r["history"] if study.KL_START in row]
+        kl = [row[tables.KL_START] for row in r["history"] if tables.KL_START in row]
         assert len(kl) == 2 and kl[0] == pytest.approx(0.0, abs=1e-6)
         config = next((out / "runs" / r["name"] / "logs").glob("*/config.yaml")).read_text()
         staleness = 2 if r["fields"]["arm"] == "s2" else 0
