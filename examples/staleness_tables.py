@@ -140,8 +140,8 @@ def comparisons(records: Sequence[dict]) -> list[str]:
     lines = []
     rules = [("s4", "s0", "TROLL holds up better under staleness", "clipping holds up better")]
     rules += [(arm, "s0", None, None) for arm in ("s2", "s4-proximal", "steps32")]
-    rules += [("s4-proximal", "s4", "the proximal anchor helps TROLL more",
-               "the behaviour anchor helps TROLL more")]  # fmt: skip
+    rules += [("s4-proximal", "s4", "TROLL stands better against clipping under the proximal "
+               "anchor", "TROLL stands better against clipping under the behaviour anchor")]  # fmt: skip
     for arm, base, better, worse in rules:
         found = versus(gap, arm, base)
         if found is None:
