@@ -12,6 +12,7 @@ import math
 import statistics
 import sys
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -61,6 +62,14 @@ def by_key(records: Sequence[dict]) -> dict[tuple[str, str, int], dict]:
     """(arm, objective, seed) -> record."""
     return {(r["fields"]["arm"], r["fields"]["objective"], r["fields"]["seed"]): r
             for r in records}  # fmt: skip
+
+
+def runs_of(records: Sequence[dict], arm: str, objective: str) -> list[dict]:
+    """The runs of ``arm`` and ``objective``, by seed."""
+    found = [
+        r for r in records if (r["fields"]["arm"], r["fields"]["objective"]) == (arm, objective)
+    ]
+    return sorted(found, key=lambda r: r["fields"]["seed"])
 
 
 def gaps(records: Sequence[dict]) -> dict[str, dict[int, float]]:
@@ -153,9 +162,8 @@ def comparisons(records: Sequence[dict]) -> list[str]:
         if arm in flat or base in flat:
             line += " (a level not measurably stale: not a comparison under stale data)"
         lines.append(line)
-    keyed = by_key(records)
     for objective in OBJECTIVES:
-        acc = {arm: {s: v for (a, o, s), r in keyed.items() if a == arm and o == objective
+        acc = {arm: {r["fields"]["seed"]: v for r in runs_of(records, arm, objective)
                      if (v := endpoint(r)) is not None} for arm in ("s4", "s0")}  # fmt: skip
         found = versus(acc, "s4", "s0")
         if found is not None:
@@ -173,7 +181,7 @@ def secondary_table(records: Sequence[dict]) -> str:
     rows = []
     for arm in ARMS:
         for objective in OBJECTIVES:
-            runs = [r for (a, o, _), r in by_key(records).items() if a == arm and o == objective]
+            runs = runs_of(records, arm, objective)
             if not runs:
                 continue
 
@@ -224,13 +232,9 @@ def plot(records: Sequence[dict], path: Path) -> Path:
     """Held-out accuracy per arm (a panel each, both objectives, mean over seeds with a band of one
     standard deviation), then the KL at a rollout's start per arm for each objective (not under
     the proximal anchor, where it is 0 by construction)."""
-    keyed = by_key(records)
     colour = {"troll": "C0", "clip": "C1"}
-
-    def runs(arm: str, objective: str) -> list[dict]:
-        return [r for (a, o, _), r in keyed.items() if a == arm and o == objective]
-
-    arms = [arm for arm in ARMS if any(a == arm for a, _, _ in keyed)]
+    runs = partial(runs_of, records)
+    arms = [arm for arm in ARMS if any(r["fields"]["arm"] == arm for r in records)]
     panels = [
         Panel(f"{arm}: held-out accuracy", "accuracy",
               [Line(runs(arm, o), ACCURACY, o, colour[o]) for o in OBJECTIVES if runs(arm, o)])
