@@ -62,11 +62,18 @@ def verdict(result: Paired | None) -> str:
     )
 
 
+def paired_runs(
+    records: Sequence[dict], troll: str, clip: str
+) -> tuple[list[tuple[dict, dict]], set[int]]:
+    """(TROLL run, clipping run) per seed both ran, and the validations all of them share."""
+    pairs = tables.seed_pairs(records, troll, clip)
+    return pairs, set(tables.shared_rollouts([r for pair in pairs for r in pair]))
+
+
 def late_pairs(records: Sequence[dict], troll: str, clip: str) -> tuple[Paired | None, list[int]]:
     """TROLL minus clipping, late accuracy at the validations every paired run shares (None
     where they have none in :data:`LATE`), and the seeds in order."""
-    pairs = tables.seed_pairs(records, troll, clip)
-    shared = set(tables.shared_rollouts([r for pair in pairs for r in pair]))
+    pairs, shared = paired_runs(records, troll, clip)
     late = [[window_mean(r, ACCURACY, LATE, shared) for r in pair] for pair in pairs]
     seeds = [x["fields"]["seed"] for x, _ in pairs]
     if not any(LATE[0] <= x <= LATE[1] for x in shared):
@@ -91,8 +98,7 @@ def arithmetic_zero_std() -> dict[str, float]:
 def headroom_check(records: Sequence[dict], troll: str, clip: str) -> str:
     """Per objective: late accuracy per seed and its mean against :data:`CEILING`, and the share of
     groups without spread late, beside the arithmetic task's."""
-    pairs = tables.seed_pairs(records, troll, clip)
-    shared = set(tables.shared_rollouts([r for pair in pairs for r in pair]))
+    pairs, shared = paired_runs(records, troll, clip)
     arithmetic = arithmetic_zero_std()
     rows = []
     for i, (objective, arm) in enumerate((("troll", troll), ("clip", clip))):
