@@ -1,6 +1,6 @@
 """One command proves the GPU path: ``make gpu-check`` (``python examples/gpu_check.py``).
 
-On a machine with a CUDA GPU it runs six phases, each in a process of its own under its own time
+On a machine with a CUDA GPU it runs seven phases, each in a process of its own under its own time
 limit, so that a phase that fails or runs out of time is recorded and the next one still runs:
 
 1. ``cuda-tests``: the CUDA-only tests (``pytest -m cuda``, ``tests/test_cuda.py``): QLoRA on a
@@ -8,16 +8,21 @@ limit, so that a phase that fails or runs out of time is recorded and the next o
    projection against the float64 reference;
 2. ``fsdp2-nccl``: FSDP2 (``ModelParallelStrategy``) over NCCL on every visible GPU, against the
    same run in one CPU process;
-3. ``overhead``: TROLL against clip, one whole training step (forward, objective, backward,
+3. ``loop-paths``: ``configs/tinymath.yaml`` for 20 rollouts on the GPU along each path of the
+   loop that the demo does not take: the engine in a process of its own at
+   ``old_policy.max_staleness: 1``, the proximal anchor at ``max_staleness: 2``, and two-turn
+   episodes; each checked for what it promises (every rollout after the first sampled ahead, the
+   staleness reached, the proximal weight logged, one or two turns an episode);
+4. ``overhead``: TROLL against clip, one whole training step (forward, objective, backward,
    gradient clipping, AdamW) at Qwen3-0.6B, 1.7B and 4B shapes (random initialisation, bf16,
    V = 151,936, 4 sequences of 1,024 tokens, fewer where they do not fit): the ratio of the median
    step times and of ``torch.cuda.max_memory_allocated``, beside the paper's x1.091 and x1.046,
    and TROLL's step with its root finder compiled (``trust_region.compile_solver``);
-4. ``generation``: sampling tokens per second at the same shapes, and the split of one GRPO
+5. ``generation``: sampling tokens per second at the same shapes, and the split of one GRPO
    iteration (64 completions of 256 tokens) into rollout and training;
-5. ``tinymath-demo``: ``configs/tinymath.yaml`` for 100 rollouts on the GPU: wall time, reward,
+6. ``tinymath-demo``: ``configs/tinymath.yaml`` for 100 rollouts on the GPU: wall time, reward,
    held-out accuracy;
-6. ``grpo-smollm2``: one GRPO iteration at SmolLM2-135M's shape (random initialisation) through
+7. ``grpo-smollm2``: one GRPO iteration at SmolLM2-135M's shape (random initialisation) through
    ``TrollModule`` and a Lightning ``Trainer`` in bf16-true: wall time and reward.
 
 It writes a JSON report (``--json``: the device, the versions, and a ``phases`` list with each
@@ -75,6 +80,7 @@ class Phase:
 PHASES = (
     Phase("cuda-tests", "CUDA-only tests (pytest -m cuda)", 150, 120, cuda_only=True),
     Phase("fsdp2-nccl", "FSDP2 over NCCL against one CPU process", 150, 120, cuda_only=True),
+    Phase("loop-paths", "the engine apart, stale data, episodes: TinyMath fits", 150, 150),
     Phase("overhead", "TROLL vs clip, one training step, Qwen3 shapes", 240, 120),
     Phase("generation", "tokens/s and one GRPO iteration, Qwen3 shapes", 150, 120),
     Phase("tinymath-demo", "the TinyMath demo, shortened", 120, 120),

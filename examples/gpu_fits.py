@@ -1,17 +1,24 @@
-"""Phases 5 and 6 of ``examples/gpu_check.py`` (:mod:`gpu_phases`): whole fits through Lightning.
+"""The phases of ``examples/gpu_check.py`` (:mod:`gpu_phases`) that are whole fits through Lightning.
 
 - ``tinymath-demo``: ``lightning-troll fit --config configs/tinymath.yaml``, shortened, on this
   device;
+- ``loop-paths``: the same, shortened further, once for each path of the training loop that the
+  demo does not take (the engine in a process of its own, the proximal anchor under stale data,
+  multi-turn episodes), each checked for what that path promises;
 - ``grpo-smollm2``: one GRPO iteration at SmolLM2-135M's shape (randomly initialised, a character
   tokenizer) through ``TrollModule`` and a Lightning ``Trainer``, bf16-true on a GPU.
 """
 
 from __future__ import annotations
 
+import csv
+import math
+import statistics
 import sys
 import tempfile
+from collections import defaultdict
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_models import (  # noqa: E402
@@ -25,10 +32,27 @@ from gpu_models import (  # noqa: E402
     shape_table,
 )
 
+from lightning_troll.environments import Environment, Step  # noqa: E402
+
 if TYPE_CHECKING:
     from gpu_phases import Results
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def tinymath_args(accelerator: str, rollouts: int, logs: str, tiny: bool) -> list[str]:
+    """``fit --config configs/tinymath.yaml`` for ``rollouts`` rollouts (two optimiser steps each)
+    on ``accelerator``, validating once at the end, logs under ``logs``, no checkpoint; with
+    ``tiny``, 16 prompts x 8 completions in two minibatches of 64 sequences. The config comes
+    first: options after it override it."""
+    args = ["fit", "--config", str(ROOT / "configs" / "tinymath.yaml"),
+            f"--trainer.accelerator={accelerator}", f"--trainer.max_steps={2 * rollouts}",
+            f"--trainer.val_check_interval={rollouts}", f"--trainer.default_root_dir={logs}",
+            "--trainer.enable_progress_bar=false", "--trainer.enable_checkpointing=false"]  # fmt: skip
+    if tiny:
+        args += ["--data.batch_size=16", "--data.num_val=32", "--data.val_batch_size=32",
+                 "--model.optimization.minibatch_size=64"]  # fmt: skip
+    return args
 
 
 def tinymath_demo(results: Results, tiny: bool) -> None:
@@ -41,15 +65,8 @@ def tinymath_demo(results: Results, tiny: bool) -> None:
     rollouts = 2 if tiny else 100
     accelerator = "gpu" if torch.cuda.is_available() else "cpu"
     with tempfile.TemporaryDirectory() as logs:
-        args = ["fit", "--config", str(ROOT / "configs" / "tinymath.yaml"),
-                f"--trainer.accelerator={accelerator}", f"--trainer.max_steps={2 * rollouts}",
-                f"--trainer.val_check_interval={rollouts}", f"--trainer.default_root_dir={logs}",
-                "--trainer.enable_progress_bar=false", "--trainer.enable_checkpointing=false"]  # fmt: skip
-        if tiny:  # 16 prompts x 8 completions, two minibatches of 64 sequences
-            args += ["--data.batch_size=16", "--data.num_val=32", "--data.val_batch_size=32",
-                     "--model.optimization.minibatch_size=64"]  # fmt: skip
         start = clock()
-        cli = run(args)
+        cli = run(tinymath_args(accelerator, rollouts, logs, tiny))
         seconds = clock() - start
     metrics = {k: float(v) for k, v in cli.trainer.callback_metrics.items()}
     rollout = next(c for c in cli.trainer.callbacks if isinstance(c, RolloutGeneration))
@@ -68,6 +85,109 @@ def tinymath_demo(results: Results, tiny: bool) -> None:
         summary=f"{len(rewards)} rollouts in {seconds:.1f} s, reward {rewards[0]:.3f} -> "
         f"{rewards[-1]:.3f}, val accuracy {metrics['val/accuracy']:.3f}",
     )
+
+
+class PlusOneTurns(Environment):
+    """Two-turn plain-text episodes for TinyMath, which has no chat template: the prompt, the
+    model's answer, the reply ``"+1="``, the model's second answer."""
+
+    def reset(self, row: Any) -> str:
+        self.left = 2
+        return str(row["prompt"])
+
+    def step(self, turn: str) -> Step:
+        self.left -= 1
+        return Step(done=True) if self.left <= 0 else Step("+1=")
+
+
+LOOP_PATHS: dict[str, list[str]] = {
+    "engine-process": ["--model.rollout_engine_options={process: true, threads: 2}",
+                       "--old_policy.max_staleness=1"],
+    "proximal": ["--old_policy.max_staleness=2", "--model.loss.anchor=proximal"],
+    "episodes": ["--model.episodes.environment=gpu_fits:PlusOneTurns",
+                 "--model.sampling.max_new_tokens=16"],
+}  # fmt: skip
+"""The paths of the loop that ``tinymath-demo`` does not take: options over configs/tinymath.yaml."""
+
+
+def logged_series(logs: Path) -> dict[str, list[float]]:
+    """Every figure a run's CSV logger wrote under ``logs``, in the order logged."""
+    (path,) = logs.rglob("metrics.csv")
+    series: dict[str, list[float]] = defaultdict(list)
+    with path.open(newline="") as f:
+        for row in csv.DictReader(f):
+            for name, value in row.items():
+                if value not in ("", None):
+                    series[name].append(float(value))
+    return series
+
+
+def path_figures(name: str, series: dict[str, list[float]], rollouts: int) -> dict[str, Any]:
+    """One loop path's figures, checked against what the path promises: every rollout trained;
+    the sampler as stale as the option allows; the engine apart sampled every rollout after the
+    first ahead; the proximal weight logged; each episode played one or two turns. Raises
+    ``AssertionError`` naming what failed."""
+    rewards, staleness = series["reward/mean"], series["rollout/staleness"]
+    row: dict[str, Any] = {"path": name, "rollouts": len(rewards),
+                           "final_reward": round(rewards[-1], 4),
+                           "kl_after_max": round(max(series["trust_region/kl_after_max"]), 5),
+                           "staleness_max": max(staleness)}  # fmt: skip
+    problems = [] if len(rewards) == rollouts else [f"{len(rewards)} rollouts of {rollouts}"]
+    allowed = {"engine-process": 1, "proximal": 2}.get(name, 0)
+    if max(staleness) != allowed:
+        problems.append(f"rollout/staleness reached {max(staleness)}, not {allowed}")
+    if name == "engine-process":
+        ahead = series["engine/process_prefetched"]
+        row["prefetched_share"] = round(statistics.fmean(ahead[1:]), 4)
+        row["process_wait_s"] = round(statistics.median(series["engine/process_wait_s"]), 4)
+        row["weight_push_s"] = round(statistics.median(series["engine/weight_push_s"]), 4)
+        if len(ahead) != rollouts or ahead[0] != 0 or row["prefetched_share"] != 1:
+            problems.append(f"engine/process_prefetched was {ahead}: sampled ahead after the first")
+    if name == "proximal":
+        weights = series["rollout/proximal_is_weight_mean"]
+        row["proximal_is_weight_mean"] = round(statistics.fmean(weights), 5)
+        if len(weights) != rollouts or not all(math.isfinite(w) and w > 0 for w in weights):
+            problems.append(f"rollout/proximal_is_weight_mean was {weights}")
+    if name == "episodes":
+        turns = series["episodes/turns_mean"]
+        row["turns_mean"] = round(statistics.fmean(turns), 3)
+        if len(turns) != rollouts or not all(1 <= t <= 2 for t in turns):
+            problems.append(f"episodes/turns_mean was {turns}, not in [1, 2] at every rollout")
+    if problems:
+        raise AssertionError(f"{name}: " + "; ".join(problems))
+    return row
+
+
+def loop_paths(results: Results, tiny: bool) -> None:
+    """A short TinyMath fit on this device for each of :data:`LOOP_PATHS`, each checked by
+    :func:`path_figures`; a path that fails is a row with its error, the next one still runs,
+    and the phase fails at the end."""
+    import torch
+
+    from lightning_troll.cli import run
+
+    rollouts = 3 if tiny else 20
+    accelerator = "gpu" if torch.cuda.is_available() else "cpu"
+    results.update(accelerator=accelerator)
+    failed = []
+    for name, options in LOOP_PATHS.items():
+        with tempfile.TemporaryDirectory() as logs:
+            args = tinymath_args(accelerator, rollouts, logs, tiny) + options
+            args += ["--trainer.logger=lightning.pytorch.loggers.CSVLogger",
+                     f"--trainer.logger.save_dir={logs}"]  # fmt: skip
+            start = clock()
+            try:
+                run(args)
+                row = path_figures(name, logged_series(Path(logs)), rollouts)
+            except (Exception, SystemExit) as error:  # noqa: BLE001 - recorded, then raised below
+                row = {"path": name, "error": f"{type(error).__name__}: {error}"}
+                failed.append(name)
+            row["fit_s"] = round(clock() - start, 2)
+        results.add_row(row)
+    if failed:
+        raise RuntimeError(f"loop-paths: failed on {failed}")
+    times = ", ".join(f"{row['path']} {row['fit_s']:.1f} s" for row in results.rows)
+    results.update(summary=f"{len(LOOP_PATHS)} paths, {rollouts} rollouts each: {times}")
 
 
 def parity_reward(prompt: str, completion: str, row) -> float:

@@ -4,7 +4,7 @@ A phase is a function ``fn(results, tiny)``: it records figures on ``results`` a
 phase that fails or runs out of time keeps what it had recorded) and raises :class:`Skip` when
 it cannot run here. ``tiny`` shrinks every shape so that the phase runs on a CPU in seconds.
 The models (Qwen3 and SmolLM2 shapes, randomly initialised), the rollouts and the training step
-are :mod:`gpu_models`', the two whole fits through Lightning :mod:`gpu_fits`' and the peak memory
+are :mod:`gpu_models`', the whole fits through Lightning :mod:`gpu_fits`' and the peak memory
 :mod:`peak_memory`'s."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_fits import grpo_smollm2, tinymath_demo  # noqa: E402
+from gpu_fits import grpo_smollm2, loop_paths, tinymath_demo  # noqa: E402
 from gpu_models import (  # noqa: E402
     EOS,
     PAD,
@@ -329,6 +329,7 @@ def generation_at(shape: Shape, setting: GenerationSetting, micro_batch: int) ->
 WORKERS = {
     "cuda-tests": cuda_tests,
     "fsdp2-nccl": fsdp2_nccl,
+    "loop-paths": loop_paths,
     "overhead": overhead,
     "generation": generation,
     "tinymath-demo": tinymath_demo,

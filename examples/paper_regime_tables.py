@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from study_figures import window_mean as figures_window_mean  # noqa: E402
 from study_kit import (  # noqa: E402
     TIME,
     markdown_table,
@@ -165,15 +166,10 @@ def shared_rollouts(records: Sequence[dict], metric: str = ACCURACY) -> list[int
 
 
 def window_mean(record: dict, metric: str, window: tuple[int, int], at=None) -> float:
-    """The mean of ``metric`` over the run's rollouts in ``window`` (inclusive), only at the
-    rollouts ``at`` when given."""
-    low, high = window
-    found = [
-        row[metric]
-        for row in record["history"]
-        if metric in row and low <= row["rollout"] <= high and (at is None or row["rollout"] in at)
-    ]
-    return statistics.fmean(found) if found else float("nan")
+    """:func:`study_figures.window_mean`, NaN instead of None where no rollout of the window logs
+    ``metric``, so that it carries through these tables' means."""
+    found = figures_window_mean(record, metric, window, at)
+    return math.nan if found is None else found
 
 
 def bins_table(groups: dict[str, Sequence[dict]], window=(0, math.inf), label="arm") -> str:

@@ -41,12 +41,13 @@ def run_mean(record: dict, metric: str, last: int | None = None) -> float | None
     return statistics.fmean(found) if found else None
 
 
-def window_mean(record: dict, metric: str, window: tuple[int, int]) -> float | None:
-    """The mean of ``metric`` over a run's rollouts in ``window`` (inclusive), or None where none
-    of them logs it."""
+def window_mean(record: dict, metric: str, window: tuple[int, int], at=None) -> float | None:
+    """The mean of ``metric`` over a run's rollouts in ``window`` (inclusive), only at the
+    rollouts ``at`` when given, or None where none of them logs it."""
     low, high = window
     found = [row[metric] for row in record["history"]
-             if low <= row["rollout"] <= high and row.get(metric) is not None]  # fmt: skip
+             if low <= row["rollout"] <= high and row.get(metric) is not None
+             and (at is None or row["rollout"] in at)]  # fmt: skip
     return statistics.fmean(found) if found else None
 
 

@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "gpu_check.py"
 sys.path.insert(0, str(SCRIPT.parent))
 import gpu_check  # noqa: E402 - examples/ is no package
+import gpu_fits  # noqa: E402
 import gpu_models  # noqa: E402
 import gpu_phases  # noqa: E402
 
@@ -121,7 +122,7 @@ def test_without_cuda_full_shapes_are_skipped_with_the_reason(tmp_path, capsys):
     reasons = {e["name"]: e["reason"] for e in entries}
     assert "needs a CUDA device" in reasons["cuda-tests"]
     assert "--tiny runs it on a CPU" in reasons["overhead"]
-    assert "[6/6] grpo-smollm2: skipped" in capsys.readouterr().out
+    assert "[7/7] grpo-smollm2: skipped" in capsys.readouterr().out
 
 
 def test_phases_past_the_budget_are_skipped(tmp_path):
@@ -198,13 +199,48 @@ def test_a_shape_out_of_gpu_memory_is_retried_smaller_and_a_failing_shape_is_rec
     assert rows[1]["error"] == "ValueError: bad shape"
 
 
+def series(**extra: list[float]) -> dict[str, list[float]]:
+    """What a loop path's CSV log holds over 3 rollouts, with ``extra`` figures."""
+    return {"reward/mean": [0.3, 0.4, 0.5], "trust_region/kl_after_max": [0.01, 0.05, 0.02],
+            "rollout/staleness": [0.0, 1.0, 1.0], **extra}  # fmt: skip
+
+
+def test_each_loop_path_is_held_to_what_it_promises():
+    """The engine apart samples every rollout after the first ahead; the sampler is as stale as
+    the option allows; the proximal weight is logged; an episode plays one or two turns."""
+    ahead = {"engine/process_prefetched": [0.0, 1.0, 1.0], "engine/process_wait_s": [2.0, 0.1, 0.3],
+             "engine/weight_push_s": [0.5, 0.2, 0.4]}  # fmt: skip
+    row = gpu_fits.path_figures("engine-process", series(**ahead), 3)
+    assert row == {"path": "engine-process", "rollouts": 3, "final_reward": 0.5,
+                   "kl_after_max": 0.05, "staleness_max": 1.0, "prefetched_share": 1.0,
+                   "process_wait_s": 0.3, "weight_push_s": 0.4}  # fmt: skip
+    late = {**ahead, "engine/process_prefetched": [0.0, 1.0, 0.0]}
+    with pytest.raises(AssertionError, match=r"engine-process: engine/process_prefetched was "
+                       r"\[0.0, 1.0, 0.0\]: sampled ahead after the first"):  # fmt: skip
+        gpu_fits.path_figures("engine-process", series(**late), 3)
+    with pytest.raises(AssertionError, match=r"^proximal: rollout/staleness reached 1.0, not 2$"):
+        gpu_fits.path_figures(
+            "proximal", series(**{"rollout/proximal_is_weight_mean": [1.0] * 3}), 3
+        )
+    stale = {"rollout/staleness": [0.0, 1.0, 2.0], "rollout/proximal_is_weight_mean": [1, 0.9, 0.8]}
+    assert gpu_fits.path_figures("proximal", series(**stale), 3)["proximal_is_weight_mean"] == 0.9
+    stale["rollout/proximal_is_weight_mean"] = [1.0, float("nan"), 0.8]
+    with pytest.raises(AssertionError, match=r"rollout/proximal_is_weight_mean was \[1.0, nan"):
+        gpu_fits.path_figures("proximal", series(**stale), 3)
+    played = {"rollout/staleness": [0.0] * 3, "episodes/turns_mean": [2.0, 1.5, 3.0]}
+    with pytest.raises(AssertionError, match=r"episodes/turns_mean was \[2.0, 1.5, 3.0\], not in"):
+        gpu_fits.path_figures("episodes", series(**played), 3)
+    with pytest.raises(AssertionError, match=r"^episodes: 3 rollouts of 4; rollout/staleness"):
+        gpu_fits.path_figures("episodes", series(**{"episodes/turns_mean": [2.0] * 3}), 4)
+
+
 # -- the script itself --------------------------------------------------------------------------
 def run_script(*args: str) -> subprocess.CompletedProcess:
     command = [sys.executable, str(SCRIPT), *args]
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=1200)
 
 
-@pytest.mark.slow  # six phases, four of them in processes of their own: about 2 minutes
+@pytest.mark.slow  # seven phases, five of them in processes of their own: about 3 minutes
 def test_tiny_check_runs_every_phase_and_reports_it(tmp_path):
     out = tmp_path / "report.json"
     done = run_script("--tiny", "--json", str(out), "--logs", str(tmp_path / "logs"))
@@ -256,6 +292,16 @@ def test_tiny_check_runs_every_phase_and_reports_it(tmp_path):
     demo = phases["tinymath-demo"]["figures"]
     assert demo["rollouts"] == 2 and 0 <= demo["final_reward"] <= 1
     assert 0 <= demo["val_accuracy"] <= 1 and demo["kl_after_max"] <= EPS * (1 + 1e-5)
+    paths = {row["path"]: row for row in phases["loop-paths"]["figures"]["rows"]}
+    assert list(paths) == list(gpu_fits.LOOP_PATHS)
+    for row in paths.values():
+        assert row["rollouts"] == 3 and 0 <= row["final_reward"] <= 1
+        assert row["kl_after_max"] <= EPS * (1 + 1e-5)
+    assert paths["engine-process"]["staleness_max"] == 1
+    assert paths["engine-process"]["prefetched_share"] == 1
+    assert paths["proximal"]["staleness_max"] == 2
+    assert 0 < paths["proximal"]["proximal_is_weight_mean"] < 2  # truncated at anchor_is_cap 2
+    assert paths["episodes"]["staleness_max"] == 0 and 1 <= paths["episodes"]["turns_mean"] <= 2
     smol = phases["grpo-smollm2"]["figures"]
     assert 0 <= smol["final_reward"] <= 1 and smol["sequences"] == 16
     assert smol["kl_after_max"] <= EPS * (1 + 1e-5) and smol["rollout_s"] > 0
