@@ -80,7 +80,7 @@ class Phase:
 PHASES = (
     Phase("cuda-tests", "CUDA-only tests (pytest -m cuda)", 150, 120, cuda_only=True),
     Phase("fsdp2-nccl", "FSDP2 over NCCL against one CPU process", 150, 120, cuda_only=True),
-    Phase("loop-paths", "the engine apart, stale data, episodes: TinyMath fits", 150, 150),
+    Phase("loop-paths", "the engine apart, stale data, episodes: TinyMath fits", 150, 240),
     Phase("overhead", "TROLL vs clip, one training step, Qwen3 shapes", 240, 120),
     Phase("generation", "tokens/s and one GRPO iteration, Qwen3 shapes", 150, 120),
     Phase("tinymath-demo", "the TinyMath demo, shortened", 120, 120),
@@ -296,7 +296,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--phases", default=",".join(NAMES),
                         help=f"comma-separated phases to run, of {', '.join(NAMES)} (default: all)")  # fmt: skip
     parser.add_argument("--budget", type=float, default=None,
-                        help="seconds after which no phase starts (default: 540; --tiny: 600)")  # fmt: skip
+                        help="seconds after which no phase starts (default: 540; --tiny: 900)")  # fmt: skip
     parser.add_argument(
         "--logs", type=Path, help="folder for each phase's log (default: a temporary one)"
     )
@@ -313,7 +313,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if value is not None and value not in NAMES:
             parser.error(f"{option} must be one of {NAMES}; got {value!r}")
     if args.budget is None:
-        args.budget = 600.0 if args.tiny else 540.0
+        args.budget = 900.0 if args.tiny else 540.0
     if not (math.isfinite(args.budget) and args.budget > 0):
         parser.error(f"--budget must be a number of seconds > 0; got {args.budget}")
     if args.json is None:
