@@ -13,7 +13,9 @@ benchmark's prompts (8 prompts x 8 completions, 32 new tokens, 4 optimiser steps
 
 Each arm runs in a fresh process, the arms in turn, ``--repeats`` times; an arm's figure is the
 median over its iterations after the first of every run (the first starts the engine's process
-and loads its model). Prints a table and writes ``--json``::
+and loads its model). Prints a table and writes ``--json``, after every run with what has run so
+far (``"complete": false``, each iteration's figures under ``rows``), so that a benchmark cut
+short keeps its finished runs::
 
     python examples/benchmark_overlap.py --json examples/results/smollm2/overlap.json
     python examples/benchmark_overlap.py --tiny          # TinyMath, seconds, any machine
@@ -148,6 +150,7 @@ def main(argv: list[str] | None = None) -> dict:
     if not args.tiny and not args.model.is_dir():
         parser.error(f"--model {args.model}: no model folder there; run `make smollm2` first")
     rows: dict[str, list[dict[str, float]]] = {arm: [] for arm in ARMS}
+    settings = {k: str(v) for k, v in vars(args).items() if k not in ("worker", "json")}
     for repeat in range(args.repeats):
         for arm in ARMS:
             spec = {"arm": arm, "tiny": args.tiny, "model": str(args.model),
@@ -165,6 +168,8 @@ def main(argv: list[str] | None = None) -> dict:
             rows[arm] += run[1:]
             totals = ", ".join(f"{r['total']:.2f}" for r in run)
             print(f"run {repeat + 1}, {arm}: {totals}", flush=True)
+            if args.json:  # what has run so far, kept if the benchmark is cut short
+                write_json(args.json, {"settings": settings, "rows": rows, "complete": False})
     times = {arm: [r["total"] for r in arm_rows] for arm, arm_rows in rows.items()}
     medians = {arm: statistics.median(t) for arm, t in times.items()}
     parts = {arm: {p: statistics.median(r[p] for r in rows[arm]) for p in PARTS} for arm in ARMS}
@@ -177,13 +182,17 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"overlapped / in turn: x{ratio:.3f}")
     prefetched = {arm: statistics.mean(r["engine/process_prefetched"] for r in rows[arm])
                   for arm in ARMS}  # fmt: skip
-    report = {"settings": {k: str(v) for k, v in vars(args).items() if k not in ("worker", "json")},
-              "times_s": times, "median_s": medians, "parts_median_s": parts, "ratio": ratio,
-              "prefetched": prefetched}  # fmt: skip
+    report = {"settings": settings, "times_s": times, "median_s": medians,
+              "parts_median_s": parts, "ratio": ratio, "prefetched": prefetched,
+              "rows": rows, "complete": True}  # fmt: skip
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=1) + "\n")
+        write_json(args.json, report)
     return report
+
+
+def write_json(path: Path, report: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1) + "\n")
 
 
 if __name__ == "__main__":

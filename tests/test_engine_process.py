@@ -222,6 +222,9 @@ def test_the_overlap_benchmark_times_both_arms_on_tinymath(tmp_path):
     )
     assert f"overlapped / in turn: x{report['ratio']:.3f}" in done.stdout
     assert report["prefetched"] == {"in turn": 0.0, "overlapped": 1.0}
+    assert report["complete"] is True  # a run cut short leaves False, with the runs done
+    for arm, times in report["times_s"].items():
+        assert [row["total"] for row in report["rows"][arm]] == times
     bad = subprocess.run([sys.executable, str(script), "--engine-threads", "2"],
                          capture_output=True, text=True)  # fmt: skip
     assert bad.returncode == 2 and "--engine-threads must be in [1, --threads); got 2" in bad.stderr
