@@ -108,6 +108,16 @@ LOOP_PATHS: dict[str, list[str]] = {
                  "--model.sampling.max_new_tokens=16"],
 }  # fmt: skip
 """The paths of the loop that ``tinymath-demo`` does not take: options over configs/tinymath.yaml."""
+PATH_FIGURES = {
+    "engine-process": [
+        "engine/process_prefetched",
+        "engine/process_wait_s",
+        "engine/weight_push_s",
+    ],
+    "proximal": ["rollout/proximal_is_weight_mean"],
+    "episodes": ["episodes/turns_mean"],
+}
+"""What each path logs, beside every run's reward, staleness and KL, that :func:`path_figures` checks."""
 
 
 def logged_series(logs: Path) -> dict[str, list[float]]:
@@ -126,7 +136,11 @@ def path_figures(name: str, series: dict[str, list[float]], rollouts: int) -> di
     """One loop path's figures, checked against what the path promises: every rollout trained;
     the sampler as stale as the option allows; the engine apart sampled every rollout after the
     first ahead; the proximal weight logged; each episode played one or two turns. Raises
-    ``AssertionError`` naming what failed."""
+    ``AssertionError`` naming what failed, or the figures it needs that were not logged."""
+    needed = ["reward/mean", "rollout/staleness", "trust_region/kl_after_max", *PATH_FIGURES[name]]
+    missing = [figure for figure in needed if not series.get(figure)]
+    if missing:
+        raise AssertionError(f"{name}: the run logged no {', '.join(missing)}")
     rewards, staleness = series["reward/mean"], series["rollout/staleness"]
     row: dict[str, Any] = {"path": name, "rollouts": len(rewards),
                            "final_reward": round(rewards[-1], 4),

@@ -230,6 +230,11 @@ def test_each_loop_path_is_held_to_what_it_promises():
     played = {"rollout/staleness": [0.0] * 3, "episodes/turns_mean": [2.0, 1.5, 3.0]}
     with pytest.raises(AssertionError, match=r"episodes/turns_mean was \[2.0, 1.5, 3.0\], not in"):
         gpu_fits.path_figures("episodes", series(**played), 3)
+    with pytest.raises(AssertionError, match=r"^episodes: the run logged no episodes/turns_mean$"):
+        gpu_fits.path_figures("episodes", series(), 3)
+    unstale = {"reward/mean": [0.1], "trust_region/kl_after_max": [0.0]}
+    with pytest.raises(AssertionError, match=r"^proximal: the run logged no rollout/staleness, ro"):
+        gpu_fits.path_figures("proximal", unstale, 1)
     with pytest.raises(AssertionError, match=r"^episodes: 3 rollouts of 4; rollout/staleness"):
         gpu_fits.path_figures("episodes", series(**{"episodes/turns_mean": [2.0] * 3}), 4)
 
