@@ -551,7 +551,10 @@ def test_bad_input_prints_one_line_and_exits_2(
 ):
     args = [a(tmp_path) if callable(a) else a for a in args]
     monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
-    base = ["fit", "--config", str(ROOT / "configs" / "tinymath.yaml"), *one_step(tiny_model_dir)]
+    configs = args[:2] if args[:1] == ["--config"] else []  # before the options, as a user's
+    args = args[len(configs) :]
+    base = ["fit", "--config", str(ROOT / "configs" / "tinymath.yaml"), *configs]
+    base += one_step(tiny_model_dir)
     loaded = []
     real_load = policies_file.load_policy
     monkeypatch.setattr(

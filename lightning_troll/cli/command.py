@@ -51,6 +51,7 @@ from lightning_troll.callbacks import (
 from lightning_troll.callbacks.summary import TrollModelSummary
 from lightning_troll.cli import export
 from lightning_troll.cli.checks import check_schedule_length, check_task, config_files
+from lightning_troll.cli.order import overridden_options
 from lightning_troll.cli.parse_errors import explain
 from lightning_troll.cli.quiet import quiet_library_notices
 from lightning_troll.cli.renamed import fold_renamed_options
@@ -311,6 +312,8 @@ def run(args: list[str] | None = None, debug: bool = False) -> TrollCLI:
     # LightningModule, ...), about 2 s per start on a 2-core CPU, so it is done only for a
     # command line that shows the documentation.
     given = sys.argv[1:] if args is None else args
+    for message in overridden_options(list(given)):
+        rank_zero_warn(message)
     set_parsing_settings(docstring_parse_attribute_docstrings=shows_help(given))
     # The frozen snapshots are in eval mode on purpose; Lightning warns about any such module.
     warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode")
