@@ -64,6 +64,11 @@ def test_no_warning_when_the_config_comes_first_or_the_option_is_given_again(con
     ]
 
 
+def test_paths_among_the_arguments_are_read_as_text(config):
+    args = ["fit", "--trainer.default_root_dir", Path("runs"), "--config", Path(config)]
+    assert overridden_options(args) == []
+
+
 def test_each_config_file_overrides_only_what_came_before_it(config, tmp_path):
     other = tmp_path / "other.yaml"
     other.write_text("trainer:\n  devices: 1\n")

@@ -27,6 +27,7 @@ def overridden_options(args: list[str]) -> list[str]:
     given: dict[str, str] = {}  # option key -> its value as given, in order
     messages: dict[str, str] = {}  # option key -> the warning, dropped if given again later
     i = 0
+    args = [str(arg) for arg in args]  # a caller may pass paths
     while i < len(args):
         arg = args[i]
         i += 1
