@@ -30,6 +30,7 @@ def test_an_option_before_a_config_that_sets_it_is_named_with_what_the_config_se
     for args in (
         ["fit", "--trainer.accelerator", "gpu", "--config", config],
         ["fit", "--trainer.accelerator=gpu", f"--config={config}"],
+        ["fit", "--trainer.accelerator", "gpu", "-c", config],
     ):
         assert overridden_options(args) == [
             f"--trainer.accelerator gpu comes before --config {config}, which sets "

@@ -31,6 +31,8 @@ def overridden_options(args: list[str]) -> list[str]:
     while i < len(args):
         arg = args[i]
         i += 1
+        if arg == "-c":  # --config's short form
+            arg = "--config"
         if not arg.startswith("--"):
             continue
         key, has_value, value = arg[2:].partition("=")
