@@ -147,7 +147,8 @@ def path_figures(name: str, series: dict[str, list[float]], rollouts: int) -> di
                            "kl_after_max": round(max(series["trust_region/kl_after_max"]), 5),
                            "staleness_max": max(staleness)}  # fmt: skip
     problems = [] if len(rewards) == rollouts else [f"{len(rewards)} rollouts of {rollouts}"]
-    allowed = {"engine-process": 1, "proximal": 2}.get(name, 0)
+    allowed = next((int(o.split("=")[1]) for o in LOOP_PATHS[name]
+                    if o.startswith("--old_policy.max_staleness=")), 0)  # fmt: skip
     if max(staleness) != allowed:
         problems.append(f"rollout/staleness reached {max(staleness)}, not {allowed}")
     if name == "engine-process":

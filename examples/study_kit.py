@@ -87,8 +87,8 @@ class Interrupted(RuntimeError):
     stops before the next run (``finished``)."""
 
     def __init__(self, name: str, exit_code: int, finished: bool = False) -> None:
-        what = "stopped before its last rollout"
-        what = "finished; the grid stopped before the next run" if finished else what
+        what = ("finished; the grid stopped before the next run" if finished
+                else "stopped before its last rollout")  # fmt: skip
         super().__init__(f"{name} {what}")
         self.name, self.exit_code, self.finished = name, exit_code, finished
 

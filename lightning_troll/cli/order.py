@@ -15,7 +15,7 @@ import yaml
 
 __all__ = ["overridden_options"]
 
-_NOT_OPTIONS = ("--config", "--print_config", "--help")
+_NOT_OPTIONS = ("--print_config", "--help")
 """Options that are no setting a config file could hold."""
 
 
