@@ -120,6 +120,38 @@ def test_the_command_looks_beside_its_config(tmp_path, monkeypatch, capsys):
     assert f"or beside the config {configs / 'task.yaml'}" in error
 
 
+@pytest.mark.parametrize("option", ["source", "val_file"])
+def test_a_data_file_beside_the_config_only_is_refused_with_its_path(
+    tmp_path, monkeypatch, capsys, option
+):
+    """Data paths are read from the working directory; a missing one that lies beside the config
+    is refused with the path that would work. One found nowhere gets no such advice."""
+    _, configs = task_folders(tmp_path)
+    rows = "".join(f'{{"prompt": "{i}+1=", "answer": "{i + 1}"}}\n' for i in range(4))
+    (configs / "rows.jsonl").write_text(rows)
+    (tmp_path / "work" / "rows.jsonl").write_text(rows)
+    other = "source" if option == "val_file" else "val_file"
+    config = ["--config", TINYMATH, "--config", str(configs / "task.yaml")]
+    config += [
+        f"--data.{option}",
+        "rows.jsonl",
+        f"--data.{other}",
+        str(tmp_path / "work/rows.jsonl"),
+    ]
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    error = cli_refusal(config, elsewhere, monkeypatch, capsys)
+    assert error.startswith(f"data.{option}: file 'rows.jsonl' does not exist; give ")
+    assert error.endswith(
+        f"; paths are read from the working directory {elsewhere}, and 'rows.jsonl' lies beside "
+        f"the config {configs / 'task.yaml'}: give data.{option}={str(configs / 'rows.jsonl')!r}"
+    )
+    (configs / "rows.jsonl").unlink()
+    error = cli_refusal(config, elsewhere, monkeypatch, capsys)
+    assert error.endswith("or a hub dataset name" if option == "source" else ".parquet file")
+
+
 # -- no silent default reward --------------------------------------------------------------------
 
 

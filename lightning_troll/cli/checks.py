@@ -4,6 +4,7 @@ before any class is built (``TrollCLI.before_instantiate_classes``)."""
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 
 import torch
 from lightning.pytorch.callbacks import Checkpoint
@@ -90,6 +91,24 @@ def check_checkpointing(config) -> None:
             )
 
 
+def beside_a_config(error: str, data, configs: list[str]) -> str:
+    """What to add to ``error``, a data file's "does not exist", when the path, read from the
+    working directory as every path of the command is, names a file beside a ``--config`` file."""
+    for option in ("source", "val_file"):
+        value = data.get(option)
+        if not isinstance(value, str) or not error.startswith(f"data.{option}: file {value!r} "):
+            continue
+        for config in configs:
+            config = Path(config).resolve()
+            there = config.parent / value
+            if not Path(value).is_absolute() and there.is_file():
+                return (
+                    f"; paths are read from the working directory {Path.cwd()}, and {value!r} "
+                    f"lies beside the config {config}: give data.{option}={str(there)!r}"
+                )
+    return ""
+
+
 def config_files(config) -> list[str]:
     """The ``--config`` files of a parsed command line, as absolute paths (inline YAML left out)."""
     return [p.absolute for p in config.get("config") or [] if getattr(p, "absolute", None)]
@@ -115,7 +134,11 @@ def check_task(config) -> None:
     check_rollout_split(minibatch, data.get("batch_size"), model.get("group_size"))
     if not config.get("ckpt_path"):  # resuming, the checkpoint's stored model.model is used
         check_reachable(model.get("model") or "tinymath")
-    check_data_files(data)
+    try:
+        check_data_files(data)
+    except ValueError as error:
+        hint = beside_a_config(str(error), data, config_files(config))
+        raise ValueError(f"{error}{hint}") from None
     check_optimizer(config)
     check_checkpointing(config)
     refresh = config.get("old_policy") or {}
