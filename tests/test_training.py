@@ -548,9 +548,9 @@ def test_bad_optimization_options(kwargs, message):
 
 
 def test_bad_sampling_options():
-    with pytest.raises(ValueError, match=r"sampling.temperature must be > 0; got 0"):
+    with pytest.raises(ValueError, match=r"^model.sampling.temperature must be > 0; got 0"):
         SamplingConfig(temperature=0)
-    with pytest.raises(ValueError, match=r"sampling.max_new_tokens must be >= 1; got 0"):
+    with pytest.raises(ValueError, match=r"^model.sampling.max_new_tokens must be >= 1; got 0"):
         SamplingConfig(max_new_tokens=0)
 
 

@@ -60,13 +60,15 @@ class SamplingConfig:
 
     def __post_init__(self) -> None:
         if not self.temperature > 0:
-            raise ValueError(f"sampling.temperature must be > 0; got {self.temperature!r}")
+            raise ValueError(f"model.sampling.temperature must be > 0; got {self.temperature!r}")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"sampling.top_p must be in (0, 1]; got {self.top_p!r}")
+            raise ValueError(f"model.sampling.top_p must be in (0, 1]; got {self.top_p!r}")
         if self.top_k < 0:
-            raise ValueError(f"sampling.top_k must be >= 0 (0 = off); got {self.top_k!r}")
+            raise ValueError(f"model.sampling.top_k must be >= 0 (0 = off); got {self.top_k!r}")
         if self.max_new_tokens < 1:
-            raise ValueError(f"sampling.max_new_tokens must be >= 1; got {self.max_new_tokens!r}")
+            raise ValueError(
+                f"model.sampling.max_new_tokens must be >= 1; got {self.max_new_tokens!r}"
+            )
 
 
 @dataclass(frozen=True)
