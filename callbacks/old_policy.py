@@ -11,6 +11,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_troll.callbacks.refresh_options import check_refresh, idle_proximal, one_step_trap
+from lightning_troll.callbacks.rollout import RolloutGeneration
 from lightning_troll.models.snapshots import CopySnapshot
 from lightning_troll.models.weights import full_weights
 
@@ -69,6 +70,9 @@ class OldPolicyRefresh(Callback):
         """The policy version the snapshot holds (the one that samples the next rollout)."""
         self._waiting: deque[tuple[int, dict[str, torch.Tensor]]] = deque()
         """The versions kept for the snapshot, oldest first (those after ``version``)."""
+        self._ahead_seed: int | None = None
+        """The seed of the rollout asked ahead of an engine in its own process, while it is in
+        flight: kept in the checkpoint, so that a resumed run samples that rollout again with it."""
         self._resumed_from: dict[str, int] = {}
         """The checkpoint's ``max_staleness`` and ``every_n_rollouts``, until the resumed fit has
         applied this one's."""
@@ -88,6 +92,7 @@ class OldPolicyRefresh(Callback):
         already (see :mod:`lightning_troll.rollouts.engine_process`). Nothing is asked ahead of
         a rollout that dynamic sampling or episodes make; at an epoch's end the next rollout is the
         next epoch's first (:meth:`~lightning_troll.data.prompts.ResumableLoader.peek`)."""
+        self._ahead_seed = None
         loader = getattr(trainer.datamodule, "train_loader", None)
         upcoming = loader.peek() if loader is not None else None
         if upcoming is None or pl_module.dynamic_sampling or pl_module.episodes is not None:
@@ -104,6 +109,7 @@ class OldPolicyRefresh(Callback):
             upcoming.prompt_ids, collector.group_size, collector.sampling, collector.pad_id,
             collector.stop_ids,
         )  # fmt: skip
+        self._ahead_seed = engine.pending_seed
 
     @override
     def on_train_batch_end(
@@ -148,6 +154,9 @@ class OldPolicyRefresh(Callback):
         """A resumed run with another ``max_staleness``: the snapshot and the kept versions are
         brought to this one's (after Lightning has restored the weights and this state)."""
         stored, self._resumed_from = self._resumed_from, {}
+        engine = getattr(pl_module, "engine", None)
+        if self._ahead_seed is not None and hasattr(engine, "next_seed"):
+            engine.next_seed = self._ahead_seed  # the rollout the checkpoint had in flight
         if self.max_staleness:
             if self.version < self.rollouts and not any(
                 v == self.rollouts for v, _ in self._waiting
@@ -188,6 +197,9 @@ class OldPolicyRefresh(Callback):
                     f"old_policy.max_staleness={self.max_staleness} needs a copy snapshot; got a "
                     f"{type(snapshot).__name__}"
                 )
+        engine = getattr(pl_module, "engine", None)
+        if self.max_staleness and hasattr(engine, "submit"):
+            _check_order(trainer.callbacks, self)
         if self.max_staleness and trainer.world_size > 1:
             raise ValueError(
                 f"old_policy.max_staleness={self.max_staleness} runs in one process for now; "
@@ -234,6 +246,8 @@ class OldPolicyRefresh(Callback):
         state = {"rollouts": self.rollouts, "refreshes": self.refreshes, "version": self.version}
         state["max_staleness"] = self.max_staleness
         state["every_n_rollouts"] = self.every_n_rollouts
+        if self._ahead_seed is not None:
+            state["ahead_seed"] = self._ahead_seed
         if self._waiting:
             state["waiting"] = [{"version": v, "weights": w} for v, w in self._waiting]
         return state
@@ -247,8 +261,22 @@ class OldPolicyRefresh(Callback):
         self.version = state_dict.get("version", default)
         waiting = state_dict.get("waiting", [])
         self._waiting = deque((entry["version"], entry["weights"]) for entry in waiting)
+        self._ahead_seed = state_dict.get("ahead_seed")
         keys = ("max_staleness", "every_n_rollouts")  # either unknown in older checkpoints
         self._resumed_from = {key: state_dict[key] for key in keys if key in state_dict}
+
+
+def _check_order(callbacks: list[Callback], refresh: OldPolicyRefresh) -> None:
+    """Refuses a ``RolloutGeneration`` listed after ``refresh``: the rollout sampled ahead is asked
+    for once the current one is collected, which ``RolloutGeneration`` does in the same hook."""
+    generation = [i for i, c in enumerate(callbacks) if isinstance(c, RolloutGeneration)]
+    if generation and generation[0] > callbacks.index(refresh):
+        raise ValueError(
+            f"OldPolicyRefresh(max_staleness={refresh.max_staleness}) with an engine in its own "
+            "process asks for the next rollout as soon as RolloutGeneration has collected the "
+            "current one, so RolloutGeneration must come before it in trainer.callbacks; it "
+            "comes after (the lightning-troll command orders them so)"
+        )
 
 
 def _every_change(refresh: OldPolicyRefresh, stored: int, version: int) -> str:

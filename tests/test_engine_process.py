@@ -228,3 +228,21 @@ def test_the_overlap_benchmark_times_both_arms_on_tinymath(tmp_path):
     bad = subprocess.run([sys.executable, str(script), "--engine-threads", "2"],
                          capture_output=True, text=True)  # fmt: skip
     assert bad.returncode == 2 and "--engine-threads must be in [1, --threads); got 2" in bad.stderr
+
+
+def test_the_refresh_must_come_after_rollout_generation(tmp_path, tiny_model_dir):
+    """A Trainer of one's own that lists OldPolicyRefresh first is refused before any rollout:
+    it would ask ahead before the current rollout is collected."""
+    refresh = OldPolicyRefresh(max_staleness=1)
+    callbacks = [refresh, RolloutGeneration(log_samples=0)]
+    trainer = make_trainer(tmp_path, 2, callbacks=callbacks, limit_val_batches=0)
+    module = make_module(tiny_model_dir, rollout_engine_options={"process": True})
+    with pytest.raises(
+        ValueError, match=r"RolloutGeneration must come before it in trainer\.callbacks"
+    ):
+        trainer.fit(module, datamodule=make_data(tiny_model_dir))
+    assert module.engine._child is None  # refused before the engine's process started
+    wrong_order = make_trainer(tmp_path, 2, callbacks=callbacks)
+    refresh.setup(wrong_order, make_module(tiny_model_dir), "fit")  # engine here: no ask ahead
+    right_order = make_trainer(tmp_path, 2, callbacks=callbacks[::-1])
+    refresh.setup(right_order, module, "fit")  # the order the command uses

@@ -117,6 +117,12 @@ def assert_same_steps(expected: dict, got: dict, steps: range) -> None:
         ),
         # a sampler 2 versions behind: the 2 versions waiting travel in the checkpoint
         ("stale_sampler", {"max_staleness": 2}),
+        # the engine in its own process samples each rollout ahead: the checkpoint after rollout
+        # 3 keeps the seed of rollout 4, asked for while rollout 3 trained
+        (
+            "sampled_ahead",
+            {"max_staleness": 1, "rollout_engine_options": {"process": True}},
+        ),
     ],
 )
 def test_resume_continues_like_an_uninterrupted_run(case, options, tmp_path, tiny_model_dir):

@@ -19,7 +19,9 @@
   engine still runs apart, and the loop is sequential.
 
 The child draws from a torch generator seeded per request, so an overlapped run is the same
-distribution as the sequential one with the same staleness, not the same random numbers. The
+distribution as the sequential one with the same staleness, not the same random numbers. A
+request's seed is drawn from the trainer's global torch RNG when it is sent; the seed of a request
+sampled ahead travels in the checkpoint, so that a resumed run asks again with it. The
 behaviour log-probs and TROLL's old distributions still come from the trainer's snapshot
 (a teacher-forced pass after sampling); an engine apart never records them while sampling.
 Figures: ``engine/process_wait_s`` (seconds the trainer waited for a sample it asked for),
@@ -115,6 +117,13 @@ class ProcessEngine(RolloutEngine):
         self._child: Any = None
         self._conn: Any = None
         self._pending: Request | None = None
+        self.pending_seed: int | None = None
+        """The seed of the request in flight, if one is."""
+        self.next_seed: int | None = None
+        """The seed the next request takes instead of a fresh draw from the global torch RNG: a
+        resumed run's, for the request its checkpoint had in flight (set by
+        :class:`~lightning_troll.callbacks.old_policy.OldPolicyRefresh`), so that it samples as
+        the uninterrupted run did."""
         self._figures: dict[str, float] = {}
         self.last_fingerprint: float | None = None
         """The fingerprint of the weights that sampled the last generation."""
@@ -169,7 +178,7 @@ class ProcessEngine(RolloutEngine):
         start = time.perf_counter()
         if self._pending is not None:  # a request in flight was for older weights: dropped
             self._receive("generation")
-            self._pending = None
+            self._pending = self.pending_seed = None
         self.version += 1
         self._send(("weights", {k: v.share_memory_() for k, v in weights.items()}))
         self._receive("weights")
@@ -188,9 +197,11 @@ class ProcessEngine(RolloutEngine):
         request = self._request(prompt_ids, group_size, sampling, pad_id, stop_ids)
         if self._pending is not None:
             self._receive("generation")  # only one request in flight: the older one is dropped
-        seed = int(torch.randint(0, 2**63 - 1, ()))
+        seed, self.next_seed = self.next_seed, None
+        if seed is None:
+            seed = int(torch.randint(0, 2**63 - 1, ()))
         self._send(("generate", (request, seed)))
-        self._pending = request
+        self._pending, self.pending_seed = request, seed
 
     def _request(self, prompt_ids, group_size, sampling, pad_id, stop_ids) -> Request:
         """The request for these prompts and options, of the weights the child holds now."""
@@ -218,7 +229,7 @@ class ProcessEngine(RolloutEngine):
             self.submit(prompt_ids, group_size, sampling, pad_id, stop_ids)
         start = time.perf_counter()
         tensors, self.last_fingerprint = self._receive("generation")
-        self._pending = None
+        self._pending = self.pending_seed = None
         self._figures["engine/process_wait_s"] = time.perf_counter() - start
         self._figures["engine/process_prefetched"] = float(prefetched)
         device = next(snapshot.parameters()).device
@@ -238,6 +249,7 @@ class ProcessEngine(RolloutEngine):
                 self._child.kill()
             self._conn.close()
         self._child, self._conn, self._pending, self.version = None, None, None, 0
+        self.pending_seed = None
         self.policy_version, self.stale = None, True
 
 
