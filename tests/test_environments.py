@@ -182,6 +182,24 @@ def test_a_step_refuses_a_reward_that_is_not_a_finite_number():
     assert Step(reward=3.0e38).reward == 3.0e38
 
 
+def test_a_step_refuses_counts_that_are_not_counts():
+    """Counts that the episode would add up later are checked where the environment made them."""
+    for value in (None, "2", -1, 1.0, True):
+        with pytest.raises(
+            ValueError,
+            match=re.escape(f"Step.tool_calls must be an integer >= 0 (a count); got {value!r}"),
+        ):
+            Step("again", tool_calls=value)
+        with pytest.raises(
+            ValueError,
+            match=re.escape(
+                f"Step.tool_errors['raised'] must be an integer >= 0 (a count); got {value!r}"
+            ),
+        ):
+            Step("again", tool_calls=1, tool_errors={"raised": value})
+    assert Step("again", tool_calls=2, tool_errors={"raised": 1}).tool_calls == 2
+
+
 def test_a_step_refuses_an_observation_that_is_not_text_or_messages():
     """Each malformed observation is refused where the environment made it, naming what is
     wrong, instead of failing later inside the chat template."""

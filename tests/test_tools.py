@@ -167,6 +167,12 @@ def test_no_call_gives_an_empty_list():
         ('{"name": 3}', 'has no "name" string'),
         ('{"name": "multiply", "arguments": [6, 7]}', 'has "arguments" that are not a JSON object'),
         ('{"name": "multiply", "arguments": "6, 7"}', 'has "arguments" that are not a JSON object'),
+        # what json.loads raises besides JSONDecodeError, on text a model can write
+        ("[" * 100_000, "is not JSON that can be read (RecursionError)"),
+        ('{"name": "f", "arguments": {"a": ' + "9" * 5000 + "}}",
+         "is not JSON that can be read (ValueError)"),
+        ('{"name": "f", "arguments": "' + "[" * 100_000 + '"}',
+         'has "arguments" that are not a JSON object'),
     ],
 )  # fmt: skip
 def test_malformed_calls_say_what_is_wrong(body, problem):

@@ -71,6 +71,8 @@ def _call_of(body: str) -> ToolCall | MalformedCall:
         data = json.loads(body)
     except json.JSONDecodeError as exc:
         return MalformedCall(body, f"is not JSON ({exc.msg} at character {exc.pos})")
+    except (ValueError, RecursionError) as exc:  # nested too deep, an integer too long to read
+        return MalformedCall(body, f"is not JSON that can be read ({type(exc).__name__})")
     if not isinstance(data, dict):
         return MalformedCall(body, f"is a JSON {type(data).__name__}, not an object")
     name = data.get("name")
@@ -80,7 +82,7 @@ def _call_of(body: str) -> ToolCall | MalformedCall:
     if isinstance(arguments, str):  # {"arguments": "{\"a\": 1}"}, as OpenAI's API writes them
         try:
             arguments = json.loads(arguments)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # JSONDecodeError is a ValueError
             return MalformedCall(body, 'has "arguments" that are not a JSON object')
     if not isinstance(arguments, dict):
         return MalformedCall(body, 'has "arguments" that are not a JSON object')

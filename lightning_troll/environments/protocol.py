@@ -143,6 +143,11 @@ class Step:
             check_messages(self.observation, "Step.observation (a string, messages or None)")
         if not isinstance(self.role, str):
             raise ValueError(f"Step.role must be a string; got {self.role!r}")
+        counts = {"Step.tool_calls": self.tool_calls}
+        counts.update({f"Step.tool_errors[{k!r}]": v for k, v in dict(self.tool_errors).items()})
+        for name, count in counts.items():
+            if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+                raise ValueError(f"{name} must be an integer >= 0 (a count); got {count!r}")
         unknown = sorted(map(repr, set(self.tool_errors) - set(TOOL_ERROR_KINDS)))
         if unknown:
             raise ValueError(
