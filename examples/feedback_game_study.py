@@ -45,6 +45,9 @@ GAMES = {
 """--game -> (its YAML in examples/feedback_game/, its results' folder in examples/results/smollm2/)."""
 WINDOWS = {"early": (1, 10), "late": (21, 30)}
 BUDGET_ENDS, BUDGET_LIMIT = "episodes/frac_end_max_tokens", 0.5
+NO_ROOM = "episodes/frac_end_no_room"
+"""Judged answers whose feedback found no room in the budget: reported beside ``BUDGET_ENDS``
+(the first game's runs logged them inside it)."""
 """The scored game's fifth endpoint: the late share of episodes that ran out of the budget, below
 the limit in every run (the first game's clipping run: 0.997)."""
 """Rollout windows of the plan's reward endpoint (inclusive)."""
@@ -141,6 +144,10 @@ def endpoints(records: Sequence[dict], rollouts: int) -> str:
         lines.append(f"- {BUDGET_ENDS}, late window (the budget is not the way out: < "
                      f"{BUDGET_LIMIT} in every run): {each}; "
                      f"{'holds' if held else 'fails'} over {len(known)} runs")  # fmt: skip
+    no_room = {r["name"]: window_mean(r, NO_ROOM, WINDOWS["late"]) for r in records}
+    if any(share is not None for share in no_room.values()):
+        each = ", ".join(f"{name} {s:.3f}" for name, s in no_room.items() if s is not None)
+        lines.append(f"- {NO_ROOM}, late window (answered, no room for the feedback): {each}")
     by_name = {r["name"]: r for r in records}
     seeds = sorted({r["fields"]["seed"] for r in records})
     pairs = [(by_name.get(f"troll-s{s}"), by_name.get(f"clip-s{s}")) for s in seeds]

@@ -156,12 +156,13 @@ def test_the_token_budget_cuts_a_turn_and_the_environment_is_not_asked():
 
 def test_the_token_budget_ends_an_episode_before_a_reply_without_room_after_it():
     """The reply would fill the budget exactly, leaving the next turn no token: the episode ends
-    after the model's turn, cut off by the budget, so truncated (neither the environment nor a
-    final answer ended it). One token more, and the next turn gets that one token."""
+    after the model's turn, which the environment answered, at ``"no_room"``; cut off by the
+    budget, so truncated (neither the environment nor a final answer ended it). One token more,
+    and the next turn gets that one token, and is cut off inside it, at ``"max_tokens"``."""
     tokenizer = chat_tokenizer()
     first, reply = encode(tokenizer, FIRST), encode(tokenizer, REPLY)
     _, _, (episode,) = tool_episode(len(first) + len(reply))
-    assert (episode.end, episode.truncated, episode.token_ids) == ("max_tokens", True, first)
+    assert (episode.end, episode.truncated, episode.token_ids) == ("no_room", True, first)
     assert episode.tool_calls == 1  # the environment was asked
     _, generate, (episode,) = tool_episode(len(first) + len(reply) + 1)
     assert (episode.end, episode.truncated) == ("max_tokens", True)
@@ -198,7 +199,7 @@ class Judged(tool_helpers.Countdown):
     """A countdown that hears how the loop ended its episode and prices it, and records the
     order of the calls it gets at the end."""
 
-    prices = {"max_turns": -0.5, "max_tokens": -2.0}
+    prices = {"max_turns": -0.5, "max_tokens": -2.0, "no_room": -4.0}
 
     def reset(self, row):
         self.heard: list[str] = []
@@ -217,9 +218,12 @@ def test_on_end_hears_the_turn_limit_and_the_budget_and_prices_the_last_turn():
     turn's (None counting as 0); an end the environment decided does not call it."""
     tokenizer = chat_tokenizer()
     stops = Stops((tokenizer.eos_token_id,))
+    turn = len(encode(tokenizer, "aaaa<|im_end|>"))
     cases = [  # limits, the turns' rewards, what the environment heard
         (EpisodeLimits(2, 400), "max_turns", [0.0, -0.5], ["on_end max_turns", "close"]),
         (EpisodeLimits(3, 2), "max_tokens", [-2.0], ["on_end max_tokens", "close"]),
+        # the turn fits with one token to spare, and the reply "2 left" does not: step judged it
+        (EpisodeLimits(3, turn + 1), "no_room", [-4.0], ["on_end no_room", "close"]),
         (EpisodeLimits(3, 400), "done", [0.0, 0.0, 1.0], ["close"]),
     ]
     for limits, end, rewards, heard in cases:
@@ -398,7 +402,7 @@ def test_sampled_episodes_continue_after_the_environments_tokens(tinymath):
     )  # fmt: skip
     reply = tokenizer("+1=", add_special_tokens=False)["input_ids"]
     for episode in episodes:
-        assert episode.end in ("done", "max_turns", "max_tokens")
+        assert episode.end in ("done", "max_turns", "max_tokens", "no_room")
         environment = [t for t, m in zip(episode.token_ids, episode.mask, strict=True) if m == 0]
         assert environment == reply * (episode.turns - 1)
         # every model turn but a truncated last ends with the eos token

@@ -336,7 +336,7 @@ def test_an_episode_counts_its_whole_response_against_the_budget(tiny_model_dir)
     episodes = report.kept.episodes
     assert report.kept.scored.total.tolist() == [float(len(e.token_ids)) for e in episodes]
     assert any(sum(e.mask) < len(e.token_ids) for e in episodes)  # the replies count too
-    cut = [e.end == "max_tokens" for e in episodes]
+    cut = [e.end in ("max_tokens", "no_room") for e in episodes]
     assert report.kept.truncated.tolist() == cut and any(cut)
     assert not rollout.response_mask[torch.tensor(cut)].any()
     greedy = validation._answers(module, batch, 1, do_sample=False)

@@ -4,10 +4,11 @@ tried again, up to the episode's turn limit (``model.episodes.max_turns``).
 Two scorings, both planned in docs/feedback-game-plan.md:
 
 - :class:`Scored`, the game (``task.yaml``): the environment scores alone. A right answer ends the
-  episode with 1.0, each wrong one costs :data:`RETRY_COST`, and an episode that runs out of its
-  token budget costs :data:`BUDGET_COST` more. Solved at once 1.0, on the second try 0.75, on the
-  third 0.5; never solved in 3 turns -0.75; cut off by the budget -1.0 or less, below every
-  answered episode.
+  episode with 1.0, each wrong one costs :data:`RETRY_COST`, and a turn that the token budget
+  cuts off (``"max_tokens"``) costs :data:`BUDGET_COST` more. Solved at once 1.0, on the second
+  try 0.75, on the third 0.5; never solved in 3 turns -0.75; a wrong answer whose feedback finds
+  no room in the budget (``"no_room"``) keeps its -0.25 each, -0.25 or -0.5; cut off inside a
+  turn -1.0 or less, below every answered episode.
 - :class:`Retry`, the first game (``first_game.yaml``), kept as its runs played it: the reward
   functions of the config (``last_number``) score the final answer, 1.0 when it is right, and each
   wrong answer costs :data:`RETRY_COST`. An episode cut off by the budget paid nothing for it, and
@@ -56,4 +57,6 @@ class Scored(Retry):
         return Step(FEEDBACK, reward=-RETRY_COST)
 
     def on_end(self, end: str) -> float | None:
+        """The budget's price, for a turn it cut off; an answer judged before the budget ran out
+        (``"no_room"``) has paid its own."""
         return -BUDGET_COST if end == "max_tokens" else None

@@ -41,21 +41,53 @@ def test_a_right_answer_ends_the_game_and_a_wrong_one_is_sent_back():
 
 def test_the_scored_game_prices_running_out_the_budget_below_every_answer():
     """The game (``Scored``): a right answer ends the episode with 1.0, a wrong one -0.25 and
-    feedback, the turn limit adds nothing, the budget -1.0. Every episode's total by how it
-    ends: answered within 3 turns 1.0, 0.75, 0.5, or -0.75 never solved; cut off by the budget
-    after 0, 1 or 2 wrong answers -1.0, -1.25, -1.5: below every answered one."""
+    feedback; the turn limit adds nothing, and neither does a judged answer whose feedback finds
+    no room in the budget (``"no_room"``); a turn cut off by the budget costs -1.0. Every
+    episode's total by how it ends: answered within 3 turns 1.0, 0.75, 0.5, or -0.75 never
+    solved; answered wrongly once or twice with no room left for another try -0.25, -0.5; cut
+    off inside a turn after 0, 1 or 2 wrong answers -1.0, -1.25, -1.5: below every answered one."""
     retry = retry_module()
     game = retry.Scored()
     game.reset({"question": "How many?", "answer": "12"})
     wrong, right = game.step("It is 7."), game.step("She has 12")
     assert (wrong.observation, wrong.reward, wrong.done) == (retry.FEEDBACK, -0.25, False)
     assert (right.observation, right.reward, right.done) == (None, 1.0, True)
-    assert (game.on_end("max_turns"), game.on_end("max_tokens")) == (None, -1.0)
-    answered = [1.0 - 0.25 * k for k in range(3)] + [-0.75]
+    ends = ("max_turns", "max_tokens", "no_room")
+    assert [game.on_end(end) for end in ends] == [None, -1.0, None]
+    answered = [1.0 - 0.25 * k for k in range(3)] + [-0.75, -0.25, -0.5]
     cut = [-0.25 * k + game.on_end("max_tokens") for k in range(3)]
-    assert answered == [1.0, 0.75, 0.5, -0.75] and cut == [-1.0, -1.25, -1.5]
+    assert answered == [1.0, 0.75, 0.5, -0.75, -0.25, -0.5] and cut == [-1.0, -1.25, -1.5]
     assert max(cut) < min(answered)
     assert retry.Retry().on_end("max_tokens") is None  # the first game: the budget paid nothing
+
+
+@pytest.mark.parametrize(
+    ("budget_after_answer", "end", "total"),
+    # the tests' chat tokenizer writes a character a token: the feedback's reply takes about 100
+    [(0, "no_room", -0.25), (20, "no_room", -0.25), (200, "max_tokens", -1.25)],
+)
+def test_the_episode_loop_scores_the_scored_game_at_the_budgets_edge(
+    budget_after_answer, end, total
+):
+    """Played by the episode loop: a wrong first answer, then a second turn that rambles. With
+    no room for the feedback (the budget ends at the answer, or the feedback would fill it) the
+    episode ends at ``"no_room"`` and keeps the wrong answer's -0.25; with room, the rambling
+    turn is cut off inside, ``"max_tokens"``, and costs the budget's 1.0 more."""
+    from lightning_troll.rollouts.episodes import EpisodeLimits, Stops, run_episodes
+    from tests.chat_helpers import chat_tokenizer
+    from tests.test_episodes import Scripted
+
+    retry = retry_module()
+    tokenizer = chat_tokenizer()
+    answer = "It is 7.<|im_end|>"
+    generate = Scripted(tokenizer, {"How many": [answer, "so" * 400]})
+    budget = len(tokenizer(answer, add_special_tokens=False)["input_ids"]) + budget_after_answer
+    (episode,) = run_episodes(
+        generate, tokenizer, [retry.Scored()], [{"question": "How many?", "answer": "12"}],
+        EpisodeLimits(3, budget), Stops((tokenizer.eos_token_id,)),
+    )  # fmt: skip
+    assert (episode.end, sum(r for r in episode.turn_rewards if r is not None)) == (end, total)
+    assert episode.truncated
 
 
 def test_each_game_has_its_yaml_and_its_own_results(capsys):
@@ -141,6 +173,12 @@ def test_the_plans_endpoints_by_hand():
         "4 runs" in text
     )
     assert "; holds over 3 runs" in study.endpoints(records[:3], 30)
+    assert "frac_end_no_room" not in text  # none of these runs logged it
+    records[0]["history"][2]["episodes/frac_end_no_room"] = 0.125
+    assert (
+        "- episodes/frac_end_no_room, late window (answered, no room for the feedback): "
+        "troll-s0 0.125\n" in study.endpoints(records, 30) + "\n"
+    )
     assert "reward/mean, late - early (learns: > 0): mean +0.275 over 4 runs" in text
     assert (
         "troll-s0 +0.400, clip-s0 +0.200, troll-s1 +0.200, clip-s1 +0.300); sign test p 0.125"

@@ -176,10 +176,11 @@ class Environment:
 
     def on_end(self, end: str) -> float | None:
         """Called once when the episode loop, not :meth:`step`, ends the episode: ``end`` is
-        ``"max_turns"`` (the turn limit) or ``"max_tokens"`` (the token budget ran out, inside a
-        model turn or before a reply fitted). A number returned is a reward added to the last
-        turn's; None (here) adds nothing. A game whose answers cost something when wrong can make
-        running out the budget cost more, so that no policy learns to prefer it."""
+        ``"max_turns"`` (the turn limit), ``"max_tokens"`` (the token budget ran out inside a
+        model turn, which :meth:`step` never saw) or ``"no_room"`` (:meth:`step` answered the last
+        turn, but its reply did not fit in the budget). A number returned is a reward added to the
+        last turn's; None (here) adds nothing. A game whose answers cost something when wrong can
+        make a turn cut off by the budget cost more, so that no policy learns to prefer it."""
         return None
 
     def close(self) -> None:

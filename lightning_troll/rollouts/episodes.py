@@ -15,10 +15,13 @@ episode ends:
 
 - ``"done"``: the environment said so (a :class:`ToolEnvironment` turn without a tool call);
 - ``"max_turns"``: the model took ``model.episodes.max_turns`` turns;
-- ``"max_tokens"``: the token budget (model and environment tokens after the prompt) ran out,
-  inside a model turn or before the environment's reply could be added whole with room for one
-  more token. Either way the episode is ``truncated``: cut off, it ended neither at the
-  environment's word nor at a final answer of the model's.
+- ``"max_tokens"``: the token budget (model and environment tokens after the prompt) ran out
+  inside a model turn;
+- ``"no_room"``: the model's turn ended and the environment answered it, but its reply could not
+  be added whole with room for one more token (the model never reads it).
+
+Either leaves the episode ``truncated`` (ended neither by the environment nor by a final answer);
+they differ for a game: at ``"no_room"`` the last turn was judged, at ``"max_tokens"`` it never was.
 
 At the last two, the environment's ``on_end(end)`` (where it defines one) may add a reward to the
 last turn's; then its ``close()`` runs.
@@ -64,7 +67,7 @@ __all__ = [
     "sampled_turns",
 ]
 
-ENDINGS = ("done", "max_turns", "max_tokens")
+ENDINGS = ("done", "max_turns", "max_tokens", "no_room")
 """Why an episode ended: the environment's word, the turn limit, the token budget."""
 
 
@@ -151,9 +154,9 @@ class Episode:
 
     @property
     def truncated(self) -> bool:
-        """The token budget cut the episode off (``end`` is ``"max_tokens"``): inside a model
-        turn, or before a reply that did not fit; ``model.loss.mask_truncated`` leaves it out."""
-        return self.end == "max_tokens"
+        """The token budget cut the episode off (``"max_tokens"`` or ``"no_room"``);
+        ``model.loss.mask_truncated`` leaves it out."""
+        return self.end in ("max_tokens", "no_room")
 
 
 def _decode(tokenizer: Any, ids: Sequence[int]) -> str:
@@ -267,7 +270,7 @@ class _Running:
         except Exception as error:  # a reply the protocol refuses, or the template raised
             raise unrendered(f"the reply of {self.name}.step", error) from error
         if len(reply.ids) >= self.room(limits):  # the reply, and one token of the next turn
-            self.end = "max_tokens"  # cut off: truncated, as inside a turn
+            self.end = "no_room"  # cut off after a judged turn: truncated, as inside a turn
             return  # the model never read the reply: the conversation ends at its turn
         self.conversation.add(reply)
         self.tokens += reply.ids

@@ -153,8 +153,9 @@ class RolloutReport:
 def filled_rewards(scored: RewardOutput, group: int, env_rewards: Tensor | None = None) -> Tensor:
     """(B,) float32 rewards: the reward functions' totals, plus ``env_rewards`` (B,) where given
     (an episode's environment rewards). A dropped completion leaves the loss and, in its group,
-    takes the mean reward of the others (their whole rewards, the environment's included), so it
-    shifts no one's advantage."""
+    takes the mean reward of the others (their whole rewards, the environment's included), so the
+    group's mean, every advantage's baseline, does not move (a scaling by the group's standard
+    deviation sees one more value at the mean, and grows the others' advantages a little)."""
     rewards = scored.total.to(torch.float32)
     if env_rewards is not None:
         rewards = rewards + env_rewards.to(rewards)
