@@ -253,6 +253,50 @@ def test_on_end_must_return_a_finite_number_or_none():
                          EpisodeLimits(1, 400), Stops((tokenizer.eos_token_id,)))  # fmt: skip
 
 
+class Closing(tool_helpers.Countdown):
+    """A countdown that counts its closes, and raises in ``step`` at a turn given by its row
+    (or in ``reset`` for ``fail_at`` 0), and in ``close`` when asked."""
+
+    def __init__(self, close_raises: bool = False) -> None:
+        self.closes, self.close_raises = 0, close_raises
+
+    def reset(self, row):
+        self.fail_at, self.turn = row.get("fail_at"), 0
+        if self.fail_at == 0:
+            raise KeyError("answer")
+        return super().reset(row)
+
+    def step(self, turn):
+        self.turn += 1
+        if self.turn == self.fail_at:
+            raise KeyError("answer")
+        return super().step(turn)
+
+    def close(self):
+        self.closes += 1
+        if self.close_raises:
+            raise OSError("already gone")
+
+
+@pytest.mark.parametrize("fail_at", [0, 2])
+def test_a_failing_batch_closes_every_environment_once_and_keeps_its_error(fail_at):
+    """One episode's environment raises (in reset, or in step at its second turn) while the
+    others run: each environment is closed exactly once, the one that ended before the failure
+    by its own end, the others by the clean-up, whose own error (a close that raises) does not
+    hide the failure."""
+    tokenizer = chat_tokenizer()
+    rows = [{"prompt": "go", "turns": 1}, {"prompt": "run", "turns": 3, "fail_at": fail_at},
+            {"prompt": "walk", "turns": 3}]  # fmt: skip
+    envs = [Closing(), Closing(), Closing(close_raises=True)]
+    generate = Scripted(tokenizer, {k: ["a<|im_end|>"] * 3 for k in ("go", "run", "walk")})
+    with pytest.raises(
+        EnvironmentFailure, match=r"the environment Closing\.(reset|step) raised KeyError"
+    ):
+        run_episodes(generate, tokenizer, envs, rows, EpisodeLimits(3, 400),
+                     Stops((tokenizer.eos_token_id,)))  # fmt: skip
+    assert [env.closes for env in envs] == [1, 1, 1]
+
+
 def test_a_batch_runs_each_episode_to_its_own_end_and_pads():
     tokenizer = chat_tokenizer()
     rows = [{"prompt": "go", "turns": 1}, {"prompt": "run", "turns": 2}]

@@ -30,9 +30,10 @@ fresh one. The built-in environment is
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import numbers
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +47,7 @@ __all__ = [
     "Step",
     "call_environment",
     "check_messages",
+    "closed_on_failure",
     "is_finite_reward",
     "load_environment",
     "make_environment",
@@ -72,6 +74,21 @@ def call_environment(environment: Any, method: str, *args: Any) -> Any:
         raise EnvironmentFailure(
             f"the environment {type(environment).__name__}.{method} raised {describe(error)}"
         ) from error
+
+
+@contextlib.contextmanager
+def closed_on_failure(still_open: Callable[[], Iterable[Any]]) -> Iterator[None]:
+    """Within the block, what is raised first closes the environments ``still_open()`` names
+    (each that has ``close()``), ignoring what closing raises, so that an environment holding a
+    sandbox or a process frees it; then the failure goes on, unchanged."""
+    try:
+        yield
+    except BaseException:
+        for environment in still_open():
+            if callable(getattr(environment, "close", None)):
+                with contextlib.suppress(Exception):
+                    environment.close()
+        raise
 
 
 def make_environment(make: Callable[..., Any], *args: Any) -> Any:

@@ -17,19 +17,15 @@ episode ends:
 - ``"max_turns"``: the model took ``model.episodes.max_turns`` turns;
 - ``"max_tokens"``: the token budget (model and environment tokens after the prompt) ran out
   inside a model turn;
-- ``"no_room"``: the model's turn ended and the environment answered it, but its reply could not
-  be added whole with room for one more token (the model never reads it).
+- ``"no_room"``: the environment answered the model's turn, but its reply could not be added
+  whole with room for one more token (the model never reads it). Both budget ends leave the
+  episode ``truncated``; at ``"no_room"`` the last turn was judged, at ``"max_tokens"`` never.
 
-Either leaves the episode ``truncated`` (ended neither by the environment nor by a final answer);
-they differ for a game: at ``"no_room"`` the last turn was judged, at ``"max_tokens"`` it never was.
+At the last three, the environment's ``on_end(end)`` (where it defines one) may add a reward to
+the last turn's; then its ``close()`` runs. An episode of one turn is exactly a plain completion:
+the same tokens, all with mask 1.
 
-At the last two, the environment's ``on_end(end)`` (where it defines one) may add a reward to the
-last turn's; then its ``close()`` runs.
-
-An episode of one turn is exactly a plain completion: the same tokens, all with mask 1.
-
-Notation: B episodes, T_i episode i's response length (model and environment tokens), T = max_i
-T_i.
+Notation: B episodes, T_i episode i's response (model and environment tokens), T = max_i T_i.
 """
 
 from __future__ import annotations
@@ -47,6 +43,7 @@ from lightning_troll.environments.protocol import (
     EnvironmentFailure,
     Step,
     call_environment,
+    closed_on_failure,
     is_finite_reward,
 )
 from lightning_troll.environments.rendering import unrendered
@@ -316,32 +313,35 @@ def run_episodes(
     stops: Stops,
 ) -> list[Episode]:
     """Runs one episode per (environment, row) pair to its end; all of a batch's running episodes
-    generate each turn together. Each environment is closed when its episode ends."""
+    generate each turn together. Each environment is closed when its episode ends, or when the
+    batch fails."""
     if len(environments) != len(rows):
         raise ValueError(
             f"run_episodes needs one environment per row; got {len(environments)} environments "
             f"for {len(rows)} rows"
         )
-    running = [_Running(tokenizer, env, row) for env, row in zip(environments, rows, strict=True)]
-    active = list(running)
-    while active:
-        outputs = generate_turn(
-            [r.prompt_ids + r.tokens for r in active], [r.room(limits) for r in active], stops
-        )
-        if len(outputs) != len(active):
-            raise ValueError(
-                f"generate_turn returned {len(outputs)} turns for {len(active)} sequences"
+    closed: list[Any] = []  # a failure closes the others (closed_on_failure)
+    with closed_on_failure(lambda: [e for e in environments if all(e is not c for c in closed)]):
+        running = [_Running(tokenizer, e, row) for e, row in zip(environments, rows, strict=True)]
+        active = list(running)
+        while active:
+            outputs = generate_turn(
+                [r.prompt_ids + r.tokens for r in active], [r.room(limits) for r in active], stops
             )
-        asking = [
-            r for r, out in zip(active, outputs, strict=True) if r.add_turn(out, stops, limits)
-        ]
-        steps = step_all([r.environment for r in asking], [r.texts[-1] for r in asking])
-        for episode, step in zip(asking, steps, strict=True):
-            episode.answer(step, limits)
-        for episode in active:
-            if episode.end is not None:
+            if len(outputs) != len(active):
+                raise ValueError(
+                    f"generate_turn returned {len(outputs)} turns for {len(active)} sequences"
+                )
+            asking = [
+                r for r, out in zip(active, outputs, strict=True) if r.add_turn(out, stops, limits)
+            ]
+            steps = step_all([r.environment for r in asking], [r.texts[-1] for r in asking])
+            for episode, step in zip(asking, steps, strict=True):
+                episode.answer(step, limits)
+            for episode in (r for r in active if r.end is not None):
                 episode.finish()
-        active = [r for r in active if r.end is None]
+                closed.append(episode.environment)
+            active = [r for r in active if r.end is None]
     return [r.episode() for r in running]
 
 

@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from lightning_troll.environments import EnvironmentFactory
 from lightning_troll.environments.calls import TOOL_ERROR_KINDS
 from lightning_troll.environments.options import EpisodesConfig
+from lightning_troll.environments.protocol import closed_on_failure
 from lightning_troll.environments.rendering import check_chat_template
 from lightning_troll.models.sharding import gathered
 from lightning_troll.rollouts.engine import RolloutEngine
@@ -207,7 +208,9 @@ class EpisodeSampler:
         """One episode per row of ``rows`` (each with a fresh environment), continued turn by
         turn by ``generate``, laid out on ``device``. The prompts the data wrote are not used:
         the environment writes the conversation from the row."""
-        environments = [self.make() for _ in rows]
+        environments: list[Any] = []
+        with closed_on_failure(lambda: environments):  # one that cannot be made
+            environments.extend(self.make() for _ in rows)
         episodes = run_episodes(
             generate, self.tokenizer, environments, rows, self.limits, self.stops
         )
