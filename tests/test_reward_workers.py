@@ -323,7 +323,7 @@ def test_workers_that_cannot_start_are_named_after_three_tries(monkeypatch):
     monkeypatch.setattr(workers_module._Worker, "__init__", dies_at_once)
     scorer = RewardScorer({H + "length_reward": 1.0}, workers=1)
     try:
-        with pytest.raises(RuntimeError, match=r"3 reward worker processes in a row exited while "
+        with pytest.raises(RewardError, match=r"^3 reward worker processes in a row exited while "
                            r"starting \(the last with exit code -9\); run with "
                            r"model.reward_options.workers 0"):  # fmt: skip
             scorer(["p"], ["a"], [{}])

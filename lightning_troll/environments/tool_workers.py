@@ -41,8 +41,9 @@ from lightning_troll.environments.calls import (
     run_tool,
 )
 from lightning_troll.environments.options import check_tool_workers
+from lightning_troll.environments.protocol import EnvironmentFailure
 from lightning_troll.environments.tools import Tool, check_arguments, load_tools
-from lightning_troll.rewards.workers import WorkerPool, check_picklable
+from lightning_troll.rewards.workers import WorkerPool, WorkersFailed, check_picklable
 
 __all__ = ["ToolResult", "ToolRunner", "ToolWorkers", "count_errors"]
 
@@ -135,7 +136,10 @@ class ToolRunner:
                 function = self.tools[name].function
                 jobs.append((f"{name}@{id(function)}", self._payloads[name], function,
                              calls[i].arguments))  # fmt: skip
-            outcomes = self.workers.run(jobs)
+            try:
+                outcomes = self.workers.run(jobs)
+            except WorkersFailed as error:  # no call failed: no tool can run at all
+                raise EnvironmentFailure(f"the tool workers failed: {error}") from error
         else:
             outcomes = [run_tool(self.tools[calls[i].name].function, calls[i].arguments)
                         for i in todo]  # fmt: skip

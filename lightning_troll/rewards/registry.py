@@ -63,7 +63,7 @@ from lightning_troll.rewards.options import (
     reward_tag,
     sample_keywords,
 )
-from lightning_troll.rewards.workers import RewardWorkers, check_picklable
+from lightning_troll.rewards.workers import RewardWorkers, WorkersFailed, check_picklable
 
 __all__ = [
     "REWARD_FUNCTIONS",
@@ -383,7 +383,10 @@ class RewardScorer:
             stop = frozenset(
                 c[0] for c in calls if self.policies.get(c[0].rsplit("@", 1)[0]) == "raise"
             )
-            done = iter(self.workers.run(calls, stop))
+            try:
+                done = iter(self.workers.run(calls, stop))
+            except WorkersFailed as error:  # no call failed: the scoring cannot run at all
+                raise RewardError(str(error)) from error
             for name, fn in self.functions.items():
                 if not getattr(fn, "batched", False):
                     outcomes[name] = [next(done) for _ in samples]

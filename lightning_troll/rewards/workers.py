@@ -38,13 +38,17 @@ from typing import Any
 
 from lightning_troll.rewards.calls import Outcome, call_one, describe
 
-__all__ = ["RewardWorkers", "WorkerPool", "check_picklable"]
+__all__ = ["RewardWorkers", "WorkerPool", "WorkersFailed", "check_picklable"]
 
 _START_LIMIT = 300.0
+"""Seconds a new worker may take to start before scoring gives up (a broken environment)."""
 _START_DEATHS = 3
 """Workers that may die while starting, one after another with none started between, before the
 pool gives up (one killed by the OOM killer is replaced; a worker that cannot start is named)."""
-"""Seconds a new worker may take to start before scoring gives up (a broken environment)."""
+
+
+class WorkersFailed(RuntimeError):
+    """The pool cannot go on: its workers do not start. (A call that fails is an outcome.)"""
 
 
 def check_picklable(
@@ -276,7 +280,7 @@ class WorkerPool:
                 )
                 self._replace(worker)
             elif not worker.ready and now >= worker.born + _START_LIMIT:
-                raise RuntimeError(
+                raise WorkersFailed(
                     f"a {self.noun} worker process did not start in {_START_LIMIT:g} s (exit code "
                     f"{worker.process.exitcode})"
                 )
@@ -307,7 +311,7 @@ class WorkerPool:
         if not worker.ready:
             self._start_deaths += 1
             if self._start_deaths >= _START_DEATHS:
-                raise RuntimeError(
+                raise WorkersFailed(
                     f"{_START_DEATHS} {self.noun} worker processes in a row exited while starting "
                     f"(the last with exit code {worker.process.exitcode}); run with "
                     f"model.{self.workers_option} 0 to see why"
