@@ -313,6 +313,25 @@ def test_a_worker_killed_while_starting_is_replaced(monkeypatch):
         scorer.close()
 
 
+@pytest.mark.parametrize("on_error", ["raise", "drop", 0.0])
+def test_a_reward_a_worker_cannot_load_stops_the_run_whatever_on_error_says(monkeypatch, on_error):
+    """No call of it can run in the workers: not one completion's failure to drop or score."""
+    import pickle
+
+    from lightning_troll.rewards import registry
+    from tests.tool_helpers import LoadsNowhere
+
+    monkeypatch.setattr(registry, "check_picklable", lambda *a: pickle.dumps(LoadsNowhere()))
+    scorer = RewardScorer({H + "length_reward": 1.0}, workers=1, on_error=on_error)
+    try:
+        with pytest.raises(RewardError, match=r"^reward function 'tests.reward_helpers:length_reward' "
+                           r"cannot be loaded in a worker: ImportError: No module named 'gone'; "
+                           r"model.reward_options.workers 0"):  # fmt: skip
+            scorer(["p"], ["a"], [{}])
+    finally:
+        scorer.close()
+
+
 def test_workers_that_cannot_start_are_named_after_three_tries(monkeypatch):
     start = workers_module._Worker.__init__
 

@@ -319,6 +319,22 @@ def test_tool_workers_that_cannot_start_fail_the_environment_not_a_call(monkeypa
         runner.close()
 
 
+def test_a_tool_a_worker_cannot_load_stops_the_run_instead_of_training_on_its_error():
+    import pickle
+
+    from lightning_troll.environments.protocol import EnvironmentFailure
+
+    runner = ToolRunner(TOOLS, workers=1, timeout=30.0)
+    runner._payloads["multiply"] = pickle.dumps(tool_helpers.LoadsNowhere())
+    try:
+        with pytest.raises(EnvironmentFailure, match=r"^tool 'multiply' cannot be loaded in a "
+                           r"worker: ImportError: No module named 'gone'; "
+                           r"model.episodes.tool_workers 0 runs tools"):  # fmt: skip
+            runner.run([ToolCall("multiply", {"a": 2, "b": 3})])
+    finally:
+        runner.close()
+
+
 def test_worker_options_are_checked():
     with pytest.raises(ValueError) as error:
         ToolRunner(TOOLS, workers=0, timeout=5)

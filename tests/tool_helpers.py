@@ -161,3 +161,14 @@ class ScoredPlainTurns(PlainTurns):
 
     def step(self, turn: str) -> Step:
         return dataclasses.replace(super().step(turn), reward=float(len(turn)))
+
+
+def _refuse_to_load():
+    raise ImportError("No module named 'gone'")
+
+
+class LoadsNowhere:
+    """Pickles, and raises when unpickled: a function a worker cannot load."""
+
+    def __reduce__(self):
+        return (_refuse_to_load, ())

@@ -43,6 +43,7 @@ from lightning_troll.environments.calls import (
 from lightning_troll.environments.options import check_tool_workers
 from lightning_troll.environments.protocol import EnvironmentFailure
 from lightning_troll.environments.tools import Tool, check_arguments, load_tools
+from lightning_troll.rewards.calls import UNLOADABLE
 from lightning_troll.rewards.workers import WorkerPool, WorkersFailed, check_picklable
 
 __all__ = ["ToolResult", "ToolRunner", "ToolWorkers", "count_errors"]
@@ -174,9 +175,15 @@ class ToolRunner:
 
     @staticmethod
     def _result(name: str, outcome: ToolOutcome) -> ToolResult:
-        """The result of a call that ran; a worker's death (kind ``"error"``) is ``"crashed"``."""
+        """The result of a call that ran; a worker's death (kind ``"error"``) is ``"crashed"``;
+        a tool that cannot be loaded in a worker stops the run (:class:`EnvironmentFailure`)."""
         text, problem, kind = outcome
         if problem is None:
             return ToolResult(name, text)
+        if kind == UNLOADABLE:  # not the model's error: no call of the tool can run
+            raise EnvironmentFailure(
+                f"tool {name!r} {problem}; model.episodes.tool_workers 0 runs tools in the "
+                "trainer's process"
+            )
         kind = kind if kind in ("raised", "timeout", "unrenderable") else "crashed"
         return ToolResult(name, f"Error: tool {name!r} {problem}", kind)

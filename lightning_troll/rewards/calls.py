@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, NamedTuple
 
 __all__ = [
+    "UNLOADABLE",
     "FailurePolicy",
     "Outcome",
     "RewardError",
@@ -29,6 +30,11 @@ __all__ = [
     "check_policies",
     "describe",
 ]
+
+
+UNLOADABLE = "unloadable"
+"""The kind of a call whose function did not unpickle in its worker: no call of it can run there,
+so a failure of this kind stops the run, whatever ``on_error`` says of one call's failure."""
 
 
 class RewardError(ValueError):
@@ -184,6 +190,11 @@ def apply_policies(
             if outcome.problem is None:
                 column[i] = outcome.value
                 continue
+            if outcome.kind == UNLOADABLE:
+                raise RewardError(
+                    f"reward function {name!r} {outcome.problem}; model.reward_options.workers 0 "
+                    "scores in the trainer's process"
+                )
             if policy == "raise":
                 if outcome.kind == "skipped":  # the failure that stopped the scoring raises
                     continue

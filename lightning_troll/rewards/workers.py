@@ -36,7 +36,7 @@ from collections.abc import Callable, Mapping, Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from lightning_troll.rewards.calls import Outcome, call_one, describe
+from lightning_troll.rewards.calls import UNLOADABLE, Outcome, call_one, describe
 
 __all__ = ["RewardWorkers", "WorkerPool", "WorkersFailed", "check_picklable"]
 
@@ -92,7 +92,7 @@ def _serve(conn: Connection, alive: Connection) -> None:  # pragma: no cover - w
                 functions[key] = pickle.loads(payload)
             outcome = runner(functions[key], *arguments)
         except Exception as exc:  # the function did not unpickle here
-            outcome = (None, f"cannot be loaded in a worker: {describe(exc)}", None)
+            outcome = (None, f"cannot be loaded in a worker: {describe(exc)}", UNLOADABLE)
         conn.send(tuple(outcome)[:3])  # (value, problem, kind) of the runner's record
 
 
