@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+from pathlib import Path
 from typing import Any
 
 from lightning.pytorch import LightningModule, Trainer
@@ -18,7 +19,11 @@ from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from lightning_troll.training.checkpoint_io import install_atomic_saves
+from lightning_troll.training.checkpoint_io import (
+    install_atomic_saves,
+    save_folder_checkpoint,
+    writes_folders,
+)
 from lightning_troll.training.faults import RunFault
 
 __all__ = ["RolloutCheckpoint"]
@@ -39,7 +44,9 @@ class RolloutCheckpoint(Checkpoint):
     every checkpoint callback of the trainer): each is written beside ``last.ckpt``, synced and
     renamed over it, so a process killed while saving, or a disk that fills, leaves the previous
     ``last.ckpt`` whole; a full disk stops the run with
-    :class:`~lightning_troll.training.checkpoint_io.SaveFailed`.
+    :class:`~lightning_troll.training.checkpoint_io.SaveFailed`. A sharded strategy's folder
+    (FSDP2) is written beside it and swapped in by renames
+    (:func:`~lightning_troll.training.checkpoint_io.save_folder_checkpoint`), as safely.
 
     Args:
         every_n_rollouts: rollouts between two saves, >= 0; 0 saves only when the fit ends or
@@ -173,9 +180,10 @@ class RolloutCheckpoint(Checkpoint):
         """Writes last.ckpt unless it already holds this rollout."""
         if self._saved_at == self.rollouts:
             return
-        trainer.save_checkpoint(
-            self.path, weights_only=False
-        )  # every process: sharded strategies write their part
+        if writes_folders(trainer.strategy):  # no checkpoint IO sees these: swapped in here
+            save_folder_checkpoint(trainer, Path(self.path))
+        else:  # every process: sharded strategies write their part
+            trainer.save_checkpoint(self.path, weights_only=False)
         self._saved_at = self.rollouts
         self.last_model_path = self.path
 

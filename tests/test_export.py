@@ -160,7 +160,10 @@ def test_a_folder_that_is_no_checkpoint_is_refused(tmp_path, capsys):
     (tmp_path / "notes").mkdir()
     with pytest.raises(SystemExit):
         cli_main(["export", "--ckpt_path", str(tmp_path / "notes"), "--output_dir", "x"])
-    assert "is a folder but not a sharded checkpoint" in capsys.readouterr().err
+    assert (
+        "is a folder but not a whole sharded checkpoint (it lacks '.metadata', 'meta.pt'"
+        in capsys.readouterr().err
+    )
 
 
 def test_lora_exports_merged_or_as_adapters(tmp_path, tiny_model_dir):

@@ -16,7 +16,7 @@ import torch
 import yaml
 
 from lightning_troll.training.checkpoint_io import AtomicCheckpointIO, SaveFailed, partial_path
-from lightning_troll.training.checkpoints import check_checkpoint_file
+from lightning_troll.training.checkpoints import CheckpointError, check_checkpoint_file
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -203,3 +203,83 @@ def test_a_full_disk_under_the_logs_stops_the_run_in_one_line(
     )  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert torch.load(kept, weights_only=True)["global_step"] == step + 1
+
+
+# -- a sharded checkpoint's folder -----------------------------------------------------------------
+
+
+class FolderTrainer:
+    """What :func:`save_folder_checkpoint` uses of a trainer: one process whose strategy writes a
+    folder of ``shards`` files (as FSDP2 does), raising ``fail`` after the first shard."""
+
+    is_global_zero = True
+
+    def __init__(self, tag: str, fail: BaseException | None = None) -> None:
+        self.tag, self.fail = tag, fail
+        self.strategy = self
+        self.barriers: list[str] = []
+
+    def barrier(self, name: str) -> None:
+        self.barriers.append(name)
+
+    def save_checkpoint(self, path, weights_only=False):
+        path.mkdir(parents=True)
+        for i in range(2):
+            (path / f"__{i}_0.distcp").write_text(self.tag)
+            if self.fail is not None:
+                raise self.fail
+        (path / ".metadata").write_text(self.tag)
+        (path / "meta.pt").write_text(self.tag)
+
+
+def folder_tags(folder: Path) -> set[str]:
+    return {f.read_text() for f in folder.iterdir()}
+
+
+def test_a_folder_checkpoint_is_swapped_in_whole_and_a_failed_one_leaves_the_old(tmp_path):
+    from lightning_troll.training.checkpoint_io import save_folder_checkpoint
+
+    target = tmp_path / "last.ckpt"
+    first = FolderTrainer("first")
+    save_folder_checkpoint(first, target)
+    assert folder_tags(target) == {"first"} and sorted(p.name for p in tmp_path.iterdir()) == [
+        "last.ckpt"
+    ]
+    assert len(first.barriers) == 3  # every process waits for the others at each step
+    save_folder_checkpoint(FolderTrainer("second"), target)
+    assert folder_tags(target) == {"second"} and [p.name for p in tmp_path.iterdir()] == [
+        "last.ckpt"
+    ]
+    check_checkpoint_file(target)  # a whole folder passes the resume check
+    with pytest.raises(KeyboardInterrupt):  # killed while writing a shard
+        save_folder_checkpoint(FolderTrainer("third", KeyboardInterrupt()), target)
+    assert folder_tags(target) == {"second"}
+    full = OSError(errno.ENOSPC, "No space left on device")
+    with pytest.raises(SaveFailed, match=r"could not save .*last.ckpt: No space left on device .*"
+                       r"the previous last.ckpt there is whole: free space, then resume with "
+                       r"--ckpt_path"):  # fmt: skip
+        wrapped = RuntimeError("the writer failed")  # as torch's writers report it
+        wrapped.__cause__ = full
+        save_folder_checkpoint(FolderTrainer("fourth", wrapped), target)
+    assert folder_tags(target) == {"second"}
+    # killed between the two renames: the old folder waits aside; the resume check names it,
+    # and the next save puts it back before it writes
+    target.rename(tmp_path / ".last.ckpt.old")
+    with pytest.raises(
+        CheckpointError, match=r"\.last\.ckpt\.old holds the checkpoint saved before"
+    ):
+        check_checkpoint_file(target)
+    save_folder_checkpoint(FolderTrainer("fifth"), target)
+    assert folder_tags(target) == {"fifth"} and [p.name for p in tmp_path.iterdir()] == [
+        "last.ckpt"
+    ]
+
+
+def test_a_folder_that_lacks_a_part_is_refused_at_resume(tmp_path):
+    target = tmp_path / "last.ckpt"
+    FolderTrainer("x").save_checkpoint(target)
+    (target / "meta.pt").unlink()
+    with pytest.raises(
+        CheckpointError, match=r"not a whole sharded checkpoint \(it lacks 'meta.pt'\)"
+    ):
+        check_checkpoint_file(target)

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from lightning_troll.rewards.options import DEPRECATED_KEYS
-from lightning_troll.training.checkpoints import CheckpointError, check_checkpoint_file
+from lightning_troll.training.checkpoints import check_checkpoint_file
 
 __all__ = ["MARKER", "POLICY_ONLY", "export_policy", "main", "read_checkpoint"]
 
@@ -62,16 +62,11 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
     """The checkpoint at ``path`` as one dict on the CPU: a ``.ckpt`` file (its archive checked
     first), or a sharded checkpoint's folder, its shards gathered."""
     where = Path(path).expanduser()
+    check_checkpoint_file(where)
     if where.is_dir():
-        if not (where / ".metadata").is_file():
-            raise CheckpointError(
-                f"--ckpt_path {str(path)!r} is a folder but not a sharded checkpoint (it has no "
-                "'.metadata' file); give a .ckpt file or the folder an FSDP2 fit wrote"
-            )
         from lightning.fabric.utilities.load import _load_distributed_checkpoint
 
         return _load_distributed_checkpoint(where)
-    check_checkpoint_file(where)
     # The checkpoint's own hyper-parameters hold the option records (allow-listed for
     # weights_only in lightning_troll.training.resume); LightningCLI's adds its instantiator.
     return torch.load(where, map_location="cpu", weights_only=False)

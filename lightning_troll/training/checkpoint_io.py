@@ -9,6 +9,10 @@ atomic step on every local file system) and syncs the directory. A save that fai
 a file-size limit, a signal) removes its partial file and leaves the previous checkpoint whole;
 a full disk raises :class:`SaveFailed`, which the ``lightning-troll`` command prints in one line.
 Remote paths (``s3://``, ...) go through Lightning's own save.
+
+A sharded checkpoint (FSDP2's folder, which every process writes its part of and no checkpoint IO
+sees) is saved as safely by :func:`save_folder_checkpoint`: into a hidden folder beside it, then
+swapped in by two renames once every process has written.
 """
 
 from __future__ import annotations
@@ -25,7 +29,15 @@ from typing_extensions import override
 
 from lightning_troll.training.faults import RunFault
 
-__all__ = ["AtomicCheckpointIO", "SaveFailed", "install_atomic_saves", "partial_path"]
+__all__ = [
+    "AtomicCheckpointIO",
+    "SaveFailed",
+    "aside_path",
+    "install_atomic_saves",
+    "partial_path",
+    "save_folder_checkpoint",
+    "writes_folders",
+]
 
 NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 """Errors of a write that ran out of room: the file system, a quota, a file-size limit."""
@@ -140,3 +152,78 @@ def install_atomic_saves(strategy: Any) -> None:
     default ``TorchCheckpointIO``; a checkpoint IO of one's own is kept."""
     if type(strategy.checkpoint_io) is TorchCheckpointIO:
         strategy.checkpoint_io = AtomicCheckpointIO()
+
+
+def aside_path(target: Path) -> Path:
+    """Where a folder checkpoint's previous version waits while the new one is renamed into
+    place: a process killed between the two renames leaves the whole previous one here."""
+    return target.with_name(f".{target.name}.old")
+
+
+def writes_folders(strategy: Any) -> bool:
+    """Whether ``strategy`` saves a folder of shards, past any checkpoint IO (FSDP2's
+    distributed checkpoint, FSDP's sharded state dict)."""
+    return bool(getattr(strategy, "_save_distributed_checkpoint", False)) or (
+        getattr(strategy, "_state_dict_type", None) == "sharded"
+    )
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def _no_space_cause(error: BaseException) -> OSError | None:
+    """The out-of-room ``OSError`` behind ``error`` (torch's writers wrap it), if one is."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in NO_SPACE:
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def save_folder_checkpoint(trainer: Any, target: Path) -> None:
+    """``trainer.save_checkpoint(target)`` for a strategy that writes folders (every process
+    calls it): written to :func:`partial_path`, synced, then the first process renames the old
+    ``target`` to :func:`aside_path`, the new folder to ``target``, and removes the old one. A
+    save cut short (a kill, a full disk) leaves the previous ``target`` whole; one killed between
+    the renames leaves it at the aside path, which the next save puts back first."""
+    strategy, partial, aside = trainer.strategy, partial_path(target), aside_path(target)
+    if trainer.is_global_zero:
+        if aside.exists() and not target.exists():  # a swap cut short: the previous one
+            os.rename(aside, target)
+        for leftover in (partial, aside):
+            _remove(leftover)
+    strategy.barrier("save_folder_checkpoint: start")
+    try:
+        trainer.save_checkpoint(partial, weights_only=False)
+    except BaseException as error:
+        cause = _no_space_cause(error)
+        if cause is not None:
+            kept = (
+                f"the previous {target.name} there is whole: free space, then resume with "
+                f"--ckpt_path {target}"
+                if target.exists()
+                else "no checkpoint was written before"
+            )
+            free = _gib(shutil.disk_usage(target.parent).free)
+            raise SaveFailed(
+                f"could not save {target}: {os.strerror(cause.errno)} ({free} free in "
+                f"{target.parent}); {kept}"
+            ) from error
+        raise
+    strategy.barrier("save_folder_checkpoint: written")
+    if trainer.is_global_zero:
+        for file in (f for f in partial.rglob("*") if f.is_file()):
+            with open(file, "rb") as handle:
+                os.fsync(handle.fileno())
+        _sync_directory(partial)
+        if target.exists():
+            os.rename(target, aside)
+        os.rename(partial, target)
+        _sync_directory(target.parent)
+        _remove(aside)
+    strategy.barrier("save_folder_checkpoint: swapped")

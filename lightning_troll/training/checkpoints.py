@@ -144,7 +144,16 @@ def check_checkpoint_file(path: str | Path) -> None:
     """
     where = f"--ckpt_path {str(path)!r}"
     file = Path(path).expanduser()
+    if file.is_dir():
+        _check_folder(file, where)
+        return
     if not file.is_file():
+        aside = file.with_name(f".{file.name}.old")
+        if aside.exists():  # a sharded save killed between its two renames
+            raise CheckpointError(
+                f"{where}: no such file, but {aside} holds the checkpoint saved before it (a "
+                "save was stopped while it swapped the new one in): resume from that one"
+            )
         raise CheckpointError(f"{where}: no such file; give a .ckpt file written by a fit")
     try:
         with zipfile.ZipFile(file) as archive:
@@ -162,6 +171,17 @@ def check_checkpoint_file(path: str | Path) -> None:
         )
     if not any(name.endswith("data.pkl") for name in names):
         raise CheckpointError(f"{where} is a zip archive but not a torch checkpoint")
+
+
+def _check_folder(folder: Path, where: str) -> None:
+    """A sharded checkpoint's folder (FSDP2): its metadata, Lightning's part and its shards."""
+    missing = [n for n in (".metadata", "meta.pt") if not (folder / n).is_file()]
+    if missing or not any(folder.glob("*.distcp")):
+        what = ", ".join(repr(n) for n in missing) or "no '*.distcp' shard"
+        raise CheckpointError(
+            f"{where} is a folder but not a whole sharded checkpoint (it lacks {what}); give a "
+            ".ckpt file, or the folder an FSDP2 fit wrote"
+        )
 
 
 def check_compatible(
