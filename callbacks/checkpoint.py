@@ -16,10 +16,11 @@ from typing import Any
 
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Checkpoint
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_troll.training.checkpoint_io import (
+    aside_path,
     install_atomic_saves,
     save_folder_checkpoint,
     writes_folders,
@@ -72,11 +73,37 @@ class RolloutCheckpoint(Checkpoint):
         self._requested: int | None = None  # the signal this process received
         self._saved_at = -1  # the rollout count of the last save
         self._previous_handlers: dict[int, Any] = {}
+        self.filename = self.FILENAME
+        """``last.ckpt``, or ``last-v<n>.ckpt`` where another run's ``last.ckpt`` is in the way."""
 
     @property
     def path(self) -> str | None:
         """Where ``last.ckpt`` is written (known once the fit has started)."""
-        return None if self.dirpath is None else os.path.join(self.dirpath, self.FILENAME)
+        return None if self.dirpath is None else os.path.join(self.dirpath, self.filename)
+
+    def _claim(self, trainer: Trainer) -> None:
+        """Never writes over another run's checkpoint: where the folder (a fixed ``dirpath``, a
+        logger without version folders, or none) holds a ``last.ckpt`` that this fit did not
+        resume from, this run's is ``last-v1.ckpt`` (or the first free ``last-v<n>.ckpt``)."""
+        if self._saved_at >= 0:  # this callback's own file, from an earlier fit call
+            return
+        resumed = trainer.ckpt_path
+        resumed = None if not resumed or "://" in str(resumed) else Path(resumed).resolve()
+        name, n = self.FILENAME, 0
+        while True:
+            there = Path(self.dirpath, name)
+            taken = there.exists() or aside_path(there).exists()
+            if not taken or there.resolve() == resumed:
+                break
+            n += 1
+            name = f"last-v{n}.ckpt"
+        self.filename = trainer.strategy.broadcast(name)
+        if self.filename != self.FILENAME:
+            rank_zero_warn(
+                f"{Path(self.dirpath, self.FILENAME)} holds another run's checkpoint, which this "
+                f"run did not resume from (--ckpt_path): this run saves to {self.path} instead, "
+                "and leaves that one as it is"
+            )
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -88,6 +115,7 @@ class RolloutCheckpoint(Checkpoint):
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._claim(trainer)
         self.stopped_by = None
         self._requested = None
         if threading.current_thread() is threading.main_thread():

@@ -515,6 +515,9 @@ def broken_jsonl(tmp_path: Path) -> str:
                      id="broken-json-line"),
         pytest.param(["--ckpt_path", "gone.ckpt"], "--ckpt_path 'gone.ckpt': no such file",
                      id="missing-checkpoint"),
+        pytest.param(["--ckpt_path", "last"], "--ckpt_path last: no ModelCheckpoint is "
+                     "configured to look it up in, so the run would start afresh; give the path",
+                     id="last-without-model-checkpoint"),
         pytest.param(["--model.rollout_engine", "vllm"], "make setup-vllm", id="engine-missing",
                      marks=pytest.mark.skipif(find_spec("vllm") is not None,
                                               reason="vLLM is installed here")),
@@ -714,3 +717,19 @@ def test_console_script_stopped_by_sigterm_saves_and_exits_143(tmp_path, tiny_mo
     last_path = LOGS / "checkpoints" / "last.ckpt"
     assert f"resume: the same command with --ckpt_path {last_path}" in summary
     assert f"export: lightning-troll export --ckpt_path {last_path} --output_dir" in summary
+
+
+def test_ckpt_path_last_is_left_to_lightning_where_a_model_checkpoint_looks_it_up():
+    from jsonargparse import Namespace
+
+    from lightning_troll.cli.checks import check_named_checkpoint
+
+    def config(*class_paths: str) -> Namespace:
+        return Namespace(
+            trainer=Namespace(callbacks=[Namespace(class_path=c) for c in class_paths])
+        )
+
+    check_named_checkpoint(config("lightning.pytorch.callbacks.ModelCheckpoint"), "last")
+    check_named_checkpoint(config(), "runs/x/last.ckpt")  # a path: checked as a file elsewhere
+    with pytest.raises(ValueError, match=r"^--ckpt_path best: no ModelCheckpoint is configured"):
+        check_named_checkpoint(config("lightning.pytorch.callbacks.EarlyStopping"), "best")

@@ -351,6 +351,29 @@ def test_a_second_ctrl_c_stops_at_once_and_keeps_the_last_checkpoint(
     assert sorted(p.name for p in path.parent.iterdir()) == ["last.ckpt"]
 
 
+def test_a_new_run_never_writes_over_another_runs_last_ckpt(tmp_path, tiny_model_dir):
+    """Two runs share a checkpoint folder (a fixed dirpath; a logger without version folders
+    does the same): the second saves to last-v1.ckpt and warns, the first's last.ckpt stays as
+    it was; a run resumed from that last.ckpt goes on writing it."""
+    folder = tmp_path / "shared" / "ckpt"
+
+    def step_of(name: str) -> int:
+        return torch.load(folder / name, map_location="cpu", weights_only=False)["global_step"]
+
+    train_with_last(tmp_path, tiny_model_dir, "shared", 2)
+    before = (folder / "last.ckpt").read_bytes()
+    with pytest.warns(UserWarning, match=r"holds another run's checkpoint, which this run did "
+                      r"not resume from \(--ckpt_path\): this run saves to .*last-v1\.ckpt"):  # fmt: skip
+        _, _, last, _ = train_with_last(tmp_path, tiny_model_dir, "shared", 1)
+    assert Path(last.path).name == "last-v1.ckpt" and step_of("last-v1.ckpt") == 1
+    assert (folder / "last.ckpt").read_bytes() == before
+    _, _, last, _ = train_with_last(
+        tmp_path, tiny_model_dir, "shared", 3, ckpt_path=folder / "last.ckpt"
+    )
+    assert Path(last.path).name == "last.ckpt" and step_of("last.ckpt") == 3
+    assert sorted(p.name for p in folder.iterdir()) == ["last-v1.ckpt", "last.ckpt"]
+
+
 def test_rollout_checkpoint_rejects_a_negative_interval():
     with pytest.raises(
         ValueError, match=r"checkpoint.every_n_rollouts must be an integer >= 0; got -1"

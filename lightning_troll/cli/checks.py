@@ -3,11 +3,12 @@ before any class is built (``TrollCLI.before_instantiate_classes``)."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from pathlib import Path
 
 import torch
-from lightning.pytorch.callbacks import Checkpoint
+from lightning.pytorch.callbacks import Checkpoint, ModelCheckpoint
 
 from lightning_troll.callbacks.refresh_options import check_refresh
 from lightning_troll.data.preflight import check_data_files
@@ -21,6 +22,7 @@ from lightning_troll.training.preflight import (
 
 __all__ = [
     "check_checkpointing",
+    "check_named_checkpoint",
     "check_optimizer",
     "check_schedule_length",
     "check_task",
@@ -107,6 +109,27 @@ def beside_a_config(error: str, data, configs: list[str]) -> str:
                     f"lies beside the config {config}: give data.{option}={str(there)!r}"
                 )
     return ""
+
+
+def check_named_checkpoint(config, path: str) -> None:
+    """Refuses ``--ckpt_path last`` (or ``best``) where no ``ModelCheckpoint`` is configured:
+    Lightning looks those names up among its own checkpoint callbacks, finds none, warns and
+    starts afresh, and ``RolloutCheckpoint`` keeps ``last.ckpt`` by path."""
+    if path not in ("last", "best"):
+        return
+    for callback in config.trainer.get("callbacks") or []:
+        class_path = getattr(callback, "class_path", None)
+        if isinstance(class_path, str) and "." in class_path:
+            module, _, name = class_path.rpartition(".")
+            with contextlib.suppress(ImportError, AttributeError):
+                cls = getattr(importlib.import_module(module), name)
+                if isinstance(cls, type) and issubclass(cls, ModelCheckpoint):
+                    return
+    raise ValueError(
+        f"--ckpt_path {path}: no ModelCheckpoint is configured to look it up in, so the run would "
+        "start afresh; give the path of the checkpoint (the end of a run prints it, "
+        "<log folder>/checkpoints/last.ckpt)"
+    )
 
 
 def config_files(config) -> list[str]:

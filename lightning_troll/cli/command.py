@@ -50,7 +50,12 @@ from lightning_troll.callbacks import (
 )
 from lightning_troll.callbacks.summary import TrollModelSummary
 from lightning_troll.cli import export
-from lightning_troll.cli.checks import check_schedule_length, check_task, config_files
+from lightning_troll.cli.checks import (
+    check_named_checkpoint,
+    check_schedule_length,
+    check_task,
+    config_files,
+)
 from lightning_troll.cli.order import overridden_options
 from lightning_troll.cli.parse_errors import explain
 from lightning_troll.cli.quiet import quiet_library_notices
@@ -222,6 +227,7 @@ class TrollCLI(LightningCLI):
             check_task(config)
         path = self.config[subcommand].get("ckpt_path") if subcommand else None
         # "last", "best", "hpc" and "registry..." are names Lightning resolves; URLs are remote
+        check_named_checkpoint(config, path)
         if not path or path in ("last", "best", "hpc") or path.startswith("registry"):
             return
         if "://" not in path:
