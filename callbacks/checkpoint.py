@@ -20,6 +20,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_troll.training.checkpoint_io import (
+    SaveFailed,
     aside_path,
     install_atomic_saves,
     save_folder_checkpoint,
@@ -183,11 +184,15 @@ class RolloutCheckpoint(Checkpoint):
         """An exception may strike inside a rollout: nothing is saved, unless it is a
         :class:`~lightning_troll.training.faults.RunFault` that leaves the state whole (a reward
         that failed while the rollout was scored) in a single process; then ``last.ckpt`` is
-        saved, resuming at that rollout, and the fault names it."""
+        saved, resuming at that rollout, and the fault names it; another fault names the last
+        checkpoint (``kept``)."""
         self._restore_handlers()
         if isinstance(exception, RunFault) and exception.resumable and trainer.world_size == 1:
             self._save(trainer)
             exception.saved = self.path
+        elif isinstance(exception, RunFault) and not isinstance(exception, SaveFailed):
+            resumed = trainer.ckpt_path  # the last one this run saved, or the one it resumed from
+            exception.kept = self.last_model_path or (str(resumed) if resumed else None)
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:

@@ -52,7 +52,9 @@ def command(folder: Path, model_dir: Path, steps: int, *extra: str) -> list[str]
 def stop_lines(stderr: str) -> list[str]:
     """What a stopped run tells its user on stderr: the failure, then where it saved."""
     return [
-        line for line in stderr.splitlines() if line.startswith(("lightning-troll:", "  saved"))
+        line
+        for line in stderr.splitlines()
+        if line.startswith(("lightning-troll:", "  saved", "  the last checkpoint"))
     ]
 
 
@@ -107,3 +109,28 @@ def test_a_reward_with_the_wrong_signature_is_refused_before_the_model_loads(
         "no_model_here",
         "run.yaml",
     ]
+
+
+def test_a_reward_failing_in_validation_stops_in_one_line_and_names_the_last_checkpoint(
+    tmp_path, tiny_model_dir
+):
+    """Rollouts 1 and 2 train and are saved; the validation after them meets a failing reward:
+    nothing more can be saved there (the rollout is half validated), so the run stops with exit
+    status 3, no traceback, and names the checkpoint it kept."""
+    (tmp_path / "my_reward.py").write_text(BROKEN)  # rollouts 1 and 2 score; the 17th call fails
+    validate = ["--trainer.limit_val_batches", "1", "--trainer.val_check_interval", "2",
+                "--trainer.num_sanity_val_steps", "0", "--data.num_val", "4",
+                "--data.val_batch_size", "4", "--checkpoint.every_n_rollouts", "1"]  # fmt: skip
+    done = subprocess.run(command(tmp_path, tiny_model_dir, 4, *validate), cwd=tmp_path,
+                          capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 3, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+    told = stop_lines(done.stderr)
+    assert told[0].startswith("lightning-troll: stopped: in validation: reward function "
+                              "'my_reward:reward' on sample")  # fmt: skip
+    ckpt = Path("ckpt") / "last.ckpt"
+    assert told[1] == (
+        f"  the last checkpoint, {ckpt}, is as it was: fix the cause, then resume with the same "
+        f"command and --ckpt_path {ckpt}"
+    )
+    assert torch.load(tmp_path / ckpt, weights_only=True)["global_step"] == 2

@@ -93,6 +93,9 @@ def stop(error: BaseException) -> None:
         if error.saved:
             print(f"  saved {error.saved}: fix the cause, then resume with the same command and "
                   f"--ckpt_path {error.saved}", file=sys.stderr)  # fmt: skip
+        elif error.kept:
+            print(f"  the last checkpoint, {error.kept}, is as it was: fix the cause, then resume "
+                  f"with the same command and --ckpt_path {error.kept}", file=sys.stderr)  # fmt: skip
         raise SystemExit(FAULT_EXIT_CODE) from None
     if getattr(error, "during_training", False):
         raise error

@@ -31,13 +31,18 @@ class RunFault(RuntimeError):
     checkpoint saved then resumes the run."""
     saved: str | None = None
     """The checkpoint saved on the way out, if one was."""
+    kept: str | None = None
+    """Where nothing was saved on the way out, the last checkpoint of the run, if it has one."""
 
 
 class RewardFault(RewardError, RunFault):
-    """A reward call failed under ``reward_options.on_error: raise`` while a rollout was scored:
-    nothing of the rollout has trained yet."""
+    """A reward call failed under ``reward_options.on_error: raise`` while a rollout was scored,
+    before it trained (``resumable``), or while a validation was (not: the checkpoint of the last
+    rollout stays as it was)."""
 
-    resumable = True
+    def __init__(self, message: str, resumable: bool = True) -> None:
+        super().__init__(message)
+        self.resumable = resumable
 
 
 class EpisodeFault(EnvironmentFailure, RunFault):

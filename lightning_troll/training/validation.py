@@ -19,10 +19,11 @@ from torch import Tensor
 from lightning_troll.data.prompts import seeded_generator
 from lightning_troll.environments.protocol import EnvironmentFailure
 from lightning_troll.models.sharding import gathered
+from lightning_troll.rewards.calls import RewardError
 from lightning_troll.rewards.registry import RewardOutput, reward_tag
 from lightning_troll.rollouts.episodes import sampled_turns
 from lightning_troll.rollouts.rollout import sample
-from lightning_troll.training.faults import EpisodeFault
+from lightning_troll.training.faults import EpisodeFault, RewardFault
 
 __all__ = ["pass_at_k", "stopping_between_validations", "validation_metrics"]
 
@@ -105,9 +106,7 @@ def _answers(module: Any, batch: Any, group: int, do_sample: bool) -> RewardOutp
     prompts = [p for p in batch.prompts for _ in range(group)]
     rows = [r for r in batch.rows for _ in range(group)]
     tokens = response_mask.sum(-1).tolist()  # generated tokens, EOS included
-    return module.scorer(
-        prompts, completions, rows, tokens, module.sampling.max_new_tokens, device=module.device
-    )
+    return _scored(module, prompts, completions, rows, tokens)
 
 
 def _episode_answers(module: Any, batch: Any, group: int, do_sample: bool) -> RewardOutput:
@@ -124,9 +123,18 @@ def _episode_answers(module: Any, batch: Any, group: int, do_sample: bool) -> Re
         return RewardOutput(rewards, {}, torch.ones_like(rewards, dtype=torch.bool))
     answers = episodes.answers(sampled, module.policies.decode)
     tokens = sampled.budget_mask.sum(-1).tolist()  # the model's and the environment's tokens
-    return module.scorer(
-        sampled.prompts, answers, rows, tokens, module.sampling.max_new_tokens, device=module.device
-    )
+    return _scored(module, sampled.prompts, answers, rows, tokens)
+
+
+def _scored(module: Any, prompts: list, completions: list, rows: list, tokens: list) -> Any:
+    """The validation's rewards; a reward that fails stops the run in one line, the last
+    checkpoint as it was (:class:`RewardFault`, not resumable)."""
+    try:
+        return module.scorer(
+            prompts, completions, rows, tokens, module.sampling.max_new_tokens, device=module.device
+        )
+    except RewardError as error:
+        raise RewardFault(f"in validation: {error}", resumable=False) from error
 
 
 def _correct(module: Any, scored: RewardOutput) -> Tensor:
