@@ -21,11 +21,11 @@ from typing_extensions import override
 
 from lightning_troll.training.checkpoint_io import (
     SaveFailed,
-    aside_path,
     install_atomic_saves,
     save_folder_checkpoint,
     writes_folders,
 )
+from lightning_troll.training.checkpoints import aside_path
 from lightning_troll.training.faults import RunFault
 
 __all__ = ["RolloutCheckpoint"]

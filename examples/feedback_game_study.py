@@ -44,13 +44,13 @@ GAMES = {
 }
 """--game -> (its YAML in examples/feedback_game/, its results' folder in examples/results/smollm2/)."""
 WINDOWS = {"early": (1, 10), "late": (21, 30)}
+"""Rollout windows of the plan's reward endpoint (inclusive)."""
 BUDGET_ENDS, BUDGET_LIMIT = "episodes/frac_end_max_tokens", 0.5
+"""The scored game's fifth endpoint: the late share of episodes that ran out of the budget, below
+the limit in every run (the first game's clipping run: 0.997)."""
 NO_ROOM = "episodes/frac_end_no_room"
 """Judged answers whose feedback found no room in the budget: reported beside ``BUDGET_ENDS``
 (the first game's runs logged them inside it)."""
-"""The scored game's fifth endpoint: the late share of episodes that ran out of the budget, below
-the limit in every run (the first game's clipping run: 0.997)."""
-"""Rollout windows of the plan's reward endpoint (inclusive)."""
 
 
 def run(args, objective: str, seed: int) -> Run:

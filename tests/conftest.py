@@ -88,3 +88,17 @@ def smollm2_dir() -> Path:
     if not (folder.parent / smollm2.GGUF_NAME).is_file():
         return smollm2.fetch_smollm2(folder, force=smollm2.is_converted(folder))
     return smollm2.fetch_smollm2(folder)
+
+
+@pytest.fixture
+def workers_die_at_start(monkeypatch) -> None:
+    """Every reward or tool worker process is killed as soon as it is started."""
+    from lightning_troll.rewards import workers
+
+    start = workers._Worker.__init__
+
+    def dies_at_once(self, context):
+        start(self, context)
+        self.process.kill()
+
+    monkeypatch.setattr(workers._Worker, "__init__", dies_at_once)

@@ -332,14 +332,8 @@ def test_a_reward_a_worker_cannot_load_stops_the_run_whatever_on_error_says(monk
         scorer.close()
 
 
-def test_workers_that_cannot_start_are_named_after_three_tries(monkeypatch):
-    start = workers_module._Worker.__init__
-
-    def dies_at_once(self, context):
-        start(self, context)
-        self.process.kill()
-
-    monkeypatch.setattr(workers_module._Worker, "__init__", dies_at_once)
+@pytest.mark.usefixtures("workers_die_at_start")
+def test_workers_that_cannot_start_are_named_after_three_tries():
     scorer = RewardScorer({H + "length_reward": 1.0}, workers=1)
     try:
         with pytest.raises(RewardError, match=r"^3 reward worker processes in a row exited while "

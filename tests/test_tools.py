@@ -297,19 +297,12 @@ def test_a_tool_that_kills_its_worker_is_an_error_and_the_worker_is_replaced():
         runner.close()
 
 
-def test_tool_workers_that_cannot_start_fail_the_environment_not_a_call(monkeypatch):
+@pytest.mark.usefixtures("workers_die_at_start")
+def test_tool_workers_that_cannot_start_fail_the_environment_not_a_call():
     """No call failed: the pool cannot run any. That is the environment's failure, which stops
     the run cleanly (saved, resumable), not an error text the model would train on."""
     from lightning_troll.environments.protocol import EnvironmentFailure
-    from lightning_troll.rewards import workers as workers_module
 
-    start = workers_module._Worker.__init__
-
-    def dies_at_once(self, context):
-        start(self, context)
-        self.process.kill()
-
-    monkeypatch.setattr(workers_module._Worker, "__init__", dies_at_once)
     runner = ToolRunner(TOOLS, workers=1, timeout=30.0)
     try:
         with pytest.raises(EnvironmentFailure, match=r"^the tool workers failed: 3 tool worker "

@@ -27,12 +27,12 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from typing_extensions import override
 
+from lightning_troll.training.checkpoints import aside_path
 from lightning_troll.training.faults import RunFault
 
 __all__ = [
     "AtomicCheckpointIO",
     "SaveFailed",
-    "aside_path",
     "install_atomic_saves",
     "partial_path",
     "save_folder_checkpoint",
@@ -128,23 +128,25 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             # behind it is the one the writes met
             cause = error if isinstance(error, OSError) else writes.error
             if cause is not None and cause.errno in NO_SPACE:
-                raise SaveFailed(self._no_space(target, checkpoint, cause)) from error
+                raise SaveFailed(_no_space(target, cause, tensor_bytes(checkpoint))) from error
             raise
         _sync_directory(target.parent)
 
-    @staticmethod
-    def _no_space(target: Path, checkpoint: dict[str, Any], error: OSError) -> str:
-        free = shutil.disk_usage(target.parent).free
-        kept = (
-            f"the previous {target.name} there is whole: free space, then resume with "
-            f"--ckpt_path {target}"
-            if target.exists()
-            else "no checkpoint was written before"
-        )
-        return (
-            f"could not save {target}: {os.strerror(error.errno)} ({_gib(free)} free in "
-            f"{target.parent}; the checkpoint needs about {_gib(tensor_bytes(checkpoint))}); {kept}"
-        )
+
+def _no_space(target: Path, error: OSError, needs: int | None = None) -> str:
+    """The message of a save of ``target`` that ran out of room (``needs``: its bytes, if known)."""
+    free = _gib(shutil.disk_usage(target.parent).free)
+    size = "" if needs is None else f"; the checkpoint needs about {_gib(needs)}"
+    kept = (
+        f"the previous {target.name} there is whole: free space, then resume with "
+        f"--ckpt_path {target}"
+        if target.exists()
+        else "no checkpoint was written before"
+    )
+    return (
+        f"could not save {target}: {os.strerror(error.errno)} ({free} free in "
+        f"{target.parent}{size}); {kept}"
+    )
 
 
 def install_atomic_saves(strategy: Any) -> None:
@@ -152,12 +154,6 @@ def install_atomic_saves(strategy: Any) -> None:
     default ``TorchCheckpointIO``; a checkpoint IO of one's own is kept."""
     if type(strategy.checkpoint_io) is TorchCheckpointIO:
         strategy.checkpoint_io = AtomicCheckpointIO()
-
-
-def aside_path(target: Path) -> Path:
-    """Where a folder checkpoint's previous version waits while the new one is renamed into
-    place: a process killed between the two renames leaves the whole previous one here."""
-    return target.with_name(f".{target.name}.old")
 
 
 def writes_folders(strategy: Any) -> bool:
@@ -203,17 +199,7 @@ def save_folder_checkpoint(trainer: Any, target: Path) -> None:
     except BaseException as error:
         cause = _no_space_cause(error)
         if cause is not None:
-            kept = (
-                f"the previous {target.name} there is whole: free space, then resume with "
-                f"--ckpt_path {target}"
-                if target.exists()
-                else "no checkpoint was written before"
-            )
-            free = _gib(shutil.disk_usage(target.parent).free)
-            raise SaveFailed(
-                f"could not save {target}: {os.strerror(cause.errno)} ({free} free in "
-                f"{target.parent}); {kept}"
-            ) from error
+            raise SaveFailed(_no_space(target, cause)) from error
         raise
     strategy.barrier("save_folder_checkpoint: written")
     if trainer.is_global_zero:

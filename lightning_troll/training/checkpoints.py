@@ -29,6 +29,7 @@ from torch import Tensor
 
 __all__ = [
     "CheckpointError",
+    "aside_path",
     "changed_options",
     "check_checkpoint_file",
     "check_compatible",
@@ -136,6 +137,13 @@ def seed_per_rank(rank: int) -> None:
     np.random.seed(seed % 2**32)
 
 
+def aside_path(target: Path) -> Path:
+    """Where a folder checkpoint's previous version waits while the new one is renamed into
+    place (:func:`~lightning_troll.training.checkpoint_io.save_folder_checkpoint`): a process
+    killed between the two renames leaves the whole previous one here."""
+    return target.with_name(f".{target.name}.old")
+
+
 def check_checkpoint_file(path: str | Path) -> None:
     """Raises :class:`CheckpointError` naming ``path`` unless it is a readable torch checkpoint.
 
@@ -148,7 +156,7 @@ def check_checkpoint_file(path: str | Path) -> None:
         _check_folder(file, where)
         return
     if not file.is_file():
-        aside = file.with_name(f".{file.name}.old")
+        aside = aside_path(file)
         if aside.exists():  # a sharded save killed between its two renames
             raise CheckpointError(
                 f"{where}: no such file, but {aside} holds the checkpoint saved before it (a "
