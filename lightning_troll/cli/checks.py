@@ -69,24 +69,29 @@ def check_optimizer(config) -> None:
         return
 
 
-def check_checkpointing(config) -> None:
-    """Lightning's refusal of a checkpoint callback with ``trainer.enable_checkpointing: false``,
-    made before the model loads (the trainer is built after it)."""
-    trainer = config.trainer
-    callbacks = trainer.get("callbacks") or []
-    callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
-    if trainer.get("enable_checkpointing") is not False:
-        return
-    for callback in callbacks:
+def _callback_classes(config) -> list[tuple[str, type]]:
+    """(name, class) of each ``trainer.callbacks`` entry whose class path imports."""
+    callbacks = config.trainer.get("callbacks") or []
+    found = []
+    for callback in callbacks if isinstance(callbacks, list) else [callbacks]:
         class_path = getattr(callback, "class_path", None)
         if not isinstance(class_path, str) or "." not in class_path:
             continue
         module, _, name = class_path.rpartition(".")
-        try:
+        with contextlib.suppress(ImportError, AttributeError):
             cls = getattr(importlib.import_module(module), name)
-        except (ImportError, AttributeError):
-            continue
-        if isinstance(cls, type) and issubclass(cls, Checkpoint):
+            if isinstance(cls, type):
+                found.append((name, cls))
+    return found
+
+
+def check_checkpointing(config) -> None:
+    """Lightning's refusal of a checkpoint callback with ``trainer.enable_checkpointing: false``,
+    made before the model loads (the trainer is built after it)."""
+    if config.trainer.get("enable_checkpointing") is not False:
+        return
+    for name, cls in _callback_classes(config):
+        if issubclass(cls, Checkpoint):
             raise ValueError(
                 "Trainer was configured with enable_checkpointing=False but trainer.callbacks "
                 f"holds {name}, a checkpoint callback; drop one or the other"
@@ -117,14 +122,8 @@ def check_named_checkpoint(config, path: str) -> None:
     starts afresh, and ``RolloutCheckpoint`` keeps ``last.ckpt`` by path."""
     if path not in ("last", "best"):
         return
-    for callback in config.trainer.get("callbacks") or []:
-        class_path = getattr(callback, "class_path", None)
-        if isinstance(class_path, str) and "." in class_path:
-            module, _, name = class_path.rpartition(".")
-            with contextlib.suppress(ImportError, AttributeError):
-                cls = getattr(importlib.import_module(module), name)
-                if isinstance(cls, type) and issubclass(cls, ModelCheckpoint):
-                    return
+    if any(issubclass(cls, ModelCheckpoint) for _, cls in _callback_classes(config)):
+        return
     raise ValueError(
         f"--ckpt_path {path}: no ModelCheckpoint is configured to look it up in, so the run would "
         "start afresh; give the path of the checkpoint (the end of a run prints it, "
