@@ -92,7 +92,9 @@ def smollm2_dir() -> Path:
 
 @pytest.fixture
 def workers_die_at_start(monkeypatch) -> None:
-    """Every reward or tool worker process is killed as soon as it is started."""
+    """Every reward or tool worker process is killed as soon as it is started, and whatever it
+    sent before it died is read away: the pool sees a worker that never reported ready (a worker
+    can send "ready" before the kill reaches it, which the pool would take for a crash in a call)."""
     from lightning_troll.rewards import workers
 
     start = workers._Worker.__init__
@@ -100,5 +102,11 @@ def workers_die_at_start(monkeypatch) -> None:
     def dies_at_once(self, context):
         start(self, context)
         self.process.kill()
+        self.process.join()
+        while self.conn.poll():
+            try:
+                self.conn.recv()
+            except (EOFError, OSError):
+                break
 
     monkeypatch.setattr(workers._Worker, "__init__", dies_at_once)

@@ -297,6 +297,21 @@ def test_a_tool_that_kills_its_worker_is_an_error_and_the_worker_is_replaced():
         runner.close()
 
 
+@pytest.mark.usefixtures("workers_die_at_start")
+def test_tool_workers_that_cannot_start_fail_the_environment_not_a_call():
+    """No call failed: the pool cannot run any. That is the environment's failure, which stops
+    the run cleanly (saved, resumable), not an error text the model would train on."""
+    from lightning_troll.environments.protocol import EnvironmentFailure
+
+    runner = ToolRunner(TOOLS, workers=1, timeout=30.0)
+    try:
+        with pytest.raises(EnvironmentFailure, match=r"^the tool workers failed: 3 tool worker "
+                           r"processes in a row exited while starting"):  # fmt: skip
+            runner.run([ToolCall("multiply", {"a": 2, "b": 3})])
+    finally:
+        runner.close()
+
+
 def test_a_tool_a_worker_cannot_load_stops_the_run_instead_of_training_on_its_error():
     import pickle
 
