@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -74,6 +76,9 @@ def test_the_exported_folder_is_the_trained_policy(checkpoint, tiny_model_dir, t
     tokenizer = AutoTokenizer.from_pretrained(out)
     assert tokenizer.get_vocab() == AutoTokenizer.from_pretrained(tiny_model_dir).get_vocab()
     assert [p.name for p in tmp_path.iterdir()] == ["exported"]  # no staging folder left
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o777 & ~umask  # not the staging folder's 0700
 
 
 def test_an_existing_folder_is_kept_and_overwrite_replaces_only_an_export(
@@ -142,6 +147,14 @@ def test_export_needs_neither_the_reward_nor_the_engine(checkpoint, tmp_path, ca
     [
         (["--adapters_only"], "--adapters_only: the checkpoint"),
         (["--ckpt_path", "gone.ckpt"], "--ckpt_path 'gone.ckpt': no such file"),
+        (
+            ["--dtype", "int8"],
+            "argument --dtype: invalid choice: 'int8' (choose from 'float32', 'bfloat16'",
+        ),
+        (
+            ["--adapters_only", "--dtype", "float16"],
+            "--dtype float16 with --adapters_only: the adapters are written as they trained",
+        ),
     ],
 )
 def test_bad_input_is_refused_before_anything_is_written(
@@ -187,3 +200,51 @@ def test_lora_exports_merged_or_as_adapters(tmp_path, tiny_model_dir):
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     loaded = peft.PeftModel.from_pretrained(base, adapters)
     torch.testing.assert_close(logits(loaded, IDS), expected, rtol=1e-5, atol=1e-5)
+
+
+def bf16_lora(tiny_model_dir: Path, scale: float):
+    """The tiny model in bfloat16 with rank-4 adapters whose B matrices are ``scale`` times a
+    standard normal sample: the delta weight is about ``scale`` times the base weights' size."""
+    from lightning_troll.models.lora import LoraConfig, apply_lora
+
+    pytest.importorskip("peft")
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16)
+    policy = apply_lora(base, LoraConfig(r=4))
+    with torch.no_grad():
+        for name, weight in policy.named_parameters():
+            if "lora_B" in name:
+                weight.copy_(scale * torch.randn_like(weight))
+    return policy
+
+
+def test_a_small_lora_update_on_a_bfloat16_base_is_merged_in_float32(tiny_model_dir, capsys):
+    """An update of about 1e-5 of the base weights' size (0.02) is far below bfloat16's rounding
+    step there (2**-13, about 1.2e-4): rounding the merge to bfloat16 gives back the base weight
+    nearly everywhere and so loses most of the update, so ``--dtype auto`` merges
+    and writes float32, whose logits are the adapted policy's in float32; ``--dtype bfloat16``
+    writes bfloat16 and warns; an update far above the step stays in bfloat16."""
+    from lightning_troll.cli.export import ROUNDING_LIMIT, _merge, rounding_loss
+
+    small = bf16_lora(tiny_model_dir, 1e-5)
+    assert rounding_loss(small, torch.bfloat16) > 0.5
+    assert rounding_loss(small, torch.float32) == 0.0
+    expected = logits(small.float(), IDS)
+    base_logits = logits(AutoModelForCausalLM.from_pretrained(tiny_model_dir), IDS)
+    assert (expected - base_logits).abs().max() > 1e-6  # the adapters move the float32 logits
+    merged = _merge(bf16_lora(tiny_model_dir, 1e-5), "auto")
+    assert {p.dtype for p in merged.parameters()} == {torch.float32}
+    assert "lightning-troll: rounding the merged weights to bfloat16 changes" in (
+        capsys.readouterr().err
+    )
+    torch.testing.assert_close(logits(merged, IDS), expected, rtol=1e-5, atol=1e-5)
+
+    rounded = _merge(bf16_lora(tiny_model_dir, 1e-5), "bfloat16")
+    assert {p.dtype for p in rounded.parameters()} == {torch.bfloat16}
+    assert "warning: --dtype bfloat16: rounding the merged weights" in capsys.readouterr().err
+
+    large = bf16_lora(tiny_model_dir, 1.0)
+    assert rounding_loss(large, torch.bfloat16) < ROUNDING_LIMIT
+    kept = _merge(large, "auto")
+    assert {p.dtype for p in kept.parameters()} == {torch.bfloat16}
+    assert "lightning-troll" not in capsys.readouterr().err

@@ -65,6 +65,31 @@ def test_other_errors_pass_through_and_clean_up(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_file_url_is_saved_atomically_and_a_first_save_says_nothing_was_there(
+    tmp_path, monkeypatch
+):
+    """A ``file://`` path is a local file: it is written beside its name and renamed (Lightning's
+    own save would move it from the system's temporary directory). A first save that runs out of
+    room says there was no checkpoint at that path, which holds after a resume from another."""
+    import os
+
+    target = tmp_path / "last.ckpt"
+    renamed = []
+    replace = os.replace
+    monkeypatch.setattr(os, "replace", lambda a, b: (renamed.append((a, b)), replace(a, b)))
+    AtomicCheckpointIO().save_checkpoint(state(10), f"file://{target}")
+    assert renamed == [(partial_path(target), target)]
+    assert torch.load(target, weights_only=True)["global_step"] == 10
+
+    def full_disk(obj, file):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    first = tmp_path / "other" / "last.ckpt"
+    with pytest.raises(SaveFailed, match=r"there was no last\.ckpt there before$"):
+        AtomicCheckpointIO().save_checkpoint(state(10), first)
+
+
 def test_a_real_file_size_limit_during_a_save_keeps_the_old_checkpoint(tmp_path):
     """In a process whose files may not grow past 64 KiB (RLIMIT_FSIZE; SIGXFSZ ignored, so
     the kernel fails the write with EFBIG), a 40 KiB checkpoint saves and a 400 KiB one fails:

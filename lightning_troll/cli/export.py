@@ -11,8 +11,12 @@ for its config and tokenizer), loads the trained weights and writes the policy a
 
 - full fine-tuning: the policy as trained, in its training dtype;
 - LoRA: the adapters merged into the base weights (a plain model), or with ``--adapters_only``
-  the adapters alone, for ``peft``. A 4-bit base is not merged (rounding the merged weights back
-  to 4 bits would lose the update): export its adapters.
+  the adapters alone, for ``peft``. The merge is written in the base's dtype unless rounding to it
+  would change the adapters' update by more than :data:`ROUNDING_LIMIT` of its norm (an RL update
+  is small beside a bfloat16 weight's rounding step), in which case it is merged and written in
+  float32, and the command says so. ``--dtype`` chooses the written dtype instead. A 4-bit base is
+  not merged (rounding the merged weights back to 4 bits would lose the update): export its
+  adapters.
 
 The checkpoint is a ``.ckpt`` file, or the folder of shards an FSDP2 run writes (gathered in
 this one process's CPU memory). Only the policy is rebuilt: the run's rewards, reward workers and
@@ -22,14 +26,17 @@ place once complete, so a failed export leaves no half-written model. An ``outpu
 exists and is not empty is refused unless ``--overwrite`` is given, and ``--overwrite`` replaces
 only a folder an earlier export wrote (its :data:`MARKER` lists every file it wrote): a folder
 that holds the checkpoint being exported, a run's logs or any file no export wrote is refused,
-and nothing is deleted.
+and nothing is deleted. The written files and the folder are synced before the rename, and the
+folder takes the permissions of any folder the user creates (the umask's).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -37,10 +44,12 @@ from typing import Any
 
 import torch
 
+from lightning_troll.models.loading import DTYPES
 from lightning_troll.rewards.options import DEPRECATED_KEYS
+from lightning_troll.training.checkpoint_io import sync_tree
 from lightning_troll.training.checkpoints import check_checkpoint_file
 
-__all__ = ["MARKER", "POLICY_ONLY", "export_policy", "main", "read_checkpoint"]
+__all__ = ["MARKER", "POLICY_ONLY", "ROUNDING_LIMIT", "export_policy", "main", "read_checkpoint"]
 
 MARKER = ".lightning-troll-export.json"
 """The file an export writes into its folder: the checkpoint it came from and every file it
@@ -53,6 +62,10 @@ POLICY_ONLY: dict[str, Any] = {
 }
 """The module options an export replaces in the checkpoint's: what scores and samples rollouts,
 which writing a policy never uses (a reward module of one's own need not be importable)."""
+ROUNDING_LIMIT = 0.1
+"""With ``--dtype auto``, a LoRA merge is written in float32 instead of the base's dtype when
+rounding the merged weights to that dtype changes the adapters' update by more than this share of
+its norm (:func:`rounding_loss`)."""
 DEFAULTED = ("reward_options", *DEPRECATED_KEYS)
 """The module options an export leaves out of the checkpoint's, so that they take their defaults:
 how rewards are called (``model.reward_options``, or the flat keys an older checkpoint holds)."""
@@ -70,6 +83,60 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
     # The checkpoint's own hyper-parameters hold the option records (allow-listed for
     # weights_only in lightning_troll.training.resume); LightningCLI's adds its instantiator.
     return torch.load(where, map_location="cpu", weights_only=False)
+
+
+def _adapted_layers(policy: Any) -> list[Any]:
+    """The layers of a peft ``policy`` that carry its active adapter."""
+    adapter = policy.active_adapter
+    return [
+        module
+        for module in policy.modules()
+        if hasattr(module, "get_delta_weight") and adapter in getattr(module, "lora_A", {})
+    ]
+
+
+def rounding_loss(policy: Any, dtype: torch.dtype) -> float:
+    """How much rounding the merged weights of a peft ``policy`` to ``dtype`` changes the update
+    its active adapter makes: ``||round(W + D) - (W + D)|| / ||D||`` over every adapted layer,
+    ``W`` its base weight and ``D`` the adapter's delta weight, in float32 (0.0 when ``D`` is 0)."""
+    adapter, lost, moved = policy.active_adapter, 0.0, 0.0
+    with torch.no_grad():
+        for layer in _adapted_layers(policy):
+            delta = layer.get_delta_weight(adapter).float()
+            merged = layer.get_base_layer().weight.float() + delta
+            lost += (merged.to(dtype).float() - merged).square().sum().item()
+            moved += delta.square().sum().item()
+    return (lost / moved) ** 0.5 if moved > 0 else 0.0
+
+
+def _merge(policy: Any, dtype: str) -> Any:
+    """The adapters of ``policy`` merged into its base weights, written in ``dtype`` (``"auto"``:
+    the base's, or float32 past :data:`ROUNDING_LIMIT`, module docstring); a merge whose output is
+    float32 is computed in float32, so it rounds nothing."""
+    layers = _adapted_layers(policy)
+    base = layers[0].get_base_layer().weight.dtype if layers else torch.float32
+    target = base if dtype == "auto" else DTYPES[dtype]
+    if target != torch.float32:
+        loss = rounding_loss(policy, target)
+        if loss > ROUNDING_LIMIT:
+            rounded = f"rounding the merged weights to {str(target).removeprefix('torch.')}"
+            changes = f"changes the adapters' update by {100 * loss:.0f}% of its norm"
+            if dtype == "auto":
+                target = torch.float32
+                print(
+                    f"lightning-troll: {rounded} {changes}, so the merge is written in float32; "
+                    "--dtype chooses another",
+                    file=sys.stderr,
+                )
+            else:
+                print(
+                    f"lightning-troll: warning: --dtype {dtype}: {rounded} {changes}; "
+                    "--dtype float32 keeps it",
+                    file=sys.stderr,
+                )
+    if target == torch.float32:
+        policy = policy.float()
+    return policy.merge_and_unload().to(target)
 
 
 def _files(folder: Path) -> list[str]:
@@ -110,9 +177,18 @@ def export_policy(
     output_dir: str | Path,
     adapters_only: bool = False,
     overwrite: bool = False,
+    dtype: str = "auto",
 ) -> Path:
     """Writes the trained policy of ``ckpt_path`` and its tokenizer to ``output_dir`` with
-    ``save_pretrained``; returns ``output_dir``. See the module docstring for what is written."""
+    ``save_pretrained``, in ``dtype`` (one of :data:`DTYPES`; ``"auto"``: the dtype it trained
+    in, or for a LoRA merge the module docstring's rule); returns ``output_dir``."""
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype must be one of {list(DTYPES)}; got {dtype!r}")
+    if adapters_only and dtype != "auto":
+        raise ValueError(
+            f"--dtype {dtype} with --adapters_only: the adapters are written as they trained; "
+            "leave --dtype out, or export the merged model"
+        )
     from lightning.pytorch.core.saving import _load_state
 
     from lightning_troll.training.module import TrollModule
@@ -144,7 +220,9 @@ def export_policy(
     module = _load_state(TrollModule, checkpoint, strict=True)
     policy = module.policy
     if lora is not None and not adapters_only:
-        policy = policy.merge_and_unload()
+        policy = _merge(policy, dtype)
+    elif dtype != "auto":
+        policy = policy.to(DTYPES[dtype])
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.", dir=output_dir.parent))
     try:
@@ -158,6 +236,10 @@ def export_policy(
             "files": _files(staging),
         }
         (staging / MARKER).write_text(json.dumps(record, indent=1) + "\n")
+        umask = os.umask(0)
+        os.umask(umask)
+        staging.chmod(0o777 & ~umask)  # mkdtemp's folder is the user's alone
+        sync_tree(staging)
         _replace(output_dir, staging)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -177,6 +259,7 @@ def _replace(output_dir: Path, staging: Path) -> None:
         if old is not None:
             old.rename(output_dir)
         raise
+    sync_tree(output_dir.parent, files=False)
     if old is not None:
         shutil.rmtree(old)
 
@@ -199,12 +282,21 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument(
         "--overwrite", action="store_true", help="replace an earlier export in --output_dir"
     )
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=list(DTYPES),
+        help="the dtype of the written weights (auto: as trained; a LoRA merge in float32 when "
+        "rounding to the base's dtype would change the update, see the docs)",
+    )
     return p.parse_args(argv)
 
 
 def main(argv: Sequence[str]) -> Path:
     """``lightning-troll export ...``: parses ``argv`` (what follows ``export``) and exports."""
     args = parse_args(argv)
-    out = export_policy(args.ckpt_path, args.output_dir, args.adapters_only, args.overwrite)
+    out = export_policy(
+        args.ckpt_path, args.output_dir, args.adapters_only, args.overwrite, args.dtype
+    )
     print(f"lightning-troll: wrote the policy and tokenizer of {args.ckpt_path} to {out}")
     return out

@@ -8,7 +8,7 @@ the checkpoint's own directory (:func:`partial_path`), flushes and syncs it, the
 atomic step on every local file system) and syncs the directory. A save that fails (a full disk,
 a file-size limit, a signal) removes its partial file and leaves the previous checkpoint whole;
 a full disk raises :class:`SaveFailed`, which the ``lightning-troll`` command prints in one line.
-Remote paths (``s3://``, ...) go through Lightning's own save.
+Remote paths (``s3://``, ...) go through Lightning's own save; a ``file://`` path is local.
 
 A sharded checkpoint (FSDP2's folder, which every process writes its part of and no checkpoint IO
 sees) is saved as safely by :func:`save_folder_checkpoint`: into a hidden folder beside it, then
@@ -36,6 +36,7 @@ __all__ = [
     "install_atomic_saves",
     "partial_path",
     "save_folder_checkpoint",
+    "sync_tree",
     "writes_folders",
 ]
 
@@ -99,6 +100,16 @@ def _sync_directory(directory: Path) -> None:
         os.close(fd)
 
 
+def sync_tree(folder: Path, files: bool = True) -> None:
+    """Syncs every file under ``folder`` (unless ``files`` is false), then ``folder`` itself, so
+    that a rename of it that follows cannot land before its contents."""
+    if files:
+        for file in (f for f in folder.rglob("*") if f.is_file()):
+            with open(file, "rb") as handle:
+                os.fsync(handle.fileno())
+    _sync_directory(folder)
+
+
 class AtomicCheckpointIO(TorchCheckpointIO):
     """``TorchCheckpointIO`` whose local saves are atomic in the checkpoint's own directory
     (module docstring)."""
@@ -107,11 +118,12 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
     ) -> None:
-        if "://" in str(path):
+        local = str(path).removeprefix("file://")
+        if "://" in local:
             return super().save_checkpoint(checkpoint, path, storage_options)
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} takes no storage_options")
-        target = Path(path).expanduser()
+        target = Path(local).expanduser()
         target.parent.mkdir(parents=True, exist_ok=True)
         partial = partial_path(target)
         writes = _Writes()
@@ -141,7 +153,7 @@ def _no_space(target: Path, error: OSError, needs: int | None = None) -> str:
         f"the previous {target.name} there is whole: free space, then resume with "
         f"--ckpt_path {target}"
         if target.exists()
-        else "no checkpoint was written before"
+        else f"there was no {target.name} there before"
     )
     return (
         f"could not save {target}: {os.strerror(error.errno)} ({free} free in "
@@ -203,13 +215,10 @@ def save_folder_checkpoint(trainer: Any, target: Path) -> None:
         raise
     strategy.barrier("save_folder_checkpoint: written")
     if trainer.is_global_zero:
-        for file in (f for f in partial.rglob("*") if f.is_file()):
-            with open(file, "rb") as handle:
-                os.fsync(handle.fileno())
-        _sync_directory(partial)
+        sync_tree(partial)
         if target.exists():
             os.rename(target, aside)
         os.rename(partial, target)
-        _sync_directory(target.parent)
+        sync_tree(target.parent, files=False)
         _remove(aside)
     strategy.barrier("save_folder_checkpoint: swapped")
