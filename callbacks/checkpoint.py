@@ -19,12 +19,7 @@ from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_troll.training.checkpoint_io import (
-    SaveFailed,
-    install_atomic_saves,
-    save_folder_checkpoint,
-    writes_folders,
-)
+from lightning_troll.training.checkpoint_io import SaveFailed, install_atomic_saves
 from lightning_troll.training.checkpoints import aside_path
 from lightning_troll.training.faults import RunFault
 
@@ -48,7 +43,8 @@ class RolloutCheckpoint(Checkpoint):
     ``last.ckpt`` whole; a full disk stops the run with
     :class:`~lightning_troll.training.checkpoint_io.SaveFailed`. A sharded strategy's folder
     (FSDP2) is written beside it and swapped in by renames
-    (:func:`~lightning_troll.training.checkpoint_io.save_folder_checkpoint`), as safely.
+    (:func:`~lightning_troll.training.checkpoint_io.save_folder_checkpoint`, also installed at
+    setup for every save), as safely.
 
     Args:
         every_n_rollouts: rollouts between two saves, >= 0; 0 saves only when the fit ends or
@@ -213,10 +209,8 @@ class RolloutCheckpoint(Checkpoint):
         """Writes last.ckpt unless it already holds this rollout."""
         if self._saved_at == self.rollouts:
             return
-        if writes_folders(trainer.strategy):  # no checkpoint IO sees these: swapped in here
-            save_folder_checkpoint(trainer, Path(self.path))
-        else:  # every process: sharded strategies write their part
-            trainer.save_checkpoint(self.path, weights_only=False)
+        # every process: sharded strategies write their part
+        trainer.save_checkpoint(self.path, weights_only=False)
         self._saved_at = self.rollouts
         self.last_model_path = self.path
 

@@ -102,6 +102,7 @@ def build(args, out: Path):
     from lightning_troll.models.snapshots import SnapshotConfig
     from lightning_troll.objectives.options import TrustRegionConfig
     from lightning_troll.rollouts.rollout import SamplingConfig
+    from lightning_troll.training.checkpoint_io import install_atomic_saves
     from lightning_troll.training.module import OptimizationConfig, TrollModule
 
     class DumpLoaded(Callback):
@@ -194,6 +195,7 @@ def build(args, out: Path):
         enable_model_summary=False,
         num_sanity_val_steps=0,
     )
+    install_atomic_saves(trainer.strategy)  # as the command line does: ModelCheckpoint's too
     return module, data, trainer
 
 

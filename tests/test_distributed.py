@@ -178,7 +178,8 @@ def test_fsdp2_resumes_exactly(tmp_path):
     options = ["--strategy", "fsdp2", "--real-sampling", "--rollouts", "3", "--estimator", "grpo"]
     whole = launch(tmp_path / "whole", *options, "--checkpoint-every", "2")
     ckpt = whole / "ckpts" / "epoch=0-step=4.ckpt"
-    assert ckpt.is_dir()
+    # a ModelCheckpoint's folder, written beside its name and swapped in: nothing else is left
+    assert ckpt.is_dir() and [p.name for p in ckpt.parent.iterdir()] == [ckpt.name]
     resumed = launch(tmp_path / "resumed", *options, "--ckpt-path", str(ckpt))
     ref, got = metrics(whole), metrics(resumed)
     # each process sampled from random streams of its own (seed_per_rank), in both runs

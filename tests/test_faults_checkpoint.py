@@ -233,21 +233,26 @@ def test_a_full_disk_under_the_logs_stops_the_run_in_one_line(
 # -- a sharded checkpoint's folder -----------------------------------------------------------------
 
 
-class FolderTrainer:
-    """What :func:`save_folder_checkpoint` uses of a trainer: one process whose strategy writes a
-    folder of ``shards`` files (as FSDP2 does), raising ``fail`` after the first shard."""
+class FolderStrategy:
+    """What :func:`install_atomic_saves` and :func:`save_folder_checkpoint` use of a strategy:
+    one process that writes a folder of shard files (as FSDP2 does), raising ``fail`` after the
+    first shard."""
 
     is_global_zero = True
+    _save_distributed_checkpoint = True
 
     def __init__(self, tag: str, fail: BaseException | None = None) -> None:
         self.tag, self.fail = tag, fail
-        self.strategy = self
         self.barriers: list[str] = []
 
     def barrier(self, name: str) -> None:
         self.barriers.append(name)
 
-    def save_checkpoint(self, path, weights_only=False):
+    def broadcast(self, value):
+        return value
+
+    def save_checkpoint(self, checkpoint, filepath, storage_options=None):
+        path = Path(filepath)
         path.mkdir(parents=True)
         for i in range(2):
             (path / f"__{i}_0.distcp").write_text(self.tag)
@@ -261,23 +266,38 @@ def folder_tags(folder: Path) -> set[str]:
     return {f.read_text() for f in folder.iterdir()}
 
 
+def save_folder(strategy: FolderStrategy, target: Path) -> None:
+    """A save as every checkpoint callback makes it (``Trainer.save_checkpoint``), with the
+    atomic saves installed as the command line and ``RolloutCheckpoint`` install them."""
+    from lightning_troll.training.checkpoint_io import install_atomic_saves
+
+    install_atomic_saves(strategy)
+    strategy.save_checkpoint({}, target, storage_options=None)
+
+
 def test_a_folder_checkpoint_is_swapped_in_whole_and_a_failed_one_leaves_the_old(tmp_path):
-    from lightning_troll.training.checkpoint_io import save_folder_checkpoint
+    """Every save of a strategy that writes folders (a user's ModelCheckpoint's too, which
+    ``RolloutCheckpoint`` never sees) goes beside the target and is swapped in."""
+    from lightning_troll.training.checkpoint_io import install_atomic_saves
 
     target = tmp_path / "last.ckpt"
-    first = FolderTrainer("first")
-    save_folder_checkpoint(first, target)
+    first = FolderStrategy("first")
+    install_atomic_saves(first)
+    installed = first.save_checkpoint
+    install_atomic_saves(first)  # again: wrapped once
+    assert first.save_checkpoint is installed
+    first.save_checkpoint({}, target)
     assert folder_tags(target) == {"first"} and sorted(p.name for p in tmp_path.iterdir()) == [
         "last.ckpt"
     ]
     assert len(first.barriers) == 3  # every process waits for the others at each step
-    save_folder_checkpoint(FolderTrainer("second"), target)
+    save_folder(FolderStrategy("second"), target)
     assert folder_tags(target) == {"second"} and [p.name for p in tmp_path.iterdir()] == [
         "last.ckpt"
     ]
     check_checkpoint_file(target)  # a whole folder passes the resume check
     with pytest.raises(KeyboardInterrupt):  # killed while writing a shard
-        save_folder_checkpoint(FolderTrainer("third", KeyboardInterrupt()), target)
+        save_folder(FolderStrategy("third", KeyboardInterrupt()), target)
     assert folder_tags(target) == {"second"}
     full = OSError(errno.ENOSPC, "No space left on device")
     with pytest.raises(SaveFailed, match=r"could not save .*last.ckpt: No space left on device .*"
@@ -285,7 +305,7 @@ def test_a_folder_checkpoint_is_swapped_in_whole_and_a_failed_one_leaves_the_old
                        r"--ckpt_path"):  # fmt: skip
         wrapped = RuntimeError("the writer failed")  # as torch's writers report it
         wrapped.__cause__ = full
-        save_folder_checkpoint(FolderTrainer("fourth", wrapped), target)
+        save_folder(FolderStrategy("fourth", wrapped), target)
     assert folder_tags(target) == {"second"}
     # killed between the two renames: the old folder waits aside; the resume check names it,
     # and the next save puts it back before it writes
@@ -294,7 +314,7 @@ def test_a_folder_checkpoint_is_swapped_in_whole_and_a_failed_one_leaves_the_old
         CheckpointError, match=r"\.last\.ckpt\.old holds the checkpoint saved before"
     ):
         check_checkpoint_file(target)
-    save_folder_checkpoint(FolderTrainer("fifth"), target)
+    save_folder(FolderStrategy("fifth"), target)
     assert folder_tags(target) == {"fifth"} and [p.name for p in tmp_path.iterdir()] == [
         "last.ckpt"
     ]
@@ -302,7 +322,7 @@ def test_a_folder_checkpoint_is_swapped_in_whole_and_a_failed_one_leaves_the_old
 
 def test_a_folder_that_lacks_a_part_is_refused_at_resume(tmp_path):
     target = tmp_path / "last.ckpt"
-    FolderTrainer("x").save_checkpoint(target)
+    FolderStrategy("x").save_checkpoint({}, target)
     (target / "meta.pt").unlink()
     with pytest.raises(
         CheckpointError, match=r"not a whole sharded checkpoint \(it lacks 'meta.pt'\)"

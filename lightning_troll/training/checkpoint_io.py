@@ -12,7 +12,8 @@ Remote paths (``s3://``, ...) go through Lightning's own save; a ``file://`` pat
 
 A sharded checkpoint (FSDP2's folder, which every process writes its part of and no checkpoint IO
 sees) is saved as safely by :func:`save_folder_checkpoint`: into a hidden folder beside it, then
-swapped in by two renames once every process has written.
+swapped in by two renames once every process has written. :func:`install_atomic_saves` puts both
+in place for every save of a trainer's strategy, a user's own ``ModelCheckpoint`` included.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -162,9 +164,24 @@ def _no_space(target: Path, error: OSError, needs: int | None = None) -> str:
 
 
 def install_atomic_saves(strategy: Any) -> None:
-    """Gives ``strategy`` an :class:`AtomicCheckpointIO` where it saves through Lightning's
-    default ``TorchCheckpointIO``; a checkpoint IO of one's own is kept."""
-    if type(strategy.checkpoint_io) is TorchCheckpointIO:
+    """Makes every save of ``strategy`` atomic: one that writes folders saves each through
+    :func:`save_folder_checkpoint`; one that writes files gets an :class:`AtomicCheckpointIO`
+    where it saves through Lightning's default ``TorchCheckpointIO`` (a checkpoint IO of one's own
+    is kept). Calling it again changes nothing."""
+    if writes_folders(strategy):
+        save = strategy.save_checkpoint
+        if getattr(save, "swaps_folders", False):
+            return
+
+        def save_checkpoint(checkpoint: dict, filepath: Any, storage_options: Any = None) -> None:
+            target = Path(strategy.broadcast(str(filepath)))  # the first process's path
+            save_folder_checkpoint(
+                strategy, lambda path: save(checkpoint, path, storage_options), target
+            )
+
+        save_checkpoint.swaps_folders = True  # type: ignore[attr-defined]
+        strategy.save_checkpoint = save_checkpoint
+    elif type(strategy.checkpoint_io) is TorchCheckpointIO:
         strategy.checkpoint_io = AtomicCheckpointIO()
 
 
@@ -193,28 +210,28 @@ def _no_space_cause(error: BaseException) -> OSError | None:
     return None
 
 
-def save_folder_checkpoint(trainer: Any, target: Path) -> None:
-    """``trainer.save_checkpoint(target)`` for a strategy that writes folders (every process
-    calls it): written to :func:`partial_path`, synced, then the first process renames the old
-    ``target`` to :func:`aside_path`, the new folder to ``target``, and removes the old one. A
-    save cut short (a kill, a full disk) leaves the previous ``target`` whole; one killed between
-    the renames leaves it at the aside path, which the next save puts back first."""
-    strategy, partial, aside = trainer.strategy, partial_path(target), aside_path(target)
-    if trainer.is_global_zero:
+def save_folder_checkpoint(strategy: Any, write: Callable[[Path], None], target: Path) -> None:
+    """A folder checkpoint of ``strategy`` saved as ``target`` (every process calls it):
+    ``write(path)`` writes it to :func:`partial_path`, which is synced, then the first process
+    renames the old ``target`` to :func:`aside_path`, the new folder to ``target``, and removes
+    the old one. A save cut short (a kill, a full disk) leaves the previous ``target`` whole; one
+    killed between the renames leaves it at the aside path, which the next save puts back first."""
+    partial, aside = partial_path(target), aside_path(target)
+    if strategy.is_global_zero:
         if aside.exists() and not target.exists():  # a swap cut short: the previous one
             os.rename(aside, target)
         for leftover in (partial, aside):
             _remove(leftover)
     strategy.barrier("save_folder_checkpoint: start")
     try:
-        trainer.save_checkpoint(partial, weights_only=False)
+        write(partial)
     except BaseException as error:
         cause = _no_space_cause(error)
         if cause is not None:
             raise SaveFailed(_no_space(target, cause)) from error
         raise
     strategy.barrier("save_folder_checkpoint: written")
-    if trainer.is_global_zero:
+    if strategy.is_global_zero:
         sync_tree(partial)
         if target.exists():
             os.rename(target, aside)
