@@ -90,6 +90,30 @@ def smollm2_dir() -> Path:
     return smollm2.fetch_smollm2(folder)
 
 
+@pytest.fixture(scope="session")
+def tiny_chat_model_dir(smollm2_dir, tmp_path_factory) -> Path:
+    """SmolLM2-135M-Instruct's tokenizer and chat template on a randomly initialised 2-layer
+    model of its vocabulary (about 3M weights): what a test of a command's plumbing needs of a
+    chat model, at a fraction of the real one's time. tests/test_real_model.py trains the real one."""
+    from transformers import AutoTokenizer
+
+    from lightning_troll.models.loading import tiny_causal_lm
+
+    path = tmp_path_factory.mktemp("tiny_chat_model")
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    model = tiny_causal_lm(
+        vocab_size=len(tokenizer),
+        seed=0,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    model.config.max_position_embeddings = 2048  # as long as the real one's prompts need
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
 @pytest.fixture
 def workers_die_at_start(monkeypatch) -> None:
     """Every reward or tool worker process is killed as soon as it is started, and whatever it

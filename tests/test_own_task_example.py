@@ -60,13 +60,13 @@ def test_the_page_runs_the_example_as_it_is(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_example_trains_and_exports_from_its_own_folder(tmp_path, smollm2_dir):
-    """The conversational form (both YAMLs, so both forms' settings) for one rollout on
-    SmolLM2-135M-Instruct; my_reward.py is found in the working directory; the logs hold
+def test_the_example_trains_and_exports_from_its_own_folder(tmp_path, tiny_chat_model_dir):
+    """The conversational form (both YAMLs, so both forms' settings) for one rollout on a tiny
+    model with SmolLM2-135M-Instruct's tokenizer and chat template; my_reward.py is found in the working directory; the logs hold
     TensorBoard events; the export writes a model folder."""
     folder = own_folder(tmp_path)
     fit, conversational, export = page_commands()
-    done = command(f"{conversational}{TINY} --model.model {smollm2_dir}", folder)
+    done = command(f"{conversational}{TINY} --model.model {tiny_chat_model_dir}", folder)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "lightning-troll: training finished" in done.stdout
     assert "reward/mean" in done.stdout
@@ -134,12 +134,12 @@ def test_the_first_screen_of_the_demo_carries_no_library_notice(tmp_path, tiny_m
 
 
 @pytest.mark.slow
-def test_the_plain_form_trains_from_its_own_folder(tmp_path, smollm2_dir):
+def test_the_plain_form_trains_from_its_own_folder(tmp_path, tiny_chat_model_dir):
     """The page's plain command (task.yaml alone: plain rows, my_reward.py beside it) for one
-    rollout on SmolLM2-135M-Instruct, from a folder outside the repository, no PYTHONPATH."""
+    rollout on a tiny model with SmolLM2-135M-Instruct's tokenizer, from a folder outside the repository, no PYTHONPATH."""
     folder = own_folder(tmp_path)
     fit, _, _ = page_commands()
-    done = command(f"{fit}{TINY} --model.model {smollm2_dir}", folder)
+    done = command(f"{fit}{TINY} --model.model {tiny_chat_model_dir}", folder)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "lightning-troll: training finished" in done.stdout
     assert "reward/mean" in done.stdout

@@ -9,4 +9,4 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # `pytest examples/study_tests` alone, without `python -m`
     sys.path.insert(0, str(ROOT))
 
-from tests.conftest import smollm2_dir, tiny_model_dir  # noqa: E402, F401
+from tests.conftest import smollm2_dir, tiny_chat_model_dir, tiny_model_dir  # noqa: E402, F401

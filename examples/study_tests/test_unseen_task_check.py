@@ -61,13 +61,13 @@ def test_bad_arguments_are_refused_before_work(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_both_objectives_train_the_task_from_its_folder(tmp_path, smollm2_dir, capsys):
+def test_both_objectives_train_the_task_from_its_folder(tmp_path, tiny_chat_model_dir, capsys):
     """One rollout of 1 prompt x 8 completions each, validated on 4 rows: the runs start in the
     task's folder (its reward module is found there), TROLL runs at the library's projection
     defaults, and the table is the study's."""
     folder = check.make_task(tmp_path / "task", train=40, val=4)
     here = os.getcwd()
-    args = ["--task", str(folder), "--model", str(smollm2_dir), "--prompts", "1",
+    args = ["--task", str(folder), "--model", str(tiny_chat_model_dir), "--prompts", "1",
             "--rollouts", "1", "--", "--model.sampling.max_new_tokens", "8",
             "--trainer.val_check_interval", "1"]  # fmt: skip
     check.main(args)
