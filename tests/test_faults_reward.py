@@ -1,9 +1,14 @@
 """A reward that fails under ``reward_options.on_error: raise`` stops the run cleanly and loses nothing:
 one line naming the function, the error and the completion, a checkpoint saved on the way out,
-exit status 3, and the run, its reward fixed, resumes from that checkpoint."""
+exit status 3, and the run, its reward fixed, resumes from that checkpoint.
+
+The runs that stop are the ``lightning-troll`` command in a process of its own (its exit status
+and all it writes to stderr are under test); the resume that must simply succeed runs the same
+command line through the command's ``main`` in this process, which saves a start-up."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +17,7 @@ import pytest
 import torch
 import yaml
 
+from lightning_troll.cli.command import main as cli_main
 from lightning_troll.training.checkpoints import check_checkpoint_file
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,6 +55,18 @@ def command(folder: Path, model_dir: Path, steps: int, *extra: str) -> list[str]
     return [str(Path(sys.executable).parent / "lightning-troll"), *base, *extra]
 
 
+def resume_here(args: list[str], folder: Path, monkeypatch) -> None:
+    """``lightning-troll <args>`` run in ``folder`` by the command's ``main`` in this process:
+    returning is exit status 0 (a stopped run raises ``SystemExit``, anything else its error)."""
+    monkeypatch.chdir(folder)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the reward's folder joins it
+    monkeypatch.setattr(sys, "argv", ["lightning-troll"])
+    try:
+        cli_main(args)
+    finally:
+        os.environ.pop("PL_GLOBAL_SEED", None)  # the config's seed_everything sets it
+
+
 def stop_lines(stderr: str) -> list[str]:
     """What a stopped run tells its user on stderr: the failure, then where it saved."""
     return [
@@ -59,7 +77,7 @@ def stop_lines(stderr: str) -> list[str]:
 
 
 def test_a_failing_reward_stops_in_one_line_saves_and_the_fixed_run_resumes(
-    tmp_path, tiny_model_dir
+    tmp_path, tiny_model_dir, monkeypatch
 ):
     """Rollouts 1 and 2 train, rollout 3's reward raises: the run stops with exit status 3, two
     lines on stderr (the failure, the checkpoint to resume from), no traceback; last.ckpt holds
@@ -83,9 +101,8 @@ def test_a_failing_reward_stops_in_one_line_saves_and_the_fixed_run_resumes(
     check_checkpoint_file(ckpt)
     assert torch.load(ckpt, weights_only=True)["global_step"] == 2
     (tmp_path / "my_reward.py").write_text(FIXED)
-    resumed = subprocess.run(command(tmp_path, tiny_model_dir, 4, "--ckpt_path", str(ckpt)),
-                             cwd=tmp_path, capture_output=True, text=True)  # fmt: skip
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    resumed = command(tmp_path, tiny_model_dir, 4, "--ckpt_path", str(ckpt))
+    resume_here(resumed[1:], tmp_path, monkeypatch)  # the same command line, here
     assert torch.load(ckpt, weights_only=True)["global_step"] == 4
 
 

@@ -198,7 +198,16 @@ KEPT = ("reward/mean", "val/accuracy", "trust_region/kl_end_mean", "trust_region
 
 
 def test_dry_run_end_to_end_and_an_interrupted_run_resumes(tiny_model_dir, tmp_path, monkeypatch):
-    base = ["--dry-run", "--model", str(tiny_model_dir), "--seeds", "0", "--stress", "none"]
+    """The four arms of a seed (clip, TROLL, TROLL at eps 0.2 and at alpha 0) on TinyMath, 2
+    rollouts of 1 prompt x 8 completions (4 optimiser steps each), validated on 2 rows after
+    each: their bounds, KL and time figures, headline and outputs; a copy without runs/ reports
+    and resumes them exactly, training nothing; a narrower grid keeps the others' records; a TROLL
+    run stopped after 1 of its 2 rollouts leaves a checkpoint and no result, and resumes from it
+    to the same figures as the run done in one go. The plots are drawn for each set of records
+    the study reports (all four runs, the narrow grid's two, clip alone); a call that reports a
+    set already drawn skips them (plotting is most of a call's time)."""
+    base = ["--dry-run", "--model", str(tiny_model_dir), "--seeds", "0", "--stress", "none",
+            "--rollouts", "2", "--prompts", "1", "--num-val", "2"]  # fmt: skip
     records = study.main(
         [*base, "--troll-eps", "0.2", "--troll-alpha", "0", "--out", str(tmp_path / "a")]
     )
@@ -214,7 +223,7 @@ def test_dry_run_end_to_end_and_an_interrupted_run_resumes(tiny_model_dir, tmp_p
     assert "| troll eps 0.2 | 4 |" in table and "| troll alpha 0 | 4 |" in table
     for r in records:
         rows = r["history"]
-        assert [row["rollout"] for row in rows] == [0, 1, 2, 3]
+        assert [row["rollout"] for row in rows] == [0, 1, 2]
         assert r["final_accuracy"] == rows[-1]["val/accuracy"]  # results.json's headline
         for row in rows[1:]:  # both objectives: the KL at the rollout's end, and wall time
             assert row["trust_region/kl_end_mean"] >= -1e-6 and row["time/iteration"] > 0
@@ -236,10 +245,13 @@ def test_dry_run_end_to_end_and_an_interrupted_run_resumes(tiny_model_dir, tmp_p
     for name in ("metrics.csv", "results.json", "settings.json", "start.json"):
         shutil.copy(out / name, c / name)
     full = [*base, "--troll-eps", "0.2", "--troll-alpha", "0", "--out", str(c)]
+    plots = study.write_plots
+    monkeypatch.setattr(study, "write_plots", lambda *args: [])  # these records' plots: above
     assert study.main([*full, "--report"]) == records
     monkeypatch.setattr(kit.Grid, "train", None)  # calling it would fail
     assert study.main(full) == records
     assert not (c / "runs").exists()
+    monkeypatch.setattr(study, "write_plots", plots)  # plots of the narrower grid's two runs
     # A narrower grid reports its own runs and keeps the others' in the outputs.
     narrow = study.main([*base, "--troll-eps", "--troll-alpha", "--out", str(c), "--report"])
     assert [r["name"] for r in narrow] == ["clip-steps4-s0", "troll-steps4-s0"]
@@ -248,13 +260,13 @@ def test_dry_run_end_to_end_and_an_interrupted_run_resumes(tiny_model_dir, tmp_p
     assert "| troll eps 0.2 |" not in (c / "table.md").read_text()
     monkeypatch.undo()
 
-    # Stop the TROLL run after 2 of its 3 rollouts, as a signal would: last.ckpt, no result.json.
+    # Stop the TROLL run after 1 of its 2 rollouts, as a signal would: last.ckpt, no result.json.
     real_cli = kit.cli
 
     def stopped_early(args):
         if args[0] == "fit" and "troll" in args and '"version": 0' in " ".join(args):
             args = list(args)
-            args[args.index("--trainer.max_steps") + 1] = str(2 * 4)  # 2 rollouts of 4 steps
+            args[args.index("--trainer.max_steps") + 1] = str(1 * 4)  # 1 rollout of 4 steps
         return real_cli(args)
 
     b = tmp_path / "b"  # the start's validation and the clip run taken over from a, the
@@ -283,7 +295,8 @@ def test_dry_run_end_to_end_and_an_interrupted_run_resumes(tiny_model_dir, tmp_p
     assert not (troll / "result.json").exists() and len(list((troll / "logs").iterdir())) == 1
     with pytest.raises(SystemExit, match="--report: no finished run"):
         study.main([*base, "--out", str(tmp_path / "empty"), "--report"])
-    again = study.main([*base, "--out", str(b)])  # clip skipped, TROLL resumed at rollout 3
+    monkeypatch.setattr(study, "write_plots", lambda *args: [])  # the narrow grid's: above
+    again = study.main([*base, "--out", str(b)])  # clip skipped, TROLL resumed at rollout 2
     assert json.loads((troll / "attempts.json").read_text()).__len__() == 2
     assert sorted(p.name for p in (troll / "logs").iterdir()) == ["version_0", "version_1"]
     for resumed, whole in zip(again[1]["history"], records[1]["history"], strict=True):

@@ -168,22 +168,29 @@ def test_short_runs_are_refused(capsys, tmp_path):
 
 @pytest.mark.slow
 def test_a_dry_run_trains_a_stale_arm_and_logs_how_stale(tmp_path, capsys):
-    """Both objectives at s0 and s2 on TinyMath for two rollouts: every run records the KL at
-    each rollout's start (0 on-policy; that a stale sampler moves it is
+    """Both objectives at s2 on TinyMath for two rollouts of 1 prompt x 8 completions (8
+    optimiser steps of 1 sequence): every run records the KL at each rollout's start (0
+    on-policy; that a stale sampler moves it is
     ``tests/test_training.py::test_kl_start_is_how_stale_the_data_is``), and each arm's run was
-    configured as the arm says."""
+    configured as the arm says: s2's in the config its run logged, s0's (run here with
+    ``--s0-here``, the same machinery at staleness 0) in the arguments the grid trains it with."""
     out = tmp_path / "stale"
-    argv = ["--dry-run", "--out", str(out), "--s0-here", "--arms", "s0", "s2", "--seeds", "0"]
+    common = ["--dry-run", "--out", str(out), "--s0-here", "--seeds", "0", "--prompts", "1"]
+    argv = [*common, "--arms", "s2"]
+    planned = study.runs(study.parse_args([*common, "--arms", "s0", "s2"]), study.DRY_LR)
+    assert [r.name for r in planned] == ["s0-clip-s0", "s0-troll-s0", "s2-clip-s0", "s2-troll-s0"]
+    for run in planned:
+        given = dict(zip(run.args[::2], run.args[1::2], strict=True))
+        staleness = "2" if run.fields["arm"] == "s2" else "0"
+        assert given["--old_policy.max_staleness"] == staleness, run.name
+        assert given["--trust_region_monitor.kl_start"] == "true", run.name
     study.main(argv)
     args = study.parse_args(argv)
     records = study.grid(args, study.DRY_LR).finished(study.runs(args, study.DRY_LR))
-    assert sorted(r["name"] for r in records) == [
-        "s0-clip-s0", "s0-troll-s0", "s2-clip-s0", "s2-troll-s0"
-    ]  # fmt: skip
+    assert sorted(r["name"] for r in records) == ["s2-clip-s0", "s2-troll-s0"]
     for r in records:
         kl = [row[tables.KL_START] for row in r["history"] if tables.KL_START in row]
         assert len(kl) == 2 and kl[0] == pytest.approx(0.0, abs=1e-6)
         config = next((out / "runs" / r["name"] / "logs").glob("*/config.yaml")).read_text()
-        staleness = 2 if r["fields"]["arm"] == "s2" else 0
-        assert f"max_staleness: {staleness}" in config and "kl_start: true" in config
+        assert "max_staleness: 2" in config and "kl_start: true" in config
     assert "| s2 | 0 |" in capsys.readouterr().out
