@@ -114,6 +114,26 @@ def tiny_chat_model_dir(smollm2_dir, tmp_path_factory) -> Path:
     return path
 
 
+def command_here(args: list[str], folder: Path, monkeypatch) -> None:
+    """``lightning-troll <args>`` run in ``folder`` by the command's ``main`` in this process,
+    which saves a process start-up: returning is exit status 0 (a stopped run raises
+    ``SystemExit``, anything else its error). A reward module found in ``folder`` joins a copy of
+    ``sys.path``; the seed the config's ``seed_everything`` records is removed again, so that a
+    process the test starts next does not inherit it."""
+    import os
+    import sys
+
+    from lightning_troll.cli.command import main as cli_main
+
+    monkeypatch.chdir(folder)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setattr(sys, "argv", ["lightning-troll"])
+    try:
+        cli_main(args)
+    finally:
+        os.environ.pop("PL_GLOBAL_SEED", None)
+
+
 @pytest.fixture
 def workers_die_at_start(monkeypatch) -> None:
     """Every reward or tool worker process is killed as soon as it is started, and whatever it

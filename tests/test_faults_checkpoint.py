@@ -20,9 +20,9 @@ import pytest
 import torch
 import yaml
 
-from lightning_troll.cli.command import main as cli_main
 from lightning_troll.training.checkpoint_io import AtomicCheckpointIO, SaveFailed, partial_path
 from lightning_troll.training.checkpoints import CheckpointError, check_checkpoint_file
+from tests.conftest import command_here
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -77,7 +77,6 @@ def test_a_file_url_is_saved_atomically_and_a_first_save_says_nothing_was_there(
     """A ``file://`` path is a local file: it is written beside its name and renamed (Lightning's
     own save would move it from the system's temporary directory). A first save that runs out of
     room says there was no checkpoint at that path, which holds after a resume from another."""
-    import os
 
     target = tmp_path / "last.ckpt"
     renamed = []
@@ -168,17 +167,6 @@ def fit_command(tmp_path: Path, model_dir: Path, checkpoints: Path, steps: int, 
     return [sys.executable, "-m", "lightning_troll.cli.command", *base, *extra]
 
 
-def fit_here(command: list[str], folder: Path, monkeypatch) -> None:
-    """A :func:`fit_command` run in ``folder`` by the command's ``main`` in this process:
-    returning is exit status 0 (a stopped run raises ``SystemExit``, anything else its error)."""
-    monkeypatch.chdir(folder)
-    monkeypatch.setattr(sys, "argv", ["lightning-troll"])
-    try:
-        cli_main(command[3:])  # after ``python -m lightning_troll.cli.command``
-    finally:
-        os.environ.pop("PL_GLOBAL_SEED", None)  # the config's seed_everything sets it
-
-
 @pytest.mark.slow
 def test_a_full_disk_stops_the_run_in_one_line_and_the_kept_checkpoint_resumes(
     tmp_path, tiny_model_dir, small_file_system, monkeypatch
@@ -187,7 +175,7 @@ def test_a_full_disk_stops_the_run_in_one_line_and_the_kept_checkpoint_resumes(
     the second finds no room. The run stops with exit status 3 and one line on stderr naming the
     folder; last.ckpt is the first save, whole; copied elsewhere, it resumes."""
     probe = tmp_path / "probe"
-    fit_here(fit_command(tmp_path, tiny_model_dir, probe, 1), tmp_path, monkeypatch)
+    command_here(fit_command(tmp_path, tiny_model_dir, probe, 1)[3:], tmp_path, monkeypatch)
     size = (probe / "last.ckpt").stat().st_size
     disk = small_file_system(int(size * 1.5))
     done = subprocess.run(fit_command(tmp_path, tiny_model_dir, disk, 3), cwd=tmp_path,
@@ -207,7 +195,7 @@ def test_a_full_disk_stops_the_run_in_one_line_and_the_kept_checkpoint_resumes(
     (elsewhere / "last.ckpt").write_bytes((disk / "last.ckpt").read_bytes())
     resume = fit_command(tmp_path, tiny_model_dir, elsewhere, 2, "--ckpt_path",
                          str(elsewhere / "last.ckpt"))  # fmt: skip
-    fit_here(resume, tmp_path, monkeypatch)
+    command_here(resume[3:], tmp_path, monkeypatch)  # after python -m ...command
     assert torch.load(elsewhere / "last.ckpt", weights_only=True)["global_step"] == 2
 
 
@@ -236,7 +224,7 @@ def test_a_full_disk_under_the_logs_stops_the_run_in_one_line(
     step = torch.load(kept, weights_only=True)["global_step"]
     assert 1 <= step < 12
     resume = fit_command(tmp_path, tiny_model_dir, checkpoints, step + 1, "--ckpt_path", str(kept))
-    fit_here(resume, tmp_path, monkeypatch)
+    command_here(resume[3:], tmp_path, monkeypatch)  # after python -m ...command
     assert torch.load(kept, weights_only=True)["global_step"] == step + 1
 
 

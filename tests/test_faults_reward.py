@@ -8,7 +8,6 @@ command line through the command's ``main`` in this process, which saves a start
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,8 +16,8 @@ import pytest
 import torch
 import yaml
 
-from lightning_troll.cli.command import main as cli_main
 from lightning_troll.training.checkpoints import check_checkpoint_file
+from tests.conftest import command_here
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -53,18 +52,6 @@ def command(folder: Path, model_dir: Path, steps: int, *extra: str) -> list[str]
     (folder / "run.yaml").write_text(yaml.safe_dump(config))
     base = ["fit", "--config", str(ROOT / "configs" / "tinymath.yaml"), "--config", "run.yaml"]
     return [str(Path(sys.executable).parent / "lightning-troll"), *base, *extra]
-
-
-def resume_here(args: list[str], folder: Path, monkeypatch) -> None:
-    """``lightning-troll <args>`` run in ``folder`` by the command's ``main`` in this process:
-    returning is exit status 0 (a stopped run raises ``SystemExit``, anything else its error)."""
-    monkeypatch.chdir(folder)
-    monkeypatch.setattr(sys, "path", list(sys.path))  # the reward's folder joins it
-    monkeypatch.setattr(sys, "argv", ["lightning-troll"])
-    try:
-        cli_main(args)
-    finally:
-        os.environ.pop("PL_GLOBAL_SEED", None)  # the config's seed_everything sets it
 
 
 def stop_lines(stderr: str) -> list[str]:
@@ -102,7 +89,7 @@ def test_a_failing_reward_stops_in_one_line_saves_and_the_fixed_run_resumes(
     assert torch.load(ckpt, weights_only=True)["global_step"] == 2
     (tmp_path / "my_reward.py").write_text(FIXED)
     resumed = command(tmp_path, tiny_model_dir, 4, "--ckpt_path", str(ckpt))
-    resume_here(resumed[1:], tmp_path, monkeypatch)  # the same command line, here
+    command_here(resumed[1:], tmp_path, monkeypatch)  # the same command line, here
     assert torch.load(ckpt, weights_only=True)["global_step"] == 4
 
 
