@@ -287,10 +287,10 @@ def test_a_full_disk_while_converting_is_one_line_and_leaves_no_half_model(tmp_p
 # ----------------------------------------------------------------------------- the real model
 
 
-@pytest.mark.slow
 def test_smollm2_folder_is_a_standard_model(smollm2_dir):
     """The converted folder: the card, the chat template, left padding, pad = eos = <|im_end|>,
-    no quantisation left in the config, and the GGUF file loads to the same model."""
+    no quantisation left in the config, every weight. (That a GGUF file loads, directly and
+    through a converted folder, as the model it was written from: tests/test_gguf.py.)"""
     card = (smollm2_dir / "README.md").read_text()
     assert "Q4_1" in card and "Apache-2.0" in card and "below the original release" in card
     config = json.loads((smollm2_dir / "config.json").read_text())
@@ -305,13 +305,7 @@ def test_smollm2_folder_is_a_standard_model(smollm2_dir):
         [{"role": "user", "content": "What is 2 + 2?"}], add_generation_prompt=True, tokenize=False
     )
     assert text.endswith("<|im_start|>assistant\n")
-    ids = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
-    direct = smollm2_dir.parent / smollm2.GGUF_NAME
-    from_gguf = load_policy(direct)
-    assert load_tokenizer(direct)(text)["input_ids"] == ids[0].tolist()
-    with torch.no_grad():
-        expected, got = policy(ids).logits, from_gguf(ids).logits
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert (smollm2_dir.parent / smollm2.GGUF_NAME).is_file()  # kept beside it, for model:
 
 
 def _fit_one_rollout(folder: Path, objective: str, tmp_path: Path) -> tuple[TrollModule, Trainer]:
