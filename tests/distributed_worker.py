@@ -12,7 +12,7 @@ random state matters). Rank 0 writes ``OUT/metrics.json`` (the logged value of e
 ``OUT/weights.pt`` (the policy's and the snapshot's full weights after the run, and greedy
 completions of a few prompts), ``OUT/gathers.json`` (FSDP2 runs: all-gathers while sampling),
 ``OUT/rng.json`` (a digest of each process's torch random state as its first step began) and,
-if asked, ``OUT/loaded.pt`` (the weights and optimiser state right after a checkpoint was loaded).
+if asked, ``OUT/loaded.pt`` (the weights and step right after a checkpoint was loaded).
 """
 
 from __future__ import annotations
