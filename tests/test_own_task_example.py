@@ -1,6 +1,6 @@
 """docs/own-task.md as a newcomer follows it: examples/own_task/ copied to a folder of its own and
 run from there with the console script, no PYTHONPATH; the same task without its reward refused in
-one line; and the first screen of `make demo` free of library notices."""
+one line (by the command's main, in this process); and the first screen of `make demo` free of library notices."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import command_here
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "own_task"
@@ -78,14 +80,22 @@ def test_the_example_trains_and_exports_from_its_own_folder(tmp_path, tiny_chat_
     assert (folder / "my-model" / "tokenizer_config.json").is_file()
 
 
-def test_the_example_without_its_reward_is_refused_in_one_line(tmp_path):
+def refused_here(folder: Path, monkeypatch, capsys) -> list[str]:
+    """``lightning-troll fit --config task.yaml`` in ``folder``, by the command's ``main`` in this
+    process (the console script's own lines: tests/test_parse_errors.py): exit status 2, and the
+    lines it wrote to stderr."""
+    with pytest.raises(SystemExit) as stopped:
+        command_here(["fit", "--config", "task.yaml"], folder, monkeypatch)
+    assert stopped.value.code == 2
+    return capsys.readouterr().err.strip().splitlines()
+
+
+def test_the_example_without_its_reward_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
     folder = own_folder(tmp_path)
     task = folder / "task.yaml"
     lines = task.read_text().splitlines()
     task.write_text("\n".join(line for line in lines if "rewards:" not in line) + "\n")
-    done = command("lightning-troll fit --config task.yaml", folder, timeout=300)
-    assert done.returncode == 2
-    assert done.stderr.strip().splitlines() == [
+    assert refused_here(folder, monkeypatch, capsys) == [
         "lightning-troll: error: model.rewards is not set, and only the built-in TinyMath data "
         "has a reward of its own (data.source='data/plain.jsonl'); name one in the config, e.g. "
         "model.rewards: {my_reward:score: 1.0} for score(prompt, completion, row) -> float in "
@@ -94,12 +104,10 @@ def test_the_example_without_its_reward_is_refused_in_one_line(tmp_path):
     assert not (folder / "runs").exists()
 
 
-def test_a_reward_module_found_nowhere_is_refused_in_one_line(tmp_path):
+def test_a_reward_module_found_nowhere_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
     folder = own_folder(tmp_path)
     (folder / "my_reward.py").unlink()
-    done = command("lightning-troll fit --config task.yaml", folder, timeout=300)
-    assert done.returncode == 2
-    (line,) = done.stderr.strip().splitlines()
+    (line,) = refused_here(folder, monkeypatch, capsys)
     assert line == (
         "lightning-troll: error: model.rewards: 'my_reward:number_reward': no module 'my_reward' "
         f"in the working directory {folder} (and not importable); put my_reward.py with the "
