@@ -3,14 +3,13 @@ leaked prompts warned about; a refused start leaves no run folder and loads no m
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
 import pytest
 
 from lightning_troll.data.preflight import check_data_files
+from tests.conftest import command_here
 
 ROOT = Path(__file__).resolve().parents[1]
 GOOD = b'{"question": "What is 1 + 1?", "answer": 2}\n'
@@ -87,23 +86,27 @@ def test_tinymath_and_hub_sources_are_left_to_their_loaders():
 
 
 @pytest.mark.slow
-def test_a_refused_data_file_leaves_no_run_folder_and_loads_no_model(tmp_path):
-    """Through the command: a row without its field is refused with exit status 2 and one error
-    line naming the line; the model folder (empty) is never read, no run folder is written."""
+def test_a_refused_data_file_leaves_no_run_folder_and_loads_no_model(tmp_path, monkeypatch, capsys):
+    """Through the command's main, here: a row without its field is refused with exit status 2
+    and one error line naming the line; the model folder (empty) is never read, no run folder is
+    written."""
     data = tmp_path / "rows.jsonl"
     data.write_bytes(GOOD * 3 + b'{"question": "x"}\n')
     empty = tmp_path / "no_model_here"
     empty.mkdir()
     command = [
-        str(Path(sys.executable).parent / "lightning-troll"), "fit",
+        "fit",
         "--config", str(ROOT / "configs" / "tinymath.yaml"),
         "--model.model", str(empty), "--model.rewards", '{"last_number": 1.0}',
         "--data.source", str(data), "--data.prompt_field", "question",
         "--data.answer_field", "answer", "--data.num_val", "1",
     ]  # fmt: skip
-    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True)
-    assert done.returncode == 2, done.stderr[-2000:]
-    errors = [line for line in done.stderr.splitlines() if line.startswith("lightning-troll:")]
+    with pytest.raises(SystemExit) as stopped:
+        command_here(command, tmp_path, monkeypatch)
+    assert stopped.value.code == 2
+    errors = [
+        line for line in capsys.readouterr().err.splitlines() if line.startswith("lightning-troll:")
+    ]
     assert (
         len(errors) == 1
         and f"data.source='{data}', line 4: the row has no field 'answer'" in errors[0]

@@ -94,17 +94,18 @@ def test_a_failing_reward_stops_in_one_line_saves_and_the_fixed_run_resumes(
 
 
 def test_a_reward_with_the_wrong_signature_is_refused_before_the_model_loads(
-    tmp_path, tiny_model_dir
+    tmp_path, monkeypatch, capsys
 ):
-    """A reward of two arguments: one error line (beside Lightning's seed notice), exit status
-    2, no checkpoint or log folder written, and the model never loaded (its folder is named but
-    holds nothing)."""
+    """A reward of two arguments, through the command's main here: one error line (beside
+    Lightning's seed notice), exit status 2, no checkpoint or log folder written, and the model
+    never loaded (its folder is named but holds nothing)."""
     (tmp_path / "my_reward.py").write_text("def reward(prompt, completion):\n    return 1.0\n")
     empty = tmp_path / "no_model_here"
     empty.mkdir()
-    done = subprocess.run(command(tmp_path, empty, 2), cwd=tmp_path, capture_output=True, text=True)
-    assert done.returncode == 2, done.stderr[-3000:]
-    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    with pytest.raises(SystemExit) as stopped:
+        command_here(command(tmp_path, empty, 2)[1:], tmp_path, monkeypatch)
+    assert stopped.value.code == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     errors = [line for line in lines if line.startswith("lightning-troll: error:")]
     assert len(lines) <= 3 and len(errors) == 1, lines
     assert "'my_reward:reward' cannot be called as fn(prompt, completion, row)" in errors[0]
