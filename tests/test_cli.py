@@ -631,20 +631,20 @@ def test_a_reward_that_raises_in_training_stops_with_status_3_or_a_traceback_on_
     assert error.value.resumable
 
 
-def test_console_script_reports_a_folder_that_is_not_a_model(tmp_path):
-    """As a user sees it: one line on stderr naming the folder and what it lacks, status 2."""
-    import subprocess
-    import sys
+def test_the_command_reports_a_folder_that_is_not_a_model(tmp_path, monkeypatch, capsys):
+    """As a user sees it (the command's main, here): one line on stderr naming the folder and
+    what it lacks, status 2."""
+    from tests.conftest import command_here
 
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "README.md").write_text("not a model")
-    script = Path(sys.executable).parent / "lightning-troll"
-    args = [str(script), "fit", "--config", str(ROOT / "configs" / "tinymath.yaml")]
-    args += ["--model.model", "notes"]
-    done = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 2, done.stderr[-2000:]
-    assert "Traceback" not in done.stderr
-    assert done.stderr.strip().splitlines()[-1] == (
+    args = ["fit", "--config", str(ROOT / "configs" / "tinymath.yaml"), "--model.model", "notes"]
+    with pytest.raises(SystemExit) as stopped:
+        command_here(args, tmp_path, monkeypatch)
+    assert stopped.value.code == 2
+    stderr = capsys.readouterr().err
+    assert "Traceback" not in stderr
+    assert stderr.strip().splitlines()[-1] == (
         f"lightning-troll: error: 'notes' is not a model folder: {tmp_path / 'notes'} has no "
         "config.json and no tokenizer (none of tokenizer.json, tokenizer_config.json, "
         "tokenizer.model, vocab.json, *.model). A model folder holds what save_pretrained "
