@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from lightning_troll.training.checkpoints import check_checkpoint_file
+from tests.conftest import command_here
 from tests.test_faults_reward import FIXED, command, stop_lines
 
-pytestmark = pytest.mark.slow  # whole fits in a subprocess
+pytestmark = pytest.mark.slow  # two whole fits, one in a subprocess
 
 ENVIRONMENT = """
 from pathlib import Path
@@ -40,8 +41,10 @@ EPISODES = ["--model.episodes", '{"environment": "my_env:Breaks", "max_turns": 2
 
 
 def test_a_failing_environment_stops_in_one_line_saves_and_the_fixed_run_resumes(
-    tmp_path, tiny_model_dir
+    tmp_path, tiny_model_dir, monkeypatch
 ):
+    """The failing run in a console script's process; the fixed run by the command's main,
+    here (a process that never imported the broken module)."""
     (tmp_path / "my_reward.py").write_text(FIXED)
     (tmp_path / "my_env.py").write_text("BROKEN = True\n" + ENVIRONMENT)
     run = command(tmp_path, tiny_model_dir, 4, *EPISODES)
@@ -58,7 +61,5 @@ def test_a_failing_environment_stops_in_one_line_saves_and_the_fixed_run_resumes
     check_checkpoint_file(ckpt)
     assert torch.load(ckpt, weights_only=True)["global_step"] == 2
     (tmp_path / "my_env.py").write_text("BROKEN = False\n" + ENVIRONMENT)
-    resumed = subprocess.run([*run, "--ckpt_path", str(ckpt)], cwd=tmp_path,
-                             capture_output=True, text=True)  # fmt: skip
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    command_here([*run[1:], "--ckpt_path", str(ckpt)], tmp_path, monkeypatch)
     assert torch.load(ckpt, weights_only=True)["global_step"] == 4
