@@ -236,3 +236,32 @@ def test_a_lookup_from_another_folder_keeps_what_was_importable_before(tmp_path,
     monkeypatch.chdir(tmp_path)
     assert resolve_reward("tests.reward_helpers:length_reward") is length_reward
     assert root in sys.path
+
+
+def test_a_reward_edited_between_two_lookups_in_one_process_is_imported_again(
+    tmp_path, monkeypatch
+):
+    """A reward fixed between two runs in one Python process (a notebook's) trains with the fix:
+    a lookup imports its module again when the source changed (the module's file, or any file of
+    its package), and returns the very same function when it did not."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    names = ("my_reward", "my_pkg", "my_pkg.parts")
+    for name in names:
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    try:
+        reward_module(tmp_path, 1.0)
+        first = resolve_reward("my_reward:score")
+        assert first("", "", {}) == 1.0 and resolve_reward("my_reward:score") is first
+        reward_module(tmp_path, 0.25)  # another size too: Python's bytecode cache compares both
+        assert resolve_reward("my_reward:score")("", "", {}) == 0.25
+        package = tmp_path / "my_pkg"
+        package.mkdir()
+        (package / "__init__.py").write_text("from my_pkg.parts import score\n")
+        reward_module(package, 3.0, name="parts")
+        assert resolve_reward("my_pkg:score")("", "", {}) == 3.0
+        reward_module(package, 0.5, name="parts")  # a file inside the package
+        assert resolve_reward("my_pkg:score")("", "", {}) == 0.5
+    finally:
+        for name in names:
+            sys.modules.pop(name, None)

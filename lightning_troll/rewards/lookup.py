@@ -11,7 +11,9 @@ A reward ``"my_reward:score"`` in ``model.rewards`` names the module ``my_reward
 
 The folder a module is found in joins ``sys.path`` (as a script's own folder does), so that its
 own imports, and processes started from this one, find it again. A module of the same name
-imported earlier from somewhere else is replaced by the one found here.
+imported earlier from somewhere else is replaced by the one found here, and so is one a lookup
+imported from the same place whose source has changed since (a reward fixed between two runs in
+one Python process, a notebook's, trains with the fix).
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ _FOUND: dict[str, Path] = {}
 """Top-level module name -> the folder a lookup found it in (and put on ``sys.path``)."""
 _ADDED: set[str] = set()
 """The ``sys.path`` entries a lookup added (an entry that was there before is never removed)."""
+_SOURCES: dict[str, tuple] = {}
+"""Top-level module name -> the state of its source (:func:`_source_state`) when a lookup
+imported it."""
 _CONFIGS: ContextVar[tuple[Path, ...]] = ContextVar("reward_config_files", default=())
 
 
@@ -79,6 +84,13 @@ def _loaded_from(module: ModuleType, folder: Path) -> bool:
     return any(p and Path(p).resolve().is_relative_to(folder.resolve()) for p in places)
 
 
+def _source_state(place: Path) -> tuple:
+    """The modification time and size of the module's file, or of every ``.py`` file in its
+    package folder: what changes when its source is edited."""
+    files = sorted(place.rglob("*.py")) if place.is_dir() else [place]
+    return tuple((str(f), f.stat().st_mtime_ns, f.stat().st_size) for f in files)
+
+
 def _forget(top: str) -> None:
     """Drops ``top`` and its submodules from the import cache."""
     for name in [n for n in sys.modules if n == top or n.startswith(top + ".")]:
@@ -99,7 +111,9 @@ def import_reward_module(
         if place is None:
             continue
         loaded = sys.modules.get(top)
-        if loaded is not None and not _loaded_from(loaded, folder):
+        source = _source_state(place)
+        edited = _SOURCES.get(top, source) != source  # since a lookup imported it
+        if loaded is not None and (edited or not _loaded_from(loaded, folder)):
             _forget(top)
         if str(folder) in sys.path:
             sys.path.remove(str(folder))
@@ -109,6 +123,7 @@ def import_reward_module(
         importlib.invalidate_caches()
         _FOUND[top] = folder
         module = _import(module_name, spec, str(place), option)
+        _SOURCES[top] = source
         return module, getattr(module, "__file__", None) or str(place)
     earlier = _FOUND.pop(top, None)
     if earlier is not None and str(earlier) in _ADDED:
