@@ -260,8 +260,8 @@ def test_a_reward_edited_between_two_lookups_in_one_process_is_imported_again(
         (package / "__init__.py").write_text("from my_pkg.parts import score\n")
         reward_module(package, 3.0, name="parts")
         assert resolve_reward("my_pkg:score")("", "", {}) == 3.0
-        reward_module(package, 0.5, name="parts")  # a file inside the package
-        assert resolve_reward("my_pkg:score")("", "", {}) == 0.5
+        reward_module(package, 0.125, name="parts")  # a file inside the package, resized
+        assert resolve_reward("my_pkg:score")("", "", {}) == 0.125
     finally:
         for name in names:
             sys.modules.pop(name, None)
