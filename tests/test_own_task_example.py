@@ -1,6 +1,7 @@
 """docs/own-task.md as a newcomer follows it: examples/own_task/ copied to a folder of its own and
 run from there with the console script, no PYTHONPATH; the same task without its reward refused in
-one line (by the command's main, in this process); and the first screen of `make demo` free of library notices."""
+one line (by the command's main, in this process); the page's tool trained from a folder of its
+own; and the first screen of `make demo` free of library notices."""
 
 from __future__ import annotations
 
@@ -152,3 +153,46 @@ def test_the_plain_form_trains_from_its_own_folder(tmp_path, tiny_chat_model_dir
     assert "lightning-troll: training finished" in done.stdout
     assert "reward/mean" in done.stdout
     assert list((folder / "runs" / "lightning_logs" / "version_0").glob("events.out.tfevents.*"))
+
+
+def test_the_pages_tool_trains_from_a_folder_of_its_own(tmp_path, tiny_chat_model_dir, monkeypatch):
+    """The page's ``my_tools.py``, word for word, beside a task.yaml that lists it, in a folder
+    outside the repository: one rollout of tool episodes on a model with SmolLM2's tokenizer and
+    chat template (no tool section: the tools go into a system message), its tool in a worker
+    process with a timeout, no PYTHONPATH. Whether a model calls it is the episodes' tests'
+    business (tests/test_episodes.py scripts the calls)."""
+    import json
+
+    from lightning_troll.cli.command import run as cli_run
+
+    text = (ROOT / "docs" / "own-task.md").read_text()
+    (block,) = [b for b in re.findall(r"```python\n(.*?)```", text, flags=re.S)
+                if b.startswith("# my_tools.py, beside task.yaml")]  # fmt: skip
+    folder = tmp_path / "my_tool_task"
+    folder.mkdir()
+    (folder / "my_tools.py").write_text(block)
+    rows = [
+        {"prompt": f"What is {a} times 7? Use the tools.", "answer": str(7 * a)} for a in range(8)
+    ]
+    (folder / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (folder / "task.yaml").write_text(
+        "model:\n  rewards: {last_number: 1.0}\n"
+        "  episodes: {tools: [my_tools:multiply], max_turns: 2, tool_workers: 1, tool_timeout: 5}\n"
+        "data: {source: rows.jsonl, prompt_field: prompt, answer_field: answer}\n"
+    )
+    monkeypatch.chdir(folder)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    monkeypatch.delitem(sys.modules, "my_tools", raising=False)
+    try:
+        cli = cli_run(["fit", "--config", "task.yaml", *TINY.split(),
+                       "--model.model", str(tiny_chat_model_dir)])  # fmt: skip
+    finally:
+        sys.modules.pop("my_tools", None)
+    logged = cli.trainer.logged_metrics
+    assert cli.trainer.global_step == 2
+    assert cli.model.episodes.config.tools == ["my_tools:multiply"]
+    assert 1 <= float(logged["episodes/turns_mean"]) <= 2
+    errors = {k: float(v) for k, v in logged.items() if k.startswith("episodes/tool_errors_")}
+    assert errors and set(errors.values()) == {0.0}, errors
+    assert "val/accuracy" in logged
