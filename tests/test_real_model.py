@@ -356,10 +356,12 @@ class _KeepRollout(Callback):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("objective", ["troll", "clip"])
-def test_smollm2_trains_one_rollout(smollm2_dir, objective, tmp_path):
+def test_smollm2_trains_one_rollout_with_clipping(smollm2_dir, tmp_path):
+    """The clipped objective at its defaults on the real model (TROLL's run on it, with its
+    config: test_smollm2_config_runs_from_the_command_line; the default support's gradient on
+    its logits: tests/test_supports.py)."""
     torch.manual_seed(0)
-    module, trainer = _fit_one_rollout(smollm2_dir, objective, tmp_path)
+    module, trainer = _fit_one_rollout(smollm2_dir, "clip", tmp_path)
     metrics = trainer.callback_metrics
     assert trainer.global_step == 2
     for name in ("loss/total", "loss/policy", "entropy", "grad_norm", "reward/mean"):
@@ -370,17 +372,7 @@ def test_smollm2_trains_one_rollout(smollm2_dir, objective, tmp_path):
     prompt = module.tokenizer.decode(prompt_ids)  # left padding removed
     assert prompt.startswith("<|im_start|>system\n")
     assert prompt.endswith("Answer with only the number.<|im_end|>\n<|im_start|>assistant\n")
-    if objective == "troll":
-        bound = module.objective.projection.eps
-        assert float(metrics["trust_region/kl_after_max"]) <= bound * (1 + 1e-4)
-        for name in ("sparsity/coverage_mean", "sparsity/coverage_min", "sparsity/support_mean"):
-            assert name in metrics, name
-        assert 0.5 < float(metrics["sparsity/coverage_min"]) <= 1.0
-        projection = module.objective.projection
-        assert projection.support == "official"  # the default: S_old and the sampled token
-        assert float(metrics["sparsity/support_max"]) <= projection.max_tokens + 1
-    else:
-        assert 0.0 <= float(metrics["clip/active_frac"]) <= 1.0
+    assert 0.0 <= float(metrics["clip/active_frac"]) <= 1.0
 
 
 @pytest.mark.slow
@@ -401,8 +393,17 @@ def test_smollm2_config_runs_from_the_command_line(smollm2_dir, tmp_path, monkey
     metrics = cli.trainer.callback_metrics
     assert cli.trainer.global_step == 2
     assert 0.0 <= float(metrics["val/accuracy"]) <= 1.0
-    assert float(metrics["trust_region/kl_after_max"]) <= 0.05 * (1 + 1e-4)
+    projection = cli.model.objective.projection
+    assert float(metrics["trust_region/kl_after_max"]) <= projection.eps * (1 + 1e-4)
+    assert projection.support == "union" and projection.max_tokens == 64  # the config's
+    assert 0.5 < float(metrics["sparsity/coverage_min"]) <= 1.0
+    assert float(metrics["sparsity/support_max"]) <= 2 * projection.max_tokens + 1
+    for name in ("sparsity/coverage_mean", "sparsity/support_mean", "loss/policy", "grad_norm"):
+        assert torch.isfinite(metrics[name]), name
     assert cli.model.snapshot.shares_policy  # the config needs no copy of the weights
+    prompt = next(iter(cli.datamodule.train_dataloader())).prompts[0]
+    assert prompt.startswith("<|im_start|>system\n")
+    assert prompt.endswith("Answer with only the number.<|im_end|>\n<|im_start|>assistant\n")
     assert "lightning-troll: training finished" in capsys.readouterr().out
 
 
