@@ -84,7 +84,9 @@ def test_the_example_trains_and_exports_from_its_own_folder(tmp_path, tiny_chat_
 def refused_here(folder: Path, monkeypatch, capsys) -> list[str]:
     """``lightning-troll fit --config task.yaml`` in ``folder``, by the command's ``main`` in this
     process (the console script's own lines: tests/test_parse_errors.py): exit status 2, and the
-    lines it wrote to stderr."""
+    lines it wrote to stderr. A ``my_reward`` another test imported in this process is set
+    aside for the call, as a fresh process would not have it."""
+    monkeypatch.delitem(sys.modules, "my_reward", raising=False)
     with pytest.raises(SystemExit) as stopped:
         command_here(["fit", "--config", "task.yaml"], folder, monkeypatch)
     assert stopped.value.code == 2
