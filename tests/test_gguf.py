@@ -99,8 +99,7 @@ def write_tiny_gguf(path: Path):
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list(tokens)
     writer.add_token_types([3 if t in SPECIAL else 1 for t in tokens])  # 3: control, 1: normal
-    merges = tokenizer.backend_tokenizer.to_str()
-    writer.add_token_merges([" ".join(m) for m in _merges(merges)])
+    writer.add_token_merges([" ".join(m) for m in _merges(tokenizer)])
     writer.add_bos_token_id(tokenizer.bos_token_id)
     writer.add_eos_token_id(tokenizer.eos_token_id)
     writer.add_pad_token_id(tokenizer.pad_token_id)
@@ -116,6 +115,7 @@ def write_tiny_gguf(path: Path):
         "mlp.up_proj": "ffn_up",
         "mlp.down_proj": "ffn_down",
     }
+    permuted = {"attn_q": heads, "attn_k": kv_heads}  # parts stored in llama.cpp's row order
     for name, tensor in model.state_dict().items():
         tensor = tensor.detach().float()
         if name == "lm_head.weight":
@@ -127,11 +127,7 @@ def write_tiny_gguf(path: Path):
         else:
             _, _, layer, rest = name.split(".", 3)
             part = names[rest.removesuffix(".weight")]
-            data = tensor.numpy()
-            if part == "attn_q":
-                data = _permute(tensor, heads)
-            elif part == "attn_k":
-                data = _permute(tensor, kv_heads)
+            data = _permute(tensor, permuted[part]) if part in permuted else tensor.numpy()
             writer.add_tensor(f"blk.{layer}.{part}.weight", data)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -140,11 +136,11 @@ def write_tiny_gguf(path: Path):
     return model, tokenizer
 
 
-def _merges(serialised: str) -> list[tuple[str, str]]:
-    """The BPE merges of a serialised tokenizer, as pairs."""
+def _merges(tokenizer: PreTrainedTokenizerFast) -> list[tuple[str, str]]:
+    """The BPE merges of a fast tokenizer, as pairs."""
     import json
 
-    merges = json.loads(serialised)["model"]["merges"]
+    merges = json.loads(tokenizer.backend_tokenizer.to_str())["model"]["merges"]
     return [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in merges]
 
 
@@ -174,8 +170,9 @@ def test_a_gguf_file_loads_as_the_model_and_tokenizer_it_was_written_from(tiny_g
     assert policy.config.tie_word_embeddings
     torch.testing.assert_close(_logits(policy, tokenizer), _logits(model, tokenizer))
     # the loader undoes llama.cpp's order of the query rows: stored as is, they would differ
-    stored = _permute(model.model.layers[0].self_attn.q_proj.weight.detach(), 2)
-    assert not np.allclose(stored, model.model.layers[0].self_attn.q_proj.weight.detach().numpy())
+    query = model.model.layers[0].self_attn.q_proj.weight.detach()
+    stored = _permute(query, model.config.num_attention_heads)
+    assert not np.allclose(stored, query.numpy())
 
 
 def test_a_converted_gguf_file_is_a_standard_folder_of_the_same_model(tiny_gguf, tmp_path):
