@@ -163,9 +163,8 @@ def test_the_pages_tool_trains_from_a_folder_of_its_own(tmp_path, tiny_chat_mode
     chat template (no tool section: the tools go into a system message), its tool in a worker
     process with a timeout, no PYTHONPATH. Whether a model calls it is the episodes' tests'
     business (tests/test_episodes.py scripts the calls)."""
-    import json
-
     from lightning_troll.cli.command import run as cli_run
+    from lightning_troll.data.prompts import write_jsonl
 
     text = (ROOT / "docs" / "own-task.md").read_text()
     (block,) = [b for b in re.findall(r"```python\n(.*?)```", text, flags=re.S)
@@ -176,7 +175,7 @@ def test_the_pages_tool_trains_from_a_folder_of_its_own(tmp_path, tiny_chat_mode
     rows = [
         {"prompt": f"What is {a} times 7? Use the tools.", "answer": str(7 * a)} for a in range(8)
     ]
-    (folder / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write_jsonl(folder / "rows.jsonl", rows)
     (folder / "task.yaml").write_text(
         "model:\n  rewards: {last_number: 1.0}\n"
         "  episodes: {tools: [my_tools:multiply], max_turns: 2, tool_workers: 1, tool_timeout: 5}\n"
