@@ -134,6 +134,15 @@ def command_here(args: list[str], folder: Path, monkeypatch) -> None:
         os.environ.pop("PL_GLOBAL_SEED", None)
 
 
+def refused_here(args: list[str], folder: Path, monkeypatch, capsys, status: int = 2) -> str:
+    """:func:`command_here` for a command that must stop: checks its exit status (2, bad input,
+    by default) and returns what it wrote to stderr."""
+    with pytest.raises(SystemExit) as stopped:
+        command_here(args, folder, monkeypatch)
+    assert stopped.value.code == status
+    return capsys.readouterr().err
+
+
 @pytest.fixture
 def workers_die_at_start(monkeypatch) -> None:
     """Every reward or tool worker process is killed as soon as it is started, and whatever it

@@ -634,15 +634,12 @@ def test_a_reward_that_raises_in_training_stops_with_status_3_or_a_traceback_on_
 def test_the_command_reports_a_folder_that_is_not_a_model(tmp_path, monkeypatch, capsys):
     """As a user sees it (the command's main, here): one line on stderr naming the folder and
     what it lacks, status 2."""
-    from tests.conftest import command_here
+    from tests.conftest import refused_here
 
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "README.md").write_text("not a model")
     args = ["fit", "--config", str(ROOT / "configs" / "tinymath.yaml"), "--model.model", "notes"]
-    with pytest.raises(SystemExit) as stopped:
-        command_here(args, tmp_path, monkeypatch)
-    assert stopped.value.code == 2
-    stderr = capsys.readouterr().err
+    stderr = refused_here(args, tmp_path, monkeypatch, capsys)
     assert "Traceback" not in stderr
     assert stderr.strip().splitlines()[-1] == (
         f"lightning-troll: error: 'notes' is not a model folder: {tmp_path / 'notes'} has no "

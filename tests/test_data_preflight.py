@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from lightning_troll.data.preflight import check_data_files
-from tests.conftest import command_here
+from tests.conftest import refused_here
 
 ROOT = Path(__file__).resolve().parents[1]
 GOOD = b'{"question": "What is 1 + 1?", "answer": 2}\n'
@@ -101,12 +101,8 @@ def test_a_refused_data_file_leaves_no_run_folder_and_loads_no_model(tmp_path, m
         "--data.source", str(data), "--data.prompt_field", "question",
         "--data.answer_field", "answer", "--data.num_val", "1",
     ]  # fmt: skip
-    with pytest.raises(SystemExit) as stopped:
-        command_here(command, tmp_path, monkeypatch)
-    assert stopped.value.code == 2
-    errors = [
-        line for line in capsys.readouterr().err.splitlines() if line.startswith("lightning-troll:")
-    ]
+    stderr = refused_here(command, tmp_path, monkeypatch, capsys)
+    errors = [line for line in stderr.splitlines() if line.startswith("lightning-troll:")]
     assert (
         len(errors) == 1
         and f"data.source='{data}', line 4: the row has no field 'answer'" in errors[0]

@@ -17,7 +17,7 @@ import torch
 import yaml
 
 from lightning_troll.training.checkpoints import check_checkpoint_file
-from tests.conftest import command_here
+from tests.conftest import command_here, refused_here
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -102,10 +102,8 @@ def test_a_reward_with_the_wrong_signature_is_refused_before_the_model_loads(
     (tmp_path / "my_reward.py").write_text("def reward(prompt, completion):\n    return 1.0\n")
     empty = tmp_path / "no_model_here"
     empty.mkdir()
-    with pytest.raises(SystemExit) as stopped:
-        command_here(command(tmp_path, empty, 2)[1:], tmp_path, monkeypatch)
-    assert stopped.value.code == 2
-    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    stderr = refused_here(command(tmp_path, empty, 2)[1:], tmp_path, monkeypatch, capsys)
+    lines = [line for line in stderr.splitlines() if line.strip()]
     errors = [line for line in lines if line.startswith("lightning-troll: error:")]
     assert len(lines) <= 3 and len(errors) == 1, lines
     assert "'my_reward:reward' cannot be called as fn(prompt, completion, row)" in errors[0]

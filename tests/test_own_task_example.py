@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import command_here
+from tests.conftest import refused_here
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "own_task"
@@ -81,16 +81,14 @@ def test_the_example_trains_and_exports_from_its_own_folder(tmp_path, tiny_chat_
     assert (folder / "my-model" / "tokenizer_config.json").is_file()
 
 
-def refused_here(folder: Path, monkeypatch, capsys) -> list[str]:
+def refused_in(folder: Path, monkeypatch, capsys) -> list[str]:
     """``lightning-troll fit --config task.yaml`` in ``folder``, by the command's ``main`` in this
     process (the console script's own lines: tests/test_parse_errors.py): exit status 2, and the
     lines it wrote to stderr. A ``my_reward`` another test imported in this process is set
     aside for the call, as a fresh process would not have it."""
     monkeypatch.delitem(sys.modules, "my_reward", raising=False)
-    with pytest.raises(SystemExit) as stopped:
-        command_here(["fit", "--config", "task.yaml"], folder, monkeypatch)
-    assert stopped.value.code == 2
-    return capsys.readouterr().err.strip().splitlines()
+    stderr = refused_here(["fit", "--config", "task.yaml"], folder, monkeypatch, capsys)
+    return stderr.strip().splitlines()
 
 
 def test_the_example_without_its_reward_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
@@ -98,7 +96,7 @@ def test_the_example_without_its_reward_is_refused_in_one_line(tmp_path, monkeyp
     task = folder / "task.yaml"
     lines = task.read_text().splitlines()
     task.write_text("\n".join(line for line in lines if "rewards:" not in line) + "\n")
-    assert refused_here(folder, monkeypatch, capsys) == [
+    assert refused_in(folder, monkeypatch, capsys) == [
         "lightning-troll: error: model.rewards is not set, and only the built-in TinyMath data "
         "has a reward of its own (data.source='data/plain.jsonl'); name one in the config, e.g. "
         "model.rewards: {my_reward:score: 1.0} for score(prompt, completion, row) -> float in "
@@ -110,7 +108,7 @@ def test_the_example_without_its_reward_is_refused_in_one_line(tmp_path, monkeyp
 def test_a_reward_module_found_nowhere_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
     folder = own_folder(tmp_path)
     (folder / "my_reward.py").unlink()
-    (line,) = refused_here(folder, monkeypatch, capsys)
+    (line,) = refused_in(folder, monkeypatch, capsys)
     assert line == (
         "lightning-troll: error: model.rewards: 'my_reward:number_reward': no module 'my_reward' "
         f"in the working directory {folder} (and not importable); put my_reward.py with the "
