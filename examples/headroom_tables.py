@@ -149,7 +149,8 @@ def plot_bins(records: Sequence[dict], troll: str, clip: str, path: Path) -> Pat
 
 def report(records: Sequence[dict], lr: float, folder: Path) -> None:
     """Writes into ``folder`` and prints the verdict (``verdict.md``), the headroom check, the
-    constraint bins over :data:`BINS_WINDOW` and their plot (``bins.png``)."""
+    constraint bins over :data:`BINS_WINDOW` and their plot (``bins.png``), and the share of
+    groups without reward spread per rollout (``zero_std.png``)."""
     troll, clip = (f"{o} lr {lr:g}" for o in ("troll", "clip"))
     if not tables.seed_pairs(records, troll, clip):
         return
@@ -164,3 +165,6 @@ def report(records: Sequence[dict], lr: float, folder: Path) -> None:
     study_kit.write_atomic(folder / "verdict.md", text)
     print(text)
     print(f"wrote {plot_bins(records, troll, clip, folder / 'bins.png')}")
+    tables.plot_arms(
+        records, folder, plots=[(ZERO_STD, "groups without reward spread", "zero_std", None)]
+    )

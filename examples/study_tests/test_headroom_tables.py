@@ -101,8 +101,8 @@ def test_the_bins_table_means_each_bins_share_over_the_window_only():
 
 
 def test_the_report_writes_the_verdict_and_the_bins_plot(tmp_path, capsys):
-    """Five paired seeds with TROLL ahead on each: verdict.md names the outcome, bins.png is
-    drawn, the headroom check is in."""
+    """Five paired seeds with TROLL ahead on each: verdict.md names the outcome, bins.png and
+    zero_std.png are drawn, the headroom check is in."""
     pytest.importorskip("matplotlib")
     projected = {f"trust_region/by_confidence/{b}/projected": 0.02 for b in regime.CONFIDENCE}
     clipped = {f"trust_region/by_confidence/{b}/clipped": 0.01 for b in regime.CONFIDENCE}
@@ -113,4 +113,5 @@ def test_the_report_writes_the_verdict_and_the_bins_plot(tmp_path, capsys):
     assert "seeds 0, 1, 2, 3, 4: TROLL ahead: +0.070" in text
     assert "| troll lr 1e-05 | 0.500, 0.510, 0.520, 0.530, 0.540 | 0.520 | yes |" in text
     assert (tmp_path / "bins.png").stat().st_size > 0
+    assert (tmp_path / "zero_std.png").stat().st_size > 0
     assert "wrote" in capsys.readouterr().out
