@@ -41,6 +41,7 @@ PAGES = (
     "supports.md",
     "architecture.md",
     "paper-regime.md",
+    "staleness.md",
     "engines.md",
 )
 SECTIONS = (
