@@ -50,7 +50,7 @@ def verdict(result: Paired | None) -> str:
         return f"no verdict: the runs share no validation in rollouts {LATE[0]}-{LATE[1]}"
     n = len(result.diffs)
     if n != SEEDS:
-        return f"no verdict: the rule is for {SEEDS} paired seeds, and {n} are in"
+        return f"no verdict: the rule is for {SEEDS} paired seeds, and {n} {'is' if n == 1 else 'are'} in"
     for sign, name in ((1, "TROLL ahead"), (-1, "clipping ahead")):
         same = sum(d * sign > 0 for d in result.diffs)
         if result.mean * sign > 0 and result.p_t < P_MAX and same >= MIN_SAME_SIGN:

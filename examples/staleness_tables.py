@@ -99,7 +99,7 @@ def verdict(result: Paired, better: str, worse: str) -> str:
     difference shown, with the mean and spread."""
     n = len(result.diffs)
     if n != SEEDS:
-        return f"no verdict: the rule is for {SEEDS} paired seeds, and {n} are in"
+        return f"no verdict: the rule is for {SEEDS} paired seeds, and {n} {'is' if n == 1 else 'are'} in"
     if all(d > 0 for d in result.diffs) and result.p_t < P_MAX:
         return better
     if all(d < 0 for d in result.diffs) and result.p_t < P_MAX:

@@ -69,6 +69,7 @@ def test_a_run_without_both_endpoint_validations_has_no_endpoint():
         ((0.01, 0.30, 0.02), "no difference shown: mean +0.110"),  # all above 0, p 0.37
         ((0.05, -0.01, 0.06), "no difference shown"),
         ((0.05, 0.06), "no verdict: the rule is for 3 paired seeds, and 2 are in"),
+        ((0.05,), "no verdict: the rule is for 3 paired seeds, and 1 is in"),
     ],
 )
 def test_the_verdict_needs_every_seed_and_the_t_test(diffs, expected):
