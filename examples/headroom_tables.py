@@ -19,7 +19,7 @@ import paper_regime_tables as tables  # noqa: E402
 import study_kit  # noqa: E402
 from paper_regime_tables import ACCURACY, CONFIDENCE, REWARD, window_mean  # noqa: E402
 from study_figures import Line, Panel, markdown_table, plot_panels  # noqa: E402
-from study_stats import Paired, paired  # noqa: E402
+from study_stats import Paired, paired, seeds_short  # noqa: E402
 
 LATE = (60, 80)
 """The primary window: held-out accuracy over the validations at rollouts 60, 70 and 80."""
@@ -50,7 +50,7 @@ def verdict(result: Paired | None) -> str:
         return f"no verdict: the runs share no validation in rollouts {LATE[0]}-{LATE[1]}"
     n = len(result.diffs)
     if n != SEEDS:
-        return f"no verdict: the rule is for {SEEDS} paired seeds, and {n} {'is' if n == 1 else 'are'} in"
+        return seeds_short(SEEDS, n)
     for sign, name in ((1, "TROLL ahead"), (-1, "clipping ahead")):
         same = sum(d * sign > 0 for d in result.diffs)
         if result.mean * sign > 0 and result.p_t < P_MAX and same >= MIN_SAME_SIGN:

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import paper_regime_study as paper  # noqa: E402
 from paper_regime_tables import ACCURACY, ACTIVE, REWARD, training_windows  # noqa: E402
 from study_figures import Line, Panel, markdown_table, plot_panels, window_mean  # noqa: E402
-from study_stats import Paired, paired  # noqa: E402
+from study_stats import Paired, paired, seeds_short  # noqa: E402
 
 ARMS = {
     "s0": (0, "behaviour", paper.STEPS),
@@ -99,7 +99,7 @@ def verdict(result: Paired, better: str, worse: str) -> str:
     difference shown, with the mean and spread."""
     n = len(result.diffs)
     if n != SEEDS:
-        return f"no verdict: the rule is for {SEEDS} paired seeds, and {n} {'is' if n == 1 else 'are'} in"
+        return seeds_short(SEEDS, n)
     if all(d > 0 for d in result.diffs) and result.p_t < P_MAX:
         return better
     if all(d < 0 for d in result.diffs) and result.p_t < P_MAX:

@@ -14,7 +14,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["Paired", "paired", "sign_test", "t_two_sided"]
+__all__ = ["Paired", "paired", "sign_test", "seeds_short", "t_two_sided"]
 
 
 def _beta_fraction(a: float, b: float, x: float) -> float:
@@ -102,3 +102,8 @@ def paired(a: Sequence[float], b: Sequence[float]) -> Paired:
     spread = sd / math.sqrt(len(diffs))
     t = mean / spread if sd > 0 else (math.inf if mean != 0 else 0.0)
     return Paired(diffs, mean, t, t_two_sided(t, len(diffs) - 1), sign_test(diffs))
+
+
+def seeds_short(needed: int, got: int) -> str:
+    """A study's verdict line when its rule needs ``needed`` paired seeds and ``got`` are in."""
+    return f"no verdict: the rule is for {needed} paired seeds, and {got} {'is' if got == 1 else 'are'} in"
