@@ -2,6 +2,7 @@
 
     python examples/staleness_study.py --estimate                       # hours, then stop
     nohup python examples/staleness_study.py --seeds 0 > s0.log 2>&1 &      # a share
+    nohup python examples/staleness_study.py --seeds 0 --objectives troll > t.log 2>&1 &  # a half
     python examples/staleness_study.py --report                          # tables and plot so far
     python examples/staleness_study.py --dry-run --out /tmp/dry --s0-here   # the machinery
 
@@ -73,7 +74,7 @@ def runs(args, lr: float) -> list[Run]:
             if arm == "s0" and not args.s0_here:
                 continue
             steps = ARMS[arm][2]
-            for objective in paper.OBJECTIVES:
+            for objective in args.objectives:
                 extra = arm_args(arm, args.prompts)
                 run = headroom.run(h, f"{arm}-{objective}-s{seed}", objective, lr, seed,
                                    args.rollouts, extra)  # fmt: skip
@@ -113,6 +114,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rollouts", type=int, default=40, help="rollouts per run")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS))
+    p.add_argument(
+        "--objectives",
+        nargs="+",
+        choices=paper.OBJECTIVES,
+        default=paper.OBJECTIVES,
+        help="one each in two processes shares a seed between two cores",
+    )
     p.add_argument("--s0-here", action="store_true", help="run the arm s0 here")
     p.add_argument("--prior-seconds", type=float, default=90.0, help="s / rollout, no run done")
     p.add_argument("--estimate", action="store_true", help="print the hours and stop")

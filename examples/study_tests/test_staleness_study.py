@@ -35,6 +35,17 @@ def test_each_arm_sets_its_staleness_anchor_and_steps():
     assert steps32["--old_policy.max_staleness"] == "0"
 
 
+def test_objectives_choose_a_half_of_each_seeds_runs(tmp_path):
+    args = study.parse_args(["--out", str(tmp_path), "--arms", "s4", "--seeds", "2", "3",
+                             "--objectives", "troll"])  # fmt: skip
+    names = [run.name for run in study.runs(args, 1e-5)]
+    assert names == ["s4-troll-s2", "s4-troll-s3"]
+    both = study.parse_args(["--out", str(tmp_path), "--arms", "s4", "--seeds", "2"])
+    assert [run.name for run in study.runs(both, 1e-5)] == ["s4-clip-s2", "s4-troll-s2"]
+    with pytest.raises(SystemExit):
+        study.parse_args(["--objectives", "ppo"])
+
+
 def test_the_plans_endpoints_by_hand():
     """Two seeds. Gaps (TROLL - clipping, mean accuracy at rollouts 30 and 40): s0 +0.10 and
     +0.05; s4 +0.20 and +0.20. So d = gap(s4) - gap(s0) = +0.10 and +0.15: mean +0.125, sd
