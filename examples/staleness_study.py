@@ -119,7 +119,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         nargs="+",
         choices=paper.OBJECTIVES,
         default=paper.OBJECTIVES,
-        help="one each in two processes shares a seed between two cores",
+        help="the objectives to run; one per process trains a seed's pair side by side",
     )
     p.add_argument("--s0-here", action="store_true", help="run the arm s0 here")
     p.add_argument("--prior-seconds", type=float, default=90.0, help="s / rollout, no run done")
