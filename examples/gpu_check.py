@@ -28,7 +28,8 @@ limit, so that a phase that fails or runs out of time is recorded and the next o
 It writes a JSON report (``--json``: the device, the versions, and a ``phases`` list with each
 phase's name, status ``ok``/``skipped``/``failed``, seconds and figures) and a Markdown one
 (``--markdown``, by default beside the JSON), and exits with 1 if a phase failed. The whole check
-stops starting phases after ``--budget`` seconds (540, 9 minutes, by default).
+ends within ``--budget`` seconds (540, 9 minutes, by default): no phase starts later, and a phase
+still running then is stopped as if at its own time limit, the reason naming the budget.
 
 ``--tiny`` runs every phase at tiny shapes: on a CPU in about 2 minutes, where the two CUDA-only
 phases are recorded as skipped; ``tests/test_gpu_check.py`` runs it, so the script cannot rot.
@@ -91,12 +92,13 @@ NAMES = [p.name for p in PHASES]
 
 # -- running phases -------------------------------------------------------------------------
 def run_phase(
-    name: str, command: list[str], limit_s: float, result: Path, log: Path, env=None
-) -> dict:
+    name: str, command: list[str], limit_s: float, result: Path, log: Path, env=None,
+    limit_name: str = "the phase's limit",
+) -> dict:  # fmt: skip
     """Runs ``command`` (a phase's process, which writes its record to ``result``) under a time
     limit; returns the phase's entry of the report. A phase that exits with an error or outlives
     ``limit_s`` (its whole process group is then killed) is ``failed``, with the figures it had
-    recorded and the reason."""
+    recorded and the reason, which names the limit as ``limit_name`` says."""
     entry: dict[str, Any] = {"name": name, "status": "failed", "seconds": 0.0, "limit_s": limit_s}
     start = time.monotonic()
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
@@ -115,7 +117,7 @@ def run_phase(
     record = _read(result)
     entry["figures"] = record.get("figures", {})
     if timed_out:
-        entry["reason"] = f"timed out after {limit_s:.0f} s, the phase's limit"
+        entry["reason"] = f"timed out after {limit_s:.0f} s, {limit_name}"
     elif code != 0:
         entry["reason"] = record.get("error") or f"exited with {code}: {_tail(log)}"
     elif record.get("status") in ("ok", "skipped"):
@@ -177,7 +179,11 @@ def check(args: argparse.Namespace, cuda: bool, logs: Path) -> list[dict]:
         elif left < 5:
             entry = skipped(phase, f"the check's budget of {args.budget:.0f} s (--budget) ran out")
         else:
-            limit = min(phase.tiny_limit_s if args.tiny else phase.limit_s, left)
+            own_limit = phase.tiny_limit_s if args.tiny else phase.limit_s
+            limit = min(own_limit, left)
+            # The budget bounds the whole check: a phase that starts near its end is stopped there.
+            limit_name = ("the phase's limit" if limit == own_limit
+                          else f"the end of the check's budget of {args.budget:.0f} s (--budget)")  # fmt: skip
             command = [sys.executable, str(SCRIPT), "--worker", phase.name,
                        "--result", str(logs / f"{phase.name}.json")]  # fmt: skip
             command += ["--tiny"] if args.tiny else []
@@ -186,7 +192,7 @@ def check(args: argparse.Namespace, cuda: bool, logs: Path) -> list[dict]:
             # for one another turn milliseconds into seconds.
             env = {"OMP_NUM_THREADS": "1"} if args.tiny and not cuda else None
             entry = run_phase(phase.name, command, limit, logs / f"{phase.name}.json",
-                              logs / f"{phase.name}.log", env)  # fmt: skip
+                              logs / f"{phase.name}.log", env, limit_name)  # fmt: skip
         entry["title"] = phase.title
         entries.append(entry)
         summary = entry["figures"].get("summary") or entry.get("reason", "")
@@ -296,7 +302,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--phases", default=",".join(NAMES),
                         help=f"comma-separated phases to run, of {', '.join(NAMES)} (default: all)")  # fmt: skip
     parser.add_argument("--budget", type=float, default=None,
-                        help="seconds after which no phase starts (default: 540; --tiny: 900)")  # fmt: skip
+                        help="seconds the whole check may take: no phase starts later and a running "
+                             "one is stopped then (default: 540; --tiny: 900)")  # fmt: skip
     parser.add_argument(
         "--logs", type=Path, help="folder for each phase's log (default: a temporary one)"
     )

@@ -132,6 +132,30 @@ def test_phases_past_the_budget_are_skipped(tmp_path):
     assert "the check's budget of 1 s (--budget) ran out" in entries[0]["reason"]
 
 
+def test_a_phase_started_near_the_budgets_end_is_stopped_there_and_says_so(tmp_path, monkeypatch):
+    """The budget bounds the whole check: a phase that starts with less of it left than its own
+    limit runs under what is left, and a cut there names the budget, not the phase's limit."""
+    calls = []
+
+    def fake_run_phase(name, command, limit_s, result, log, env=None, limit_name="?"):
+        calls.append((name, limit_s, limit_name))
+        return {"name": name, "status": "failed", "seconds": limit_s, "figures": {},
+                "reason": f"timed out after {limit_s:.0f} s, {limit_name}"}  # fmt: skip
+
+    monkeypatch.setattr(gpu_check, "run_phase", fake_run_phase)
+    phase = next(p for p in gpu_check.PHASES if p.name == "overhead")
+    args = gpu_check.parse_args(["--tiny", "--budget", "30", "--phases", "overhead"])
+    (entry,) = gpu_check.check(args, cuda=False, logs=tmp_path)
+    ((name, limit, limit_name),) = calls
+    assert name == "overhead" and 25 < limit <= 30 < phase.tiny_limit_s
+    assert limit_name == "the end of the check's budget of 30 s (--budget)"
+    assert entry["reason"].endswith("the end of the check's budget of 30 s (--budget)")
+    calls.clear()
+    args = gpu_check.parse_args(["--tiny", "--budget", "900", "--phases", "overhead"])
+    gpu_check.check(args, cuda=False, logs=tmp_path)
+    assert calls == [("overhead", phase.tiny_limit_s, "the phase's limit")]
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
