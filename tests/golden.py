@@ -5,9 +5,13 @@ change when the library is reorganised (``tests/test_golden.py``).
     python -m tests.golden --record     # writes tests/fixtures/golden_runs.json
 
 Record only when a change is meant to change the numbers, and say so in the commit. The runs use
-one CPU thread, so that a reduction's order does not depend on the machine's core count; a machine
-whose CPU kernels differ (``torch.backends.cpu.get_cpu_capability()``) is compared within a
-relative 1e-5 instead of bit for bit.
+one CPU thread, so that a reduction's order does not depend on the machine's core count. On the
+machine kind they were recorded on (torch version and CPU kernels,
+``torch.backends.cpu.get_cpu_capability()``) they are compared bit for bit; on any other, within
+:data:`LOOSE`: over three rollouts, AVX2 kernels against AVX512 ones moved continuous figures by
+up to 4e-5 relative, figures that are rounding noise around 0 (KL quantiles, the largest
+violation) by up to 5e-7, and the mean support size, a count of tokens over a probability
+threshold, by 1.2e-3 relative.
 """
 
 from __future__ import annotations
@@ -47,6 +51,10 @@ BASE = [
 
 UNTIMED = ("time/", "memory/", "throughput/")
 """Logged figures that measure the machine, not the run."""
+
+LOOSE = {"rel": 2e-4, "abs": 1e-6, "counts": ("sparsity/support_",), "counts_rel": 1e-2}
+"""The comparison on a machine of another kind than the recording one: relative and absolute
+tolerances, and the figures that count tokens (a rounding flips one in or out), with theirs."""
 
 
 def fit(name: str, folder: Path) -> dict[str, Any]:
@@ -99,7 +107,7 @@ def differences(expected: dict[str, Any], got: dict[str, Any], exact: bool) -> l
     if exact and expected["weights_sha256"] != got["weights_sha256"]:
         found.append("the final weights differ (sha256)")
     for key in ("weights_sum", "weights_norm"):
-        if not math.isclose(expected[key], got[key], rel_tol=0 if exact else 1e-5):
+        if not math.isclose(expected[key], got[key], rel_tol=0 if exact else LOOSE["rel"]):
             found.append(f"{key}: {expected[key]!r} -> {got[key]!r}")
     want, have = expected["scalars"], got["scalars"]
     if set(want) != set(have):
@@ -107,9 +115,10 @@ def differences(expected: dict[str, Any], got: dict[str, Any], exact: bool) -> l
                      f"new {sorted(set(have) - set(want))}")  # fmt: skip
     for key in sorted(set(want) & set(have)):
         a, b = want[key], have[key]
+        rel = LOOSE["counts_rel"] if key.startswith(LOOSE["counts"]) else LOOSE["rel"]
         same = len(a) == len(b) and all(
             (x == y or (math.isnan(x) and math.isnan(y))) if exact
-            else math.isclose(x, y, rel_tol=1e-5, abs_tol=1e-8) or (math.isnan(x) and math.isnan(y))
+            else math.isclose(x, y, rel_tol=rel, abs_tol=LOOSE["abs"]) or (math.isnan(x) and math.isnan(y))
             for x, y in zip(a, b, strict=False)
         )  # fmt: skip
         if not same:

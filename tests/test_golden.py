@@ -33,3 +33,19 @@ def test_a_changed_number_is_found():
         "the final weights differ (sha256)",
         "logged figures: missing ['entropy'], new []",
     ]
+
+
+def test_elsewhere_the_loose_comparison_still_finds_a_change_past_its_tolerances():
+    """A machine of another kind than the recording one compares within ``golden.LOOSE``: a
+    figure moved by 1e-3 relative is found, one moved by 1e-4 is not; a token count (the
+    support) may move by 5e-3 but not by 2e-2."""
+    stored = json.loads(golden.FIXTURE.read_text())["runs"]["troll"]
+    for key, factor, found in [
+        ("grad_norm", 1 + 1e-4, False),
+        ("grad_norm", 1 + 1e-3, True),
+        ("sparsity/support_mean", 1 + 5e-3, False),
+        ("sparsity/support_mean", 1 + 2e-2, True),
+    ]:
+        changed = json.loads(json.dumps(stored))
+        changed["scalars"][key][0] *= factor
+        assert bool(golden.differences(stored, changed, exact=False)) is found, (key, factor)
