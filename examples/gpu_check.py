@@ -93,12 +93,12 @@ NAMES = [p.name for p in PHASES]
 # -- running phases -------------------------------------------------------------------------
 def run_phase(
     name: str, command: list[str], limit_s: float, result: Path, log: Path, env=None,
-    limit_name: str = "the phase's limit",
+    limit_name: str | None = None,
 ) -> dict:  # fmt: skip
     """Runs ``command`` (a phase's process, which writes its record to ``result``) under a time
     limit; returns the phase's entry of the report. A phase that exits with an error or outlives
     ``limit_s`` (its whole process group is then killed) is ``failed``, with the figures it had
-    recorded and the reason, which names the limit as ``limit_name`` says."""
+    recorded and the reason, which names the limit: ``limit_name``, or the phase's own."""
     entry: dict[str, Any] = {"name": name, "status": "failed", "seconds": 0.0, "limit_s": limit_s}
     start = time.monotonic()
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
@@ -117,7 +117,8 @@ def run_phase(
     record = _read(result)
     entry["figures"] = record.get("figures", {})
     if timed_out:
-        entry["reason"] = f"timed out after {limit_s:.0f} s, {limit_name}"
+        named = limit_name or "the phase's limit"
+        entry["reason"] = f"timed out after {limit_s:.0f} s, {named}"
     elif code != 0:
         entry["reason"] = record.get("error") or f"exited with {code}: {_tail(log)}"
     elif record.get("status") in ("ok", "skipped"):
@@ -169,6 +170,7 @@ def skipped(phase: Phase, reason: str) -> dict:
 def check(args: argparse.Namespace, cuda: bool, logs: Path) -> list[dict]:
     """Every selected phase in turn, each in its own process; returns their report entries."""
     entries, deadline = [], time.monotonic() + args.budget
+    budget = f"the check's budget of {args.budget:.0f} s (--budget)"
     selected = [p for p in PHASES if p.name in args.phases]
     for i, phase in enumerate(selected, 1):
         left = deadline - time.monotonic()
@@ -177,13 +179,12 @@ def check(args: argparse.Namespace, cuda: bool, logs: Path) -> list[dict]:
         elif not (cuda or args.tiny):
             entry = skipped(phase, "full shapes need a CUDA device; --tiny runs it on a CPU")
         elif left < 5:
-            entry = skipped(phase, f"the check's budget of {args.budget:.0f} s (--budget) ran out")
+            entry = skipped(phase, f"{budget} ran out")
         else:
             own_limit = phase.tiny_limit_s if args.tiny else phase.limit_s
             limit = min(own_limit, left)
             # The budget bounds the whole check: a phase that starts near its end is stopped there.
-            limit_name = ("the phase's limit" if limit == own_limit
-                          else f"the end of the check's budget of {args.budget:.0f} s (--budget)")  # fmt: skip
+            limit_name = None if limit == own_limit else f"the end of {budget}"
             command = [sys.executable, str(SCRIPT), "--worker", phase.name,
                        "--result", str(logs / f"{phase.name}.json")]  # fmt: skip
             command += ["--tiny"] if args.tiny else []
