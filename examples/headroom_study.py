@@ -3,6 +3,7 @@
     python examples/headroom_study.py --estimate                     # hours, then stop
     nohup python examples/headroom_study.py --phase pilot > p.log 2>&1 &
     nohup python examples/headroom_study.py --phase main --seeds 0 1 > a.log 2>&1 &   # a share
+    nohup python examples/headroom_study.py --phase main --seeds 4 --objectives troll > t.log 2>&1 &
     python examples/headroom_study.py --report                        # tables and plots so far
     python examples/headroom_study.py --dry-run --out /tmp/dry        # the machinery on TinyMath
 
@@ -142,6 +143,11 @@ def main_runs(args, lr: float) -> list[Run]:
     ]
 
 
+def to_train(args, lr: float) -> list[Run]:
+    """The main runs of ``--objectives`` on ``--seeds``; the report keeps every objective."""
+    return [r for r in main_runs(args, lr) if r.fields["objective"] in args.objectives]
+
+
 def grid(args, phase: str) -> Grid:
     def start() -> dict:
         base = pilot_runs(args)[0] if phase == "pilot" else main_runs(args, 1e-6)[0]
@@ -175,6 +181,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pilot-rollouts", type=int, default=20)
     p.add_argument("--pilot-lrs", type=float, nargs="+", default=[1e-6, 3e-6, 1e-5])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    p.add_argument(
+        "--objectives",
+        nargs="+",
+        choices=paper.OBJECTIVES,
+        default=paper.OBJECTIVES,
+        help="the objectives to train; one per process trains a seed's pair side by side",
+    )
     p.add_argument("--prior-seconds", type=float, default=90.0, help="s / rollout, no run done")
     p.add_argument("--phase", choices=("pilot", "main"), default="pilot")
     p.add_argument("--estimate", action="store_true", help="print the hours and stop")
@@ -207,7 +220,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 sys.exit(
                     "the main comparison needs every pilot finished, with an lr where both act"
                 )
-            grid(args, "main").run_all(main_runs(args, lr))
+            grid(args, "main").run_all(to_train(args, lr))
     report(args)
     return None
 

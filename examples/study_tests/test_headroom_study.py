@@ -124,3 +124,16 @@ def test_the_study_runs_its_pilot_then_its_main_comparison_on_tinymath(tmp_path,
     troll = next(r for r in records if r["name"] == "troll-lr0.001-s0")
     assert any(k.startswith("trust_region/by_advantage/") for k in troll["history"][-1])
     assert "| reward/mean | 1-2 |" in (out / "main" / "paired.md").read_text()
+
+
+def test_objectives_choose_the_runs_a_process_trains_and_the_report_keeps_both(tmp_path):
+    argv = ["--dry-run", "--out", str(tmp_path / "study"), "--seeds", "4", "1"]
+    both = study.parse_args(argv)
+    troll = study.parse_args([*argv, "--objectives", "troll"])
+    assert [r.name for r in study.to_train(both, 1e-5)] == [
+        "clip-lr1e-05-s4", "troll-lr1e-05-s4", "clip-lr1e-05-s1", "troll-lr1e-05-s1",
+    ]  # fmt: skip
+    assert [r.name for r in study.to_train(troll, 1e-5)] == ["troll-lr1e-05-s4", "troll-lr1e-05-s1"]
+    assert study.main_runs(troll, 1e-5) == study.main_runs(both, 1e-5)
+    with pytest.raises(SystemExit):
+        study.parse_args([*argv, "--objectives", "ppo"])
