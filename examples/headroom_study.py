@@ -181,13 +181,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pilot-rollouts", type=int, default=20)
     p.add_argument("--pilot-lrs", type=float, nargs="+", default=[1e-6, 3e-6, 1e-5])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
-    p.add_argument(
-        "--objectives",
-        nargs="+",
-        choices=paper.OBJECTIVES,
-        default=paper.OBJECTIVES,
-        help="the objectives to train; one per process trains a seed's pair side by side",
-    )
+    paper.add_objectives(p)
     p.add_argument("--prior-seconds", type=float, default=90.0, help="s / rollout, no run done")
     p.add_argument("--phase", choices=("pilot", "main"), default="pilot")
     p.add_argument("--estimate", action="store_true", help="print the hours and stop")

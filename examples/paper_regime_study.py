@@ -271,6 +271,13 @@ def report(args) -> None:
     compare_arms(records, common, args.out / "main")
 
 
+def add_objectives(p: argparse.ArgumentParser) -> None:
+    """The option ``--objectives`` of every study: what one process trains, so that processes
+    share a grid (each objective of a seed's pair in its own, side by side)."""
+    p.add_argument("--objectives", nargs="+", choices=OBJECTIVES, default=list(OBJECTIVES),
+                   help="the objectives to train; one process each shares the grid")  # fmt: skip
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, default=ROOT / "examples/results/smollm2/paper_regime")
@@ -281,7 +288,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--holdout", type=int, default=64, help="training rows the pilot holds out")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--dense-seeds", type=int, nargs="*", default=[0])
-    p.add_argument("--objectives", nargs="+", choices=OBJECTIVES, default=list(OBJECTIVES))
+    add_objectives(p)
     p.add_argument("--prior-seconds", type=float, default=90.0, help="s / rollout, no run done")
     p.add_argument("--cause-lr", type=float, default=1e-5, help="the lr of the cause tests")
     p.add_argument("--phase", choices=("pilot", "causes", "main", "all"), default="all",

@@ -114,13 +114,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rollouts", type=int, default=40, help="rollouts per run")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS))
-    p.add_argument(
-        "--objectives",
-        nargs="+",
-        choices=paper.OBJECTIVES,
-        default=paper.OBJECTIVES,
-        help="the objectives to run; one per process trains a seed's pair side by side",
-    )
+    paper.add_objectives(p)
     p.add_argument("--s0-here", action="store_true", help="run the arm s0 here")
     p.add_argument("--prior-seconds", type=float, default=90.0, help="s / rollout, no run done")
     p.add_argument("--estimate", action="store_true", help="print the hours and stop")
