@@ -243,6 +243,80 @@ def test_chunked_forward_keeps_no_vocabulary_sized_tensor(name):
     assert chunked == []
 
 
+def _troll_case(support: str):
+    """A chunked TROLL loss case: policy, inputs, targets, and the objective."""
+    policy, behaviour = llama(seed=0), llama(seed=1)
+    ids, attention, response = batch()
+    old_logprobs, old = behaviour_outputs(
+        behaviour, ids, attention, response, TEMPERATURE, sparse_old
+    )
+    targets = LossInputs(
+        tokens=ids[:, S:],
+        mask=response,
+        advantages=torch.randn(
+            len(PROMPT_LENGTHS), generator=torch.Generator().manual_seed(1)
+        ).double(),
+        old_logprobs=old_logprobs,
+        old=old,
+    )
+    objective = build_objective("troll", eps=0.0042, max_tokens=5, mass_delta=1e-3, support=support)
+    return policy, (ids, attention), targets, objective
+
+
+@pytest.mark.parametrize("support", ["official", "union"])
+def test_troll_checks_the_token_values_once_a_call_not_once_a_chunk(support, monkeypatch):
+    """The token ids are read on the device once per loss, not in each of the 5 chunks and again
+    in each chunk's recomputation in the backward pass; each chunk's projection skips them."""
+    policy, inputs, targets, objective = _troll_case(support)
+    checks, projected = [], []
+    check = objective.projection.check_tokens
+    monkeypatch.setattr(
+        objective.projection, "check_tokens", lambda *a: (checks.append(a[0].shape), check(*a))
+    )
+    forward = objective.projection.forward
+
+    def spy(*args, **kwargs):
+        projected.append(kwargs.get("check_values", True))
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(objective.projection, "forward", spy)
+    loss, stats, grads = _loss_and_grads(objective, policy, inputs, targets, 4)
+    assert checks == [(N,)]  # once, on all N response tokens
+    assert projected == [False] * 10  # 5 chunks of 4 rows, each recomputed for the backward
+    assert 0 < stats.active_frac < 1 and all(g.isfinite().all() for g in grads)
+
+
+def test_troll_refuses_bad_token_values_before_projecting_a_chunk(monkeypatch):
+    """Out-of-range ids, and (support official) old rows without their sampled token, are refused
+    with the projection's messages before any chunk's logits are made."""
+    policy, inputs, targets, objective = _troll_case("official")
+    hidden = response_hidden(policy, *inputs, T)
+    head = linear_head(policy)
+    made = []
+    monkeypatch.setattr(objective, "_hidden_terms", lambda *a, **k: made.append(1))
+    bad = targets.tokens.clone()
+    bad[0, 0] = V + 3
+    with pytest.raises(
+        ValueError,
+        match=rf"tokens must hold token ids in \[0, {V}\); got values in \[\d+, {V + 3}\]",
+    ):
+        objective.forward_hidden(
+            hidden, head, TEMPERATURE, replace(targets, tokens=bad), chunk_size=4
+        )
+    # the old policy's top token only: most rows lack their sampled token
+    rows = response_logits(llama(seed=1), *inputs, T, TEMPERATURE)[targets.mask]
+    lacking = replace(targets, old=sparsify(rows, max_tokens=1, mass_delta=0.0))
+    with pytest.raises(
+        ValueError,
+        match=r"support='official' projects on the old policy's kept tokens, which must hold the sampled token",
+    ):
+        objective.forward_hidden(hidden, head, TEMPERATURE, lacking, chunk_size=4)
+    assert made == []
+    # the layer on its own refuses the same rows
+    with pytest.raises(ValueError, match=r"must hold the sampled token"):
+        objective.projection(rows, lacking.old, targets.tokens[targets.mask])
+
+
 def test_forward_hidden_checks_its_options():
     objective = build_objective("clip")
     hidden, mask = torch.zeros(2, 3, H), torch.ones(2, 3, dtype=torch.bool)

@@ -208,7 +208,9 @@ class PolicyObjective(nn.Module):
         """
         self._check_inputs("logits", logits, inputs)
         mask = inputs.mask
-        terms = self._row_terms(logits[mask], inputs.tokens[mask], inputs.old)  # rows (N, V)
+        tokens = inputs.tokens[mask]  # (N,)
+        self._check_rows(tokens, inputs.old, logits.shape[-1])
+        terms = self._row_terms(logits[mask], tokens, inputs.old)  # rows (N, V)
         return self._aggregate(terms, inputs)
 
     @_takes_loss_inputs
@@ -244,8 +246,10 @@ class PolicyObjective(nn.Module):
         rows = old.shape[0] if isinstance(old, Tensor) else getattr(old, "num_rows", n)
         if rows != n:
             raise ValueError(f"old must have one row per response token, N = {n}; got {rows} rows")
+        tokens = inputs.tokens[mask]  # (N,)
+        self._check_rows(tokens, old, None)
         row_terms = partial(self._hidden_terms, head=head, temperature=temperature)
-        parts = map_row_chunks(row_terms, hidden[mask], chunk_size, inputs.tokens[mask], old)
+        parts = map_row_chunks(row_terms, hidden[mask], chunk_size, tokens, old)
         return self._aggregate(TokenTerms.cat(parts), inputs)
 
     # The row stage: (n, V) logit rows -> per-token terms ------------------------------------------
@@ -336,6 +340,10 @@ class PolicyObjective(nn.Module):
     def _token_stats(self, terms: TokenTerms) -> dict:
         """Objective-specific statistics from the concatenated per-token terms."""
         return {}
+
+    def _check_rows(self, tokens: Tensor, old: object, vocab: int | None) -> None:
+        """Checks the response tokens (N,) and ``old`` once per call, before the row stage
+        splits them into chunks (``vocab``: V, None where only ``old`` knows it)."""
 
     # -----------------------------------------------------------------------------------------
     def _check_inputs(self, what: str, values: Tensor, inputs: LossInputs) -> None:

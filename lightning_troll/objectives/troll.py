@@ -79,13 +79,25 @@ class TrollObjective(PolicyObjective):
     def extra_repr(self) -> str:
         return f"alpha={self.alpha}"
 
-    def _token_terms(self, rows, tokens, old) -> TokenTerms:
+    def _check_rows(self, tokens, old, vocab) -> None:
+        """The projection's checks of the token ids, once for the whole batch: one wait on the
+        device per call, where each chunk (and its recomputation in the backward pass) would
+        wait again."""
         if old is None:
             raise ValueError("TrollObjective needs old: the behaviour policy's SparseDistribution")
         if isinstance(old, HiddenRows):
             with torch.no_grad():
+                old = old.select(slice(0, 0)).logits()  # (0, V): the vocabulary, no rows
+        if vocab is None:
+            vocab = old.shape[-1] if isinstance(old, torch.Tensor) else old.vocab_size
+        self.projection.check_tokens(tokens, old, vocab)
+
+    def _token_terms(self, rows, tokens, old) -> TokenTerms:
+        if isinstance(old, HiddenRows):
+            with torch.no_grad():
                 old = old.logits()  # (n, V)
-        result = self.projection(rows, old, tokens)
+        # The per-row shape checks run here; the token values were checked in _check_rows.
+        result = self.projection(rows, old, tokens, check_values=False)
         return TokenTerms(
             result.logprob,
             result.new_logprob,

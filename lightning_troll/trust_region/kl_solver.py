@@ -256,12 +256,17 @@ def project_log_probs(
         kl_before = kl_terms(a.detach(), b)[2]  # (M,)
         active = kl_before > eps  # (M,)
         infeasible = active & (kl_floor(a.detach(), b) >= eps)  # (M,)
-        rows = (active & ~infeasible).nonzero().squeeze(-1)  # (m,)
+        feasible = active & ~infeasible  # (M,)
+        # Both counts in one scalar read, one wait on the device: with them known, the rows are
+        # found without another (nonzero_static), and a batch with no infeasible row skips them.
+        base = feasible.numel() + 1
+        m, r = divmod(int(feasible.sum() * base + infeasible.sum()), base)
+        rows = torch.nonzero_static(feasible, size=m).squeeze(-1)  # (m,)
     eta = torch.zeros_like(kl_before)
     logp_out, kl_after = a, kl_before
-    if bool(infeasible.any()):
+    if r:
         with torch.no_grad():
-            bad = infeasible.nonzero().squeeze(-1)  # (r,)
+            bad = torch.nonzero_static(infeasible, size=r).squeeze(-1)  # (r,)
             limit = limit_log_probs(a[bad].detach(), b[bad])  # (r, C)
             kl_limit = kl_terms(limit, b[bad])[2]  # (r,) the floor
         logp_out = a.index_put((bad,), limit)

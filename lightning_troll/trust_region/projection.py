@@ -57,12 +57,16 @@ from lightning_troll.trust_region.sparse import (
     check_tokens,
     compute_dtype,
     sparsify,
+    token_range_error,
+    tokens_out_of_range,
 )
 from lightning_troll.trust_region.supports import (
+    OFFICIAL_NEEDS_TOKEN,
     SUPPORTS,
     check_support,
     dense_rows,
     kl_projection,
+    misses_sampled_token,
     official_rows,
 )
 from lightning_troll.trust_region.union import lumped_problem, union_rows
@@ -115,6 +119,15 @@ class ProjectionResult:
 def _check_eps(eps: float) -> None:
     if not (isinstance(eps, (int, float)) and eps > 0):  # also rejects NaN
         raise ValueError(f"eps must be a number > 0 (the KL bound); got {eps!r}")
+
+
+def _check_old_rows(old: SparseDistribution, n: int, vocab: int) -> None:
+    """Refuses sparse old rows that are not one per row over the vocabulary ``vocab``."""
+    if old.num_rows != n or old.vocab_size != vocab:
+        raise ValueError(
+            f"old must have one row per row of new_logits and their vocabulary: (N, V) = "
+            f"({n}, {vocab}); got {old.num_rows} rows over a vocabulary of {old.vocab_size}"
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -197,6 +210,8 @@ class TrustRegionProjection(nn.Module):
         old: SparseDistribution | Tensor,
         tokens: Tensor,
         mask: Tensor | None = None,
+        *,
+        check_values: bool = True,
     ) -> ProjectionResult:
         """Projects every row (or every row where ``mask`` is True).
 
@@ -207,8 +222,14 @@ class TrustRegionProjection(nn.Module):
             tokens: ``(N,)`` the sampled token of each row.
             mask: optional ``(N,)`` bool; rows where it is False are skipped (their results are 0
                 and they get no gradient), so padding never produces NaNs.
+            check_values: run :meth:`check_tokens`, which reads the tokens on the device (a host
+                synchronisation). A caller that projects a batch chunk by chunk checks it once
+                and passes False, as :class:`~lightning_troll.objectives.TrollObjective` does
+                every step.
         """
         self._check_inputs(new_logits, old, tokens, mask)
+        if check_values:
+            self.check_tokens(tokens, old, new_logits.shape[1])
         if mask is None:
             return self._dispatch(new_logits, old, tokens)
         rows = mask.nonzero().squeeze(-1)  # (n,)
@@ -229,9 +250,12 @@ class TrustRegionProjection(nn.Module):
         tokens: Tensor,
         mask: Tensor | None,
         dense: bool | None = None,
+        values: bool = False,
     ) -> None:
         """Refuses inputs of the wrong kind or shape; ``dense`` (default: this layer's support)
-        says whether ``old`` must be (N, V) logits rather than sparse rows."""
+        says whether ``old`` must be (N, V) logits rather than sparse rows, ``values`` whether
+        the tokens' range is checked too (a wait on the device; :meth:`check_tokens` checks it
+        for :meth:`forward`)."""
         if new_logits.dim() != 2:
             raise ValueError(f"new_logits must be (N, V); got shape {tuple(new_logits.shape)}")
         n, vocab = new_logits.shape
@@ -249,20 +273,45 @@ class TrustRegionProjection(nn.Module):
                     f"{new_logits.device}; got {tuple(old.shape)} on {old.device}"
                 )
             compute_dtype(old)
-        elif old.num_rows != n or old.vocab_size != vocab:
-            raise ValueError(
-                f"old must have one row per row of new_logits and their vocabulary: (N, V) = "
-                f"({n}, {vocab}); got {old.num_rows} rows over a vocabulary of {old.vocab_size}"
-            )
+        else:
+            _check_old_rows(old, n, vocab)
         if not isinstance(old, Tensor) and old.indices.device != new_logits.device:
             raise ValueError(
                 f"old is on {old.indices.device} but new_logits on {new_logits.device}"
             )
-        check_tokens(tokens, n, vocab, new_logits.device, "tokens")
+        check_tokens(tokens, n, vocab, new_logits.device, "tokens", values)
         if mask is not None and (mask.shape != (n,) or mask.dtype != torch.bool):
             raise ValueError(
                 f"mask must be a ({n},) bool tensor; got {tuple(mask.shape)} {mask.dtype}"
             )
+
+    @torch.no_grad()
+    def check_tokens(self, tokens: Tensor, old: SparseDistribution | Tensor, vocab: int) -> None:
+        """Refuses token ids outside ``[0, vocab)`` and, with ``support='official'``, old rows
+        that lack their sampled token; both read in one wait on the device.
+
+        Args:
+            tokens: ``(N,)`` the sampled tokens (their shape, dtype and device checked already).
+            old: as in :meth:`forward`.
+            vocab: the vocabulary size V.
+        """
+        if tokens.numel() == 0:
+            return
+        # official rows must hold their token; old of the wrong kind or device is refused by
+        # forward's own checks
+        official = (
+            self.support == "official"
+            and isinstance(old, SparseDistribution)
+            and old.indices.device == tokens.device
+        )
+        if official:
+            _check_old_rows(old, tokens.shape[0], vocab)
+        out_of_range = tokens_out_of_range(tokens, vocab)
+        bad = out_of_range | misses_sampled_token(old, tokens) if official else out_of_range
+        if bool(bad):  # the one wait; which check failed is read only then
+            if bool(out_of_range):
+                raise token_range_error(tokens, vocab, "tokens")
+            raise ValueError(OFFICIAL_NEEDS_TOKEN)
 
     @torch.no_grad()
     def kl_to_old(self, new_logits: Tensor, old: SparseDistribution, tokens: Tensor) -> Tensor:
@@ -271,7 +320,7 @@ class TrustRegionProjection(nn.Module):
 
         Arguments as in :meth:`forward` (no mask); no gradient.
         """
-        self._check_inputs(new_logits, old, tokens, None, dense=False)
+        self._check_inputs(new_logits, old, tokens, None, dense=False, values=True)
         lumped = lumped_problem(self, new_logits, old, tokens, compute_dtype(new_logits))
         return kl_terms(lumped.a, lumped.b)[2]
 

@@ -129,18 +129,36 @@ def compute_dtype(t: Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
-def check_tokens(tokens: Tensor, n: int, vocab: int, device: torch.device, name: str) -> None:
+def check_tokens(
+    tokens: Tensor, n: int, vocab: int, device: torch.device, name: str, values: bool = True
+) -> None:
+    """Refuses ``tokens`` unless they are ``(n,)`` int64 ids on ``device``, in ``[0, vocab)``.
+
+    The range is the one check that reads the tokens' values, a wait on the device;
+    ``values=False`` leaves it to the caller (:func:`tokens_out_of_range`, :func:`token_range_error`).
+    """
     if tokens.shape != (n,):
         raise ValueError(f"{name} must be ({n},), one token id per row; got {tuple(tokens.shape)}")
     if tokens.dtype != torch.long:
         raise ValueError(f"{name} must hold int64 token ids; got dtype {tokens.dtype}")
     if tokens.device != device:
         raise ValueError(f"{name} is on {tokens.device} but the logits are on {device}")
-    if n and bool(((tokens < 0) | (tokens >= vocab)).any()):  # one wait on the device, not two
-        raise ValueError(
-            f"{name} must hold token ids in [0, {vocab}); got values in "
-            f"[{int(tokens.min())}, {int(tokens.max())}]"
-        )
+    if values and n and bool(tokens_out_of_range(tokens, vocab)):
+        raise token_range_error(tokens, vocab, name)
+
+
+def tokens_out_of_range(tokens: Tensor, vocab: int) -> Tensor:
+    """() bool on the tokens' device: whether any id lies outside ``[0, vocab)``; one reduction,
+    so reading it is one wait on the device, not two."""
+    return ((tokens < 0) | (tokens >= vocab)).any()
+
+
+def token_range_error(tokens: Tensor, vocab: int, name: str) -> ValueError:
+    """The error for ``tokens`` (named ``name``) holding ids outside ``[0, vocab)``."""
+    return ValueError(
+        f"{name} must hold token ids in [0, {vocab}); got values in "
+        f"[{int(tokens.min())}, {int(tokens.max())}]"
+    )
 
 
 def top_tokens(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:

@@ -44,6 +44,18 @@ def check_support(support: str) -> str:
     return support
 
 
+def misses_sampled_token(old: SparseDistribution, tokens: Tensor) -> Tensor:
+    """() bool on the rows' device: whether some old row lacks its sampled token, which the
+    ``official`` support needs in every row (:data:`OFFICIAL_NEEDS_TOKEN`)."""
+    return ~((old.indices == tokens.unsqueeze(-1)) & old.mask).any(-1).all()
+
+
+OFFICIAL_NEEDS_TOKEN = (
+    "support='official' projects on the old policy's kept tokens, which must hold the sampled "
+    "token: cache the old rows with sparsify(..., keep=tokens)"
+)
+
+
 def _token_terms(a: Tensor, b: Tensor, logp: Tensor, eta: Tensor, pos: Tensor):
     """The sampled token's projected, new and old log-probs (n,) and the regression KL (n,)
     KL(pi_new || sg(pi_proj)) of rows of (n, C) log-probs, the token in column ``pos`` (n,)."""
@@ -63,7 +75,8 @@ def official_rows(
 
     Args:
         x: ``(n, V)`` new logits, differentiable.
-        old: the old policy's sparse rows; each must hold its row's sampled token.
+        old: the old policy's sparse rows; each must hold its row's sampled token (the layer
+            checks it, :func:`misses_sampled_token`, not this function).
         tokens: ``(n,)`` the sampled tokens.
         eps: ``(n,)`` the bound, in the compute dtype.
         compiled: the root finder compiled (:func:`~lightning_troll.trust_region.kl_solver.solve_eta`).
@@ -74,11 +87,6 @@ def official_rows(
     dtype = eps.dtype
     valid = old.mask  # (n, K)
     is_token = (old.indices == tokens.unsqueeze(-1)) & valid  # (n, K)
-    if not bool(is_token.any(-1).all()):
-        raise ValueError(
-            "support='official' projects on the old policy's kept tokens, which must hold the "
-            "sampled token: cache the old rows with sparsify(..., keep=tokens)"
-        )
     index = torch.where(valid, old.indices, old.indices[:, :1])  # (n, K) padding repeats a kept id
     x_s = x.gather(-1, index).to(dtype).masked_fill(~valid, _NEG_INF)  # (n, K)
     a = x_s - x_s.logsumexp(-1, keepdim=True)  # (n, K) new, renormalised on S_old

@@ -130,7 +130,9 @@ def union_rows(
     token_logp = logp.gather(-1, pos).squeeze(-1)  # (n,)
     token_a = a.gather(-1, pos).squeeze(-1)  # (n,)
     token_b = b.gather(-1, pos).squeeze(-1)  # (n,)
-    if not bool(in_u.all()):  # keep_token=False: some tokens lie in the rest bucket
+    # keep_token=False: some tokens may lie in the rest bucket (with keep_token U holds every
+    # sampled token, so the question, a wait on the device, is not asked)
+    if not rule.keep_token and not bool(in_u.all()):
         rows = (~in_u).nonzero().squeeze(-1)  # (r,)
         x_r = x[rows].to(dtype)  # (r, V)
         a_tok = x_r.gather(-1, tokens[rows].unsqueeze(-1)).squeeze(-1) - x_r.logsumexp(-1)
