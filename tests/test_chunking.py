@@ -286,6 +286,72 @@ def test_troll_checks_the_token_values_once_a_call_not_once_a_chunk(support, mon
     assert 0 < stats.active_frac < 1 and all(g.isfinite().all() for g in grads)
 
 
+def test_the_recomputed_chunks_take_eta_from_the_forward_pass(monkeypatch):
+    """Under checkpointing the backward pass recomputes each chunk; the root finder runs in the
+    forward pass only, and the loss and every gradient equal, bit for bit, those of recomputing
+    eta* as well."""
+    from contextlib import nullcontext
+
+    import lightning_troll.trust_region.kl_solver as kl_solver
+    from lightning_troll.objectives import chunking
+
+    policy, inputs, targets, objective = _troll_case("official")
+    solves = []
+    solve = kl_solver.solve_eta
+    monkeypatch.setattr(kl_solver, "solve_eta", lambda *a: (solves.append(1), solve(*a))[1])
+    loss, stats, grads = _loss_and_grads(objective, policy, inputs, targets, 4)
+    replayed_solves = len(solves)
+
+    class Recompute:  # no replay: the recomputation solves again
+        def contexts(self):
+            return nullcontext(), nullcontext()
+
+    monkeypatch.setattr(chunking, "Replay", Recompute)
+    solves.clear()
+    loss_2, stats_2, grads_2 = _loss_and_grads(objective, policy, inputs, targets, 4)
+    assert 0 < stats.active_frac < 1
+    assert 1 <= replayed_solves <= 5  # at most once per chunk of 4 of the N = 18 rows
+    assert len(solves) == 2 * replayed_solves
+    assert torch.equal(loss, loss_2)
+    assert all(torch.equal(g, g_2) for g, g_2 in zip(grads, grads_2, strict=True))
+    assert torch.equal(stats.projection.eta, stats_2.projection.eta)
+
+
+def test_replay_records_once_and_replays_in_order_even_twice():
+    """A value through ``replayed`` is computed in the forward pass only; a second backward pass
+    (``retain_graph``) replays it again; a recomputation that asks for more values is refused."""
+    from torch.utils.checkpoint import checkpoint
+
+    from lightning_troll.trust_region.replay import Replay, replayed
+
+    computed = []
+
+    def fn(x):
+        scale = replayed(lambda: computed.append(1) or float(x.detach().sum()))
+        return (x * scale).square()  # saves x * scale: the backward pass recomputes it
+
+    x = torch.tensor([1.0, 2.0], requires_grad=True)
+    replay = Replay()
+    y = checkpoint(fn, x, use_reentrant=False, context_fn=replay.contexts)
+    y.sum().backward(retain_graph=True)
+    assert computed == [1] and replay.values == [3.0]
+    assert x.grad.tolist() == [18.0, 36.0]  # d(3x)^2/dx = 18x, the scale held constant
+    y.sum().backward()
+    assert computed == [1] and x.grad.tolist() == [36.0, 72.0]
+    assert replayed(lambda: 7) == 7  # outside a chunk it just computes
+
+    calls = iter([1, 2])
+
+    def growing(x):  # asks for a second value only when recomputed
+        return (x * sum(replayed(lambda: 1.0) for _ in range(next(calls)))).square()
+
+    z = checkpoint(growing, x, use_reentrant=False, context_fn=Replay().contexts)
+    with pytest.raises(
+        RuntimeError, match=r"asked for more values than its forward pass computed \(1\)"
+    ):
+        z.sum().backward()
+
+
 def test_troll_refuses_bad_token_values_before_projecting_a_chunk(monkeypatch):
     """Out-of-range ids, and (support official) old rows without their sampled token, are refused
     with the projection's messages before any chunk's logits are made."""

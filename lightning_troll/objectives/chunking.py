@@ -18,6 +18,8 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from lightning_troll.trust_region.replay import Replay
+
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
     "HiddenRows",
@@ -83,7 +85,9 @@ def map_row_chunks(fn: Callable[..., T], rows: Tensor, size: int | None, *per_ro
     ``SparseDistribution``), or None (passed on as None). With several chunks and autograd
     recording, each call runs under ``torch.utils.checkpoint``: the forward keeps only the
     chunk's inputs and outputs, and the backward recomputes one chunk at a time, so no more than
-    one chunk's ``(n, V)`` intermediates exist at once. ``fn`` must be deterministic.
+    one chunk's ``(n, V)`` intermediates exist at once. ``fn`` must be deterministic; what it
+    computes through :func:`~lightning_troll.trust_region.replay.replayed` (the projection's
+    eta*) the recomputation takes from the forward pass.
     """
     chunks = row_chunks(rows.shape[0], size)
     checkpointed = len(chunks) > 1 and torch.is_grad_enabled()
@@ -91,7 +95,8 @@ def map_row_chunks(fn: Callable[..., T], rows: Tensor, size: int | None, *per_ro
     for part in chunks:
         args = [rows[part], *(_take(a, part) for a in per_row)]
         if checkpointed:
-            results.append(checkpoint(fn, *args, use_reentrant=False))
+            replay = Replay()
+            results.append(checkpoint(fn, *args, use_reentrant=False, context_fn=replay.contexts))
         else:
             results.append(fn(*args))
     return results

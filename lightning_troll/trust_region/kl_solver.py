@@ -23,6 +23,8 @@ import warnings
 import torch
 from torch import Tensor
 
+from lightning_troll.trust_region.replay import replayed
+
 _NEG_INF = float("-inf")
 # Newton iterations on log(eta) converge in a handful of steps; the bracket halving that
 # safeguards them needs at most ~45 steps to reach float64 resolution from a width of 3.
@@ -259,8 +261,10 @@ def project_log_probs(
         feasible = active & ~infeasible  # (M,)
         # Both counts in one scalar read, one wait on the device: with them known, the rows are
         # found without another (nonzero_static), and a batch with no infeasible row skips them.
+        # A recomputation of this chunk for the backward pass takes them, and eta*, from the
+        # forward pass instead (replayed), with no wait at all.
         base = feasible.numel() + 1
-        m, r = divmod(int(feasible.sum() * base + infeasible.sum()), base)
+        m, r = replayed(lambda: divmod(int(feasible.sum() * base + infeasible.sum()), base))
         rows = torch.nonzero_static(feasible, size=m).squeeze(-1)  # (m,)
     eta = torch.zeros_like(kl_before)
     logp_out, kl_after = a, kl_before
@@ -276,7 +280,7 @@ def project_log_probs(
         return logp_out, eta, kl_before, kl_after
 
     a_act, b_act = a[rows], b[rows]  # (m, C)
-    eta_act = solve_eta(a_act.detach(), b_act, eps[rows], compiled)  # (m,)
+    eta_act = replayed(lambda: solve_eta(a_act.detach(), b_act, eps[rows], compiled))  # (m,)
     # log pi at eta*, differentiable in a with eta held fixed ...
     logp = log_interpolate(a_act, b_act, eta_act)  # (m, C)
     p, u, kl = kl_terms(logp, b_act)  # kl depends on a through p and u
