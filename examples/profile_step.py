@@ -3,8 +3,9 @@
 Builds the snapshot and a policy moved away from it (``--perturb``, as the GPU check's overhead
 phase does), times ``--repeats`` steps of each objective in turn, then profiles one step of each
 and prints, per objective, the median step time, the number of operator calls and of host
-synchronisations (on CUDA: kernel launches and ``cudaStreamSynchronize``; on a CPU: ATen calls
-and scalar reads, ``aten::_local_scalar_dense``), and the profiler's tables.
+synchronisations (on CUDA: kernel launches and ``cudaStreamSynchronize``; on a CPU: ATen calls,
+and the operators that wait on a GPU, scalar reads ``aten::_local_scalar_dense`` and
+``aten::nonzero``, which indexing with a boolean mask runs too), and the profiler's tables.
 
 On a GPU the step of a small model is bound by the host when an objective launches many small
 kernels or waits on the device often; the counts say so on any machine, since they do not depend
@@ -38,7 +39,7 @@ from gpu_models import (  # noqa: E402
 OBJECTIVES = ("clip", "troll")
 LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx")
 CUDA_SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize")
-CPU_SYNCS = ("aten::_local_scalar_dense",)
+CPU_SYNCS = ("aten::_local_scalar_dense", "aten::nonzero")
 
 
 def counts(events, cuda: bool) -> dict[str, int]:

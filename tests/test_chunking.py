@@ -317,6 +317,45 @@ def test_the_recomputed_chunks_take_eta_from_the_forward_pass(monkeypatch):
     assert torch.equal(stats.projection.eta, stats_2.projection.eta)
 
 
+class _Waits(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the operators that make the host wait on a GPU: scalar reads, nonzero, and
+    indexing with a boolean mask (which runs a nonzero)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
+        boolean = name in ("index", "index_put", "index_put_", "_index_put_impl_") and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1] if i is not None
+        )
+        if boolean or name in ("_local_scalar_dense", "nonzero", "masked_select"):
+            self.calls.append("boolean index" if boolean else name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("name", ["clip", "troll"])
+def test_the_loss_finds_the_response_tokens_once_and_its_backward_never_waits(name):
+    """One nonzero finds the N response tokens; no boolean mask indexes a tensor; clipping's loss
+    reads no scalar; TROLL's backward pass (which recomputes its 5 chunks) reads none either."""
+    policy, inputs, targets, objective = _troll_case("official")
+    if name == "clip":
+        objective = build_objective("clip")
+    hidden = response_hidden(policy, *inputs, T)
+    head = linear_head(policy)
+    with _Waits() as forward:
+        loss, stats = objective.forward_hidden(hidden, head, TEMPERATURE, targets, chunk_size=4)
+    with _Waits() as backward:
+        loss.backward()
+    assert forward.calls.count("nonzero") == 1 and "boolean index" not in forward.calls
+    assert backward.calls == []
+    if name == "clip":
+        assert forward.calls == ["nonzero"]
+    else:  # the token check, then per chunk the row counts and the root finder's checks
+        assert stats.active_frac > 0 and forward.calls.count("_local_scalar_dense") >= 6
+
+
 def test_replay_records_once_and_replays_in_order_even_twice():
     """A value through ``replayed`` is computed in the forward pass only; a second backward pass
     (``retain_graph``) replays it again; a recomputation that asks for more values is refused."""

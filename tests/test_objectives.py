@@ -530,3 +530,23 @@ def test_a_rollouts_loss_inputs_give_the_loss_of_inputs_built_by_hand(name):
     got_loss, got_stats = objective.forward_hidden(hidden, head, 0.7, from_rollout, chunk_size=4)
     assert torch.equal(got_loss, loss)
     _assert_equal_stats(got_stats, stats)
+
+
+def test_response_tokens_take_and_scatter_as_the_boolean_mask_does():
+    from lightning_troll.objectives.aggregation import ResponseTokens
+
+    _, inputs = rollout()
+    mask = inputs.mask  # sequences of lengths 6, 5, 4, 3
+    values = torch.randn(*mask.shape, 3, dtype=torch.float64, requires_grad=True)
+    response = ResponseTokens.of(mask)
+    assert response.count == 18 and response.index.dtype == torch.long
+    assert torch.equal(response.take(values), values[mask])
+    assert torch.equal(response.take(inputs.tokens), inputs.tokens[mask])
+    taken = response.take(values)[:, 0]  # (N,)
+    scattered = response.scatter(taken)
+    assert scattered.shape == mask.shape
+    assert torch.equal(scattered[mask], values[mask][:, 0]) and (scattered[~mask] == 0).all()
+    scattered.sum().backward()
+    assert torch.equal(values.grad[..., 0], mask.double()) and (values.grad[..., 1:] == 0).all()
+    empty = ResponseTokens.of(torch.zeros(2, 3, dtype=torch.bool))
+    assert empty.count == 0 and empty.scatter(torch.zeros(0)).abs().sum() == 0

@@ -9,6 +9,9 @@ Three registries the objectives choose from by name (``LossConfig`` in YAML):
   sequence (GSPO);
 - ``REF_KL_ESTIMATORS``: per-token estimates of KL(pi || pi_ref) (k1, k3).
 
+:class:`ResponseTokens` takes the response tokens' values out of ``(B, T)`` tensors and puts them
+back.
+
 Notation: B sequences, T response positions (padded); ``mask`` (B, T) marks response tokens.
 Nothing here imports Lightning or transformers.
 """
@@ -16,6 +19,7 @@ Nothing here imports Lightning or transformers.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -28,6 +32,7 @@ __all__ = [
     "K3_MAX",
     "REF_KL_ESTIMATORS",
     "SEQUENCE_LOG_RATIO_MAX",
+    "ResponseTokens",
     "k3",
     "seq_mean_token_mean",
     "seq_mean_token_sum_norm",
@@ -35,6 +40,41 @@ __all__ = [
     "token_mean",
     "token_ratio",
 ]
+
+
+@dataclass(frozen=True)
+class ResponseTokens:
+    """The N response tokens of a ``(B, T)`` mask as one flat index, in the mask's row-major order
+    (that of ``values[mask]``).
+
+    Finding them is one wait on the device; taking values out (:meth:`take`) and putting them
+    back (:meth:`scatter`) then needs none, in the forward pass or the backward. Indexing with
+    the boolean mask itself would wait every time, and on a GPU each wait stalls the queue.
+    """
+
+    mask: Tensor
+    """(B, T) bool, True at response tokens."""
+    index: Tensor
+    """(N,) int64 positions of the response tokens in ``mask.flatten()``."""
+
+    @classmethod
+    def of(cls, mask: Tensor) -> ResponseTokens:
+        return cls(mask, mask.flatten().nonzero().squeeze(-1))
+
+    @property
+    def count(self) -> int:
+        """N, known on the host."""
+        return self.index.shape[0]
+
+    def take(self, values: Tensor) -> Tensor:
+        """(B, T, ...) -> (N, ...): the response tokens' values, ``values[mask]``."""
+        return values.flatten(0, 1)[self.index]
+
+    def scatter(self, values: Tensor) -> Tensor:
+        """(N,) -> (B, T): the values at the response tokens, zeros elsewhere."""
+        flat = values.new_zeros(self.mask.numel()).index_put((self.index,), values)
+        return flat.view(self.mask.shape)
+
 
 # --------------------------------------------------------------------------------------------
 # Aggregation: (B, T) per-token values -> scalar

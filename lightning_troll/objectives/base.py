@@ -39,6 +39,7 @@ from lightning_troll.objectives.aggregation import (
     AGGREGATIONS,
     IMPORTANCE_LEVELS,
     REF_KL_ESTIMATORS,
+    ResponseTokens,
 )
 from lightning_troll.objectives.chunking import (
     DEFAULT_CHUNK_SIZE,
@@ -207,11 +208,11 @@ class PolicyObjective(nn.Module):
                 reference) policy's view of them: :class:`LossInputs`.
         """
         self._check_inputs("logits", logits, inputs)
-        mask = inputs.mask
-        tokens = inputs.tokens[mask]  # (N,)
+        response = ResponseTokens.of(inputs.mask)
+        tokens = response.take(inputs.tokens)  # (N,)
         self._check_rows(tokens, inputs.old, logits.shape[-1])
-        terms = self._row_terms(logits[mask], tokens, inputs.old)  # rows (N, V)
-        return self._aggregate(terms, inputs)
+        terms = self._row_terms(response.take(logits), tokens, inputs.old)  # rows (N, V)
+        return self._aggregate(terms, inputs, response)
 
     @_takes_loss_inputs
     def forward_hidden(
@@ -241,16 +242,16 @@ class PolicyObjective(nn.Module):
         check_chunk_size(chunk_size, "chunk_size")
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0; got {temperature!r}")
-        mask, old = inputs.mask, inputs.old
-        n = int(mask.sum())
+        response, old = ResponseTokens.of(inputs.mask), inputs.old
+        n = response.count
         rows = old.shape[0] if isinstance(old, Tensor) else getattr(old, "num_rows", n)
         if rows != n:
             raise ValueError(f"old must have one row per response token, N = {n}; got {rows} rows")
-        tokens = inputs.tokens[mask]  # (N,)
+        tokens = response.take(inputs.tokens)  # (N,)
         self._check_rows(tokens, old, None)
         row_terms = partial(self._hidden_terms, head=head, temperature=temperature)
-        parts = map_row_chunks(row_terms, hidden[mask], chunk_size, tokens, old)
-        return self._aggregate(TokenTerms.cat(parts), inputs)
+        parts = map_row_chunks(row_terms, response.take(hidden), chunk_size, tokens, old)
+        return self._aggregate(TokenTerms.cat(parts), inputs, response)
 
     # The row stage: (n, V) logit rows -> per-token terms ------------------------------------------
     def _hidden_terms(self, hidden, tokens, old, *, head, temperature) -> TokenTerms:
@@ -265,18 +266,18 @@ class PolicyObjective(nn.Module):
         return replace(terms, entropy=entropy)
 
     # The aggregation stage: (N,) terms -> loss and statistics -----------------------------------
-    def _aggregate(self, terms: TokenTerms, inputs: LossInputs) -> tuple[Tensor, ObjectiveStats]:
+    def _aggregate(
+        self, terms: TokenTerms, inputs: LossInputs, response: ResponseTokens
+    ) -> tuple[Tensor, ObjectiveStats]:
         mask, ref_logprobs = inputs.mask, inputs.ref_logprobs
-
-        def scatter(values: Tensor) -> Tensor:  # (N,) -> (B, T), zeros at padding
-            return values.new_zeros(mask.shape).index_put((mask,), values)
+        scatter = response.scatter  # (N,) -> (B, T), zeros at padding
 
         logp = scatter(terms.logprob)  # (B, T)
         old_logp = inputs.old_logprobs.to(logp.dtype)
         ratio = IMPORTANCE_LEVELS[self.importance](logp, old_logp, mask)  # (B, T)
         adv = inputs.advantages.to(logp.dtype)
         adv = adv.unsqueeze(-1).expand_as(ratio) if adv.dim() == 1 else adv  # (B, T)
-        objective, extra = self._surrogate(ratio, adv, mask)  # (B, T)
+        objective, extra = self._surrogate(ratio, adv, response)  # (B, T)
 
         norm = self.norm_length or mask.shape[-1]
 
@@ -303,7 +304,7 @@ class PolicyObjective(nn.Module):
         if self.entropy_coef > 0:
             loss = loss - self.entropy_coef * entropy
 
-        token_ratios = ratio.detach()[mask]  # (N,)
+        token_ratios = response.take(ratio.detach())  # (N,)
         r_mean, r_min, r_max = _masked_stats(token_ratios)
         stats = self._stats_type(
             loss=loss.detach(),
@@ -316,8 +317,8 @@ class PolicyObjective(nn.Module):
             ratio_max=r_max,
             num_tokens=mask.sum(),
             token_ratio=token_ratios,
-            token_old_prob=old_logp.detach()[mask].exp(),  # (N,)
-            token_advantage=adv.detach()[mask],  # (N,)
+            token_old_prob=response.take(old_logp.detach()).exp(),  # (N,)
+            token_advantage=response.take(adv.detach()),  # (N,)
             **self._token_stats(terms),
             **extra,
         )
@@ -334,7 +335,11 @@ class PolicyObjective(nn.Module):
     ) -> TokenTerms:
         raise NotImplementedError
 
-    def _surrogate(self, ratio: Tensor, adv: Tensor, mask: Tensor) -> tuple[Tensor, dict]:
+    def _surrogate(
+        self, ratio: Tensor, adv: Tensor, response: ResponseTokens
+    ) -> tuple[Tensor, dict]:
+        """The per-token objective (B, T) from the ratios and advantages (B, T), and statistics;
+        ``response`` holds the mask and takes (N,) values out of (B, T) ones."""
         raise NotImplementedError
 
     def _token_stats(self, terms: TokenTerms) -> dict:

@@ -59,7 +59,8 @@ class ClipObjective(PolicyObjective):
         logp = torch.log_softmax(x, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
         return TokenTerms(logprob=logp, new_logprob=logp, regression=None)
 
-    def _surrogate(self, ratio, adv, mask):
+    def _surrogate(self, ratio, adv, response):
+        mask = response.mask
         low, high = 1.0 - self.eps_low, 1.0 + self.eps_high
         objective = torch.minimum(ratio * adv, ratio.clamp(low, high) * adv)  # (B, T)
         r = ratio.detach()
@@ -75,6 +76,6 @@ class ClipObjective(PolicyObjective):
             "clip_frac_low": frac(below),
             "clip_frac_high": frac(above),
             "dual_clip_frac": frac(dual),
-            "token_clipped": (below | above | dual)[mask],  # (N,)
-            "token_outside": ((r < low) | (r > high))[mask],  # (N,)
+            "token_clipped": response.take(below | above | dual),  # (N,)
+            "token_outside": response.take((r < low) | (r > high)),  # (N,)
         }

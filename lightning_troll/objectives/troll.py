@@ -114,5 +114,5 @@ class TrollObjective(PolicyObjective):
             "infeasible_frac": terms.projection.infeasible.sum() / count,
         }
 
-    def _surrogate(self, ratio, adv, mask):
+    def _surrogate(self, ratio, adv, response):
         return ratio * adv, {}
