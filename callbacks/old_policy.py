@@ -155,8 +155,9 @@ class OldPolicyRefresh(Callback):
         brought to this one's (after Lightning has restored the weights and this state)."""
         stored, self._resumed_from = self._resumed_from, {}
         engine = getattr(pl_module, "engine", None)
-        if self._ahead_seed is not None and hasattr(engine, "next_seed"):
-            engine.next_seed = self._ahead_seed  # the rollout the checkpoint had in flight
+        ahead, self._ahead_seed = self._ahead_seed, None  # handed on once, then the engine's
+        if ahead is not None and hasattr(engine, "next_seed"):
+            engine.next_seed = ahead  # the rollout the checkpoint had in flight
         if self.max_staleness:
             if self.version < self.rollouts and not any(
                 v == self.rollouts for v, _ in self._waiting
@@ -226,6 +227,7 @@ class OldPolicyRefresh(Callback):
             self.every_n_rollouts,
             getattr(pl_module, "objective_name", "troll"),
             self.max_staleness,
+            anchor,
         )
         if message is not None:
             rank_zero_warn(message)

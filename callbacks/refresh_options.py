@@ -60,31 +60,48 @@ def one_step_trap(
     every_n_rollouts: int,
     objective: str = "troll",
     max_staleness: int = 0,
+    anchor: str = "behaviour",
 ) -> str | None:
     """The warning for a configuration whose every optimiser step is on-policy, else None.
 
     One epoch over a rollout taken as one minibatch (``minibatch_size`` null, or at least the
-    ``rollout_sequences``), with the snapshot refreshed after every rollout and no staleness,
-    makes one step per rollout from the very policy that sampled it: the importance ratios are 1,
-    the projection (or the clip) never acts, and the update is a plain policy gradient.
+    ``rollout_sequences``) makes one step per rollout. With the snapshot refreshed after every
+    rollout and no staleness, or under ``model.loss.anchor: proximal`` whatever the snapshot
+    (the old policy is then the current weights before the rollout's update), that step starts
+    from the very policy the objective bounds it against: the importance ratios are 1, the
+    projection (or the clip) never acts, and the update is a plain policy gradient.
     """
     one_minibatch = minibatch_size is None or (
         rollout_sequences is not None and minibatch_size >= rollout_sequences
     )
-    if epochs_per_rollout != 1 or not one_minibatch or every_n_rollouts != 1 or max_staleness:
+    lags = every_n_rollouts != 1 or max_staleness > 0
+    proximal = anchor == "proximal"
+    if epochs_per_rollout != 1 or not one_minibatch or (lags and not proximal):
         return None
     acts = "TROLL's projection" if objective == "troll" else "the clip"
     size = f"{rollout_sequences} sequences" if rollout_sequences is not None else "the rollout"
     smaller = f"below {rollout_sequences}" if rollout_sequences is not None else "to a number"
+    if proximal:
+        old = (
+            "model.loss.anchor='proximal' takes the old policy from the current weights before "
+            "each rollout's update, whatever the sampler"
+        )
+    else:
+        old = "old_policy.every_n_rollouts=1 refreshes the snapshot after each"
+    fixes = [
+        f"model.optimization.minibatch_size {smaller} (data.batch_size x model.group_size "
+        "sequences make a rollout)",
+        "model.optimization.epochs_per_rollout above 1",
+    ]
+    if not proximal:
+        fixes += ["old_policy.every_n_rollouts above 1", "old_policy.max_staleness above 0"]
     return (
         f"every optimiser step is on-policy: model.optimization.epochs_per_rollout=1 and "
         f"model.optimization.minibatch_size={minibatch_size} (one minibatch of {size}) take one "
-        "step per rollout, and old_policy.every_n_rollouts=1 refreshes the snapshot after each, "
-        f"so the policy equals the behaviour policy at every step, {acts} never acts and the "
-        "update is a plain policy gradient. For off-policy steps set "
-        f"model.optimization.minibatch_size {smaller} (data.batch_size x model.group_size "
-        "sequences make a rollout), model.optimization.epochs_per_rollout above 1, "
-        "old_policy.every_n_rollouts above 1, or old_policy.max_staleness above 0"
+        f"step per rollout, and {old}, so the policy equals the old policy at every step, "
+        f"{acts} never acts and the update is a plain policy gradient. For off-policy steps set "
+        + ", ".join(fixes[:-1])
+        + f", or {fixes[-1]}"
     )
 
 

@@ -253,3 +253,21 @@ def test_the_refresh_must_come_after_rollout_generation(tmp_path, tiny_model_dir
     refresh.setup(wrong_order, make_module(tiny_model_dir), "fit")  # engine here: no ask ahead
     right_order = make_trainer(tmp_path, 2, callbacks=callbacks[::-1])
     refresh.setup(right_order, module, "fit")  # the order the command uses
+
+
+def test_the_seed_of_a_rollout_in_flight_is_handed_on_once_and_not_kept():
+    """A checkpoint taken with a rollout in flight keeps that rollout's seed; the resumed run
+    hands it to its engine once and drops it, so a later checkpoint of a run that samples nothing
+    ahead (resumed with ``max_staleness`` 0) does not carry the old seed into every resume."""
+    from types import SimpleNamespace
+
+    refresh = OldPolicyRefresh()
+    refresh.load_state_dict({"rollouts": 4, "refreshes": 4, "version": 4, "ahead_seed": 123})
+    assert refresh.state_dict()["ahead_seed"] == 123  # kept until the resumed run starts
+    module = SimpleNamespace(engine=SimpleNamespace(next_seed=None))
+    refresh.on_train_start(None, module)
+    assert module.engine.next_seed == 123
+    assert "ahead_seed" not in refresh.state_dict()
+    module.engine.next_seed = None
+    refresh.on_train_start(None, module)  # a second start has nothing to hand on
+    assert module.engine.next_seed is None

@@ -320,3 +320,60 @@ def test_an_engine_for_one_process_is_refused_in_a_run_of_several():
     with pytest.raises(ValueError, match=r"runs in a single process; this run has 2"):
         check_engine_processes(engine, 2)
     check_engine_processes(engine, 1)  # one process: accepted
+
+
+class SeededLLM:
+    """Stands in for vLLM's ``LLM``: each request samples from a generator of its own, seeded
+    with its ``SamplingParams.seed``, and its ``k``-th completion with ``seed + k``, as vLLM
+    seeds a request's completions. It records the seeds it was given."""
+
+    def __init__(self) -> None:
+        self.seeds: list[int] = []
+
+    def generate(self, requests, params, use_tqdm=False):
+        from types import SimpleNamespace
+
+        assert len(params) == len(requests)  # one SamplingParams per request
+        outputs = []
+        for request, p in zip(requests, params, strict=True):
+            completions = []
+            for k in range(p.n):
+                self.seeds.append(p.seed + k)
+                draws = torch.Generator().manual_seed(p.seed + k)
+                tokens = torch.randint(10, 1000, (p.max_tokens,), generator=draws).tolist()
+                entries = [{t: SimpleNamespace(logprob=-1.0)} for t in tokens]
+                completions.append(SimpleNamespace(index=k, token_ids=tokens, logprobs=entries))
+            outputs.append(SimpleNamespace(outputs=completions, prompt=request))
+        return outputs
+
+
+def test_every_request_and_completion_of_a_vllm_call_samples_from_a_seed_of_its_own(monkeypatch):
+    """Two identical prompts (the episodes of a group send theirs as requests of their own, turn
+    by turn) must not sample the same completions: every request gets a seed of its own from the
+    one draw of the trainer's generator, and a seeded call samples the same completions again."""
+    import sys
+    from types import SimpleNamespace
+
+    from lightning_troll.rollouts.rollout import SamplingConfig
+    from lightning_troll.rollouts.vllm_engine import VLLMEngine, request_seeds
+
+    monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(SamplingParams=SimpleNamespace))
+    engine = VLLMEngine.__new__(VLLMEngine)
+    engine._llm, engine.stale, engine._figures = SeededLLM(), False, {}
+    snapshot = torch.nn.Linear(2, 2)
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=6)
+    prompts = [[1, 2, 3], [1, 2, 3], [4, 5]]
+
+    def sample(group: int) -> Generation:
+        torch.manual_seed(11)
+        return engine.generate(snapshot, prompts, group, sampling, 0, [999])
+
+    first = sample(2)
+    rows = {tuple(row.tolist()) for row in first.input_ids}
+    assert len(rows) == 6  # two identical prompts x two completions each: all apart
+    seeds = engine._llm.seeds
+    assert len(set(seeds)) == len(seeds) == 6
+    assert torch.equal(sample(2).input_ids, first.input_ids)  # seeded: the same again
+    assert request_seeds(100, 3, 4) == [100, 104, 108]  # completions 100-103, 104-107, 108-111
+    ones = sample(1).input_ids[:2, 3:]  # group size 1, as an episode's turn: still apart
+    assert not torch.equal(ones[0], ones[1])

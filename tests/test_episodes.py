@@ -25,9 +25,8 @@ from lightning_troll.rollouts.episodes import (
     cut_at_stop,
     pad_episodes,
     run_episodes,
-    sampled_turns,
 )
-from lightning_troll.rollouts.multiturn import last_turn
+from lightning_troll.rollouts.multiturn import last_turn, sampled_turns
 from tests import tool_helpers
 from tests.chat_helpers import chat_tokenizer, encode
 
@@ -295,6 +294,37 @@ def test_a_failing_batch_closes_every_environment_once_and_keeps_its_error(fail_
         run_episodes(generate, tokenizer, envs, rows, EpisodeLimits(3, 400),
                      Stops((tokenizer.eos_token_id,)))  # fmt: skip
     assert [env.closes for env in envs] == [1, 1, 1]
+
+
+class EndRaises(Closing):
+    """A closing countdown whose ``on_end`` raises."""
+
+    def on_end(self, end):
+        raise ValueError(f"no score for {end}")
+
+
+@pytest.mark.parametrize(
+    ("first", "limits", "error"),
+    [
+        (Closing(close_raises=True), EpisodeLimits(3, 400), r"Closing\.close raised OSError"),
+        (EndRaises(), EpisodeLimits(1, 400), r"EndRaises\.on_end raised ValueError"),
+    ],
+    ids=["close", "on_end"],
+)
+def test_an_environment_that_raises_at_its_own_end_is_closed_once(first, limits, error):
+    """An episode that ends normally and whose environment then raises, in ``close`` or in
+    ``on_end``, is closed exactly once (not again by the batch's clean-up), the other
+    environments once each, and the error names the method."""
+    tokenizer = chat_tokenizer()
+    rows = [{"prompt": "go", "turns": 1 if limits.max_turns > 1 else 3},
+            {"prompt": "walk", "turns": 3}]  # fmt: skip
+    first.closes = 0
+    envs = [first, Closing()]
+    generate = Scripted(tokenizer, {k: ["a<|im_end|>"] * 3 for k in ("go", "walk")})
+    with pytest.raises(EnvironmentFailure, match=error):
+        run_episodes(generate, tokenizer, envs, rows, limits,
+                     Stops((tokenizer.eos_token_id,)))  # fmt: skip
+    assert [env.closes for env in envs] == [1, 1]
 
 
 def test_a_batch_runs_each_episode_to_its_own_end_and_pads():

@@ -262,6 +262,30 @@ def test_one_step_trap_is_named_with_the_options_that_change_it(
     assert "the clip never acts" in clip and "one minibatch of the rollout" in clip
 
 
+@pytest.mark.parametrize(
+    ("epochs", "minibatch", "every_n", "stale", "traps"),
+    [
+        (1, None, 1, 4, True),  # stale data, but the old policy is the current weights
+        (1, None, 2, 0, True),  # a lagging snapshot does not help either
+        (1, 16, 1, 4, False),  # two minibatches: the second steps away from the anchor
+        (2, None, 1, 4, False),  # a second epoch
+    ],
+)
+def test_one_step_trap_under_the_proximal_anchor_names_only_what_helps(
+    epochs, minibatch, every_n, stale, traps
+):
+    """Under ``model.loss.anchor: proximal`` the old policy is the current weights before the
+    rollout's update, so staleness and a lagging snapshot leave one step per rollout on-policy;
+    the warning names only the options that change that."""
+    message = one_step_trap(epochs, minibatch, 32, every_n, "troll", stale, "proximal")
+    assert (message is not None) == traps
+    if traps:
+        assert "model.loss.anchor='proximal'" in message
+        assert "model.optimization.minibatch_size below 32" in message
+        assert "or model.optimization.epochs_per_rollout above 1" in message
+        assert "every_n_rollouts above" not in message and "max_staleness" not in message
+
+
 def test_one_step_trap_warns_once_at_start_up(tmp_path, tiny_model_dir):
     """Three on-policy steps warn once; two minibatches per rollout do not warn."""
     with pytest.warns(UserWarning, match=r"every optimiser step is on-policy") as caught:

@@ -217,6 +217,9 @@ def test_episodes_sample_with_vllm_and_its_logprobs_match_the_snapshot():
     assert report.engine["rollout/engine_logprob_diff"] <= 1e-4
     assert report.kept.engine_logprobs is not None
     assert (report.kept.engine_logprobs[~rollout.response_mask] == 0).all()
+    # the 4 episodes of a prompt ask vLLM with identical contexts, turn by turn: they sample apart
+    for group in rollout.input_ids.view(2, 4, -1):
+        assert len({tuple(row.tolist()) for row in group}) > 1
 
 
 def test_vllm_in_a_process_of_its_own_samples_with_the_weights_it_was_sent(tinymath):

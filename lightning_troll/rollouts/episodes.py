@@ -32,11 +32,11 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from lightning_troll.environments import TOOL_CALL_CLOSE, Conversation, step_all
 from lightning_troll.environments.protocol import (
@@ -47,8 +47,6 @@ from lightning_troll.environments.protocol import (
     is_finite_reward,
 )
 from lightning_troll.environments.rendering import unrendered
-from lightning_troll.rollouts.behaviour import BehaviourRecorder
-from lightning_troll.rollouts.rollout import SamplingConfig, sample
 
 __all__ = [
     "ENDINGS",
@@ -61,7 +59,6 @@ __all__ = [
     "cut_at_stop",
     "pad_episodes",
     "run_episodes",
-    "sampled_turns",
 ]
 
 ENDINGS = ("done", "max_turns", "max_tokens", "no_room")
@@ -277,7 +274,7 @@ class _Running:
     def finish(self) -> None:
         """Ends the episode with its environment: ``on_end(end)``, where it has one, hears an end
         that the loop decided (the turn limit or the token budget) and may add a reward to the
-        last turn's; then ``close()`` frees what it holds."""
+        last turn's. The loop then closes the environment (:meth:`close`)."""
         environment = self.environment
         if self.end != "done" and callable(getattr(environment, "on_end", None)):
             reward = call_environment(environment, "on_end", self.end)
@@ -290,8 +287,11 @@ class _Running:
                     )
                 last = self.rewards[-1]
                 self.rewards[-1] = float(reward) + (0.0 if last is None else last)
-        if callable(getattr(environment, "close", None)):
-            call_environment(environment, "close")
+
+    def close(self) -> None:
+        """``close()``, where the environment has one: frees what it holds."""
+        if callable(getattr(self.environment, "close", None)):
+            call_environment(self.environment, "close")
 
     def episode(self) -> Episode:
         messages = [dict(m) for m in self.conversation.messages]
@@ -339,8 +339,10 @@ def run_episodes(
             for episode, step in zip(asking, steps, strict=True):
                 episode.answer(step, limits)
             for episode in (r for r in active if r.end is not None):
-                episode.finish()
-                closed.append(episode.environment)
+                closed.append(episode.environment)  # closed here once, whatever is raised
+                with closed_on_failure(lambda e=episode: [e.environment]):
+                    episode.finish()
+                episode.close()
             active = [r for r in active if r.end is None]
     return [r.episode() for r in running]
 
@@ -373,28 +375,3 @@ def pad_episodes(episodes: Sequence[Episode], pad_id: int) -> PaddedEpisodes:
         mask[i, :n] = torch.tensor(episode.mask, dtype=torch.bool)
         logprobs[i, :n] = torch.tensor(episode.logprobs, dtype=torch.float32)
     return PaddedEpisodes(tokens, attention, mask, logprobs.masked_fill(~mask, 0.0))
-
-
-def sampled_turns(
-    model: nn.Module, sampling: SamplingConfig, pad_id: int, do_sample: bool = True
-) -> GenerateTurn:
-    """A ``generate_turn`` over :func:`~lightning_troll.rollouts.rollout.sample` (the HF
-    engine's KV-cached loop) that records the behaviour log-probs while it samples. It stops at
-    the stop tokens only; :func:`run_episodes` cuts a turn at a stop string."""
-
-    def generate(prompts: list[list[int]], max_new_tokens: list[int], stops: Stops):
-        turn = replace(sampling, max_new_tokens=max(max_new_tokens))
-        recorder = BehaviourRecorder(sampling.temperature)
-        input_ids, _, response_mask, _ = sample(
-            model, prompts, 1, turn, pad_id, list(stops.token_ids), do_sample, recorder
-        )  # (B, S + T), (B, T)
-        length = response_mask.shape[1]
-        record = recorder.finish(input_ids[:, -length:])  # logprobs (B, T)
-        return [
-            GeneratedTurn(ids[kept].tolist(), logprobs[kept].tolist())
-            for ids, logprobs, kept in zip(
-                input_ids[:, -length:], record.logprobs, response_mask, strict=True
-            )
-        ]
-
-    return generate

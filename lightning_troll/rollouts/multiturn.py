@@ -32,6 +32,7 @@ from lightning_troll.environments.options import EpisodesConfig
 from lightning_troll.environments.protocol import closed_on_failure
 from lightning_troll.environments.rendering import check_chat_template
 from lightning_troll.models.sharding import gathered
+from lightning_troll.rollouts.behaviour import BehaviourRecorder
 from lightning_troll.rollouts.engine import RolloutEngine
 from lightning_troll.rollouts.episodes import (
     ENDINGS,
@@ -43,7 +44,7 @@ from lightning_troll.rollouts.episodes import (
     pad_episodes,
     run_episodes,
 )
-from lightning_troll.rollouts.rollout import SamplingConfig, left_pad
+from lightning_troll.rollouts.rollout import SamplingConfig, left_pad, sample
 from lightning_troll.rollouts.samples import Samples, filled_rewards
 from lightning_troll.rollouts.timing import clock
 
@@ -58,6 +59,7 @@ __all__ = [
     "environment_factory",
     "episode_figures",
     "last_turn",
+    "sampled_turns",
 ]
 
 
@@ -90,6 +92,31 @@ class EngineTurns:
             )
             for i, kept in enumerate(out.response_mask)
         ]
+
+
+def sampled_turns(
+    model: nn.Module, sampling: SamplingConfig, pad_id: int, do_sample: bool = True
+) -> GenerateTurn:
+    """A ``generate_turn`` over :func:`~lightning_troll.rollouts.rollout.sample` (the HF
+    engine's KV-cached loop) that records the behaviour log-probs while it samples. It stops at
+    the stop tokens only; :func:`run_episodes` cuts a turn at a stop string."""
+
+    def generate(prompts: list[list[int]], max_new_tokens: list[int], stops: Stops):
+        turn = replace(sampling, max_new_tokens=max(max_new_tokens))
+        recorder = BehaviourRecorder(sampling.temperature)
+        input_ids, _, response_mask, _ = sample(
+            model, prompts, 1, turn, pad_id, list(stops.token_ids), do_sample, recorder
+        )  # (B, S + T), (B, T)
+        length = response_mask.shape[1]
+        record = recorder.finish(input_ids[:, -length:])  # logprobs (B, T)
+        return [
+            GeneratedTurn(ids[kept].tolist(), logprobs[kept].tolist())
+            for ids, logprobs, kept in zip(
+                input_ids[:, -length:], record.logprobs, response_mask, strict=True
+            )
+        ]
+
+    return generate
 
 
 def last_turn(response_mask: Tensor, episodes: Sequence[Episode]) -> Tensor:

@@ -23,8 +23,9 @@ How it fits the rest (docs/engines.md):
 - **Sampling means the same** as on the HF engine: temperature, top-p and top-k (0 = off), the
   run's stop tokens (and nothing else: the model's own ``generation_config`` is ignored),
   ``max_new_tokens``, token ids in and out (prompts carry the run's chat template already).
-  Every request draws its seed from torch's global generator, so a seeded run samples the same
-  completions again.
+  Each call draws one seed from torch's global generator and gives every request a seed of its
+  own from it (:func:`request_seeds`), so a seeded run samples the same completions again, and
+  two identical requests (the episodes of a group, turn by turn) sample apart.
 - **Log-probs.** The engine reports the sampled tokens' log-probs after temperature (and top-k /
   top-p, which renormalise them; the trainer's do not). The old distributions TROLL projects
   onto still come from the trainer's snapshot, recomputed after sampling; the callback logs how
@@ -171,18 +172,22 @@ class VLLMEngine(RolloutEngine):
             self.load_weights(snapshot)
         from vllm import SamplingParams  # noqa: PLC0415
 
-        params = SamplingParams(
-            n=group_size,
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            top_k=sampling.top_k or -1,
-            max_tokens=sampling.max_new_tokens,
-            stop_token_ids=list(stop_ids),
-            logprobs=0,  # the sampled token's only
-            seed=int(torch.randint(0, 2**31 - 1, ())),
-            detokenize=False,
-            skip_special_tokens=False,
-        )
+        base = int(torch.randint(0, 2**31 - 1, ()))  # one draw from the trainer's generator
+        params = [
+            SamplingParams(
+                n=group_size,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                top_k=sampling.top_k or -1,
+                max_tokens=sampling.max_new_tokens,
+                stop_token_ids=list(stop_ids),
+                logprobs=0,  # the sampled token's only
+                seed=seed,
+                detokenize=False,
+                skip_special_tokens=False,
+            )
+            for seed in request_seeds(base, len(prompt_ids), group_size)
+        ]
         requests = [{"prompt_token_ids": list(ids)} for ids in prompt_ids]
         with _trainer_state_kept():
             outputs = self._llm.generate(requests, params, use_tqdm=False)
@@ -196,6 +201,15 @@ class VLLMEngine(RolloutEngine):
     def close(self) -> None:
         self._llm = None
         self.stale = True
+
+
+def request_seeds(base: int, requests: int, group_size: int) -> list[int]:
+    """The seed of each request of one ``generate`` call: ``base + i * group_size`` for request
+    ``i``. vLLM seeds a request's own generator, and the ``k``-th of its ``n`` completions with
+    ``seed + k``, so every completion of the call draws its own random numbers. One seed shared by
+    all requests would give identical requests identical completions: the episodes of a group,
+    each sent as a request of its own turn by turn, would all be the same episode."""
+    return [base + i * group_size for i in range(requests)]
 
 
 def _one_engine_per_process() -> dict[str, Any]:

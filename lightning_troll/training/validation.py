@@ -21,7 +21,7 @@ from lightning_troll.environments.protocol import EnvironmentFailure
 from lightning_troll.models.sharding import gathered
 from lightning_troll.rewards.calls import RewardError
 from lightning_troll.rewards.registry import RewardOutput, reward_tag
-from lightning_troll.rollouts.episodes import sampled_turns
+from lightning_troll.rollouts.multiturn import sampled_turns
 from lightning_troll.rollouts.rollout import sample
 from lightning_troll.training.faults import EpisodeFault, RewardFault
 
