@@ -11,6 +11,12 @@ def length_reward(prompt: str, completion: str, row: Mapping[str, Any]) -> float
     return float(len(completion))
 
 
+def digit_sum(prompt: str, completion: str, row: Mapping[str, Any]) -> float:
+    """The sum of the completion's digits: it varies within a group wherever the sampled answers
+    differ, also where their lengths do not (a trained model's answers are all of one length)."""
+    return float(sum(int(c) for c in completion if c.isdigit()))
+
+
 class Rewards:
     """Holds a reward as a static method, for dotted paths after the colon."""
 
