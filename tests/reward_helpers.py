@@ -62,6 +62,19 @@ def constant(prompt: str, completion: str, row: Mapping[str, Any]) -> float:
 # -- rewards for the worker processes (named by import path, so a worker can import them) --------
 
 
+def signals_itself(prompt: str, completion: str, row: Mapping[str, Any]) -> float:
+    """Sends its own process a Ctrl-C (SIGINT) and a SIGTERM, as a terminal or a scheduler sends
+    them to every process of a job, then returns 1.0 if it is still alive."""
+    import os
+    import signal
+    import time
+
+    os.kill(os.getpid(), signal.SIGINT)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.05)  # a signal's default action has come by now
+    return 1.0
+
+
 def slow_half(prompt: str, completion: str, row: Mapping[str, Any]) -> float:
     """0.5 after 50 ms: a slow reward (a verifier, a sandbox) for parallel scoring."""
     import time

@@ -192,6 +192,21 @@ def test_a_worker_that_dies_is_restarted_and_the_trainer_goes_on(death):
         scorer.close()
 
 
+def test_a_worker_leaves_ctrl_c_and_sigterm_to_the_trainer():
+    """The stop signals reach every process of a job; the trainer answers the first by finishing
+    its rollout and saving, so a worker must live on and score that rollout (before, a Ctrl-C
+    failed the call as "killed its worker process" and ended the run as a reward fault)."""
+    scorer = RewardScorer({H + "signals_itself": 1.0}, workers=1)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no call fails, none is dropped
+            out = scorer(["p"] * 3, ["a", "b", "c"], [{}] * 3)
+        assert out.total.tolist() == [1.0, 1.0, 1.0] and out.valid.all()
+        assert sum(out.errors.values()) == 0
+    finally:
+        scorer.close()
+
+
 @pytest.mark.slow
 def test_raise_policy_in_workers_names_the_timeout():
     scorer = RewardScorer({H + "hangs_on_hang": 1.0}, workers=1, timeout=0.5)

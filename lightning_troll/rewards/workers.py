@@ -28,6 +28,7 @@ import contextlib
 import multiprocessing
 import os
 import pickle
+import signal
 import threading
 import time
 import weakref
@@ -38,7 +39,13 @@ from typing import Any
 
 from lightning_troll.rewards.calls import UNLOADABLE, Outcome, call_one, describe
 
-__all__ = ["RewardWorkers", "WorkerPool", "WorkersFailed", "check_picklable"]
+__all__ = [
+    "RewardWorkers",
+    "WorkerPool",
+    "WorkersFailed",
+    "check_picklable",
+    "leave_stop_signals_to_the_trainer",
+]
 
 _START_LIMIT = 300.0
 """Seconds a new worker may take to start before scoring gives up (a broken environment)."""
@@ -67,6 +74,16 @@ def check_picklable(
         ) from None
 
 
+def leave_stop_signals_to_the_trainer() -> None:
+    """Makes this child process (a reward or tool worker, an engine in its own process) ignore
+    SIGINT and SIGTERM. A Ctrl-C in a terminal, or a scheduler's SIGTERM to the job, reaches every
+    process of the group, and the trainer answers the first by finishing its rollout and saving
+    (``RolloutCheckpoint``): a child that died of it would fail that rollout's rewards, tools or
+    samples. The trainer ends its children itself, and a child whose trainer is gone exits."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def _exit_with(alive: Connection) -> None:  # pragma: no cover - runs in the worker process
     """Blocks until the trainer's end of ``alive`` closes (the trainer exited or was killed,
     however), then ends this worker at once, whatever its reward call is doing."""
@@ -79,6 +96,7 @@ def _serve(conn: Connection, alive: Connection) -> None:  # pragma: no cover - w
     """A worker's loop: load functions as they come, call each through the runner sent with it,
     send back ``(value, problem, kind)``; a thread ends the worker when the trainer is gone
     (:func:`_exit_with`)."""
+    leave_stop_signals_to_the_trainer()
     threading.Thread(target=_exit_with, args=(alive,), daemon=True).start()
     functions: dict[str, Any] = {}
     conn.send(("ready",))

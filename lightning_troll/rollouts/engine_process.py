@@ -42,6 +42,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from lightning_troll.models.weights import full_weights
+from lightning_troll.rewards.workers import leave_stop_signals_to_the_trainer
 from lightning_troll.rollouts.behaviour import BehaviourRecorder
 from lightning_troll.rollouts.engine import EngineContext, Generation, RolloutEngine, build_engine
 from lightning_troll.rollouts.rollout import SamplingConfig
@@ -256,7 +257,9 @@ class ProcessEngine(RolloutEngine):
 def _serve(
     conn: Any, context: EngineContext, inner: str, options: dict, device: str, threads: int | None
 ) -> None:
-    """The child: loads the model, builds the engine, then answers the trainer's messages."""
+    """The child: loads the model, builds the engine, then answers the trainer's messages. The
+    stop signals are the trainer's to answer (it stops this child itself)."""
+    leave_stop_signals_to_the_trainer()
     try:
         if threads is not None:
             torch.set_num_threads(threads)
