@@ -470,9 +470,20 @@ def test_no_default_checkpoint_when_checkpointing_is_off_or_one_is_given(
     cli = run([*args, "--trainer.enable_checkpointing", "false"], tmp_path, monkeypatch)
     assert cli.checkpoint_callback is None and saved == []
     own = '{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": {"dirpath": "mine"}}'
-    cli = run([*args, "--trainer.callbacks", own], tmp_path, monkeypatch)
+    with pytest.warns(UserWarning, match=r"replaces RolloutCheckpoint: only your callback's"):
+        cli = run([*args, "--trainer.callbacks", own], tmp_path, monkeypatch)
     assert cli.checkpoint_callback is None
     assert [name for name, _ in saved] == ["epoch=0-step=1.ckpt"]  # the given one's, only
+    saved.clear()  # both listed: no warning, and each saves
+    ours = '{"class_path": "lightning_troll.callbacks.RolloutCheckpoint"}'
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cli = run([*args, "--trainer.callbacks+", own, "--trainer.callbacks+", ours], tmp_path,
+                  monkeypatch)  # fmt: skip
+    assert not [w for w in caught if "replaces RolloutCheckpoint" in str(w.message)]
+    assert cli.checkpoint_callback is not None
+    names = sorted(name for name, _ in saved)  # the first run's file is in "mine" already
+    assert names == ["epoch=0-step=1-v1.ckpt", "last.ckpt"]
 
 
 # -- bad input: one line and exit status 2; crashes keep their traceback -------------------------

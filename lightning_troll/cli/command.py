@@ -92,6 +92,16 @@ DEBUG_FLAG = "--debug"
 DEBUG_VARIABLE = "LIGHTNING_TROLL_DEBUG"
 
 
+OWN_CHECKPOINT_ONLY = (
+    "trainer.callbacks holds a checkpoint callback of your own, which replaces RolloutCheckpoint: "
+    "only your callback's schedule saves now, so a Ctrl-C, a SIGTERM or a reward's failure no "
+    "longer saves the rollouts trained since its last file. To keep both, add "
+    "lightning_troll.callbacks.RolloutCheckpoint to trainer.callbacks (in a dirpath apart from a "
+    "ModelCheckpoint with save_last)"
+)
+"""The warning for a checkpoint callback given without :class:`RolloutCheckpoint`."""
+
+
 class _TrainingStarted(Callback):
     """Marks an exception raised once training has started: a crash, not bad input."""
 
@@ -201,6 +211,10 @@ class TrollCLI(LightningCLI):
             isinstance(c, Checkpoint) for c in given
         ):
             extra.append(self._get(self.config_init, "checkpoint"))
+        elif not any(isinstance(c, RolloutCheckpoint) for c in given) and any(
+            isinstance(c, Checkpoint) for c in given
+        ):
+            rank_zero_warn(OWN_CHECKPOINT_ONLY)
         if config.get("enable_progress_bar") is not False and not any(
             isinstance(c, ProgressBar) for c in given
         ):
