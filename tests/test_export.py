@@ -124,6 +124,39 @@ def test_export_into_the_checkpoints_own_folder_deletes_nothing(checkpoint, tmp_
     assert sorted(p.name for p in run.iterdir()) == ["last.ckpt", "metrics.csv"]
 
 
+def test_export_through_a_symbolic_link_writes_where_it_points(checkpoint, tmp_path, capsys):
+    """An ``--output_dir`` that is a link to an earlier export (a model folder on another disk,
+    say): --overwrite writes the new model where the link points, the link stays and names it,
+    and nothing is left beside either."""
+    disk, here = tmp_path / "disk", tmp_path / "here"
+    disk.mkdir(), here.mkdir()
+    target = disk / "model"
+    args = ["export", "--ckpt_path", str(checkpoint)]
+    cli_main([*args, "--output_dir", str(target)])
+    (target / "config.json").write_text("{}")  # the earlier export, edited
+    link = here / "model"
+    link.symlink_to(target, target_is_directory=True)
+    cli_main([*args, "--output_dir", str(link), "--overwrite"])
+    assert f"to {link}" in capsys.readouterr().out
+    assert link.is_symlink() and link.resolve() == target.resolve()
+    assert json.loads((target / "config.json").read_text())["vocab_size"] > 0
+    assert [p.name for p in here.iterdir()] == ["model"]
+    assert [p.name for p in disk.iterdir()] == ["model"]
+
+
+def test_export_inside_a_sharded_checkpoints_folder_is_refused(tmp_path, capsys):
+    """The run replaces a sharded checkpoint's folder whole at its next save, so an export
+    written inside it would be deleted: refused in one line, before the checkpoint is read."""
+    folder = tmp_path / "last.ckpt"
+    folder.mkdir()
+    with pytest.raises(SystemExit) as stop:
+        cli_main(["export", "--ckpt_path", str(folder), "--output_dir", str(folder / "model")])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert "lies inside the sharded checkpoint's folder" in err and err.count("\n") == 1
+    assert list(folder.iterdir()) == []
+
+
 def test_export_needs_neither_the_reward_nor_the_engine(checkpoint, tmp_path, capsys):
     """A checkpoint whose reward module is nowhere to be imported and whose engine is vLLM (not
     installed here) exports its policy all the same."""

@@ -27,7 +27,10 @@ exists and is not empty is refused unless ``--overwrite`` is given, and ``--over
 only a folder an earlier export wrote (its :data:`MARKER` lists every file it wrote): a folder
 that holds the checkpoint being exported, a run's logs or any file no export wrote is refused,
 and nothing is deleted. The written files and the folder are synced before the rename, and the
-folder takes the permissions of any folder the user creates (the umask's).
+folder takes the permissions of any folder the user creates (the umask's). An ``output_dir`` that
+is a symbolic link is written where it points, so that the link names the new model; one inside
+a sharded checkpoint's folder is refused, since the run replaces that folder whole at its next
+save.
 """
 
 from __future__ import annotations
@@ -150,6 +153,11 @@ def _check_output(output_dir: Path, overwrite: bool, ckpt_path: Path) -> None:
     where = f"--output_dir {str(output_dir)!r}"
     if output_dir.exists() and not output_dir.is_dir():
         raise FileExistsError(f"{where} is a file; give a folder")
+    if ckpt_path.is_dir() and output_dir.resolve().is_relative_to(ckpt_path.resolve()):
+        raise FileExistsError(
+            f"{where} lies inside the sharded checkpoint's folder {str(ckpt_path)!r}, which the "
+            "run replaces whole at its next save; give a folder outside it"
+        )
     if not output_dir.is_dir() or not any(output_dir.iterdir()):
         return
     if ckpt_path.resolve().is_relative_to(output_dir.resolve()):
@@ -193,7 +201,9 @@ def export_policy(
 
     from lightning_troll.training.module import TrollModule
 
-    output_dir = Path(output_dir).expanduser()
+    given = output_dir = Path(output_dir).expanduser()
+    if output_dir.is_symlink():  # written where the link points, so the link names the new model
+        output_dir = output_dir.resolve()
     # before the minutes a big checkpoint takes to read
     _check_output(output_dir, overwrite, Path(ckpt_path).expanduser())
     checkpoint = read_checkpoint(ckpt_path)
@@ -243,7 +253,7 @@ def export_policy(
         _replace(output_dir, staging)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return output_dir
+    return given
 
 
 def _replace(output_dir: Path, staging: Path) -> None:
