@@ -23,7 +23,16 @@ from lightning_troll.training.checkpoint_io import SaveFailed, install_atomic_sa
 from lightning_troll.training.checkpoints import aside_path
 from lightning_troll.training.faults import RunFault
 
-__all__ = ["RolloutCheckpoint"]
+__all__ = ["OWN_CHECKPOINT_ONLY", "RolloutCheckpoint"]
+
+OWN_CHECKPOINT_ONLY = (
+    "trainer.callbacks holds a checkpoint callback of your own, which replaces RolloutCheckpoint: "
+    "only your callback's schedule saves now, so a Ctrl-C, a SIGTERM or a reward's failure no "
+    "longer saves the rollouts trained since its last file. To keep both, add "
+    "lightning_troll.callbacks.RolloutCheckpoint to trainer.callbacks (in a dirpath apart from a "
+    "ModelCheckpoint with save_last)"
+)
+"""The warning for a checkpoint callback given without :class:`RolloutCheckpoint`."""
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 

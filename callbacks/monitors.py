@@ -94,12 +94,14 @@ class TrustRegionMonitor(Callback):
     ) -> None:
         if histogram_every_n_rollouts < 0:
             raise ValueError(
-                "TrustRegionMonitor: histogram_every_n_rollouts must be >= 0; got "
+                "trust_region_monitor.histogram_every_n_rollouts must be an integer >= 0; got "
                 f"{histogram_every_n_rollouts}"
             )
         for name, value in (("kl_end", kl_end), ("kl_start", kl_start)):
             if not isinstance(value, bool):
-                raise ValueError(f"TrustRegionMonitor: {name} must be true or false; got {value!r}")
+                raise ValueError(
+                    f"trust_region_monitor.{name} must be true or false; got {value!r}"
+                )
         self.histogram_every_n_rollouts = histogram_every_n_rollouts
         self.kl_end = kl_end
         self.kl_start = kl_start

@@ -10,7 +10,12 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lightning_troll.callbacks.refresh_options import check_refresh, idle_proximal, one_step_trap
+from lightning_troll.callbacks.refresh_options import (
+    check_refresh,
+    idle_proximal,
+    one_step_trap,
+    shared_cannot_lag,
+)
 from lightning_troll.callbacks.rollout import RolloutGeneration
 from lightning_troll.models.snapshots import CopySnapshot
 from lightning_troll.models.weights import full_weights
@@ -180,11 +185,7 @@ class OldPolicyRefresh(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         snapshot = getattr(pl_module, "snapshot", None)
         if self.every_n_rollouts > 1 and not getattr(snapshot, "can_lag", True):
-            raise ValueError(
-                f"OldPolicyRefresh: every_n_rollouts={self.every_n_rollouts} needs a snapshot "
-                "that can lag behind the policy, but model.snapshot.mode='shared' makes the "
-                "snapshot the policy itself; use every_n_rollouts=1 or model.snapshot.mode='copy'"
-            )
+            raise ValueError(shared_cannot_lag(self.every_n_rollouts))
         if self.max_staleness:
             policies = getattr(pl_module, "policies", None)
             check_refresh(

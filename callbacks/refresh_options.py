@@ -8,15 +8,16 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["check_refresh", "idle_proximal", "one_step_trap"]
+__all__ = ["check_refresh", "idle_proximal", "one_step_trap", "shared_cannot_lag"]
 
 
 def check_refresh(
     every_n_rollouts: int, max_staleness: int, snapshot: Any = None, lora: Any = None
 ) -> None:
     """Refuses ``old_policy`` options that cannot work, in one line naming the option; with the
-    module's ``snapshot`` options and ``lora`` (records or the command line's dicts), a stale
-    sampler on a snapshot that cannot hold past versions too. The command line calls it before
+    module's ``snapshot`` options and ``lora`` (records or the command line's dicts), a lagging
+    snapshot that is the policy itself and a stale sampler on a snapshot that cannot hold past
+    versions too. The command line calls it before
     the model loads."""
     if (
         isinstance(every_n_rollouts, bool)
@@ -33,6 +34,8 @@ def check_refresh(
             f"old_policy.every_n_rollouts={every_n_rollouts} and old_policy.max_staleness="
             f"{max_staleness} both make the sampler lag; set one of them"
         )
+    if every_n_rollouts > 1 and _option(snapshot, "mode", "copy") == "shared":
+        raise ValueError(shared_cannot_lag(every_n_rollouts))
     if not max_staleness:
         return
     mode, dtype = _option(snapshot, "mode", "copy"), _option(snapshot, "dtype", "same")
@@ -51,6 +54,15 @@ def _option(options: Any, name: str, default: Any) -> Any:
     if isinstance(options, dict):
         return options.get(name, default)
     return getattr(options, name, default)
+
+
+def shared_cannot_lag(every_n_rollouts: int) -> str:
+    """The refusal of ``old_policy.every_n_rollouts`` above 1 with a shared snapshot."""
+    return (
+        f"old_policy.every_n_rollouts={every_n_rollouts} needs a snapshot that can lag behind the "
+        "policy, but model.snapshot.mode='shared' makes the snapshot the policy itself; use "
+        "old_policy.every_n_rollouts 1 or model.snapshot.mode 'copy'"
+    )
 
 
 def one_step_trap(

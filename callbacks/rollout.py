@@ -46,10 +46,12 @@ class RolloutGeneration(Callback):
     """
 
     def __init__(self, log_samples: int = 4, log_samples_every_n_rollouts: int = 10) -> None:
-        if log_samples < 0 or log_samples_every_n_rollouts < 1:
+        if log_samples < 0:
+            raise ValueError(f"rollout.log_samples must be an integer >= 0; got {log_samples}")
+        if log_samples_every_n_rollouts < 1:
             raise ValueError(
-                "RolloutGeneration: log_samples must be >= 0 and log_samples_every_n_rollouts "
-                f">= 1; got {log_samples} and {log_samples_every_n_rollouts}"
+                "rollout.log_samples_every_n_rollouts must be an integer >= 1; got "
+                f"{log_samples_every_n_rollouts}"
             )
         self.log_samples = log_samples
         self.log_samples_every_n_rollouts = log_samples_every_n_rollouts

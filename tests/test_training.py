@@ -19,7 +19,7 @@ from lightning_troll.callbacks import (
 )
 from lightning_troll.callbacks.refresh_options import one_step_trap
 from lightning_troll.data.datamodule import PromptDataModule
-from lightning_troll.objectives import ClipStats, TrollStats
+from lightning_troll.objectives import ClipConfig, ClipStats, LossConfig, TrollStats
 from lightning_troll.rewards.options import RewardOptions
 from lightning_troll.rewards.registry import RewardError
 from lightning_troll.rollouts.rollout import SamplingConfig
@@ -549,7 +549,15 @@ def test_dropped_rewards_leave_the_loss(tmp_path, tiny_model_dir):
             {"scale_rewards": "std"},
             r"model.scale_rewards must be one of \['batch', 'group', 'none'\] or null; got 'std'",
         ),
-        ({"trust_region": TrustRegionConfig(eps=-1.0)}, r"model: eps must be a number > 0"),
+        (
+            {"trust_region": TrustRegionConfig(eps=-1.0)},
+            r"^model.trust_region.eps must be a number > 0",
+        ),
+        (  # the other objective's options are checked too, not only when it is chosen
+            {"clip": ClipConfig(eps_low=-1.0)},
+            r"^model.clip.eps_low must be in \(0, 1\); got -1",
+        ),
+        ({"loss": LossConfig(entropy_coef=-1.0)}, r"^model.loss.entropy_coef must be >= 0"),
         ({"rewards": {"no_such_reward": 1.0}}, r"no_such_reward"),
     ],
 )

@@ -10,7 +10,14 @@ from pathlib import Path
 import torch
 from lightning.pytorch.callbacks import Checkpoint, ModelCheckpoint
 
+from lightning_troll.callbacks import (
+    ConstraintMonitor,
+    RolloutGeneration,
+    SparsityCoverageMonitor,
+    TrustRegionMonitor,
+)
 from lightning_troll.callbacks.refresh_options import check_refresh
+from lightning_troll.data.datamodule import PromptDataModule
 from lightning_troll.data.preflight import check_data_files
 from lightning_troll.models.loading import check_reachable
 from lightning_troll.rewards.registry import resolve_reward
@@ -25,6 +32,7 @@ __all__ = [
     "check_named_checkpoint",
     "check_optimizer",
     "check_schedule_length",
+    "check_sections",
     "check_task",
     "config_files",
 ]
@@ -136,6 +144,30 @@ def config_files(config) -> list[str]:
     return [p.absolute for p in config.get("config") or [] if getattr(p, "absolute", None)]
 
 
+SECTIONS = {
+    "rollout": RolloutGeneration,
+    "trust_region_monitor": TrustRegionMonitor,
+    "sparsity_monitor": SparsityCoverageMonitor,
+    "constraint_monitor": ConstraintMonitor,
+}
+"""The command's callback sections whose classes check their own options when built."""
+
+
+def _options(section) -> dict:
+    return section.as_dict() if hasattr(section, "as_dict") else dict(section or {})
+
+
+def check_sections(config) -> None:
+    """Builds the data module and the callbacks of :data:`SECTIONS` from their options once,
+    before the model loads (LightningCLI builds the model first), so that a bad value gets their
+    own one-line refusal naming the option there and not after minutes of loading weights.
+    Building them reads no data and loads no tokenizer."""
+    PromptDataModule(**_options(config.data))
+    for section, cls in SECTIONS.items():
+        if config.get(section) is not None:
+            cls(**_options(config.get(section)))
+
+
 def check_task(config) -> None:
     """Refuses, before the model loads, a run that cannot train: data other than TinyMath with no
     reward, a reward module or function that cannot be found (looked for in the working
@@ -163,6 +195,7 @@ def check_task(config) -> None:
         raise ValueError(f"{error}{hint}") from None
     check_optimizer(config)
     check_checkpointing(config)
+    check_sections(config)
     refresh = config.get("old_policy") or {}
     check_refresh(
         refresh.get("every_n_rollouts", 1),

@@ -48,6 +48,7 @@ from lightning_troll.callbacks import (
     SparsityCoverageMonitor,
     TrustRegionMonitor,
 )
+from lightning_troll.callbacks.checkpoint import OWN_CHECKPOINT_ONLY
 from lightning_troll.callbacks.summary import TrollModelSummary
 from lightning_troll.cli import export
 from lightning_troll.cli.checks import (
@@ -90,16 +91,6 @@ which install adds it) and Lightning's own configuration checks."""
 
 DEBUG_FLAG = "--debug"
 DEBUG_VARIABLE = "LIGHTNING_TROLL_DEBUG"
-
-
-OWN_CHECKPOINT_ONLY = (
-    "trainer.callbacks holds a checkpoint callback of your own, which replaces RolloutCheckpoint: "
-    "only your callback's schedule saves now, so a Ctrl-C, a SIGTERM or a reward's failure no "
-    "longer saves the rollouts trained since its last file. To keep both, add "
-    "lightning_troll.callbacks.RolloutCheckpoint to trainer.callbacks (in a dirpath apart from a "
-    "ModelCheckpoint with save_last)"
-)
-"""The warning for a checkpoint callback given without :class:`RolloutCheckpoint`."""
 
 
 class _TrainingStarted(Callback):

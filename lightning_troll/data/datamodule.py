@@ -51,8 +51,8 @@ class PromptDataModule(LightningDataModule):
     Args:
         source: Where the rows come from: ``"tinymath"`` (the built-in arithmetic generator), a
             local ``.json``/``.jsonl``/``.parquet`` file, or a hub dataset name (read with
-            ``datasets.load_dataset(source, dataset_config, split=...)``; a local dataset folder
-            works too).
+            ``datasets.load_dataset(source, dataset_config, split=...)``). A local folder is
+            refused: name the file in it.
         dataset_config: The hub dataset's configuration name (e.g. ``"main"`` for gsm8k).
         train_split: Split of the hub dataset (or TinyMath generator) to train on; slices such as
             ``"train[:1000]"`` work for hub datasets. Ignored for local files.

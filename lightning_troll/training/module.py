@@ -17,6 +17,7 @@ live beside the code they configure (``TrustRegionConfig``, ``ClipConfig`` and `
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict
 from typing import Any, Literal
 
@@ -119,11 +120,18 @@ def _objective(name, trust_region, clip, loss, sampling) -> PolicyObjective:
     for option in rollout_options:
         shared.pop(option)
     shared["norm_length"] = loss.norm_length or sampling.max_new_tokens
-    specific = asdict({"troll": trust_region, "clip": clip}[name])
-    try:
-        return build_objective(name, **specific, **shared)
-    except ValueError as error:
-        raise ValueError(f"model: {error}") from None
+    sections = {"troll": ("trust_region", trust_region), "clip": ("clip", clip)}
+    built = {}
+    for objective, (section, record) in sections.items():  # the other's options are checked too
+        specific = asdict(record)
+        try:
+            built[objective] = build_objective(objective, **specific, **shared)
+        except ValueError as error:
+            found = re.match(r"[a-z_]+", str(error))
+            option = found.group() if found else ""
+            where = section if option in specific else "loss" if option in shared else None
+            raise ValueError(f"model.{where}.{error}" if where else f"model: {error}") from None
+    return built[name]
 
 
 class TrollModule(LightningModule):
