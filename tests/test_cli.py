@@ -337,7 +337,7 @@ def test_field_docstrings_are_read_only_for_help(tmp_path, monkeypatch, capsys, 
     status, err = main_exit(
         args + ["--model.trust_region.eps", "-1"], tmp_path, monkeypatch, capsys
     )
-    assert status == 2 and "eps must be a number > 0" in err  # parsed, then refused
+    assert status == 2 and "eps must be a finite number > 0" in err  # parsed, then refused
     assert calls == []
     with pytest.raises(SystemExit):
         run(["fit", "--help"], tmp_path, monkeypatch)
@@ -518,7 +518,7 @@ def broken_jsonl(tmp_path: Path) -> str:
     ("args", "message"),
     [
         pytest.param(["--model.trust_region.eps", "-1"],
-                     "model.trust_region.eps must be a number > 0 (the KL bound); got -1.0",
+                     "model.trust_region.eps must be a finite number > 0 (the KL bound); got -1.0",
                      id="option"),
         pytest.param(["--data.source", "missing.jsonl"], "data.source: file 'missing.jsonl'",
                      id="missing-file"),
@@ -624,10 +624,10 @@ def test_debug_brings_the_traceback_back(tmp_path, monkeypatch, tiny_model_dir):
     args = ["fit", "--config", str(ROOT / "configs" / "tinymath.yaml"), *one_step(tiny_model_dir)]
     args += ["--model.trust_region.eps", "-1"]
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(ValueError, match="eps must be a number > 0"):
+    with pytest.raises(ValueError, match="eps must be a finite number > 0"):
         cli_main(["--debug", *args])
     monkeypatch.setenv("LIGHTNING_TROLL_DEBUG", "1")
-    with pytest.raises(ValueError, match="eps must be a number > 0"):
+    with pytest.raises(ValueError, match="eps must be a finite number > 0"):
         cli_main(args)
 
 

@@ -360,8 +360,8 @@ def test_empty_batch_gives_zero_loss_with_a_graph():
         ),
         ({"aggregation": "mean"}, r"aggregation must be one of .*; got 'mean'"),
         ({"ref_kl_estimator": "k9"}, r"ref_kl_estimator must be one of \['k1', 'k3'\]; got 'k9'"),
-        ({"ref_kl_coef": -1.0}, r"ref_kl_coef must be >= 0; got -1.0"),
-        ({"entropy_coef": float("nan")}, r"entropy_coef must be >= 0; got nan"),
+        ({"ref_kl_coef": -1.0}, r"ref_kl_coef must be a finite number >= 0; got -1.0"),
+        ({"entropy_coef": float("nan")}, r"entropy_coef must be a finite number >= 0; got nan"),
         ({"norm_length": 0}, r"norm_length must be None or an integer >= 1; got 0"),
         ({"eps_low": 1.2}, r"eps_low must be in \(0, 1\); got 1.2"),
         ({"eps_high": 0.0}, r"eps_high must be > 0; got 0.0"),
@@ -374,9 +374,15 @@ def test_clip_validation(kwargs, message):
 
 
 def test_troll_validation_and_inputs():
-    with pytest.raises(ValueError, match=r"alpha must be >= 0; got -1"):
+    with pytest.raises(ValueError, match=r"alpha must be a finite number >= 0; got -1"):
         TrollObjective(alpha=-1)
-    with pytest.raises(ValueError, match=r"eps must be a number > 0"):
+    with pytest.raises(ValueError, match=r"alpha must be a finite number >= 0; got inf"):
+        TrollObjective(alpha=float("inf"))
+    with pytest.raises(ValueError, match=r"eps must be a finite number > 0.*got inf"):
+        TrollObjective(eps=float("inf"))  # a bound that never binds: no trust region at all
+    with pytest.raises(ValueError, match=r"entropy_coef must be a finite number >= 0; got inf"):
+        TrollObjective(entropy_coef=float("inf"))
+    with pytest.raises(ValueError, match=r"eps must be a finite number > 0"):
         TrollObjective(eps=0.0)
     with pytest.raises(
         ValueError, match=r"objective must be one of \['clip', 'troll'\]; got 'ppo'"

@@ -478,9 +478,9 @@ def test_qwen_sized_vocabulary():
 
 
 def test_layer_validation():
-    with pytest.raises(ValueError, match=r"eps must be a number > 0.*got 0"):
+    with pytest.raises(ValueError, match=r"eps must be a finite number > 0.*got 0"):
         TrustRegionProjection(eps=0)
-    with pytest.raises(ValueError, match=r"eps must be a number > 0.*nan"):
+    with pytest.raises(ValueError, match=r"eps must be a finite number > 0.*nan"):
         TrustRegionProjection(eps=float("nan"))
     with pytest.raises(ValueError, match=r"max_tokens must be an integer >= 1; got 2.5"):
         TrustRegionProjection(max_tokens=2.5)

@@ -542,7 +542,7 @@ def test_dropped_rewards_leave_the_loss(tmp_path, tiny_model_dir):
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"estimator": "ppo"}, r"estimator must be one of .*; got 'ppo'"),
+        ({"estimator": "ppo"}, r"^model.estimator must be one of .*; got 'ppo'"),
         ({"objective": "kl"}, r"model.objective must be one of \['clip', 'troll'\]; got 'kl'"),
         ({"group_size": 0}, r"model.group_size must be an integer >= 1; got 0"),
         (
@@ -551,13 +551,16 @@ def test_dropped_rewards_leave_the_loss(tmp_path, tiny_model_dir):
         ),
         (
             {"trust_region": TrustRegionConfig(eps=-1.0)},
-            r"^model.trust_region.eps must be a number > 0",
+            r"^model.trust_region.eps must be a finite number > 0",
         ),
         (  # the other objective's options are checked too, not only when it is chosen
             {"clip": ClipConfig(eps_low=-1.0)},
             r"^model.clip.eps_low must be in \(0, 1\); got -1",
         ),
-        ({"loss": LossConfig(entropy_coef=-1.0)}, r"^model.loss.entropy_coef must be >= 0"),
+        (
+            {"loss": LossConfig(entropy_coef=-1.0)},
+            r"^model.loss.entropy_coef must be a finite number >= 0",
+        ),
         ({"rewards": {"no_such_reward": 1.0}}, r"no_such_reward"),
     ],
 )

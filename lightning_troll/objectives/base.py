@@ -28,6 +28,7 @@ imports Lightning or transformers.
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from functools import partial, wraps
@@ -192,8 +193,8 @@ class PolicyObjective(nn.Module):
         if norm_length is not None and (isinstance(norm_length, bool) or norm_length < 1):
             raise ValueError(f"norm_length must be None or an integer >= 1; got {norm_length!r}")
         for name, value in (("ref_kl_coef", ref_kl_coef), ("entropy_coef", entropy_coef)):
-            if not value >= 0:
-                raise ValueError(f"{name} must be >= 0; got {value!r}")
+            if not (value >= 0 and math.isfinite(value)):
+                raise ValueError(f"{name} must be a finite number >= 0; got {value!r}")
         self.norm_length = norm_length
         self.ref_kl_coef = float(ref_kl_coef)
         self.entropy_coef = float(entropy_coef)

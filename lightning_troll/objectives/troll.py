@@ -11,6 +11,8 @@ imports Lightning or transformers.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from lightning_troll.objectives.base import PolicyObjective, TokenTerms
@@ -55,8 +57,8 @@ class TrollObjective(PolicyObjective):
         **kwargs,
     ) -> None:
         super().__init__(**kwargs)
-        if not alpha >= 0:
-            raise ValueError(f"alpha must be >= 0; got {alpha!r}")
+        if not (alpha >= 0 and math.isfinite(alpha)):
+            raise ValueError(f"alpha must be a finite number >= 0; got {alpha!r}")
         self.alpha = float(alpha)
         self.projection = TrustRegionProjection(
             eps=eps,

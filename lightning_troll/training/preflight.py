@@ -41,7 +41,10 @@ def check_module_options(
     >= 1."""
     if objective not in OBJECTIVES:
         raise ValueError(f"model.objective must be one of {sorted(OBJECTIVES)}; got {objective!r}")
-    get_advantage_estimator(estimator)
+    try:
+        get_advantage_estimator(estimator)
+    except ValueError as error:
+        raise ValueError(f"model.{error}") from None
     if scale_rewards not in (None, *REWARD_SCALES):
         raise ValueError(
             f"model.scale_rewards must be one of {sorted(REWARD_SCALES)} or null; got "

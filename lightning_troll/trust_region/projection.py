@@ -44,6 +44,7 @@ Nothing here imports Lightning or transformers.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 
 import torch
@@ -117,8 +118,8 @@ class ProjectionResult:
 
 
 def _check_eps(eps: float) -> None:
-    if not (isinstance(eps, (int, float)) and eps > 0):  # also rejects NaN
-        raise ValueError(f"eps must be a number > 0 (the KL bound); got {eps!r}")
+    if not (isinstance(eps, (int, float)) and eps > 0 and math.isfinite(eps)):  # and NaN
+        raise ValueError(f"eps must be a finite number > 0 (the KL bound); got {eps!r}")
 
 
 def _check_old_rows(old: SparseDistribution, n: int, vocab: int) -> None:
