@@ -45,6 +45,19 @@ def test_a_bad_data_file_is_named_by_option_file_and_line(
     assert "\n" not in str(refused.value)
 
 
+def test_a_file_too_small_for_its_held_out_rows_is_refused_before_anything_loads(tmp_path):
+    """``data.num_val`` (200 by default) held out of a 3-row file leaves no training row: refused
+    by the file check, as the data module would refuse it after the model loads; with
+    ``data.val_file`` nothing is held out of the file, and with fewer held out it is accepted."""
+    path = tmp_path / "small.jsonl"
+    path.write_bytes(GOOD * 3)
+    data = {"source": str(path), "prompt_field": "question"}
+    with pytest.raises(ValueError, match=r"^data.num_val=200 would hold out every row of .*3 rows"):
+        check_data_files({**data, "num_val": 200})
+    check_data_files({**data, "num_val": 2})
+    check_data_files({**data, "num_val": 200, "val_file": str(path)})
+
+
 def test_a_folder_and_a_missing_validation_file_are_named(tmp_path):
     folder = tmp_path / "x.jsonl"
     folder.mkdir()

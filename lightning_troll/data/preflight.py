@@ -4,7 +4,8 @@ its line.
 :func:`check_data_files` reads a local ``data.source`` and ``data.val_file`` (not a hub dataset,
 which is fetched later, nor the built-in TinyMath) and refuses, in one line that names the
 option, the file and the line: a folder or a missing file, a byte that is not UTF-8, a line that
-is not a JSON object, a file with no rows, and a row without a field the options need
+is not a JSON object, a file with no rows, a ``data.num_val`` that would hold out every row of
+``data.source`` (without ``data.val_file``), and a row without a field the options need
 (``data.prompt_field``, ``data.answer_field``, the fields ``data.template`` names). It warns,
 once each, about rows whose prompt repeats an earlier row's, and validation prompts that are
 also training prompts. The ``lightning-troll`` command calls it before the model loads, so a
@@ -23,6 +24,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_troll.data.formatting import PromptFormatter
 from lightning_troll.data.prompts import check_file, looks_like_file, read_rows_with_lines
+from lightning_troll.data.sources import check_holdout
 
 __all__ = ["check_data_files"]
 
@@ -75,6 +77,9 @@ def check_data_files(data: Mapping[str, Any]) -> None:
                 f"{formatter.option_value(needed_by, field)} needs; its fields are "
                 f"{sorted(rows[i])}"
             )
+        num_val = data.get("num_val")
+        if option == "data.source" and not data.get("val_file") and isinstance(num_val, int):
+            check_holdout(path, num_val, len(rows))  # rows held out of this file
         prompts[option] = _first_lines(option, path, rows, lines, formatter.field_of(rows), data)
     if len(prompts) == 2:
         train, held = prompts["data.source"], prompts["data.val_file"]

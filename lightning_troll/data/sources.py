@@ -22,7 +22,19 @@ from lightning_troll.data.prompts import (
     seeded_generator,
 )
 
-__all__ = ["PromptSource"]
+__all__ = ["PromptSource", "check_holdout"]
+
+
+def check_holdout(source: str, num_val: int, size: int) -> None:
+    """Refuses holding ``num_val`` validation rows out of the ``size`` rows of the local file
+    ``source`` (no ``data.val_file``) where that leaves no training row."""
+    if size == 0:
+        raise ValueError(f"data.source={source!r} holds no rows (an empty file)")
+    if num_val >= size:
+        raise ValueError(
+            f"data.num_val={num_val} would hold out every row of {source!r} ({size} rows); "
+            "lower it, or give data.val_file"
+        )
 
 
 class PromptSource:
@@ -104,13 +116,7 @@ class PromptSource:
 
     def _holdout(self, size: int) -> tuple[list[int], list[int]]:
         """(train indices, validation indices) of a local file, both in file order."""
-        if size == 0:
-            raise ValueError(f"data.source={self.source!r} holds no rows (an empty file)")
-        if self.num_val >= size:
-            raise ValueError(
-                f"data.num_val={self.num_val} would hold out every row of {self.source!r} "
-                f"({size} rows); lower it, or give data.val_file"
-            )
+        check_holdout(self.source, self.num_val, size)
         order = torch.randperm(size, generator=seeded_generator(self.seed, "holdout")).tolist()
         return sorted(order[self.num_val :]), sorted(order[: self.num_val])
 
