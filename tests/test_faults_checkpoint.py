@@ -305,6 +305,7 @@ def test_a_folder_checkpoint_is_swapped_in_whole_and_a_failed_one_leaves_the_old
         wrapped.__cause__ = full
         save_folder(FolderStrategy("fourth", wrapped), target)
     assert folder_tags(target) == {"second"}
+    assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]  # the partial one's space freed
     # killed between the two renames: the old folder waits aside; the resume check names it,
     # and the next save puts it back before it writes
     target.rename(tmp_path / ".last.ckpt.old")

@@ -18,6 +18,7 @@ in place for every save of a trainer's strategy, a user's own ``ModelCheckpoint`
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
@@ -228,6 +229,9 @@ def save_folder_checkpoint(strategy: Any, write: Callable[[Path], None], target:
     except BaseException as error:
         cause = _no_space_cause(error)
         if cause is not None:
+            if strategy.is_global_zero:  # the space it held is what the user must free
+                with contextlib.suppress(OSError):
+                    _remove(partial)
             raise SaveFailed(_no_space(target, cause)) from error
         raise
     strategy.barrier("save_folder_checkpoint: written")
