@@ -31,7 +31,8 @@ _BOUND = "trust_region/bound"
 
 
 class _Reductions(torch.nn.Module):
-    """Named torchmetrics reductions, updated with per-token tensors, synced on compute."""
+    """Named torchmetrics reductions, updated with per-token tensors (or ``(values, weights)``
+    pairs for a weighted mean), synced on compute."""
 
     def __init__(self, spec: dict[str, type[Metric]]) -> None:
         super().__init__()
@@ -41,7 +42,11 @@ class _Reductions(torch.nn.Module):
     def compute(self, values: dict[str, Tensor]) -> dict[str, Tensor]:
         out = {}
         for name, metric in zip(self.names, self.metrics, strict=True):
-            metric.update(values[name].float())
+            value = values[name]
+            if isinstance(value, tuple):
+                metric.update(value[0].float(), value[1].float())
+            else:
+                metric.update(value.float())
             out[name] = metric.compute()
             metric.reset()
         return out
@@ -261,7 +266,9 @@ class TrustRegionMonitor(Callback):
 
     def _log_clip(self, pl_module, stats: list[ClipStats]) -> None:
         ratios = torch.cat([s.token_ratio for s in stats]).clamp_min(1e-12)
-        per_step = lambda name: torch.stack([getattr(s, name) for s in stats])  # noqa: E731
+        tokens = torch.stack([s.num_tokens for s in stats])  # (parts,)
+        # each part's share weighted by its tokens: pooled by token, as TROLL's shares are
+        per_step = lambda name: (torch.stack([getattr(s, name) for s in stats]), tokens)  # noqa: E731
         values = self.clip.compute(
             {
                 "clip/active_frac": per_step("clip_frac"),

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lightning_troll.callbacks import TrustRegionMonitor
-from lightning_troll.objectives import LossInputs, TrollObjective
+from lightning_troll.objectives import ClipStats, LossInputs, TrollObjective
 from lightning_troll.trust_region.projection import sparsify
 
 
@@ -61,6 +61,33 @@ def test_infeasible_tokens_are_counted_and_left_out_of_eta():
     assert logged["trust_region/max_violation"] == pytest.approx(
         -math.log(0.7) / 0.05 - 1, rel=1e-6
     )
+
+
+def test_clipping_shares_are_pooled_by_token_over_the_steps_of_a_rollout():
+    """Two optimiser steps of a rollout: 10 tokens all clipped below, then 990 tokens none
+    clipped. The rollout's shares are 10 / 1000 (as TROLL's are pooled), not the mean of the
+    steps' shares (0.5)."""
+    from lightning_troll.objectives import ClipObjective
+
+    objective = ClipObjective()
+
+    def step(n: int, low: float):
+        zero, share = torch.tensor(0.0), torch.tensor(low)
+        ratio = torch.full((n,), 0.5 if low else 1.0)
+        return ClipStats(
+            loss=zero, policy_loss=zero, regression_loss=zero, ref_kl=zero, entropy=zero,
+            ratio_mean=ratio.mean(), ratio_min=ratio.min(), ratio_max=ratio.max(),
+            num_tokens=torch.tensor(n), token_ratio=ratio, token_old_prob=torch.full((n,), 0.5),
+            token_advantage=torch.full((n,), -1.0), clip_frac_low=share,
+            clip_frac_high=zero, dual_clip_frac=zero,
+            token_clipped=torch.full((n,), bool(low)), token_outside=torch.full((n,), bool(low)),
+        )  # fmt: skip
+
+    module = FakeModule(last_stats=[step(10, 1.0), step(990, 0.0)], objective=objective, logged={})
+    TrustRegionMonitor(histogram_every_n_rollouts=0).on_train_batch_end(None, module, None, None, 0)
+    assert module.logged["clip/active_frac"] == pytest.approx(0.01)
+    assert module.logged["clip/low_frac"] == pytest.approx(0.01)
+    assert module.logged["clip/high_frac"] == 0.0
 
 
 def test_kl_end_asks_the_module_for_its_cache_and_never_sets_it(tmp_path, tiny_model_dir):

@@ -196,7 +196,9 @@ def grad_norm(policy: nn.Module, clip: float | None) -> Tensor:
 def log_step(
     module: LightningModule, loss: Tensor, stats: list[ObjectiveStats], grad_norm: Tensor
 ) -> None:
-    """Logs the step's loss, the mean of its parts' statistics and the gradient norm."""
+    """Logs the step's loss, the mean of its parts' statistics and the gradient norm. Called
+    once per optimiser step; a logger keeps the last value of a name in a training batch, so
+    what it records is the rollout's last optimiser step."""
 
     def mean(name: str) -> Tensor:
         return torch.stack([getattr(s, name) for s in stats]).mean()
