@@ -437,6 +437,17 @@ def test_kl_to_behaviour_is_zero_before_any_step(tiny_model_dir):
     lumped, sampled = module.kl_to_behaviour(rollout)
     assert lumped.shape == sampled.shape == (int(rollout.response_mask.sum()),)
     assert lumped.abs().max() < 1e-5 and sampled.abs().max() < 1e-5
+    # a policy with dropout, in train mode as in a training step and under autocast: still 0,
+    # measured as the behaviour policy is (eval mode, full precision)
+    dropped = [m for m in module.policy.modules() if hasattr(m, "attention_dropout")]
+    assert dropped
+    for layer in dropped:
+        layer.attention_dropout = 0.5
+    module.policy.train()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        lumped, sampled = module.kl_to_behaviour(rollout)
+    assert lumped.abs().max() < 1e-5 and sampled.abs().max() < 1e-5
+    assert module.policy.training  # its mode comes back
 
 
 def test_drift_from_behaviour_gives_the_sampled_tokens_log_ratios(tiny_model_dir):
