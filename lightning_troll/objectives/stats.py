@@ -32,7 +32,8 @@ class ObjectiveStats:
     token_ratio: Tensor
     """(N,) importance ratio of each response token."""
     token_old_prob: Tensor
-    """(N,) the behaviour policy's probability of each sampled token (its confidence)."""
+    """(N,) the old policy's probability of each sampled token (its confidence): the behaviour
+    policy's, or under ``model.loss.anchor: proximal`` the proximal policy's."""
     token_advantage: Tensor
     """(N,) the advantage each response token is trained with."""
 
