@@ -16,6 +16,7 @@ from functools import partial
 import torch
 from torch import Tensor, nn
 
+from lightning_troll.models.snapshots import evaluating
 from lightning_troll.objectives.chunking import head_logits, map_row_chunks
 from lightning_troll.rollouts.forward import linear_head, response_hidden, response_logits
 from lightning_troll.rollouts.rollout import Rollout
@@ -57,9 +58,13 @@ def kl_to_behaviour(
     unbiased estimate of the mean KL(pi || pi_old) over the whole vocabulary (the tokens come
     from pi_old; with ``sampling.top_p`` or ``top_k`` truncating it, from a truncation of it
     instead). Needs ``rollout.old``. ``chunk_size`` and ``share_prompts`` are the module's
-    ``logits_chunk_size`` and ``share_prompts``.
+    ``logits_chunk_size`` and ``share_prompts``. The policy runs in eval mode and outside any
+    autocast, as the behaviour pass runs, so that on-policy data gives 0 whatever its dropout or
+    the training precision (its mode comes back after).
     """
-    lumped, log_ratio = drift_from_behaviour(policy, rollout, rule, chunk_size, share_prompts)
+    device = next(policy.parameters()).device.type
+    with evaluating(policy), torch.autocast(device, enabled=False):
+        lumped, log_ratio = drift_from_behaviour(policy, rollout, rule, chunk_size, share_prompts)
     return lumped, sampled_kl(log_ratio)
 
 

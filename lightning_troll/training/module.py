@@ -32,7 +32,7 @@ from lightning_troll.models.sharding import (  # the two checks: importable from
     check_strategy,
     data_parallel_mesh,
 )
-from lightning_troll.models.snapshots import SnapshotConfig, evaluating
+from lightning_troll.models.snapshots import SnapshotConfig
 from lightning_troll.objectives import (
     ClipConfig,
     LossConfig,
@@ -357,12 +357,9 @@ class TrollModule(LightningModule):
 
     def kl_to_behaviour(self, rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
         """Per response token, how far the policy's current weights are from the behaviour
-        policy that sampled ``rollout`` (:func:`~lightning_troll.rollouts.drift.kl_to_behaviour`):
-        in eval mode and outside any autocast, as the behaviour and proximal passes run, so that
-        on-policy data gives 0 whatever the dropout or the training precision."""
+        policy that sampled ``rollout`` (:func:`~lightning_troll.rollouts.drift.kl_to_behaviour`)."""
         rule, chunks, share = self.old_rows.rule, self.logits_chunk_size, self.share_prompts
-        with evaluating(self.policy) as policy, torch.autocast(self.device.type, enabled=False):
-            return kl_to_behaviour(policy, rollout, rule, chunks, share)
+        return kl_to_behaviour(self.policy, rollout, rule, chunks, share)
 
     # -- checkpoints -----------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
