@@ -28,6 +28,23 @@ def _jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+def test_a_scalar_logger_gets_the_quantiles_of_more_values_than_torch_quantile_takes(tmp_path):
+    """A rollout's per-token values can number over 2**24 (a large rollout times its optimiser
+    steps), which ``torch.quantile`` refuses: the quantiles for a logger of scalars still come,
+    and right (0, 1, ..., n - 1 has its median at (n - 1) / 2)."""
+    import torch
+
+    from lightning_troll.callbacks.figures import QUANTILES, write_histogram
+
+    n = 2**24 + 2
+    logger = CSVLogger(tmp_path, name="q")
+    write_histogram(logger, "kl", torch.arange(n, dtype=torch.float32), step=3)
+    logger.save()
+    (row,) = _csv_rows(logger)
+    assert float(row["kl/p50"]) == (n - 1) / 2 and row["step"] == "3"
+    assert {f"kl/p{round(q * 100):02d}" for q in QUANTILES} <= set(row)
+
+
 def test_markdown_table_escapes_cells_and_writes_numbers_short():
     table = markdown_table(["prompt", "reward"], [["a|b\nc", 0.123456], ["d", 2.0]])
     assert table.splitlines() == [
