@@ -43,6 +43,7 @@ __all__ = [
     "QUANTILES",
     "declare_chart",
     "each_logger",
+    "logged_step",
     "markdown_table",
     "write_chart",
     "write_histogram",
@@ -57,6 +58,13 @@ def each_logger(trainer: Trainer, write: Callable[..., None], *args: Any, **kwar
     """``write(logger, *args, **kwargs)`` for every logger of ``trainer``."""
     for logger in trainer.loggers:
         write(logger, *args, **kwargs)
+
+
+def logged_step(trainer: Trainer) -> int:
+    """The step Lightning logs the current training batch's scalars at (batches that stepped, one
+    per rollout, not optimiser steps): figures written with it sit beside those scalars."""
+    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    return int(getattr(loop, "_batches_that_stepped", trainer.global_step))
 
 
 def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

@@ -18,6 +18,7 @@ from typing_extensions import override
 from lightning_troll.callbacks.figures import (
     declare_chart,
     each_logger,
+    logged_step,
     write_chart,
     write_histogram,
 )
@@ -186,7 +187,7 @@ class TrustRegionMonitor(Callback):
             steps = [int(row[0]) for row in self.kl_history]
             keys = ["trust_region/kl_after_max", "trust_region/kl_after_mean", _BOUND]
             series = {k: [row[i + 1] for row in self.kl_history] for i, k in enumerate(keys)}
-            each_logger(trainer, write_chart, _KL_CHART, steps, series, trainer.global_step)
+            each_logger(trainer, write_chart, _KL_CHART, steps, series, logged_step(trainer))
 
     @override
     def on_train_batch_end(
@@ -250,7 +251,7 @@ class TrustRegionMonitor(Callback):
         pl_module.log_dict(values)
         pl_module.log("kl", values["trust_region/kl_after_mean"], prog_bar=True, logger=False)
         self.kl_history.append(
-            [getattr(trainer, "global_step", self.rollouts)]
+            [logged_step(trainer) if trainer is not None else self.rollouts]
             + [
                 float(values[k])
                 for k in ("trust_region/kl_after_max", "trust_region/kl_after_mean")
@@ -285,7 +286,7 @@ class TrustRegionMonitor(Callback):
         for name, value in values.items():
             if value.numel():
                 tag = f"trust_region/{name}_per_token"
-                each_logger(trainer, write_histogram, tag, value, trainer.global_step)
+                each_logger(trainer, write_histogram, tag, value, logged_step(trainer))
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -14,7 +14,12 @@ import torch
 from lightning.pytorch.utilities import rank_zero_only
 from torch import Tensor
 
-from lightning_troll.callbacks.figures import each_logger, markdown_table, write_table
+from lightning_troll.callbacks.figures import (
+    each_logger,
+    logged_step,
+    markdown_table,
+    write_table,
+)
 from lightning_troll.rewards.registry import reward_tag
 from lightning_troll.rollouts.samples import RolloutReport, Samples
 
@@ -131,4 +136,4 @@ def log_samples(trainer: Any, report: RolloutReport, count: int) -> None:
         advantages[:shown].tolist(),
         strict=True,
     )
-    each_logger(trainer, write_table, "samples", columns, list(values), trainer.global_step)
+    each_logger(trainer, write_table, "samples", columns, list(values), logged_step(trainer))

@@ -74,6 +74,10 @@ def test_csv_logger_gets_metrics_quantiles_and_samples(tmp_path, tiny_model_dir)
     assert len(samples) == 4  # log_samples=2, every rollout, 2 rollouts
     assert set(samples[0]) == TABLE_COLUMNS
     assert [s["step"] for s in samples] == [0, 0, 1, 1]
+    # every figure of a rollout sits at its scalars' step (one per rollout, not per optimiser step)
+    scalars = {row["step"] for row in rows if row["trust_region/kl_after_max"]}
+    quantiles = {row["step"] for row in rows if row["trust_region/kl_after_per_token/p50"]}
+    assert scalars == quantiles == {"0", "1"}
 
 
 @pytest.mark.slow
@@ -98,7 +102,10 @@ def test_mlflow_logger_gets_metrics_samples_and_the_chart(tmp_path, tiny_model_d
         run_id, "charts/KL_after_projection_vs_bound.json", str(tmp_path)
     )
     series = json.loads(Path(chart).read_text())
-    assert series["step"] == [1, 2] and series["trust_region/bound"] == [0.05, 0.05]
+    assert series["step"] == [0, 1]  # the steps of the rollouts' scalars, as every figure's
+    assert series["trust_region/bound"] == [0.05, 0.05]
+    steps = [m.step for m in client.get_metric_history(run_id, "trust_region/kl_after_max")]
+    assert steps == series["step"]
 
 
 @pytest.mark.slow
