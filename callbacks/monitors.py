@@ -32,22 +32,24 @@ _BOUND = "trust_region/bound"
 
 
 class _Reductions(torch.nn.Module):
-    """Named torchmetrics reductions, updated with per-token tensors (or ``(values, weights)``
-    pairs for a weighted mean), synced on compute."""
+    """Named torchmetrics reductions, updated with per-token tensors (or ``(values, counts)``
+    pairs: each value counted as many times), synced on compute."""
 
     def __init__(self, spec: dict[str, type[Metric]]) -> None:
         super().__init__()
         self.names = list(spec)
-        self.metrics = torch.nn.ModuleList(metric() for metric in spec.values())
+        # a NaN is a fault to show, not a value to drop (torchmetrics drops it by default)
+        self.metrics = torch.nn.ModuleList(
+            metric(nan_strategy="disable") for metric in spec.values()
+        )
 
     def compute(self, values: dict[str, Tensor]) -> dict[str, Tensor]:
         out = {}
         for name, metric in zip(self.names, self.metrics, strict=True):
             value = values[name]
-            if isinstance(value, tuple):
-                metric.update(value[0].float(), value[1].float())
-            else:
-                metric.update(value.float())
+            if isinstance(value, tuple):  # one value per count of tokens (with NaN checks off,
+                value = value[0].repeat_interleave(value[1].long())  # torchmetrics drops weights)
+            metric.update(value.float())
             out[name] = metric.compute()
             metric.reset()
         return out

@@ -63,31 +63,45 @@ def test_infeasible_tokens_are_counted_and_left_out_of_eta():
     )
 
 
+def clip_step(n: int, low: float, ratio: float | None = None) -> ClipStats:
+    """One optimiser step's clipping statistics over ``n`` tokens, a share ``low`` of them
+    clipped below (all or none), every ratio ``ratio`` (0.5 where clipped, else 1)."""
+    zero, share = torch.tensor(0.0), torch.tensor(low)
+    ratios = torch.full((n,), ratio if ratio is not None else 0.5 if low else 1.0)
+    return ClipStats(
+        loss=zero, policy_loss=zero, regression_loss=zero, ref_kl=zero, entropy=zero,
+        ratio_mean=ratios.mean(), ratio_min=ratios.min(), ratio_max=ratios.max(),
+        num_tokens=torch.tensor(n), token_ratio=ratios, token_old_prob=torch.full((n,), 0.5),
+        token_advantage=torch.full((n,), -1.0), clip_frac_low=share,
+        clip_frac_high=zero, dual_clip_frac=zero,
+        token_clipped=torch.full((n,), bool(low)), token_outside=torch.full((n,), bool(low)),
+    )  # fmt: skip
+
+
+def logged_clip_figures(*steps: ClipStats) -> dict[str, float]:
+    from lightning_troll.objectives import ClipObjective
+
+    module = FakeModule(last_stats=list(steps), objective=ClipObjective(), logged={})
+    TrustRegionMonitor(histogram_every_n_rollouts=0).on_train_batch_end(None, module, None, None, 0)
+    return module.logged
+
+
 def test_clipping_shares_are_pooled_by_token_over_the_steps_of_a_rollout():
     """Two optimiser steps of a rollout: 10 tokens all clipped below, then 990 tokens none
     clipped. The rollout's shares are 10 / 1000 (as TROLL's are pooled), not the mean of the
     steps' shares (0.5)."""
-    from lightning_troll.objectives import ClipObjective
+    logged = logged_clip_figures(clip_step(10, 1.0), clip_step(990, 0.0))
+    assert logged["clip/active_frac"] == pytest.approx(0.01)
+    assert logged["clip/low_frac"] == pytest.approx(0.01)
+    assert logged["clip/high_frac"] == 0.0
 
-    objective = ClipObjective()
 
-    def step(n: int, low: float):
-        zero, share = torch.tensor(0.0), torch.tensor(low)
-        ratio = torch.full((n,), 0.5 if low else 1.0)
-        return ClipStats(
-            loss=zero, policy_loss=zero, regression_loss=zero, ref_kl=zero, entropy=zero,
-            ratio_mean=ratio.mean(), ratio_min=ratio.min(), ratio_max=ratio.max(),
-            num_tokens=torch.tensor(n), token_ratio=ratio, token_old_prob=torch.full((n,), 0.5),
-            token_advantage=torch.full((n,), -1.0), clip_frac_low=share,
-            clip_frac_high=zero, dual_clip_frac=zero,
-            token_clipped=torch.full((n,), bool(low)), token_outside=torch.full((n,), bool(low)),
-        )  # fmt: skip
-
-    module = FakeModule(last_stats=[step(10, 1.0), step(990, 0.0)], objective=objective, logged={})
-    TrustRegionMonitor(histogram_every_n_rollouts=0).on_train_batch_end(None, module, None, None, 0)
-    assert module.logged["clip/active_frac"] == pytest.approx(0.01)
-    assert module.logged["clip/low_frac"] == pytest.approx(0.01)
-    assert module.logged["clip/high_frac"] == 0.0
+def test_a_nan_figure_is_logged_as_nan_not_dropped():
+    """A NaN ratio is a fault: the KL estimate it enters is logged as NaN, not the mean of the
+    other tokens (torchmetrics drops NaN by default)."""
+    logged = logged_clip_figures(clip_step(3, 0.0), clip_step(1, 0.0, ratio=math.nan))
+    assert math.isnan(logged["clip/approx_kl"])
+    assert logged_clip_figures(clip_step(3, 0.0))["clip/approx_kl"] == 0.0
 
 
 def test_kl_end_asks_the_module_for_its_cache_and_never_sets_it(tmp_path, tiny_model_dir):
