@@ -13,7 +13,8 @@ With ``rho_t = pi_snapshot(y_t) / pi_engine(y_t)`` for each response token:
 
 Each response token's advantage is multiplied by its weight. A masked token leaves the loss: it is
 taken out of the response mask, as ``loss.mask_truncated`` takes out a truncated completion, so it
-counts in no denominator, gets no gradient from any term (the regression, the reference KL, the
+counts in no token count (Dr.GRPO's constant normaliser, B x ``norm_length``, still counts every
+sequence, as its definition does), gets no gradient from any term (the regression, the reference KL, the
 entropy bonus) and is left out of the trust-region figures. The options are checked by
 :class:`~lightning_troll.objectives.options.LossConfig`. Nothing here imports Lightning.
 """
