@@ -545,6 +545,16 @@ def broken_jsonl(tmp_path: Path) -> str:
                      "enable_checkpointing=False", id="lightning-check"),
         pytest.param(["--model.optimizer.init_args.lr", "-1"], "model.optimizer.init_args "
                      "(torch.optim.AdamW): Invalid learning rate: -1.0", id="negative-lr"),
+        pytest.param(["--model.lr_scheduler", '{"class_path": "torch.optim.lr_scheduler.'
+                      'CosineAnnealingLR", "init_args": {"T_max": 0}}'],
+                     "model.lr_scheduler.init_args (torch.optim.lr_scheduler.CosineAnnealingLR): "
+                     "the schedule divides by zero at optimiser step 1; a period or a length of 0",
+                     id="schedule-of-no-length"),
+        pytest.param(["--model.lr_scheduler", '{"class_path": "torch.optim.lr_scheduler.'
+                      'ExponentialLR", "init_args": {"gamma": -0.5}}'],
+                     "(torch.optim.lr_scheduler.ExponentialLR): the learning rate is -5e-05 after "
+                     "1 optimiser step(s); it must stay a finite number >= 0",
+                     id="negative-schedule"),
         pytest.param(["--model.optimization.minibatch_size", "12"],
                      "model.optimization.minibatch_size=12 does not divide a rollout of 16 "
                      "sequences (data.batch_size=2 x model.group_size=8): its steps would take 12, "
@@ -753,3 +763,42 @@ def test_ckpt_path_last_is_left_to_lightning_where_a_model_checkpoint_looks_it_u
     check_named_checkpoint(config(), "runs/x/last.ckpt")  # a path: checked as a file elsewhere
     with pytest.raises(ValueError, match=r"^--ckpt_path best: no ModelCheckpoint is configured"):
         check_named_checkpoint(config("lightning.pytorch.callbacks.EarlyStopping"), "best")
+
+
+def _optimizer_config(lr: float, scheduler: dict | None, max_steps: int):
+    from jsonargparse import Namespace
+
+    optimizer = Namespace(class_path="torch.optim.AdamW", init_args=Namespace(lr=lr))
+    lr_scheduler = None if scheduler is None else Namespace(**scheduler)
+    model = Namespace(optimizer=optimizer, lr_scheduler=lr_scheduler)
+    return Namespace(model=model, trainer=Namespace(max_steps=max_steps))
+
+
+def test_a_learning_rate_of_0_warns_that_the_run_trains_nothing():
+    from lightning_troll.cli.checks import check_optimizer
+
+    with pytest.warns(UserWarning, match=r"model.optimizer.init_args.lr=0 \(torch.optim.AdamW\)"):
+        check_optimizer(_optimizer_config(0.0, None, 10))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_optimizer(_optimizer_config(1e-6, None, 10))
+
+
+def test_a_schedule_is_stepped_as_far_as_the_run_goes_and_no_further():
+    """The schedule is stepped min(2, trainer.max_steps) times: StepLR with step_size 0 fails at
+    its first; a OneCycleLR of one step passes a run of one step and fails a longer one (the same
+    error the run would meet); ReduceLROnPlateau, which steps on a metric, is only built."""
+    from lightning_troll.cli.checks import check_optimizer
+
+    step_size_0 = {"class_path": "torch.optim.lr_scheduler.StepLR", "init_args": {"step_size": 0}}
+    with pytest.raises(ValueError, match=r"StepLR\): the schedule divides by zero at optimiser"):
+        check_optimizer(_optimizer_config(1e-4, step_size_0, -1))
+    one_cycle = {
+        "class_path": "torch.optim.lr_scheduler.OneCycleLR",
+        "init_args": {"max_lr": 1e-4, "total_steps": 1},
+    }
+    check_optimizer(_optimizer_config(1e-4, one_cycle, 1))  # one step: within its length
+    with pytest.raises(ValueError, match=r"OneCycleLR\): Tried to step 2 times"):
+        check_optimizer(_optimizer_config(1e-4, one_cycle, 5))
+    plateau = {"class_path": "torch.optim.lr_scheduler.ReduceLROnPlateau", "init_args": {}}
+    check_optimizer(_optimizer_config(1e-4, plateau, 5))  # steps on a metric: built, not stepped

@@ -3,12 +3,14 @@ before any class is built (``TrollCLI.before_instantiate_classes``)."""
 
 from __future__ import annotations
 
-import contextlib
 import importlib
+import math
+import warnings
 from pathlib import Path
 
 import torch
 from lightning.pytorch.callbacks import Checkpoint, ModelCheckpoint
+from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_troll.callbacks import (
     ConstraintMonitor,
@@ -32,6 +34,7 @@ __all__ = [
     "check_named_checkpoint",
     "check_optimizer",
     "check_schedule_length",
+    "check_scheduler",
     "check_sections",
     "check_task",
     "config_files",
@@ -55,24 +58,79 @@ def check_schedule_length(config) -> None:
     )
 
 
-def check_optimizer(config) -> None:
-    """Builds ``model.optimizer`` on a one-number parameter, so that its own checks (a negative
-    learning rate, an argument it does not take) fail before the model loads, naming the option.
-    Other failures (a GPU-only optimiser on a CPU) are left for the run to meet."""
-    spec = config.model.get("optimizer")
+def _imported(spec):
+    """``(class_path, class, init_args)`` of a ``class_path``/``init_args`` section, or None where
+    it names no class that imports (the run will say)."""
     class_path = getattr(spec, "class_path", None)
     if not isinstance(class_path, str) or "." not in class_path:
-        return
-    init_args = dict(vars(getattr(spec, "init_args", None) or {}))
+        return None
     module, _, name = class_path.rpartition(".")
     try:
-        optimizer = getattr(importlib.import_module(module), name)
+        cls = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError):
+        return None
+    init_args = getattr(spec, "init_args", None) or {}
+    return class_path, cls, dict(init_args if isinstance(init_args, dict) else vars(init_args))
+
+
+def check_optimizer(config) -> None:
+    """Builds ``model.optimizer`` on a one-number parameter, so that its own checks (a negative
+    learning rate, an argument it does not take) fail before the model loads, naming the option;
+    warns about a learning rate of 0, with which the policy never changes. Then builds
+    ``model.lr_scheduler`` on it and steps it twice (or ``trainer.max_steps`` times, if fewer):
+    a schedule of no length (``T_max: 0``, ``step_size: 0``) fails only at its first step, and one
+    that turns the learning rate negative or not finite would train the wrong way. Other failures
+    (a GPU-only optimiser on a CPU) are left for the run to meet."""
+    found = _imported(config.model.get("optimizer"))
+    if found is None:
         return
+    class_path, optimizer_class, init_args = found
     try:
-        optimizer([torch.nn.Parameter(torch.zeros(1))], **init_args)
+        optimizer = optimizer_class([torch.nn.Parameter(torch.zeros(1))], **init_args)
     except (ValueError, TypeError) as error:
         raise ValueError(f"model.optimizer.init_args ({class_path}): {error}") from None
+    except Exception:  # noqa: BLE001 - not a value the user gave: the run will say
+        return
+    if any(group.get("lr") == 0 for group in optimizer.param_groups):
+        rank_zero_warn(
+            f"model.optimizer.init_args.lr=0 ({class_path}): every optimiser step leaves the "
+            "policy as it is, so the run trains nothing"
+        )
+    max_steps = config.trainer.get("max_steps")
+    steps = max_steps if isinstance(max_steps, int) and 0 < max_steps < 2 else 2
+    check_scheduler(config.model.get("lr_scheduler"), optimizer, steps)
+
+
+def check_scheduler(spec, optimizer: torch.optim.Optimizer, steps: int) -> None:
+    """Builds the ``model.lr_scheduler`` section on ``optimizer`` and takes ``steps`` steps
+    (see :func:`check_optimizer`)."""
+    found = _imported(spec)
+    if found is None:
+        return
+    class_path, scheduler_class, init_args = found
+    where, step = f"model.lr_scheduler.init_args ({class_path})", 0
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "step the optimiser first": it has no gradients
+            scheduler = scheduler_class(optimizer, **init_args)
+            if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+                return  # steps on a metric, not on optimiser steps
+            for step in range(1, steps + 1):
+                optimizer.step()
+                scheduler.step()
+                bad = [lr for lr in scheduler.get_last_lr() if not 0 <= lr < math.inf]
+                if bad:
+                    raise ValueError(
+                        f"the learning rate is {bad[0]} after {step} optimiser step(s); "
+                        "it must stay a finite number >= 0"
+                    )
+    except ZeroDivisionError:
+        raise ValueError(
+            f"{where}: the schedule divides by zero at optimiser step {step}; a period or a "
+            "length of 0 is not allowed"
+        ) from None
+    except (ValueError, TypeError) as error:
+        raise ValueError(f"{where}: {error}") from None
     except Exception:  # noqa: BLE001 - not a value the user gave: the run will say
         return
 
@@ -82,14 +140,9 @@ def _callback_classes(config) -> list[tuple[str, type]]:
     callbacks = config.trainer.get("callbacks") or []
     found = []
     for callback in callbacks if isinstance(callbacks, list) else [callbacks]:
-        class_path = getattr(callback, "class_path", None)
-        if not isinstance(class_path, str) or "." not in class_path:
-            continue
-        module, _, name = class_path.rpartition(".")
-        with contextlib.suppress(ImportError, AttributeError):
-            cls = getattr(importlib.import_module(module), name)
-            if isinstance(cls, type):
-                found.append((name, cls))
+        imported = _imported(callback)
+        if imported is not None and isinstance(imported[1], type):
+            found.append((imported[0].rpartition(".")[2], imported[1]))
     return found
 
 
