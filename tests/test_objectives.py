@@ -22,6 +22,7 @@ from lightning_troll.objectives.aggregation import (
     K3_LOG_RATIO_LIMIT,
     K3_MAX,
     SEQUENCE_LOG_RATIO_MAX,
+    TOKEN_LOG_RATIO_MAX,
 )
 from lightning_troll.rollouts.rollout import Rollout
 from lightning_troll.trust_region.projection import ProjectionResult, sparsify
@@ -76,6 +77,38 @@ def test_clip_hand_computed():
         stats.token_ratio, torch.tensor([1.5, 0.5, 0.9], dtype=torch.float64)
     )
     assert stats.ratio_max.item() == pytest.approx(1.5)
+
+
+@pytest.mark.parametrize("objective", ["clip", "troll"])
+def test_a_token_the_old_policy_all_but_excluded_leaves_the_step_finite(objective):
+    """Token 0 was drawn where the old policy gave it e^-100 (a stale or mismatched sampler): its
+    ratio exp(100) overflows float32. Its log-ratio counts as TOKEN_LOG_RATIO_MAX, so the loss is
+    finite, token 0 gets no gradient from its ratio (TROLL's regression term still pulls it), and
+    token 1's gradient is the one it gets beside a token 0 of old probability 0.1. exp(100) gave
+    a NaN gradient, which skipped the whole optimiser step. (TROLL projects token 0 to about
+    5e-4: its log-ratio is above 90 as well.)"""
+    logits = binary_logits([[0.5, 0.44]]).float().requires_grad_(True)
+    tokens = torch.zeros(1, 2, dtype=torch.long)
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    adv = torch.tensor([[1.0, 1.0]])
+    results = []
+    for old_token0 in (-100.0, math.log(0.1)):
+        old_lp = torch.tensor([[old_token0, math.log(0.4)]])
+        old_logits = torch.stack([old_lp[0], torch.log1p(-old_lp[0].exp())], -1)
+        old = sparsify(old_logits, max_tokens=2, mass_delta=0.0, keep=tokens[mask])
+        inputs = LossInputs(tokens=tokens, mask=mask, advantages=adv, old_logprobs=old_lp, old=old)
+        kwargs = {"eps_low": 0.2} if objective == "clip" else {"eps": 0.05}
+        loss, stats = build_objective(objective, **kwargs)(logits, inputs)
+        (grad,) = torch.autograd.grad(loss, logits)
+        assert torch.isfinite(loss) and torch.isfinite(grad).all()
+        results.append((loss, grad, stats))
+    (loss, grad, stats), (_, reference_grad, _) = results
+    assert stats.token_ratio[0].item() == pytest.approx(math.exp(TOKEN_LOG_RATIO_MAX), rel=1e-6)
+    torch.testing.assert_close(grad[0, 1], reference_grad[0, 1], rtol=1e-5, atol=1e-7)
+    assert grad[0, 1].abs().sum() > 0
+    if objective == "clip":  # token 0 clipped at 1.2 in both runs; token 1's ratio 0.44 / 0.4
+        assert torch.equal(grad[0, 0], torch.zeros(2))
+        assert loss.item() == pytest.approx(-(1.2 + 1.1) / 2, rel=1e-6)
 
 
 def test_clip_asymmetric_and_dual_clip_by_hand():

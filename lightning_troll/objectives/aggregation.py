@@ -32,6 +32,7 @@ __all__ = [
     "K3_MAX",
     "REF_KL_ESTIMATORS",
     "SEQUENCE_LOG_RATIO_MAX",
+    "TOKEN_LOG_RATIO_MAX",
     "ResponseTokens",
     "k3",
     "seq_mean_token_mean",
@@ -119,9 +120,17 @@ AGGREGATION_SIZES: dict[str, Callable[[Tensor], Tensor]] = {
 # --------------------------------------------------------------------------------------------
 
 
+# A token's log-ratio is clamped from above before exp at the k3 limit: exp(89) overflows float32
+# to inf, and inf in the forward pass is a NaN gradient in the backward one (0 * inf), which
+# would skip the whole optimiser step for one token the old policy all but excluded (a token a
+# stale or mismatched sampler drew at probability below 1e-38). Below the clamp nothing changes.
+TOKEN_LOG_RATIO_MAX = 20.0
+
+
 def token_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
-    """r_t = pi(o_t) / pi_old(o_t) per token."""
-    return torch.where(mask, logp - old_logp, 0.0).exp()
+    """r_t = pi(o_t) / pi_old(o_t) per token; a log-ratio above ``TOKEN_LOG_RATIO_MAX`` counts
+    as that (exp(20) ~ 4.9e8) and its token gets no gradient."""
+    return torch.where(mask, logp - old_logp, 0.0).clamp(max=TOKEN_LOG_RATIO_MAX).exp()
 
 
 # GSPO's log-ratio is clamped from above before exp (as GSPO's reference implementation does),
