@@ -242,11 +242,13 @@ class FolderStrategy:
     def __init__(self, tag: str, fail: BaseException | None = None) -> None:
         self.tag, self.fail = tag, fail
         self.barriers: list[str] = []
+        self.broadcasts: list[object] = []
 
     def barrier(self, name: str) -> None:
         self.barriers.append(name)
 
     def broadcast(self, value):
+        self.broadcasts.append(value)
         return value
 
     def save_checkpoint(self, checkpoint, filepath, storage_options=None):
@@ -288,7 +290,8 @@ def test_a_folder_checkpoint_is_swapped_in_whole_and_a_failed_one_leaves_the_old
     assert folder_tags(target) == {"first"} and sorted(p.name for p in tmp_path.iterdir()) == [
         "last.ckpt"
     ]
-    assert len(first.barriers) == 3  # every process waits for the others at each step
+    # every process waits for the others at each step: the first's steps alone tell how they went
+    assert len(first.barriers) == 1 and first.broadcasts == [str(target), None, None]
     save_folder(FolderStrategy("second"), target)
     assert folder_tags(target) == {"second"} and [p.name for p in tmp_path.iterdir()] == [
         "last.ckpt"
@@ -327,3 +330,74 @@ def test_a_folder_that_lacks_a_part_is_refused_at_resume(tmp_path):
         CheckpointError, match=r"not a whole sharded checkpoint \(it lacks 'meta.pt'\)"
     ):
         check_checkpoint_file(target)
+
+
+def _swap_on_two_processes(rank: int, port: int, target: str, outcomes: str) -> None:
+    """One of two gloo processes saving a folder checkpoint, where the first process cannot
+    rename the written folder into place; writes what it raised to ``outcomes``/<rank>."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from lightning_troll.training import checkpoint_io
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+        timeout=timedelta(seconds=20),
+    )  # fmt: skip
+
+    class TwoProcesses:
+        is_global_zero = rank == 0
+
+        def barrier(self, name: str) -> None:
+            dist.barrier()
+
+        def broadcast(self, value):
+            box = [value]
+            dist.broadcast_object_list(box, src=0)
+            return box[0]
+
+    def write(path: Path) -> None:
+        path.mkdir(exist_ok=True)
+        (path / f"__{rank}_0.distcp").write_text("new")
+
+    if rank == 0:
+        real_rename = os.rename
+
+        def rename(source, destination):
+            if Path(source).name.startswith(".") and Path(source).name.endswith(".partial"):
+                raise PermissionError(errno.EACCES, "Permission denied", str(source))
+            real_rename(source, destination)
+
+        checkpoint_io.os.rename = rename
+    try:
+        checkpoint_io.save_folder_checkpoint(TwoProcesses(), write, Path(target))
+        outcome = "saved"
+    except BaseException as error:  # noqa: BLE001 - the outcome under test
+        outcome = f"{type(error).__name__}: {error}"
+    Path(outcomes, str(rank)).write_text(outcome)
+    dist.destroy_process_group()
+
+
+def test_a_swap_that_fails_on_the_first_process_stops_every_process_at_once(tmp_path):
+    """Two gloo processes: the first cannot rename the written folder into place. It raises its
+    own error; the second raises SaveFailed naming it, at once, where it had waited at a barrier
+    the first never reached until the collective's timeout. The previous folder stays whole."""
+    import torch.multiprocessing as mp
+
+    from lightning_troll.training.checkpoint_io import partial_path as partial
+    from tests.test_multinode import free_port
+
+    target = tmp_path / "last.ckpt"
+    target.mkdir()
+    (target / "__0_0.distcp").write_text("old")
+    outcomes = tmp_path / "outcomes"
+    outcomes.mkdir()
+    mp.spawn(_swap_on_two_processes, args=(free_port(), str(target), str(outcomes)), nprocs=2)
+    first, second = ((outcomes / str(rank)).read_text() for rank in range(2))
+    assert first.startswith("PermissionError: [Errno 13] Permission denied"), first
+    assert second.startswith(
+        f"SaveFailed: could not save {target}: the first process failed (PermissionError: "
+    ), second
+    assert folder_tags(target) == {"old"}  # the written folder waits beside it, for the next
+    assert folder_tags(partial(target)) == {"new"}  # save to clear

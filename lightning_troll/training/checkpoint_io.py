@@ -48,7 +48,8 @@ NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 
 
 class SaveFailed(RunFault):
-    """A checkpoint could not be written for want of space; the previous one is whole."""
+    """A checkpoint could not be written (for want of space, or on another process); the
+    previous one is whole."""
 
 
 def _gib(size: float) -> str:
@@ -211,19 +212,55 @@ def _no_space_cause(error: BaseException) -> OSError | None:
     return None
 
 
+def _on_the_first(strategy: Any, target: Path, action: Callable[[], None]) -> None:
+    """Runs ``action`` on the first process, then tells every process how it went (a barrier
+    that carries the outcome): where it raised, the first process raises that, and every other
+    one :class:`SaveFailed` naming it, instead of waiting at a barrier the first never reaches
+    until the collective's timeout."""
+    error: BaseException | None = None
+    if strategy.is_global_zero:
+        try:
+            action()
+        except BaseException as raised:  # noqa: BLE001 - told to the others, then raised
+            error = raised
+    outcome = strategy.broadcast(None if error is None else f"{type(error).__name__}: {error}")
+    if error is not None:
+        raise error
+    if outcome is not None:
+        raise SaveFailed(f"could not save {target}: the first process failed ({outcome})")
+
+
 def save_folder_checkpoint(strategy: Any, write: Callable[[Path], None], target: Path) -> None:
     """A folder checkpoint of ``strategy`` saved as ``target`` (every process calls it):
     ``write(path)`` writes it to :func:`partial_path`, which is synced, then the first process
     renames the old ``target`` to :func:`aside_path`, the new folder to ``target``, and removes
     the old one. A save cut short (a kill, a full disk) leaves the previous ``target`` whole; one
-    killed between the renames leaves it at the aside path, which the next save puts back first."""
+    killed between the renames leaves it at the aside path, which the next save puts back first.
+    Where a step of the first process alone fails, every process raises (:func:`_on_the_first`)."""
     partial, aside = partial_path(target), aside_path(target)
-    if strategy.is_global_zero:
+
+    def clear() -> None:
         if aside.exists() and not target.exists():  # a swap cut short: the previous one
             os.rename(aside, target)
         for leftover in (partial, aside):
             _remove(leftover)
-    strategy.barrier("save_folder_checkpoint: start")
+
+    def swap() -> None:
+        sync_tree(partial)
+        moved = target.exists()
+        if moved:
+            os.rename(target, aside)
+        try:
+            os.rename(partial, target)
+        except BaseException:
+            if moved:  # the previous one back in place
+                with contextlib.suppress(OSError):
+                    os.rename(aside, target)
+            raise
+        sync_tree(target.parent, files=False)
+        _remove(aside)
+
+    _on_the_first(strategy, target, clear)
     try:
         write(partial)
     except BaseException as error:
@@ -235,11 +272,4 @@ def save_folder_checkpoint(strategy: Any, write: Callable[[Path], None], target:
             raise SaveFailed(_no_space(target, cause)) from error
         raise
     strategy.barrier("save_folder_checkpoint: written")
-    if strategy.is_global_zero:
-        sync_tree(partial)
-        if target.exists():
-            os.rename(target, aside)
-        os.rename(partial, target)
-        sync_tree(target.parent, files=False)
-        _remove(aside)
-    strategy.barrier("save_folder_checkpoint: swapped")
+    _on_the_first(strategy, target, swap)
