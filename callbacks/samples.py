@@ -53,7 +53,9 @@ def log_rollout(module: Any, report: RolloutReport) -> None:
     between its log-probs of the sampled tokens and the snapshot's; with
     ``model.loss.engine_is_cap`` each token's advantage is weighted by the truncated (or masked)
     ratio of the two (``rollout/engine_is_weight_mean``, ``rollout/engine_is_capped_frac`` or
-    ``rollout/engine_is_masked_frac``)."""
+    ``rollout/engine_is_masked_frac``). With several processes ``reward/std`` and the figures
+    that average over tokens or episodes are those of every process's samples together
+    (:func:`_pooled`)."""
 
     def cat(values: Callable[[Samples], Tensor]) -> Tensor:  # over every round: (all,)
         return torch.cat([values(s) for s in report.rounds])
@@ -82,6 +84,7 @@ def log_rollout(module: Any, report: RolloutReport) -> None:
         values["dynamic_sampling/rounds"] = torch.tensor(float(len(report.rounds) - 1))
         values["dynamic_sampling/frac_dropped"] = torch.tensor(1.0 - kept / groups)
     values.update({name: torch.tensor(value) for name, value in report.engine.items()})
+    values.update(_pooled(module, report, rewards))
     seconds = dict(report.seconds)
     for name in ("forward_passes", "rollout"):
         if name in seconds:
@@ -103,6 +106,29 @@ def log_rollout(module: Any, report: RolloutReport) -> None:
     log(values)
     log(_failures(report), reduce_fx="sum")
     log({"completion/max_length": lengths.max()}, reduce_fx="max")
+
+
+def _pooled(module: Any, report: RolloutReport, rewards: Tensor) -> dict[str, Tensor]:
+    """With several processes, the figures that are means or spreads over every process's
+    samples: ``reward/std`` of all the rewards, and each figure of ``report.engine`` that
+    averages over tokens or episodes (``report.counts``) weighed by its count. Logged as they are,
+    a process's own figures would be averaged with equal weights, and the mean of the processes'
+    standard deviations leaves out the spread between them. One reduction of a few numbers;
+    nothing with one process, whose figures are its own."""
+    trainer = getattr(module, "_trainer", None)
+    if trainer is None or trainer.world_size == 1:
+        return {}
+    names = sorted(report.counts)  # the same names, in the same order, on every process
+    r = rewards.double()
+    parts = [[report.engine[n] * report.counts[n], report.counts[n]] for n in names]
+    parts.append([float(r.numel()), float(r.sum()), float((r * r).sum())])
+    flat = torch.tensor([x for part in parts for x in part], dtype=torch.float64)
+    total = trainer.strategy.reduce(flat.to(module.device), reduce_op="sum").cpu()
+    pooled = {name: total[2 * i] / total[2 * i + 1].clamp_min(1) for i, name in enumerate(names)}
+    n, summed, squares = total[-3:]
+    variance = (squares - summed * summed / n) / (n - 1) if n > 1 else summed.new_zeros(())
+    pooled["reward/std"] = variance.clamp_min(0).sqrt()
+    return {name: value.float() for name, value in pooled.items()}
 
 
 def _failures(report: RolloutReport) -> dict[str, Tensor]:

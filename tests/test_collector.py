@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from lightning_troll.rewards.functions import tinymath
@@ -111,3 +112,32 @@ def test_every_rollout_figure_is_logged_on_the_module_device(tiny_model_dir):
         assert options["sync_dist"] is True and options["batch_size"] == 8, name
     assert logged["completion/max_length"][1]["reduce_fx"] == "max"
     assert logged["rewards/errors"][1]["reduce_fx"] == "sum"
+
+
+def test_figures_of_several_processes_are_pooled_over_their_samples():
+    """Two processes: one with 10 response tokens and an engine weight mean of 0.5, one with 30
+    and 0.1, rewards [1, 2] and [3, 5, 8]. Pooled: (0.5 * 10 + 0.1 * 30) / 40 = 0.2 (their plain
+    mean would be 0.3), and the standard deviation of all five rewards (not the mean of the two
+    processes' own). One process logs its own figures untouched."""
+    from types import SimpleNamespace
+
+    from lightning_troll.callbacks.samples import _pooled
+    from lightning_troll.rollouts.samples import RolloutReport
+
+    name = "rollout/engine_is_weight_mean"
+
+    def process(weight: float, tokens: float, rewards: list[float], reduce):
+        report = RolloutReport([], None, False, engine={name: weight}, counts={name: tokens})
+        strategy = SimpleNamespace(reduce=reduce)
+        trainer = SimpleNamespace(world_size=2, strategy=strategy)
+        module = SimpleNamespace(_trainer=trainer, device=torch.device("cpu"))
+        return _pooled(module, report, torch.tensor(rewards))
+
+    sent: list[torch.Tensor] = []
+    process(0.1, 30.0, [3.0, 5.0, 8.0], lambda t, reduce_op: sent.append(t) or t)
+    pooled = process(0.5, 10.0, [1.0, 2.0], lambda t, reduce_op: t + sent[0])
+    assert pooled[name].item() == pytest.approx(0.2, rel=1e-6)
+    everyone = torch.tensor([1.0, 2.0, 3.0, 5.0, 8.0])
+    assert pooled["reward/std"].item() == pytest.approx(everyone.std().item(), rel=1e-6)
+    alone = SimpleNamespace(_trainer=SimpleNamespace(world_size=1), device=torch.device("cpu"))
+    assert _pooled(alone, RolloutReport([], None, False), everyone) == {}

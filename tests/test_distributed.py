@@ -24,6 +24,7 @@ WORKER = ROOT / "tests" / "distributed_worker.py"
 COMPARED = [
     "loss/total",
     "reward/mean",
+    "reward/std",  # pooled over the processes, not their own stds averaged
     "trust_region/kl_before_mean",
     "trust_region/kl_before_max",
     "trust_region/kl_after_mean",

@@ -145,6 +145,8 @@ class RolloutCollector:
         token_advantages, engine, masked = self._mismatch(
             kept, response_mask, advantages, old_logprobs
         )
+        tokens = float(response_mask.sum())  # what the engine's rollout/ figures average over
+        counts = dict.fromkeys([n for n in engine if n.startswith("rollout/")], tokens)
         if masked is not None:  # masked importance sampling: the masked tokens leave the loss
             old = None if old is None else old.select(masked[response_mask])
             response_mask = masked
@@ -155,8 +157,11 @@ class RolloutCollector:
                 kept, response_mask, token_advantages, old_logprobs
             )
             engine.update(figures)
+            counts.update(dict.fromkeys(figures, float(response_mask.sum())))
         if kept.episodes is not None:
-            engine.update(episode_figures(kept.episodes))
+            figures = episode_figures(kept.episodes)
+            engine.update(figures)
+            counts.update(dict.fromkeys(figures, float(len(kept.episodes))))
         end = clock(self.device)
         rollout = Rollout(
             input_ids=kept.input_ids,
@@ -176,7 +181,8 @@ class RolloutCollector:
             "forward_passes": end - passes,
             "rollout": end - start,
         }
-        return rollout, RolloutReport(rounds, kept, capped, advantages, engine, seconds)
+        report = RolloutReport(rounds, kept, capped, advantages, engine, seconds, counts)
+        return rollout, report
 
     def _teacher_forced(
         self, kept: Samples, response_mask: Tensor

@@ -143,6 +143,9 @@ class RolloutReport:
     """Wall time of this process's ``generation`` (every round), ``forward_passes`` (the
     teacher-forced passes after sampling: the behaviour policy's unless it was recorded while
     sampling, the reference policy's) and the whole ``rollout``."""
+    counts: dict[str, float] = field(default_factory=dict)
+    """What each figure of :attr:`engine` that is a mean averages over on this process (its
+    response tokens, its episodes), by name, so that several processes pool them."""
 
     @property
     def rewards(self) -> Tensor:
