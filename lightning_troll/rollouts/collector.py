@@ -66,6 +66,37 @@ def _this_process(flag: bool) -> bool:
     return flag
 
 
+def engine_mismatch(
+    engine: dict[str, float],
+    loss: LossConfig,
+    kept: Samples,
+    response_mask: Tensor,
+    advantages: Tensor,
+    old_logprobs: Tensor,
+) -> tuple[Tensor, dict[str, float], Tensor | None]:
+    """The ``engine``'s figures with ``rollout/engine_logprob_diff`` added where it reports its
+    own log-probs, the advantages weighted per token (``(B, T)``) by the importance weights of
+    ``loss.engine_is_*`` (:func:`mismatch_weights`; ``advantages`` as they are otherwise), and
+    with ``engine_is_mode: mask`` the response tokens that stay in the loss (None otherwise)."""
+    if kept.engine_logprobs is None:
+        return advantages, engine, None
+    tokens = response_mask.sum().clamp_min(1)
+    gap = (kept.engine_logprobs - old_logprobs).abs() * response_mask
+    engine["rollout/engine_logprob_diff"] = float(gap.sum() / tokens)
+    if loss.engine_is_cap is None:
+        return advantages, engine, None
+    weights, stay, figures = mismatch_weights(
+        old_logprobs - kept.engine_logprobs,
+        response_mask,
+        loss.engine_is_cap,
+        loss.engine_is_level,
+        loss.engine_is_mode,
+        loss.engine_is_floor,
+    )
+    masked = stay if loss.engine_is_mode == "mask" else None
+    return advantages.unsqueeze(-1) * weights, {**engine, **figures}, masked
+
+
 @dataclass
 class RolloutCollector:
     """Collects rollouts from batches of prompts (see the module's docstring for the order)."""
@@ -142,8 +173,8 @@ class RolloutCollector:
         advantages = self.advantages(kept.rewards)
         passes = clock(self.device)
         old_logprobs, old, ref_logprobs = self._teacher_forced(kept, response_mask)
-        token_advantages, engine, masked = self._mismatch(
-            kept, response_mask, advantages, old_logprobs
+        token_advantages, engine, masked = engine_mismatch(
+            dict(self.engine.figures()), self.loss, kept, response_mask, advantages, old_logprobs
         )
         tokens = float(response_mask.sum())  # what the engine's rollout/ figures average over
         counts = dict.fromkeys([n for n in engine if n.startswith("rollout/")], tokens)
@@ -205,33 +236,6 @@ class RolloutCollector:
                 share = self.share_prompts and not is_sharded(reference)
                 ref_logprobs = behaviour_outputs(reference, *inputs, None, chunks, share)[0]
         return old_logprobs, old, ref_logprobs
-
-    def _mismatch(
-        self, kept: Samples, response_mask: Tensor, advantages: Tensor, old_logprobs: Tensor
-    ) -> tuple[Tensor, dict[str, float], Tensor | None]:
-        """The engine's figures, the advantages weighted per token (``(B, T)``) by the
-        importance weights of ``loss.engine_is_*`` (:func:`mismatch_weights`) where the engine
-        reports its own log-probs (``advantages`` as they are otherwise), and with
-        ``engine_is_mode: mask`` the response tokens that stay in the loss (None otherwise)."""
-        engine = dict(self.engine.figures())
-        if kept.engine_logprobs is None:
-            return advantages, engine, None
-        tokens = response_mask.sum().clamp_min(1)
-        gap = (kept.engine_logprobs - old_logprobs).abs() * response_mask
-        engine["rollout/engine_logprob_diff"] = float(gap.sum() / tokens)
-        loss = self.loss
-        if loss.engine_is_cap is None:
-            return advantages, engine, None
-        weights, stay, figures = mismatch_weights(
-            old_logprobs - kept.engine_logprobs,
-            response_mask,
-            loss.engine_is_cap,
-            loss.engine_is_level,
-            loss.engine_is_mode,
-            loss.engine_is_floor,
-        )
-        masked = stay if loss.engine_is_mode == "mask" else None
-        return advantages.unsqueeze(-1) * weights, {**engine, **figures}, masked
 
     def _proximal(
         self, kept: Samples, response_mask: Tensor, advantages: Tensor, behaviour: Tensor
