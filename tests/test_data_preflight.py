@@ -154,3 +154,54 @@ def test_an_unreachable_hub_id_is_refused_at_once(monkeypatch, tmp_path, tiny_mo
     check_reachable(str(tiny_model_dir))
     check_reachable("tinymath")
     assert len(tried) == 1
+
+
+def test_a_hub_dataset_name_is_checked_before_the_model_loads(monkeypatch, tmp_path):
+    """A hub dataset that is not cached: refused where the hub is off or out of reach, and where
+    the hub answers that it has no dataset of that name (a misspelt one); passed where it has
+    one, or where the cache holds it, without asking. Files and TinyMath never ask."""
+    import datasets.config
+    from huggingface_hub import HfApi, constants
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    from lightning_troll.data.preflight import check_hub_dataset
+    from lightning_troll.models import loading
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "datasets")
+    reach: list[str | None] = ["https://hub.example cannot be reached (OSError: down)"]
+    monkeypatch.setattr(loading, "hub_unreachable", lambda timeout: reach[0])
+    asked: list[str] = []
+
+    def dataset_info(self, name, timeout=None):
+        asked.append(name)
+        if name != "openai/gsm8k":
+            missing = RepositoryNotFoundError.__new__(RepositoryNotFoundError)
+            Exception.__init__(missing, "404")
+            raise missing
+
+    monkeypatch.setattr(HfApi, "dataset_info", dataset_info)
+    with pytest.raises(
+        ValueError,
+        match=r"^data.source='openai/gsm8k' is neither a local file nor a hub dataset in the "
+        r"Hugging Face cache, and https://hub.example cannot be reached \(OSError: down\); give "
+        r"a .json, .jsonl or .parquet file",
+    ):
+        check_hub_dataset("openai/gsm8k")
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", True)
+    with pytest.raises(ValueError, match=r"and HF_DATASETS_OFFLINE is set;"):
+        check_hub_dataset("openai/gsm8k")
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", False)
+    reach[0] = None  # the hub answers
+    with pytest.raises(ValueError, match=r"'opnai/gsm8k' .* the hub has no dataset of that name"):
+        check_hub_dataset("opnai/gsm8k")
+    check_hub_dataset("openai/gsm8k")
+    assert asked == ["opnai/gsm8k", "openai/gsm8k"]
+    reach[0] = "HF_HUB_OFFLINE is set"  # cached (by the hub's files or datasets' own): no question
+    (tmp_path / "hub" / "datasets--openai--gsm8k").mkdir(parents=True)
+    check_hub_dataset("openai/gsm8k")
+    (tmp_path / "datasets" / "owner___prepared").mkdir(parents=True)
+    check_hub_dataset("owner/prepared")
+    for local in ("tinymath", "rows.jsonl", "./data/rows", str(tmp_path)):
+        check_hub_dataset(local)
+    assert asked == ["opnai/gsm8k", "openai/gsm8k"]

@@ -20,7 +20,7 @@ from lightning_troll.callbacks import (
 )
 from lightning_troll.callbacks.refresh_options import check_refresh
 from lightning_troll.data.datamodule import PromptDataModule
-from lightning_troll.data.preflight import check_data_files
+from lightning_troll.data.preflight import check_data_files, check_hub_dataset
 from lightning_troll.models.loading import check_reachable
 from lightning_troll.rewards.registry import resolve_reward
 from lightning_troll.training.preflight import (
@@ -224,8 +224,9 @@ def check_sections(config) -> None:
 def check_task(config) -> None:
     """Refuses, before the model loads, a run that cannot train: data other than TinyMath with no
     reward, a reward module or function that cannot be found (looked for in the working
-    directory, then beside the configs), a minibatch larger than the rollout, and data files that
-    cannot be read or lack a field the options need (:func:`check_data_files`)."""
+    directory, then beside the configs), a minibatch larger than the rollout, data files that
+    cannot be read or lack a field the options need (:func:`check_data_files`), and a hub dataset
+    that is neither cached nor on a hub this machine reaches (:func:`check_hub_dataset`)."""
     model, data = config.model, config.data
     check_module_options(
         model.get("objective"),
@@ -246,6 +247,7 @@ def check_task(config) -> None:
     except ValueError as error:
         hint = beside_a_config(str(error), data, config_files(config))
         raise ValueError(f"{error}{hint}") from None
+    check_hub_dataset(data.get("source"))
     check_optimizer(config)
     check_checkpointing(config)
     check_sections(config)

@@ -11,6 +11,9 @@ once each, about rows whose prompt repeats an earlier row's, and validation prom
 also training prompts. The ``lightning-troll`` command calls it before the model loads, so a
 refused start leaves no run folder. Prompt lengths need the tokenizer and are checked when the
 rows are tokenized (:class:`~lightning_troll.data.formatting.PromptFormatter`).
+
+:func:`check_hub_dataset` refuses, as early, a hub dataset name that is not in the cache where
+the hub cannot be reached or has no dataset of that name.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from lightning_troll.data.formatting import PromptFormatter
 from lightning_troll.data.prompts import check_file, looks_like_file, read_rows_with_lines
 from lightning_troll.data.sources import check_holdout
 
-__all__ = ["check_data_files"]
+__all__ = ["check_data_files", "check_hub_dataset"]
 
 _DEFAULTS = {"prompt_field": "prompt", "answer_field": None, "template": "{prompt}"}
 
@@ -91,6 +94,54 @@ def check_data_files(data: Mapping[str, Any]) -> None:
                 f"{held[shared[0]]} there, line {train[shared[0]]} here): validation then "
                 "measures what the policy saw, not what it learned"
             )
+
+
+def _in_cache(name: str) -> bool:
+    """Whether the hub dataset ``name`` has been fetched here before: the hub's file cache or
+    ``datasets``' own prepared one holds a folder of it."""
+    import datasets.config
+    from huggingface_hub import constants
+    from huggingface_hub.file_download import repo_folder_name
+
+    hub = Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=name, repo_type="dataset")
+    prepared = Path(datasets.config.HF_DATASETS_CACHE) / name.replace("/", "___")
+    return hub.is_dir() or prepared.is_dir()
+
+
+def check_hub_dataset(source: Any, timeout: float = 5.0) -> None:
+    """Refuses a ``data.source`` that names a hub dataset (not a local file, not TinyMath) this
+    machine can neither read from its cache nor fetch: the hub is off or out of reach, or it has
+    no dataset of that name (a misspelt one, or a private one without a token). Without this the
+    name is looked up after the model has loaded."""
+    if not isinstance(source, str) or not source or source == "tinymath":
+        return
+    if looks_like_file(source) or Path(source).expanduser().exists() or _in_cache(source):
+        return
+    import datasets.config
+
+    from lightning_troll.models.loading import hub_unreachable
+
+    why = "HF_DATASETS_OFFLINE is set" if datasets.config.HF_DATASETS_OFFLINE else None
+    why = why or hub_unreachable(timeout)
+    if why is None:
+        from huggingface_hub import HfApi
+        from huggingface_hub.errors import RepositoryNotFoundError
+
+        try:
+            HfApi().dataset_info(source, timeout=timeout)
+            return
+        except RepositoryNotFoundError:
+            why = (
+                "the hub has no dataset of that name this machine may read (a misspelt name, "
+                "or a private dataset without a token: `hf auth login`)"
+            )
+        except Exception:  # noqa: BLE001 - not an answer about the name: the load will say
+            return
+    raise ValueError(
+        f"data.source={source!r} is neither a local file nor a hub dataset in the Hugging Face "
+        f"cache, and {why}; give a .json, .jsonl or .parquet file, 'tinymath', or a hub "
+        "dataset name (owner/name)"
+    )
 
 
 def _first_lines(option, path, rows, lines, field, data) -> dict[str, int]:

@@ -89,6 +89,22 @@ def _resolve(name_or_path: str | Path) -> str:
     return str(name_or_path)
 
 
+def hub_unreachable(timeout: float = 3.0) -> str | None:
+    """Why the Hugging Face hub cannot be reached from here (``HF_HUB_OFFLINE`` is set, or its
+    host does not answer within ``timeout`` seconds), or None where it can."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return "HF_HUB_OFFLINE is set"
+    endpoint = constants.ENDPOINT
+    host = re.sub(r"^\w+://", "", endpoint).split("/")[0]
+    try:
+        socket.create_connection((host.split(":")[0], 443), timeout=timeout).close()
+    except OSError as error:
+        return f"{endpoint} cannot be reached ({type(error).__name__}: {error})"
+    return None
+
+
 def check_reachable(name_or_path: str | Path, timeout: float = 3.0) -> None:
     """Refuses at once a hub id that can be neither found in the local Hugging Face cache nor
     fetched: ``HF_HUB_OFFLINE`` is set, or the hub's host does not answer within ``timeout``
@@ -98,20 +114,13 @@ def check_reachable(name_or_path: str | Path, timeout: float = 3.0) -> None:
     path = _resolve(name_or_path)
     if Path(path).exists():
         return
-    from huggingface_hub import constants, try_to_load_from_cache
+    from huggingface_hub import try_to_load_from_cache
 
     if isinstance(try_to_load_from_cache(name, "config.json"), str):
         return
-    endpoint = constants.ENDPOINT
-    if constants.HF_HUB_OFFLINE:
-        why = "HF_HUB_OFFLINE is set"
-    else:
-        host = re.sub(r"^\w+://", "", endpoint).split("/")[0]
-        try:
-            socket.create_connection((host.split(":")[0], 443), timeout=timeout).close()
-            return
-        except OSError as error:
-            why = f"{endpoint} cannot be reached ({type(error).__name__}: {error})"
+    why = hub_unreachable(timeout)
+    if why is None:
+        return
     raise ValueError(
         f"model.model={name!r} is neither a local folder nor in the Hugging Face cache, and "
         f"{why}; give a local model folder (what save_pretrained writes), or run where the hub "
