@@ -167,3 +167,19 @@ def test_scale_rewards_divides_a_registered_estimator_and_refuses_unknown_scales
         compute_advantages("grpo", REWARDS, 4, scale_rewards="std")
     one = compute_advantages("dr_grpo", torch.tensor([1.0]), 1, scale_rewards="batch")
     assert torch.equal(one, torch.zeros(1)), "a single reward has no spread"
+
+
+def test_a_dropped_reward_grows_grpo_advantages_and_shrinks_rloo_ones_as_the_docs_say():
+    """Rewards 1, 0, 0 and a dropped one, filled with the others' mean 1/3 (docs/rewards.md):
+    GRPO gives the 1 an advantage of 1.41 (1.15 over the three alone), RLOO 0.89 (1 alone)."""
+    from lightning_troll.rewards.registry import RewardOutput
+    from lightning_troll.rollouts.samples import filled_rewards
+
+    scored = RewardOutput(torch.tensor([1.0, 0.0, 0.0, 5.0]), {}, torch.tensor([1, 1, 1, 0]) > 0)
+    filled = filled_rewards(scored, 4)
+    assert filled.tolist() == pytest.approx([1.0, 0.0, 0.0, 1 / 3])
+    three = torch.tensor([1.0, 0.0, 0.0])
+    assert compute_advantages("grpo", filled, 4)[0].item() == pytest.approx(1.41, abs=0.005)
+    assert compute_advantages("grpo", three, 3)[0].item() == pytest.approx(1.15, abs=0.005)
+    assert compute_advantages("rloo", filled, 4)[0].item() == pytest.approx(8 / 9)
+    assert compute_advantages("rloo", three, 3)[0].item() == pytest.approx(1.0)

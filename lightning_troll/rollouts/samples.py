@@ -157,8 +157,10 @@ def filled_rewards(scored: RewardOutput, group: int, env_rewards: Tensor | None 
     """(B,) float32 rewards: the reward functions' totals, plus ``env_rewards`` (B,) where given
     (an episode's environment rewards). A dropped completion leaves the loss and, in its group,
     takes the mean reward of the others (their whole rewards, the environment's included), so the
-    group's mean, every advantage's baseline, does not move (a scaling by the group's standard
-    deviation sees one more value at the mean, and grows the others' advantages a little)."""
+    group's mean, the baseline of the estimators that subtract it, does not move (a scaling by
+    the group's standard deviation sees one more value at the mean, and grows the others'
+    advantages a little; RLOO's leave-one-out baselines count one more reward at the mean, and
+    shrink them a little)."""
     rewards = scored.total.to(torch.float32)
     if env_rewards is not None:
         rewards = rewards + env_rewards.to(rewards)
