@@ -142,3 +142,39 @@ def test_qlora_without_cuda_is_refused_by_name():
 
 
 # QLoRA itself (CUDA only) is trained in tests/test_cuda.py.
+
+
+def test_a_lora_snapshot_and_the_engines_weights_carry_embedding_adapters_too():
+    """LoRA on ``embed_tokens`` keeps its adapter in ``lora_embedding_A/B``, whose parameter
+    names end in the adapter's name. After the trainable adapter moves and the snapshot
+    refreshes, the snapshot's logits are the policy's (before, its embedding adapter kept its
+    first weights), and the full weights an engine receives hold the embedding's update (before,
+    its base weight alone)."""
+    from lightning_troll.models.loading import tiny_causal_lm
+    from lightning_troll.models.lora import apply_lora
+    from lightning_troll.models.snapshots import AdapterSnapshot
+    from lightning_troll.models.weights import full_weights
+
+    policy = apply_lora(
+        tiny_causal_lm(20, hidden_size=16, seed=0),
+        LoraConfig(r=2, target_modules=["q_proj", "embed_tokens"]),
+    )
+    snapshot = AdapterSnapshot(policy)
+    with torch.no_grad():
+        for name, parameter in policy.named_parameters():
+            if "lora_" in name and ".default" in name:
+                parameter.add_(0.5 * torch.randn_like(parameter))
+    snapshot.refresh(policy)
+    ids = torch.tensor([[1, 5, 7, 3, 9]])
+    with torch.no_grad():
+        expected = policy(ids).logits
+        with snapshot.behaviour() as behaviour:
+            got = behaviour(ids).logits
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+    embedding = policy.base_model.model.model.embed_tokens
+    delta = embedding.get_delta_weight("default")
+    assert delta.abs().max() > 0.01
+    weights = dict(full_weights(policy))
+    torch.testing.assert_close(
+        weights["model.embed_tokens.weight"], embedding.base_layer.weight + delta
+    )

@@ -48,6 +48,7 @@ from typing import Any
 import torch
 
 from lightning_troll.models.loading import DTYPES
+from lightning_troll.models.weights import carries_adapter
 from lightning_troll.rewards.options import DEPRECATED_KEYS
 from lightning_troll.training.checkpoint_io import sync_tree
 from lightning_troll.training.checkpoints import check_checkpoint_file
@@ -94,7 +95,7 @@ def _adapted_layers(policy: Any) -> list[Any]:
     return [
         module
         for module in policy.modules()
-        if hasattr(module, "get_delta_weight") and adapter in getattr(module, "lora_A", {})
+        if hasattr(module, "get_delta_weight") and carries_adapter(module, adapter)
     ]
 
 

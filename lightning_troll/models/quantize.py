@@ -105,7 +105,8 @@ def quantize_int8_(model: nn.Module) -> nn.Module:
 def requantize_int8_(quantized: nn.Module, source: nn.Module) -> None:
     """Re-quantises ``quantized`` (made by :func:`quantize_int8_`) from ``source``'s weights.
 
-    Every other parameter and buffer of ``quantized`` is copied from ``source`` as well.
+    Every other parameter of ``quantized`` is copied from ``source`` as well; its buffers
+    (rotary tables, masks), which training does not change, are left as they are.
     """
     layers = dict(source.named_modules())
     for name, module in quantized.named_modules():

@@ -209,10 +209,18 @@ class AdapterSnapshot(Snapshot):
         self.refresh(policy)
 
     def _pairs(self, policy: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(snapshot adapter tensor, trainable adapter tensor) pairs."""
+        """(snapshot adapter tensor, trainable adapter tensor) pairs. The adapter's name is one
+        part of a parameter's dotted name: inside it for a linear layer's
+        (``q_proj.lora_A.snapshot.weight``), at its end for an embedding's
+        (``embed_tokens.lora_embedding_A.snapshot``)."""
         params = dict(policy.named_parameters())
-        tag, source = f".{SNAPSHOT_ADAPTER}.", f".{ADAPTER}."
-        return [(p, params[n.replace(tag, source)]) for n, p in params.items() if tag in n]
+        pairs = []
+        for name, tensor in params.items():
+            parts = name.split(".")
+            if SNAPSHOT_ADAPTER in parts:
+                parts[parts.index(SNAPSHOT_ADAPTER)] = ADAPTER
+                pairs.append((tensor, params[".".join(parts)]))
+        return pairs
 
     @torch.no_grad()
     def refresh(self, policy: nn.Module) -> None:

@@ -4,9 +4,9 @@ float.
 Engines that hold their own copy of the behaviour policy (vLLM) load these: a LoRA model gives
 its base weights with the active adapter merged in (``W + scale * B @ A``, computed, nothing in
 the model changes); an int8 snapshot (:mod:`lightning_troll.models.quantize`) gives its weights
-dequantised; a sharded (FSDP2) weight is gathered into its full tensor. Tied weights appear once,
-under the name the model registers first (the input embedding for a tied output head). No
-Lightning here.
+dequantised; a sharded (FSDP2) weight is gathered into its full tensor. A tied weight is given
+under each name that holds it (a tied output head's weight as ``lm_head.weight`` and as the input
+embedding's), as the engine's loader looks for either. No Lightning here.
 """
 
 from __future__ import annotations
@@ -37,7 +37,17 @@ def _unwrap(model: nn.Module) -> tuple[nn.Module, str | None]:
 
 
 def _is_lora(module: nn.Module) -> bool:
-    return hasattr(module, "base_layer") and hasattr(module, "lora_A")
+    return hasattr(module, "base_layer") and (
+        hasattr(module, "lora_A") or hasattr(module, "lora_embedding_A")
+    )
+
+
+def carries_adapter(module: nn.Module, adapter: str | None) -> bool:
+    """Whether the peft layer ``module`` holds LoRA weights of ``adapter``: a linear layer's in
+    ``lora_A``, an embedding's in ``lora_embedding_A``."""
+    return adapter is not None and any(
+        adapter in getattr(module, where, {}) for where in ("lora_A", "lora_embedding_A")
+    )
 
 
 @torch.no_grad()
@@ -57,7 +67,7 @@ def full_weights(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
         if _is_lora(module):
             layer = module.base_layer
             weight = _full(layer.weight)
-            if adapter is not None and adapter in module.lora_A:
+            if carries_adapter(module, adapter):
                 weight = weight + _full(module.get_delta_weight(adapter)).to(weight.dtype)
             yield f"{dot}weight", weight
             if getattr(layer, "bias", None) is not None:
