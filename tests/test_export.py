@@ -281,3 +281,29 @@ def test_a_small_lora_update_on_a_bfloat16_base_is_merged_in_float32(tiny_model_
     kept = _merge(large, "auto")
     assert {p.dtype for p in kept.parameters()} == {torch.bfloat16}
     assert "lightning-troll" not in capsys.readouterr().err
+
+
+def test_a_merge_written_in_another_dtype_than_the_bases_is_rounded_once():
+    """A bfloat16 base exported with ``--dtype float16``: the merge is computed in float32 and
+    rounded to float16 once, the rounding the check measures. Merged in bfloat16 first (before),
+    it kept bfloat16's coarser rounding of the update, which the float16 check did not see."""
+    from lightning_troll.cli.export import _adapted_layers, _merge
+    from lightning_troll.models.loading import tiny_causal_lm
+    from lightning_troll.models.lora import LoraConfig, apply_lora
+
+    pytest.importorskip("peft")
+    torch.manual_seed(0)
+    base = tiny_causal_lm(20, hidden_size=16, seed=0).to(torch.bfloat16)
+    policy = apply_lora(base, LoraConfig(r=2, target_modules=["q_proj"]))
+    with torch.no_grad():
+        for name, weight in policy.named_parameters():
+            if "lora_B" in name:
+                weight.copy_(0.05 * torch.randn_like(weight))
+    expected = {}
+    for i, layer in enumerate(_adapted_layers(policy)):
+        exact = layer.get_base_layer().weight.float() + layer.get_delta_weight("default").float()
+        expected[f"model.layers.{i}.self_attn.q_proj.weight"] = exact.to(torch.float16)
+    merged = dict(_merge(policy, "float16").named_parameters())
+    assert len(expected) == 2
+    for name, weight in expected.items():
+        assert merged[name].dtype == torch.float16 and torch.equal(merged[name], weight), name

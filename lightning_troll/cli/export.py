@@ -115,8 +115,9 @@ def rounding_loss(policy: Any, dtype: torch.dtype) -> float:
 
 def _merge(policy: Any, dtype: str) -> Any:
     """The adapters of ``policy`` merged into its base weights, written in ``dtype`` (``"auto"``:
-    the base's, or float32 past :data:`ROUNDING_LIMIT`, module docstring); a merge whose output is
-    float32 is computed in float32, so it rounds nothing."""
+    the base's, or float32 past :data:`ROUNDING_LIMIT`, module docstring); a merge written in
+    another dtype than the base's is computed in float32 and rounded once, to ``dtype``, as
+    :func:`rounding_loss` measures it (a float32 one rounds nothing)."""
     layers = _adapted_layers(policy)
     base = layers[0].get_base_layer().weight.dtype if layers else torch.float32
     target = base if dtype == "auto" else DTYPES[dtype]
@@ -138,7 +139,7 @@ def _merge(policy: Any, dtype: str) -> Any:
                     "--dtype float32 keeps it",
                     file=sys.stderr,
                 )
-    if target == torch.float32:
+    if target != base:  # not in the base's dtype first, which would round twice
         policy = policy.float()
     return policy.merge_and_unload().to(target)
 
