@@ -456,3 +456,25 @@ def test_the_flat_reward_keys_still_work_warned_and_map_to_the_record(tiny_model
         "model": "m",
         "reward_options": RewardOptions(on_error="drop", workers=2),
     }
+
+
+def test_val_accuracy_leaves_out_a_reward_without_a_best_score():
+    """An exact-answer reward beside one without a best score (``max_reward = None``, as a reward
+    model's logit): the right answer with a logit of -2 is correct, the wrong one with a logit of
+    3 is not (before, the logit counted in the total: the other way round). Alone, such a reward
+    counts a positive total."""
+    from types import SimpleNamespace
+
+    from lightning_troll.training.validation import _correct
+
+    def logit(prompt, completion, row):
+        return {"1": -2.0, "2": 3.0}[completion]
+
+    logit.max_reward = None
+    scorer = RewardScorer({"tinymath": 1.0, logit: 1.0})
+    scored = scorer(["p", "p"], ["1", "2"], [{"answer": "1"}] * 2)
+    assert scored.total.tolist() == [-1.0, 3.0] and scorer.full_marks == 1.0
+    assert _correct(SimpleNamespace(scorer=scorer), scored).tolist() == [True, False]
+    alone = RewardScorer({logit: 1.0})
+    scored = alone(["p", "p"], ["1", "2"], [{}] * 2)
+    assert _correct(SimpleNamespace(scorer=alone), scored).tolist() == [False, True]

@@ -11,7 +11,7 @@ Further keyword parameters are bound from the configuration (``model.reward_opti
 e.g. ``{overlong: {buffer: 256}}``). A function may carry a ``check`` attribute, called with those
 bound arguments when the scorer is built so that bad values stop the run before it starts, and a
 ``max_reward`` attribute, its best score (1.0 otherwise), which ``val/accuracy`` counts as full
-marks.
+marks (``None``: it has none, as a reward model's logit, and ``val/accuracy`` leaves it out).
 
 :class:`~lightning_troll.rewards.registry.RewardScorer` uses these; ``overlong`` is registered
 there. The options were four flat keys before (``model.reward_kwargs``, ``model.on_reward_error``,

@@ -270,10 +270,12 @@ class RewardScorer:
         self.on_error = on_error
         self.policies = check_policies(on_error, list(self.functions))
         """name -> what a failed call of that function does."""
-        self.best: dict[str, float] = {
-            name: float(getattr(fn, "max_reward", 1.0)) for name, fn in self.functions.items()
+        best = {name: getattr(fn, "max_reward", 1.0) for name, fn in self.functions.items()}
+        self.best: dict[str, float | None] = {
+            name: None if value is None else float(value) for name, value in best.items()
         }
-        """name -> the function's best score (its ``max_reward`` attribute, else 1.0)."""
+        """name -> the function's best score (its ``max_reward`` attribute, else 1.0); None for
+        one that has none (a reward model's logit), which ``val/accuracy`` leaves out."""
         self.kwargs = bind_kwargs(self.functions, kwargs or {})
         """name -> keyword arguments bound to that function."""
         check_call_signatures(self.functions, self.kwargs)
@@ -307,9 +309,14 @@ class RewardScorer:
 
     @property
     def full_marks(self) -> float:
-        """The best total a completion can get: sum of weight * best score over the functions
-        with a positive weight (a negative weight's best is its function at 0)."""
-        return sum(w * self.best[name] for name, w in self.weights.items() if w > 0)
+        """The best total a completion can get from the functions that have a best score: sum of
+        weight * best score over those with a positive weight (a negative weight's best is its
+        function at 0)."""
+        return sum(
+            w * best
+            for name, w in self.weights.items()
+            if w > 0 and (best := self.best[name]) is not None
+        )
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.weights!r}, on_error={self.on_error!r})"

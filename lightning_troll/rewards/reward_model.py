@@ -130,5 +130,6 @@ def _check(batch_size: int = 8, max_length: int | None = None, **_: Any) -> None
 
 
 RewardModel.check = staticmethod(_check)  # type: ignore[attr-defined]
-RewardModel.max_reward = 0.0  # type: ignore[attr-defined]
-"""A reward model has no best score: ``val/accuracy`` counts full marks of the other rewards."""
+RewardModel.max_reward = None  # type: ignore[attr-defined]
+"""A reward model has no best score: ``val/accuracy`` counts full marks of the other rewards and
+leaves its logit out."""

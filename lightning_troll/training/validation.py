@@ -62,10 +62,11 @@ def validation_metrics(module: Any, batch: Any, batch_idx: int) -> dict[str, Ten
     function when there are several, and with ``batch.samples = k > 0`` also ``val/pass@k`` and
     ``val/mean@k`` of k answers sampled at ``model.sampling``.
 
-    A completion is correct when its total reward reaches full marks
-    (:attr:`~lightning_troll.rewards.registry.RewardScorer.full_marks`). With episodes scored by
-    their environment alone (``model.rewards: {}``) the reward is the sum of the environment's
-    turn rewards, and an episode with a positive one is correct.
+    A completion is correct when its total reward over the functions that have a best score
+    reaches full marks (:attr:`~lightning_troll.rewards.registry.RewardScorer.full_marks`; a
+    reward model's logit is left out). Where no function has one (a reward model alone, or
+    episodes scored by their environment alone, ``model.rewards: {}``, whose reward is the sum of
+    its turn rewards) a positive total is correct.
     """
     greedy = _answers(module, batch, 1, do_sample=False)
     correct = _correct(module, greedy)
@@ -138,6 +139,9 @@ def _scored(module: Any, prompts: list, completions: list, rows: list, tokens: l
 
 
 def _correct(module: Any, scored: RewardOutput) -> Tensor:
-    if not module.scorer.functions:  # the environment's rewards alone: a positive one counts
+    scorer = module.scorer
+    counted = [name for name, best in scorer.best.items() if best is not None]
+    if not counted:  # the environment's rewards or a reward model alone
         return (scored.total > 0) & scored.valid
-    return (scored.total >= module.scorer.full_marks - 1e-6) & scored.valid
+    marks = sum(scorer.weights[name] * scored.per_function[name] for name in counted)
+    return (marks >= scorer.full_marks - 1e-6) & scored.valid
