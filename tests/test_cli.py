@@ -802,3 +802,32 @@ def test_a_schedule_is_stepped_as_far_as_the_run_goes_and_no_further():
         check_optimizer(_optimizer_config(1e-4, one_cycle, 5))
     plateau = {"class_path": "torch.optim.lr_scheduler.ReduceLROnPlateau", "init_args": {}}
     check_optimizer(_optimizer_config(1e-4, plateau, 5))  # steps on a metric: built, not stepped
+
+
+def test_a_resumed_run_keeps_the_data_seed_of_its_checkpoint(
+    tmp_path, monkeypatch, tiny_model_dir, recwarn
+):
+    """A run with ``seed_everything: 3`` resumed with ``seed_everything: 4`` (a config changed
+    in between): its model options, ``model.seed`` among them, come from the checkpoint, and so
+    does an unset ``data.seed``, so the rows held out of the file are the first start's (before,
+    the new seed held out other rows, some of them the first start's training rows, and warned
+    only that the order differed). A ``data.seed`` given on the command line is kept."""
+    import json
+
+    data = tmp_path / "sums.jsonl"
+    rows = [{"prompt": f"{a}+{a + 1}=", "answer": str(2 * a + 1)} for a in range(1, 25)]
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    args = ["fit", "--config", str(ROOT / "configs" / "tinymath.yaml"), *one_step(tiny_model_dir)]
+    args += ["--data.source", str(data), "--data.num_val", "4", "--data.num_train", "null"]
+    first = run([*args, "--seed_everything", "3"], tmp_path, monkeypatch)
+    last = tmp_path / LOGS / "checkpoints" / "last.ckpt"
+    resume = [*args, "--seed_everything", "4", "--trainer.max_steps", "2", "--ckpt_path", str(last)]
+    resumed = run(resume, tmp_path, monkeypatch)
+    assert resumed.trainer.global_step == 2
+    assert first.datamodule.seed == resumed.datamodule.seed == 3
+    held_out = [item.row["prompt"] for item in first.datamodule.val_items]
+    assert [item.row["prompt"] for item in resumed.datamodule.val_items] == held_out
+    assert not [w for w in recwarn if "differs from the checkpoint" in str(w.message)]
+    given = run([*resume[:-4], "--data.seed", "5", *resume[-4:]], tmp_path, monkeypatch)
+    assert given.datamodule.seed == 5
+    assert [w for w in recwarn if "data.seed=5 differs from the checkpoint's 3" in str(w.message)]

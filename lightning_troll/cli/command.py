@@ -61,6 +61,7 @@ from lightning_troll.cli.order import overridden_options
 from lightning_troll.cli.parse_errors import explain
 from lightning_troll.cli.quiet import quiet_library_notices
 from lightning_troll.cli.renamed import fold_renamed_options
+from lightning_troll.cli.seeds import follow_run_seed
 from lightning_troll.cli.stops import full_disk, quiet_about_no_space, refuse, stop
 from lightning_troll.data.datamodule import PromptDataModule
 from lightning_troll.rewards.lookup import config_folders as reward_config_folders
@@ -127,18 +128,6 @@ def quarter_means(values: list[float]) -> list[float]:
     half = len(middle) // 2
     parts = [values[:size], middle[:half], middle[half:], values[-size:]]
     return [sum(part) / len(part) for part in parts]
-
-
-def follow_run_seed(config) -> None:
-    """Sets ``data.seed`` and ``model.seed`` to the run's seed (``seed_everything``) where they
-    are unset (null) and the run's seed is an integer, so that runs with different seeds see
-    different prompts in a different order, not only different samples."""
-    seed = config.get("seed_everything")
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        return
-    for section in ("data", "model"):
-        if config.get(section) is not None and config.get(f"{section}.seed") is None:
-            config[f"{section}.seed"] = seed
 
 
 _COMMAND_LINE: ContextVar[tuple[str, ...] | None] = ContextVar("command_line", default=None)

@@ -37,6 +37,7 @@ __all__ = [
     "rng_states",
     "rng_states_by_rank",
     "seed_per_rank",
+    "stored_data_seed",
 ]
 
 
@@ -135,6 +136,21 @@ def seed_per_rank(rank: int) -> None:
     torch.manual_seed(seed)  # CPU and every CUDA device
     random.seed(seed)
     np.random.seed(seed % 2**32)
+
+
+def stored_data_seed(path: str | Path) -> int | None:
+    """The ``data.seed`` a checkpoint's data module saved (its state, under the class's name), or
+    None where the checkpoint holds none or cannot be read here. A folder checkpoint (FSDP2) keeps
+    it in ``meta.pt``; a file is mapped, not read whole."""
+    path = Path(path)
+    source = path / "meta.pt" if path.is_dir() else path
+    try:
+        checkpoint = torch.load(source, map_location="cpu", mmap=True, weights_only=False)
+    except Exception:  # noqa: BLE001 - not a checkpoint this can read: Lightning will say
+        return None
+    state = checkpoint.get("PromptDataModule") if isinstance(checkpoint, dict) else None
+    seed = state.get("seed") if isinstance(state, dict) else None
+    return seed if isinstance(seed, int) and not isinstance(seed, bool) else None
 
 
 def aside_path(target: Path) -> Path:
