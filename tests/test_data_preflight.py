@@ -205,3 +205,25 @@ def test_a_hub_dataset_name_is_checked_before_the_model_loads(monkeypatch, tmp_p
     for local in ("tinymath", "rows.jsonl", "./data/rows", str(tmp_path)):
         check_hub_dataset(local)
     assert asked == ["opnai/gsm8k", "openai/gsm8k"]
+
+
+def test_the_hub_is_dialled_on_the_port_its_endpoint_names(monkeypatch):
+    """A mirror at ``http://host:8080`` (HF_ENDPOINT) is dialled there, not on 443; an https
+    endpoint without a port on 443, a plain http one on 80."""
+    import socket
+
+    from huggingface_hub import constants
+
+    from lightning_troll.models.loading import hub_unreachable
+
+    dialled = []
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(
+        socket,
+        "create_connection",
+        lambda address, timeout=None: dialled.append(address) or socket.socket(),
+    )
+    for endpoint in ("http://mirror.local:8080", "https://hub.example", "http://plain.example/x"):
+        monkeypatch.setattr(constants, "ENDPOINT", endpoint)
+        assert hub_unreachable(1.0) is None
+    assert dialled == [("mirror.local", 8080), ("hub.example", 443), ("plain.example", 80)]

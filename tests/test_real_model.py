@@ -433,3 +433,17 @@ def test_plot_run_numbers_rollouts_as_lightning_logs_them(tmp_path):
     assert [r["accuracy"] for r in rows] == [0.5, 0.75]
     assert summary["kl_tag"] == "trust_region/kl_after_max"
     assert plot_run.moving_average([1.0, 3.0, 5.0], 2) == [1.0, 2.0, 4.0]
+
+
+def test_a_tokenizer_without_an_eos_token_stops_at_the_generation_configs():
+    """A tokenizer with a pad token and no eos (``load_tokenizer`` lets it through): the model's
+    generation config names the end (before, ``int(None)`` raised a bare TypeError); with none
+    anywhere, a ValueError says so."""
+    from types import SimpleNamespace
+
+    tokenizer = SimpleNamespace(eos_token_id=None)
+    model = tiny_causal_lm(vocab_size=20, eos_token_id=3)
+    assert stop_token_ids(tokenizer, model) == (3,)
+    model.generation_config.eos_token_id = None
+    with pytest.raises(ValueError, match="neither the tokenizer nor generation_config.json"):
+        stop_token_ids(tokenizer, model)

@@ -178,3 +178,8 @@ def test_a_lora_snapshot_and_the_engines_weights_carry_embedding_adapters_too():
     torch.testing.assert_close(
         weights["model.embed_tokens.weight"], embedding.base_layer.weight + delta
     )
+
+
+def test_a_lora_rank_that_is_not_a_whole_number_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"lora.r must be an integer >= 1; got 2.5"):
+        LoraConfig(r=2.5)

@@ -12,6 +12,7 @@ import re
 import socket
 import warnings
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import torch
 from transformers import (
@@ -97,10 +98,11 @@ def hub_unreachable(timeout: float = 3.0) -> str | None:
     if constants.HF_HUB_OFFLINE:
         return "HF_HUB_OFFLINE is set"
     endpoint = constants.ENDPOINT
-    host = re.sub(r"^\w+://", "", endpoint).split("/")[0]
+    parts = urlsplit(endpoint if "://" in endpoint else f"https://{endpoint}")
+    port = parts.port or (80 if parts.scheme == "http" else 443)  # a mirror's own port, if any
     try:
-        socket.create_connection((host.split(":")[0], 443), timeout=timeout).close()
-    except OSError as error:
+        socket.create_connection((parts.hostname or "", port), timeout=timeout).close()
+    except (OSError, ValueError) as error:
         return f"{endpoint} cannot be reached ({type(error).__name__}: {error})"
     return None
 
@@ -277,16 +279,22 @@ def _ready_to_sample(model: PreTrainedModel, path: str) -> PreTrainedModel:
 
 
 def stop_token_ids(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel) -> tuple[int, ...]:
-    """The tokens that end a completion: the tokenizer's eos token, then every eos id of the
-    model's generation config (chat models often list their end-of-turn token there beside the
+    """The tokens that end a completion: the tokenizer's eos token (if it has one), then every eos
+    id of the model's generation config (chat models often list their end-of-turn token there beside the
     end-of-text one, e.g. ``[<|im_end|>, <|endoftext|>]``), without repeats.
 
     Ids outside the model's vocabulary are refused with ``ValueError``.
     """
-    ids = [int(tokenizer.eos_token_id)]
+    ids = [] if tokenizer.eos_token_id is None else [int(tokenizer.eos_token_id)]
     config = getattr(model, "generation_config", None)
     extra = getattr(config, "eos_token_id", None)
     ids += [int(i) for i in ([extra] if isinstance(extra, int) else (extra or []))]
+    if not ids:
+        raise ValueError(
+            "model: neither the tokenizer nor generation_config.json names an end-of-sequence "
+            "token, so no completion could end before the budget; give the model folder's "
+            "tokenizer an eos_token"
+        )
     vocab = model.get_output_embeddings().weight.shape[0]
     bad = [i for i in ids if not 0 <= i < vocab]
     if bad:

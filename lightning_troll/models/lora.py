@@ -36,7 +36,7 @@ class LoraConfig:
     """QLoRA: hold the frozen base model in 4-bit NF4 through bitsandbytes (needs CUDA)."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.r, bool) or self.r < 1:
+        if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r < 1:
             raise ValueError(f"lora.r must be an integer >= 1; got {self.r!r}")
         if not self.alpha > 0:
             raise ValueError(f"lora.alpha must be > 0; got {self.alpha!r}")
