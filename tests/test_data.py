@@ -454,3 +454,21 @@ def test_prompt_must_be_text(tok, tmp_path):
         match=r"data.prompt_field='prompt': row 0 of the train rows of .* holds a int \(12\), not text",
     ):
         make(tok, path, val_file=str(path), batch_size=1)
+
+
+def test_several_processes_need_a_batch_each_before_training_starts(tok, tmp_path):
+    """Two processes with 8 prompts each need 16 rows: 10 are refused at setup (before, each
+    process's loader had no batch, and the run ended at once saying that training finished)."""
+    from types import SimpleNamespace
+
+    source = write_jsonl(tmp_path / "d.jsonl", rows_of(10))
+    dm = PromptDataModule(source=str(source), tokenizer=tok, batch_size=8, num_val=0)
+    dm.trainer = SimpleNamespace(distributed_sampler_kwargs={"num_replicas": 2, "rank": 0})
+    with pytest.raises(
+        ValueError, match=r"data.batch_size=8 x 2 processes is larger than the 10 training rows"
+    ):
+        dm.setup("fit")
+    dm = PromptDataModule(source=str(source), tokenizer=tok, batch_size=5, num_val=0)
+    dm.trainer = SimpleNamespace(distributed_sampler_kwargs={"num_replicas": 2, "rank": 1})
+    dm.setup("fit")
+    assert len(dm.train_dataloader()) == 1

@@ -185,10 +185,12 @@ class PromptDataModule(LightningDataModule):
         """Loads, formats, tokenizes and checks the rows (once)."""
         if self.train_items is None and stage in (None, "fit"):
             rows = self.row_source.train_rows()
-            if len(rows) < self.batch_size:
+            replicas = self._process_share()["replicas"]  # each takes batch_size rows a rollout
+            if len(rows) < self.batch_size * replicas:
+                per = f" x {replicas} processes" if replicas > 1 else ""
                 raise ValueError(
-                    f"data.batch_size={self.batch_size} is larger than the {len(rows)} training rows "
-                    f"of {self._describe()}; lower data.batch_size or add rows"
+                    f"data.batch_size={self.batch_size}{per} is larger than the {len(rows)} "
+                    f"training rows of {self._describe()}; lower data.batch_size or add rows"
                 )
             self.train_items = self._prepare(rows, "train")
         if self.val_items is None:
