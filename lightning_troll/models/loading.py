@@ -279,11 +279,11 @@ def _ready_to_sample(model: PreTrainedModel, path: str) -> PreTrainedModel:
 
 
 def stop_token_ids(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel) -> tuple[int, ...]:
-    """The tokens that end a completion: the tokenizer's eos token (if it has one), then every eos
-    id of the model's generation config (chat models often list their end-of-turn token there beside the
-    end-of-text one, e.g. ``[<|im_end|>, <|endoftext|>]``), without repeats.
+    """The tokens that end a completion: the tokenizer's eos token (if it has one), then every
+    eos id of the model's generation config (chat models often list their end-of-turn token there
+    beside the end-of-text one, e.g. ``[<|im_end|>, <|endoftext|>]``), without repeats.
 
-    Ids outside the model's vocabulary are refused with ``ValueError``.
+    Ids outside the model's vocabulary, or no id at all, are refused with ``ValueError``.
     """
     ids = [] if tokenizer.eos_token_id is None else [int(tokenizer.eos_token_id)]
     config = getattr(model, "generation_config", None)
