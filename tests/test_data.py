@@ -128,6 +128,18 @@ def test_val_file_caps_and_keeps_order(tok, tmp_path):
     assert all(isinstance(b, PromptBatch) for b in batches)
 
 
+def test_tinymath_with_a_val_file_takes_every_row_of_it_when_num_val_is_null(tmp_path):
+    """The datamodule's docs: data.val_file works with any source, and num_val null takes all of
+    its rows (TinyMath refused null before, as if the rows were its own)."""
+    from lightning_troll.data.sources import PromptSource
+
+    val = write_jsonl(tmp_path / "val.jsonl", rows_of(5))
+    source = PromptSource("tinymath", None, "train", "test", 16, None, 0, str(val))
+    assert [row["id"] for row in source.val_rows()] == list(range(5))
+    with pytest.raises(ValueError, match="num_val must be an integer >= 0"):
+        PromptSource("tinymath", None, "train", "test", 16, None, 0, None)
+
+
 def test_num_val_zero_turns_validation_off(tok, tmp_path):
     dm = make(tok, write_jsonl(tmp_path / "d.jsonl", rows_of(4)), num_val=0, batch_size=2)
     assert dm.val_dataloader() == [] and len(dm.train_items) == 4

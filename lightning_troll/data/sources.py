@@ -58,7 +58,7 @@ class PromptSource:
         if source == "tinymath":
             self.kind = "tinymath"
             check_count("num_train", num_train, 1, none_ok=False)
-            check_count("num_val", num_val, 0, none_ok=False)
+            check_count("num_val", num_val, 0, none_ok=val_file is not None)  # None: every row
         else:
             path = Path(source).expanduser()
             self.kind = "file" if path.is_file() or looks_like_file(source) else "hub"
