@@ -47,10 +47,10 @@ from typing import Any
 
 import torch
 
+from lightning_troll.models.folders import replace_folder, sync_tree
 from lightning_troll.models.loading import DTYPES
 from lightning_troll.models.weights import carries_adapter
 from lightning_troll.rewards.options import DEPRECATED_KEYS
-from lightning_troll.training.checkpoint_io import sync_tree
 from lightning_troll.training.checkpoints import check_checkpoint_file
 
 __all__ = ["MARKER", "POLICY_ONLY", "ROUNDING_LIMIT", "export_policy", "main", "read_checkpoint"]
@@ -252,28 +252,10 @@ def export_policy(
         os.umask(umask)
         staging.chmod(0o777 & ~umask)  # mkdtemp's folder is the user's alone
         sync_tree(staging)
-        _replace(output_dir, staging)
+        replace_folder(output_dir, staging)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return given
-
-
-def _replace(output_dir: Path, staging: Path) -> None:
-    """Moves the complete ``staging`` folder to ``output_dir``; an existing ``output_dir`` is
-    set aside first and removed only once the new one is in place (put back if that fails)."""
-    old = None
-    if output_dir.exists():
-        old = output_dir.with_name(f"{staging.name}.old")
-        output_dir.rename(old)
-    try:
-        staging.rename(output_dir)
-    except BaseException:
-        if old is not None:
-            old.rename(output_dir)
-        raise
-    sync_tree(output_dir.parent, files=False)
-    if old is not None:
-        shutil.rmtree(old)
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:

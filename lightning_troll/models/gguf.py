@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from lightning_troll.models.folders import replace_folder, sync_tree
+
 __all__ = [
     "GGUF_SUFFIX",
     "check_gguf_available",
@@ -96,8 +98,9 @@ def convert_gguf(
     ``out_dir`` gets ``config.json``, ``generation_config.json``, ``model.safetensors`` (float32,
     dequantised), the tokenizer files with the chat template, ``README.md`` with ``card`` when
     given, and ``extra_files`` (name -> text). The folder is written beside ``out_dir`` first
-    and renamed into place, so an interrupted conversion leaves no half-written model behind (a
-    write that fails removes it).
+    and swapped into place (:func:`~lightning_troll.models.folders.replace_folder`), so an
+    interrupted conversion leaves no half-written model behind (a write that fails removes it)
+    and an existing ``out_dir`` stays whole until the new one is in place.
     An existing ``out_dir`` is replaced only with ``overwrite``; otherwise ``FileExistsError``.
     Returns ``out_dir``.
     """
@@ -117,10 +120,9 @@ def convert_gguf(
             (staging / "README.md").write_text(card, encoding="utf-8")
         for name, text in (extra_files or {}).items():
             (staging / name).write_text(text, encoding="utf-8")
+        sync_tree(staging)
+        replace_folder(out, staging)
     except BaseException:  # a full disk: the half-written copy would keep its space taken
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    if out.exists():
-        shutil.rmtree(out)
-    staging.rename(out)
     return out

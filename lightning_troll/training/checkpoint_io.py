@@ -30,6 +30,7 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from typing_extensions import override
 
+from lightning_troll.models.folders import sync_directory, sync_tree
 from lightning_troll.training.checkpoints import aside_path
 from lightning_troll.training.faults import RunFault
 
@@ -39,7 +40,6 @@ __all__ = [
     "install_atomic_saves",
     "partial_path",
     "save_folder_checkpoint",
-    "sync_tree",
     "writes_folders",
 ]
 
@@ -91,29 +91,6 @@ def partial_path(target: Path) -> Path:
     return target.with_name(f".{target.name}.partial")
 
 
-def _sync_directory(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:  # a file system that cannot open directories: the rename stands
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def sync_tree(folder: Path, files: bool = True) -> None:
-    """Syncs every file under ``folder`` (unless ``files`` is false), then ``folder`` itself, so
-    that a rename of it that follows cannot land before its contents."""
-    if files:
-        for file in (f for f in folder.rglob("*") if f.is_file()):
-            with open(file, "rb") as handle:
-                os.fsync(handle.fileno())
-    _sync_directory(folder)
-
-
 class AtomicCheckpointIO(TorchCheckpointIO):
     """``TorchCheckpointIO`` whose local saves are atomic in the checkpoint's own directory
     (module docstring)."""
@@ -146,7 +123,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             if cause is not None and cause.errno in NO_SPACE:
                 raise SaveFailed(_no_space(target, cause, tensor_bytes(checkpoint))) from error
             raise
-        _sync_directory(target.parent)
+        sync_directory(target.parent)
 
 
 def _no_space(target: Path, error: OSError, needs: int | None = None) -> str:
