@@ -13,6 +13,8 @@ random state matters). Rank 0 writes ``OUT/metrics.json`` (the logged value of e
 completions of a few prompts), ``OUT/gathers.json`` (FSDP2 runs: all-gathers while sampling),
 ``OUT/rng.json`` (a digest of each process's torch random state as its first step began) and,
 if asked, ``OUT/loaded.pt`` (the weights and step right after a checkpoint was loaded).
+``--validate N`` validates on N held-out rows instead of training and writes the figures to
+``OUT/validated.json``.
 """
 
 from __future__ import annotations
@@ -146,7 +148,7 @@ def build(args, out: Path):
         # reduction order could move it across the cut (a discrete change of the projection).
         trust_region=TrustRegionConfig(mass_delta=0.0),
         sampling=SamplingConfig(max_new_tokens=4),
-        rewards={"tests.reward_helpers:length_reward": 1.0},
+        rewards={args.reward: 1.0},
         optimization=OptimizationConfig(
             epochs_per_rollout=STEPS_PER_ROLLOUT,
             micro_batch_size=args.micro_batch_size,
@@ -166,7 +168,8 @@ def build(args, out: Path):
         tokenizer="tinymath",
         batch_size=args.prompts // processes,  # per process: the global batch is the same
         num_train=64,
-        num_val=0,
+        num_val=args.validate,
+        val_batch_size=2,
     )
     strategy = {
         "single": "auto",
@@ -281,6 +284,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--checkpoint-every", type=int, default=0, help="rollouts, 0: never")
     parser.add_argument("--save", type=Path, default=None, help="checkpoint written at the end")
     parser.add_argument("--ckpt-path", type=Path, default=None, help="checkpoint to resume")
+    parser.add_argument("--reward", default="tests.reward_helpers:length_reward")
+    parser.add_argument("--validate", type=int, default=0, help="validate on N rows, no fit")
     args = parser.parse_args(argv)
 
     import lightning_troll.rollouts.engine as engines
@@ -294,6 +299,12 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(0)
     args.out.mkdir(parents=True, exist_ok=True)
     module, data, trainer = build(args, args.out)
+    if args.validate:
+        trainer.validate(module, datamodule=data)
+        if trainer.is_global_zero:
+            figures = {name: float(v) for name, v in trainer.callback_metrics.items()}
+            (args.out / "validated.json").write_text(json.dumps(figures))
+        return
     trainer.fit(module, datamodule=data, ckpt_path=args.ckpt_path)
     if args.save:
         trainer.save_checkpoint(args.save)

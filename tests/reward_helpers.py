@@ -17,6 +17,12 @@ def digit_sum(prompt: str, completion: str, row: Mapping[str, Any]) -> float:
     return float(sum(int(c) for c in completion if c.isdigit()))
 
 
+def gold_answer(prompt: str, completion: str, row: Mapping[str, Any]) -> float:
+    """The row's gold answer as a number: a score that differs from row to row whatever the
+    completion (an untrained model's greedy answers are often all alike)."""
+    return float(row["answer"])
+
+
 class Rewards:
     """Holds a reward as a static method, for dotted paths after the colon."""
 

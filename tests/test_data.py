@@ -453,6 +453,22 @@ def test_prompt_too_long(tok, tmp_path):
     )
 
 
+@pytest.mark.parametrize("split", ["train", "validation"])
+def test_errors_name_the_files_own_row_where_rows_were_held_out(tok, tmp_path, split):
+    """Rows held out for validation leave the training rows a part of the file (and the held-out
+    rows another): an error names the bad row's position in the file, the row the user finds."""
+    probe = make(tok, write_jsonl(tmp_path / "probe.jsonl", rows_of(10)), num_val=3, batch_size=1)
+    ids = {"train": [r.row["id"] for r in probe.train_items],
+           "validation": [r.row["id"] for r in probe.val_items]}[split]  # fmt: skip
+    bad = ids[-1]
+    assert bad != len(ids) - 1, "the row must sit elsewhere in the file than in its split"
+    rows = rows_of(10)
+    rows[bad] = {"prompt": 12, "answer": "1", "id": bad}
+    where = "train rows" if split == "train" else "validation rows"
+    with pytest.raises(ValueError, match=rf"row {bad} of the {where} of .* holds a int \(12\)"):
+        make(tok, write_jsonl(tmp_path / "bad.jsonl", rows), num_val=3, batch_size=1)
+
+
 def test_batch_size_larger_than_the_data(tok, tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", rows_of(5))
     with pytest.raises(ValueError, match="data.batch_size=8 is larger than the 4 training rows"):

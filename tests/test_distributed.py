@@ -118,6 +118,26 @@ def test_two_processes_match_one(strategy, single, fsdp2, tmp_path):
     assert_same_run(single, out)
 
 
+@pytest.mark.slow  # starts one and two Python processes
+def test_validation_over_two_processes_counts_every_row_once(tmp_path):
+    """Five held-out rows over two processes: one answers rows 0, 2 and 4, the other rows 1 and
+    3 and a copy of row 0 that it does not count. The figures equal one process's, and
+    ``val/reward`` (each row's gold answer) is the mean over the five rows."""
+    from lightning_troll.data.datamodule import PromptDataModule
+
+    options = ["--validate", "5", "--reward", "tests.reward_helpers:gold_answer"]
+    one = json.loads((launch(tmp_path / "one", *options) / "validated.json").read_text())
+    two = json.loads(
+        (launch(tmp_path / "two", *options, "--strategy", "ddp") / "validated.json").read_text()
+    )
+    data = PromptDataModule(source="tinymath", tokenizer="tinymath", num_train=64, num_val=5)
+    data.setup("validate")
+    answers = [float(item.row["answer"]) for item in data.val_items]
+    assert one["val/reward"] == pytest.approx(sum(answers) / 5, rel=1e-6)
+    assert two == pytest.approx(one, rel=1e-6)
+    assert answers[0] != pytest.approx(sum(answers) / 5, rel=1e-3)  # a counted copy would show
+
+
 @pytest.mark.slow  # starts one Python process
 def test_fsdp2_in_one_process_matches_the_unsharded_run(single, tmp_path):
     """FSDP2 at world size 1 (ModelParallelStrategy with data_parallel_size 1, one gloo

@@ -307,3 +307,75 @@ def test_a_merge_written_in_another_dtype_than_the_bases_is_rounded_once():
     assert len(expected) == 2
     for name, weight in expected.items():
         assert merged[name].dtype == torch.float16 and torch.equal(merged[name], weight), name
+
+
+def _sharded_folder(path: Path) -> Path:
+    """What check_checkpoint_file asks of a sharded checkpoint's folder (not readable shards)."""
+    path.mkdir()
+    for name in (".metadata", "meta.pt", "__0_0.distcp"):
+        (path / name).write_bytes(b"x")
+    return path
+
+
+def _swapping_loader(folder: Path, swaps: int, monkeypatch) -> list[Path]:
+    """A loader of sharded checkpoints whose first ``swaps`` reads each see the run swap a new
+    folder in (as save_folder_checkpoint does: the old one aside, the new one renamed in, the old
+    one removed). Returns the list of folders read, by the inode each read saw."""
+    import shutil
+
+    import lightning.fabric.utilities.load as load
+
+    reads = []
+
+    def read(path):
+        reads.append(os.stat(path).st_ino)
+        if len(reads) <= swaps:
+            fresh = _sharded_folder(folder.with_name(f"new{len(reads)}"))
+            folder.rename(folder.with_name("aside"))
+            fresh.rename(folder)
+            shutil.rmtree(folder.with_name("aside"))
+            return {"read": "mixed"}
+        return {"read": "whole"}
+
+    monkeypatch.setattr(load, "_load_distributed_checkpoint", read)
+    return reads
+
+
+def test_a_sharded_checkpoint_swapped_during_the_read_is_read_again(tmp_path, monkeypatch):
+    """The run saved while the export read its folder: the shards could mix two saves, so the
+    new folder is read again, whole."""
+    from lightning_troll.cli.export import read_checkpoint
+
+    folder = _sharded_folder(tmp_path / "last.ckpt")
+    reads = _swapping_loader(folder, 1, monkeypatch)
+    assert read_checkpoint(folder) == {"read": "whole"}
+    assert len(reads) == 2 and reads[0] != reads[1]
+
+
+def test_a_folder_swapped_at_every_read_is_refused_in_one_line(tmp_path, monkeypatch):
+    from lightning_troll.cli.export import FOLDER_READS, read_checkpoint
+    from lightning_troll.training.checkpoints import CheckpointError
+
+    folder = _sharded_folder(tmp_path / "last.ckpt")
+    reads = _swapping_loader(folder, FOLDER_READS, monkeypatch)
+    with pytest.raises(CheckpointError, match=r"replaced this folder while it was read, 3 times"):
+        read_checkpoint(folder)
+    assert len(reads) == FOLDER_READS == 3
+
+
+def test_a_read_that_fails_without_a_swap_is_not_retried(tmp_path, monkeypatch):
+    import lightning.fabric.utilities.load as load
+
+    from lightning_troll.cli.export import read_checkpoint
+
+    folder = _sharded_folder(tmp_path / "last.ckpt")
+    calls = []
+
+    def broken(path):
+        calls.append(path)
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(load, "_load_distributed_checkpoint", broken)
+    with pytest.raises(OSError, match="Input/output error"):
+        read_checkpoint(folder)
+    assert len(calls) == 1

@@ -171,9 +171,9 @@ def test_validation_of_one_turn_episodes_is_the_single_turn_validation(tiny_mode
     plain = validation_metrics(make_module(tiny_model_dir), batch, 0)
     episodic = validation_metrics(make_module(tiny_model_dir, episodes=ONE_TURN), batch, 0)
     assert set(plain) == set(episodic) == {"val/accuracy", "val/reward", "val/pass@3", "val/mean@3"}
-    for name, value in plain.items():
-        assert torch.equal(value, episodic[name]), name
-    assert float(plain["val/reward"]) > 0  # length rewards: the answers were scored
+    for name, (value, count) in plain.items():
+        assert torch.equal(value, episodic[name][0]) and count == episodic[name][1], name
+    assert float(plain["val/reward"][0]) > 0  # length rewards: the answers were scored
 
 
 def test_validation_of_several_turns_scores_the_last_turn(tiny_model_dir):
@@ -223,8 +223,8 @@ def test_the_environment_alone_scores_episodes_with_empty_rewards(tiny_model_dir
     played = module.episodes.sample(generate, list(batch.rows), 0, module.device)
     assert greedy.total.tolist() == [_env_reward(e) for e in played.episodes]
     figures = validation.validation_metrics(module, batch, 0)
-    assert torch.equal(figures["val/reward"], greedy.total.mean())
-    assert torch.equal(figures["val/accuracy"], (greedy.total > 0).float().mean())
+    assert figures["val/reward"] == (greedy.total.mean(), len(batch.prompts))
+    assert figures["val/accuracy"] == ((greedy.total > 0).float().mean(), len(batch.prompts))
 
 
 def _env_reward(episode) -> float:

@@ -74,23 +74,98 @@ def test_pass_at_k_samples_beside_the_greedy_answers(tiny_model_dir):
     assert one["val/pass@1"] == one["val/mean@1"]
 
 
-def test_validation_logs_its_figures_on_the_module_device(tiny_model_dir, monkeypatch):
-    """The scores are CPU tensors; with ``sync_dist`` NCCL reduces only tensors on the module's
-    device, so each figure moves there before it is logged."""
+def test_validation_logs_each_figure_weighed_by_what_it_counts(tiny_model_dir, monkeypatch):
+    """Two batches, counting 3 and 1 prompts (and 2 and 0 for a per-function mean): each figure
+    is the mean over everything counted on every process (here the strategy's sum stands in for
+    a second process that counted the same), reduced as float64 sums on the module's device and
+    logged there with sync_dist."""
     from types import SimpleNamespace
 
     import lightning_troll.training.module as module_file
 
     module = make_module(tiny_model_dir)
-    figures = {"val/accuracy": torch.tensor(0.5), "val/reward": torch.tensor(0.25)}
-    monkeypatch.setattr(module_file, "validation_metrics", lambda *args: figures)
+    batches = iter(
+        [
+            {"val/accuracy": (torch.tensor(1 / 3), 3), "val/reward/a/mean": (torch.tensor(0.5), 2)},
+            {"val/accuracy": (torch.tensor(1.0), 1), "val/reward/a/mean": (torch.tensor(0.0), 0)},
+        ]
+    )
+    monkeypatch.setattr(module_file, "validation_metrics", lambda *args: next(batches))
     monkeypatch.setattr(module_file, "stopping_between_validations", lambda trainer: False)
-    monkeypatch.setattr(type(module), "device", property(lambda self: torch.device("meta")))
-    module._trainer = SimpleNamespace()  # read by stopping_between_validations only
+    reduced = []
+
+    def reduce(tensor, reduce_op):
+        reduced.append((tensor.dtype, tensor.device, reduce_op))
+        return tensor * 2  # two processes that counted the same
+
+    module._trainer = SimpleNamespace(strategy=SimpleNamespace(reduce=reduce))
     logged = {}
     monkeypatch.setattr(module, "log", lambda name, value, **kw: logged.update({name: (value, kw)}))
     module.validation_step(SimpleNamespace(prompts=["a", "b", "c"]), 0)
-    assert set(logged) == set(figures)
-    for name, (value, options) in logged.items():
-        assert value.device == torch.device("meta"), name
-        assert options == {"batch_size": 3, "sync_dist": True}
+    module.validation_step(SimpleNamespace(prompts=["d"]), 1)
+    module.on_validation_epoch_end()
+    assert reduced == [(torch.float64, module.device, "sum")]
+    assert {name: round(value.item(), 6) for name, (value, _) in logged.items()} == {
+        "val/accuracy": 0.5,  # (1 + 1) / 4 prompts
+        "val/reward/a/mean": 0.5,
+    }
+    assert all(kw == {"sync_dist": True} for _, kw in logged.values())
+    assert all(value.dtype == torch.float32 for value, _ in logged.values())
+    logged.clear()
+    module.on_validation_epoch_end()  # the totals started again: nothing to log
+    assert logged == {}
+
+
+def test_copies_that_pad_a_shared_validation_set_are_answered_but_not_counted(tiny_model_dir):
+    """Five rows over two processes: the first gets rows 0, 2 and 4, the second rows 1 and 3
+    and a marked copy of row 0 (so both run one batch of three). The second's figures are those
+    of its two rows alone, each weighed by two; counting the copy would change them."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from lightning_troll.data.prompts import collate_prompts
+    from lightning_troll.training.validation import validation_metrics
+
+    data = make_data(tiny_model_dir, num_val=5, val_samples=2)
+    data.setup("validate")
+    batches = []
+    for rank in (0, 1):
+        data.trainer = SimpleNamespace(distributed_sampler_kwargs={"rank": rank, "num_replicas": 2})
+        batches.append(list(data.val_dataloader()))
+    assert [len(b) for b in batches[0]] == [len(b) for b in batches[1]] == [3]
+    first, second = batches[0][0], batches[1][0]
+    texts = [item.text for item in data.val_items]
+    assert first.prompts == texts[0::2] and first.counted is None
+    assert second.prompts == [texts[1], texts[3], texts[0]]
+    assert second.counted == [True, True, False] and second.samples == 2
+
+    module = make_module(tiny_model_dir, rewards={"tests.reward_helpers:gold_answer": 1.0})
+    padded = validation_metrics(module, second, 0)
+    alone = validation_metrics(module, collate_prompts(data.val_items[1:4:2], samples=2), 0)
+    assert set(padded) == set(alone) == {"val/accuracy", "val/reward", "val/pass@2", "val/mean@2"}
+    assert all(count == 2 for _, count in padded.values())
+    for name in ("val/accuracy", "val/reward"):
+        assert padded[name][0].item() == pytest.approx(alone[name][0].item(), abs=1e-6), name
+    counted = validation_metrics(module, dataclasses.replace(second, counted=None), 0)
+    assert counted["val/reward"][1] == 3
+    assert abs(counted["val/reward"][0].item() - alone["val/reward"][0].item()) > 1e-3
+
+
+def test_a_batch_of_padding_only_weighs_nothing(tiny_model_dir):
+    """One row over three processes: the last two answer a copy each, and count none."""
+    from types import SimpleNamespace
+
+    from lightning_troll.training.validation import validation_metrics
+
+    data = make_data(tiny_model_dir, num_val=1, val_samples=2)
+    data.setup("validate")
+    data.trainer = SimpleNamespace(distributed_sampler_kwargs={"rank": 2, "num_replicas": 3})
+    (batch,) = list(data.val_dataloader())
+    assert batch.counted == [False] and batch.prompts == [data.val_items[0].text]
+    figures = validation_metrics(make_module(tiny_model_dir), batch, 0)
+    assert {name: (value.item(), count) for name, (value, count) in figures.items()} == {
+        "val/accuracy": (0.0, 0),
+        "val/reward": (0.0, 0),
+        "val/pass@2": (0.0, 0),
+        "val/mean@2": (0.0, 0),
+    }

@@ -19,7 +19,8 @@ for its config and tokenizer), loads the trained weights and writes the policy a
   adapters.
 
 The checkpoint is a ``.ckpt`` file, or the folder of shards an FSDP2 run writes (gathered in
-this one process's CPU memory). Only the policy is rebuilt: the run's rewards, reward workers and
+this one process's CPU memory, and read again where a running fit swaps a new one in meanwhile:
+:func:`read_checkpoint`). Only the policy is rebuilt: the run's rewards, reward workers and
 rollout engine are not (:data:`POLICY_ONLY`), so a reward module that is not importable where
 the export runs does not matter. The folder is written beside ``output_dir`` and renamed into
 place once complete, so a failed export leaves no half-written model. An ``output_dir`` that
@@ -51,9 +52,17 @@ from lightning_troll.models.folders import replace_folder, sync_tree
 from lightning_troll.models.loading import DTYPES
 from lightning_troll.models.weights import carries_adapter
 from lightning_troll.rewards.options import DEPRECATED_KEYS
-from lightning_troll.training.checkpoints import check_checkpoint_file
+from lightning_troll.training.checkpoints import CheckpointError, check_checkpoint_file
 
-__all__ = ["MARKER", "POLICY_ONLY", "ROUNDING_LIMIT", "export_policy", "main", "read_checkpoint"]
+__all__ = [
+    "FOLDER_READS",
+    "MARKER",
+    "POLICY_ONLY",
+    "ROUNDING_LIMIT",
+    "export_policy",
+    "main",
+    "read_checkpoint",
+]
 
 MARKER = ".lightning-troll-export.json"
 """The file an export writes into its folder: the checkpoint it came from and every file it
@@ -70,6 +79,9 @@ ROUNDING_LIMIT = 0.1
 """With ``--dtype auto``, a LoRA merge is written in float32 instead of the base's dtype when
 rounding the merged weights to that dtype changes the adapters' update by more than this share of
 its norm (:func:`rounding_loss`)."""
+FOLDER_READS = 3
+"""Reads of a sharded checkpoint's folder that a running fit's saves may cut short before an
+export gives up (:func:`read_checkpoint`)."""
 DEFAULTED = ("reward_options", *DEPRECATED_KEYS)
 """The module options an export leaves out of the checkpoint's, so that they take their defaults:
 how rewards are called (``model.reward_options``, or the flat keys an older checkpoint holds)."""
@@ -77,16 +89,47 @@ how rewards are called (``model.reward_options``, or the flat keys an older chec
 
 def read_checkpoint(path: str | Path) -> dict[str, Any]:
     """The checkpoint at ``path`` as one dict on the CPU: a ``.ckpt`` file (its archive checked
-    first), or a sharded checkpoint's folder, its shards gathered."""
+    first), or a sharded checkpoint's folder, its shards gathered.
+
+    A running fit replaces a sharded checkpoint's folder whole at its next save (two renames);
+    shards read across that swap would mix two saves. The folder is read again when it is not
+    the same folder after the read as before it (or vanished during it), up to
+    :data:`FOLDER_READS` times. A file is opened once: a save renamed over it leaves the open
+    file as it was.
+    """
     where = Path(path).expanduser()
     check_checkpoint_file(where)
-    if where.is_dir():
-        from lightning.fabric.utilities.load import _load_distributed_checkpoint
+    if not where.is_dir():
+        # The checkpoint's own hyper-parameters hold the option records (allow-listed for
+        # weights_only in lightning_troll.training.resume); LightningCLI's adds its instantiator.
+        return torch.load(where, map_location="cpu", weights_only=False)
+    from lightning.fabric.utilities.load import _load_distributed_checkpoint
 
-        return _load_distributed_checkpoint(where)
-    # The checkpoint's own hyper-parameters hold the option records (allow-listed for
-    # weights_only in lightning_troll.training.resume); LightningCLI's adds its instantiator.
-    return torch.load(where, map_location="cpu", weights_only=False)
+    for _ in range(FOLDER_READS):
+        before = _identity(where)
+        try:
+            check_checkpoint_file(where)
+            state = _load_distributed_checkpoint(where)
+        except Exception:
+            if _identity(where) == before:  # not a swap: the error is the folder's own
+                raise
+            continue
+        if _identity(where) == before:
+            return state
+    raise CheckpointError(
+        f"--ckpt_path {str(where)!r}: the run replaced this folder while it was read, "
+        f"{FOLDER_READS} times over; export it between two saves, or from a copy"
+    )
+
+
+def _identity(folder: Path) -> tuple[int, int] | None:
+    """(device, inode) of ``folder``, or None where nothing is there: a swapped-in folder is
+    another directory, with another inode."""
+    try:
+        info = os.stat(folder)
+    except FileNotFoundError:
+        return None
+    return info.st_dev, info.st_ino
 
 
 def _adapted_layers(policy: Any) -> list[Any]:

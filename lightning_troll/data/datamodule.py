@@ -29,6 +29,7 @@ from lightning_troll.data.prompts import (
     check_count,
     collate_prompts,
     read_rows,
+    shared_in_order,
     template_fields,
     write_jsonl,
 )
@@ -220,6 +221,7 @@ class PromptDataModule(LightningDataModule):
             max_prompt_tokens=self.max_prompt_tokens,
             tokenizer=self.tokenizer,
             describe=self._describe,
+            positions=self.row_source.positions.get(split),
         )
         return formatter.prepare(rows, split)
 
@@ -262,14 +264,18 @@ class PromptDataModule(LightningDataModule):
         return self.trainer.current_epoch, loop.epoch_loop.batch_progress.current.processed
 
     def val_dataloader(self) -> DataLoader | list:
-        """Validation batches in order; an empty list (no validation) when there are no rows."""
+        """Validation batches in order, shared out over processes as
+        :func:`~lightning_troll.data.prompts.shared_in_order` says; an empty list (no
+        validation) when there are no rows."""
         if self.val_items is None:
             self.setup("validate")
         if not self.val_items:
             return []
+        items, sampler = shared_in_order(self.val_items, **self._process_share())
         return DataLoader(
-            self.val_items,
+            items,
             batch_size=self.val_batch_size,
+            sampler=sampler,
             shuffle=False,
             collate_fn=partial(collate_prompts, samples=self.val_samples),
             num_workers=0,

@@ -18,7 +18,7 @@ chat template with ``data.chat_template: true``, or when ``data.system_prompt`` 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,13 +43,20 @@ class PromptFormatter:
     tokenizer: PreTrainedTokenizerBase
     describe: Callable[[str], str]
     """Names the rows of a split in errors (``"the file x.jsonl"``)."""
+    positions: Sequence[int] | None = None
+    """Each row's position in the file it was read from, where the rows are a part of it (the
+    training rows of a file that validation rows were held out of): errors name that row."""
+
+    def number(self, i: int) -> int:
+        """How errors name row ``i``: its position in its file (0 for the first)."""
+        return i if self.positions is None else self.positions[i]
 
     def prepare(self, rows: list[dict[str, Any]], split: str) -> list[PromptItem]:
         """Checks fields, formats, tokenizes and checks the length of every row."""
         if not rows:
             return []
         self.check_fields(rows, split)
-        texts = [self.format(row, i, split) for i, row in enumerate(rows)]
+        texts = [self.format(row, self.number(i), split) for i, row in enumerate(rows)]
         bos = self.tokenizer.bos_token
         # A chat template usually writes BOS itself: do not add a second one.
         chat = [
@@ -70,7 +77,7 @@ class PromptFormatter:
             raise ValueError(
                 f"data.max_prompt_tokens={self.max_prompt_tokens}: {len(too_long)} of {len(rows)} "
                 f"{split} prompts of {self.describe(split)} have too many tokens (or none); the "
-                f"first is row {i} with {lengths[i]} tokens ({texts[i][:60]!r}); raise "
+                f"first is row {self.number(i)} with {lengths[i]} tokens ({texts[i][:60]!r}); raise "
                 "data.max_prompt_tokens or shorten data.template"
             )
         answer = self.answer_field
@@ -122,7 +129,8 @@ class PromptFormatter:
                     f"a field of {where}; fields are {sorted(rows[0])}"
                 )
             raise ValueError(
-                f"{self.option_value(option, field)}: row {i} of {where} has no field {field!r}"
+                f"{self.option_value(option, field)}: row {self.number(i)} of {where} has no field "
+                f"{field!r}"
             )
         where = f"the {split} rows of {self.describe(split)}"
         for i, row in enumerate(rows):
@@ -131,14 +139,15 @@ class PromptFormatter:
                 continue
             if not isinstance(value, list):
                 raise ValueError(
-                    f"data.prompt_field={source!r}: row {i} of {where} holds a "
+                    f"data.prompt_field={source!r}: row {self.number(i)} of {where} holds a "
                     f"{type(value).__name__} ({value!r:.40}), not text or a list of "
                     "{role, content} messages"
                 )
-            check_messages(value, f"data.prompt_field={source!r}: row {i} of {where}")
+            check_messages(value, f"data.prompt_field={source!r}: row {self.number(i)} of {where}")
             if self.chat_template is False:
                 raise ValueError(
-                    f"data.chat_template=false, but row {i} of {where} is a conversation (a list "
+                    f"data.chat_template=false, but row {self.number(i)} of {where} is a conversation (a "
+                    "list "
                     f"of messages in {source!r}); leave data.chat_template at null (or true), so "
                     "that the tokenizer's chat template writes it"
                 )

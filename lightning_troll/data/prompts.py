@@ -27,6 +27,7 @@ __all__ = [
     "collate_prompts",
     "draw_prompts",
     "read_rows",
+    "shared_in_order",
     "write_jsonl",
 ]
 
@@ -48,6 +49,9 @@ class PromptBatch:
     samples: int = 0
     """Validation batches: completions to sample per prompt besides the greedy one
     (``data.val_samples``, for pass@k); 0 for none."""
+    counted: list[bool] | None = None
+    """Validation batches: whether each prompt counts in the figures (false for the copies that
+    pad a validation set shared out over processes, :func:`shared_in_order`); ``None``: all do."""
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -59,6 +63,8 @@ class PromptItem(NamedTuple):
     text: str
     ids: list[int]
     row: dict[str, Any]
+    counted: bool = True
+    """False for a copy that only pads a validation set shared out over processes."""
 
 
 def collate_prompts(items: Sequence[PromptItem], samples: int = 0) -> PromptBatch:
@@ -68,7 +74,24 @@ def collate_prompts(items: Sequence[PromptItem], samples: int = 0) -> PromptBatc
         prompt_ids=[list(item.ids) for item in items],
         rows=[dict(item.row) for item in items],
         samples=samples,
+        counted=None if all(item.counted for item in items) else [item.counted for item in items],
     )
+
+
+def shared_in_order(
+    items: Sequence[PromptItem], rank: int = 0, replicas: int = 1
+) -> tuple[list[PromptItem], DistributedSampler | None]:
+    """Validation rows shared out over ``replicas`` processes in order: process ``rank`` takes
+    every ``replicas``-th row from its own. Where the rows do not share out evenly, uncounted
+    copies of the first rows (``PromptItem.counted`` false) make up the difference, so that every
+    process runs as many batches (generation under FSDP2 needs every process at every step);
+    validation answers them and leaves them out of its figures. One process: the rows as they
+    are, no sampler."""
+    if replicas == 1:
+        return list(items), None
+    extra = (-len(items)) % replicas
+    padded = [*items, *(items[i % len(items)]._replace(counted=False) for i in range(extra))]
+    return padded, DistributedSampler(padded, replicas, rank, shuffle=False)
 
 
 def draw_prompts(items: Sequence[PromptItem], count: int, seed: int, purpose: str) -> PromptBatch:

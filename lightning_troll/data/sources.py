@@ -72,6 +72,8 @@ class PromptSource:
         self.source, self.dataset_config, self.val_file = source, dataset_config, val_file
         self.train_split, self.val_split = train_split, val_split
         self.num_train, self.num_val, self.seed = num_train, num_val, seed
+        self.positions: dict[str, list[int]] = {}
+        """split -> the file position of each row read, where a split is a part of a file."""
 
     def describe(self, split: str = "train") -> str:
         """The source (or validation file) of ``split``'s rows, for messages."""
@@ -95,9 +97,12 @@ class PromptSource:
         if self.kind == "hub":
             return self._load_hub(self.train_split, self.num_train)
         rows = read_rows(self.source, "data.source")
+        kept = list(range(len(rows)))
         if self.val_file is None:
-            rows = [rows[i] for i in self._holdout(len(rows))[0]]
-        return rows[: self.num_train or None]
+            kept = self._holdout(len(rows))[0]
+        kept = kept[: self.num_train or None]
+        self.positions["train"] = kept
+        return [rows[i] for i in kept]
 
     def val_rows(self) -> list[dict[str, Any]]:
         """The validation rows: from ``val_file``, the validation split, or held out of a file."""
@@ -112,7 +117,8 @@ class PromptSource:
         if self.kind == "hub":
             return self._load_hub(self.val_split, self.num_val)
         rows = read_rows(self.source, "data.source")
-        return [rows[i] for i in self._holdout(len(rows))[1]]
+        self.positions["validation"] = self._holdout(len(rows))[1]
+        return [rows[i] for i in self.positions["validation"]]
 
     def _holdout(self, size: int) -> tuple[list[int], list[int]]:
         """(train indices, validation indices) of a local file, both in file order."""

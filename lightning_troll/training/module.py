@@ -68,7 +68,11 @@ from lightning_troll.training.rollout_parts import (
     check_engine_processes,
     world_size,
 )
-from lightning_troll.training.validation import stopping_between_validations, validation_metrics
+from lightning_troll.training.validation import (
+    ValidationFigures,
+    stopping_between_validations,
+    validation_metrics,
+)
 
 __all__ = [
     "ClipConfig",
@@ -271,6 +275,7 @@ class TrollModule(LightningModule):
         self.rollout: Rollout | None = None  # the next training step's, from the callback
         self.minibatch_loop = MinibatchLoop(optimization, seed)  # seed None: the run's
         self.resume = ResumeState(self.minibatch_loop)
+        self.val_figures = ValidationFigures()
 
     @property
     def old_policy(self) -> torch.nn.Module:
@@ -366,21 +371,20 @@ class TrollModule(LightningModule):
         self.resume.save(checkpoint, self.global_rank, world_size(self))
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        self.resume.load(
-            checkpoint, self.state_dict, self.hparams, self.global_rank, world_size(self)
-        )
+        rank, size = self.global_rank, world_size(self)
+        self.resume.load(checkpoint, self.state_dict, self.hparams, rank, size)
 
     def on_train_start(self) -> None:
         self.resume.start(self.global_rank, world_size(self))
 
     # -- validation ------------------------------------------------------------------------------
     def validation_step(self, batch: Any, batch_idx: int) -> None:
-        """Greedy answers to held-out prompts, scored by the reward functions, and with
-        ``data.val_samples: k`` k sampled ones (see :mod:`lightning_troll.training.validation`).
-        Nothing is validated on the way out of a fit stopped between two scheduled validations
-        (:func:`~lightning_troll.training.validation.stopping_between_validations`)."""
-        if stopping_between_validations(self.trainer):
-            return
-        size = len(batch.prompts)  # scores are CPU tensors: NCCL reduces them on self.device
-        for name, value in validation_metrics(self, batch, batch_idx).items():
-            self.log(name, value.to(self.device), batch_size=size, sync_dist=True)
+        """Greedy answers to held-out prompts (and ``data.val_samples: k`` sampled ones), scored;
+        none on the way out of a fit stopped between two scheduled validations (both in
+        :mod:`lightning_troll.training.validation`)."""
+        if not stopping_between_validations(self.trainer):
+            self.val_figures.add(validation_metrics(self, batch, batch_idx))
+
+    def on_validation_epoch_end(self) -> None:
+        for name, value in self.val_figures.means(self.trainer.strategy, self.device).items():
+            self.log(name, value, sync_dist=True)  # exact means over processes, the same on each

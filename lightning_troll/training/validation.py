@@ -1,7 +1,7 @@
 """Validation on held-out prompts: greedy answers, and k sampled answers per prompt (pass@k).
 
-:func:`validation_metrics` is what ``TrollModule.validation_step`` logs; :func:`pass_at_k` is the
-arithmetic. Sampling draws from a forked random state seeded by the batch and the process, so a
+:func:`validation_metrics` is what ``TrollModule.validation_step`` scores, :class:`ValidationFigures`
+what its mean over batches and processes is logged from; :func:`pass_at_k` is the arithmetic. Sampling draws from a forked random state seeded by the batch and the process, so a
 validation neither moves the training run's random streams (a resumed run, which skips the
 validation its checkpoint preceded, samples what the uninterrupted run samples) nor differs from
 one validation to the next by chance alone.
@@ -25,7 +25,12 @@ from lightning_troll.rollouts.multiturn import sampled_turns
 from lightning_troll.rollouts.rollout import sample
 from lightning_troll.training.faults import EpisodeFault, RewardFault
 
-__all__ = ["pass_at_k", "stopping_between_validations", "validation_metrics"]
+__all__ = [
+    "ValidationFigures",
+    "pass_at_k",
+    "stopping_between_validations",
+    "validation_metrics",
+]
 
 
 def stopping_between_validations(trainer: Any) -> bool:
@@ -57,24 +62,31 @@ def pass_at_k(correct: Tensor) -> tuple[Tensor, Tensor]:
     return correct.amax(-1).mean(), correct.mean()
 
 
-def validation_metrics(module: Any, batch: Any, batch_idx: int) -> dict[str, Tensor]:
+def validation_metrics(module: Any, batch: Any, batch_idx: int) -> dict[str, tuple[Tensor, int]]:
     """``val/accuracy`` and ``val/reward`` of greedy answers, ``val/reward/<name>/mean`` per reward
     function when there are several, and with ``batch.samples = k > 0`` also ``val/pass@k`` and
-    ``val/mean@k`` of k answers sampled at ``model.sampling``.
+    ``val/mean@k`` of k answers sampled at ``model.sampling``; each as (value, the number of
+    prompts or answers it is the mean of), the weight it takes in the mean over batches and
+    processes.
 
     A completion is correct when its total reward over the functions that have a best score
     reaches full marks (:attr:`~lightning_troll.rewards.registry.RewardScorer.full_marks`; a
     reward model's logit is left out). Where no function has one (a reward model alone, or
     episodes scored by their environment alone, ``model.rewards: {}``, whose reward is the sum of
-    its turn rewards) a positive total is correct.
+    its turn rewards) a positive total is correct. Prompts that only pad a validation set
+    shared out over processes (``batch.counted`` false) are answered but not counted.
     """
+    counted = _counted(batch)
     greedy = _answers(module, batch, 1, do_sample=False)
     correct = _correct(module, greedy)
-    values = {"val/accuracy": correct.float().mean(), "val/reward": greedy.total.mean()}
+    values = {
+        "val/accuracy": _mean(correct.float(), counted),
+        "val/reward": _mean(greedy.total, counted),
+    }
     if len(greedy.per_function) > 1:
-        count = greedy.valid.sum().clamp_min(1)
+        valid = greedy.valid & counted
         for name, column in greedy.per_function.items():
-            values[f"val/reward/{reward_tag(name)}/mean"] = (column * greedy.valid).sum() / count
+            values[f"val/reward/{reward_tag(name)}/mean"] = _mean(column, valid)
     k = int(getattr(batch, "samples", 0))
     if k > 0:
         device = next(module.policy.parameters()).device
@@ -83,9 +95,54 @@ def validation_metrics(module: Any, batch: Any, batch_idx: int) -> dict[str, Ten
         with torch.random.fork_rng(devices=devices, device_type=device.type):
             torch.manual_seed(seed)
             sampled = _answers(module, batch, k, do_sample=True)
-        hits = _correct(module, sampled).view(-1, k)  # (P, k)
-        values[f"val/pass@{k}"], values[f"val/mean@{k}"] = pass_at_k(hits)
+        hits = _correct(module, sampled).view(-1, k)[counted]  # (counted P, k)
+        size = len(hits)
+        passed, mean = pass_at_k(hits) if size else (torch.tensor(0.0), torch.tensor(0.0))
+        values[f"val/pass@{k}"], values[f"val/mean@{k}"] = (passed, size), (mean, size)
     return values
+
+
+class ValidationFigures:
+    """Each validation figure's sum of value x count and its count over a validation's batches.
+
+    :meth:`means` adds them up over processes and divides: the mean over every prompt or answer
+    counted, exact whatever share of them each batch and each process holds. (Lightning's own
+    weighted mean under ``sync_dist`` averages the counts as integers, which floors them where
+    processes count different numbers, as they do when copies pad a validation set.)
+    """
+
+    def __init__(self) -> None:
+        self.totals: dict[str, tuple[float, int]] = {}
+
+    def add(self, figures: dict[str, tuple[Tensor, int]]) -> None:
+        for name, (value, count) in figures.items():
+            total, counted = self.totals.get(name, (0.0, 0))
+            self.totals[name] = (total + float(value) * count, counted + count)
+
+    def means(self, strategy: Any, device: torch.device) -> dict[str, Tensor]:
+        """Every figure's mean over all processes (0 where none counted anything), on
+        ``device``; the totals start again. Every process calls it with the same figures."""
+        names = sorted(self.totals)
+        if not names:
+            return {}
+        local = torch.tensor([self.totals[name] for name in names], dtype=torch.float64)
+        summed = strategy.reduce(local.to(device), reduce_op="sum")
+        self.totals = {}
+        return {n: (summed[i, 0] / summed[i, 1].clamp_min(1)).float() for i, n in enumerate(names)}
+
+
+def _counted(batch: Any) -> Tensor:
+    """(P,) bool: the prompts that count in the figures."""
+    flags = getattr(batch, "counted", None)
+    return (
+        torch.ones(len(batch.prompts), dtype=torch.bool) if flags is None else torch.tensor(flags)
+    )
+
+
+def _mean(values: Tensor, mask: Tensor) -> tuple[Tensor, int]:
+    """The mean of ``values`` where ``mask`` holds (0 where it holds nowhere), and its count."""
+    count = int(mask.sum())
+    return torch.where(mask, values.float(), 0.0).sum() / max(count, 1), count
 
 
 def _answers(module: Any, batch: Any, group: int, do_sample: bool) -> RewardOutput:
