@@ -379,3 +379,22 @@ def test_a_read_that_fails_without_a_swap_is_not_retried(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="Input/output error"):
         read_checkpoint(folder)
     assert len(calls) == 1
+
+
+def test_a_tied_head_under_an_embedding_adapter_is_exported_untied(tmp_path):
+    """LoRA on the embedding of a tied model: the trained policy's output layer is the
+    embedding's base weight. Merging moved the tied head with the embedding (before: other
+    logits); the merge is written untied, and the saved folder computes the policy's logits."""
+    from lightning_troll.cli.export import _merge
+    from tests.test_snapshots import embedding_lora_policy
+
+    pytest.importorskip("peft")
+    policy = embedding_lora_policy()
+    expected = logits(policy, IDS)
+    merged = _merge(policy, "auto")
+    assert merged.config.tie_word_embeddings is False
+    torch.testing.assert_close(logits(merged, IDS), expected, rtol=1e-5, atol=1e-5)
+    merged.save_pretrained(tmp_path / "model")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
+    assert loaded.lm_head.weight.data_ptr() != loaded.model.embed_tokens.weight.data_ptr()
+    torch.testing.assert_close(logits(loaded, IDS), expected, rtol=1e-5, atol=1e-5)

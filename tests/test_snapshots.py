@@ -183,3 +183,59 @@ def test_a_lora_snapshot_and_the_engines_weights_carry_embedding_adapters_too():
 def test_a_lora_rank_that_is_not_a_whole_number_is_refused_by_name():
     with pytest.raises(ValueError, match=r"lora.r must be an integer >= 1; got 2.5"):
         LoraConfig(r=2.5)
+
+
+def embedding_lora_policy():
+    """A tiny tied model with LoRA on ``q_proj`` and ``embed_tokens``, its adapters moved."""
+    from lightning_troll.models.loading import tiny_causal_lm
+    from lightning_troll.models.lora import apply_lora
+
+    torch.manual_seed(0)
+    config = LoraConfig(r=2, target_modules=["q_proj", "embed_tokens"])
+    policy = apply_lora(tiny_causal_lm(20, hidden_size=16, seed=0), config)
+    with torch.no_grad():
+        for name, parameter in policy.named_parameters():
+            if "lora_" in name:
+                parameter.add_(0.5 * torch.randn_like(parameter))
+    return policy
+
+
+def test_a_tied_head_keeps_the_embeddings_base_weight_and_tying_engines_are_refused():
+    """LoRA on the embedding of a model whose output layer is tied to it: the policy's output
+    layer keeps the base weight, which the full weights give as ``lm_head.weight``. A model that
+    ties its head to the merged embedding (as vLLM loads a tied model, skipping the head) computes
+    other logits, so such engines are refused by name; the HF engine in the trainer's process
+    samples from the snapshot itself and is kept."""
+    import copy
+
+    from lightning_troll.models.loading import tiny_causal_lm
+    from lightning_troll.models.lora import apply_lora
+    from lightning_troll.models.weights import full_weights, ties_an_adapted_embedding
+    from lightning_troll.objectives.options import LossConfig
+    from lightning_troll.rollouts.engine import EngineContext
+    from lightning_troll.training.rollout_parts import build_rollout_engine
+
+    policy = embedding_lora_policy()
+    assert ties_an_adapted_embedding(policy)
+    plain = LoraConfig(r=2, target_modules=["q_proj"])
+    assert not ties_an_adapted_embedding(apply_lora(tiny_causal_lm(20, hidden_size=16), plain))
+    assert not ties_an_adapted_embedding(tiny_causal_lm(20, hidden_size=16))
+
+    weights = dict(full_weights(policy))
+    tied = tiny_causal_lm(20, hidden_size=16, seed=1)
+    tied.load_state_dict({k: v for k, v in weights.items() if k != "lm_head.weight"}, strict=False)
+    untied = copy.deepcopy(tied)
+    untied.lm_head.weight = torch.nn.Parameter(weights["lm_head.weight"].clone())
+    ids = torch.tensor([[1, 5, 7, 3, 9]])
+    with torch.no_grad():
+        expected = policy(ids).logits
+        torch.testing.assert_close(untied(ids).logits, expected, rtol=0, atol=1e-5)
+        assert (tied(ids).logits - expected).abs().max() > 1e-2
+
+    config = LoraConfig(r=2, target_modules=["q_proj", "embed_tokens"])  # the policy's
+    context = EngineContext("unused", "float32", None, config, tied_embedding_adapter=True)
+    for name, options in (("vllm", None), ("hf", {"process": True})):
+        with pytest.raises(ValueError, match=r"lora.target_modules=\['q_proj', 'embed_tokens'\] "
+                           r"puts an adapter on the input embedding.*rollout_engine 'hf'"):  # fmt: skip
+            build_rollout_engine(name, options, context, LossConfig())
+    assert build_rollout_engine("hf", None, context, LossConfig()).name == "hf"

@@ -50,7 +50,7 @@ import torch
 
 from lightning_troll.models.folders import replace_folder, sync_tree
 from lightning_troll.models.loading import DTYPES
-from lightning_troll.models.weights import carries_adapter
+from lightning_troll.models.weights import carries_adapter, ties_an_adapted_embedding
 from lightning_troll.rewards.options import DEPRECATED_KEYS
 from lightning_troll.training.checkpoints import CheckpointError, check_checkpoint_file
 
@@ -160,7 +160,9 @@ def _merge(policy: Any, dtype: str) -> Any:
     """The adapters of ``policy`` merged into its base weights, written in ``dtype`` (``"auto"``:
     the base's, or float32 past :data:`ROUNDING_LIMIT`, module docstring); a merge written in
     another dtype than the base's is computed in float32 and rounded once, to ``dtype``, as
-    :func:`rounding_loss` measures it (a float32 one rounds nothing)."""
+    :func:`rounding_loss` measures it (a float32 one rounds nothing). An output layer tied to
+    an embedding that carries an adapter is written untied, as the policy computed it: the
+    embedding merged, the output layer the embedding's base weight."""
     layers = _adapted_layers(policy)
     base = layers[0].get_base_layer().weight.dtype if layers else torch.float32
     target = base if dtype == "auto" else DTYPES[dtype]
@@ -184,7 +186,14 @@ def _merge(policy: Any, dtype: str) -> Any:
                 )
     if target != base:  # not in the base's dtype first, which would round twice
         policy = policy.float()
-    return policy.merge_and_unload().to(target)
+    head = None
+    if ties_an_adapted_embedding(policy):  # the trained head is the embedding's base weight
+        head = policy.get_output_embeddings().weight.detach().clone()
+    merged = policy.merge_and_unload().to(target)
+    if head is not None:  # the merge moved the tied head with the embedding: untie it
+        merged.config.tie_word_embeddings = False
+        merged.get_output_embeddings().weight = torch.nn.Parameter(head.to(target))
+    return merged
 
 
 def _files(folder: Path) -> list[str]:

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from lightning_troll.models.quantize import Int8Embedding, Int8Linear
 
-__all__ = ["full_weights"]
+__all__ = ["carries_adapter", "full_weights", "ties_an_adapted_embedding"]
 
 
 def _full(tensor: Tensor) -> Tensor:
@@ -48,6 +48,20 @@ def carries_adapter(module: nn.Module, adapter: str | None) -> bool:
     return adapter is not None and any(
         adapter in getattr(module, where, {}) for where in ("lora_A", "lora_embedding_A")
     )
+
+
+def ties_an_adapted_embedding(model: nn.Module) -> bool:
+    """Whether ``model`` ties its output layer to an input embedding that carries a LoRA adapter.
+
+    The policy's output layer then keeps the embedding's base weight (the adapter adds to the
+    embedding lookup only), and :func:`full_weights` gives ``lm_head.weight`` so; an engine that
+    ties the two layers itself (vLLM skips a tied ``lm_head.weight``) would compute its output
+    from the merged embedding instead, and sample from another policy.
+    """
+    base, adapter = _unwrap(model)
+    if not getattr(getattr(base, "config", None), "tie_word_embeddings", False):
+        return False
+    return carries_adapter(base.get_input_embeddings(), adapter)
 
 
 @torch.no_grad()

@@ -64,8 +64,12 @@ class EngineContext:
     """``model.dtype``: float32, bfloat16, float16 or auto."""
     tokenizer: Any
     """The run's tokenizer (its chat template has already been applied to the prompts)."""
-    lora: bool = False
-    """True when the policy trains LoRA adapters (engines then take merged weights)."""
+    lora: Any = None
+    """``model.lora`` (a ``LoraConfig``) when the policy trains LoRA adapters (engines then take
+    merged weights), else None."""
+    tied_embedding_adapter: bool = False
+    """True when the policy's output layer is tied to an input embedding that carries a LoRA
+    adapter (:func:`~lightning_troll.models.weights.ties_an_adapted_embedding`)."""
 
 
 class RolloutEngine:

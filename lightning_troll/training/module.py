@@ -33,6 +33,7 @@ from lightning_troll.models.sharding import (  # the two checks: importable from
     data_parallel_mesh,
 )
 from lightning_troll.models.snapshots import SnapshotConfig
+from lightning_troll.models.weights import ties_an_adapted_embedding as tied_adapter
 from lightning_troll.objectives import (
     ClipConfig,
     LossConfig,
@@ -265,7 +266,7 @@ class TrollModule(LightningModule):
         self.tokenizer = self.policies.tokenizer  # the policy's (its stop ids: policies)
         self.snapshot = self.policies.snapshot
         self.automatic_optimization = False
-        context = EngineContext(model, dtype, self.tokenizer, lora)
+        context = EngineContext(model, dtype, self.tokenizer, lora, tied_adapter(self.policy))
         self.engine = build_rollout_engine(rollout_engine, rollout_engine_options, context, loss)
         self.global_batch = GlobalBatch(self, estimator, group_size, scale_rewards)
         self.episodes = None if episodes is None else EpisodeSampler(

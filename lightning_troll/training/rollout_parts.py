@@ -44,6 +44,17 @@ def build_rollout_engine(
             "merged, which a 4-bit base rounds away; use rollout_engine 'hf' with "
             "lora.load_in_4bit, or a base in float32/bfloat16"
         )
+    own_process = (options or {}).get("process") is True
+    if (name != "hf" or own_process) and context.tied_embedding_adapter:
+        where = f"the {name!r} engine" + (" in a process of its own" if own_process else "")
+        raise ValueError(
+            f"model.lora.target_modules={lora.target_modules!r} puts an adapter on the input "
+            "embedding, which this model ties to its output layer: the policy's output layer "
+            f"keeps the embedding's base weight, but {where} loads merged weights into a model "
+            "whose output layer is the merged embedding, and would sample from another policy; "
+            "leave the embedding out of model.lora.target_modules, or use rollout_engine 'hf' "
+            "in the trainer's process"
+        )
     engine = engine_in_a_process(name, context, options) or build_engine(name, context, options)
     in_process = isinstance(engine, ProcessEngine)
     with_snapshot = engine.inner_samples_with_snapshot if in_process else engine.records_behaviour
