@@ -77,8 +77,8 @@ class PromptFormatter:
             raise ValueError(
                 f"data.max_prompt_tokens={self.max_prompt_tokens}: {len(too_long)} of {len(rows)} "
                 f"{split} prompts of {self.describe(split)} have too many tokens (or none); the "
-                f"first is row {self.number(i)} with {lengths[i]} tokens ({texts[i][:60]!r}); raise "
-                "data.max_prompt_tokens or shorten data.template"
+                f"first is row {self.number(i)} with {lengths[i]} tokens "
+                f"({texts[i][:60]!r}); raise data.max_prompt_tokens or shorten data.template"
             )
         answer = self.answer_field
         return [
@@ -146,9 +146,8 @@ class PromptFormatter:
             check_messages(value, f"data.prompt_field={source!r}: row {self.number(i)} of {where}")
             if self.chat_template is False:
                 raise ValueError(
-                    f"data.chat_template=false, but row {self.number(i)} of {where} is a conversation (a "
-                    "list "
-                    f"of messages in {source!r}); leave data.chat_template at null (or true), so "
+                    f"data.chat_template=false, but row {self.number(i)} of {where} is a "
+                    f"conversation (a list of messages in {source!r}); leave data.chat_template at null (or true), so "
                     "that the tokenizer's chat template writes it"
                 )
 

@@ -1,10 +1,11 @@
 """Validation on held-out prompts: greedy answers, and k sampled answers per prompt (pass@k).
 
-:func:`validation_metrics` is what ``TrollModule.validation_step`` scores, :class:`ValidationFigures`
-what its mean over batches and processes is logged from; :func:`pass_at_k` is the arithmetic. Sampling draws from a forked random state seeded by the batch and the process, so a
-validation neither moves the training run's random streams (a resumed run, which skips the
-validation its checkpoint preceded, samples what the uninterrupted run samples) nor differs from
-one validation to the next by chance alone.
+:func:`validation_metrics` is what ``TrollModule.validation_step`` scores, and
+:class:`ValidationFigures` gives its mean over batches and processes, which is logged;
+:func:`pass_at_k` is the arithmetic. Sampling draws from a forked random state seeded by the batch
+and the process, so a validation neither moves the training run's random streams (a resumed run,
+which skips the validation its checkpoint preceded, samples what the uninterrupted run samples)
+nor differs from one validation to the next by chance alone.
 
 Notation: P prompts of a validation batch, k samples per prompt.
 """
