@@ -80,3 +80,15 @@ def test_convert_gguf_keeps_the_old_folder_when_the_swap_fails(tmp_path, monkeyp
         "config.json",
         "tokenizer.json",
     ]
+
+
+def test_replace_folder_sets_a_file_aside_where_it_is_told(tmp_path):
+    """A checkpoint's swap names its own aside path, which resume looks for; what stood at the
+    target (here a single-file checkpoint of the same name) is removed once the folder is in."""
+    target = tmp_path / "last.ckpt"
+    target.write_text("one file")
+    aside = tmp_path / ".last.ckpt.old"
+    aside.mkdir()  # a swap cut short left it: the target is whole, this goes first
+    replace_folder(target, _folder(tmp_path / "new", "new"), aside)
+    assert (target / "model.safetensors").read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]

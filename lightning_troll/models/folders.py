@@ -9,11 +9,20 @@ files that never reached the disk. Checkpoints, exports and GGUF conversions all
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from pathlib import Path
 
-__all__ = ["replace_folder", "sync_directory", "sync_tree"]
+__all__ = ["remove_entry", "replace_folder", "sync_directory", "sync_tree"]
+
+
+def remove_entry(path: Path) -> None:
+    """Removes ``path``, a folder (with everything in it), a file or a link, if it exists."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
 
 
 def sync_directory(directory: Path) -> None:
@@ -40,22 +49,22 @@ def sync_tree(folder: Path, files: bool = True) -> None:
     sync_directory(folder)
 
 
-def replace_folder(target: Path, staging: Path) -> None:
+def replace_folder(target: Path, staging: Path, aside: Path | None = None) -> None:
     """Moves the complete ``staging`` folder to ``target``; an existing ``target`` is set aside
-    first (as ``<staging name>.old``) and removed only once the new one is in place, and put back
-    if the move fails."""
+    first (at ``aside``, by default ``<staging name>.old`` beside it) and removed only once the
+    new one is in place, and put back if the move fails."""
     old = None
     if target.exists():
-        old = target.with_name(f"{staging.name}.old")
-        if old.exists():  # left by a swap killed between its renames: the target is whole
-            shutil.rmtree(old)
+        old = aside if aside is not None else target.with_name(f"{staging.name}.old")
+        remove_entry(old)  # left by a swap killed between its renames: the target is whole
         target.rename(old)
     try:
         staging.rename(target)
     except BaseException:
-        if old is not None:
-            old.rename(target)
+        if old is not None:  # the previous one back in place; the move's own error is raised
+            with contextlib.suppress(OSError):
+                old.rename(target)
         raise
     sync_directory(target.parent)
     if old is not None:
-        shutil.rmtree(old)
+        remove_entry(old)

@@ -30,7 +30,12 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from typing_extensions import override
 
-from lightning_troll.models.folders import sync_directory, sync_tree
+from lightning_troll.models.folders import (
+    remove_entry,
+    replace_folder,
+    sync_directory,
+    sync_tree,
+)
 from lightning_troll.training.checkpoints import aside_path
 from lightning_troll.training.faults import RunFault
 
@@ -172,13 +177,6 @@ def writes_folders(strategy: Any) -> bool:
     )
 
 
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    elif path.exists() or path.is_symlink():
-        path.unlink()
-
-
 def _no_space_cause(error: BaseException) -> OSError | None:
     """The out-of-room ``OSError`` behind ``error`` (torch's writers wrap it), if one is."""
     seen: BaseException | None = error
@@ -220,22 +218,11 @@ def save_folder_checkpoint(strategy: Any, write: Callable[[Path], None], target:
         if aside.exists() and not target.exists():  # a swap cut short: the previous one
             os.rename(aside, target)
         for leftover in (partial, aside):
-            _remove(leftover)
+            remove_entry(leftover)
 
     def swap() -> None:
         sync_tree(partial)
-        moved = target.exists()
-        if moved:
-            os.rename(target, aside)
-        try:
-            os.rename(partial, target)
-        except BaseException:
-            if moved:  # the previous one back in place
-                with contextlib.suppress(OSError):
-                    os.rename(aside, target)
-            raise
-        sync_tree(target.parent, files=False)
-        _remove(aside)
+        replace_folder(target, partial, aside)
 
     _on_the_first(strategy, target, clear)
     try:
@@ -245,7 +232,7 @@ def save_folder_checkpoint(strategy: Any, write: Callable[[Path], None], target:
         if cause is not None:
             if strategy.is_global_zero:  # the space it held is what the user must free
                 with contextlib.suppress(OSError):
-                    _remove(partial)
+                    remove_entry(partial)
             raise SaveFailed(_no_space(target, cause)) from error
         raise
     strategy.barrier("save_folder_checkpoint: written")
