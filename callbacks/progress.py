@@ -10,7 +10,9 @@ from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
 from typing_extensions import override
 
-__all__ = ["RolloutProgressBar", "steps_per_rollout", "total_rollouts"]
+from lightning_troll.callbacks.rollout import RolloutGeneration
+
+__all__ = ["RolloutProgressBar", "rollouts_done", "steps_per_rollout", "total_rollouts"]
 
 
 def steps_per_rollout(trainer: Trainer, module: LightningModule) -> int | None:
@@ -27,6 +29,18 @@ def steps_per_rollout(trainer: Trainer, module: LightningModule) -> int | None:
     size = optimization.minibatch_size
     minibatches = 1 if size is None or size >= sequences else math.ceil(sequences / size)
     return optimization.epochs_per_rollout * minibatches
+
+
+def rollouts_done(trainer: Trainer, module: LightningModule) -> int:
+    """Rollouts a fit has done, a resumed run's earlier part included: the count
+    :class:`RolloutGeneration` keeps in its checkpoint state, or, without that callback, the
+    optimiser steps over the steps per rollout (short by one rollout for each rollout's worth
+    of steps skipped as non-finite)."""
+    for callback in trainer.callbacks:
+        if isinstance(callback, RolloutGeneration):
+            return callback.rollouts
+    per = steps_per_rollout(trainer, module)
+    return trainer.global_step // per if per else 0
 
 
 def total_rollouts(trainer: Trainer, module: LightningModule) -> int | None:
@@ -73,8 +87,7 @@ class RolloutProgressBar(TQDMProgressBar):
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
-        per = steps_per_rollout(trainer, pl_module)
-        self.rollouts = trainer.global_step // per if per else 0
+        self.rollouts = rollouts_done(trainer, pl_module)
         self.total = total_rollouts(trainer, pl_module)
         bar = self.train_progress_bar
         bar.reset(total=self.total)

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from lightning_troll.callbacks import RolloutProgressBar
-from lightning_troll.callbacks.progress import steps_per_rollout, total_rollouts
+from lightning_troll.callbacks import RolloutGeneration, RolloutProgressBar
+from lightning_troll.callbacks.progress import rollouts_done, steps_per_rollout, total_rollouts
 from lightning_troll.training.module import OptimizationConfig
 
 
@@ -52,6 +52,20 @@ def test_unknown_totals_are_none():
     trainer.max_steps = 10
     assert steps_per_rollout(trainer, SimpleNamespace()) is None  # not a TrollModule
     assert total_rollouts(trainer, SimpleNamespace()) is None
+
+
+def test_rollouts_done_come_from_the_rollout_count_a_checkpoint_restored():
+    """A resumed run's bar starts at the rollouts its checkpoint holds: the rollout callback's own
+    count, which steps skipped as non-finite do not shorten, as ``global_step`` would."""
+    trainer, module = fakes()  # 2 optimiser steps a rollout
+    trainer.global_step, trainer.callbacks = 13, []
+    assert rollouts_done(trainer, module) == 6  # no rollout callback: 13 steps // 2
+    generation = RolloutGeneration()
+    generation.load_state_dict({"rollouts": 7})  # one step of the 14 was skipped
+    trainer.callbacks = [generation]
+    assert rollouts_done(trainer, module) == 7
+    trainer.callbacks = []
+    assert rollouts_done(trainer, SimpleNamespace()) == 0  # not a TrollModule: unknown
 
 
 @pytest.mark.slow
