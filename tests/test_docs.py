@@ -327,9 +327,11 @@ def _script_flags(script: Path) -> set[str]:
 
 
 @pytest.mark.parametrize("path", documents(), ids=lambda p: p.name)
-def test_every_config_script_and_flag_named_exists(path):
+def test_every_config_script_and_flag_named_exists(path, fit_options):
     """``configs/*.yaml``, ``examples/*.py`` and ``tests/*.py`` paths exist, and the flags given
-    to an example script on the same line are flags of that script."""
+    to an example script on the same line are flags of that script; those after a lone ``--``,
+    which a study script passes on to every fit, are ``lightning-troll fit``'s (a dotted one,
+    ``--old_policy.max_staleness``, is checked with the page's other options)."""
     problems = []
     text = path.read_text()
     pattern = r"(?<![\w./-])((?:configs|examples|tests)/[\w./-]+\.(?:py|yaml))\b"
@@ -341,9 +343,13 @@ def test_every_config_script_and_flag_named_exists(path):
             if not (ROOT / script).is_file():
                 continue
             known = _script_flags(ROOT / script)
-            for flag in re.findall(r"(?<![\w-])(--[a-z][\w-]*)", rest):
+            own, *passed = re.split(r"\s--(?=\s|$)", rest, maxsplit=1)
+            for flag in re.findall(r"(?<![\w-])(--[a-z][\w-]*)", own):
                 if flag not in known:
                     problems.append(f"{line}: {script} has no {flag}")
+            for flag in re.findall(r"(?<![\w-])(--[a-z_]+)(?![\w.])", "".join(passed)):
+                if flag not in fit_options:
+                    problems.append(f"{line}: lightning-troll fit has no {flag} (after --)")
     assert not problems, "\n".join(problems)
 
 
