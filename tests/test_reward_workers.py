@@ -208,6 +208,35 @@ def test_a_worker_leaves_ctrl_c_and_sigterm_to_the_trainer():
 
 
 @pytest.mark.slow
+def test_the_workers_server_outlives_a_stop_signal_and_every_call_is_answered():
+    """A scheduler's SIGTERM reaches every process of the job, the workers' server among them. Had
+    it ended, every worker, alive, would read as dead (exit code 255) and fail its call in the
+    rollout the trainer finishes before it saves. The server keeps the signal blocked: it lives
+    on, and the calls after it (one timing out, its worker forked anew) are all answered."""
+    from multiprocessing import forkserver
+
+    scorer = RewardScorer({H + "hangs_on_hang": 1.0}, on_error=0.0, workers=2, timeout=1.0)
+    ours = signal.getsignal(signal.SIGTERM)
+    try:
+        assert scorer(["p"] * 2, ["ok"] * 2, [{}] * 2).total.tolist() == [1.0, 1.0]
+        # only the server ignores it: the trainer's own answer to SIGTERM stands
+        assert workers_module.SERVER_START not in sys.modules
+        assert signal.getsignal(signal.SIGTERM) == ours
+        server = forkserver._forkserver._forkserver_pid
+        os.kill(server, signal.SIGTERM)
+        time.sleep(1.0)
+        assert Path(f"/proc/{server}/stat").read_text().split()[2] != "Z", "the server ended"
+        with pytest.warns(RewardWarning, match="timed out after 1 s") as caught:
+            out = scorer(["p"] * 4, ["ok", "hang", "ok", "ok"], [{}] * 4)
+        assert out.total.tolist() == [1.0, 0.0, 1.0, 1.0], [str(w.message) for w in caught]
+        assert out.timeouts == {H + "hangs_on_hang": 1} and out.errors == {H + "hangs_on_hang": 0}
+        assert scorer.workers.restarts == 1
+        assert forkserver._forkserver._forkserver_pid == server
+    finally:
+        scorer.close()
+
+
+@pytest.mark.slow
 def test_raise_policy_in_workers_names_the_timeout():
     scorer = RewardScorer({H + "hangs_on_hang": 1.0}, workers=1, timeout=0.5)
     try:

@@ -47,6 +47,9 @@ __all__ = [
     "leave_stop_signals_to_the_trainer",
 ]
 
+SERVER_START = "lightning_troll.rewards.worker_server"
+"""The module the workers' server imports first as it starts, which makes it ignore SIGTERM (see
+its docstring); named, not imported, as no other process may import it."""
 _START_LIMIT = 300.0
 """Seconds a new worker may take to start before scoring gives up (a broken environment)."""
 _START_DEATHS = 3
@@ -216,7 +219,8 @@ class WorkerPool:
 
     def _context(self) -> Any:
         context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload(list(dict.fromkeys([__name__, self.runner.__module__])))
+        preload = [SERVER_START, __name__, self.runner.__module__]
+        context.set_forkserver_preload(list(dict.fromkeys(preload)))
         return context
 
     def _replace(self, worker: _Worker) -> None:
