@@ -211,8 +211,8 @@ def test_a_worker_leaves_ctrl_c_and_sigterm_to_the_trainer():
 def test_the_workers_server_outlives_a_stop_signal_and_every_call_is_answered():
     """A scheduler's SIGTERM reaches every process of the job, the workers' server among them. Had
     it ended, every worker, alive, would read as dead (exit code 255) and fail its call in the
-    rollout the trainer finishes before it saves. The server keeps the signal blocked: it lives
-    on, and the calls after it (one timing out, its worker forked anew) are all answered."""
+    rollout the trainer finishes before it saves. The server ignores the signal: it lives on,
+    and the calls after it (one timing out, its worker forked anew) are all answered."""
     from multiprocessing import forkserver
 
     scorer = RewardScorer({H + "hangs_on_hang": 1.0}, on_error=0.0, workers=2, timeout=1.0)
