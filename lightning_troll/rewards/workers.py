@@ -78,8 +78,8 @@ def check_picklable(
 
 
 def leave_stop_signals_to_the_trainer() -> None:
-    """Makes this child process (a reward or tool worker, an engine in its own process) ignore
-    SIGINT and SIGTERM. A Ctrl-C in a terminal, or a scheduler's SIGTERM to the job, reaches every
+    """Makes this child process (a reward or tool worker, their server, an engine in its own
+    process) ignore SIGINT and SIGTERM. A Ctrl-C in a terminal, or a scheduler's SIGTERM to the job, reaches every
     process of the group, and the trainer answers the first by finishing its rollout and saving
     (``RolloutCheckpoint``): a child that died of it would fail that rollout's rewards, tools or
     samples. The trainer ends its children itself, and a child whose trainer is gone exits."""
