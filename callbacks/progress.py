@@ -43,14 +43,25 @@ def rollouts_done(trainer: Trainer, module: LightningModule) -> int:
     return trainer.global_step // per if per else 0
 
 
-def total_rollouts(trainer: Trainer, module: LightningModule) -> int | None:
+def total_rollouts(
+    trainer: Trainer, module: LightningModule, done: int | None = None
+) -> int | None:
     """The rollouts a fit runs in all (those of a resumed run's earlier part included):
     ``max_steps`` over the steps per rollout, or ``max_epochs`` x the rollouts per epoch,
-    whichever is smaller; None when neither is known."""
+    whichever is smaller; None when neither is known.
+
+    Given the rollouts ``done`` so far, the steps limit counts from there: ``done`` plus the
+    steps still to run over the steps per rollout, so that steps skipped as non-finite (which
+    do not count towards ``max_steps``) lengthen the total.
+    """
     limits = []
     per = steps_per_rollout(trainer, module)
     if trainer.max_steps >= 0 and per:
-        limits.append(math.ceil(trainer.max_steps / per))
+        if done is None:
+            limits.append(math.ceil(trainer.max_steps / per))
+        else:
+            left = max(0, trainer.max_steps - trainer.global_step)
+            limits.append(done + math.ceil(left / per))
     batches = trainer.num_training_batches
     if trainer.max_epochs is not None and trainer.max_epochs >= 0 and math.isfinite(batches):
         limits.append(trainer.max_epochs * int(batches))
@@ -88,7 +99,7 @@ class RolloutProgressBar(TQDMProgressBar):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
         self.rollouts = rollouts_done(trainer, pl_module)
-        self.total = total_rollouts(trainer, pl_module)
+        self.total = total_rollouts(trainer, pl_module, self.rollouts)
         bar = self.train_progress_bar
         bar.reset(total=self.total)
         bar.initial = bar.n = self.rollouts  # the rate counts this run's rollouts only
@@ -104,6 +115,9 @@ class RolloutProgressBar(TQDMProgressBar):
     ) -> None:
         self.rollouts += 1
         bar = self.train_progress_bar
+        total = total_rollouts(trainer, pl_module, self.rollouts)
+        if total != self.total:  # steps skipped as non-finite: one more rollout
+            self.total = bar.total = total
         if self._should_update(self.rollouts, bar.total):
             bar.n = self.rollouts
             bar.set_postfix(self.get_metrics(trainer, pl_module))  # redraws

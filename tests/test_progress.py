@@ -54,6 +54,21 @@ def test_unknown_totals_are_none():
     assert total_rollouts(trainer, SimpleNamespace()) is None
 
 
+def test_total_counts_from_the_rollouts_done_so_skipped_steps_lengthen_it():
+    """400 steps at 2 a rollout: 200 rollouts. After 40 rollouts that made only 79 steps (one
+    skipped as non-finite), 321 steps are left: 161 rollouts more, 201 in all; the epochs'
+    limit does not move with skipped steps."""
+    trainer, module = fakes()
+    trainer.global_step = 80
+    assert total_rollouts(trainer, module, 40) == 200
+    trainer.global_step = 79
+    assert total_rollouts(trainer, module, 40) == 201
+    trainer.global_step = 400  # done: the total is the rollouts run
+    assert total_rollouts(trainer, module, 201) == 201
+    trainer.global_step, trainer.max_epochs = 79, 3  # 186 rollouts of the prompt set
+    assert total_rollouts(trainer, module, 40) == 186
+
+
 def test_rollouts_done_come_from_the_rollout_count_a_checkpoint_restored():
     """A resumed run's bar starts at the rollouts its checkpoint holds: the rollout callback's own
     count, which steps skipped as non-finite do not shorten, as ``global_step`` would."""
