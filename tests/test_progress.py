@@ -69,6 +69,23 @@ def test_total_counts_from_the_rollouts_done_so_skipped_steps_lengthen_it():
     assert total_rollouts(trainer, module, 40) == 186
 
 
+def test_the_bars_total_grows_when_a_rollouts_steps_were_skipped():
+    """The bar refreshes its total after every rollout: 40 rollouts into a run of 200 (2 steps
+    each), one skipped step makes it 201, and the bar ends at 201/201, not 201/200."""
+    from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
+
+    trainer, module = fakes()
+    bar = RolloutProgressBar()
+    bar._train_progress_bar = Tqdm(total=200, disable=True)
+    bar.rollouts, bar.total = 39, 200
+    trainer.global_step, trainer.progress_bar_metrics, trainer.loggers = 80, {}, []
+    bar.on_train_batch_end(trainer, module, None, None, 0)
+    assert (bar.rollouts, bar.total, bar.train_progress_bar.total) == (40, 200, 200)
+    trainer.global_step = 81  # the next rollout made one of its 2 steps
+    bar.on_train_batch_end(trainer, module, None, None, 0)
+    assert (bar.rollouts, bar.total, bar.train_progress_bar.total) == (41, 201, 201)
+
+
 def test_rollouts_done_come_from_the_rollout_count_a_checkpoint_restored():
     """A resumed run's bar starts at the rollouts its checkpoint holds: the rollout callback's own
     count, which steps skipped as non-finite do not shorten, as ``global_step`` would."""
