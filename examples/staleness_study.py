@@ -90,6 +90,17 @@ def headroom_s0(args, lr: float) -> list[dict]:
     return [cut(r, args.rollouts) for r in records if r["fields"]["seed"] in args.seeds]
 
 
+def whole_study(args, lr: float, study: Grid) -> list[dict]:
+    """Every finished run of the study, whatever ``--arms``, ``--seeds`` and ``--objectives``
+    pick (``s0`` on every seed the study holds): the study's figure is drawn from these, so that
+    one run's end does not redraw it with that run's selection only."""
+    seeds = {r["fields"]["seed"] for r in study.recorded().values()} | set(args.seeds)
+    every = argparse.Namespace(**{**vars(args), "arms": list(ARMS), "seeds": sorted(seeds),
+                                  "objectives": list(paper.OBJECTIVES)})  # fmt: skip
+    records = study.finished(runs(every, lr))
+    return records if args.s0_here else records + headroom_s0(every, lr)
+
+
 def cut(record: dict, rollouts: int) -> dict:
     """``record`` up to rollout ``rollouts``, as arm ``s0``."""
     history = [row for row in record["history"] if row["rollout"] <= rollouts]
@@ -147,8 +158,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     if not args.s0_here:
         records += headroom_s0(args, lr)
     print(report(records))
-    if records and not args.dry_run:
-        print(f"wrote {plot(records, args.out / 'staleness.png')}")
+    drawn = [] if args.dry_run else whole_study(args, lr, study)
+    if drawn:
+        print(f"wrote {plot(drawn, args.out / 'staleness.png')} (every finished run)")
 
 
 if __name__ == "__main__":

@@ -162,6 +162,22 @@ def test_the_plot_draws_a_panel_per_arm_and_the_kl_at_the_start(tmp_path):
     assert path.stat().st_size > 0
 
 
+def test_the_figure_draws_the_whole_study_whatever_the_selection(tmp_path):
+    """After one run of one arm, seed and objective, the figure still draws every finished run of
+    the study's records (other arms, seeds and objectives), not that selection alone."""
+    args = study.parse_args(["--dry-run", "--out", str(tmp_path), "--s0-here", "--arms",
+                             "steps32", "--seeds", "0", "--objectives", "troll"])  # fmt: skip
+    grid = study.grid(args, study.DRY_LR)
+    held = [record(arm, o, seed) for arm in ("s4", "steps32") for o in ("troll", "clip")
+            for seed in (0, 1)]  # fmt: skip
+    grid.write(held)
+    selected = grid.finished(study.runs(args, study.DRY_LR))
+    assert [r["name"] for r in selected] == ["steps32-troll-s0"]
+    drawn = study.whole_study(args, study.DRY_LR, grid)
+    assert sorted(r["name"] for r in drawn) == sorted(r["name"] for r in held)
+    assert args.arms == ["steps32"] and args.seeds == [0]  # the selection itself is unchanged
+
+
 def test_the_headroom_runs_are_cut_at_the_studys_last_rollout():
     long = record("main", "troll", 0)
     long["history"].append({"rollout": 80, "val/accuracy": 0.9})
