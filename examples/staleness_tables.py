@@ -46,6 +46,8 @@ STALE_FACTOR = 2.0
 """A level's KL at the start must exceed this many times s0's to count as stale."""
 LATE = (21, 40)
 """The rollouts of the secondary KL at a rollout's end and share of tokens acted on."""
+ENTROPY = "entropy"
+TRUNCATED = "completion/truncated_frac"
 P_MAX = 0.05
 SEEDS = 3
 OBJECTIVES = ("troll", "clip")
@@ -174,8 +176,9 @@ def comparisons(records: Sequence[dict]) -> list[str]:
 
 
 def secondary_table(records: Sequence[dict]) -> str:
-    """Per arm and objective, means over seeds: the KL at a rollout's end and the share of tokens
-    the constraint acts on over :data:`LATE`, and the training reward in windows of 10."""
+    """Per arm and objective, means over seeds: the KL at a rollout's end, the share of tokens
+    the constraint acts on, the entropy and the share of completions cut at the length limit over
+    :data:`LATE`, and the training reward in windows of 10."""
     last = max((row["rollout"] for r in records for row in r["history"]), default=0)
     windows = training_windows(min(last, max(ENDPOINT)))
     rows = []
@@ -191,12 +194,14 @@ def secondary_table(records: Sequence[dict]) -> str:
 
             rows.append([
                 arm, objective, str(len(runs)), mean("trust_region/kl_end_mean", LATE),
-                mean(ACTIVE[objective], LATE), *(mean(REWARD, w) for w in windows),
+                mean(ACTIVE[objective], LATE), *(mean(m, LATE) for m in (ENTROPY, TRUNCATED)),
+                *(mean(REWARD, w) for w in windows),
             ])  # fmt: skip
     late = f"{LATE[0]}-{LATE[1]}"
     header = ["arm", "objective", "seeds", f"KL end mean {late}", f"acts on {late}",
+              f"entropy {late}", f"cut at the limit {late}",
               *(f"reward {a}-{b}" for a, b in windows)]  # fmt: skip
-    return markdown_table(header, rows, "lll" + "r" * (2 + len(windows)))
+    return markdown_table(header, rows, "lll" + "r" * (4 + len(windows)))
 
 
 def endpoint_table(records: Sequence[dict]) -> str:

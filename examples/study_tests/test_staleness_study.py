@@ -131,12 +131,15 @@ def test_the_primary_comparison_carries_its_verdict_and_a_flat_level_is_named():
 
 def full(arm, objective, seed, kl_end, active, reward):
     """A run of 40 rollouts: ``kl_end`` and ``active`` before rollout 21 and twice them from it;
-    the reward ``reward`` + rollout / 100; validations at 30 and 40."""
+    the entropy 1 before rollout 21 and 3 from it, the share cut at the limit 0.5 on even rollouts
+    from 21 and 0 elsewhere; the reward ``reward`` + rollout / 100; validations at 30 and 40."""
     history = []
     for r in range(1, 41):
         late = 2 if r >= 21 else 1
         row = {"rollout": r, "trust_region/kl_end_mean": kl_end * late,
-               tables.ACTIVE[objective]: active * late, "reward/mean": reward + r / 100}  # fmt: skip
+               tables.ACTIVE[objective]: active * late, "reward/mean": reward + r / 100,
+               "entropy": 2 * late - 1,
+               "completion/truncated_frac": 0.5 if late == 2 and r % 2 == 0 else 0.0}  # fmt: skip
         if r in (30, 40):
             row["val/accuracy"] = 0.5
         history.append(row)
@@ -145,13 +148,17 @@ def full(arm, objective, seed, kl_end, active, reward):
 
 
 def test_the_secondary_table_reads_its_windows_by_hand():
-    """KL end and the share acted on over rollouts 21-40 (twice the early values); the reward in
-    windows of 10 (rollouts 1-10: reward + 0.055); means over the seeds."""
+    """KL end and the share acted on over rollouts 21-40 (twice the early values), the entropy
+    (3) and the share cut at the limit (0.25) over the same rollouts; the reward in windows of 10
+    (rollouts 1-10: reward + 0.055); means over the seeds."""
     records = [full("s2", "troll", s, 0.01, 0.02 * (s + 1), 0.1) for s in range(2)]
     table = tables.secondary_table(records).splitlines()
-    assert table[0].startswith("| arm | objective | seeds | KL end mean 21-40 | acts on 21-40 |")
+    assert table[0].startswith(
+        "| arm | objective | seeds | KL end mean 21-40 | acts on 21-40 | entropy 21-40 "
+        "| cut at the limit 21-40 |"
+    )
     assert table[0].endswith("| reward 1-10 | reward 11-20 | reward 21-30 | reward 31-40 |")
-    assert table[2] == "| s2 | troll | 2 | 0.02 | 0.06 | 0.155 | 0.255 | 0.355 | 0.455 |"
+    assert table[2] == "| s2 | troll | 2 | 0.02 | 0.06 | 3 | 0.25 | 0.155 | 0.255 | 0.355 | 0.455 |"
 
 
 def test_the_plot_draws_a_panel_per_arm_and_the_kl_at_the_start(tmp_path):
