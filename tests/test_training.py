@@ -298,6 +298,33 @@ def test_one_step_trap_warns_once_at_start_up(tmp_path, tiny_model_dir):
     assert not [w for w in caught if "on-policy" in str(w.message)]
 
 
+def eval_mode_notices(tmp_path, model_dir, module) -> list[str]:
+    """Lightning's notices about modules in eval mode during a one-rollout fit of ``module``."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(tmp_path, model_dir, max_steps=1, module=module, limit_val_batches=0)
+    return [str(w.message) for w in caught if "in eval mode" in str(w.message)]
+
+
+def test_the_frozen_snapshots_alone_raise_no_eval_mode_notice(tmp_path, tiny_model_dir):
+    """The snapshot and the reference are in eval mode on purpose; the Python API stays quiet."""
+    module = make_module(tiny_model_dir, loss=LossConfig(ref_kl_coef=0.1))
+    assert module.ref_policy is not None and not module.old_policy.training
+    assert eval_mode_notices(tmp_path, tiny_model_dir, module) == []
+
+
+def test_a_policy_module_left_in_eval_mode_keeps_the_notice(tmp_path, tiny_model_dir):
+    """Only the frozen copies' count is dropped: a policy layer in eval mode is still reported."""
+    module = make_module(tiny_model_dir)
+    frozen = len(list(module.old_policy.modules()))
+    module.policy.lm_head.eval()
+    notices = eval_mode_notices(tmp_path, tiny_model_dir, module)
+    assert notices == [
+        f"Found {frozen + 1} module(s) in eval mode at the start of training. This may lead to "
+        "unexpected behavior during training. If this is intentional, you can ignore this warning."
+    ]
+
+
 def test_training_without_the_rollout_callback_says_what_is_missing(tmp_path, tiny_model_dir):
     trainer = make_trainer(tmp_path, 1, callbacks=[], limit_val_batches=0)
     with pytest.raises(RuntimeError, match=r"add lightning_troll.callbacks.RolloutGeneration"):

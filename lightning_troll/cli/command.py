@@ -315,8 +315,6 @@ def run(args: list[str] | None = None, debug: bool = False) -> TrollCLI:
     for message in overridden_options(list(given)):
         rank_zero_warn(message)
     set_parsing_settings(docstring_parse_attribute_docstrings=shows_help(given))
-    # The frozen snapshots are in eval mode on purpose; Lightning warns about any such module.
-    warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode")
     # ModelCheckpoint warns that a manually optimised module's checkpoint holds the weights after
     # the batch's optimiser steps: that is what resuming between rollouts needs.
     warnings.filterwarnings("ignore", message=r"Using ModelCheckpoint with manual optimization")

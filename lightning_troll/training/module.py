@@ -325,6 +325,7 @@ class TrollModule(LightningModule):
 
     def on_fit_start(self) -> None:
         self.engine.stale = True  # the snapshot may hold other weights now (a resumed run)
+        self.policies.expect_frozen_in_eval(self)
 
     def teardown(self, stage: str) -> None:
         """Stops the reward workers and the rollout engine (a later fit starts them again)."""

@@ -13,6 +13,7 @@ rollout, the snapshot's own pass included for the dense projection.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 
@@ -112,21 +113,33 @@ class Policies:
     def eos_id(self) -> int:
         return int(self.tokenizer.eos_token_id)
 
+    @property
+    def frozen(self) -> list[nn.Module]:
+        """The frozen copies: the snapshot's, unless it shares the policy, and the reference."""
+        separate = None if self.snapshot.shares_policy else self.old_policy
+        return [model for model in (separate, self.ref_policy) if model is not None]
+
     def keep_frozen_in_eval(self) -> None:
         """Frozen snapshots stay in eval mode whatever the trainer sets."""
-        if not self.snapshot.shares_policy:
-            self.old_policy.eval()
-        if self.ref_policy is not None:
-            self.ref_policy.eval()
+        for model in self.frozen:
+            model.eval()
+
+    def expect_frozen_in_eval(self, module: nn.Module) -> None:
+        """Lightning warns at the start of a fit about the modules of ``module`` in eval mode.
+        The frozen copies are in eval mode on purpose: when they hold every such module, that
+        notice (with its exact count) is dropped; a policy module left in eval mode keeps it."""
+        frozen = {id(part) for model in self.frozen for part in model.modules()}
+        in_eval = [part for part in module.modules() if not part.training]
+        if in_eval and all(id(part) in frozen for part in in_eval):
+            notice = rf"Found {len(in_eval)} module\(s\) in eval mode at the start of training"
+            warnings.filterwarnings("ignore", message=notice)
 
     def shard(self, mesh) -> None:
         """Shards the policy and its snapshots over the data-parallel ``mesh`` with FSDP2: each
         decoder layer, then the root (idempotent)."""
         check_shardable(self.snapshot_config, self.lora)
-        separate = None if self.snapshot.shares_policy else self.old_policy
-        for model in (self.policy, separate, self.ref_policy):
-            if model is not None:
-                shard_model(model, mesh)
+        for model in (self.policy, *self.frozen):
+            shard_model(model, mesh)
 
     def decode(self, responses: Tensor, response_mask: Tensor) -> list[str]:
         """Response tokens -> text, without EOS and padding."""
