@@ -37,7 +37,8 @@ GAME = ROOT / "examples" / "feedback_game"
 VAL_EVERY = 10
 STEPS = 8
 """Optimiser steps per rollout (task.yaml: 8 prompts x 8 episodes, minibatches of 8)."""
-METRICS = (*paper.METRICS, "episodes/")
+VAL_REWARD = "val/reward"
+METRICS = (*paper.METRICS, VAL_REWARD, "episodes/")
 GAMES = {
     "scored": ("task.yaml", "feedback_game_scored"),
     "first": ("first_game.yaml", "feedback_game"),
@@ -84,7 +85,7 @@ def runs(args) -> list[Run]:
 
 def grid(args) -> Grid:
     def start() -> dict:
-        return study_kit.validate(runs(args)[0], ACCURACY)
+        return study_kit.validate(runs(args)[0], ACCURACY, VAL_REWARD)
 
     settings = {"rollouts": args.rollouts, "dry_run": args.dry_run}
     return Grid(args.out, settings, METRICS, start, args.prior_seconds)

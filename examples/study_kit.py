@@ -146,13 +146,13 @@ def cli(args: list[str]):
         sys.argv = saved
 
 
-def validate(run: Run, metric: str) -> dict:
-    """The history row of rollout 0: ``metric`` of a validation of ``run``'s start (no logs, no
+def validate(run: Run, *metrics: str) -> dict:
+    """The history row of rollout 0: ``metrics`` of a validation of ``run``'s start (no logs, no
     checkpoint)."""
     quiet = ["--trainer.logger", "false", "--trainer.enable_checkpointing", "false"]
     quiet += ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
     done = cli(["validate", *run.args, *quiet])
-    return {"rollout": 0, metric: float(done.trainer.callback_metrics[metric])}
+    return {"rollout": 0, **{m: float(done.trainer.callback_metrics[m]) for m in metrics}}
 
 
 def columns(records: Sequence[dict], metrics: Sequence[str]) -> list[str]:
