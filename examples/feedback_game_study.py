@@ -37,8 +37,10 @@ GAME = ROOT / "examples" / "feedback_game"
 VAL_EVERY = 10
 STEPS = 8
 """Optimiser steps per rollout (task.yaml: 8 prompts x 8 episodes, minibatches of 8)."""
-VAL_REWARD = "val/reward"
-METRICS = (*paper.METRICS, VAL_REWARD, "episodes/")
+VAL_REWARD, VAL_EPISODES = "val/reward", "val/episodes/"
+"""Descriptive, kept beside the endpoints' figures: the greedy episodes' mean total, and their
+turns and endings (``val/episodes/turns_mean``, ...)."""
+METRICS = (*paper.METRICS, VAL_REWARD, "episodes/", VAL_EPISODES)
 GAMES = {
     "scored": ("task.yaml", "feedback_game_scored"),
     "first": ("first_game.yaml", "feedback_game"),
@@ -85,7 +87,7 @@ def runs(args) -> list[Run]:
 
 def grid(args) -> Grid:
     def start() -> dict:
-        return study_kit.validate(runs(args)[0], ACCURACY, VAL_REWARD)
+        return study_kit.validate(runs(args)[0], ACCURACY, VAL_REWARD, VAL_EPISODES)
 
     settings = {"rollouts": args.rollouts, "dry_run": args.dry_run}
     return Grid(args.out, settings, METRICS, start, args.prior_seconds)

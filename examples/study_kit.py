@@ -147,12 +147,13 @@ def cli(args: list[str]):
 
 
 def validate(run: Run, *metrics: str) -> dict:
-    """The history row of rollout 0: ``metrics`` of a validation of ``run``'s start (no logs, no
-    checkpoint)."""
+    """The history row of rollout 0: ``metrics`` (names it must log, or prefixes, :func:`kept`)
+    of a validation of ``run``'s start (no logs, no checkpoint)."""
     quiet = ["--trainer.logger", "false", "--trainer.enable_checkpointing", "false"]
     quiet += ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
-    done = cli(["validate", *run.args, *quiet])
-    return {"rollout": 0, **{m: float(done.trainer.callback_metrics[m]) for m in metrics}}
+    figures = cli(["validate", *run.args, *quiet]).trainer.callback_metrics
+    row = {m: float(figures[m]) for m in metrics if not m.endswith("/")}  # KeyError if not logged
+    return {"rollout": 0, **row, **{k: float(v) for k, v in figures.items() if kept(k, metrics)}}
 
 
 def columns(records: Sequence[dict], metrics: Sequence[str]) -> list[str]:

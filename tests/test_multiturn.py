@@ -164,33 +164,61 @@ def test_episodes_options_are_checked_before_the_model_loads():
 
 def test_validation_of_one_turn_episodes_is_the_single_turn_validation(tiny_model_dir):
     """Validation plays episodes with the policy (greedy, and k sampled per prompt): with one
-    turn each, every figure equals the single-turn validation's."""
+    turn each, every figure of the single-turn validation is the same, and the greedy episodes'
+    own figures say one turn each, ended by the environment or by the budget."""
     from lightning_troll.training.validation import validation_metrics
 
     batch = dataclasses.replace(a_batch(tiny_model_dir), samples=3)
     plain = validation_metrics(make_module(tiny_model_dir), batch, 0)
     episodic = validation_metrics(make_module(tiny_model_dir, episodes=ONE_TURN), batch, 0)
-    assert set(plain) == set(episodic) == {"val/accuracy", "val/reward", "val/pass@3", "val/mean@3"}
+    assert set(plain) == {"val/accuracy", "val/reward", "val/pass@3", "val/mean@3"}
     for name, (value, count) in plain.items():
         assert torch.equal(value, episodic[name][0]) and count == episodic[name][1], name
+    own = {name: (float(v), n) for name, (v, n) in episodic.items() if name not in plain}
+    assert own["val/episodes/turns_mean"] == (1.0, 2)  # ended by the environment or the budget
+    done, cut = own["val/episodes/frac_end_done"][0], own["val/episodes/frac_end_max_tokens"][0]
+    assert done + cut == 1.0 and own["val/episodes/frac_end_max_turns"] == (0.0, 2)
     assert float(plain["val/reward"][0]) > 0  # length rewards: the answers were scored
 
 
-def test_validation_of_several_turns_scores_the_last_turn(tiny_model_dir):
-    """Three turns: the validated answer is the episode's last turn, not the whole response."""
+def test_validation_reports_what_the_greedy_episodes_did_over_the_counted_prompts(
+    tiny_model_dir, monkeypatch
+):
+    """``val/episodes/...`` are the rollout's episode figures of the greedy episodes, each
+    weighed by the prompts counted; a copy that only pads a shared validation set (``counted``
+    false) is played but left out. Scripted turns: the first row's episode plays its three
+    turns (two tokens each, the second an end of text), the second's first turn runs past the
+    budget of 12 tokens."""
     from lightning_troll.training import validation
 
     module = make_module(tiny_model_dir, episodes=THREE_TURNS)
     batch = a_batch(tiny_model_dir)
-    scored = validation._answers(module, batch, 1, do_sample=False)
-    generate = validation.sampled_turns(module.policy, module.sampling, 0, do_sample=False)
-    rows = list(batch.rows)
-    sampled = module.episodes.sample(generate, rows, 0, module.device)
-    last = [e.turn_texts[-1] for e in sampled.episodes]
-    assert all(e.turns == 3 or e.end != "done" for e in sampled.episodes)
-    lengths = [float(len(module.policies.decode(*pair)[0])) for pair in _last_turns(sampled)]
-    assert scored.total.tolist() == lengths
-    assert len(last) == len(rows)
+    first, eos = batch.rows[0]["prompt"], module.policies.eos_id
+    decode = module.policies.tokenizer.decode
+
+    def scripted(*args, **kwargs):
+        def turns(prompts, max_new_tokens, stops):
+            return [[5, eos] if first in decode(p) else [5] * 20 for p in prompts]
+
+        return turns
+
+    monkeypatch.setattr(validation, "sampled_turns", scripted)
+    expected = {
+        (True, True): {"turns_mean": 2.0, "frac_end_done": 0.5, "frac_end_max_tokens": 0.5},
+        (True, False): {"turns_mean": 3.0, "frac_end_done": 1.0, "frac_end_max_tokens": 0.0},
+    }
+    for counted, figures in expected.items():
+        batch = dataclasses.replace(batch, counted=list(counted))
+        own = {
+            name: (float(value), count)
+            for name, (value, count) in validation.validation_metrics(module, batch, 0).items()
+            if name.startswith("val/episodes/")
+        }
+        assert set(own) == {f"val/{name}" for name in episode_figures([])}
+        for name, value in figures.items():
+            assert own[f"val/episodes/{name}"] == (value, sum(counted)), name
+        assert own["val/episodes/frac_end_max_turns"] == (0.0, sum(counted))
+        assert own["val/episodes/env_tokens_mean"][0] > 0  # the first row's replies
 
 
 def _last_turns(sampled):
@@ -218,7 +246,7 @@ def test_the_environment_alone_scores_episodes_with_empty_rewards(tiny_model_dir
     expected = [_env_reward(e) for e in report.kept.episodes]
     assert rollout.rewards.tolist() == expected and report.kept.scored.per_function == {}
     assert len(set(expected)) > 1  # turns of several lengths: the rewards vary
-    greedy = validation._answers(module, batch, 1, do_sample=False)
+    greedy, _ = validation._answers(module, batch, 1, do_sample=False)
     generate = validation.sampled_turns(module.policy, module.sampling, 0, do_sample=False)
     played = module.episodes.sample(generate, list(batch.rows), 0, module.device)
     assert greedy.total.tolist() == [_env_reward(e) for e in played.episodes]
@@ -339,7 +367,7 @@ def test_an_episode_counts_its_whole_response_against_the_budget(tiny_model_dir)
     cut = [e.end in ("max_tokens", "no_room") for e in episodes]
     assert report.kept.truncated.tolist() == cut and any(cut)
     assert not rollout.response_mask[torch.tensor(cut)].any()
-    greedy = validation._answers(module, batch, 1, do_sample=False)
+    greedy, _ = validation._answers(module, batch, 1, do_sample=False)
     generate = validation.sampled_turns(module.policy, module.sampling, 0, do_sample=False)
     played = module.episodes.sample(generate, list(batch.rows), 0, module.device)
     assert greedy.total.tolist() == [float(len(e.token_ids)) for e in played.episodes]

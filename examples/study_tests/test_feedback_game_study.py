@@ -216,6 +216,7 @@ def test_the_study_runs_both_objectives_on_tinymath_episodes(tmp_path):
         assert all(1 <= row["episodes/turns_mean"] <= 3 for row in rows)
         start = record["history"][0]
         assert start["rollout"] == 0 and {"val/accuracy", "val/reward"} <= set(start)
+        assert 1 <= start["val/episodes/turns_mean"] <= 3
     assert "| troll-s0 |" in study.table(records)
     image = tmp_path / "game.png"
     study.main(["--dry-run", "--out", str(out), "--seeds", "0", "--report", "--figure", str(image)])

@@ -22,7 +22,8 @@ from lightning_troll.environments.protocol import EnvironmentFailure
 from lightning_troll.models.sharding import gathered
 from lightning_troll.rewards.calls import RewardError
 from lightning_troll.rewards.registry import RewardOutput, reward_tag
-from lightning_troll.rollouts.multiturn import sampled_turns
+from lightning_troll.rollouts.episodes import Episode
+from lightning_troll.rollouts.multiturn import episode_figures, sampled_turns
 from lightning_troll.rollouts.rollout import sample
 from lightning_troll.training.faults import EpisodeFault, RewardFault
 
@@ -65,10 +66,11 @@ def pass_at_k(correct: Tensor) -> tuple[Tensor, Tensor]:
 
 def validation_metrics(module: Any, batch: Any, batch_idx: int) -> dict[str, tuple[Tensor, int]]:
     """``val/accuracy`` and ``val/reward`` of greedy answers, ``val/reward/<name>/mean`` per reward
-    function when there are several, and with ``batch.samples = k > 0`` also ``val/pass@k`` and
-    ``val/mean@k`` of k answers sampled at ``model.sampling``; each as (value, the number of
-    prompts or answers it is the mean of), the weight it takes in the mean over batches and
-    processes.
+    function when there are several, with ``model.episodes`` what the greedy episodes did
+    (``val/episodes/...``: turns, tool calls, endings, as :func:`episode_figures` reports a
+    rollout's), and with ``batch.samples = k > 0`` also ``val/pass@k`` and ``val/mean@k`` of k
+    answers sampled at ``model.sampling``; each as (value, the number of prompts or answers it is
+    the mean of), the weight it takes in the mean over batches and processes.
 
     A completion is correct when its total reward over the functions that have a best score
     reaches full marks (:attr:`~lightning_troll.rewards.registry.RewardScorer.full_marks`; a
@@ -78,12 +80,17 @@ def validation_metrics(module: Any, batch: Any, batch_idx: int) -> dict[str, tup
     shared out over processes (``batch.counted`` false) are answered but not counted.
     """
     counted = _counted(batch)
-    greedy = _answers(module, batch, 1, do_sample=False)
+    greedy, episodes = _answers(module, batch, 1, do_sample=False)
     correct = _correct(module, greedy)
     values = {
         "val/accuracy": _mean(correct.float(), counted),
         "val/reward": _mean(greedy.total, counted),
     }
+    if episodes is not None:
+        played = [e for e, c in zip(episodes, counted.tolist(), strict=True) if c]
+        size = len(played)
+        for name, value in episode_figures(played).items():
+            values[f"val/{name}"] = (torch.tensor(value), size)
     if len(greedy.per_function) > 1:
         valid = greedy.valid & counted
         for name, column in greedy.per_function.items():
@@ -95,7 +102,7 @@ def validation_metrics(module: Any, batch: Any, batch_idx: int) -> dict[str, tup
         seed = int(seeded_generator(batch_idx, f"validation-{module.global_rank}").initial_seed())
         with torch.random.fork_rng(devices=devices, device_type=device.type):
             torch.manual_seed(seed)
-            sampled = _answers(module, batch, k, do_sample=True)
+            sampled, _ = _answers(module, batch, k, do_sample=True)
         hits = _correct(module, sampled).view(-1, k)[counted]  # (counted P, k)
         size = len(hits)
         passed, mean = pass_at_k(hits) if size else (torch.tensor(0.0), torch.tensor(0.0))
@@ -146,9 +153,12 @@ def _mean(values: Tensor, mask: Tensor) -> tuple[Tensor, int]:
     return torch.where(mask, values.float(), 0.0).sum() / max(count, 1), count
 
 
-def _answers(module: Any, batch: Any, group: int, do_sample: bool) -> RewardOutput:
-    """``group`` answers per prompt from the policy, scored: (P * group,) tensors. With
-    ``model.episodes`` an answer is an episode's last turn, the policy taking every turn."""
+def _answers(
+    module: Any, batch: Any, group: int, do_sample: bool
+) -> tuple[RewardOutput, list[Episode] | None]:
+    """``group`` answers per prompt from the policy, scored: (P * group,) tensors, and with
+    ``model.episodes`` their episodes (None without), where an answer is an episode's last turn,
+    the policy taking every turn."""
     if module.episodes is not None:
         return _episode_answers(module, batch, group, do_sample)
     with gathered(module.policy):
@@ -165,10 +175,12 @@ def _answers(module: Any, batch: Any, group: int, do_sample: bool) -> RewardOutp
     prompts = [p for p in batch.prompts for _ in range(group)]
     rows = [r for r in batch.rows for _ in range(group)]
     tokens = response_mask.sum(-1).tolist()  # generated tokens, EOS included
-    return _scored(module, prompts, completions, rows, tokens)
+    return _scored(module, prompts, completions, rows, tokens), None
 
 
-def _episode_answers(module: Any, batch: Any, group: int, do_sample: bool) -> RewardOutput:
+def _episode_answers(
+    module: Any, batch: Any, group: int, do_sample: bool
+) -> tuple[RewardOutput, list[Episode]]:
     rows = [r for r in batch.rows for _ in range(group)]
     pad_id, episodes = module.policies.pad_id, module.episodes
     with gathered(module.policy):
@@ -179,10 +191,11 @@ def _episode_answers(module: Any, batch: Any, group: int, do_sample: bool) -> Re
             raise EpisodeFault(str(error), resumable=False) from error
     if not module.scorer.functions:  # the environment's rewards alone (model.rewards: {})
         rewards = sampled.env_rewards.cpu()
-        return RewardOutput(rewards, {}, torch.ones_like(rewards, dtype=torch.bool))
+        valid = torch.ones_like(rewards, dtype=torch.bool)
+        return RewardOutput(rewards, {}, valid), sampled.episodes
     answers = episodes.answers(sampled, module.policies.decode)
     tokens = sampled.budget_mask.sum(-1).tolist()  # the model's and the environment's tokens
-    return _scored(module, sampled.prompts, answers, rows, tokens)
+    return _scored(module, sampled.prompts, answers, rows, tokens), sampled.episodes
 
 
 def _scored(module: Any, prompts: list, completions: list, rows: list, tokens: list) -> Any:
