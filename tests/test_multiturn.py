@@ -221,6 +221,23 @@ def test_validation_reports_what_the_greedy_episodes_did_over_the_counted_prompt
         assert own["val/episodes/env_tokens_mean"][0] > 0  # the first row's replies
 
 
+def test_validation_of_several_turns_scores_the_last_turn(tiny_model_dir):
+    """Three turns: the validated answer is the episode's last turn, not the whole response."""
+    from lightning_troll.training import validation
+
+    module = make_module(tiny_model_dir, episodes=THREE_TURNS)
+    batch = a_batch(tiny_model_dir)
+    scored, _ = validation._answers(module, batch, 1, do_sample=False)
+    generate = validation.sampled_turns(module.policy, module.sampling, 0, do_sample=False)
+    rows = list(batch.rows)
+    sampled = module.episodes.sample(generate, rows, 0, module.device)
+    last = [e.turn_texts[-1] for e in sampled.episodes]
+    assert all(e.turns == 3 or e.end != "done" for e in sampled.episodes)
+    lengths = [float(len(module.policies.decode(*pair)[0])) for pair in _last_turns(sampled)]
+    assert scored.total.tolist() == lengths
+    assert len(last) == len(rows)
+
+
 def _last_turns(sampled):
     from lightning_troll.rollouts.multiturn import last_turn
 
