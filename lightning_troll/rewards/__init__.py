@@ -9,7 +9,8 @@ options.
   ``overlong``;
 - :mod:`~lightning_troll.rewards.calls` and :mod:`~lightning_troll.rewards.workers`: one call and
   what a failed one scores; calls in worker processes with a timeout;
-- :mod:`~lightning_troll.rewards.reward_model`: :class:`RewardModel`, a classifier as a reward.
+- :mod:`~lightning_troll.rewards.reward_model`: :class:`RewardModel`, a classifier as a reward;
+- :mod:`~lightning_troll.rewards.trl_form`: reward functions written for TRL, called as they are.
 """
 
 from lightning_troll.rewards.options import RewardOptions

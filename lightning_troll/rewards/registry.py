@@ -18,8 +18,9 @@ A function may take more keyword parameters: per-completion ones the scorer pass
 bound from the configuration (see :mod:`lightning_troll.rewards.options`).
 
 Add your own with :func:`register_reward`, or name any function by import path
-(``"my_package.my_module:my_reward"``). :class:`RewardScorer` runs a weighted set of them over
-B = P * G completions and returns ``(B,)`` tensors.
+(``"my_package.my_module:my_reward"``); one in TRL's form, ``fn(completions, **kwargs) ->
+list[float]``, is called as it is (:mod:`lightning_troll.rewards.trl_form`). :class:`RewardScorer`
+runs a weighted set of them over B = P * G completions and returns ``(B,)`` tensors.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ from lightning_troll.rewards.options import (
     reward_tag,
     sample_keywords,
 )
+from lightning_troll.rewards.trl_form import TrlFormReward, is_trl_form
 from lightning_troll.rewards.workers import RewardWorkers, WorkersFailed, check_picklable
 
 __all__ = [
@@ -114,9 +116,6 @@ def register_reward(name: str) -> Callable[[RewardFunction], RewardFunction]:
     return add
 
 
-# ----------------------------------------------------------------------------- resolution
-
-
 def resolve_reward(spec: str | Callable[..., Any]) -> RewardFunction:
     """A reward function from a registry name, an import path, or a callable (returned as is).
 
@@ -150,9 +149,6 @@ def resolve_reward(spec: str | Callable[..., Any]) -> RewardFunction:
             "fn(prompt, completion, row) -> float"
         )
     return obj
-
-
-# ----------------------------------------------------------------------------- scoring
 
 
 @dataclass(frozen=True)
@@ -195,7 +191,7 @@ def _build(spec: str | Callable[..., Any]) -> RewardFunction:
             require()
         except ImportError as error:
             raise ValueError(str(error)) from None
-    return fn
+    return TrlFormReward(fn, spec if isinstance(spec, str) else None) if is_trl_form(fn) else fn
 
 
 REWARD_MODEL_PREFIX = "reward_model:"
