@@ -3,6 +3,7 @@ every way a call can fail giving the model an error message instead of ending th
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import textwrap
 
@@ -263,6 +264,33 @@ def test_each_failing_call_gives_its_error_text_and_kind(workers):
     for result, (call, kind, text) in zip(results[1:], FAILING_CALLS, strict=True):
         assert (result.error, result.text) == (kind, text)
         assert result.name == (None if kind == "malformed" else call.name)
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_an_async_tool_is_awaited_and_its_exception_is_an_error(workers):
+    """``async def`` tools, as TRL users may write them: the coroutine runs to its end; what it
+    raises is the ``raised`` kind. With 0 workers, also from inside a running event loop (a
+    notebook's), where the coroutine gets a loop in a thread of its own."""
+    runner = ToolRunner([H + "fetch_square"], workers=workers)
+    calls = [ToolCall("fetch_square", {"n": 7}), ToolCall("fetch_square", {"n": -1})]
+    expected = [
+        ToolResult("fetch_square", '{"n": 7, "square": 49}'),
+        ToolResult(
+            "fetch_square",
+            "Error: tool 'fetch_square' raised ValueError: no negative numbers",
+            "raised",
+        ),
+    ]
+
+    async def from_a_loop():
+        return runner.run(calls)
+
+    try:
+        assert runner.run(calls) == expected
+        if workers == 0:
+            assert asyncio.run(from_a_loop()) == expected
+    finally:
+        runner.close()
 
 
 def test_a_hanging_tool_times_out_and_the_workers_go_on():

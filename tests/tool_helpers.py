@@ -3,6 +3,7 @@ workers import them from here."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
 import time
@@ -51,6 +52,18 @@ def sleep(seconds: float) -> str:
     """
     time.sleep(seconds)
     return "awake"
+
+
+async def fetch_square(n: int) -> dict:
+    """Square a number after waiting for it, as a tool that awaits a service would.
+
+    Args:
+        n: The number.
+    """
+    await asyncio.sleep(0.01)
+    if n < 0:
+        raise ValueError("no negative numbers")
+    return {"n": n, "square": n * n}
 
 
 def make_set(n: int) -> set:
