@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,6 +22,12 @@ def gold_answer(prompt: str, completion: str, row: Mapping[str, Any]) -> float:
     """The row's gold answer as a number: a score that differs from row to row whatever the
     completion (an untrained model's greedy answers are often all alike)."""
     return float(row["answer"])
+
+
+async def awaited_length(prompt: str, completion: str, row: Mapping[str, Any]) -> float:
+    """``length_reward`` as an ``async def`` function, as one that awaits a judge would be."""
+    await asyncio.sleep(0.001)
+    return float(len(completion))
 
 
 class Rewards:

@@ -160,6 +160,17 @@ def test_workers_score_as_the_trainer_does_and_in_parallel():
         scorer.close()
 
 
+def test_an_async_reward_is_awaited_in_a_worker_as_here():
+    """``async def`` rewards score in the workers as in the trainer's process: lengths 2 and 5."""
+    scorer = RewardScorer([H + "awaited_length"], workers=1)
+    try:
+        there = scorer(["p", "q"], ["ab", "abcde"], [{}, {}]).total.tolist()
+    finally:
+        scorer.close()
+    assert there == [2.0, 5.0]
+    assert RewardScorer([H + "awaited_length"])(["p"], ["abc"], [{}]).total.tolist() == [3.0]
+
+
 @pytest.mark.slow
 def test_a_call_past_its_timeout_is_abandoned_and_its_worker_replaced():
     """["ok", "hang", "ok", "hang"], 2 workers, a 1 s timeout, failures scored 0: both hangs

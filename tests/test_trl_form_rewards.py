@@ -4,6 +4,7 @@ what they are given, by hand; what is refused before anything runs; failed calls
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import sys
 import textwrap
@@ -136,17 +137,37 @@ def _returns(values):
     return reward
 
 
-def test_a_none_fails_its_call_which_on_error_scores():
-    """TRL reads None as 'does not apply'; here it fails the call, as any non-number does."""
-    scorer = RewardScorer([_returns([1.0, None])], on_error=0.0)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        out = scorer(["p", "q"], ["a", "b"], [{}, {}])
-    assert out.total.tolist() == [1.0, 0.0]
-    assert out.errors == {"reward": 1}
-    assert any(issubclass(w.category, RewardWarning) for w in caught)
-    with pytest.raises(RewardError, match=r"reward function 'reward' on sample 1 .*None"):
-        RewardScorer([_returns([1.0, None])])(["p", "q"], ["a", "b"], [{}, {}])
+def test_a_none_scores_zero_from_that_function_and_the_sample_stays():
+    """TRL reads None as 'does not apply' and its weighted sum leaves it out: with weights 2 and
+    1 and scores (None, 0.5) and (1.0, 0.5), the totals are 0.5 and 2.5, both samples valid and no
+    error counted. A string is still a failed call."""
+    scorer = RewardScorer({_returns([None, 1.0]): 2.0, native: 1.0})
+    out = scorer(["p", "q"], ["a", "b"], [{}, {}])
+    assert out.total.tolist() == [0.5, 2.5]
+    assert out.valid.tolist() == [True, True]
+    assert out.errors == {"reward": 0, "native": 0}
+    with pytest.raises(RewardError, match=r"reward function 'reward' on sample 1 .*'high'"):
+        RewardScorer([_returns([1.0, "high"])])(["p", "q"], ["a", "b"], [{}, {}])
+
+
+def test_an_async_reward_is_awaited_in_either_form():
+    """TRL's reward functions may be ``async def``; so may the library's own."""
+
+    async def trl_async(completions, **kwargs):
+        await asyncio.sleep(0.001)
+        return [float(len(c)) for c in completions]
+
+    async def native_async(prompt, completion, row):
+        await asyncio.sleep(0.001)
+        return 0.5
+
+    scorer = RewardScorer({trl_async: 1.0, native_async: 1.0})
+    assert scorer(["p", "q"], ["ab", "abcd"], [{}, {}]).total.tolist() == [2.5, 4.5]
+
+    async def from_a_loop():  # a notebook's running loop: the coroutines get loops of their own
+        return scorer(["p"], ["abc"], [{}]).total.tolist()
+
+    assert asyncio.run(from_a_loop()) == [3.5]
 
 
 def test_a_wrong_number_of_scores_or_a_missing_field_fails_every_completion():

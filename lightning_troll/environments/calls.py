@@ -19,16 +19,13 @@ is a ``<tool_call>`` never closed.
 
 from __future__ import annotations
 
-import asyncio
-import inspect
 import json
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple, get_args
 
 from lightning_troll.environments.tools import render_result
-from lightning_troll.rewards.calls import describe, short
+from lightning_troll.rewards.calls import awaited, describe, short
 
 __all__ = [
     "TOOL_CALL_CLOSE",
@@ -135,26 +132,13 @@ class ToolOutcome(NamedTuple):
     """The kind of failure; None when it ran."""
 
 
-def _awaited(coroutine: Any) -> Any:
-    """An ``async def`` tool's coroutine run to its end in an event loop of its own; in a thread
-    of its own where this thread already runs a loop (a notebook's)."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coroutine)
-    with ThreadPoolExecutor(1) as pool:
-        return pool.submit(asyncio.run, coroutine).result()
-
-
 def run_tool(function: Callable[..., Any], arguments: Mapping[str, Any]) -> ToolOutcome:
     """``function(**arguments)`` (awaited, for an ``async def`` tool), its result rendered; or an
     outcome whose ``problem`` says what went wrong and whose ``kind`` is ``"raised"`` or
     ``"unrenderable"`` (whatever rendering the result raised). Runs in this process or in a tool worker
     (:mod:`lightning_troll.environments.tool_workers`)."""
     try:
-        value = function(**arguments)
-        if inspect.iscoroutine(value):  # an ``async def`` tool
-            value = _awaited(value)
+        value = awaited(function(**arguments))  # an ``async def`` tool's coroutine run to its end
     except (Exception, SystemExit) as exc:  # a tool may raise anything, or call sys.exit
         problem = short(f"raised {describe(exc)}", _PROBLEM_CHARACTERS)
         return ToolOutcome("", problem, "raised")

@@ -3,18 +3,21 @@ scores a failed call (``model.reward_options.on_error``).
 
 A call is ``fn(prompt, completion, row, **keywords)`` for one completion, or, for a function with
 ``batched = True`` (a reward model), ``fn(prompts, completions, rows, **keywords)`` returning one
-score per completion. Its result is valid when it is a number (or bool, or one-element tensor)
-finite in float32; anything else (NaN, None, a string, a list of the wrong length) is an error,
+score per completion; an ``async def`` function is awaited. Its result is valid when it is a
+number (or bool, or one-element tensor) finite in float32; anything else (NaN, None, a string, a list of the wrong length) is an error,
 as is an exception. A call may also time out when it runs in a worker process
 (:mod:`lightning_troll.rewards.workers`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import math
 import numbers
 import warnings
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal, NamedTuple
 
 __all__ = [
@@ -25,6 +28,7 @@ __all__ = [
     "RewardWarning",
     "apply_policies",
     "as_float",
+    "awaited",
     "call_batched",
     "call_one",
     "check_policies",
@@ -106,12 +110,26 @@ def _checked(value: Any) -> Outcome:
     return Outcome(0.0, problem, "error")
 
 
+def awaited(value: Any) -> Any:
+    """``value``, or, where it is a coroutine (an ``async def`` function's), what it returns: run
+    to its end in an event loop of its own, in a thread of its own where this thread already runs
+    a loop (a notebook's)."""
+    if not inspect.iscoroutine(value):
+        return value
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(value)
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, value).result()
+
+
 def call_one(
     fn: Callable[..., Any], prompt: str, completion: str, row: Mapping[str, Any], extra: dict
 ) -> Outcome:
     """``fn(prompt, completion, row, **extra)``, checked."""
     try:
-        value = fn(prompt, completion, row, **extra)
+        value = awaited(fn(prompt, completion, row, **extra))
     except Exception as exc:  # a user's function may raise anything
         return Outcome(0.0, f"raised {describe(exc)}", "error", exc)
     return _checked(value)
@@ -128,7 +146,7 @@ def call_batched(
     completion; every one fails when the call raises or returns a wrong number of scores."""
     size = len(completions)
     try:
-        values = fn(list(prompts), list(completions), list(rows), **extra)
+        values = awaited(fn(list(prompts), list(completions), list(rows), **extra))
     except Exception as exc:
         return [Outcome(0.0, f"raised {describe(exc)}", "error", exc)] * size
     if hasattr(values, "tolist"):

@@ -20,9 +20,10 @@ marked ``batched``, is in TRL's form, and :class:`TrlFormReward` calls it once p
 
 What TRL passes and the scorer does not have (``completion_ids``, ``trainer_state``,
 ``log_metric``, ...) is not given: a function that requires one by name is refused before anything
-runs, and one that takes ``**kwargs`` simply does not find it there. The result must hold one
-finite number per completion; a None (TRL's "does not apply") fails that completion's call, which
-``model.reward_options.on_error`` then scores (``0.0`` to score it 0).
+runs, and one that takes ``**kwargs`` simply does not find it there. The function may be
+``async def``. Its result must hold one score per completion, a finite number or None: TRL's
+"does not apply", which TRL's weighted sum leaves out, scores 0 from this function, the sample
+staying in (anything else is a failed call, which ``model.reward_options.on_error`` scores).
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+from lightning_troll.rewards.calls import awaited
 
 __all__ = ["TrlFormReward", "is_trl_form"]
 
@@ -154,4 +157,7 @@ class TrlFormReward:
             )
         if self.takes_any or "prompts" in self.named:
             columns["prompts"] = given
-        return self.fn(completions=texts, **columns, **bound)
+        values = awaited(self.fn(completions=texts, **columns, **bound))
+        if isinstance(values, list | tuple):  # None: "does not apply", which TRL's sum leaves out
+            values = [0.0 if value is None else value for value in values]
+        return values
