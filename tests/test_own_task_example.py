@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -50,6 +51,24 @@ TINY = (
     " --model.group_size 2 --model.optimization.minibatch_size 2 --model.sampling.max_new_tokens 8"
     " --data.num_val 2 --data.val_batch_size 2"
 )
+
+
+def fit_in_own_folder(folder: Path, module: str, model_dir: Path, monkeypatch) -> Any:
+    """``lightning-troll fit --config task.yaml`` for one rollout (:data:`TINY`) in this process,
+    from ``folder``, with no PYTHONPATH: ``module`` (beside task.yaml) is found there and
+    forgotten afterwards. Returns the command's LightningCLI."""
+    from lightning_troll.cli.command import run as cli_run
+
+    monkeypatch.chdir(folder)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    monkeypatch.delitem(sys.modules, module, raising=False)
+    try:
+        return cli_run(
+            ["fit", "--config", "task.yaml", *TINY.split(), "--model.model", str(model_dir)]
+        )
+    finally:
+        sys.modules.pop(module, None)
 
 
 def test_the_page_runs_the_example_as_it_is(tmp_path):
@@ -161,7 +180,6 @@ def test_the_pages_tool_trains_from_a_folder_of_its_own(tmp_path, tiny_chat_mode
     chat template (no tool section: the tools go into a system message), its tool in a worker
     process with a timeout, no PYTHONPATH. Whether a model calls it is the episodes' tests'
     business (tests/test_episodes.py scripts the calls)."""
-    from lightning_troll.cli.command import run as cli_run
     from lightning_troll.data.prompts import write_jsonl
 
     text = (ROOT / "docs" / "own-task.md").read_text()
@@ -179,15 +197,7 @@ def test_the_pages_tool_trains_from_a_folder_of_its_own(tmp_path, tiny_chat_mode
         "  episodes: {tools: [my_tools:multiply], max_turns: 2, tool_workers: 1, tool_timeout: 5}\n"
         "data: {source: rows.jsonl, prompt_field: prompt, answer_field: answer}\n"
     )
-    monkeypatch.chdir(folder)
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    monkeypatch.delenv("PYTHONPATH", raising=False)
-    monkeypatch.delitem(sys.modules, "my_tools", raising=False)
-    try:
-        cli = cli_run(["fit", "--config", "task.yaml", *TINY.split(),
-                       "--model.model", str(tiny_chat_model_dir)])  # fmt: skip
-    finally:
-        sys.modules.pop("my_tools", None)
+    cli = fit_in_own_folder(folder, "my_tools", tiny_chat_model_dir, monkeypatch)
     logged = cli.trainer.logged_metrics
     assert cli.trainer.global_step == 2
     assert cli.model.episodes.config.tools == ["my_tools:multiply"]

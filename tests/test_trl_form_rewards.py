@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import sys
 import textwrap
 import warnings
 
@@ -15,7 +14,7 @@ import pytest
 from lightning_troll.rewards.calls import RewardError, RewardWarning
 from lightning_troll.rewards.registry import RewardScorer
 from lightning_troll.rewards.trl_form import TrlFormReward, is_trl_form
-from tests.test_own_task_example import TINY
+from tests.test_own_task_example import fit_in_own_folder
 
 
 def accuracy(completions, answer, **kwargs):
@@ -198,7 +197,6 @@ def test_a_trl_form_reward_trains_from_a_folder_of_its_own(
 ):
     """The reward in TRL's form lies beside task.yaml; one rollout on a tiny model from that
     folder, no PYTHONPATH: every completion scores 0.25, so reward/mean is 0.25."""
-    from lightning_troll.cli.command import run as cli_run
     from lightning_troll.data.prompts import write_jsonl
 
     folder = tmp_path / "my_task"
@@ -211,15 +209,7 @@ def test_a_trl_form_reward_trains_from_a_folder_of_its_own(
         "model:\n  rewards: {trl_rewards:right: 1.0}\n"
         "data: {source: rows.jsonl, prompt_field: prompt, answer_field: answer}\n"
     )
-    monkeypatch.chdir(folder)
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    monkeypatch.delenv("PYTHONPATH", raising=False)
-    monkeypatch.delitem(sys.modules, "trl_rewards", raising=False)
-    try:
-        cli = cli_run(["fit", "--config", "task.yaml", *TINY.split(),
-                       "--model.model", str(tiny_chat_model_dir)])  # fmt: skip
-    finally:
-        sys.modules.pop("trl_rewards", None)
+    cli = fit_in_own_folder(folder, "trl_rewards", tiny_chat_model_dir, monkeypatch)
     logged = cli.trainer.logged_metrics
     assert cli.trainer.global_step == 2
     assert float(logged["reward/mean"]) == pytest.approx(0.25, abs=1e-7)

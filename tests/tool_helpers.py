@@ -185,3 +185,80 @@ class LoadsNowhere:
 
     def __reduce__(self):
         return (_refuse_to_load, ())
+
+
+class Counter:
+    """An environment in TRL's form: ``reset(**row)``, its tools as public methods, and
+    ``get_reward``. It counts the instances made, and what ``reset`` was given."""
+
+    made = 0
+
+    def __init__(self) -> None:
+        type(self).made += 1
+        self.count = 0
+        self.row: dict[str, Any] = {}
+
+    def reset(self, **row: Any) -> str | None:
+        self.row, self.count = row, int(row.get("start", 0))
+        return f" (start at {self.count})" if "start" in row else None
+
+    def add(self, n: int) -> int:
+        """Add to the counter.
+
+        Args:
+            n: How much to add.
+        """
+        self.count += n
+        return self.count
+
+    async def double(self) -> int:
+        """Double the counter, after a wait."""
+        await asyncio.sleep(0.001)
+        self.count *= 2
+        return self.count
+
+    def get_reward(self) -> float:
+        return float(self.count == 10)
+
+    def _hidden(self) -> None:  # private: not a tool
+        raise AssertionError("never called")
+
+
+class AsyncCounter(Counter):
+    """``Counter`` with ``reset`` and ``get_reward`` as ``async def``."""
+
+    async def reset(self, **row: Any) -> str | None:
+        await asyncio.sleep(0.001)
+        return Counter.reset(self, **row)
+
+    async def get_reward(self) -> float:
+        await asyncio.sleep(0.001)
+        return float(self.count)
+
+
+class HalfScored:
+    """An environment in TRL's form whose episodes all score 0.5, however they end."""
+
+    def reset(self, **row: Any) -> None:
+        return None
+
+    def note(self, text: str) -> str:
+        """Write a note down.
+
+        Args:
+            text: The note.
+        """
+        return "noted"
+
+    def get_reward(self) -> float:
+        return 0.5
+
+
+class Undocumented:
+    """An environment in TRL's form with a tool method the schema cannot read."""
+
+    def reset(self, **row: Any) -> None:
+        return None
+
+    def poke(self, n):
+        return n

@@ -13,7 +13,11 @@ protocol, and how a conversation and an environment's replies are rendered.
 - :mod:`~lightning_troll.environments.protocol`: :class:`Environment` and :class:`Step`
   (``model.episodes.environment``);
 - :mod:`~lightning_troll.environments.tool_env`: :class:`ToolEnvironment`, the environments of a
-  batch stepped together, :class:`EnvironmentFactory`.
+  batch stepped together;
+- :mod:`~lightning_troll.environments.trl_env`: :class:`TrlEnvironment`, an environment written
+  for TRL's ``environment_factory`` used as it is;
+- :mod:`~lightning_troll.environments.factory`: :class:`EnvironmentFactory`, a fresh environment
+  per episode from ``model.episodes``.
 
 The episode loop itself, at token level, is
 :func:`lightning_troll.rollouts.episodes.run_episodes`. No Lightning here.
@@ -26,11 +30,13 @@ from lightning_troll.environments.calls import (
     ToolCall,
     parse_tool_calls,
 )
+from lightning_troll.environments.factory import EnvironmentFactory
 from lightning_troll.environments.protocol import Environment, Step, load_environment
 from lightning_troll.environments.rendering import Conversation, template_support, tool_section
-from lightning_troll.environments.tool_env import EnvironmentFactory, ToolEnvironment, step_all
+from lightning_troll.environments.tool_env import ToolEnvironment, step_all
 from lightning_troll.environments.tool_workers import ToolResult, ToolRunner
 from lightning_troll.environments.tools import Tool, load_tool, load_tools
+from lightning_troll.environments.trl_env import TrlEnvironment, is_trl_environment
 
 __all__ = [
     "TOOL_CALL_CLOSE",
@@ -45,6 +51,8 @@ __all__ = [
     "ToolEnvironment",
     "ToolResult",
     "ToolRunner",
+    "TrlEnvironment",
+    "is_trl_environment",
     "load_environment",
     "load_tool",
     "load_tools",

@@ -206,7 +206,8 @@ class Environment:
 
 def load_environment(spec: str | Callable[..., Any]) -> Callable[..., Any]:
     """What makes one environment per episode: the class (or function) that ``model.episodes.environment``
-    names by import path (``"my_env:Guess"``), or is. A class must define ``reset`` and ``step``."""
+    names by import path (``"my_env:Guess"``), or is. A class must define ``reset`` and ``step``,
+    or be in TRL's form (``reset`` and no ``step``: :mod:`~lightning_troll.environments.trl_env`)."""
     made = spec if callable(spec) else load_by_import_path(spec, OPTION)
     if not callable(made):
         raise ValueError(
@@ -215,9 +216,11 @@ def load_environment(spec: str | Callable[..., Any]) -> Callable[..., Any]:
         )
     if inspect.isclass(made):
         missing = [m for m in ("reset", "step") if not callable(getattr(made, m, None))]
-        if missing:
+        in_trl_form = missing == ["step"] and getattr(made, "step", None) is None
+        if missing and not (in_trl_form and not issubclass(made, Environment)):
             raise ValueError(
                 f"{OPTION}: {spec!r} has no {' or '.join(missing)} method; an environment defines "
-                "reset(row) and step(turn) (see lightning_troll.environments.Environment)"
+                "reset(row) and step(turn) (see lightning_troll.environments.Environment), or, "
+                "in TRL's form, reset(**row) and its tools as methods"
             )
     return made

@@ -1,5 +1,5 @@
-"""The built-in environment of tools (``model.episodes.tools``), the environments of a batch stepped
-together, and what ``model.episodes.environment`` and ``model.episodes.tools`` make of each episode.
+"""The built-in environment of tools (``model.episodes.tools``), and the environments of a batch
+stepped together.
 
 :class:`ToolEnvironment`: a model turn that calls a tool gets its result as its observation (a
 ``tool`` message; one a turn, since the episode loop ends a turn at its first ``</tool_call>``,
@@ -10,8 +10,7 @@ the ordinary rewards (``model.rewards``).
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from lightning_troll.environments.calls import MalformedCall, ToolCall, parse_tool_calls
@@ -19,12 +18,10 @@ from lightning_troll.environments.protocol import (
     Environment,
     Step,
     call_environment,
-    load_environment,
-    make_environment,
 )
 from lightning_troll.environments.tool_workers import ToolResult, ToolRunner, count_errors
 
-__all__ = ["EnvironmentFactory", "ToolEnvironment", "step_all"]
+__all__ = ["ToolEnvironment", "step_all"]
 
 
 class ToolEnvironment(Environment):
@@ -98,58 +95,3 @@ def step_all(environments: Sequence[Any], turns: Sequence[str]) -> list[Step]:
             outcomes = [next(results) for _ in calls]
             steps[i] = call_environment(environments[i], "observe", turns[i], outcomes)
     return steps  # type: ignore[return-value]
-
-
-class EnvironmentFactory:
-    """A fresh environment per episode, from ``model.episodes.environment`` and ``model.episodes.tools``.
-
-    Args:
-        environment: An environment class (or a function returning one), or its import path;
-            None for :class:`ToolEnvironment` over ``tools``. A :class:`ToolEnvironment`
-            subclass gets the tools' runner as its first argument.
-        tools: Tools (import paths or functions); only with no ``environment`` or a
-            :class:`ToolEnvironment` subclass.
-        tool_workers: Worker processes that run tool calls (``model.episodes.tool_workers``); 0 runs
-            them in this process.
-        tool_timeout: Seconds a tool call may take in a worker (``model.episodes.tool_timeout``); None
-            waits for ever.
-    """
-
-    def __init__(
-        self,
-        environment: str | Callable[..., Any] | None = None,
-        tools: Sequence[str | Callable[..., Any]] = (),
-        tool_workers: int = 0,
-        tool_timeout: float | None = None,
-    ) -> None:
-        self.make = ToolEnvironment if environment is None else load_environment(environment)
-        """What each episode's environment is made with."""
-        takes_tools = inspect.isclass(self.make) and issubclass(self.make, ToolEnvironment)
-        if environment is None and not tools:
-            raise ValueError(
-                "model.episodes.environment and model.episodes.tools are both unset; name an environment or list "
-                "tools for multi-turn episodes"
-            )
-        if tools and not takes_tools:
-            raise ValueError(
-                f"model.episodes.tools lists tools, but model.episodes.environment={environment!r} is not a "
-                "ToolEnvironment subclass to call them; leave model.episodes.environment null for the "
-                "built-in ToolEnvironment, or subclass it"
-            )
-        if takes_tools and not tools:
-            raise ValueError(
-                f"model.episodes.environment={environment!r} is a ToolEnvironment: list its tools in "
-                "model.episodes.tools"
-            )
-        self.runner = ToolRunner(tools, tool_workers, tool_timeout) if tools else None
-        """The tools and their workers; None without tools."""
-
-    def __call__(self) -> Environment:
-        """A fresh environment for one episode; an :class:`EnvironmentFailure` naming it where
-        making it raises."""
-        return make_environment(self.make, *(() if self.runner is None else (self.runner,)))
-
-    def close(self) -> None:
-        """Stops the tool workers, if any."""
-        if self.runner is not None:
-            self.runner.close()

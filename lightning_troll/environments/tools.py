@@ -57,16 +57,16 @@ class Tool:
         return self.schema["function"].get("parameters", {})
 
 
-def tool_schema(function: Callable[..., Any], spec: str) -> dict[str, Any]:
-    """The JSON schema of ``function``; ``ValueError`` naming ``model.episodes.tools`` and ``spec`` when
-    its type hints or docstring do not give one."""
+def tool_schema(function: Callable[..., Any], spec: str, option: str = OPTION) -> dict[str, Any]:
+    """The JSON schema of ``function``; ``ValueError`` naming ``option`` (``model.episodes.tools``)
+    and ``spec`` when its type hints or docstring do not give one."""
     from transformers.utils import get_json_schema
 
     try:
         return get_json_schema(function)
     except Exception as exc:  # DocstringParsingException, TypeHintParsingException, ...
         raise ValueError(
-            f"{OPTION}: {spec!r} cannot be a tool: {str(exc).rstrip('.')}. A tool is a function "
+            f"{option}: {spec!r} cannot be a tool: {str(exc).rstrip('.')}. A tool is a function "
             "with a type hint on every argument and a docstring: a description, then an 'Args:' "
             "section with a line 'name: description' per argument"
         ) from None

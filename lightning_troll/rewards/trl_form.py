@@ -19,7 +19,7 @@ marked ``batched``, is in TRL's form, and :class:`TrlFormReward` calls it once p
 - the keyword arguments bound in ``model.reward_options.kwargs``.
 
 What TRL passes and the scorer does not have (``completion_ids``, ``trainer_state``,
-``log_metric``, ...) is not given: a function that requires one by name is refused before anything
+``log_metric``, ``environments``, ...) is not given: a function that requires one by name is refused before anything
 runs, and one that takes ``**kwargs`` simply does not find it there. The function may be
 ``async def``. Its result must hold one score per completion, a finite number or None: TRL's
 "does not apply", which TRL's weighted sum leaves out, scores 0 from this function, the sample
@@ -38,7 +38,7 @@ __all__ = ["TrlFormReward", "is_trl_form"]
 
 GIVEN = ("prompts", "completions")
 """The arguments every call gives by these names; the rows' fields come beside them."""
-TRL_ONLY = ("completion_ids", "trainer_state", "log_metric", "log_extra")
+TRL_ONLY = ("completion_ids", "trainer_state", "log_metric", "log_extra", "environments")
 """What TRL passes and the scorer has not: a function that requires one is refused."""
 _NOT_COLUMNS = frozenset({*GIVEN, "prompt", "completion"})
 """Row fields that are not passed as columns (TRL passes neither prompt nor completion so)."""
@@ -97,6 +97,11 @@ class TrlFormReward:
                 f"model.rewards: {name!r} requires {needs}, which TRL passes and this library does "
                 f"not (it passes {list(GIVEN)}, the rows' fields and model.reward_options.kwargs); "
                 "give it a default, or take it from **kwargs"
+                + (
+                    "; an environment in TRL's form scores its episodes with get_reward here"
+                    if "environments" in needs
+                    else ""
+                )
             )
         self.fn = fn
         self.__name__ = getattr(fn, "__name__", type(fn).__name__)

@@ -223,9 +223,9 @@ class EpisodeSampler:
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
-        if config.tools:  # episodes with tools are messages: refused now, not at the first turn
-            check_chat_template(tokenizer, tools=True)
         self.make = environment_factory(config) if make is None else make
+        if self.make.uses_tools:  # episodes with tools are messages: refused now, not at a turn
+            check_chat_template(tokenizer, tools=True)
         self.limits = EpisodeLimits(config.max_turns, max_tokens)
         self.stops = Stops(tuple(stop_ids))
 

@@ -1,0 +1,93 @@
+"""What ``model.episodes.environment`` and ``model.episodes.tools`` make of each episode: a fresh
+environment, made by :class:`EnvironmentFactory`."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from lightning_troll.environments.protocol import Environment, load_environment, make_environment
+from lightning_troll.environments.tool_env import ToolEnvironment
+from lightning_troll.environments.tool_workers import ToolRunner
+from lightning_troll.environments.trl_env import TrlEnvironment, is_trl_environment
+
+__all__ = ["EnvironmentFactory"]
+
+
+class EnvironmentFactory:
+    """A fresh environment per episode, from ``model.episodes.environment`` and ``model.episodes.tools``.
+
+    Args:
+        environment: An environment class (or a function returning one), or its import path;
+            None for :class:`ToolEnvironment` over ``tools``. A :class:`ToolEnvironment`
+            subclass gets the tools' runner as its first argument; an environment in TRL's form
+            (:mod:`~lightning_troll.environments.trl_env`) is wrapped in a
+            :class:`TrlEnvironment`, the tools beside its methods.
+        tools: Tools (import paths or functions); only with no ``environment``, a
+            :class:`ToolEnvironment` subclass or an environment in TRL's form.
+        tool_workers: Worker processes that run tool calls (``model.episodes.tool_workers``); 0 runs
+            them in this process.
+        tool_timeout: Seconds a tool call may take in a worker (``model.episodes.tool_timeout``); None
+            waits for ever.
+    """
+
+    def __init__(
+        self,
+        environment: str | Callable[..., Any] | None = None,
+        tools: Sequence[str | Callable[..., Any]] = (),
+        tool_workers: int = 0,
+        tool_timeout: float | None = None,
+    ) -> None:
+        self.make = ToolEnvironment if environment is None else load_environment(environment)
+        """What each episode's environment is made with."""
+        self.trl_form = inspect.isclass(self.make) and is_trl_environment(self.make)
+        """Whether the class is an environment in TRL's form, its methods the tools."""
+        takes_tools = inspect.isclass(self.make) and issubclass(self.make, ToolEnvironment)
+        if environment is None and not tools:
+            raise ValueError(
+                "model.episodes.environment and model.episodes.tools are both unset; name an environment or list "
+                "tools for multi-turn episodes"
+            )
+        if tools and not (takes_tools or self.trl_form):
+            raise ValueError(
+                f"model.episodes.tools lists tools, but model.episodes.environment={environment!r} is not a "
+                "ToolEnvironment subclass to call them; leave model.episodes.environment null for the "
+                "built-in ToolEnvironment, or subclass it"
+            )
+        if takes_tools and not tools:
+            raise ValueError(
+                f"model.episodes.environment={environment!r} is a ToolEnvironment: list its tools in "
+                "model.episodes.tools"
+            )
+        if self.trl_form and tool_workers:
+            raise ValueError(
+                f"model.episodes.tool_workers={tool_workers!r} with model.episodes.environment="
+                f"{environment!r}, an environment in TRL's form: its methods hold the episode's "
+                "state, so every tool call runs in the trainer's process; set "
+                "model.episodes.tool_workers 0 (and model.episodes.tool_timeout null)"
+            )
+        self.tools = list(tools)
+        """The tools of ``model.episodes.tools``."""
+        self.runner = ToolRunner(tools, tool_workers, tool_timeout) if tools else None
+        """The tools and their workers; None without tools."""
+        if self.trl_form:  # one made now, as TRL does, so that its tools are checked first
+            self().close()
+
+    @property
+    def uses_tools(self) -> bool:
+        """Whether the episodes offer tools (the chat template then renders their calls)."""
+        return self.runner is not None or self.trl_form
+
+    def __call__(self) -> Environment:
+        """A fresh environment for one episode; an :class:`EnvironmentFailure` naming it where
+        making it raises."""
+        if self.trl_form:
+            return TrlEnvironment(make_environment(self.make), self.tools)
+        made = make_environment(self.make, *(() if self.runner is None else (self.runner,)))
+        return TrlEnvironment(made, self.tools) if is_trl_environment(made) else made
+
+    def close(self) -> None:
+        """Stops the tool workers, if any."""
+        if self.runner is not None:
+            self.runner.close()

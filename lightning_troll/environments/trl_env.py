@@ -1,0 +1,141 @@
+"""Environments written for TRL's ``environment_factory``, used as they are.
+
+TRL's GRPO trainer takes an environment as a class whose public methods are the model's tools::
+
+    class Counter:
+        def reset(self, **kwargs) -> str | None:  # the data row's fields
+            self.count = 0
+            return None  # or a string, appended to the last user message
+
+        def add(self, n: int) -> int:
+            \"\"\"Add to the counter.
+
+            Args:
+                n: How much to add.
+            \"\"\"
+            self.count += n
+            return self.count
+
+        def get_reward(self) -> float:  # optional: the environment scores the episode
+            return float(self.count == 10)
+
+``model.episodes.environment: my_env:Counter`` names it as any environment. A class (or, at run
+time, an object) with a ``reset`` and no ``step`` that is not an
+:class:`~lightning_troll.environments.Environment` is read in this form (:func:`is_trl_environment`),
+and each episode gets a :class:`TrlEnvironment` around a fresh instance:
+
+- ``reset(**row)`` starts the episode: the conversation is the row's ``prompt`` (as the built-in
+  :class:`~lightning_troll.environments.ToolEnvironment` takes it), and a string ``reset`` returns
+  is appended to its last message, as TRL does;
+- every public method but ``reset`` and ``get_reward`` is a tool (type hints and an ``Args:``
+  docstring, as ``model.episodes.tools``), bound to the episode's instance, and so run in the
+  trainer's process (it holds the episode's state); the functions of ``model.episodes.tools`` join
+  them there;
+- a turn without a tool call is the final answer, scored by ``model.rewards``; ``get_reward()``, if
+  the class defines it, is the environment's reward for the episode, however it ended (the final
+  answer, the turn limit or the token budget), added with weight 1 as TRL adds it.
+
+Any of these methods may be ``async def``. What TRL gives reward functions and this library does
+not, the episodes' environments (``environments``), is for ``get_reward`` to use here.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from lightning_troll.environments.protocol import Environment, Step, is_finite_reward
+from lightning_troll.environments.tool_env import ToolEnvironment
+from lightning_troll.environments.tool_workers import ToolRunner
+from lightning_troll.environments.tools import tool_schema
+from lightning_troll.rewards.calls import awaited
+
+__all__ = ["NOT_TOOLS", "TrlEnvironment", "is_trl_environment", "tool_methods"]
+
+NOT_TOOLS = ("reset", "get_reward")
+"""The public methods of an environment in TRL's form that are not tools."""
+
+
+def is_trl_environment(made: Any) -> bool:
+    """Whether ``made`` (a class, or an object one made) is an environment in TRL's form: it has
+    a callable ``reset``, no ``step``, and is not an :class:`Environment`."""
+    cls = made if inspect.isclass(made) else type(made)
+    return (
+        not issubclass(cls, Environment)
+        and callable(getattr(made, "reset", None))
+        and getattr(made, "step", None) is None
+    )
+
+
+def tool_methods(instance: Any) -> list[Callable[..., Any]]:
+    """The bound public methods of ``instance`` that are its tools (all but :data:`NOT_TOOLS`),
+    by name."""
+    return [
+        method
+        for name, method in inspect.getmembers(instance, predicate=inspect.ismethod)
+        if not name.startswith("_") and name not in NOT_TOOLS
+    ]
+
+
+class TrlEnvironment(ToolEnvironment):
+    """One episode of an environment in TRL's form.
+
+    Args:
+        instance: A fresh instance of the environment's class.
+        tools: ``model.episodes.tools``, offered beside the instance's methods.
+        prompt_field: The row's field that holds the prompt.
+    """
+
+    def __init__(
+        self,
+        instance: Any,
+        tools: Sequence[str | Callable[..., Any]] = (),
+        prompt_field: str = "prompt",
+    ) -> None:
+        name = type(instance).__name__
+        methods = tool_methods(instance)
+        if not methods and not tools:
+            raise ValueError(
+                f"model.episodes.environment: {name} has no public method besides "
+                f"{' and '.join(NOT_TOOLS)} to be a tool, and model.episodes.tools lists none"
+            )
+        for method in methods:  # refused naming the environment, not model.episodes.tools
+            tool_schema(method, f"{name}.{method.__name__}", "model.episodes.environment")
+        super().__init__(ToolRunner([*tools, *methods], workers=0), prompt_field)
+        self.instance = instance
+
+    def reset(self, row: Mapping[str, Any]) -> list[dict[str, Any]]:
+        messages = super().reset(row)
+        observation = awaited(self.instance.reset(**row))
+        if observation is None:
+            return messages
+        if not isinstance(observation, str):
+            raise ValueError(
+                f"{type(self.instance).__name__}.reset returned a {type(observation).__name__}; "
+                "an environment in TRL's form returns None or a string (appended to the prompt)"
+            )
+        messages[-1] = {**messages[-1], "content": messages[-1]["content"] + observation}
+        return messages
+
+    def reward(self) -> float | None:
+        """``get_reward()``, if the class defines it; else None."""
+        get_reward = getattr(self.instance, "get_reward", None)
+        if get_reward is None:
+            return None
+        value = awaited(get_reward())
+        if not is_finite_reward(value):
+            raise ValueError(
+                f"{type(self.instance).__name__}.get_reward returned {value!r}; it must return a "
+                "number finite in float32"
+            )
+        return float(value)
+
+    def answer(self, turn: str) -> Step:
+        return Step(reward=self.reward(), done=True)
+
+    def on_end(self, end: str) -> float | None:
+        return self.reward()
+
+    def close(self) -> None:
+        self.runner.close()
