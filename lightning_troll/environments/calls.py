@@ -135,8 +135,8 @@ class ToolOutcome(NamedTuple):
 def run_tool(function: Callable[..., Any], arguments: Mapping[str, Any]) -> ToolOutcome:
     """``function(**arguments)`` (awaited, for an ``async def`` tool), its result rendered; or an
     outcome whose ``problem`` says what went wrong and whose ``kind`` is ``"raised"`` or
-    ``"unrenderable"`` (whatever rendering the result raised). Runs in this process or in a tool worker
-    (:mod:`lightning_troll.environments.tool_workers`)."""
+    ``"unrenderable"`` (whatever rendering the result raised). Runs in this process or in a tool
+    worker (:mod:`lightning_troll.environments.tool_workers`)."""
     try:
         value = awaited(function(**arguments))  # an ``async def`` tool's coroutine run to its end
     except (Exception, SystemExit) as exc:  # a tool may raise anything, or call sys.exit

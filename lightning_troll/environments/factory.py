@@ -53,7 +53,8 @@ class EnvironmentFactory:
             raise ValueError(
                 f"model.episodes.tools lists tools, but model.episodes.environment={environment!r} is not a "
                 "ToolEnvironment subclass to call them; leave model.episodes.environment null for the "
-                "built-in ToolEnvironment, or subclass it"
+                "built-in ToolEnvironment, subclass it, or write the environment in TRL's form "
+                "(reset and its tools as methods, no step)"
             )
         if takes_tools and not tools:
             raise ValueError(

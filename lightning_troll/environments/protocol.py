@@ -49,6 +49,7 @@ __all__ = [
     "check_messages",
     "closed_on_failure",
     "is_finite_reward",
+    "is_trl_environment",
     "load_environment",
     "make_environment",
 ]
@@ -204,6 +205,18 @@ class Environment:
         """Frees what the environment holds when its episode ends (nothing here)."""
 
 
+def is_trl_environment(made: Any) -> bool:
+    """Whether ``made`` (a class, or an object one made) is an environment in TRL's form
+    (:mod:`~lightning_troll.environments.trl_env`): it has a callable ``reset``, no ``step``, and
+    is not an :class:`Environment`."""
+    cls = made if inspect.isclass(made) else type(made)
+    return (
+        not issubclass(cls, Environment)
+        and callable(getattr(made, "reset", None))
+        and getattr(made, "step", None) is None
+    )
+
+
 def load_environment(spec: str | Callable[..., Any]) -> Callable[..., Any]:
     """What makes one environment per episode: the class (or function) that ``model.episodes.environment``
     names by import path (``"my_env:Guess"``), or is. A class must define ``reset`` and ``step``,
@@ -216,8 +229,7 @@ def load_environment(spec: str | Callable[..., Any]) -> Callable[..., Any]:
         )
     if inspect.isclass(made):
         missing = [m for m in ("reset", "step") if not callable(getattr(made, m, None))]
-        in_trl_form = missing == ["step"] and getattr(made, "step", None) is None
-        if missing and not (in_trl_form and not issubclass(made, Environment)):
+        if missing and not is_trl_environment(made):
             raise ValueError(
                 f"{OPTION}: {spec!r} has no {' or '.join(missing)} method; an environment defines "
                 "reset(row) and step(turn) (see lightning_troll.environments.Environment), or, "

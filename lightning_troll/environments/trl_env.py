@@ -45,7 +45,7 @@ import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from lightning_troll.environments.protocol import Environment, Step, is_finite_reward
+from lightning_troll.environments.protocol import Step, is_finite_reward, is_trl_environment
 from lightning_troll.environments.tool_env import ToolEnvironment
 from lightning_troll.environments.tool_workers import ToolRunner
 from lightning_troll.environments.tools import tool_schema
@@ -55,17 +55,6 @@ __all__ = ["NOT_TOOLS", "TrlEnvironment", "is_trl_environment", "tool_methods"]
 
 NOT_TOOLS = ("reset", "get_reward")
 """The public methods of an environment in TRL's form that are not tools."""
-
-
-def is_trl_environment(made: Any) -> bool:
-    """Whether ``made`` (a class, or an object one made) is an environment in TRL's form: it has
-    a callable ``reset``, no ``step``, and is not an :class:`Environment`."""
-    cls = made if inspect.isclass(made) else type(made)
-    return (
-        not issubclass(cls, Environment)
-        and callable(getattr(made, "reset", None))
-        and getattr(made, "step", None) is None
-    )
 
 
 def tool_methods(instance: Any) -> list[Callable[..., Any]]:
