@@ -16,6 +16,7 @@ from lightning_troll.environments import (
     TrlEnvironment,
     is_trl_environment,
 )
+from lightning_troll.environments.protocol import EnvironmentFailure
 from lightning_troll.rollouts.episodes import EpisodeLimits, Stops, run_episodes
 from tests import tool_helpers
 from tests.chat_helpers import chat_tokenizer
@@ -89,11 +90,15 @@ def test_environments_in_trls_form_are_refused_where_they_cannot_work():
         EnvironmentFactory(C + "Undocumented")
     env = TrlEnvironment(tool_helpers.Counter())
     env.instance.reset = lambda **row: 3
-    with pytest.raises(ValueError, match=r"Counter.reset returned a int; .* None or a string"):
+    with pytest.raises(EnvironmentFailure, match=r"Counter.reset returned a int; .* None or a str"):
         env.reset({"prompt": "Go"})
     env.instance.get_reward = lambda: float("nan")
-    with pytest.raises(ValueError, match=r"Counter.get_reward returned nan"):
+    with pytest.raises(EnvironmentFailure, match=r"Counter.get_reward returned nan"):
         env.step("Done.")
+    env.instance.get_reward = lambda: 1 / 0
+    message = r"^the environment Counter.get_reward raised ZeroDivisionError: division by zero"
+    with pytest.raises(EnvironmentFailure, match=message):
+        env.on_end("max_turns")
 
 
 def test_a_trl_environment_plays_token_level_episodes_with_its_reward():

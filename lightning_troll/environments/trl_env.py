@@ -45,11 +45,16 @@ import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from lightning_troll.environments.protocol import Step, is_finite_reward, is_trl_environment
+from lightning_troll.environments.protocol import (
+    EnvironmentFailure,
+    Step,
+    is_finite_reward,
+    is_trl_environment,
+)
 from lightning_troll.environments.tool_env import ToolEnvironment
 from lightning_troll.environments.tool_workers import ToolRunner
 from lightning_troll.environments.tools import tool_schema
-from lightning_troll.rewards.calls import awaited
+from lightning_troll.rewards.calls import awaited, describe
 
 __all__ = ["NOT_TOOLS", "TrlEnvironment", "is_trl_environment", "tool_methods"]
 
@@ -94,29 +99,39 @@ class TrlEnvironment(ToolEnvironment):
         super().__init__(ToolRunner([*tools, *methods], workers=0), prompt_field)
         self.instance = instance
 
+    def _call(self, method: str, **arguments: Any) -> Any:
+        """``instance.method(**arguments)``, awaited; what it raises is an
+        :class:`EnvironmentFailure` that names the class and the method."""
+        try:
+            return awaited(getattr(self.instance, method)(**arguments))
+        except Exception as error:  # the instance is a user's code: it may raise anything
+            raise EnvironmentFailure(
+                f"the environment {type(self.instance).__name__}.{method} raised {describe(error)}"
+            ) from error
+
     def reset(self, row: Mapping[str, Any]) -> list[dict[str, Any]]:
         messages = super().reset(row)
-        observation = awaited(self.instance.reset(**row))
+        observation = self._call("reset", **row)
         if observation is None:
             return messages
         if not isinstance(observation, str):
-            raise ValueError(
-                f"{type(self.instance).__name__}.reset returned a {type(observation).__name__}; "
-                "an environment in TRL's form returns None or a string (appended to the prompt)"
+            raise EnvironmentFailure(
+                f"the environment {type(self.instance).__name__}.reset returned a "
+                f"{type(observation).__name__}; an environment in TRL's form returns None or a "
+                "string (appended to the prompt)"
             )
         messages[-1] = {**messages[-1], "content": messages[-1]["content"] + observation}
         return messages
 
     def reward(self) -> float | None:
         """``get_reward()``, if the class defines it; else None."""
-        get_reward = getattr(self.instance, "get_reward", None)
-        if get_reward is None:
+        if getattr(self.instance, "get_reward", None) is None:
             return None
-        value = awaited(get_reward())
+        value = self._call("get_reward")
         if not is_finite_reward(value):
-            raise ValueError(
-                f"{type(self.instance).__name__}.get_reward returned {value!r}; it must return a "
-                "number finite in float32"
+            raise EnvironmentFailure(
+                f"the environment {type(self.instance).__name__}.get_reward returned {value!r}; it "
+                "must return a number finite in float32"
             )
         return float(value)
 
