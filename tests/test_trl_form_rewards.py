@@ -109,8 +109,15 @@ def test_a_positional_only_parameter_is_refused():
     def positional(completions, answer, /, **kwargs):
         return [0.0] * len(completions)
 
-    with pytest.raises(ValueError, match=r"'positional' takes \['answer'\] by position"):
+    def completions_by_position(completions, /, **kwargs):
+        return [0.0] * len(completions)
+
+    with pytest.raises(
+        ValueError, match=r"'positional' takes \['completions', 'answer'\] by position only"
+    ):
         RewardScorer([positional])
+    with pytest.raises(ValueError, match=r"takes \['completions'\] by position only"):
+        RewardScorer([completions_by_position])
 
 
 def test_which_functions_are_in_trls_form():
@@ -178,9 +185,16 @@ def test_a_wrong_number_of_scores_or_a_missing_field_fails_every_completion():
         out = scorer(["p", "q"], ["a", "b"], [{"gold": "a"}, {"gold": "b"}])
     assert out.valid.tolist() == [False, False]
     with pytest.raises(
-        RewardError, match=r"needs \['answer'\], which are neither fields of the rows"
+        RewardError,
+        match=r"needs \['answer'\], which are neither fields of the rows \(\['gold'\]\)",
     ):
         RewardScorer([accuracy])(["p"], ["a"], [{"gold": "a"}])
+
+    def named_only(completions, answer):  # without **kwargs: still told which fields there are
+        return [0.0] * len(completions)
+
+    with pytest.raises(RewardError, match=r"fields of the rows \(\['gold', 'level'\]\)"):
+        RewardScorer([named_only])(["p"], ["a"], [{"gold": "a", "level": 1}])
 
 
 REWARD_MODULE = '''\

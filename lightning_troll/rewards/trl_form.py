@@ -81,15 +81,11 @@ class TrlFormReward:
         params = _parameters(fn)
         if params is None or not is_trl_form(fn):
             raise ValueError(f"model.rewards: {name!r} is not a reward in TRL's form")
-        positional = [
-            p.name
-            for p in params.values()
-            if p.kind in (p.POSITIONAL_ONLY, p.VAR_POSITIONAL) and p.name not in GIVEN
-        ]
+        positional = [p.name for p in params.values() if p.kind == p.POSITIONAL_ONLY]
         if positional:
             raise ValueError(
-                f"model.rewards: {name!r} takes {positional} by position; a reward in TRL's form "
-                "is called with keyword arguments only (completions, prompts and the rows' fields)"
+                f"model.rewards: {name!r} takes {positional} by position only; a reward in TRL's "
+                "form is called with keyword arguments (completions, prompts and the rows' fields)"
             )
         needs = [n for n in TRL_ONLY if n in params and params[n].default is params[n].empty]
         if needs:
@@ -151,9 +147,8 @@ class TrlFormReward:
         else:
             texts = list(completions)
         fields = dict.fromkeys(key for row in rows for key in row if key not in _NOT_COLUMNS)
-        if not self.takes_any:
-            fields = {key: None for key in fields if key in self.named}
-        columns = {key: [row.get(key) for row in rows] for key in fields if key not in bound}
+        given_fields = [key for key in fields if self.takes_any or key in self.named]
+        columns = {key: [row.get(key) for row in rows] for key in given_fields if key not in bound}
         missing = [n for n in self.required if n not in columns and n not in bound]
         if missing:
             raise TypeError(
