@@ -206,7 +206,7 @@ def test_gsm8k_format_rows_with_the_gsm8k_reward(tok, tmp_path):
     assert scorer(batch.prompts, wrong, batch.rows).total.tolist() == [0.0, 0.0, 0.0]
 
 
-def test_template_may_use_any_field_and_answer_field_is_renamed(tok, tmp_path):
+def test_template_may_use_any_field_and_answer_and_prompt_fields_are_renamed(tok, tmp_path):
     rows = [
         {"q": "2+2", "level": "easy", "solution": "4"},
         {"q": "9*9", "level": "hard", "solution": "81"},
@@ -222,7 +222,27 @@ def test_template_may_use_any_field_and_answer_field_is_renamed(tok, tmp_path):
         batch_size=2,
     )
     assert [item.text for item in dm.val_items] == ["[easy] 2+2 = ? (2+2)", "[hard] 9*9 = ? (9*9)"]
-    assert [item.row for item in dm.val_items] == [{**r, "answer": r["solution"]} for r in rows]
+    # the gold answer under "answer", the unformatted prompt under "prompt"
+    kept = [{**r, "answer": r["solution"], "prompt": r["q"]} for r in rows]
+    assert [item.row for item in dm.val_items] == kept
+
+
+def test_a_conversations_prompt_is_kept_under_prompt_and_a_rows_own_prompt_stays(tmp_path):
+    """A ``messages`` row keeps the messages before its answer under "prompt" (what the built-in
+    tool environment starts from); a row with a "prompt" field of its own keeps it unchanged."""
+    from tests.chat_helpers import chat_tokenizer
+
+    talk = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4"},
+    ]
+    path = write_jsonl(tmp_path / "m.jsonl", [{"messages": talk, "answer": "4"}] * 2)
+    dm = make(chat_tokenizer(), path, val_file=str(path), batch_size=2)
+    assert dm.val_items[0].row == {"messages": talk, "answer": "4", "prompt": talk[:2]}
+    own = write_jsonl(tmp_path / "own.jsonl", [{"q": "2+2", "prompt": "mine", "answer": "4"}] * 2)
+    dm = make(chat_tokenizer(), own, prompt_field="q", val_file=str(own), batch_size=2)
+    assert dm.val_items[0].row == {"q": "2+2", "prompt": "mine", "answer": "4"}
 
 
 def test_chat_template_with_system_prompt_and_a_single_bos(tok, tmp_path):

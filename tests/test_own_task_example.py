@@ -188,14 +188,14 @@ def test_the_pages_tool_trains_from_a_folder_of_its_own(tmp_path, tiny_chat_mode
     folder = tmp_path / "my_tool_task"
     folder.mkdir()
     (folder / "my_tools.py").write_text(block)
-    rows = [
-        {"prompt": f"What is {a} times 7? Use the tools.", "answer": str(7 * a)} for a in range(8)
+    rows = [  # the prompt in a column of its own name: the episodes start from it all the same
+        {"question": f"What is {a} times 7? Use the tools.", "answer": str(7 * a)} for a in range(8)
     ]
     write_jsonl(folder / "rows.jsonl", rows)
     (folder / "task.yaml").write_text(
         "model:\n  rewards: {last_number: 1.0}\n"
         "  episodes: {tools: [my_tools:multiply], max_turns: 2, tool_workers: 1, tool_timeout: 5}\n"
-        "data: {source: rows.jsonl, prompt_field: prompt, answer_field: answer}\n"
+        "data: {source: rows.jsonl, prompt_field: question, answer_field: answer}\n"
     )
     cli = fit_in_own_folder(folder, "my_tools", tiny_chat_model_dir, monkeypatch)
     logged = cli.trainer.logged_metrics

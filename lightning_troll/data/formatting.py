@@ -80,11 +80,23 @@ class PromptFormatter:
                 f"first is row {self.number(i)} with {lengths[i]} tokens "
                 f"({texts[i][:60]!r}); raise data.max_prompt_tokens or shorten data.template"
             )
-        answer = self.answer_field
         return [
-            PromptItem(text, list(seq), {**row, "answer": row[answer]} if answer else dict(row))
+            PromptItem(text, list(seq), self.kept(row))
             for text, seq, row in zip(texts, ids, rows, strict=True)
         ]
+
+    def kept(self, row: Mapping[str, Any]) -> dict[str, Any]:
+        """The copy of ``row`` that rewards and environments get: its gold answer under
+        ``"answer"`` and, where it has no ``"prompt"`` field, its prompt under ``"prompt"`` (the
+        ``data.prompt_field`` text, or a conversation's messages before the answer), unformatted:
+        the built-in tool environment starts its episodes from it."""
+        kept = dict(row)
+        if self.answer_field:
+            kept["answer"] = row[self.answer_field]
+        if "prompt" not in kept:
+            conversation = self.conversation(row)
+            kept["prompt"] = row[self.prompt_field] if conversation is None else conversation
+        return kept
 
     def field_of(self, rows: list[dict[str, Any]]) -> str:
         """The field the prompts come from: ``prompt_field``, or ``messages`` when the default

@@ -45,7 +45,8 @@ class PromptBatch:
     prompt_ids: list[list[int]]
     """Unpadded token ids of each prompt, as the tokenizer gives them (BOS included if it adds one)."""
     rows: list[dict[str, Any]]
-    """Copies of the dataset rows, the gold answer under ``"answer"``."""
+    """Copies of the dataset rows, the gold answer under ``"answer"`` and the prompt under
+    ``"prompt"`` (:meth:`~lightning_troll.data.formatting.PromptFormatter.kept`)."""
     samples: int = 0
     """Validation batches: completions to sample per prompt besides the greedy one
     (``data.val_samples``, for pass@k); 0 for none."""

@@ -2,7 +2,8 @@
 
 A reward function is any callable ``fn(prompt, completion, row) -> float``: ``prompt`` is the
 formatted prompt text, ``completion`` the generated text (prompt excluded) and ``row`` the
-dataset row the prompt came from (the DataModule stores the gold answer under ``"answer"``).
+dataset row the prompt came from (the DataModule stores the gold answer under ``"answer"``, and
+the unformatted prompt under ``"prompt"`` where the row has no such field).
 Built-ins, registered by name (defined in :mod:`lightning_troll.rewards.functions`, ``overlong``
 in :mod:`lightning_troll.rewards.options`):
 
