@@ -61,6 +61,18 @@ def test_an_episode_keeps_its_state_in_its_own_instance():
     assert first.step("Ten.") == Step(reward=1.0, done=True)
 
 
+def test_an_episode_reads_each_methods_schema_once(monkeypatch):
+    """The schemas come from the docstrings and type hints once per episode (two methods, two
+    reads), not once to check them and again to load them."""
+    from lightning_troll.environments import tools
+
+    reads = []
+    real = tools.tool_schema
+    monkeypatch.setattr(tools, "tool_schema", lambda *a: reads.append(a[1]) or real(*a))
+    TrlEnvironment(tool_helpers.Counter())
+    assert sorted(reads) == ["Counter.add", "Counter.double"]
+
+
 def test_async_reset_tools_and_reward_are_awaited():
     env = TrlEnvironment(tool_helpers.AsyncCounter())
     assert env.reset({"prompt": "Go", "start": 2})[-1]["content"] == "Go (start at 2)"

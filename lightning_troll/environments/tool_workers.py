@@ -85,7 +85,7 @@ class ToolRunner:
 
     Args:
         tools: Import paths (``"my_tools:multiply"``) or functions, each type-hinted and with a
-            docstring (:mod:`~lightning_troll.environments.tools`).
+            docstring (:mod:`~lightning_troll.environments.tools`), or tools already built.
         workers: Worker processes that run the calls (``model.episodes.tool_workers``); 0 runs them in
             this process.
         timeout: Seconds a call may take in a worker before it is abandoned
@@ -94,7 +94,7 @@ class ToolRunner:
 
     def __init__(
         self,
-        tools: Sequence[str | Callable[..., Any]],
+        tools: Sequence[str | Callable[..., Any] | Tool],
         workers: int = 0,
         timeout: float | None = None,
     ) -> None:

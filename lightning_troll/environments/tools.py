@@ -72,19 +72,26 @@ def tool_schema(function: Callable[..., Any], spec: str, option: str = OPTION) -
         ) from None
 
 
-def load_tool(spec: str | Callable[..., Any]) -> Tool:
-    """A tool from an import path (``"my_tools:multiply"``) or a function."""
-    function = spec if callable(spec) else load_by_import_path(spec, OPTION)
-    label = spec if isinstance(spec, str) else getattr(spec, "__name__", repr(spec))
+def load_tool(
+    spec: str | Callable[..., Any] | Tool, label: str | None = None, option: str = OPTION
+) -> Tool:
+    """A tool from an import path (``"my_tools:multiply"``) or a function (a :class:`Tool` is
+    returned as it is). Errors name ``option`` and ``label`` (by default, the spec)."""
+    if isinstance(spec, Tool):
+        return spec
+    function = spec if callable(spec) else load_by_import_path(spec, option)
+    if label is None:
+        label = spec if isinstance(spec, str) else getattr(spec, "__name__", repr(spec))
     if inspect.isclass(function) or not callable(function):
         what = "a class" if inspect.isclass(function) else f"a {type(function).__name__}"
-        raise ValueError(f"{OPTION}: {label!r} is {what}; a tool is a function")
-    schema = tool_schema(function, label)
+        raise ValueError(f"{option}: {label!r} is {what}; a tool is a function")
+    schema = tool_schema(function, label, option)
     return Tool(schema["function"]["name"], function, schema, label)
 
 
-def load_tools(specs: Sequence[str | Callable[..., Any]]) -> dict[str, Tool]:
-    """name -> tool, for every entry of ``model.episodes.tools``; refuses a name given twice."""
+def load_tools(specs: Sequence[str | Callable[..., Any] | Tool]) -> dict[str, Tool]:
+    """name -> tool, for every entry of ``model.episodes.tools`` (and any tools already built);
+    refuses a name given twice."""
     if isinstance(specs, str) or callable(specs):
         specs = [specs]
     tools: dict[str, Tool] = {}

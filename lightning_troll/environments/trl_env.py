@@ -53,7 +53,7 @@ from lightning_troll.environments.protocol import (
 )
 from lightning_troll.environments.tool_env import ToolEnvironment
 from lightning_troll.environments.tool_workers import ToolRunner
-from lightning_troll.environments.tools import tool_schema
+from lightning_troll.environments.tools import load_tool
 from lightning_troll.rewards.calls import awaited, describe
 
 __all__ = ["NOT_TOOLS", "TrlEnvironment", "is_trl_environment", "tool_methods"]
@@ -94,9 +94,11 @@ class TrlEnvironment(ToolEnvironment):
                 f"model.episodes.environment: {name} has no public method besides "
                 f"{' and '.join(NOT_TOOLS)} to be a tool, and model.episodes.tools lists none"
             )
-        for method in methods:  # refused naming the environment, not model.episodes.tools
-            tool_schema(method, f"{name}.{method.__name__}", "model.episodes.environment")
-        super().__init__(ToolRunner([*tools, *methods], workers=0), prompt_field)
+        own = [  # refused naming the environment, not model.episodes.tools
+            load_tool(method, f"{name}.{method.__name__}", "model.episodes.environment")
+            for method in methods
+        ]
+        super().__init__(ToolRunner([*tools, *own], workers=0), prompt_field)
         self.instance = instance
 
     def _call(self, method: str, **arguments: Any) -> Any:
