@@ -227,9 +227,11 @@ def test_template_may_use_any_field_and_answer_and_prompt_fields_are_renamed(tok
     assert [item.row for item in dm.val_items] == kept
 
 
-def test_a_conversations_prompt_is_kept_under_prompt_and_a_rows_own_prompt_stays(tmp_path):
+def test_a_conversations_prompt_is_kept_under_prompt_and_a_rows_own_prompt_gives_way(tmp_path):
     """A ``messages`` row keeps the messages before its answer under "prompt" (what the built-in
-    tool environment starts from); a row with a "prompt" field of its own keeps it unchanged."""
+    tool environment starts from); a row's own "prompt" field that is not ``data.prompt_field``
+    gives way to the prompt, with a warning, so that an episode starts from what the option
+    names, as a single completion does."""
     from tests.chat_helpers import chat_tokenizer
 
     talk = [
@@ -241,8 +243,14 @@ def test_a_conversations_prompt_is_kept_under_prompt_and_a_rows_own_prompt_stays
     dm = make(chat_tokenizer(), path, val_file=str(path), batch_size=2)
     assert dm.val_items[0].row == {"messages": talk, "answer": "4", "prompt": talk[:2]}
     own = write_jsonl(tmp_path / "own.jsonl", [{"q": "2+2", "prompt": "mine", "answer": "4"}] * 2)
-    dm = make(chat_tokenizer(), own, prompt_field="q", val_file=str(own), batch_size=2)
-    assert dm.val_items[0].row == {"q": "2+2", "prompt": "mine", "answer": "4"}
+    with pytest.warns(UserWarning) as warned:
+        dm = make(chat_tokenizer(), own, prompt_field="q", val_file=str(own), batch_size=2)
+    assert dm.val_items[0].row == {"q": "2+2", "prompt": "2+2", "answer": "4"}
+    assert [str(w.message) for w in warned if "'prompt'" in str(w.message)] == [
+        "data.prompt_field='q': the rows also have a field 'prompt', which rewards and "
+        "environments do not get: the rows they get hold the 'q' prompt under 'prompt' (an "
+        "episode starts from it); rename the field to keep it"
+    ]
 
 
 def test_chat_template_with_system_prompt_and_a_single_bos(tok, tmp_path):

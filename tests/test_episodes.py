@@ -119,6 +119,48 @@ def test_tool_errors_are_counted_by_kind_over_the_episode():
     assert "Error: the tool call is malformed: it is not JSON" in episode.messages[-2]["content"]
 
 
+def test_a_call_escaping_half_a_surrogate_pair_is_an_error_the_model_reads():
+    """All ASCII, as a model writes it, but its JSON decodes to text no tokenizer can read: a
+    tool that echoed it would make a reply that cannot be tokenized. The call is malformed, the
+    episode goes on."""
+    tokenizer = chat_tokenizer()
+    half = '<tool_call>{"name": "echo", "arguments": {"text": "Paris \\ud83d"}}</tool_call>'
+    generate = Scripted(tokenizer, {"Echo": [half, SECOND]})
+    (episode,) = run_episodes(
+        generate, tokenizer, [ToolEnvironment(ToolRunner([tool_helpers.echo]))],
+        [{"prompt": "Echo"}], EpisodeLimits(4, 800), Stops((tokenizer.eos_token_id,)),
+    )  # fmt: skip
+    assert (episode.end, episode.turns, episode.tool_errors) == ("done", 2, {"malformed": 1})
+    assert "it escapes text that holds half a surrogate pair" in episode.messages[-2]["content"]
+
+
+class TakesTheAnswer(Environment):
+    """Takes the answer out of its row, and adds a hint to the row's own messages."""
+
+    def reset(self, row):
+        self.answer = row.pop("answer")
+        row["prompt"].append({"role": "user", "content": "Hint: it is even."})
+        return row["prompt"]
+
+    def step(self, turn):
+        return Step(reward=float(turn.strip() == self.answer), done=True)
+
+
+def test_each_episode_of_a_group_gets_its_own_copy_of_the_row():
+    """The episodes of a group share one row, which the rewards read after them: what one
+    environment does to its row reaches neither its siblings nor the row."""
+    tokenizer = chat_tokenizer()
+    row = {"prompt": [{"role": "user", "content": "Guess"}], "answer": "4"}
+    generate = Scripted(tokenizer, {"Guess": ["4<|im_end|>"] * 3})
+    episodes = run_episodes(
+        generate, tokenizer, [TakesTheAnswer() for _ in range(3)], [row] * 3,
+        EpisodeLimits(2, 400), Stops((tokenizer.eos_token_id,)),
+    )  # fmt: skip
+    assert [e.turn_rewards for e in episodes] == [[1.0]] * 3
+    assert [len(e.messages) for e in episodes] == [3] * 3  # user, hint, the model's answer
+    assert row == {"prompt": [{"role": "user", "content": "Guess"}], "answer": "4"}
+
+
 def test_the_turn_limit_ends_an_episode_after_the_models_turn():
     tokenizer = chat_tokenizer()
     generate = Scripted(tokenizer, {"go": ["a<|im_end|>", "b<|im_end|>", "c<|im_end|>"]})

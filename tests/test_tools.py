@@ -174,10 +174,19 @@ def test_no_call_gives_an_empty_list():
          "is not JSON that can be read (ValueError)"),
         ('{"name": "f", "arguments": "' + "[" * 100_000 + '"}',
          'has "arguments" that are not a JSON object'),
+        # half an escaped emoji: all ASCII, but no tokenizer can read what it decodes to
+        ('{"name": "echo", "arguments": {"text": "Paris \\ud83d"}}',
+         "escapes text that holds half a surrogate pair alone (U+D800-U+DFFF), which no "
+         "tokenizer can read"),
     ],
 )  # fmt: skip
 def test_malformed_calls_say_what_is_wrong(body, problem):
     assert parse_tool_calls(f"x <tool_call>{body}</tool_call> y") == [MalformedCall(body, problem)]
+
+
+def test_a_whole_escaped_surrogate_pair_is_text():
+    text = '<tool_call>{"name": "echo", "arguments": {"text": "\\ud83d\\ude00"}}</tool_call>'
+    assert parse_tool_calls(text) == [ToolCall("echo", {"text": "\U0001f600"})]
 
 
 def test_an_unclosed_call_is_malformed_and_a_good_one_before_it_stays():
@@ -232,7 +241,7 @@ FAILING_CALLS = [
      "Error: tool 'unprintable' raised Unprintable: (its message could not be written)"),
     (ToolCall("square_root", {"x": 4}), "unknown",
      "Error: unknown tool 'square_root'; the tools are multiply, divide, make_set, nested, "
-     "sleep, exit_worker, unprintable"),
+     "sleep, exit_worker, unprintable, cancelled, half_surrogate"),
     (ToolCall("multiply", {"a": 6}), "bad_arguments",
      "Error: tool 'multiply' got bad arguments: missing argument 'b'"),
     (ToolCall("make_set", {"n": 2}), "unrenderable",
@@ -241,14 +250,20 @@ FAILING_CALLS = [
     (ToolCall("nested", {"depth": 100_000}), "unrenderable",
      "Error: tool 'nested' returned a list, which is neither text nor JSON-serialisable "
      "(RecursionError: maximum recursion depth exceeded while encoding a JSON object)"),
+    (ToolCall("cancelled", {"n": 1}), "raised",  # a BaseException, as KeyboardInterrupt is
+     "Error: tool 'cancelled' raised CancelledError"),
+    (ToolCall("half_surrogate", {"n": 1}), "unrenderable",
+     "Error: tool 'half_surrogate' returned text that holds half a surrogate pair alone "
+     "(U+D800-U+DFFF), which no tokenizer can read"),
     (MalformedCall("{", "is not JSON (Expecting property name at character 1)"), "malformed",
      'Error: the tool call is malformed: it is not JSON (Expecting property name at character '
      '1); write <tool_call>{"name": ..., "arguments": {...}}</tool_call>'),
 ]  # fmt: skip
 TOOLS = [
     H + n
-    for n in ("multiply", "divide", "make_set", "nested", "sleep", "exit_worker", "unprintable")
-]
+    for n in ("multiply", "divide", "make_set", "nested", "sleep", "exit_worker", "unprintable",
+              "cancelled", "half_surrogate")
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("workers", [0, 2])
@@ -367,10 +382,12 @@ def test_worker_options_are_checked():
         ValueError, match=r"model.episodes.tool_workers must be an integer >= 0; got -1"
     ):
         ToolRunner(TOOLS, workers=-1)
-    with pytest.raises(
-        ValueError, match=r"model.episodes.tool_timeout must be null or > 0 seconds; got 0"
-    ):
-        ToolRunner(TOOLS, workers=1, timeout=0)
+    for timeout in (0, "5", True):
+        with pytest.raises(
+            ValueError,
+            match=rf"model.episodes.tool_timeout must be null or > 0 seconds; got {timeout!r}",
+        ):
+            ToolRunner(TOOLS, workers=1, timeout=timeout)
 
 
 def test_a_tool_that_does_not_pickle_runs_in_process_only():

@@ -96,6 +96,33 @@ def exit_worker(code: int) -> str:
     os._exit(code)
 
 
+async def cancelled(n: int) -> int:
+    """Cancel its own task, as an ``async def`` tool whose awaited call was cancelled does.
+
+    Args:
+        n: Ignored.
+    """
+    raise asyncio.CancelledError()
+
+
+def half_surrogate(n: int) -> str:
+    """Text with half a surrogate pair, as ``errors="surrogateescape"`` decoding gives.
+
+    Args:
+        n: Ignored.
+    """
+    return b"caf\xe9".decode("utf-8", errors="surrogateescape")
+
+
+def echo(text: str) -> str:
+    """Say the text back.
+
+    Args:
+        text: What to say.
+    """
+    return text
+
+
 class Unprintable(Exception):
     """An exception whose own ``__str__`` raises."""
 
@@ -222,6 +249,10 @@ class Counter:
 
     def _hidden(self) -> None:  # private: not a tool
         raise AssertionError("never called")
+
+    @property
+    def total(self) -> int:  # a property: not a tool, and never read to find the tools
+        raise AssertionError("never read")
 
 
 class AsyncCounter(Counter):

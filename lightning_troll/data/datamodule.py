@@ -223,6 +223,9 @@ class PromptDataModule(LightningDataModule):
             describe=self._describe,
             positions=self.row_source.positions.get(split),
         )
+        shadowed = formatter.shadowed(rows) if split == "train" else None
+        if shadowed is not None:
+            rank_zero_warn(shadowed)
         return formatter.prepare(rows, split)
 
     # ------------------------------------------------------------------------- loaders

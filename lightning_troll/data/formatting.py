@@ -87,16 +87,28 @@ class PromptFormatter:
 
     def kept(self, row: Mapping[str, Any]) -> dict[str, Any]:
         """The copy of ``row`` that rewards and environments get: its gold answer under
-        ``"answer"`` and, where it has no ``"prompt"`` field, its prompt under ``"prompt"`` (the
-        ``data.prompt_field`` text, or a conversation's messages before the answer), unformatted:
-        the built-in tool environment starts its episodes from it."""
+        ``"answer"`` and its prompt under ``"prompt"`` (the ``data.prompt_field`` text, or a
+        conversation's messages before the answer), unformatted, in place of any fields of those
+        names (:meth:`shadowed` names the prompt's): the built-in tool environment starts its
+        episodes from it."""
         kept = dict(row)
         if self.answer_field:
             kept["answer"] = row[self.answer_field]
-        if "prompt" not in kept:
-            conversation = self.conversation(row)
-            kept["prompt"] = row[self.prompt_field] if conversation is None else conversation
+        conversation = self.conversation(row)
+        kept["prompt"] = row[self.prompt_field] if conversation is None else conversation
         return kept
+
+    def shadowed(self, rows: list[dict[str, Any]]) -> str | None:
+        """The warning for rows with a ``"prompt"`` field that is not their prompt (another
+        ``data.prompt_field``): :meth:`kept` puts the prompt in its place; else None."""
+        source = self.field_of(rows)
+        if not rows or source == "prompt" or "prompt" not in rows[0]:
+            return None
+        return (
+            f"data.prompt_field={source!r}: the rows also have a field 'prompt', which rewards and "
+            f"environments do not get: the rows they get hold the {source!r} prompt under "
+            "'prompt' (an episode starts from it); rename the field to keep it"
+        )
 
     def field_of(self, rows: list[dict[str, Any]]) -> str:
         """The field the prompts come from: ``prompt_field``, or ``messages`` when the default

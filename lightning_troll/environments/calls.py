@@ -19,12 +19,13 @@ is a ``<tool_call>`` never closed.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple, get_args
 
-from lightning_troll.environments.tools import render_result
+from lightning_troll.environments.tools import NOT_TEXT, is_text, render_result
 from lightning_troll.rewards.calls import awaited, describe, short
 
 __all__ = [
@@ -86,6 +87,8 @@ def _call_of(body: str) -> ToolCall | MalformedCall:
             return MalformedCall(body, 'has "arguments" that are not a JSON object')
     if not isinstance(arguments, dict):
         return MalformedCall(body, 'has "arguments" that are not a JSON object')
+    if not is_text(json.dumps([name, arguments], ensure_ascii=False)):
+        return MalformedCall(body, f"escapes text that {NOT_TEXT}")
     return ToolCall(name, arguments)
 
 
@@ -139,7 +142,9 @@ def run_tool(function: Callable[..., Any], arguments: Mapping[str, Any]) -> Tool
     worker (:mod:`lightning_troll.environments.tool_workers`)."""
     try:
         value = awaited(function(**arguments))  # an ``async def`` tool's coroutine run to its end
-    except (Exception, SystemExit) as exc:  # a tool may raise anything, or call sys.exit
+    except (Exception, SystemExit, GeneratorExit, asyncio.CancelledError) as exc:
+        # a tool may raise anything, call sys.exit, or cancel its own task: only
+        # KeyboardInterrupt stops the run
         problem = short(f"raised {describe(exc)}", _PROBLEM_CHARACTERS)
         return ToolOutcome("", problem, "raised")
     text, problem = render_result(value)

@@ -68,6 +68,13 @@ class EnvironmentFactory:
                 "state, so every tool call runs in the trainer's process; set "
                 "model.episodes.tool_workers 0 (and model.episodes.tool_timeout null)"
             )
+        if tool_workers and not tools:
+            raise ValueError(
+                f"model.episodes.tool_workers={tool_workers!r} with model.episodes.environment="
+                f"{environment!r}, which runs no tools of model.episodes.tools: the workers "
+                "would have no call to run; set model.episodes.tool_workers 0 (and "
+                "model.episodes.tool_timeout null), or list the tools"
+            )
         self.tools = list(tools)
         """The tools of ``model.episodes.tools``."""
         self.runner = ToolRunner(tools, tool_workers, tool_timeout) if tools else None

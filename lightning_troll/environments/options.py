@@ -7,6 +7,7 @@ torch.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 __all__ = ["EpisodesConfig", "check_tool_workers"]
@@ -17,7 +18,9 @@ def check_tool_workers(workers: int, timeout: float | None) -> None:
     seconds that needs a worker (a call in the trainer's own process cannot be abandoned)."""
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
         raise ValueError(f"model.episodes.tool_workers must be an integer >= 0; got {workers!r}")
-    if timeout is not None and (isinstance(timeout, bool) or not timeout > 0):
+    if timeout is not None and (
+        isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout > 0
+    ):
         raise ValueError(
             f"model.episodes.tool_timeout must be null or > 0 seconds; got {timeout!r}"
         )
@@ -43,7 +46,7 @@ class EpisodesConfig:
     max_turns: int = 4
     """Model turns per episode, >= 1."""
     tool_workers: int = 0
-    """Worker processes that run tool calls; 0 runs them in the trainer's process."""
+    """Worker processes that run the calls of ``tools``; 0 runs them in the trainer's process."""
     tool_timeout: float | None = None
     """Seconds a tool call may take in a worker before the model reads a timeout error (needs
     tool_workers >= 1); null: no limit."""

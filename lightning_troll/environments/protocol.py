@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_troll.environments.calls import TOOL_ERROR_KINDS
+from lightning_troll.environments.tools import NOT_TEXT, is_text
 from lightning_troll.rewards.calls import as_float, describe
 from lightning_troll.rewards.lookup import load_by_import_path
 
@@ -130,6 +131,8 @@ def check_messages(messages: object, what: str) -> None:
         for key in ("role", "content"):
             if not isinstance(message.get(key), str):
                 raise ValueError(f"{what}: message {i} needs a string {key!r}; got {message!r:.80}")
+            if not is_text(message[key]):
+                raise ValueError(f"{what}: message {i}'s {key!r} {NOT_TEXT}")
 
 
 @dataclass(frozen=True)
@@ -157,6 +160,8 @@ class Step:
             raise ValueError(
                 f"Step.reward must be a number finite in float32, or None; got {self.reward!r}"
             )
+        if isinstance(self.observation, str) and not is_text(self.observation):
+            raise ValueError(f"Step.observation {NOT_TEXT}")
         if not (self.observation is None or isinstance(self.observation, str)):
             check_messages(self.observation, "Step.observation (a string, messages or None)")
         if not isinstance(self.role, str):
@@ -184,8 +189,8 @@ class Environment:
         return ()
 
     def reset(self, row: Mapping[str, Any]) -> Sequence[Mapping[str, Any]] | str:
-        """Starts an episode from a data row: the conversation the model answers first (messages),
-        or a plain prompt string."""
+        """Starts an episode from a data row (its own copy: it may change it): the conversation
+        the model answers first (messages), or a plain prompt string."""
         raise NotImplementedError(f"{type(self).__name__} must define reset(row)")
 
     def step(self, turn: str) -> Step:

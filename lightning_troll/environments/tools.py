@@ -32,7 +32,9 @@ from typing import Any
 from lightning_troll.rewards.calls import describe
 from lightning_troll.rewards.lookup import load_by_import_path
 
-__all__ = ["Tool", "check_arguments", "load_tool", "load_tools", "render_result", "tool_schema"]
+__all__ = [
+    "NOT_TEXT", "Tool", "check_arguments", "is_text", "load_tool", "load_tools", "render_result", "tool_schema"
+]  # fmt: skip
 
 OPTION = "model.episodes.tools"
 """The option that lists the tools, as errors name it."""
@@ -166,14 +168,34 @@ def check_arguments(tool: Tool, arguments: Mapping[str, Any]) -> str | None:
 
 def render_result(value: Any) -> tuple[str | None, str | None]:
     """``(text, None)``: a string as it is, anything JSON-serialisable as JSON; ``(None,
-    problem)`` for a value that is neither, or whose rendering raised anything at all (a
-    circular or too deeply nested structure, a subclass whose methods raise): it never raises."""
+    problem)`` for a value that is neither, whose rendering raised anything at all (a circular or
+    too deeply nested structure, a subclass whose methods raise), or whose text is not
+    :func:`is_text`: it never raises."""
     if isinstance(value, str):
-        return value, None
+        text = value
+    else:
+        try:
+            text = json.dumps(value, ensure_ascii=False)
+        except Exception as exc:  # noqa: BLE001 - not serialisable, circular, nested past the stack
+            return None, (
+                f"returned a {type(value).__name__}, which is neither text nor JSON-serialisable "
+                f"({describe(exc)})"
+            )
+    if not is_text(text):
+        return None, f"returned text that {NOT_TEXT}"
+    return text, None
+
+
+NOT_TEXT = "holds half a surrogate pair alone (U+D800-U+DFFF), which no tokenizer can read"
+"""Why a string that is not :func:`is_text` is refused, as a sentence's end."""
+
+
+def is_text(text: str) -> bool:
+    """Whether ``text`` can be written as UTF-8: no half of a surrogate pair alone (which JSON's
+    ``\\ud83d`` escapes and ``errors="surrogateescape"`` decoding give), since a tokenizer
+    cannot read it."""
     try:
-        return json.dumps(value, ensure_ascii=False), None
-    except Exception as exc:  # noqa: BLE001 - not serialisable, circular, nested past the stack
-        return None, (
-            f"returned a {type(value).__name__}, which is neither text nor JSON-serialisable "
-            f"({describe(exc)})"
-        )
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

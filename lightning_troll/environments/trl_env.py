@@ -64,11 +64,13 @@ NOT_TOOLS = ("reset", "get_reward")
 
 def tool_methods(instance: Any) -> list[Callable[..., Any]]:
     """The bound public methods of ``instance`` that are its tools (all but :data:`NOT_TOOLS`),
-    by name."""
+    by name; read from its class without running its properties (a user's, which may raise)."""
     return [
-        method
-        for name, method in inspect.getmembers(instance, predicate=inspect.ismethod)
-        if not name.startswith("_") and name not in NOT_TOOLS
+        getattr(instance, name)
+        for name, member in inspect.getmembers_static(type(instance))
+        if not name.startswith("_")
+        and name not in NOT_TOOLS
+        and (inspect.isfunction(member) or isinstance(member, classmethod))
     ]
 
 

@@ -71,13 +71,13 @@ class Outcome(NamedTuple):
 
 
 def describe(exc: BaseException) -> str:
-    """``Type: message`` of an exception, whatever its own ``__str__`` does (a user's exception
-    may raise there too)."""
+    """``Type: message`` of an exception (``Type`` alone when it has no message), whatever its
+    own ``__str__`` does (a user's exception may raise there too)."""
     try:
         text = str(exc)
     except Exception:  # noqa: BLE001 - any failure of a user's __str__
         text = "(its message could not be written)"
-    return f"{type(exc).__name__}: {text}"
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def short(text: str, limit: int = 80) -> str:

@@ -30,6 +30,7 @@ Notation: B episodes, T_i episode i's response (model and environment tokens), T
 
 from __future__ import annotations
 
+import copy
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -203,7 +204,8 @@ class _Running:
         self.environment = environment
         self.name = type(environment).__name__
         schemas = getattr(environment, "tool_schemas", ())
-        start = call_environment(environment, "reset", row)
+        # its own copy: the episodes of a group share one row, which the rewards read after
+        start = call_environment(environment, "reset", copy.deepcopy(row))
         try:
             self.conversation = Conversation(tokenizer, start, schemas)
             self.prompt_ids = self.conversation.prompt_ids
