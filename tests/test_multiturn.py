@@ -153,6 +153,45 @@ def test_episodes_train_from_the_command_line(tmp_path, tiny_model_dir, monkeypa
     assert "val/accuracy" in cli.trainer.logged_metrics  # validated on episodes too
 
 
+def test_prompt_formatting_that_episodes_would_not_use_is_refused(tmp_path, monkeypatch, capsys):
+    """``data.system_prompt`` and ``data.template`` format single completions' prompts; an
+    episode's environment writes its own conversation from the row, so with ``model.episodes``
+    they are refused by the command before the model loads (a model that does not exist is
+    never reached), and by a module fitted in Python on a DataModule built apart."""
+    from lightning_troll.training.preflight import check_episode_prompts, check_fit_data
+    from tests.conftest import refused_here
+    from tests.test_cli import ROOT
+
+    episodes = EpisodesConfig(environment="tests.tool_helpers:ThreePlainTurns")
+    check_episode_prompts(None, "Q: {prompt}", "Be brief.")  # single completions use both
+    check_episode_prompts(episodes, "{prompt}", None)
+    message = (
+        "data.system_prompt='Be brief.' does not apply to model.episodes: an episode's "
+        "environment writes its conversation from the data row (the built-in one from the row's "
+        "prompt, unformatted), so the model would never read it; set data.system_prompt to None, "
+        "and put a system message or the wording in the rows' messages, or in the environment's "
+        "reset"
+    )
+    base = ["fit", "--config", str(ROOT / "configs" / "tinymath.yaml"),
+            "--model.model", str(tmp_path / "no_model"),
+            "--model.episodes.environment", "tests.tool_helpers:ThreePlainTurns"]  # fmt: skip
+    monkeypatch.syspath_prepend(str(ROOT))
+    stderr = refused_here(
+        [*base, "--data.system_prompt", "Be brief."], tmp_path, monkeypatch, capsys
+    )
+    assert message in stderr and "no_model" not in stderr
+    stderr = refused_here([*base, "--data.template", "Q: {prompt}"], tmp_path, monkeypatch, capsys)
+    assert "data.template='Q: {prompt}' does not apply to model.episodes" in stderr
+    assert "set data.template to '{prompt}'" in stderr
+
+    class Data:
+        source, batch_size, template, system_prompt = "tinymath", 2, "{prompt}", "Be brief."
+
+    check_fit_data(None, None, 4, Data())  # no episodes: nothing to refuse
+    with pytest.raises(ValueError, match=r"^data.system_prompt='Be brief.' does not apply"):
+        check_fit_data(None, None, 4, Data(), episodes)
+
+
 def test_episodes_options_are_checked_before_the_model_loads():
     with pytest.raises(ValueError, match=r"model.episodes.max_turns must be >= 1; got 0"):
         EpisodesConfig(environment="x:y", max_turns=0)

@@ -21,9 +21,11 @@ from lightning_troll.callbacks import (
 from lightning_troll.callbacks.refresh_options import check_refresh
 from lightning_troll.data.datamodule import PromptDataModule
 from lightning_troll.data.preflight import check_data_files, check_hub_dataset
+from lightning_troll.data.prompts import PLAIN_TEMPLATE
 from lightning_troll.models.loading import check_reachable
 from lightning_troll.rewards.registry import resolve_reward
 from lightning_troll.training.preflight import (
+    check_episode_prompts,
     check_module_options,
     check_rollout_split,
     task_rewards,
@@ -240,6 +242,9 @@ def check_task(config) -> None:
         resolve_reward(spec)
     minibatch = (model.get("optimization") or {}).get("minibatch_size")
     check_rollout_split(minibatch, data.get("batch_size"), model.get("group_size"))
+    check_episode_prompts(
+        model.get("episodes"), data.get("template", PLAIN_TEMPLATE), data.get("system_prompt")
+    )
     if not config.get("ckpt_path"):  # resuming, the checkpoint's stored model.model is used
         check_reachable(model.get("model") or "tinymath")
     try:

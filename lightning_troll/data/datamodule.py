@@ -22,6 +22,7 @@ from transformers import PreTrainedTokenizerBase
 
 from lightning_troll.data.formatting import PromptFormatter
 from lightning_troll.data.prompts import (
+    PLAIN_TEMPLATE,
     EpochShuffleSampler,
     PromptBatch,
     PromptItem,
@@ -97,7 +98,7 @@ class PromptDataModule(LightningDataModule):
         val_split: str = "test",
         prompt_field: str = "prompt",
         answer_field: str | None = "answer",
-        template: str = "{prompt}",
+        template: str = PLAIN_TEMPLATE,
         chat_template: bool | None = None,
         system_prompt: str | None = None,
         tokenizer: str | PreTrainedTokenizerBase = "tinymath",

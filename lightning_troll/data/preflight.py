@@ -26,12 +26,17 @@ from typing import Any
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_troll.data.formatting import PromptFormatter
-from lightning_troll.data.prompts import check_file, looks_like_file, read_rows_with_lines
+from lightning_troll.data.prompts import (
+    PLAIN_TEMPLATE,
+    check_file,
+    looks_like_file,
+    read_rows_with_lines,
+)
 from lightning_troll.data.sources import check_holdout
 
 __all__ = ["check_data_files", "check_hub_dataset"]
 
-_DEFAULTS = {"prompt_field": "prompt", "answer_field": None, "template": "{prompt}"}
+_DEFAULTS = {"prompt_field": "prompt", "answer_field": None, "template": PLAIN_TEMPLATE}
 
 
 def _formatter(data: Mapping[str, Any]) -> PromptFormatter:

@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 __all__ = [
     "FILE_SUFFIXES",
+    "PLAIN_TEMPLATE",
     "EpochShuffleSampler",
     "PromptBatch",
     "PromptItem",
@@ -32,6 +33,8 @@ __all__ = [
 ]
 
 FILE_SUFFIXES = (".json", ".jsonl", ".parquet")
+PLAIN_TEMPLATE = "{prompt}"
+"""``data.template``'s default: the prompt as it is."""
 # Suffixes that mean "a data file" even though this module cannot read them.
 _OTHER_DATA_SUFFIXES = (".csv", ".tsv", ".txt", ".arrow", ".gz", ".zst", ".xlsx")
 

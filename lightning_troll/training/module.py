@@ -289,8 +289,8 @@ class TrollModule(LightningModule):
         """Before fitting, the checks the command makes before the model loads, for a module and
         a DataModule built apart in Python (see ``check_fit_data``)."""
         if stage == "fit" and self._trainer is not None and self.trainer.datamodule is not None:
-            rewards, minibatch = self.hparams.get("rewards"), self.optimization.minibatch_size
-            check_fit_data(rewards, minibatch, self.group_size, self.trainer.datamodule)
+            options = self.hparams.get("rewards"), self.optimization.minibatch_size, self.group_size
+            check_fit_data(*options, self.trainer.datamodule, self.hparams.get("episodes"))
         if stage == "fit":
             check_engine_processes(self.engine, world_size(self))
 

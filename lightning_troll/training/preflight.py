@@ -6,6 +6,7 @@ No Lightning here.
 
 from __future__ import annotations
 
+from lightning_troll.data.prompts import PLAIN_TEMPLATE
 from lightning_troll.objectives import OBJECTIVES
 from lightning_troll.objectives.advantages import (
     BASELINES,
@@ -17,6 +18,7 @@ from lightning_troll.rollouts.engine import engine_class
 
 __all__ = [
     "GROUP_ESTIMATORS",
+    "check_episode_prompts",
     "check_fit_data",
     "check_module_options",
     "check_rollout_split",
@@ -111,12 +113,40 @@ def check_rollout_split(minibatch_size: int | None, batch_size: int, group_size:
 
 
 def check_fit_data(
-    rewards: dict[str, float] | None, minibatch_size: int | None, group_size: int, data: object
+    rewards: dict[str, float] | None,
+    minibatch_size: int | None,
+    group_size: int,
+    data: object,
+    episodes: object = None,
 ) -> None:
     """The module's options against the DataModule it fits on (``data``): a reward for data other
-    than TinyMath (:func:`task_rewards`), a minibatch no larger than the rollout."""
+    than TinyMath (:func:`task_rewards`), a minibatch no larger than the rollout, no prompt
+    formatting that episodes would not use (:func:`check_episode_prompts`)."""
     if rewards is None:
         task_rewards(None, getattr(data, "source", type(data).__name__))
     batch_size = getattr(data, "batch_size", None)
     if isinstance(batch_size, int):
         check_rollout_split(minibatch_size, batch_size, group_size)
+    check_episode_prompts(
+        episodes, getattr(data, "template", PLAIN_TEMPLATE), getattr(data, "system_prompt", None)
+    )
+
+
+def check_episode_prompts(episodes: object, template: str, system_prompt: str | None) -> None:
+    """Refuses ``data.template`` and ``data.system_prompt`` with ``model.episodes``: an episode's
+    environment writes its conversation from the row (its ``reset``), so neither would reach the
+    model."""
+    if episodes is None:
+        return
+    for option, value, unset in (
+        ("data.system_prompt", system_prompt, None),
+        ("data.template", template, PLAIN_TEMPLATE),
+    ):
+        if value != unset:
+            raise ValueError(
+                f"{option}={value!r} does not apply to model.episodes: an episode's environment "
+                "writes its conversation from the data row (the built-in one from the row's "
+                f"prompt, unformatted), so the model would never read it; set {option} to "
+                f"{unset if unset is None else repr(unset)}, and put a system message or the "
+                "wording in the rows' messages, or in the environment's reset"
+            )
