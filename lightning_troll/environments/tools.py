@@ -33,8 +33,15 @@ from lightning_troll.rewards.calls import describe
 from lightning_troll.rewards.lookup import load_by_import_path
 
 __all__ = [
-    "NOT_TEXT", "Tool", "check_arguments", "is_text", "load_tool", "load_tools", "render_result", "tool_schema"
-]  # fmt: skip
+    "NOT_TEXT",
+    "Tool",
+    "check_arguments",
+    "is_text",
+    "load_tool",
+    "load_tools",
+    "render_result",
+    "tool_schema",
+]
 
 OPTION = "model.episodes.tools"
 """The option that lists the tools, as errors name it."""
