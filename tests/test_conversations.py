@@ -5,6 +5,7 @@ the gold answer and the other columns reaching reward functions in ``row``."""
 
 from __future__ import annotations
 
+import json
 import string
 
 import pytest
@@ -41,8 +42,10 @@ def assistant(text: str) -> dict:
 
 
 def texts(rows: list[dict], tok, tmp_path, **options) -> list[str]:
-    """The prompt texts ``rows`` become (as validation rows, in order)."""
-    path = write_jsonl(tmp_path / "rows.jsonl", rows)
+    """The prompt texts ``rows`` become (as validation rows, in order); the file escapes what is
+    not ASCII, as ``json.dumps`` does, so that half a surrogate pair can be written."""
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
     dm = PromptDataModule(
         str(path), tokenizer=tok, val_file=str(path), batch_size=1, max_prompt_tokens=200, **options
     )
@@ -170,9 +173,13 @@ def test_a_conversation_with_a_tokenizer_without_chat_template_is_named(tmp_path
     ("prompt", "message"),
     [
         ([], "holds an empty conversation"),
-        (["2+2?"], "message 0 is '2+2?', not a {'role': ..., 'content': ...} mapping"),
-        ([{"role": "human", "content": "2+2?"}], "message 0 has role 'human'"),
-        ([{"role": "user", "content": None}], "a NoneType content"),
+        (["2+2?"], "message 0 is a str ('2+2?'); a message is a mapping"),
+        (
+            [{"role": "human", "content": "2+2?"}],
+            "message 0 has role 'human'; roles are system, user, assistant, tool",
+        ),
+        ([{"role": "user", "content": None}], "message 0 needs a string 'content'"),
+        ([user("caf\udce9?")], "message 0's 'content' holds half a surrogate pair alone"),
         ([assistant("4")], "has no user turn to answer"),
         (42, "holds a int (42), not text or a list of {role, content} messages"),
     ],
@@ -182,6 +189,23 @@ def test_malformed_conversations_are_refused_by_row(prompt, message, chat_tok, t
     with pytest.raises(ValueError, match="row 1") as error:
         texts(rows, chat_tok, tmp_path, chat_template=True)
     assert message in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("row", "at"),
+    [
+        ({"prompt": "caf\udce9?", "answer": "4"}, "(at 'caf\\udce9? ')"),
+        ({"prompt": [user("2+2?")], "extra": "x\ud83d", "answer": "4"}, "2+2? x\\ud83d"),
+    ],
+)
+def test_a_prompt_that_no_tokenizer_can_read_is_refused_by_row(row, at, chat_tok, tmp_path):
+    """Half a surrogate pair, in the prompt or in a field the template brings into a conversation's
+    last message, is refused naming the row and showing where, not passed to the tokenizer."""
+    rows = [{"prompt": "1+1?", "answer": "2", "extra": ""}, {"extra": "", **row}]
+    with pytest.raises(ValueError, match="row 1 of ") as error:
+        texts(rows, chat_tok, tmp_path, template="{prompt} {extra}")
+    message = str(error.value)
+    assert "holds half a surrogate pair alone (U+D800-U+DFFF)" in message and at in message
 
 
 def test_an_empty_validation_set_is_refused(chat_tok, tmp_path):

@@ -18,6 +18,7 @@ from lightning_troll.environments import (
     parse_tool_calls,
 )
 from lightning_troll.environments.protocol import EnvironmentFailure
+from lightning_troll.environments.tools import tool_schema
 from lightning_troll.rollouts.episodes import (
     EpisodeLimits,
     GeneratedTurn,
@@ -576,16 +577,48 @@ def test_an_environment_that_raises_is_named_with_the_method_and_the_error():
         def reset(self, row):
             return [{"role": "user"}]
 
+    class BadTools(tool_helpers.Countdown):
+        @property
+        def tool_schemas(self):
+            raise AttributeError("no tools yet")
+
     expected = [
         (BadReset, "the environment BadReset.reset raised KeyError: 'answer'"),
         (BadStep, "the environment BadStep.step raised Unprintable: (its message could not be "),
         (BadClose, "the environment BadClose.close raised OSError: the sandbox is gone"),
         (BadStart, "the episode BadStart.reset started: reset(row) (a plain prompt string, or "
          "messages): message 0 needs a string 'content'"),
+        (BadTools, "the environment BadTools.tool_schemas raised AttributeError: no tools yet"),
     ]  # fmt: skip
     for environment, message in expected:
         with pytest.raises(EnvironmentFailure, match=re.escape(message)):
             run(environment())
+
+
+def test_an_environment_chooses_its_tools_in_reset():
+    """``tool_schemas`` is read after ``reset``: an environment that picks an episode's tools
+    from its row shows the model those tools, and only those."""
+    tokenizer = chat_tokenizer()
+
+    class PerRowTools(tool_helpers.Countdown):
+        @property
+        def tool_schemas(self):
+            return self.tools  # set by reset: before it, reading raises AttributeError
+
+        def reset(self, row):
+            self.tools = [tool_schema(getattr(tool_helpers, row["tool"]), row["tool"])]
+            return super().reset(row)
+
+    generate = Scripted(tokenizer, {"go": ["a<|im_end|>"] * 2})
+    rows = [
+        {"prompt": "go", "turns": 1, "tool": "multiply"},
+        {"prompt": "go", "turns": 1, "tool": "divide"},
+    ]
+    episodes = run_episodes(generate, tokenizer, [PerRowTools(), PerRowTools()], rows,
+                            EpisodeLimits(3, 400), Stops((tokenizer.eos_token_id,)))  # fmt: skip
+    prompts = [tokenizer.decode(e.prompt_ids, skip_special_tokens=False) for e in episodes]
+    assert '"name": "multiply"' in prompts[0] and '"name": "divide"' not in prompts[0]
+    assert '"name": "divide"' in prompts[1] and '"name": "multiply"' not in prompts[1]
 
 
 STRICT = (

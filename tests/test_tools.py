@@ -224,6 +224,37 @@ def test_nullable_and_enum_arguments():
     )
 
 
+def place(at: tuple[int, str], scores: dict[str, float], tags: list[int] | None = None) -> str:
+    """Place a piece.
+
+    Args:
+        at: The row and the column's letter.
+        scores: The score of each player.
+        tags: Numbers to tag the piece with.
+    """
+    return "ok"
+
+
+@pytest.mark.parametrize(
+    ("arguments", "problem"),
+    [
+        ({"at": [2, "b"], "scores": {"ann": 1, "bo": 0.5}, "tags": None}, None),
+        ({"at": [2, "b", 3], "scores": {}}, "argument 'at' should be an array of 2 items, got 3"),
+        ({"at": ["b", 2], "scores": {}}, "argument 'at' item 0 should be integer, got string 'b'"),
+        (
+            {"at": [2, "b"], "scores": {"ann": "high"}},
+            "argument 'scores' key 'ann' should be number, got string 'high'",
+        ),
+        ({"at": [2, "b"], "scores": {}, "tags": [1, 2.5]}, "argument 'tags' item 1 should be "
+         "integer, got number 2.5"),
+    ],
+)  # fmt: skip
+def test_tuple_mapping_and_list_arguments_are_checked_item_by_item(arguments, problem):
+    """A tuple's items by position (transformers writes it as ``prefixItems``), a mapping's values
+    (``additionalProperties``) and a list's items, each named where it does not fit."""
+    assert check_arguments(load_tool(place), arguments) == problem
+
+
 def test_results_render_as_text_or_json():
     assert render_result("42") == ("42", None)
     assert render_result(42.0) == ("42.0", None)

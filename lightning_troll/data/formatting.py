@@ -24,9 +24,10 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from lightning_troll.data.messages import NOT_TEXT, ROLES, check_messages, is_text
 from lightning_troll.data.prompts import PromptItem, template_fields
 
-__all__ = ["ROLES", "PromptFormatter", "check_messages"]
+__all__ = ["PromptFormatter"]
 
 
 @dataclass(frozen=True)
@@ -167,7 +168,10 @@ class PromptFormatter:
                     f"{type(value).__name__} ({value!r:.40}), not text or a list of "
                     "{role, content} messages"
                 )
-            check_messages(value, f"data.prompt_field={source!r}: row {self.number(i)} of {where}")
+            at = f"data.prompt_field={source!r}: row {self.number(i)} of {where}"
+            if not value:
+                raise ValueError(f"{at} holds an empty conversation")
+            check_messages(value, at, ROLES)
             if self.chat_template is False:
                 raise ValueError(
                     f"data.chat_template=false, but row {self.number(i)} of {where} is a "
@@ -190,20 +194,25 @@ class PromptFormatter:
     def format(self, row: Mapping[str, Any], index: int, split: str) -> str:
         messages = self.conversation(row)
         if messages is not None:
-            return self._format_messages(messages, row, index, split)
+            text = self._format_messages(messages, row, index, split)
+        else:
+            text = self._format_text(row, index, split)
+        if not is_text(text):  # e.g. a JSON "\ud800" escape in a field the prompt reads
+            at = next(i for i, c in enumerate(text) if not is_text(c))
+            raise ValueError(
+                f"data.source: {split} row {index} of {self.describe(split)} {NOT_TEXT} "
+                f"(at {text[max(at - 30, 0) : at + 30]!r}); fix or drop the row"
+            )
+        return text
+
+    def _format_text(self, row: Mapping[str, Any], index: int, split: str) -> str:
+        """A plain prompt: ``data.template`` over the row, then the chat template if it is used."""
         try:
             text = self.template.format_map({**row, "prompt": row[self.prompt_field]})
         except (AttributeError, IndexError, KeyError, TypeError, ValueError) as exc:
             raise ValueError(
                 f"data.template={self.template!r} cannot format {split} row {index} "
                 f"({type(exc).__name__}: {exc})"
-            ) from exc
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as exc:  # a lone surrogate, e.g. from a JSON "\ud800" escape
-            raise ValueError(
-                f"data.source: {split} row {index} of {self.describe(split)} is not valid Unicode "
-                f"text ({exc.reason} at position {exc.start} of {text[:60]!r}); fix or drop the row"
             ) from exc
         if not self._uses_chat(row):
             return text
@@ -250,25 +259,3 @@ class PromptFormatter:
         return self.tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, tokenize=False
         )
-
-
-ROLES = ("system", "user", "assistant", "tool")
-
-
-def check_messages(messages: list[Any], where: str) -> None:
-    """Refuses a conversation that is not a non-empty list of ``{role, content}`` messages with a
-    known role and text content."""
-    if not messages:
-        raise ValueError(f"{where} holds an empty conversation")
-    for j, message in enumerate(messages):
-        if not isinstance(message, Mapping) or not {"role", "content"} <= set(message):
-            raise ValueError(
-                f"{where}: message {j} is {message!r:.60}, not a {{'role': ..., 'content': ...}} "
-                "mapping"
-            )
-        if message["role"] not in ROLES or not isinstance(message["content"], str):
-            raise ValueError(
-                f"{where}: message {j} has role {message['role']!r} and a "
-                f"{type(message['content']).__name__} content; roles are {', '.join(ROLES)} and "
-                "content is text"
-            )

@@ -25,7 +25,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple, get_args
 
-from lightning_troll.environments.tools import NOT_TEXT, is_text, render_result
+from lightning_troll.data.messages import NOT_TEXT, is_text
+from lightning_troll.environments.tools import render_result
 from lightning_troll.rewards.calls import awaited, describe, short
 
 __all__ = [

@@ -37,8 +37,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from lightning_troll.data.messages import NOT_TEXT, check_messages, is_text
 from lightning_troll.environments.calls import TOOL_ERROR_KINDS
-from lightning_troll.environments.tools import NOT_TEXT, is_text
 from lightning_troll.rewards.calls import as_float, describe
 from lightning_troll.rewards.lookup import load_by_import_path
 
@@ -47,12 +47,12 @@ __all__ = [
     "EnvironmentFailure",
     "Step",
     "call_environment",
-    "check_messages",
     "closed_on_failure",
     "is_finite_reward",
     "is_trl_environment",
     "load_environment",
     "make_environment",
+    "tool_schemas_of",
 ]
 
 OPTION = "model.episodes.environment"
@@ -75,6 +75,20 @@ def call_environment(environment: Any, method: str, *args: Any) -> Any:
     except Exception as error:  # an environment is a user's code: it may raise anything
         raise EnvironmentFailure(
             f"the environment {type(environment).__name__}.{method} raised {describe(error)}"
+        ) from error
+
+
+def tool_schemas_of(environment: Any) -> Any:
+    """``environment.tool_schemas``, read after its ``reset`` (which may choose the episode's
+    tools); none if it has no such attribute. What reading it raises becomes an
+    :class:`EnvironmentFailure` that names the environment."""
+    if inspect.getattr_static(environment, "tool_schemas", None) is None:
+        return ()
+    try:
+        return environment.tool_schemas
+    except Exception as error:  # a user's property: it may raise anything
+        raise EnvironmentFailure(
+            f"the environment {type(environment).__name__}.tool_schemas raised {describe(error)}"
         ) from error
 
 
@@ -115,24 +129,6 @@ def is_finite_reward(value: object) -> bool:
         and isinstance(value, numbers.Real)
         and (as_float(value) is not None)
     )
-
-
-def check_messages(messages: object, what: str) -> None:
-    """Refuses ``messages`` unless they are a list of ``{"role": str, "content": str}`` mappings,
-    saying which one is wrong; ``what`` names where they came from."""
-    if isinstance(messages, str | bytes) or not isinstance(messages, Sequence):
-        raise ValueError(f"{what} must be a list of messages; got a {type(messages).__name__}")
-    for i, message in enumerate(messages):
-        if not isinstance(message, Mapping):
-            raise ValueError(
-                f"{what}: message {i} is a {type(message).__name__} ({message!r:.60}); a message "
-                'is a mapping {"role": ..., "content": ...}'
-            )
-        for key in ("role", "content"):
-            if not isinstance(message.get(key), str):
-                raise ValueError(f"{what}: message {i} needs a string {key!r}; got {message!r:.80}")
-            if not is_text(message[key]):
-                raise ValueError(f"{what}: message {i}'s {key!r} {NOT_TEXT}")
 
 
 @dataclass(frozen=True)
@@ -185,7 +181,8 @@ class Environment:
 
     @property
     def tool_schemas(self) -> Sequence[Mapping[str, Any]]:
-        """The JSON schemas of the tools the prompt shows the model (none here)."""
+        """The JSON schemas of the tools the prompt shows the model (none here), read after each
+        :meth:`reset`."""
         return ()
 
     def reset(self, row: Mapping[str, Any]) -> Sequence[Mapping[str, Any]] | str:

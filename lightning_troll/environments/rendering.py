@@ -33,8 +33,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_troll.data.messages import check_messages
 from lightning_troll.environments.calls import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
-from lightning_troll.environments.protocol import EnvironmentFailure, check_messages
+from lightning_troll.environments.protocol import EnvironmentFailure
 from lightning_troll.rewards.calls import describe
 
 __all__ = [

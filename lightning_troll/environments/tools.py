@@ -29,14 +29,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_troll.data.messages import NOT_TEXT, is_text
 from lightning_troll.rewards.calls import describe
 from lightning_troll.rewards.lookup import load_by_import_path
 
 __all__ = [
-    "NOT_TEXT",
     "Tool",
     "check_arguments",
-    "is_text",
     "load_tool",
     "load_tools",
     "render_result",
@@ -132,8 +131,9 @@ def _type_name(value: Any) -> str:
 
 
 def _mismatch(value: Any, schema: Mapping[str, Any]) -> str | None:
-    """Why ``value`` (parsed JSON) does not fit ``schema`` (type, nullable, enum, array items);
-    None when it fits. Types the check does not know pass."""
+    """Why ``value`` (parsed JSON) does not fit ``schema`` (type, nullable, enum, the items of an
+    array or a tuple, the values of a mapping); None when it fits. Types the check does not know
+    pass."""
     if value is None and schema.get("nullable"):
         return None
     if "enum" in schema and value not in schema["enum"]:
@@ -148,11 +148,21 @@ def _mismatch(value: Any, schema: Mapping[str, Any]) -> str | None:
         ]
         if not any(fits):
             return f"should be {' or '.join(known)}, got {_type_name(value)} {value!r:.40}"
-    if isinstance(value, list) and isinstance(schema.get("items"), Mapping):
-        for i, item in enumerate(value):
-            problem = _mismatch(item, schema["items"])
-            if problem is not None:
-                return f"item {i} {problem}"
+    if isinstance(value, list) and isinstance(schema.get("prefixItems"), list):  # a tuple
+        items = schema["prefixItems"]
+        if len(value) != len(items):
+            return f"should be an array of {len(items)} items, got {len(value)}"
+        pairs = [(f"item {i}", v, s) for i, (v, s) in enumerate(zip(value, items, strict=True))]
+    elif isinstance(value, list) and isinstance(schema.get("items"), Mapping):
+        pairs = [(f"item {i}", v, schema["items"]) for i, v in enumerate(value)]
+    elif isinstance(value, dict) and isinstance(schema.get("additionalProperties"), Mapping):
+        pairs = [(f"key {k!r}", v, schema["additionalProperties"]) for k, v in value.items()]
+    else:
+        pairs = []
+    for where, item, item_schema in pairs:
+        problem = _mismatch(item, item_schema)
+        if problem is not None:
+            return f"{where} {problem}"
     return None
 
 
@@ -177,7 +187,7 @@ def render_result(value: Any) -> tuple[str | None, str | None]:
     """``(text, None)``: a string as it is, anything JSON-serialisable as JSON; ``(None,
     problem)`` for a value that is neither, whose rendering raised anything at all (a circular or
     too deeply nested structure, a subclass whose methods raise), or whose text is not
-    :func:`is_text`: it never raises."""
+    :func:`~lightning_troll.data.messages.is_text`: it never raises."""
     if isinstance(value, str):
         text = value
     else:
@@ -191,18 +201,3 @@ def render_result(value: Any) -> tuple[str | None, str | None]:
     if not is_text(text):
         return None, f"returned text that {NOT_TEXT}"
     return text, None
-
-
-NOT_TEXT = "holds half a surrogate pair alone (U+D800-U+DFFF), which no tokenizer can read"
-"""Why a string that is not :func:`is_text` is refused, as a sentence's end."""
-
-
-def is_text(text: str) -> bool:
-    """Whether ``text`` can be written as UTF-8: no half of a surrogate pair alone (which JSON's
-    ``\\ud83d`` escapes and ``errors="surrogateescape"`` decoding give), since a tokenizer
-    cannot read it."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True

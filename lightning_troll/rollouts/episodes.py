@@ -46,6 +46,7 @@ from lightning_troll.environments.protocol import (
     call_environment,
     closed_on_failure,
     is_finite_reward,
+    tool_schemas_of,
 )
 from lightning_troll.environments.rendering import unrendered
 
@@ -203,9 +204,9 @@ class _Running:
         self.tokenizer = tokenizer
         self.environment = environment
         self.name = type(environment).__name__
-        schemas = getattr(environment, "tool_schemas", ())
         # its own copy: the episodes of a group share one row, which the rewards read after
         start = call_environment(environment, "reset", copy.deepcopy(row))
+        schemas = tool_schemas_of(environment)
         try:
             self.conversation = Conversation(tokenizer, start, schemas)
             self.prompt_ids = self.conversation.prompt_ids
