@@ -80,16 +80,50 @@ def test_async_reset_tools_and_reward_are_awaited():
     assert env.step("Four.") == Step(reward=4.0, done=True)
 
 
-def test_the_factory_makes_a_fresh_instance_per_episode_and_one_to_check_first():
+def test_the_factory_pools_instances_made_once_and_reset_often():
+    """As TRL does: the instance made to check the tools starts the pool; an episode takes an
+    idle instance and a new one is made only when none is idle; an ended episode (closed, once)
+    gives its instance back."""
     before = tool_helpers.Counter.made
     make = EnvironmentFactory(C + "Counter", tools=[C + "multiply"])
     assert tool_helpers.Counter.made == before + 1  # the one made to check the tools
-    assert make.uses_tools and make.runner is not None
+    assert make.uses_tools and make.runner is not None and len(make.idle) == 1
+    checked = make.idle[0]
     a, b = make(), make()
-    assert isinstance(a, TrlEnvironment) and a.instance is not b.instance
+    assert isinstance(a, TrlEnvironment) and a.instance is checked  # taken from the pool
+    assert b.instance is not checked and tool_helpers.Counter.made == before + 2  # none idle
     names = sorted(s["function"]["name"] for s in a.tool_schemas)
     assert names == ["add", "double", "multiply"]  # model.episodes.tools join the methods
+    a.close()
+    a.close()  # an episode gives its instance back once
+    b.close()
+    assert len(make.idle) == 2 and {id(i) for i in make.idle} == {id(checked), id(b.instance)}
+    c = make()
+    assert c.instance in (checked, b.instance) and tool_helpers.Counter.made == before + 2
     make.close()
+
+
+def test_a_reused_instance_plays_each_episode_from_its_reset():
+    """Two batches of three episodes through one factory: the second batch reuses the first's
+    three instances (no new one made) and, each reset from its row, plays exactly as the first:
+    start at 2, add 6 (8), add 2 (10), answer: get_reward 1.0."""
+    tokenizer = chat_tokenizer()
+    make = EnvironmentFactory(C + "Counter")
+    made = tool_helpers.Counter.made
+
+    def batch():
+        turns = [call("add", n=6)] * 3 + [call("add", n=2)] * 3 + ["Ten.<|im_end|>"] * 3
+        episodes = run_episodes(
+            Scripted(tokenizer, {"Count": turns}), tokenizer, [make() for _ in range(3)],
+            [{"prompt": "Count to ten.", "start": 2}] * 3, EpisodeLimits(4, 800),
+            Stops((tokenizer.eos_token_id,)),
+        )  # fmt: skip
+        return [(e.end, e.turn_rewards, e.token_ids) for e in episodes]
+
+    first = batch()
+    assert tool_helpers.Counter.made == made + 2  # the checked instance, and two more
+    assert first[0][:2] == ("done", [None, None, 1.0])
+    assert batch() == first and tool_helpers.Counter.made == made + 2 and len(make.idle) == 3
 
 
 def test_environments_in_trls_form_are_refused_where_they_cannot_work():

@@ -16,8 +16,8 @@ protocol, and how a conversation and an environment's replies are rendered.
   batch stepped together;
 - :mod:`~lightning_troll.environments.trl_env`: :class:`TrlEnvironment`, an environment written
   for TRL's ``environment_factory`` used as it is;
-- :mod:`~lightning_troll.environments.factory`: :class:`EnvironmentFactory`, a fresh environment
-  per episode from ``model.episodes``.
+- :mod:`~lightning_troll.environments.factory`: :class:`EnvironmentFactory`, an environment per
+  episode from ``model.episodes`` (fresh, or reset from a pool for one in TRL's form).
 
 The episode loop itself, at token level, is
 :func:`lightning_troll.rollouts.episodes.run_episodes`. No Lightning here.

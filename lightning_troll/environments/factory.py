@@ -1,5 +1,6 @@
-"""What ``model.episodes.environment`` and ``model.episodes.tools`` make of each episode: a fresh
-environment, made by :class:`EnvironmentFactory`."""
+"""What ``model.episodes.environment`` and ``model.episodes.tools`` make of each episode: its
+environment, made by :class:`EnvironmentFactory` (fresh, or from the pool of an environment in
+TRL's form)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,14 @@ __all__ = ["EnvironmentFactory"]
 
 
 class EnvironmentFactory:
-    """A fresh environment per episode, from ``model.episodes.environment`` and ``model.episodes.tools``.
+    """An environment per episode, from ``model.episodes.environment`` and ``model.episodes.tools``.
+
+    An environment of the library's protocol is made fresh for every episode. One in TRL's form is
+    made once and reset often, as TRL does: an episode takes an instance from a pool, and its end
+    gives the instance back for a later episode's ``reset``; an instance is made only when more
+    episodes run at once than there are instances (the first, made to check the tools, starts the
+    pool). An instance holding a client or a sandbox is so made a batch's worth of times per run,
+    not once per episode.
 
     Args:
         environment: An environment class (or a function returning one), or its import path;
@@ -79,6 +87,8 @@ class EnvironmentFactory:
         """The tools of ``model.episodes.tools``."""
         self.runner = ToolRunner(tools, tool_workers, tool_timeout) if tools else None
         """The tools and their workers; None without tools."""
+        self.idle: list[Any] = []
+        """Instances of an environment in TRL's form between episodes, to be reset for the next."""
         if self.trl_form:  # one made now, as TRL does, so that its tools are checked first
             self().close()
 
@@ -88,12 +98,19 @@ class EnvironmentFactory:
         return self.runner is not None or self.trl_form
 
     def __call__(self) -> Environment:
-        """A fresh environment for one episode; an :class:`EnvironmentFailure` naming it where
-        making it raises."""
-        if self.trl_form:
-            return TrlEnvironment(make_environment(self.make), self.tools)
-        made = make_environment(self.make, *(() if self.runner is None else (self.runner,)))
-        return TrlEnvironment(made, self.tools) if is_trl_environment(made) else made
+        """The environment of one episode: an idle instance in TRL's form, or one made now; an
+        :class:`EnvironmentFailure` naming it where making it raises."""
+        made = self.idle.pop() if self.idle else None
+        if made is None:
+            args = () if self.trl_form or self.runner is None else (self.runner,)
+            made = make_environment(self.make, *args)
+        if not is_trl_environment(made):
+            return made
+        return TrlEnvironment(made, self.tools, release=self._release)
+
+    def _release(self, instance: Any) -> None:
+        """Takes back an instance in TRL's form whose episode ended."""
+        self.idle.append(instance)
 
     def close(self) -> None:
         """Stops the tool workers, if any."""

@@ -22,7 +22,9 @@ TRL's GRPO trainer takes an environment as a class whose public methods are the 
 ``model.episodes.environment: my_env:Counter`` names it as any environment. A class (or, at run
 time, an object) with a ``reset`` and no ``step`` that is not an
 :class:`~lightning_troll.environments.Environment` is read in this form (:func:`is_trl_environment`),
-and each episode gets a :class:`TrlEnvironment` around a fresh instance:
+and each episode gets a :class:`TrlEnvironment` around an instance, made once and reset for every
+episode it plays, as TRL does (:class:`~lightning_troll.environments.EnvironmentFactory` keeps the
+pool):
 
 - ``reset(**row)`` starts the episode: the conversation is the row's ``prompt`` (as the built-in
   :class:`~lightning_troll.environments.ToolEnvironment` takes it), and a string ``reset`` returns
@@ -78,9 +80,11 @@ class TrlEnvironment(ToolEnvironment):
     """One episode of an environment in TRL's form.
 
     Args:
-        instance: A fresh instance of the environment's class.
+        instance: An instance of the environment's class, which :meth:`reset` starts afresh.
         tools: ``model.episodes.tools``, offered beside the instance's methods.
         prompt_field: The row's field that holds the prompt.
+        release: Called with the instance when the episode ends (:meth:`close`), once: the
+            factory's pool takes it back.
     """
 
     def __init__(
@@ -88,6 +92,7 @@ class TrlEnvironment(ToolEnvironment):
         instance: Any,
         tools: Sequence[str | Callable[..., Any]] = (),
         prompt_field: str = "prompt",
+        release: Callable[[Any], None] | None = None,
     ) -> None:
         name = type(instance).__name__
         methods = tool_methods(instance)
@@ -102,6 +107,7 @@ class TrlEnvironment(ToolEnvironment):
         ]
         super().__init__(ToolRunner([*tools, *own], workers=0), prompt_field)
         self.instance = instance
+        self._release = release
 
     def _call(self, method: str, **arguments: Any) -> Any:
         """``instance.method(**arguments)``, awaited; what it raises is an
@@ -146,4 +152,8 @@ class TrlEnvironment(ToolEnvironment):
         return self.reward()
 
     def close(self) -> None:
+        """Ends the episode: the instance goes back to the pool (once), to be reset for another."""
         self.runner.close()
+        release, self._release = self._release, None
+        if release is not None:
+            release(self.instance)

@@ -193,7 +193,7 @@ def behaviour_logprobs_warning(behaviour_logprobs: str) -> str | None:
 
 
 def environment_factory(config: EpisodesConfig) -> EnvironmentFactory:
-    """The fresh environment per episode of ``model.episodes``: its tools loaded and checked and
+    """The environment per episode of ``model.episodes``: its tools loaded and checked and
     its environment class found (refused in one line naming the option)."""
     return EnvironmentFactory(
         config.environment, config.tools or (), config.tool_workers, config.tool_timeout
@@ -232,7 +232,7 @@ class EpisodeSampler:
     def sample(
         self, generate: GenerateTurn, rows: list[dict[str, Any]], pad_id: int, device
     ) -> SampledEpisodes:
-        """One episode per row of ``rows`` (each with a fresh environment), continued turn by
+        """One episode per row of ``rows`` (each with an environment of its own), continued turn by
         turn by ``generate``, laid out on ``device``. The prompts the data wrote are not used:
         the environment writes the conversation from the row."""
         environments: list[Any] = []
