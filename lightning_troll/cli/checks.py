@@ -28,6 +28,7 @@ from lightning_troll.training.preflight import (
     check_episode_prompts,
     check_module_options,
     check_rollout_split,
+    episode_rows_problem,
     task_rewards,
 )
 
@@ -248,7 +249,7 @@ def check_task(config) -> None:
     if not config.get("ckpt_path"):  # resuming, the checkpoint's stored model.model is used
         check_reachable(model.get("model") or "tinymath")
     try:
-        check_data_files(data)
+        check_data_files(data, episode_rows_problem(model.get("episodes")))
     except ValueError as error:
         hint = beside_a_config(str(error), data, config_files(config))
         raise ValueError(f"{error}{hint}") from None

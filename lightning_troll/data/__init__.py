@@ -3,17 +3,26 @@
 - :mod:`~lightning_troll.data.datamodule`: :class:`PromptDataModule`;
 - :mod:`~lightning_troll.data.sources`: where rows come from (TinyMath, a file, a hub dataset);
 - :mod:`~lightning_troll.data.prompts`: prompt records, batching, shuffling, files.
+
+Importing one of its modules (``lightning_troll.data.messages``, say) does not import Lightning:
+the names below are loaded from the DataModule's module when first read.
 """
 
-from lightning_troll.data.datamodule import (
-    EpochShuffleSampler,
-    PromptBatch,
-    PromptDataModule,
-    PromptItem,
-    collate_prompts,
-    read_rows,
-    write_jsonl,
-)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from lightning_troll.data.datamodule import (
+        EpochShuffleSampler,
+        PromptBatch,
+        PromptDataModule,
+        PromptItem,
+        collate_prompts,
+        read_rows,
+        write_jsonl,
+    )
 
 __all__ = [
     "EpochShuffleSampler",
@@ -24,3 +33,16 @@ __all__ = [
     "read_rows",
     "write_jsonl",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """The DataModule's names, imported on first use (module ``__getattr__``, PEP 562)."""
+    if name not in __all__:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module("lightning_troll.data.datamodule"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

@@ -19,7 +19,7 @@ the hub cannot be reached or has no dataset of that name.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -66,8 +66,11 @@ def _files(data: Mapping[str, Any]) -> list[tuple[str, str]]:
     return files
 
 
-def check_data_files(data: Mapping[str, Any]) -> None:
-    """Checks the ``data`` section's local files (module docstring); raises ``ValueError`` naming
+def check_data_files(
+    data: Mapping[str, Any], row_problem: Callable[[Mapping[str, Any]], str | None] | None = None
+) -> None:
+    """Checks the ``data`` section's local files (module docstring), and each row with
+    ``row_problem`` (why a row cannot be used, or None) where given; raises ``ValueError`` naming
     the option, the file and the line."""
     formatter = _formatter(data)
     prompts: dict[str, dict[str, int]] = {}
@@ -77,6 +80,10 @@ def check_data_files(data: Mapping[str, Any]) -> None:
         where = f"{option}={path!r}"
         if not rows:
             raise ValueError(f"{where} holds no rows (an empty file); give a file of prompts")
+        for i, row in enumerate(rows if row_problem is not None else ()):
+            problem = row_problem(row)
+            if problem is not None:
+                raise ValueError(f"{where}, line {lines[i]}: {problem}")
         missing = formatter.first_missing(rows)
         if missing is not None:
             i, field, needed_by = missing

@@ -30,7 +30,7 @@ from lightning_troll.environments.calls import (
     ToolCall,
     parse_tool_calls,
 )
-from lightning_troll.environments.factory import EnvironmentFactory
+from lightning_troll.environments.factory import EnvironmentChoice, EnvironmentFactory
 from lightning_troll.environments.protocol import Environment, Step, load_environment
 from lightning_troll.environments.rendering import Conversation, template_support, tool_section
 from lightning_troll.environments.tool_env import ToolEnvironment, step_all
@@ -43,6 +43,7 @@ __all__ = [
     "TOOL_CALL_OPEN",
     "Conversation",
     "Environment",
+    "EnvironmentChoice",
     "EnvironmentFactory",
     "MalformedCall",
     "Step",

@@ -1,19 +1,24 @@
 """What ``model.episodes.environment`` and ``model.episodes.tools`` make of each episode: its
 environment, made by :class:`EnvironmentFactory` (fresh, or from the pool of an environment in
-TRL's form)."""
+TRL's form), or by :class:`EnvironmentChoice` where the rows choose among several."""
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from lightning_troll.environments.options import (
+    ENVIRONMENT_FIELD,
+    check_environment_names,
+    environment_problem,
+)
 from lightning_troll.environments.protocol import Environment, load_environment, make_environment
 from lightning_troll.environments.tool_env import ToolEnvironment
 from lightning_troll.environments.tool_workers import ToolRunner
 from lightning_troll.environments.trl_env import TrlEnvironment, is_trl_environment
 
-__all__ = ["EnvironmentFactory"]
+__all__ = ["EnvironmentChoice", "EnvironmentFactory"]
 
 
 class EnvironmentFactory:
@@ -97,9 +102,9 @@ class EnvironmentFactory:
         """Whether the episodes offer tools (the chat template then renders their calls)."""
         return self.runner is not None or self.trl_form
 
-    def __call__(self) -> Environment:
-        """The environment of one episode: an idle instance in TRL's form, or one made now; an
-        :class:`EnvironmentFailure` naming it where making it raises."""
+    def __call__(self, row: Mapping[str, Any] | None = None) -> Environment:
+        """The environment of one episode (whatever its ``row``): an idle instance in TRL's
+        form, or one made now; an :class:`EnvironmentFailure` naming it where making it raises."""
         made = self.idle.pop() if self.idle else None
         if made is None:
             args = () if self.trl_form or self.runner is None else (self.runner,)
@@ -116,3 +121,53 @@ class EnvironmentFactory:
         """Stops the tool workers, if any."""
         if self.runner is not None:
             self.runner.close()
+
+
+class EnvironmentChoice:
+    """Several environments by name, each row choosing its own in its ``environment`` field, as
+    TRL's ``environment_factory`` takes a dict: a run mixes tasks, each episode offered only its
+    environment's tools. An environment in TRL's form is not given the field in ``reset``.
+
+    Args:
+        environments: name -> an environment class, a function returning one, or its import
+            path (``model.episodes.environment`` as a mapping); each is made as
+            :class:`EnvironmentFactory` makes it, with the same tools and workers.
+        tools: Tools offered beside each environment's own (as :class:`EnvironmentFactory`).
+        tool_workers: As :class:`EnvironmentFactory`.
+        tool_timeout: As :class:`EnvironmentFactory`.
+    """
+
+    def __init__(
+        self,
+        environments: Mapping[str, str | Callable[..., Any]],
+        tools: Sequence[str | Callable[..., Any]] = (),
+        tool_workers: int = 0,
+        tool_timeout: float | None = None,
+    ) -> None:
+        check_environment_names(environments)
+        self.factories = {
+            name: EnvironmentFactory(make, tools, tool_workers, tool_timeout)
+            for name, make in environments.items()
+        }
+        """name -> the factory of that environment."""
+
+    @property
+    def uses_tools(self) -> bool:
+        """Whether any environment offers tools (the chat template then renders their calls)."""
+        return any(f.uses_tools for f in self.factories.values())
+
+    def __call__(self, row: Mapping[str, Any] | None = None) -> Environment:
+        """The environment ``row`` names in its ``environment`` field; a ``ValueError`` that
+        names the option and the names where it names none of them."""
+        problem = environment_problem(row or {}, list(self.factories))
+        if problem is not None:
+            raise ValueError(f"model.episodes.environment: {problem}")
+        made = self.factories[row[ENVIRONMENT_FIELD]]()
+        if isinstance(made, TrlEnvironment):
+            made.hidden = (ENVIRONMENT_FIELD,)  # TRL keeps the field from reset(**row)
+        return made
+
+    def close(self) -> None:
+        """Stops every environment's tool workers."""
+        for factory in self.factories.values():
+            factory.close()

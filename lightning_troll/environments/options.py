@@ -8,9 +8,37 @@ torch.
 from __future__ import annotations
 
 import numbers
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["EpisodesConfig", "check_tool_workers"]
+__all__ = [
+    "ENVIRONMENT_FIELD",
+    "EpisodesConfig",
+    "check_environment_names",
+    "check_tool_workers",
+    "environment_problem",
+]
+
+ENVIRONMENT_FIELD = "environment"
+"""The row field that names an episode's environment when ``model.episodes.environment`` names
+several (TRL's multi-environment form)."""
+
+
+def environment_problem(row: Mapping[str, Any], names: Collection[str]) -> str | None:
+    """Why ``row`` cannot choose one of the environments ``names`` by its
+    :data:`ENVIRONMENT_FIELD`; None when it can."""
+    if ENVIRONMENT_FIELD not in row:
+        return (
+            f"the row has no field {ENVIRONMENT_FIELD!r}, which model.episodes.environment needs "
+            f"to choose its environment (one of {', '.join(names)})"
+        )
+    if row[ENVIRONMENT_FIELD] not in names:
+        return (
+            f"the row's {ENVIRONMENT_FIELD!r} is {row[ENVIRONMENT_FIELD]!r}, which "
+            f"model.episodes.environment does not name; it names {', '.join(names)}"
+        )
+    return None
 
 
 def check_tool_workers(workers: int, timeout: float | None) -> None:
@@ -32,6 +60,22 @@ def check_tool_workers(workers: int, timeout: float | None) -> None:
         )
 
 
+def check_environment_names(environments: Mapping[Any, Any]) -> None:
+    """``model.episodes.environment`` as several environments: a non-empty mapping from names
+    (strings) to what makes each environment."""
+    if not environments:
+        raise ValueError(
+            "model.episodes.environment is an empty mapping; name one environment by import "
+            "path, several as {name: import path}, or null for the ToolEnvironment of tools"
+        )
+    for name in environments:
+        if not isinstance(name, str) or not name:
+            raise ValueError(
+                f"model.episodes.environment: {name!r} cannot name an environment; names are "
+                f"non-empty strings, which the rows' {ENVIRONMENT_FIELD!r} field gives"
+            )
+
+
 @dataclass(frozen=True)
 class EpisodesConfig:
     """Multi-turn episodes: the model calls tools or plays turns against an environment, and the
@@ -40,9 +84,10 @@ class EpisodesConfig:
     tools: list[str] | None = None
     """Tools by import path (``my_tools:multiply``: plain functions with type hints and a
     docstring), called by the built-in ToolEnvironment (or a subclass named in ``environment``)."""
-    environment: str | None = None
-    """An Environment class by import path (``my_env:Guess``); null: the ToolEnvironment of
-    ``tools``."""
+    environment: str | dict[str, str] | None = None
+    """An Environment class by import path (``my_env:Guess``); or several by name (``{guess:
+    my_env:Guess, count: counter_env:Counter}``), each row choosing its own in its
+    ``environment`` field; null: the ToolEnvironment of ``tools``."""
     max_turns: int = 4
     """Model turns per episode, >= 1."""
     tool_workers: int = 0
@@ -57,6 +102,8 @@ class EpisodesConfig:
         if self.max_turns < 1:
             raise ValueError(f"model.episodes.max_turns must be >= 1; got {self.max_turns}")
         check_tool_workers(self.tool_workers, self.tool_timeout)
+        if isinstance(self.environment, Mapping):
+            check_environment_names(self.environment)
         if self.environment is None and not self.tools:
             raise ValueError(
                 "model.episodes: name an environment (model.episodes.environment) or list tools "

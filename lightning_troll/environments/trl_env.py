@@ -108,6 +108,8 @@ class TrlEnvironment(ToolEnvironment):
         super().__init__(ToolRunner([*tools, *own], workers=0), prompt_field)
         self.instance = instance
         self._release = release
+        self.hidden: tuple[str, ...] = ()
+        """Row fields ``reset`` is not given (the field that chose the environment)."""
 
     def _call(self, method: str, **arguments: Any) -> Any:
         """``instance.method(**arguments)``, awaited; what it raises is an
@@ -121,7 +123,7 @@ class TrlEnvironment(ToolEnvironment):
 
     def reset(self, row: Mapping[str, Any]) -> list[dict[str, Any]]:
         messages = super().reset(row)
-        observation = self._call("reset", **row)
+        observation = self._call("reset", **{k: v for k, v in row.items() if k not in self.hidden})
         if observation is None:
             return messages
         if not isinstance(observation, str):

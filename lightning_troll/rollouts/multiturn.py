@@ -19,14 +19,14 @@ Notation: B = P x G episodes, S the longest prompt, T the longest response.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
-from lightning_troll.environments import EnvironmentFactory
+from lightning_troll.environments import EnvironmentChoice, EnvironmentFactory
 from lightning_troll.environments.calls import TOOL_ERROR_KINDS
 from lightning_troll.environments.options import EpisodesConfig
 from lightning_troll.environments.protocol import closed_on_failure
@@ -192,12 +192,14 @@ def behaviour_logprobs_warning(behaviour_logprobs: str) -> str | None:
     )
 
 
-def environment_factory(config: EpisodesConfig) -> EnvironmentFactory:
+def environment_factory(config: EpisodesConfig) -> EnvironmentFactory | EnvironmentChoice:
     """The environment per episode of ``model.episodes``: its tools loaded and checked and
-    its environment class found (refused in one line naming the option)."""
-    return EnvironmentFactory(
-        config.environment, config.tools or (), config.tool_workers, config.tool_timeout
-    )
+    its environment class found (refused in one line naming the option); an
+    :class:`EnvironmentChoice` where it names several."""
+    options = config.tools or (), config.tool_workers, config.tool_timeout
+    if isinstance(config.environment, Mapping):
+        return EnvironmentChoice(config.environment, *options)
+    return EnvironmentFactory(config.environment, *options)
 
 
 class EpisodeSampler:
@@ -219,7 +221,7 @@ class EpisodeSampler:
         tokenizer: Any,
         stop_ids: Sequence[int],
         max_tokens: int,
-        make: EnvironmentFactory | None = None,
+        make: EnvironmentFactory | EnvironmentChoice | None = None,
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
@@ -237,7 +239,7 @@ class EpisodeSampler:
         the environment writes the conversation from the row."""
         environments: list[Any] = []
         with closed_on_failure(lambda: environments):  # one that cannot be made
-            environments.extend(self.make() for _ in rows)
+            environments.extend(self.make(row) for row in rows)
         episodes = run_episodes(
             generate, self.tokenizer, environments, rows, self.limits, self.stops
         )

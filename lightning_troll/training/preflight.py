@@ -6,7 +6,11 @@ No Lightning here.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+from typing import Any
+
 from lightning_troll.data.prompts import PLAIN_TEMPLATE
+from lightning_troll.environments.options import environment_problem
 from lightning_troll.objectives import OBJECTIVES
 from lightning_troll.objectives.advantages import (
     BASELINES,
@@ -22,6 +26,7 @@ __all__ = [
     "check_fit_data",
     "check_module_options",
     "check_rollout_split",
+    "episode_rows_problem",
     "task_rewards",
 ]
 
@@ -130,6 +135,26 @@ def check_fit_data(
     check_episode_prompts(
         episodes, getattr(data, "template", PLAIN_TEMPLATE), getattr(data, "system_prompt", None)
     )
+    problem = episode_rows_problem(episodes)
+    for split in ("train", "val") if problem is not None else ():
+        for i, item in enumerate(getattr(data, f"{split}_items", None) or ()):
+            why = problem(item.row)
+            if why is not None:
+                raise ValueError(f"data: {split} row {i}: {why}")
+
+
+def episode_rows_problem(episodes: Any) -> Callable[[Mapping[str, Any]], str | None] | None:
+    """What each data row must meet for ``model.episodes`` (its config, or the command's section
+    of it): with several environments, a choice among them (why a row does not make one, or
+    None); None where the rows need nothing."""
+    if episodes is None:
+        return None
+    get = getattr(episodes, "get", None)
+    environment = get("environment") if callable(get) else getattr(episodes, "environment", None)
+    if not isinstance(environment, Mapping):
+        return None
+    names = list(environment)
+    return lambda row: environment_problem(row, names)
 
 
 def check_episode_prompts(episodes: object, template: str, system_prompt: str | None) -> None:
