@@ -219,6 +219,7 @@ def test_nullable_and_enum_arguments():
     assert check_arguments(tool, {"city": "Oslo", "unit": "kelvin"}) == (
         "argument 'unit' is 'kelvin', not one of ['celsius', 'fahrenheit']"
     )
+    assert check_arguments(tool, {"city": "Oslo", "days": 2.0}) is None  # JSON Schema's integer
     assert check_arguments(tool, {"city": "Oslo", "days": 1.5}) == (
         "argument 'days' should be integer, got number 1.5"
     )
@@ -253,6 +254,24 @@ def test_tuple_mapping_and_list_arguments_are_checked_item_by_item(arguments, pr
     """A tuple's items by position (transformers writes it as ``prefixItems``), a mapping's values
     (``additionalProperties``) and a list's items, each named where it does not fit."""
     assert check_arguments(load_tool(place), arguments) == problem
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_whole_number_written_with_a_fraction_is_an_integer(workers):
+    """JSON Schema counts ``3.0`` an integer: the call is run, and the tool gets an ``int`` where
+    its hints say ``int`` (alone, in a tuple, in a list) and the number as written where they say
+    ``float``, in this process and in workers alike."""
+    arguments = {"n": 3.0, "at": [2.0, "b"], "tags": [1.0, 4], "x": 5.0}
+    assert check_arguments(load_tool(H + "types_of"), arguments) is None
+    assert check_arguments(load_tool(H + "types_of"), {**arguments, "tags": [1.5]}) == (
+        "argument 'tags' item 0 should be integer, got number 1.5"
+    )
+    runner = ToolRunner([H + "types_of"], workers=workers)
+    try:
+        results = runner.run([ToolCall("types_of", arguments)])
+    finally:
+        runner.close()
+    assert results == [ToolResult("types_of", '["int 3", "int 2", "int 1", "int 4", "float 5.0"]')]
 
 
 def test_results_render_as_text_or_json():

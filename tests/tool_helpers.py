@@ -66,6 +66,18 @@ async def fetch_square(n: int) -> dict:
     return {"n": n, "square": n * n}
 
 
+def types_of(n: int, at: tuple[int, str], tags: list[int] | None = None, x: float = 0.0) -> list:
+    """The type and value of each number as the tool receives them.
+
+    Args:
+        n: A whole number.
+        at: A row's number and a column's letter.
+        tags: Whole numbers.
+        x: A number.
+    """
+    return [f"{type(v).__name__} {v}" for v in [n, at[0], *(tags or []), x]]
+
+
 def make_set(n: int) -> set:
     """A set of the numbers below n, which is neither text nor JSON.
 

@@ -42,7 +42,12 @@ from lightning_troll.environments.calls import (
 )
 from lightning_troll.environments.options import check_tool_workers
 from lightning_troll.environments.protocol import EnvironmentFailure
-from lightning_troll.environments.tools import Tool, check_arguments, load_tools
+from lightning_troll.environments.tools import (
+    Tool,
+    check_arguments,
+    conform_arguments,
+    load_tools,
+)
 from lightning_troll.rewards.calls import UNLOADABLE
 from lightning_troll.rewards.workers import WorkerPool, WorkersFailed, check_picklable
 
@@ -130,19 +135,22 @@ class ToolRunner:
         workers, if any)."""
         results: list[ToolResult | None] = [self._refused(call) for call in calls]
         todo = [i for i, r in enumerate(results) if r is None]
+        arguments = {
+            i: conform_arguments(self.tools[calls[i].name], calls[i].arguments) for i in todo
+        }
         if self.workers is not None:
             jobs = []
             for i in todo:
                 name = calls[i].name
                 function = self.tools[name].function
                 jobs.append((f"{name}@{id(function)}", self._payloads[name], function,
-                             calls[i].arguments))  # fmt: skip
+                             arguments[i]))  # fmt: skip
             try:
                 outcomes = self.workers.run(jobs)
             except WorkersFailed as error:  # no call failed: no tool can run at all
                 raise EnvironmentFailure(f"the tool workers failed: {error}") from error
         else:
-            outcomes = [run_tool(self.tools[calls[i].name].function, calls[i].arguments)
+            outcomes = [run_tool(self.tools[calls[i].name].function, arguments[i])
                         for i in todo]  # fmt: skip
         for i, outcome in zip(todo, outcomes, strict=True):
             results[i] = self._result(calls[i].name, outcome)

@@ -36,6 +36,7 @@ from lightning_troll.rewards.lookup import load_by_import_path
 __all__ = [
     "Tool",
     "check_arguments",
+    "conform_arguments",
     "load_tool",
     "load_tools",
     "render_result",
@@ -130,6 +131,36 @@ def _type_name(value: Any) -> str:
             dict: "object", type(None): "null"}.get(type(value), type(value).__name__)  # fmt: skip
 
 
+def _types(schema: Mapping[str, Any]) -> list[str]:
+    names = schema.get("type")
+    return [names] if isinstance(names, str) else list(names or [])
+
+
+def _is(value: Any, name: str) -> bool:
+    """Whether ``value`` is of JSON type ``name``: a boolean is no number, and a whole number
+    written with a fraction (``3.0``) is an integer, as JSON Schema counts it."""
+    if isinstance(value, bool) and name != "boolean":
+        return False
+    whole = name == "integer" and isinstance(value, float) and value.is_integer()
+    return whole or isinstance(value, _JSON_TYPES[name])
+
+
+def _parts(value: Any, schema: Mapping[str, Any]) -> list[tuple[str, Any, Any, Mapping[str, Any]]]:
+    """``(where, key, item, item_schema)`` for each item of an array or a tuple and each value of
+    a mapping that ``schema`` describes; empty for anything else."""
+    if isinstance(value, list) and isinstance(schema.get("prefixItems"), list):  # a tuple
+        # _mismatch checks the length before the items; _conform is given checked values
+        return [
+            (f"item {i}", i, v, s)
+            for i, (v, s) in enumerate(zip(value, schema["prefixItems"], strict=False))
+        ]
+    if isinstance(value, list) and isinstance(schema.get("items"), Mapping):
+        return [(f"item {i}", i, v, schema["items"]) for i, v in enumerate(value)]
+    if isinstance(value, dict) and isinstance(schema.get("additionalProperties"), Mapping):
+        return [(f"key {k!r}", k, v, schema["additionalProperties"]) for k, v in value.items()]
+    return []
+
+
 def _mismatch(value: Any, schema: Mapping[str, Any]) -> str | None:
     """Why ``value`` (parsed JSON) does not fit ``schema`` (type, nullable, enum, the items of an
     array or a tuple, the values of a mapping); None when it fits. Types the check does not know
@@ -138,32 +169,33 @@ def _mismatch(value: Any, schema: Mapping[str, Any]) -> str | None:
         return None
     if "enum" in schema and value not in schema["enum"]:
         return f"is {value!r}, not one of {schema['enum']}"
-    names = schema.get("type")
-    names = [names] if isinstance(names, str) else list(names or [])
+    names = _types(schema)
     known = [n for n in names if n in _JSON_TYPES]
-    if known and len(known) == len(names):
-        fits = [
-            isinstance(value, _JSON_TYPES[n]) and not (isinstance(value, bool) and n != "boolean")
-            for n in known
-        ]
-        if not any(fits):
-            return f"should be {' or '.join(known)}, got {_type_name(value)} {value!r:.40}"
-    if isinstance(value, list) and isinstance(schema.get("prefixItems"), list):  # a tuple
-        items = schema["prefixItems"]
-        if len(value) != len(items):
-            return f"should be an array of {len(items)} items, got {len(value)}"
-        pairs = [(f"item {i}", v, s) for i, (v, s) in enumerate(zip(value, items, strict=True))]
-    elif isinstance(value, list) and isinstance(schema.get("items"), Mapping):
-        pairs = [(f"item {i}", v, schema["items"]) for i, v in enumerate(value)]
-    elif isinstance(value, dict) and isinstance(schema.get("additionalProperties"), Mapping):
-        pairs = [(f"key {k!r}", v, schema["additionalProperties"]) for k, v in value.items()]
-    else:
-        pairs = []
-    for where, item, item_schema in pairs:
+    if known and len(known) == len(names) and not any(_is(value, n) for n in known):
+        return f"should be {' or '.join(known)}, got {_type_name(value)} {value!r:.40}"
+    items = schema.get("prefixItems")
+    if isinstance(value, list) and isinstance(items, list) and len(value) != len(items):
+        return f"should be an array of {len(items)} items, got {len(value)}"
+    for where, _, item, item_schema in _parts(value, schema):
         problem = _mismatch(item, item_schema)
         if problem is not None:
             return f"{where} {problem}"
     return None
+
+
+def _conform(value: Any, schema: Mapping[str, Any]) -> Any:
+    """``value`` with each whole number written with a fraction made an ``int`` where ``schema``
+    asks for an integer and not for a number."""
+    names = _types(schema)
+    if _is(value, "integer") and "integer" in names and "number" not in names:
+        return int(value)
+    parts = _parts(value, schema)
+    if not parts:
+        return value
+    conformed = list(value) if isinstance(value, list) else dict(value)
+    for _, key, item, item_schema in parts:
+        conformed[key] = _conform(item, item_schema)
+    return conformed
 
 
 def check_arguments(tool: Tool, arguments: Mapping[str, Any]) -> str | None:
@@ -181,6 +213,13 @@ def check_arguments(tool: Tool, arguments: Mapping[str, Any]) -> str | None:
         if problem is not None:
             return f"argument {name!r} {problem}"
     return None
+
+
+def conform_arguments(tool: Tool, arguments: Mapping[str, Any]) -> dict[str, Any]:
+    """The arguments of a call that :func:`check_arguments` passed, as the tool's type hints
+    declare them: ``{"n": 3.0}`` for ``n: int`` (or ``list[int]``, ...) calls it with ``n=3``."""
+    properties = tool.parameters.get("properties", {})
+    return {name: _conform(value, properties[name]) for name, value in arguments.items()}
 
 
 def render_result(value: Any) -> tuple[str | None, str | None]:
