@@ -176,7 +176,7 @@ def run_way(way: str, setup: dict, clock: Clock) -> dict:
     with ExitStack() as patches:
         enter = patches.enter_context
         if way.startswith("old"):
-            enter(mock.patch.object(rollout, "decode", lambda *args: None))
+            enter(mock.patch.object(rollout, "decode", lambda *args, **kwargs: None))
         enter(mock.patch.object(rollout, "decode", clock.timed("loop", rollout.decode)))
         enter(mock.patch.object(rollout, "_generate", clock.timed("loop", rollout._generate)))
         if "multinomial" in way:

@@ -66,13 +66,18 @@ def sparse_rows(logits, tokens):
     return sparsify(logits, max_tokens=6, mass_delta=1e-3, keep=tokens)
 
 
-def generated(model, prompts, group, sampling, stops, do_sample, recorder=None, path="decode"):
-    """``sample`` on its decoding loop or (``path="generate"``) on ``generate``."""
+def generated(
+    model, prompts, group, sampling, stops, do_sample, recorder=None, path="decode", **options
+):
+    """``sample`` on its decoding loop or (``path="generate"``) on ``generate``; ``options``
+    are ``pad`` (0 unless given) and ``budgets``."""
+    pad, budgets = options.get("pad", 0), options.get("budgets")
+    args = (model, prompts, group, sampling, pad, stops, do_sample, recorder)
     if path == "generate":
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(rollout, "decode", lambda *args: None)
-            return sample(model, prompts, group, sampling, 0, stops, do_sample, recorder)
-    return sample(model, prompts, group, sampling, 0, stops, do_sample, recorder)
+            patch.setattr(rollout, "decode", lambda *args, **kwargs: None)
+            return sample(*args, budgets=budgets)
+    return sample(*args, budgets=budgets)
 
 
 def stops_at_several_lengths(model, prompts, budget):
@@ -146,6 +151,52 @@ def test_finished_sequences_are_not_decoded_further(llama):
     assert len(steps) == len(shapes) - 1 == int(lengths.max()) - 1
     assert steps == [int((lengths > t).sum()) for t in range(1, int(lengths.max()))]
     assert sum(steps) == int((lengths - 1).sum()) < len(lengths) * (int(lengths.max()) - 1)
+
+
+@pytest.mark.parametrize("path", ["decode", "generate"])
+def test_each_prompts_own_budget_ends_its_completions_there(llama, path):
+    """Budgets of 3, 10, 1 and 6 tokens (an episode's turn gets the room its episode has left):
+    each completion is the one without budgets, cut at its own (truncated there, unless it
+    stopped first), on the decoding loop and on ``generate`` alike. The padding is a stop
+    token, and what lies past a budget is still no response token. The decoding loop runs a
+    sequence at its budget no further: it leaves the batch as a finished one does."""
+    sampling = SamplingConfig(max_new_tokens=10)
+    stops = stops_at_several_lengths(llama, PROMPTS, 10)
+    budgets = [3, 10, 1, 6]
+    _, _, free_mask, free_truncated = free = generated(llama, PROMPTS, 2, sampling, stops, False)
+    own = torch.tensor(budgets).repeat_interleave(2)  # (B,)
+    lengths = torch.minimum(free_mask.sum(-1), own)  # (B,)
+    shapes = []
+    handle = llama.register_forward_pre_hook(
+        lambda module, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)),
+        with_kwargs=True,
+    )
+    try:
+        ids, attention, response, truncated = generated(
+            llama, PROMPTS, 2, sampling, stops, False, path=path, budgets=budgets, pad=stops[0]
+        )
+    finally:
+        handle.remove()
+    assert torch.equal(response.sum(-1), lengths)
+    assert torch.equal(truncated, free_truncated | (free_mask.sum(-1) > own))
+    assert truncated.any() and not truncated.all()
+    width = response.shape[1]
+    assert torch.equal(
+        ids[:, -width:].masked_fill(~response, -1),
+        free[0][:, -free_mask.shape[1] :][:, :width].masked_fill(~response, -1),
+    )
+    assert torch.equal(attention[:, -width:].bool(), response)
+    if path == "decode":
+        steps = [rows for rows, w in shapes[1:] if w == 1]
+        assert steps == [int((lengths > t).sum()) for t in range(1, int(lengths.max()))]
+
+
+@pytest.mark.parametrize("budgets", [[3, 10, 1], [3, 10, 1, 0], [3, 11, 1, 6], [3, True, 1, 6]])
+def test_budgets_that_do_not_fit_are_refused(llama, budgets):
+    with pytest.raises(ValueError, match=r"budgets must be 4 integers \(one per prompt\) from 1 "
+                       r"to max_new_tokens 10; got"):  # fmt: skip
+        generated(llama, PROMPTS, 2, SamplingConfig(max_new_tokens=10), [VOCAB - 1], False,
+                  budgets=budgets)  # fmt: skip
 
 
 # ------------------------------------------------------------------------------ recording

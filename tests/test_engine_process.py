@@ -30,16 +30,23 @@ def test_the_engine_apart_samples_what_the_engine_here_samples(tiny_model_dir):
     options = (4, collector.sampling, collector.pad_id, collector.stop_ids)
     engine = engine_in_a_process("hf", module.engine.context, {"process": True})
     assert isinstance(engine, ProcessEngine) and not engine.records_behaviour
-    try:
-        torch.manual_seed(3)
-        got = engine.generate(snapshot, prompts, *options)
-        torch.manual_seed(3)
+
+    def both(seed: int, **budgets):
+        torch.manual_seed(seed)
+        got = engine.generate(snapshot, prompts, *options, **budgets)
+        torch.manual_seed(seed)
         seed = int(torch.randint(0, 2**63 - 1, ()))  # what the request drew
         torch.manual_seed(seed)
-        here = HFEngine(module.engine.context).generate(snapshot, prompts, *options)
+        here = HFEngine(module.engine.context).generate(snapshot, prompts, *options, **budgets)
         for name in ("input_ids", "attention_mask", "response_mask", "truncated"):
             assert torch.equal(getattr(got, name), getattr(here, name)), name
+        return got
+
+    try:
+        both(3)
         assert engine.last_fingerprint == fingerprint(weights_of(snapshot))
+        lengths = both(4, budgets=[1, 3]).response_mask.sum(-1)  # each prompt's own, apart too
+        assert lengths[:4].max() <= 1 < lengths[4:].max() <= 3
         figures = engine.figures()
         assert figures["engine/process_prefetched"] == 0.0 and figures["engine/weight_push_s"] > 0
         # new weights: the next sample is theirs

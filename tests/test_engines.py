@@ -50,6 +50,40 @@ class CountingEngine(HFEngine):
         return {"engine/calls": float(self.generated)}
 
 
+class WithoutBudgets(HFEngine):
+    """An engine whose ``generate`` takes no ``budgets``, as one written before them."""
+
+    def generate(self, snapshot, prompt_ids, group_size, sampling, pad_id, stop_ids, recorder=None):
+        self.asked = sampling.max_new_tokens
+        return super().generate(snapshot, prompt_ids, group_size, sampling, pad_id, stop_ids)
+
+
+@pytest.mark.parametrize("engine_class", [HFEngine, CountingEngine, WithoutBudgets])
+def test_a_turn_is_sampled_up_to_its_episodes_room_where_the_engine_takes_budgets(engine_class):
+    """Rooms of 2, 7 and 4 tokens, and a stop the model cannot write: an engine that takes
+    ``budgets`` (the built-in ones, one that passes ``**kwargs`` on) samples each context up to
+    its own room; one written without them is asked for the largest room for every context (and
+    the episode cuts each turn to its room)."""
+    from lightning_troll.rollouts.engine import takes_budgets
+    from lightning_troll.rollouts.episodes import Stops
+    from lightning_troll.rollouts.multiturn import EngineTurns
+    from lightning_troll.rollouts.rollout import SamplingConfig
+
+    model = tiny_causal_lm(32).eval()
+    engine = engine_class.__new__(engine_class)
+    engine.stale, engine.generated = False, 0
+    turns = EngineTurns(engine, model, SamplingConfig(max_new_tokens=16), pad_id=0)
+    rooms = [2, 7, 4]
+    out = turns([[1, 5, 9], [3, 4], [8]], rooms, Stops((32,)))  # 32: outside the vocabulary
+    lengths = [len(turn.token_ids) for turn in out]
+    if engine_class is WithoutBudgets:
+        assert not takes_budgets(engine) and engine.asked == 7
+        assert lengths == [7, 7, 7]
+    else:
+        assert takes_budgets(engine)
+        assert lengths == rooms
+
+
 def test_engines_by_name_and_by_import_path():
     assert engine_class("hf") is HFEngine
     assert engine_class("tests.test_engines:CountingEngine") is CountingEngine
@@ -345,6 +379,31 @@ class SeededLLM:
                 completions.append(SimpleNamespace(index=k, token_ids=tokens, logprobs=entries))
             outputs.append(SimpleNamespace(outputs=completions, prompt=request))
         return outputs
+
+
+def test_a_vllm_request_samples_up_to_its_prompts_own_budget(monkeypatch):
+    """Each request's ``max_tokens`` is its prompt's budget. A completion shorter than the longest
+    is padded, and its padding is no response token even where the pad id is a stop token:
+    each is truncated at its own budget."""
+    import sys
+    from types import SimpleNamespace
+
+    from lightning_troll.rollouts.rollout import SamplingConfig
+    from lightning_troll.rollouts.vllm_engine import VLLMEngine
+
+    monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(SamplingParams=SimpleNamespace))
+    engine = VLLMEngine.__new__(VLLMEngine)
+    engine._llm, engine.stale, engine._figures = SeededLLM(), False, {}
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=6)
+    out = engine.generate(
+        torch.nn.Linear(2, 2), [[1, 2, 3], [4], [6, 7]], 2, sampling, 5, [5], budgets=[2, 6, 4]
+    )  # SeededLLM writes tokens 10 to 999: 5, the pad, is a stop it never writes
+    assert out.response_mask.sum(-1).tolist() == [2, 2, 6, 6, 4, 4]
+    assert out.truncated.all()
+    assert out.logprobs[out.response_mask].eq(-1.0).all()
+    assert out.logprobs[~out.response_mask].eq(0.0).all()
+    with pytest.raises(ValueError, match=r"budgets must be 3 integers"):
+        engine.generate(torch.nn.Linear(2, 2), [[1], [2], [3]], 1, sampling, 5, [5], budgets=[7])
 
 
 def test_every_request_and_completion_of_a_vllm_call_samples_from_a_seed_of_its_own(monkeypatch):

@@ -531,6 +531,43 @@ def test_sampled_episodes_continue_after_the_environments_tokens(tinymath):
     assert any(episode.turns == 3 for episode in episodes)
 
 
+@pytest.mark.parametrize("budget", [16, 40])
+def test_a_turn_sampled_up_to_its_own_room_is_the_turn_cut_there(tinymath, budget):
+    """Greedy episodes of three turns whose turns are each sampled up to the room their episode
+    has left are those sampled up to the batch's largest room and then cut: the same tokens,
+    mask, ends and log-probs. The rooms differ from the second turn on, and no turn runs past
+    its own; with 16 tokens, three episodes' last turns end at a room smaller than another's
+    (two cut there, one stopping there)."""
+    from lightning_troll.rollouts.rollout import SamplingConfig
+
+    model, tokenizer, stop_ids, rows = tinymath
+    generate = sampled_turns(model, SamplingConfig(max_new_tokens=budget), 0, do_sample=False)
+    turns = []
+
+    def own(prompts, rooms, stops):
+        out = generate(prompts, rooms, stops)
+        turns.append((rooms, [len(t.token_ids) for t in out]))
+        return out
+
+    def largest(prompts, rooms, stops):
+        return generate(prompts, [max(rooms)] * len(rooms), stops)
+
+    def play(generate_turn):
+        return run_episodes(
+            generate_turn, tokenizer, [MoreToAdd(3) for _ in rows], rows,
+            EpisodeLimits(3, budget), Stops(stop_ids),
+        )  # fmt: skip
+
+    ours, theirs = play(own), play(largest)
+    for a, b in zip(ours, theirs, strict=True):
+        assert (a.token_ids, a.mask, a.end) == (b.token_ids, b.mask, b.end)
+        torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-6)
+    assert any(len(set(rooms)) > 1 for rooms, _ in turns)
+    assert all(n <= r for rooms, n_s in turns for r, n in zip(rooms, n_s, strict=True))
+    cut = [n == r < max(rooms) for rooms, n_s in turns for r, n in zip(rooms, n_s, strict=True)]
+    assert sum(cut) == (3 if budget == 16 else 0)
+
+
 def test_a_step_that_is_not_a_step_is_refused():
     class Tuple(OneTurn):
         def step(self, turn):

@@ -7,9 +7,9 @@ does neither:
 
 - it prefills the P distinct prompts (left padded) once and repeats each prompt's keys and
   values G times in the cache (``DynamicCache.batch_repeat_interleave``);
-- after every step it removes the sequences that just produced a stop token from the batch,
-  the cache (``batch_select_indices``) and the running tensors, so the next forward runs on the
-  sequences still going only;
+- after every step it removes the sequences that just produced a stop token (or reached a
+  budget of their own) from the batch, the cache (``batch_select_indices``) and the running
+  tensors, so the next forward runs on the sequences still going only;
 - a recorder with a ``record_rows`` hook (:class:`~lightning_troll.rollouts.behaviour.
   BehaviourRecorder`) sees the logits of the running sequences only, with their row numbers.
 
@@ -204,6 +204,7 @@ def decode(
     stop_ids: Sequence[int],
     do_sample: bool = True,
     recorder: Any = None,
+    budgets: Tensor | None = None,
 ) -> Tensor | None:
     """``group_size`` completions of each prompt, or None where ``generate`` must sample.
 
@@ -219,6 +220,9 @@ def decode(
         recorder: None, or an object whose ``record_rows(logits (n, V), tokens (n,), rows (n,))``
             sees each step's raw float32 logits of the running sequences, the tokens chosen from
             them and their indices into B.
+        budgets: None, or (B,) each sequence's own most tokens (at most
+            ``sampling.max_new_tokens``): a sequence that reaches its own leaves the batch
+            as one that produced a stop token does.
 
     Returns:
         (B, T) generated tokens, prompt-major, ``pad_id`` after each stop token; T is the
@@ -262,7 +266,10 @@ def decode(
             if recorder is not None:
                 recorder.record_rows(logits, tokens, batch.rows)
             responses[batch.rows, steps] = tokens
-            kept = batch.keep(~torch.isin(tokens, stops), checks)  # (n',) or None: all run on
+            running = ~torch.isin(tokens, stops)  # (n,)
+            if budgets is not None:
+                running &= budgets[batch.rows] > steps + 1
+            kept = batch.keep(running, checks)  # (n',) or None: all run on
             if kept is not None:  # indexing only then: one wait on the device fewer a step
                 tokens = tokens[kept]  # (n',)
             steps += 1

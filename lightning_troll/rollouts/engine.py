@@ -25,6 +25,7 @@ length (left padded), T response length (right padded).
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,7 +35,15 @@ from torch import Tensor, nn
 from lightning_troll.rollouts.behaviour import BehaviourRecorder
 from lightning_troll.rollouts.rollout import SamplingConfig, sample
 
-__all__ = ["ENGINES", "EngineContext", "Generation", "HFEngine", "RolloutEngine", "build_engine"]
+__all__ = [
+    "ENGINES",
+    "EngineContext",
+    "Generation",
+    "HFEngine",
+    "RolloutEngine",
+    "build_engine",
+    "takes_budgets",
+]
 
 
 @dataclass(frozen=True)
@@ -116,9 +125,16 @@ class RolloutEngine:
         pad_id: int,
         stop_ids: Sequence[int],
         recorder: BehaviourRecorder | None = None,
+        budgets: Sequence[int] | None = None,
     ) -> Generation:
         """``group_size`` completions per prompt of ``prompt_ids``, sampled by the behaviour
-        policy (``snapshot`` is it, weights gathered, for engines that sample with it)."""
+        policy (``snapshot`` is it, weights gathered, for engines that sample with it).
+
+        ``budgets``, where given, is each prompt's own most tokens, each at most
+        ``sampling.max_new_tokens`` (an episode's turn may use the room its episode has left
+        only); a completion that reaches its own is truncated there. An engine whose
+        ``generate`` does not take ``budgets`` is never given them: each turn then samples up to
+        the largest, and each episode is cut to its own (:func:`takes_budgets`)."""
         raise NotImplementedError
 
     def load_weights(self, snapshot: nn.Module) -> None:
@@ -155,11 +171,20 @@ class HFEngine(RolloutEngine):
         pad_id: int,
         stop_ids: Sequence[int],
         recorder: BehaviourRecorder | None = None,
+        budgets: Sequence[int] | None = None,
     ) -> Generation:
         ids, attention, response, truncated = sample(
-            snapshot, prompt_ids, group_size, sampling, pad_id, list(stop_ids), recorder=recorder
-        )
+            snapshot, prompt_ids, group_size, sampling, pad_id, list(stop_ids),
+            recorder=recorder, budgets=budgets,
+        )  # fmt: skip
         return Generation(ids, attention, response, truncated)
+
+
+def takes_budgets(engine: RolloutEngine) -> bool:
+    """Whether ``engine.generate`` takes ``budgets`` (a user's engine written without them does
+    not, nor does a subclass of a built-in one whose own ``generate`` leaves them out)."""
+    parameters = inspect.signature(engine.generate).parameters.values()
+    return any(p.name == "budgets" or p.kind is p.VAR_KEYWORD for p in parameters)
 
 
 ENGINES = {"hf": "lightning_troll.rollouts.engine:HFEngine",

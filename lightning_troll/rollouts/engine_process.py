@@ -44,7 +44,13 @@ from torch import nn
 from lightning_troll.models.weights import full_weights
 from lightning_troll.rewards.workers import leave_stop_signals_to_the_trainer
 from lightning_troll.rollouts.behaviour import BehaviourRecorder
-from lightning_troll.rollouts.engine import EngineContext, Generation, RolloutEngine, build_engine
+from lightning_troll.rollouts.engine import (
+    EngineContext,
+    Generation,
+    RolloutEngine,
+    build_engine,
+    takes_budgets,
+)
 from lightning_troll.rollouts.rollout import SamplingConfig
 
 __all__ = ["ProcessEngine", "Request", "fingerprint"]
@@ -63,6 +69,8 @@ class Request:
     pad_id: int
     stop_ids: tuple[int, ...]
     version: int
+    budgets: tuple[int, ...] | None = None
+    """Each prompt's own most tokens, or None: ``sampling.max_new_tokens`` for all."""
 
 
 def fingerprint(weights: dict[str, torch.Tensor]) -> float:
@@ -193,9 +201,10 @@ class ProcessEngine(RolloutEngine):
         sampling: SamplingConfig,
         pad_id: int,
         stop_ids: Sequence[int],
+        budgets: Sequence[int] | None = None,
     ) -> None:
         """Asks the child for a sample of the weights it holds now, and returns at once."""
-        request = self._request(prompt_ids, group_size, sampling, pad_id, stop_ids)
+        request = self._request(prompt_ids, group_size, sampling, pad_id, stop_ids, budgets)
         if self._pending is not None:
             self._receive("generation")  # only one request in flight: the older one is dropped
         seed, self.next_seed = self.next_seed, None
@@ -204,10 +213,11 @@ class ProcessEngine(RolloutEngine):
         self._send(("generate", (request, seed)))
         self._pending, self.pending_seed = request, seed
 
-    def _request(self, prompt_ids, group_size, sampling, pad_id, stop_ids) -> Request:
+    def _request(self, prompt_ids, group_size, sampling, pad_id, stop_ids, budgets) -> Request:
         """The request for these prompts and options, of the weights the child holds now."""
         prompts = tuple(map(tuple, prompt_ids))
-        return Request(prompts, group_size, sampling, pad_id, tuple(stop_ids), self.version)
+        own = None if budgets is None else tuple(budgets)
+        return Request(prompts, group_size, sampling, pad_id, tuple(stop_ids), self.version, own)
 
     def generate(
         self,
@@ -218,16 +228,17 @@ class ProcessEngine(RolloutEngine):
         pad_id: int,
         stop_ids: Sequence[int],
         recorder: BehaviourRecorder | None = None,
+        budgets: Sequence[int] | None = None,
     ) -> Generation:
         if recorder is not None:
             raise ValueError("an engine in its own process cannot record the snapshot's logits")
         if self.stale or self._child is None:
             self.load_weights(snapshot)
         prefetched = self._pending == self._request(
-            prompt_ids, group_size, sampling, pad_id, stop_ids
+            prompt_ids, group_size, sampling, pad_id, stop_ids, budgets
         )
         if not prefetched:
-            self.submit(prompt_ids, group_size, sampling, pad_id, stop_ids)
+            self.submit(prompt_ids, group_size, sampling, pad_id, stop_ids, budgets)
         start = time.perf_counter()
         tensors, self.last_fingerprint = self._receive("generation")
         self._pending = self.pending_seed = None
@@ -291,9 +302,12 @@ def _serve(
             elif kind == "generate":
                 request, seed = payload
                 torch.manual_seed(seed)
+                own = {}  # an engine that takes no budgets samples up to the largest
+                if request.budgets is not None and takes_budgets(engine):
+                    own = {"budgets": list(request.budgets)}
                 out = engine.generate(model, [list(p) for p in request.prompt_ids],
                                       request.group_size, request.sampling, request.pad_id,
-                                      list(request.stop_ids))  # fmt: skip
+                                      list(request.stop_ids), **own)  # fmt: skip
                 fields = (out.input_ids, out.attention_mask, out.response_mask, out.truncated,
                           out.logprobs)  # fmt: skip
                 cpu = tuple(None if t is None else t.cpu() for t in fields)

@@ -33,7 +33,7 @@ from lightning_troll.environments.protocol import closed_on_failure
 from lightning_troll.environments.rendering import check_chat_template
 from lightning_troll.models.sharding import gathered
 from lightning_troll.rollouts.behaviour import BehaviourRecorder
-from lightning_troll.rollouts.engine import RolloutEngine
+from lightning_troll.rollouts.engine import RolloutEngine, takes_budgets
 from lightning_troll.rollouts.episodes import (
     ENDINGS,
     Episode,
@@ -65,13 +65,16 @@ __all__ = [
 
 class EngineTurns:
     """A ``generate_turn`` (:class:`~lightning_troll.rollouts.episodes.GenerateTurn`) over
-    ``engine.generate``: one continuation per context, up to the largest budget left (each
-    episode is cut to its own), stopping at the stop tokens."""
+    ``engine.generate``: one continuation per context, each up to the room its episode has left,
+    stopping at the stop tokens. An engine whose ``generate`` takes no ``budgets``
+    (:func:`~lightning_troll.rollouts.engine.takes_budgets`) samples every context up to the
+    largest room, and each episode is cut to its own."""
 
     def __init__(
         self, engine: RolloutEngine, snapshot: nn.Module, sampling: SamplingConfig, pad_id: int
     ) -> None:
         self.engine, self.snapshot, self.sampling, self.pad_id = engine, snapshot, sampling, pad_id
+        self.budgets = takes_budgets(engine)
         self.reported = False
         """Whether the engine gave its own log-probs of the sampled tokens."""
 
@@ -79,8 +82,9 @@ class EngineTurns:
         self, prompts: list[list[int]], max_new_tokens: list[int], stops: Stops
     ) -> list[GeneratedTurn]:
         turn = replace(self.sampling, max_new_tokens=max(max_new_tokens))
+        own = {"budgets": max_new_tokens} if self.budgets else {}
         out = self.engine.generate(
-            self.snapshot, prompts, 1, turn, self.pad_id, list(stops.token_ids)
+            self.snapshot, prompts, 1, turn, self.pad_id, list(stops.token_ids), **own
         )
         self.reported = out.logprobs is not None
         length = out.response_mask.shape[1]
@@ -98,15 +102,17 @@ def sampled_turns(
     model: nn.Module, sampling: SamplingConfig, pad_id: int, do_sample: bool = True
 ) -> GenerateTurn:
     """A ``generate_turn`` over :func:`~lightning_troll.rollouts.rollout.sample` (the HF
-    engine's KV-cached loop) that records the behaviour log-probs while it samples. It stops at
-    the stop tokens only; :func:`run_episodes` cuts a turn at a stop string."""
+    engine's KV-cached loop) that records the behaviour log-probs while it samples, each context
+    up to the room its episode has left. It stops at the stop tokens only; :func:`run_episodes`
+    cuts a turn at a stop string."""
 
     def generate(prompts: list[list[int]], max_new_tokens: list[int], stops: Stops):
         turn = replace(sampling, max_new_tokens=max(max_new_tokens))
         recorder = BehaviourRecorder(sampling.temperature)
         input_ids, _, response_mask, _ = sample(
-            model, prompts, 1, turn, pad_id, list(stops.token_ids), do_sample, recorder
-        )  # (B, S + T), (B, T)
+            model, prompts, 1, turn, pad_id, list(stops.token_ids), do_sample, recorder,
+            budgets=max_new_tokens,
+        )  # (B, S + T), (B, T)  # fmt: skip
         length = response_mask.shape[1]
         record = recorder.finish(input_ids[:, -length:])  # logprobs (B, T)
         return [

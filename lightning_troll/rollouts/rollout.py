@@ -40,6 +40,7 @@ __all__ = [
     "linear_head",
     "response_hidden",
     "response_logits",
+    "own_budgets",
     "response_mask_of",
     "sample",
 ]
@@ -178,15 +179,23 @@ def left_pad(sequences: list[list[int]], pad_id: int, device=None) -> tuple[Tens
     return ids, mask
 
 
-def response_mask_of(responses: Tensor, eos_id: int | Sequence[int]) -> tuple[Tensor, Tensor]:
+def response_mask_of(
+    responses: Tensor, eos_id: int | Sequence[int], lengths: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     """(B, T) generated tokens -> response mask (up to and including the first EOS) and
     truncated (B,) (no EOS at all). ``eos_id`` is one id or several (any of them ends a
     completion, as a chat model's end-of-turn and end-of-text tokens do). Padding after EOS may
-    equal EOS; it is excluded."""
+    equal EOS; it is excluded. ``lengths`` (B,), where given, is how many tokens each row
+    generated at most: what lies past it is padding, whatever its id."""
     ids = torch.as_tensor([eos_id] if isinstance(eos_id, int) else list(eos_id))
     is_eos = torch.isin(responses, ids.to(responses.device))  # (B, T)
+    within = torch.ones_like(is_eos)
+    if lengths is not None:
+        positions = torch.arange(responses.shape[1], device=responses.device)  # (T,)
+        within = positions < lengths.to(responses.device).unsqueeze(-1)  # (B, T)
+        is_eos = is_eos & within
     seen = is_eos.long().cumsum(-1)  # (B, T) EOS count so far, inclusive
-    mask = (seen == 0) | (is_eos & (seen == 1))
+    mask = ((seen == 0) & within) | (is_eos & (seen == 1))
     return mask, ~is_eos.any(-1)
 
 
@@ -200,11 +209,14 @@ def sample(
     eos_id: int | Sequence[int],
     do_sample: bool = True,
     recorder: BehaviourRecorder | None = None,
+    budgets: Sequence[int] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """G completions per prompt, KV-cached.
 
     A completion ends at the first of the ``eos_id`` tokens (one id or several), or after
-    ``sampling.max_new_tokens``. A ``recorder`` sees the raw logits of every step (before
+    ``sampling.max_new_tokens``, or after its prompt's own budget where ``budgets`` (P,) gives
+    one (each at most ``sampling.max_new_tokens``; an episode's turn has the room its episode
+    has left). A ``recorder`` sees the raw logits of every step (before
     temperature, top-k and top-p); call its ``finish`` with the generated tokens afterwards.
 
     :func:`~lightning_troll.rollouts.decode.decode` samples (each prompt prefilled once,
@@ -219,11 +231,15 @@ def sample(
     device = next(model.parameters()).device
     prompts, prompt_mask = left_pad(prompt_ids, pad_id, device)  # (P, S)
     stops = [eos_id] if isinstance(eos_id, int) else list(eos_id)
+    lengths = None  # (B,) each completion's own budget
+    if budgets is not None:
+        lengths = own_budgets(budgets, len(prompt_ids), sampling.max_new_tokens, device)
+        lengths = lengths.repeat_interleave(group_size)
     args = (model, prompts, prompt_mask, group_size, sampling, pad_id, stops, do_sample, recorder)
     try:
         responses = None  # (B, T)
         if recorder is None or hasattr(recorder, "record_rows"):
-            responses = decode(*args)
+            responses = decode(*args, budgets=lengths)
         if responses is None:
             responses = _generate(*args)
     except RuntimeError as error:  # NaN weights surface as torch.multinomial's complaint
@@ -231,10 +247,26 @@ def sample(
         raise
     prompts = prompts.repeat_interleave(group_size, dim=0)  # (B, S)
     prompt_mask = prompt_mask.repeat_interleave(group_size, dim=0)
-    response_mask, truncated = response_mask_of(responses, eos_id)
+    response_mask, truncated = response_mask_of(responses, eos_id, lengths)
     responses = responses.masked_fill(~response_mask, pad_id)
     attention_mask = torch.cat([prompt_mask, response_mask.long()], dim=-1)
     return torch.cat([prompts, responses], dim=-1), attention_mask, response_mask, truncated
+
+
+def own_budgets(
+    budgets: Sequence[int], prompts: int, largest: int, device: torch.device | None = None
+) -> Tensor:
+    """(P,) int64: ``budgets``, one per prompt, each from 1 to ``largest`` (the
+    ``max_new_tokens`` they are sampled with); raises ``ValueError`` otherwise."""
+    values = list(budgets)
+    if len(values) != prompts or any(
+        isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= largest for b in values
+    ):
+        raise ValueError(
+            f"budgets must be {prompts} integers (one per prompt) from 1 to max_new_tokens "
+            f"{largest}; got {values[:8]}{' ...' if len(values) > 8 else ''}"
+        )
+    return torch.tensor(values, dtype=torch.long, device=device)
 
 
 def _generate(

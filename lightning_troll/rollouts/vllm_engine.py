@@ -50,7 +50,12 @@ from lightning_troll.models.loading import resolve_model_path
 from lightning_troll.models.weights import full_weights
 from lightning_troll.rollouts.behaviour import BehaviourRecorder
 from lightning_troll.rollouts.engine import EngineContext, Generation, RolloutEngine
-from lightning_troll.rollouts.rollout import SamplingConfig, left_pad, response_mask_of
+from lightning_troll.rollouts.rollout import (
+    SamplingConfig,
+    left_pad,
+    own_budgets,
+    response_mask_of,
+)
 
 __all__ = ["VLLMEngine", "vllm_available"]
 
@@ -165,9 +170,14 @@ class VLLMEngine(RolloutEngine):
         pad_id: int,
         stop_ids: Sequence[int],
         recorder: BehaviourRecorder | None = None,
+        budgets: Sequence[int] | None = None,
     ) -> Generation:
         if recorder is not None:
             raise ValueError("the vllm engine cannot record the snapshot's logits while sampling")
+        largest = sampling.max_new_tokens
+        if budgets is None:
+            budgets = [largest] * len(prompt_ids)
+        budgets = own_budgets(budgets, len(prompt_ids), largest).tolist()
         if self.stale or self._llm is None:
             self.load_weights(snapshot)
         from vllm import SamplingParams  # noqa: PLC0415
@@ -179,14 +189,16 @@ class VLLMEngine(RolloutEngine):
                 temperature=sampling.temperature,
                 top_p=sampling.top_p,
                 top_k=sampling.top_k or -1,
-                max_tokens=sampling.max_new_tokens,
+                max_tokens=budget,
                 stop_token_ids=list(stop_ids),
                 logprobs=0,  # the sampled token's only
                 seed=seed,
                 detokenize=False,
                 skip_special_tokens=False,
             )
-            for seed in request_seeds(base, len(prompt_ids), group_size)
+            for seed, budget in zip(
+                request_seeds(base, len(prompt_ids), group_size), budgets, strict=True
+            )
         ]
         requests = [{"prompt_token_ids": list(ids)} for ids in prompt_ids]
         with _trainer_state_kept():
@@ -230,7 +242,7 @@ def _one_engine_per_process() -> dict[str, Any]:
 
 def _generation(prompt_ids, outputs, group_size, pad_id, stop_ids, device) -> Generation:
     """vLLM's request outputs -> a :class:`Generation` (prompt-major, left/right padded)."""
-    completions: list[list[int]] = []
+    completions: list[list[int]] = []  # each as long as vLLM generated it
     logprobs: list[list[float]] = []
     for output in outputs:  # one per prompt, in order
         if len(output.outputs) != group_size:
@@ -251,7 +263,8 @@ def _generation(prompt_ids, outputs, group_size, pad_id, stop_ids, device) -> Ge
     for i, (tokens, values) in enumerate(zip(completions, logprobs, strict=True)):
         responses[i, : len(tokens)] = torch.as_tensor(tokens, dtype=torch.long)
         sampled[i, : len(values)] = torch.as_tensor(values, dtype=torch.float32)
-    response_mask, truncated = response_mask_of(responses, list(stop_ids))
+    lengths = torch.tensor([len(c) for c in completions])  # (B,): past them, padding
+    response_mask, truncated = response_mask_of(responses, list(stop_ids), lengths)
     responses = responses.masked_fill(~response_mask, pad_id)
     sampled = sampled.masked_fill(~response_mask, 0.0)
     input_ids = torch.cat([prompts, responses], dim=-1)  # (B, S + T)
