@@ -37,13 +37,18 @@ STEPS_PER_ROLLOUT = 2  # epochs_per_rollout: the second pass over a rollout is o
 
 
 def scripted_sample(
-    model, prompt_ids, group_size, sampling, pad_id, eos_id, do_sample=True, recorder=None
-):
+    model, prompt_ids, group_size, sampling, pad_id, eos_id, do_sample=True, recorder=None,
+    budgets=None,
+):  # fmt: skip
     """Stands in for :func:`lightning_troll.rollouts.rollout.sample`: the j-th completion of a prompt is
     a fixed function of (prompt, j), of varying length, ended by EOS unless it fills the budget.
     ``eos_id`` is one id or several (the module's stop ids); the first ends the completions.
-    A ``recorder`` is fed the model's logits position by position, as ``generate`` feeds it."""
+    A ``recorder`` is fed the model's logits position by position, as ``generate`` feeds it.
+    Single-turn runs only: a prompt's own ``budgets`` (an episode's turn) are refused."""
     from lightning_troll.rollouts.rollout import left_pad, position_ids, response_mask_of
+
+    if budgets is not None:
+        raise NotImplementedError("scripted_sample stands in for single-turn rollouts only")
 
     stop = eos_id if isinstance(eos_id, int) else eos_id[0]
     budget = sampling.max_new_tokens
