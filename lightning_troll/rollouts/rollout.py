@@ -216,8 +216,8 @@ def sample(
     A completion ends at the first of the ``eos_id`` tokens (one id or several), or after
     ``sampling.max_new_tokens``, or after its prompt's own budget where ``budgets`` (P,) gives
     one (each at most ``sampling.max_new_tokens``; an episode's turn has the room its episode
-    has left). A ``recorder`` sees the raw logits of every step (before
-    temperature, top-k and top-p); call its ``finish`` with the generated tokens afterwards.
+    has left). A ``recorder`` sees the raw logits of every step (before temperature, top-k and
+    top-p); call its ``finish`` with the generated tokens afterwards.
 
     :func:`~lightning_troll.rollouts.decode.decode` samples (each prompt prefilled once,
     finished sequences dropped), with a ``recorder`` through its ``record_rows``. Where it cannot
