@@ -64,7 +64,7 @@ def test_a_turn_is_sampled_up_to_its_episodes_room_where_the_engine_takes_budget
     ``budgets`` (the built-in ones, one that passes ``**kwargs`` on) samples each context up to
     its own room; one written without them is asked for the largest room for every context (and
     the episode cuts each turn to its room)."""
-    from lightning_troll.rollouts.engine import takes_budgets
+    from lightning_troll.rollouts.engine import budgets_for, takes_budgets
     from lightning_troll.rollouts.episodes import Stops
     from lightning_troll.rollouts.multiturn import EngineTurns
     from lightning_troll.rollouts.rollout import SamplingConfig
@@ -76,11 +76,14 @@ def test_a_turn_is_sampled_up_to_its_episodes_room_where_the_engine_takes_budget
     rooms = [2, 7, 4]
     out = turns([[1, 5, 9], [3, 4], [8]], rooms, Stops((32,)))  # 32: outside the vocabulary
     lengths = [len(turn.token_ids) for turn in out]
+    assert budgets_for(engine, None) == {}
     if engine_class is WithoutBudgets:
         assert not takes_budgets(engine) and engine.asked == 7
+        assert budgets_for(engine, rooms) == {}
         assert lengths == [7, 7, 7]
     else:
         assert takes_budgets(engine)
+        assert budgets_for(engine, (2, 7, 4)) == {"budgets": rooms}  # a list, as a request sends
         assert lengths == rooms
 
 

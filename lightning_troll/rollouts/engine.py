@@ -41,6 +41,7 @@ __all__ = [
     "Generation",
     "HFEngine",
     "RolloutEngine",
+    "budgets_for",
     "build_engine",
     "takes_budgets",
 ]
@@ -185,6 +186,13 @@ def takes_budgets(engine: RolloutEngine) -> bool:
     not, nor does a subclass of a built-in one whose own ``generate`` leaves them out)."""
     parameters = inspect.signature(engine.generate).parameters.values()
     return any(p.name == "budgets" or p.kind is p.VAR_KEYWORD for p in parameters)
+
+
+def budgets_for(engine: RolloutEngine, budgets: Sequence[int] | None) -> dict[str, list[int]]:
+    """The keyword arguments that give ``engine.generate`` each prompt's own most tokens:
+    ``{"budgets": [...]}``, or none where there are no budgets or the engine does not take them
+    (:func:`takes_budgets`; it then samples every prompt up to ``sampling.max_new_tokens``)."""
+    return {} if budgets is None or not takes_budgets(engine) else {"budgets": list(budgets)}
 
 
 ENGINES = {"hf": "lightning_troll.rollouts.engine:HFEngine",

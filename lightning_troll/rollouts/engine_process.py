@@ -48,8 +48,8 @@ from lightning_troll.rollouts.engine import (
     EngineContext,
     Generation,
     RolloutEngine,
+    budgets_for,
     build_engine,
-    takes_budgets,
 )
 from lightning_troll.rollouts.rollout import SamplingConfig
 
@@ -302,12 +302,10 @@ def _serve(
             elif kind == "generate":
                 request, seed = payload
                 torch.manual_seed(seed)
-                own = {}  # an engine that takes no budgets samples up to the largest
-                if request.budgets is not None and takes_budgets(engine):
-                    own = {"budgets": list(request.budgets)}
                 out = engine.generate(model, [list(p) for p in request.prompt_ids],
                                       request.group_size, request.sampling, request.pad_id,
-                                      list(request.stop_ids), **own)  # fmt: skip
+                                      list(request.stop_ids),
+                                      **budgets_for(engine, request.budgets))  # fmt: skip
                 fields = (out.input_ids, out.attention_mask, out.response_mask, out.truncated,
                           out.logprobs)  # fmt: skip
                 cpu = tuple(None if t is None else t.cpu() for t in fields)

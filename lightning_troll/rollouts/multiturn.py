@@ -33,7 +33,7 @@ from lightning_troll.environments.protocol import closed_on_failure
 from lightning_troll.environments.rendering import check_chat_template
 from lightning_troll.models.sharding import gathered
 from lightning_troll.rollouts.behaviour import BehaviourRecorder
-from lightning_troll.rollouts.engine import RolloutEngine, takes_budgets
+from lightning_troll.rollouts.engine import RolloutEngine, budgets_for
 from lightning_troll.rollouts.episodes import (
     ENDINGS,
     Episode,
@@ -67,14 +67,13 @@ class EngineTurns:
     """A ``generate_turn`` (:class:`~lightning_troll.rollouts.episodes.GenerateTurn`) over
     ``engine.generate``: one continuation per context, each up to the room its episode has left,
     stopping at the stop tokens. An engine whose ``generate`` takes no ``budgets``
-    (:func:`~lightning_troll.rollouts.engine.takes_budgets`) samples every context up to the
+    (:func:`~lightning_troll.rollouts.engine.budgets_for`) samples every context up to the
     largest room, and each episode is cut to its own."""
 
     def __init__(
         self, engine: RolloutEngine, snapshot: nn.Module, sampling: SamplingConfig, pad_id: int
     ) -> None:
         self.engine, self.snapshot, self.sampling, self.pad_id = engine, snapshot, sampling, pad_id
-        self.budgets = takes_budgets(engine)
         self.reported = False
         """Whether the engine gave its own log-probs of the sampled tokens."""
 
@@ -82,10 +81,10 @@ class EngineTurns:
         self, prompts: list[list[int]], max_new_tokens: list[int], stops: Stops
     ) -> list[GeneratedTurn]:
         turn = replace(self.sampling, max_new_tokens=max(max_new_tokens))
-        own = {"budgets": max_new_tokens} if self.budgets else {}
         out = self.engine.generate(
-            self.snapshot, prompts, 1, turn, self.pad_id, list(stops.token_ids), **own
-        )
+            self.snapshot, prompts, 1, turn, self.pad_id, list(stops.token_ids),
+            **budgets_for(self.engine, max_new_tokens),
+        )  # fmt: skip
         self.reported = out.logprobs is not None
         length = out.response_mask.shape[1]
         responses = out.input_ids[:, -length:]  # (B, T)
