@@ -6,12 +6,14 @@ change when the library is reorganised (``tests/test_golden.py``).
 
 Record only when a change is meant to change the numbers, and say so in the commit. The runs use
 one CPU thread, so that a reduction's order does not depend on the machine's core count. On the
-machine kind they were recorded on (torch version and CPU kernels,
-``torch.backends.cpu.get_cpu_capability()``) they are compared bit for bit; on any other, within
-:data:`LOOSE`: over three rollouts, AVX2 kernels against AVX512 ones moved continuous figures by
-up to 4e-5 relative, figures that are rounding noise around 0 (KL quantiles, the largest
-violation) by up to 5e-7, and the mean support size, a count of tokens over a probability
-threshold, by 1.2e-3 relative.
+machine kind they were recorded on (:func:`machine`: torch version, CPU kernels
+``torch.backends.cpu.get_cpu_capability()`` and the processor) they are compared bit for bit; on
+any other, within :data:`LOOSE`: over three rollouts, AVX2 kernels against AVX512 ones moved
+continuous figures by up to 4e-5 relative, figures that are rounding noise around 0 (KL quantiles,
+the largest violation) by up to 5e-7, and the mean support size, a count of tokens over a
+probability threshold, by 1.2e-3 relative. The processor is part of the kind: with the same torch
+and the same AVX512 kernels, an AMD EPYC gave final weights that differ from another processor's
+in the last bits (their sum by 5e-8 relative), all within :data:`LOOSE`.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import csv
 import hashlib
 import json
 import math
+import platform
 from pathlib import Path
 from typing import Any
 
@@ -98,7 +101,27 @@ def scalars(path: Path) -> dict[str, list[float]]:
 
 
 def machine() -> dict[str, str]:
-    return {"torch": torch.__version__, "cpu": torch.backends.cpu.get_cpu_capability()}
+    """The machine kind whose runs agree bit for bit: torch, its CPU kernels and the processor."""
+    return {
+        "torch": torch.__version__,
+        "cpu": torch.backends.cpu.get_cpu_capability(),
+        "processor": processor(),
+    }
+
+
+def processor() -> str:
+    """The processor's vendor and model (Linux's ``/proc/cpuinfo``), else what ``platform``
+    says."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    fields = {}
+    for line in lines:
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    known = [fields[k] for k in ("vendor_id", "cpu family", "model", "model name") if k in fields]
+    return " / ".join(known) or platform.processor() or platform.machine()
 
 
 def differences(expected: dict[str, Any], got: dict[str, Any], exact: bool) -> list[str]:

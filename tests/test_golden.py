@@ -49,3 +49,21 @@ def test_elsewhere_the_loose_comparison_still_finds_a_change_past_its_tolerances
         changed = json.loads(json.dumps(stored))
         changed["scalars"][key][0] *= factor
         assert bool(golden.differences(stored, changed, exact=False)) is found, (key, factor)
+
+
+def test_the_machine_kind_names_the_processor(monkeypatch):
+    """Two processors with the same torch and kernels differ in the last bits: the kind that
+    compares bit for bit names the processor, from /proc/cpuinfo or, without it, ``platform``."""
+    import platform
+    from pathlib import Path
+
+    kind = golden.machine()
+    assert set(kind) == {"torch", "cpu", "processor"}
+    assert kind["processor"].strip()
+
+    def unreadable(self, *args, **kwargs):
+        raise OSError("no /proc here")
+
+    monkeypatch.setattr(Path, "read_text", unreadable)
+    monkeypatch.setattr(platform, "processor", lambda: "arm")
+    assert golden.processor() == "arm"
