@@ -8,8 +8,8 @@ by side on one model.
 
 Both ways run the same episodes' prompts through
 :func:`~lightning_troll.rollouts.episodes.run_episodes` with the HF engine, as the game trains
-(``examples/feedback_game/``: the ``Scored`` environment, 3 turns, a budget of 160 tokens,
-temperature 1.0), each repeat from the same seed, the ways alternating. "largest" is the HF engine
+(``examples/feedback_game/task.yaml``: the ``Scored`` environment, its turn limit, token budget
+and temperature), each repeat from the same seed, the ways alternating. "largest" is the HF engine
 written without ``budgets``, which the turn loop then asks for the largest room of the batch.
 Both draw episodes from the same distribution with other random draws, so their episodes differ.
 Printed per way, summed over a repeat's episodes (medians over the repeats): the tokens the model
@@ -28,9 +28,16 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+import yaml
+
+from lightning_troll.models.smollm2 import DEFAULT_DIR
 
 ROOT = Path(__file__).resolve().parents[1]
 GAME = ROOT / "examples" / "feedback_game"
+CONFIG = yaml.safe_load((GAME / "task.yaml").read_text())
+"""The game's config: a rollout's problems and episodes, the turn limit, the budget and the
+temperature come from it."""
+TASK = CONFIG["model"]
 FIGURES = ("sampled", "kept", "steps", "seconds")
 
 
@@ -73,9 +80,11 @@ def run_way(engine_class: type, model, tokenizer, rows: list[dict], args) -> dic
     from lightning_troll.rollouts.rollout import SamplingConfig
 
     engine = engine_class(EngineContext(str(args.model), "float32", tokenizer))
-    sampling = SamplingConfig(max_new_tokens=args.budget, temperature=1.0)
+    sampling = SamplingConfig(
+        max_new_tokens=args.budget, temperature=TASK["sampling"]["temperature"]
+    )
     turns = EngineTurns(engine, model, sampling, tokenizer.pad_token_id)
-    limits = EpisodeLimits(max_turns=3, max_tokens=args.budget)
+    limits = EpisodeLimits(max_turns=TASK["episodes"]["max_turns"], max_tokens=args.budget)
     torch.manual_seed(args.seed)
     start = time.perf_counter()
     with torch.no_grad():
@@ -88,11 +97,16 @@ def run_way(engine_class: type, model, tokenizer, rows: list[dict], args) -> dic
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", type=Path, default=ROOT / "models" / "SmolLM2-135M-Instruct",
+    p.add_argument("--model", type=Path, default=ROOT / DEFAULT_DIR,
                    help="a model folder (default: SmolLM2-135M-Instruct from make smollm2)")  # fmt: skip
-    p.add_argument("--prompts", type=int, default=8, help="problems (default 8)")
-    p.add_argument("--group", type=int, default=8, help="episodes per problem (default 8)")
-    p.add_argument("--budget", type=int, default=160, help="tokens per episode (default 160)")
+    prompts, group = CONFIG["data"]["batch_size"], TASK["group_size"]
+    p.add_argument("--prompts", type=int, default=prompts,
+                   help=f"problems (default {prompts}, a rollout's)")  # fmt: skip
+    p.add_argument("--group", type=int, default=group,
+                   help=f"episodes per problem (default {group}, the game's)")  # fmt: skip
+    budget = TASK["sampling"]["max_new_tokens"]
+    p.add_argument("--budget", type=int, default=budget,
+                   help=f"tokens per episode (default {budget}, the game's)")  # fmt: skip
     p.add_argument("--repeats", type=int, default=3, help="runs of each way (default 3)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None, help="also write the medians here")
