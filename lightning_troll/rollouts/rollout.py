@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, fields, replace
+from typing import Literal
 
 import torch
 from torch import Tensor, nn
@@ -29,6 +30,7 @@ from lightning_troll.rollouts.forward import (  # re-exported: the teacher-force
     response_hidden,
     response_logits,
 )
+from lightning_troll.rollouts.graph_decode import DECODE_MODES, graph_decode
 from lightning_troll.trust_region.projection import SparseDistribution
 
 __all__ = [
@@ -58,6 +60,11 @@ class SamplingConfig:
     """Sample among the k most probable tokens; 0 switches it off."""
     max_new_tokens: int = 8
     """Completion budget in tokens; a completion without EOS by then counts as truncated."""
+    decode: Literal["auto", "dynamic", "graphs"] = "auto"
+    """How the ``hf`` engine decodes: ``dynamic`` launches each step from the host and drops
+    finished sequences from the batch; ``graphs`` replays each step as a CUDA graph over a
+    static KV cache (the dynamic loop where it cannot, warned); ``auto`` is ``graphs`` on a
+    CUDA device and ``dynamic`` elsewhere. The completions' distribution is the same."""
 
     def __post_init__(self) -> None:
         if not self.temperature > 0:
@@ -69,6 +76,11 @@ class SamplingConfig:
         if self.max_new_tokens < 1:
             raise ValueError(
                 f"model.sampling.max_new_tokens must be >= 1; got {self.max_new_tokens!r}"
+            )
+        if self.decode not in DECODE_MODES:
+            raise ValueError(
+                f"model.sampling.decode must be one of {', '.join(DECODE_MODES)}; got "
+                f"{self.decode!r}"
             )
 
 
@@ -220,7 +232,9 @@ def sample(
     top-p); call its ``finish`` with the generated tokens afterwards.
 
     :func:`~lightning_troll.rollouts.decode.decode` samples (each prompt prefilled once,
-    finished sequences dropped), with a ``recorder`` through its ``record_rows``. Where it cannot
+    finished sequences dropped), with a ``recorder`` through its ``record_rows``; on a CUDA
+    device :func:`~lightning_troll.rollouts.graph_decode.graph_decode` first, as
+    ``sampling.decode`` says. Where it cannot
     serve the model (see its module), or the recorder is a plain logits processor without
     ``record_rows``, transformers' ``generate`` samples instead, with the recorder as its first
     logits processor.
@@ -239,7 +253,9 @@ def sample(
     try:
         responses = None  # (B, T)
         if recorder is None or hasattr(recorder, "record_rows"):
-            responses = decode(*args, budgets=lengths)
+            responses = graph_decode(*args, budgets=lengths)  # None: not on CUDA graphs
+            if responses is None:
+                responses = decode(*args, budgets=lengths)
         if responses is None:
             responses = _generate(*args)
     except RuntimeError as error:  # NaN weights surface as torch.multinomial's complaint
