@@ -3,9 +3,10 @@
 On a machine with a CUDA GPU it runs seven phases, each in a process of its own under its own time
 limit, so that a phase that fails or runs out of time is recorded and the next one still runs:
 
-1. ``cuda-tests``: the CUDA-only tests (``pytest -m cuda``, ``tests/test_cuda.py``): QLoRA on a
-   4-bit base, the paged 8-bit AdamW, a bf16-true training step, chunked == full log-probs, the
-   projection against the float64 reference;
+1. ``cuda-tests``: the CUDA-only tests (``pytest -m cuda``, ``tests/test_cuda.py`` and
+   ``tests/test_graph_decode.py``): QLoRA on a 4-bit base, the paged 8-bit AdamW, a bf16-true
+   training step, chunked == full log-probs, the projection against the float64 reference, CUDA
+   graphs decoding as the dynamic loop does;
 2. ``fsdp2-nccl``: FSDP2 (``ModelParallelStrategy``) over NCCL on every visible GPU, against the
    same run in one CPU process;
 3. ``loop-paths``: ``configs/tinymath.yaml`` for 20 rollouts on the GPU along each path of the
@@ -18,8 +19,9 @@ limit, so that a phase that fails or runs out of time is recorded and the next o
    V = 151,936, 4 sequences of 1,024 tokens, fewer where they do not fit): the ratio of the median
    step times and of ``torch.cuda.max_memory_allocated``, beside the paper's x1.091 and x1.046,
    and TROLL's step with its root finder compiled (``trust_region.compile_solver``);
-5. ``generation``: sampling tokens per second at the same shapes, and the split of one GRPO
-   iteration (64 completions of 256 tokens) into rollout and training;
+5. ``generation``: the dynamic decoding loop against the CUDA-graph path at the same shapes,
+   64 completions of 256 and of 1,024 tokens: tokens per second, wall and device time per
+   decoding step, and the rollout's share of one GRPO iteration (``examples/gpu_generation.py``);
 6. ``tinymath-demo``: ``configs/tinymath.yaml`` for 100 rollouts on the GPU: wall time, reward,
    held-out accuracy;
 7. ``grpo-smollm2``: one GRPO iteration at SmolLM2-135M's shape (random initialisation) through
@@ -83,7 +85,7 @@ PHASES = (
     Phase("fsdp2-nccl", "FSDP2 over NCCL against one CPU process", 150, 120, cuda_only=True),
     Phase("loop-paths", "the engine apart, stale data, episodes: TinyMath fits", 150, 240),
     Phase("overhead", "TROLL vs clip, one training step, Qwen3 shapes", 240, 120),
-    Phase("generation", "tokens/s and one GRPO iteration, Qwen3 shapes", 150, 120),
+    Phase("generation", "dynamic decoding against CUDA graphs, Qwen3 shapes", 240, 120),
     Phase("tinymath-demo", "the TinyMath demo, shortened", 120, 120),
     Phase("grpo-smollm2", "one GRPO iteration at SmolLM2-135M's shape", 120, 120),
 )

@@ -21,9 +21,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_fits import grpo_smollm2, loop_paths, tinymath_demo  # noqa: E402
+from gpu_generation import TINY_GENERATION, GenerationSetting, generation_rows  # noqa: E402
 from gpu_models import (  # noqa: E402
-    EOS,
-    PAD,
     QWEN3,
     TINY_QWEN3,
     Shape,
@@ -83,32 +82,37 @@ def halving(first: int):
 
 
 def each_shape(results: Results, shapes: dict[str, Shape], sizes: list[int], measure) -> None:
-    """``measure(name, shape, size)`` for every shape, halving ``size`` on running out of GPU
-    memory; a shape that fails is recorded as a row with its error, and the others still run.
+    """``measure(name, shape, size)`` (a row, or a list of rows) for every shape, halving ``size``
+    on running out of GPU memory; a shape that fails is recorded as a row with its error, and the
+    others still run.
     Raises at the end if any shape failed."""
     failed = []
     for name, shape in shapes.items():
-        row: dict[str, Any] = {}
+        rows: list[dict[str, Any]] = []
         for size in sizes:
             retry = False
             try:
-                row = {**shape_figures(name, shape), **measure(name, shape, size)}
+                measured = measure(name, shape, size)
+                rows = [{**shape_figures(name, shape), **r}
+                        for r in (measured if isinstance(measured, list) else [measured])]  # fmt: skip
             except Exception as error:  # noqa: BLE001 - recorded, and the next shape runs
-                row = {**shape_figures(name, shape), "error": f"{type(error).__name__}: {error}"}
+                rows = [{**shape_figures(name, shape), "error": f"{type(error).__name__}: {error}"}]
                 retry = out_of_memory(error) and size > 1
                 traceback.print_exc()
             free_memory()  # outside the handler: the error's frames no longer hold the tensors
             if not retry:
                 break
-        results.add_row(row)
-        failed += [name] if "error" in row else []
+        for row in rows:
+            results.add_row(row)
+        failed += [name] if "error" in rows[0] else []
     if failed:
         raise RuntimeError(f"failed at shapes {failed}; see their rows")
 
 
 # -- phases 1 and 2: the CUDA-only tests ------------------------------------------------------
 def pytest_phase(results: Results, keyword: str) -> None:
-    """``pytest -m cuda -k keyword`` on ``tests/test_cuda.py``, its outcome per test."""
+    """``pytest -m cuda -k keyword`` on ``tests/test_cuda.py`` and the CUDA-graph decoding tests
+    (``tests/test_graph_decode.py``), its outcome per test."""
     import pytest
     import torch
 
@@ -116,9 +120,8 @@ def pytest_phase(results: Results, keyword: str) -> None:
         raise Skip("needs a CUDA device")
     junit = results.path.with_suffix(".junit.xml")
     options = ["-q", "-p", "no:cacheprovider", f"--junitxml={junit}", f"--rootdir={ROOT}"]
-    code = pytest.main(
-        [str(ROOT / "tests" / "test_cuda.py"), "-m", "cuda", "-k", keyword, *options]
-    )
+    files = [str(ROOT / "tests" / name) for name in ("test_cuda.py", "test_graph_decode.py")]
+    code = pytest.main([*files, "-m", "cuda", "-k", keyword, *options])
     counts = {"passed": 0, "failed": 0, "skipped": 0}
     for case in ET.parse(junit).getroot().iter("testcase") if junit.exists() else []:
         outcome, message = "passed", ""
@@ -257,73 +260,27 @@ def arm_figures(
     return figures, stats
 
 
-# -- phase 4: generation and the split of a GRPO iteration ------------------------------------
-@dataclass(frozen=True)
-class GenerationSetting:
-    prompts: int = 8
-    group: int = 8
-    prompt: int = 64
-    new_tokens: int = 256
-    micro_batch: int = 8
-    chunk: int = 1024
-
-
-TINY_GENERATION = GenerationSetting(prompts=2, group=4, prompt=8, new_tokens=8, micro_batch=4)
-
-
+# -- phase 4: generation, the dynamic loop against CUDA graphs -------------------------------
 def generation(results: Results, tiny: bool) -> None:
-    """Tokens per second of sampling, and one GRPO iteration (rollout, then one TROLL step)."""
-    setting, shapes = (TINY_GENERATION, TINY_QWEN3) if tiny else (GenerationSetting(), QWEN3)
-    results.update(shapes=shape_table(shapes), **asdict(setting))
-
-    def measure(name: str, shape: Shape, micro_batch: int) -> dict[str, Any]:
-        return generation_at(shape, setting, micro_batch)
-
-    each_shape(results, shapes, list(halving(setting.micro_batch)), measure)
-    rates = [f"{r['shape']} {r['tokens_per_s']:.0f}" for r in results.rows if "tokens_per_s" in r]
-    results.update(summary="tokens/s: " + ", ".join(rates))
-
-
-def generation_at(shape: Shape, setting: GenerationSetting, micro_batch: int) -> dict[str, Any]:
-    """Two GRPO iterations (the first warms up): the second's times are reported."""
+    """Both decoding paths at each shape and length: tokens/s, wall and device time per step, and
+    the rollout's share of a GRPO iteration (:mod:`gpu_generation`)."""
     import torch
 
-    from lightning_troll.objectives import build_objective
-    from lightning_troll.rollouts.rollout import SamplingConfig, sample
+    setting, shapes = (TINY_GENERATION, TINY_QWEN3) if tiny else (GenerationSetting(), QWEN3)
+    results.update(shapes=shape_table(shapes), graphs_on_device=torch.cuda.is_available(),
+                   **asdict(setting))  # fmt: skip
 
-    snapshot, policy = snapshot_and_policy(shape)
-    objective = build_objective("troll")
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-6)
-    g = torch.Generator().manual_seed(0)
-    prompts = torch.randint(2, shape.vocab, (setting.prompts, setting.prompt), generator=g).tolist()
-    sampling = SamplingConfig(max_new_tokens=setting.new_tokens)
-    row: dict[str, Any] = {"sequences": setting.prompts * setting.group, "micro_batch": micro_batch}
-    for iteration in ("first", "second"):
-        start = clock()
-        ids, attention, response, _ = sample(snapshot, prompts, setting.group, sampling, PAD, EOS)
-        sampled = clock()
-        tokens = ids[:, -response.shape[1] :].masked_fill(~response, 0)
-        rewards = (tokens.sum(-1) % 2).float()  # a stand-in: the parity of the token ids' sum
-        rollout = make_rollout(snapshot, objective, ids, attention, response, rewards,
-                               setting.group, setting.chunk)  # fmt: skip
-        collected = clock()
-        train_step(policy, objective, optimizer, rollout, micro_batch, setting.chunk)
-        trained = clock()
-        generated = int(response.sum())
-        row.update(
-            {
-                f"{iteration}_iteration_s": round(trained - start, 3),
-                "generated_tokens": generated,
-                "generation_s": round(sampled - start, 3),
-                "tokens_per_s": round(generated / (sampled - start), 1),
-                "rollout_s": round(collected - start, 3),
-                "train_s": round(trained - collected, 3),
-                "rollout_share": round((collected - start) / (trained - start), 4),
-                "mean_reward": round(float(rewards.mean()), 4),
-            }
-        )
-        del rollout
-    return row
+    def measure(name: str, shape: Shape, micro_batch: int) -> list[dict[str, Any]]:
+        return generation_rows(name, shape, setting, micro_batch)
+
+    each_shape(results, shapes, list(halving(setting.micro_batch)), measure)
+    rates = [
+        f"{r['shape']} {r['new_tokens']}: {r['graphs_tokens_per_s']:.0f}"
+        + (f" (dynamic {r['dynamic_tokens_per_s']:.0f})" if r["dynamic_tokens_per_s"] else "")
+        for r in results.rows
+        if r.get("graphs_tokens_per_s")
+    ]
+    results.update(summary="graphs tokens/s: " + ", ".join(rates))
 
 
 WORKERS = {

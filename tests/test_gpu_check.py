@@ -269,6 +269,30 @@ def run_script(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=1200)
 
 
+def assert_generation_figures(figures: dict, cuda: bool) -> None:
+    """The ``generation`` phase at tiny shapes: a row per shape and length, each path's figures
+    where it ran (the dynamic loop at the longer length at the first shape only), and the
+    device's time per step where there is a device."""
+    assert figures["graphs_on_device"] is cuda
+    rows = figures["rows"]
+    assert [(r["shape"], r["new_tokens"]) for r in rows] == [
+        (shape, tokens) for shape in ("qwen3-0.6b", "qwen3-1.7b", "qwen3-4b") for tokens in (8, 16)
+    ]
+    for row in rows:
+        assert row["generated_tokens"] > 0 and row["train_s"] > 0 and row["behaviour_s"] > 0
+        both = row["new_tokens"] == 8 or row["shape"] == "qwen3-0.6b"
+        assert (row["dynamic_tokens_per_s"] is None) is not both
+        for path in ("dynamic", "graphs") if both else ("graphs",):
+            assert row[f"{path}_tokens_per_s"] > 0 and row[f"{path}_wall_ms_per_step"] > 0
+            assert 0 < row[f"{path}_rollout_share"] < 1
+        if both:
+            ratio = row["graphs_tokens_per_s"] / row["dynamic_tokens_per_s"]
+            assert row["speedup"] == pytest.approx(ratio, rel=2e-3)
+    for row in rows[::2]:  # the device's time per step: in the first row of each shape
+        for path in ("dynamic", "graphs"):
+            assert (row[f"{path}_device_ms_per_step"] is None) is not cuda
+
+
 @pytest.mark.slow  # seven phases, five of them in processes of their own: about 3 minutes
 def test_tiny_check_runs_every_phase_and_reports_it(tmp_path):
     out = tmp_path / "report.json"
@@ -312,12 +336,7 @@ def test_tiny_check_runs_every_phase_and_reports_it(tmp_path):
         assert row["memory_ratio"] == pytest.approx(
             row["troll_peak_mib"] / row["clip_peak_mib"], rel=1e-3
         )
-    for row in phases["generation"]["figures"]["rows"]:
-        assert row["tokens_per_s"] > 0 and row["generated_tokens"] > 0
-        assert 0 < row["rollout_share"] < 1
-        assert row["rollout_s"] + row["train_s"] == pytest.approx(
-            row["second_iteration_s"], abs=2e-3
-        )
+    assert_generation_figures(phases["generation"]["figures"], cuda)
     demo = phases["tinymath-demo"]["figures"]
     assert demo["rollouts"] == 2 and 0 <= demo["final_reward"] <= 1
     assert 0 <= demo["val_accuracy"] <= 1 and demo["kl_after_max"] <= EPS * (1 + 1e-5)

@@ -6,7 +6,7 @@ from the host, and a GPU waits on those launches: at Qwen3-0.6B's shape on an H2
 completions from the same distribution with fixed shapes instead:
 
 - the P prompts are prefilled once, as in the dynamic loop, and their keys and values copied G
-  times into transformers' ``StaticCache``, B rows of S + T positions allocated once;
+  times into transformers' ``StaticCache``, B rows of L positions allocated once;
 - each one-token step of a bucket of b slots is captured once as a ``torch.cuda.CUDAGraph``
   and then replayed: one launch a step, whatever the model's depth;
 - a sequence that ends stays in its slot (fed its last token, its outputs ignored) until the
@@ -19,7 +19,7 @@ completions from the same distribution with fixed shapes instead:
 Tokens are chosen outside the graph by :func:`~lightning_troll.rollouts.decode.choose_tokens`
 from the running sequences' logits only, in the order of B, so the random stream is the dynamic
 loop's: with the same seed both paths draw the same tokens up to float rounding of the logits
-(the static step attends over all S + T positions, the unused ones masked). A recorder's
+(the static step attends over all L positions, the unused ones masked). A recorder's
 ``record_rows`` sees the same rows as in the dynamic loop.
 
 Why manual capture rather than ``torch.compile(mode="reduce-overhead")``: the cache length S + T
@@ -41,8 +41,9 @@ bucket whose capture fails runs its steps eagerly, warned.
 tests run it on a CPU.
 
 Notation: P prompts, G completions per prompt, B = P * G sequences (prompt-major), S prompt
-length (left padded), T response length, L = S + T cache positions, b slots of the bucket, n
-sequences still running, V vocabulary, H key/value heads, D head size.
+length (left padded), T response length, L cache positions (S + T rounded up to a multiple of
+16), b slots of the bucket, n sequences still running, V vocabulary, H key/value heads, D head
+size.
 """
 
 from __future__ import annotations
@@ -224,10 +225,10 @@ class _StaticBatch:
     @classmethod
     def prefilled(cls, model, dynamic, name, prompt_mask, first_positions, group, budget):
         """The B slots after the prefill: the (P, S) prompts' keys and values of ``dynamic`` (a
-        filled ``DynamicCache``) repeated ``group`` times into a static cache of S + T
-        positions."""
+        filled ``DynamicCache``) repeated ``group`` times into a static cache of L positions."""
         length = prompt_mask.shape[1]  # S
-        cache = StaticCache(config=model.config, max_cache_len=length + budget)
+        positions = -(-(length + budget) // 16) * 16  # L: S + T, aligned for attention kernels
+        cache = StaticCache(config=model.config, max_cache_len=positions)
         storage = []
         for layer, filled in zip(cache.layers, dynamic.layers, strict=True):
             keys = filled.keys.repeat_interleave(group, dim=0)  # (B, H, S, D)
@@ -240,12 +241,12 @@ class _StaticBatch:
         dtype = storage[0][0].dtype
         visible = prompt_mask.repeat_interleave(group, dim=0).bool()  # (B, S)
         lowest = torch.finfo(dtype).min
-        shape = (visible.shape[0], 1, 1, length + budget)  # (B, 1, 1, L)
+        shape = (visible.shape[0], 1, 1, positions)  # (B, 1, 1, L)
         mask = torch.full(shape, lowest, dtype=dtype, device=visible.device)
         mask[:, 0, 0, :length].masked_fill_(visible, 0.0)
-        positions = (first_positions[:, -1:] + 1).repeat_interleave(group, dim=0)  # (B, 1)
+        following = (first_positions[:, -1:] + 1).repeat_interleave(group, dim=0)  # (B, 1)
         rows = torch.arange(visible.shape[0], device=visible.device)  # (B,)
-        return cls(model, cache, name, rows, positions, mask, length, storage)
+        return cls(model, cache, name, rows, following, mask, length, storage)
 
     def next_bucket(self) -> int:
         """The size of the next smaller bucket: the largest power of two below b (0 at b = 1)."""

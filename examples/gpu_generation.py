@@ -1,0 +1,148 @@
+"""The ``generation`` phase of ``examples/gpu_check.py``: the two decoding paths side by side.
+
+At each Qwen3 shape (random initialisation, bf16 on a GPU) and at 256 and 1,024 new tokens, 8
+prompts x 8 completions are sampled by the dynamic loop (``model.sampling.decode: dynamic``,
+each step launched from the host) and by the CUDA-graph path (``graphs``: a static KV cache,
+each bucket's step replayed as one graph). A row per shape and length gives, for each path:
+
+- ``*_tokens_per_s``: generated tokens over the sampling's wall time; ``*_wall_ms_per_step``:
+  that time over the decoding steps (prefill and, for graphs, capture included);
+- ``*_rollout_share``: the rollout (sampling plus the behaviour pass that caches the old
+  log-probs and sparse rows) over one GRPO iteration (the rollout plus one TROLL step); the
+  behaviour pass and the training step depend on the shapes only (a random model almost never
+  draws EOS, so every completion runs to the budget) and are timed once, on the graphs path's
+  sample (``behaviour_s``, ``train_s``);
+- ``*_device_ms_per_step`` (first row of a shape; null on a CPU): the device's own work per
+  decoding step, from the profiler's CUDA kernel times of a sample of ``profile_tokens`` tokens
+  less those of a one-token sample, over the steps between them. A path bound by the host's
+  launches shows a wall time per step far above it; one the device runs at its pace, close.
+
+The dynamic loop samples the 1,024-token completions at the shapes ``dynamic_long_shapes``
+only (about 50 s at 0.6B's shape on an H200, which would be most of the phase's time at three
+shapes); its other rows leave those columns null. On a CPU (``--tiny``) ``graphs`` falls back to
+the dynamic loop (warned): the figures then say nothing about graphs, only that the phase runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from gpu_models import EOS, PAD, Shape, clock, make_rollout, snapshot_and_policy, train_step
+
+PATHS = ("dynamic", "graphs")
+
+
+@dataclass(frozen=True)
+class GenerationSetting:
+    prompts: int = 8
+    group: int = 8
+    prompt: int = 64
+    new_tokens: tuple[int, ...] = (256, 1024)
+    micro_batch: int = 8
+    chunk: int = 1024
+    warmup_tokens: int = 16
+    """A first GRPO iteration this long (graphs) warms kernels, allocator and compiler caches."""
+    profile_tokens: int = 17
+    dynamic_long_shapes: tuple[str, ...] = ("qwen3-0.6b",)
+    """Shapes at which the dynamic loop samples the longest completions too."""
+
+
+TINY_GENERATION = GenerationSetting(
+    prompts=2, group=4, prompt=8, new_tokens=(8, 16), micro_batch=4, warmup_tokens=4,
+    profile_tokens=5,
+)  # fmt: skip
+
+
+def generation_rows(
+    name: str, shape: Shape, setting: GenerationSetting, micro_batch: int
+) -> list[dict[str, Any]]:
+    """The rows of one shape: one per length in ``setting.new_tokens``."""
+    import torch
+
+    from lightning_troll.objectives import build_objective
+
+    snapshot, policy = snapshot_and_policy(shape)
+    objective = build_objective("troll")
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-6)
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(2, shape.vocab, (setting.prompts, setting.prompt), generator=g).tolist()
+
+    def iteration_parts(sampled) -> tuple[float, float]:
+        """Seconds of the behaviour pass and of one training step on a sample."""
+        ids, attention, response = sampled
+        tokens = ids[:, -response.shape[1] :].masked_fill(~response, 0)
+        rewards = (tokens.sum(-1) % 2).float()  # a stand-in: the parity of the token ids' sum
+        start = clock()
+        rollout = make_rollout(snapshot, objective, ids, attention, response, rewards,
+                               setting.group, setting.chunk)  # fmt: skip
+        collected = clock()
+        train_step(policy, objective, optimizer, rollout, micro_batch, setting.chunk)
+        return collected - start, clock() - collected
+
+    iteration_parts(sample_with(snapshot, prompts, setting.group, setting.warmup_tokens, "graphs"))
+    rows = []
+    for tokens in setting.new_tokens:
+        row: dict[str, Any] = {"new_tokens": tokens, "sequences": setting.prompts * setting.group,
+                               "micro_batch": micro_batch}  # fmt: skip
+        paths = PATHS
+        if tokens > min(setting.new_tokens) and name not in setting.dynamic_long_shapes:
+            paths = ("graphs",)
+        times, sampled = {}, None
+        for path in PATHS:
+            if path not in paths:
+                row |= {f"{path}_{k}": None for k in ("tokens_per_s", "wall_ms_per_step",
+                                                      "rollout_share")}  # fmt: skip
+                continue
+            start = clock()
+            sampled = sample_with(snapshot, prompts, setting.group, tokens, path)
+            times[path] = clock() - start
+            response = sampled[2]
+            row["generated_tokens"] = int(response.sum())
+            row[f"{path}_tokens_per_s"] = round(int(response.sum()) / times[path], 1)
+            row[f"{path}_wall_ms_per_step"] = round(1000 * times[path] / response.shape[1], 3)
+        behaviour_s, train_s = iteration_parts(sampled)
+        row |= {"behaviour_s": round(behaviour_s, 3), "train_s": round(train_s, 3)}
+        for path, seconds in times.items():
+            rollout_s = seconds + behaviour_s
+            row[f"{path}_rollout_share"] = round(rollout_s / (rollout_s + train_s), 4)
+        if len(times) == 2:  # tokens/s of graphs over the dynamic loop's
+            row["speedup"] = round(row["graphs_tokens_per_s"] / row["dynamic_tokens_per_s"], 3)
+        rows.append(row)
+    for path in PATHS:
+        rows[0][f"{path}_device_ms_per_step"] = device_ms_per_step(
+            snapshot, prompts, setting.group, setting.profile_tokens, path
+        )
+    return rows
+
+
+def sample_with(snapshot, prompts, group: int, tokens: int, path: str):
+    """(ids, attention mask, response mask) of ``group`` completions of ``tokens`` per prompt,
+    sampled by the decoding ``path``."""
+    from lightning_troll.rollouts.rollout import SamplingConfig, sample
+
+    sampling = SamplingConfig(max_new_tokens=tokens, decode=path)
+    ids, attention, response, _ = sample(snapshot, prompts, group, sampling, PAD, EOS)
+    return ids, attention, response
+
+
+def device_ms_per_step(snapshot, prompts, group: int, tokens: int, path: str) -> float | None:
+    """The device's kernel time per decoding step of ``path`` (None without CUDA): the CUDA
+    activities of a ``tokens``-token sample less those of a one-token one (the prefill and, for
+    graphs, a capture), over the ``tokens - 1`` steps between them."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    def kernel_us(length: int) -> float:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            sample_with(snapshot, prompts, group, length, path)
+            torch.cuda.synchronize()
+        return sum(
+            e.time_range.elapsed_us() for e in prof.events() if e.device_type == DeviceType.CUDA
+        )
+
+    return round((kernel_us(tokens) - kernel_us(1)) / (tokens - 1) / 1000, 4)
