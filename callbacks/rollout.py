@@ -22,6 +22,7 @@ from lightning_troll.rewards.calls import RewardError
 from lightning_troll.rollouts.multiturn import behaviour_logprobs_warning
 from lightning_troll.rollouts.timing import clock
 from lightning_troll.training.faults import EpisodeFault, RewardFault
+from lightning_troll.training.memory_check import check_fits
 
 __all__ = ["RolloutGeneration", "RolloutReport", "Samples", "samples_table"]
 
@@ -60,6 +61,14 @@ class RolloutGeneration(Callback):
         """Mean reward of every rollout so far (this process's completions)."""
         self._warned_cap = False
         self._started: float | None = None
+
+    @override
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Before any sampling, a run whose memory cannot fit stops in one line, and one that
+        may not is warned about (:mod:`~lightning_troll.training.memory_check`)."""
+        data = trainer.datamodule
+        if hasattr(pl_module, "sampling") and isinstance(getattr(data, "batch_size", None), int):
+            check_fits(pl_module, data.batch_size, getattr(data, "max_prompt_tokens", 0) or 0)
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:

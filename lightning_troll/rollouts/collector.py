@@ -130,6 +130,10 @@ class RolloutCollector:
     (``forward``), or choose by the weights' dtype (``auto``)."""
     logits_chunk_size: int | None = None
     share_prompts: bool = False
+    max_tokens: int | None = None
+    """The most tokens per teacher-forced pass (``model.optimization.micro_batch_tokens``)."""
+    packed: bool = False
+    """Teacher-forced passes without padding (``model.optimization.pack_sequences``)."""
     max_rounds: int = 3
     """The most extra rounds of dynamic sampling."""
     any_process: Callable[[bool], bool] = _this_process
@@ -228,14 +232,21 @@ class RolloutCollector:
             with self.behaviour() as snapshot:
                 share = self.share_prompts and not is_sharded(snapshot)
                 old_logprobs, old = behaviour_outputs(
-                    snapshot, *inputs, self.sparsify_old, chunks, share
+                    snapshot, *inputs, self.sparsify_old, chunks, share, *self._parts
                 )
         ref_logprobs = None
         with self.reference() as reference:
             if reference is not None:
                 share = self.share_prompts and not is_sharded(reference)
-                ref_logprobs = behaviour_outputs(reference, *inputs, None, chunks, share)[0]
+                ref_logprobs = behaviour_outputs(
+                    reference, *inputs, None, chunks, share, *self._parts
+                )[0]
         return old_logprobs, old, ref_logprobs
+
+    @property
+    def _parts(self) -> tuple[int | None, bool]:
+        """How a teacher-forced pass splits and packs the rollout: ``max_tokens``, ``packed``."""
+        return self.max_tokens, self.packed
 
     def _proximal(
         self, kept: Samples, response_mask: Tensor, advantages: Tensor, behaviour: Tensor
@@ -248,7 +259,7 @@ class RolloutCollector:
         share = self.share_prompts and not is_sharded(self.policy)
         with evaluating(self.policy) as policy:  # no dropout: the policy as the snapshot samples
             proximal, rows = behaviour_outputs(
-                policy, *inputs, self.sparsify_old, self.logits_chunk_size, share
+                policy, *inputs, self.sparsify_old, self.logits_chunk_size, share, *self._parts
             )
         # the same truncated weight as the engine's token-level correction, under its own names
         weights, _, engine_figures = mismatch_weights(

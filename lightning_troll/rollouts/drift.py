@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from lightning_troll.models.snapshots import evaluating
 from lightning_troll.objectives.chunking import head_logits, map_row_chunks
 from lightning_troll.rollouts.forward import linear_head, response_hidden, response_logits
+from lightning_troll.rollouts.micro_batches import consecutive_parts
 from lightning_troll.rollouts.rollout import Rollout
 from lightning_troll.trust_region.projection import SparseDistribution, TrustRegionProjection
 
@@ -48,6 +49,8 @@ def kl_to_behaviour(
     rule: TrustRegionProjection,
     chunk_size: int | None,
     share_prompts: bool = False,
+    max_tokens: int | None = None,
+    packed: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Per response token of ``rollout``, how far ``policy`` is from the behaviour policy that
     sampled it: two ``(N,)`` tensors.
@@ -58,13 +61,22 @@ def kl_to_behaviour(
     unbiased estimate of the mean KL(pi || pi_old) over the whole vocabulary (the tokens come
     from pi_old; with ``sampling.top_p`` or ``top_k`` truncating it, from a truncation of it
     instead). Needs ``rollout.old``. ``chunk_size`` and ``share_prompts`` are the module's
-    ``logits_chunk_size`` and ``share_prompts``. The policy runs in eval mode and outside any
+    ``logits_chunk_size`` and ``share_prompts``; ``max_tokens`` and ``packed`` its
+    ``optimization.micro_batch_tokens`` and ``pack_sequences`` (consecutive parts of at most that
+    many tokens, padded or packed). The policy runs in eval mode and outside any
     autocast, as the behaviour pass runs, so that on-policy data gives 0 whatever its dropout or
     the training precision (its mode comes back after).
     """
     device = next(policy.parameters()).device.type
+    mask, prompt_length = rollout.attention_mask, rollout.prompt_length
+    parts = []
     with evaluating(policy), torch.autocast(device, enabled=False):
-        lumped, log_ratio = drift_from_behaviour(policy, rollout, rule, chunk_size, share_prompts)
+        for part in consecutive_parts(mask, prompt_length, max_tokens, packed):
+            rows = torch.arange(part.start, part.stop, device=mask.device)
+            piece = rollout if part.stop - part.start == len(mask) else rollout.select(rows)
+            parts.append(drift_from_behaviour(policy, piece.trimmed(), rule, chunk_size,
+                                              share_prompts, packed))  # fmt: skip
+    lumped, log_ratio = (torch.cat(values) for values in zip(*parts, strict=True))
     return lumped, sampled_kl(log_ratio)
 
 
@@ -82,6 +94,7 @@ def drift_from_behaviour(
     rule: TrustRegionProjection,
     chunk_size: int | None,
     share_prompts: bool = False,
+    packed: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Per response token: the lumped sparse KL(pi || pi_old) of :func:`kl_to_behaviour`, and
     the log-ratio ``log pi(o_t) - log pi_old(o_t)`` of the sampled token; ``(N,)`` each."""
@@ -93,12 +106,12 @@ def drift_from_behaviour(
     mask = rollout.response_mask
     tokens = rollout.tokens[mask]  # (N,)
     inputs = (policy, rollout.input_ids, rollout.attention_mask, mask.shape[1])
-    head = None if chunk_size is None else linear_head(policy)
+    head = None if chunk_size is None and not packed else linear_head(policy)
     if head is None:
         rows = response_logits(*inputs, rollout.temperature)[mask]  # (N, V)
         fn = partial(_kl_rows, rule=rule)
     else:
-        rows = response_hidden(*inputs, share_prompts)[mask]  # (N, H)
+        rows = response_hidden(*inputs, share_prompts, packed)[mask]  # (N, H)
         fn = partial(_kl_hidden, rule=rule, head=head, temperature=rollout.temperature)
     parts = map_row_chunks(fn, rows, chunk_size, tokens, rollout.old)
     lumped, new_logp = (torch.cat(values) for values in zip(*parts, strict=True))

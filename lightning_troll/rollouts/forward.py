@@ -27,6 +27,8 @@ from lightning_troll.objectives.chunking import (
     map_row_chunks,
 )
 from lightning_troll.rollouts.behaviour import behaviour_rows
+from lightning_troll.rollouts.micro_batches import consecutive_parts, used_columns
+from lightning_troll.rollouts.packing import packed_response_hidden, packs
 from lightning_troll.rollouts.prompt_cache import (
     PromptCache,
     ReadOnlyCache,
@@ -122,6 +124,7 @@ def response_hidden(
     attention_mask: Tensor,
     response_length: int,
     share_prompts: bool = False,
+    packed: bool = False,
 ) -> Tensor:
     """The last hidden states (after the final norm) that predict each response token.
 
@@ -138,6 +141,10 @@ def response_hidden(
     Where no prompt repeats, or the model returns no cache that can be indexed by sequence, or
     its checkpointed layers cannot keep one (sliding-window attention, an older transformers),
     the whole sequences run instead.
+
+    With ``packed``, and a model whose attention keeps packed sequences apart
+    (:func:`~lightning_troll.rollouts.packing.packs`), the sequences' real tokens run packed into
+    one row instead (no padding; ``share_prompts`` does not apply).
     """
     captured: list[Tensor] = []
 
@@ -148,6 +155,10 @@ def response_hidden(
     no_logits = torch.zeros(0, dtype=torch.long, device=input_ids.device)
     handle = model.get_decoder().register_forward_hook(keep)
     try:
+        if packed and packs(model):
+            return packed_response_hidden(
+                model, input_ids, attention_mask, response_length, captured, no_logits
+            )
         if share_prompts:
             hidden = _shared_prompt_hidden(
                 model, input_ids, attention_mask, response_length, captured, no_logits
@@ -292,6 +303,8 @@ def behaviour_outputs(
     sparsify_fn: Callable[[Tensor, Tensor], SparseDistribution] | None,
     chunk_size: int | None = None,
     share_prompts: bool = False,
+    max_tokens: int | None = None,
+    packed: bool = False,
 ) -> tuple[Tensor, SparseDistribution | None]:
     """The behaviour policy's token log-probs (B, T) and, if asked, sparse distributions.
 
@@ -300,7 +313,10 @@ def behaviour_outputs(
     on ``chunk_size`` response tokens at a time, so at most ``(chunk_size, V)`` logits exist at
     once; otherwise (or with ``chunk_size=None``) the ``(B, T, V)`` logits are computed whole.
     Both give the same results up to float rounding. ``share_prompts`` is
-    :func:`response_hidden`'s (the chunked path only).
+    :func:`response_hidden`'s (the chunked path only), and so is ``packed``. With ``max_tokens``
+    the sequences run in consecutive parts of at most that many tokens
+    (:func:`~lightning_troll.rollouts.micro_batches.consecutive_parts`), each without the
+    columns it does not use.
 
     Logits of ``-inf`` (a vocabulary masked by the model) are accepted: those tokens have no
     mass, and the sparse projection handles them. Raises ``FloatingPointError`` if the logits at a
@@ -309,13 +325,30 @@ def behaviour_outputs(
     """
     check_chunk_size(chunk_size, "chunk_size")
     length = response_mask.shape[1]
+    prompt_length = input_ids.shape[1] - length  # S
+    ranges = consecutive_parts(attention_mask, prompt_length, max_tokens, packed)
+    if len(ranges) > 1:
+        outputs = []
+        for part in ranges:
+            start, keep = used_columns(attention_mask[part], prompt_length)
+            columns = slice(start, prompt_length + keep)
+            args = (input_ids[part, columns], attention_mask[part, columns])
+            outputs.append(behaviour_outputs(model, *args, response_mask[part, :keep],
+                                             temperature, sparsify_fn, chunk_size, share_prompts,
+                                             packed=packed))  # fmt: skip
+        logprobs = torch.cat(
+            [nn.functional.pad(lp, (0, length - lp.shape[1])) for lp, _ in outputs]
+        )
+        return logprobs, None if outputs[0][1] is None else SparseDistribution.cat(
+            [old for _, old in outputs]
+        )
     tokens = input_ids[:, -length:][response_mask]  # (N,)
-    head = None if chunk_size is None else linear_head(model)
+    head = None if chunk_size is None and not packed else linear_head(model)
     if head is None:
         logits = response_logits(model, input_ids, attention_mask, length, temperature)
         rows, fn = logits[response_mask], partial(behaviour_rows, sparsify_fn=sparsify_fn)
     else:
-        hidden = response_hidden(model, input_ids, attention_mask, length, share_prompts)
+        hidden = response_hidden(model, input_ids, attention_mask, length, share_prompts, packed)
         rows = hidden[response_mask]  # (N, H)
         fn = partial(_behaviour_hidden, head=head, temperature=temperature, sparsify_fn=sparsify_fn)
     parts = map_row_chunks(fn, rows, chunk_size, tokens)
@@ -347,15 +380,17 @@ def old_logit_rows(
     temperature: float,
     chunked: bool,
     share_prompts: bool = False,
+    packed: bool = False,
 ) -> HiddenRows | Tensor:
     """The snapshot's logit rows at the response tokens (``response_mask``, (B, T)), for the dense
     projection: as (N, H) hidden states with the output layer (:class:`HiddenRows`, logits made
     chunk by chunk) when ``chunked`` and the model has a plain linear output layer, else as
-    (N, V) logits. No gradient: the old policy is a constant."""
+    (N, V) logits. No gradient: the old policy is a constant. ``share_prompts`` and ``packed``
+    are :func:`response_hidden`'s."""
     length = response_mask.shape[1]
     head = linear_head(model) if chunked else None
     if head is None:
         logits = response_logits(model, input_ids, attention_mask, length, temperature)
         return logits[response_mask]  # (N, V)
-    hidden = response_hidden(model, input_ids, attention_mask, length, share_prompts)  # (B, T, H)
+    hidden = response_hidden(model, input_ids, attention_mask, length, share_prompts, packed)
     return HiddenRows(hidden[response_mask], head, temperature)  # (N, H)

@@ -31,6 +31,7 @@ from lightning_troll.rollouts.forward import (  # re-exported: the teacher-force
     response_logits,
 )
 from lightning_troll.rollouts.graph_decode import DECODE_MODES, graph_decode
+from lightning_troll.rollouts.micro_batches import used_columns
 from lightning_troll.trust_region.projection import SparseDistribution
 
 __all__ = [
@@ -161,6 +162,22 @@ class Rollout:
         if size is None or size >= self.num_sequences:
             return [self]
         return self._split(torch.arange(self.num_sequences, device=self.input_ids.device), size)
+
+    def trimmed(self) -> Rollout:
+        """The rollout without the columns none of its sequences uses: prompt columns of left
+        padding in every row, and response columns past every row's last token. Everything the
+        loss computes from it is unchanged (up to float rounding); a part of short sequences
+        then costs its own length, not the rollout's longest."""
+        start, keep = used_columns(self.attention_mask, self.prompt_length)  # keep: T'
+        length = self.response_mask.shape[1]
+        if start == 0 and keep == length:
+            return self
+        fields_ = {"input_ids": self.input_ids, "attention_mask": self.attention_mask}
+        cut = {name: t[:, start : self.prompt_length + keep] for name, t in fields_.items()}
+        for name, value in self._map_tensors(lambda t: t).items():
+            if name not in cut and value.dim() == 2 and value.shape[1] == length:
+                cut[name] = value[:, :keep]  # (B, T'): response_mask, log-probs, advantages
+        return replace(self, **cut)
 
     def to(self, device: torch.device | str) -> Rollout:
         old = None if self.old is None else self.old.to(device)

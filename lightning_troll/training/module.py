@@ -317,8 +317,8 @@ class TrollModule(LightningModule):
             stop_ids=policies.stop_ids, reference=policies.reference, loss=self.loss_config,
             sparsify_old=self.old_rows.sparsify if cached else RolloutCollector.sparsify_old,
             behaviour_logprobs=self.behaviour_logprobs, share_prompts=self.share_prompts,
-            logits_chunk_size=self.logits_chunk_size,
-            max_rounds=self.dynamic_sampling_max_rounds,
+            logits_chunk_size=self.logits_chunk_size, packed=self.optimization.pack_sequences,
+            max_tokens=self.optimization.micro_batch_tokens, max_rounds=self.dynamic_sampling_max_rounds,
             any_process=self.global_batch.any_process, episodes=self.episodes,
         )  # fmt: skip
 
@@ -353,8 +353,8 @@ class TrollModule(LightningModule):
 
     def loss_of(self, rollout: Rollout) -> tuple[torch.Tensor, ObjectiveStats]:
         """The objective on a (part of a) rollout, with the policy's current weights."""
-        chunks, share = self.logits_chunk_size, self.share_prompts
-        return policy_loss(self.policies, self.objective, rollout, chunks, share)
+        passes = self.logits_chunk_size, self.share_prompts, self.optimization.pack_sequences
+        return policy_loss(self.policies, self.objective, rollout, *passes)
 
     @property
     def last_stats(self) -> list[ObjectiveStats]:
@@ -364,8 +364,8 @@ class TrollModule(LightningModule):
     def kl_to_behaviour(self, rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
         """Per response token, how far the policy's current weights are from the behaviour
         policy that sampled ``rollout`` (:func:`~lightning_troll.rollouts.drift.kl_to_behaviour`)."""
-        rule, chunks, share = self.old_rows.rule, self.logits_chunk_size, self.share_prompts
-        return kl_to_behaviour(self.policy, rollout, rule, chunks, share)
+        options = self.logits_chunk_size, self.share_prompts, *self.optimization.parts
+        return kl_to_behaviour(self.policy, rollout, self.old_rows.rule, *options)
 
     # -- checkpoints -----------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

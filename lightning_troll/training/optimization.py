@@ -32,6 +32,13 @@ from torch.distributed.tensor import DTensor
 from lightning_troll.models.sharding import is_sharded
 from lightning_troll.objectives.aggregation import AGGREGATION_SIZES
 from lightning_troll.objectives.stats import ObjectiveStats
+from lightning_troll.rollouts.micro_batches import (
+    DEFAULT_MICRO_BATCH_TOKENS,
+    lengths_of,
+    part_cost,
+    split_to,
+    token_parts,
+)
 from lightning_troll.rollouts.rollout import Rollout
 
 __all__ = ["MinibatchLoop", "OptimizationConfig", "optimizers"]
@@ -46,17 +53,32 @@ class OptimizationConfig:
     minibatch_size: int | None = None
     """Sequences per optimiser step; null uses the whole rollout."""
     micro_batch_size: int | None = None
-    """Sequences per forward pass (gradient accumulation); null uses the whole minibatch."""
+    """The most sequences per forward pass (gradient accumulation); null: as many as
+    ``micro_batch_tokens`` allows."""
+    micro_batch_tokens: int | None = DEFAULT_MICRO_BATCH_TOKENS
+    """The most tokens per forward pass: sequences of like length share a micro-batch, each
+    costing its padded width (its real tokens with ``pack_sequences``), so training memory does
+    not grow with completion length; a longer sequence goes alone. The teacher-forced passes
+    over a rollout use it too. Null: ``micro_batch_size`` alone decides."""
+    pack_sequences: bool = False
+    """Pack a micro-batch's sequences into one row without padding, each with its own
+    positions (transformers' packed attention), in the loss and the teacher-forced passes;
+    models whose attention cannot tell packed sequences apart are run padded."""
     gradient_clip_norm: float | None = 1.0
     """Clip the gradient norm to this value; null switches clipping off."""
     max_bad_steps: int = 3
     """Stop the run after this many optimiser steps in a row with a non-finite loss or gradient."""
 
+    @property
+    def parts(self) -> tuple[int | None, bool]:
+        """How a pass over a rollout splits and packs it: ``micro_batch_tokens, pack_sequences``."""
+        return self.micro_batch_tokens, self.pack_sequences
+
     def __post_init__(self) -> None:
         for name in ("epochs_per_rollout", "max_bad_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"optimization.{name} must be >= 1; got {getattr(self, name)!r}")
-        for name in ("minibatch_size", "micro_batch_size"):
+        for name in ("minibatch_size", "micro_batch_size", "micro_batch_tokens"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"optimization.{name} must be null or >= 1; got {value!r}")
@@ -107,7 +129,7 @@ class MinibatchLoop:
         # DDP and FSDP average gradients: the step equals a single-process step on the union.
         world = trainer.world_size
         total = sum_over_processes(trainer, size(minibatch.response_mask).float()).clamp_min(1)
-        parts = minibatch.chunks(self.config.micro_batch_size)
+        parts = self.micro_batches(trainer, minibatch)
         losses, step_stats = [], []
         for i, part in enumerate(parts):
             loss, stats = module.loss_of(part)
@@ -132,6 +154,26 @@ class MinibatchLoop:
         self.last_stats.extend(step_stats)
         self.last_minibatch = minibatch
         log_step(module, loss, step_stats, norm)
+
+    def micro_batches(self, trainer: Trainer, minibatch: Rollout) -> list[Rollout]:
+        """The minibatch's parts of at most ``micro_batch_tokens`` tokens (and
+        ``micro_batch_size`` sequences), each without the columns it does not use; every process
+        makes as many parts as the one that needs most (a sharded forward gathers weights with
+        every other process)."""
+        config = self.config
+        mask, prompt_length = minibatch.attention_mask, minibatch.prompt_length
+        packed = config.pack_sequences
+        parts = token_parts(mask, prompt_length, config.micro_batch_tokens,
+                            config.micro_batch_size, packed)  # fmt: skip
+        if trainer.world_size > 1:
+            counts = trainer.strategy.all_gather(torch.tensor(len(parts), device=mask.device))
+            if int(counts.max()) > len(parts):
+                prompt, response = lengths_of(mask, prompt_length)
+                costs = [part_cost(prompt[p], response[p], packed) for p in parts]
+                parts = split_to(parts, int(counts.max()), costs)
+        if len(parts) == 1:
+            return [minibatch.trimmed()]
+        return [minibatch.select(part).trimmed() for part in parts]
 
     def _skip_step(self, module: LightningModule, opt, what: str) -> None:
         opt.zero_grad(set_to_none=True)

@@ -157,24 +157,26 @@ def policy_loss(
     rollout: Rollout,
     chunk_size: int | None,
     share_prompts: bool,
+    packed: bool = False,
 ) -> tuple[Tensor, ObjectiveStats]:
     """The objective on a (part of a) rollout, with the policy's current weights: logits in
     chunks of ``chunk_size`` response tokens (None: all at once), prompts shared by a group run
-    once where ``share_prompts`` allows it."""
+    once where ``share_prompts`` allows it, or the sequences packed into one row without padding
+    where ``packed`` asks for it and the model allows it (``share_prompts`` then does not
+    apply)."""
     policy = policies.policy
     ids, attention = rollout.input_ids, rollout.attention_mask
     length, temperature = rollout.response_mask.shape[1], rollout.temperature
     inputs = rollout.loss_inputs()
-    head = None if chunk_size is None else linear_head(policy)
+    head = None if chunk_size is None and not packed else linear_head(policy)
     share = share_prompts and not is_sharded(policy)
     if objective.needs_old_logits:  # support: dense, from the snapshot's own pass
         with policies.behaviour() as old:
-            rows = old_logit_rows(
-                old, ids, attention, rollout.response_mask, temperature, head is not None, share
-            )
+            rows = old_logit_rows(old, ids, attention, rollout.response_mask, temperature,
+                                  head is not None, share, packed)  # fmt: skip
         inputs = dataclasses.replace(inputs, old=rows)
     if head is None:
         logits = response_logits(policy, ids, attention, length, temperature)  # (B, T, V)
         return objective(logits, inputs)
-    hidden = response_hidden(policy, ids, attention, length, share)  # (B, T, H)
+    hidden = response_hidden(policy, ids, attention, length, share, packed)  # (B, T, H)
     return objective.forward_hidden(hidden, head, temperature, inputs, chunk_size=chunk_size)

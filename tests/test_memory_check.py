@@ -1,0 +1,70 @@
+"""The memory a run needs, estimated before its first rollout: the parts by hand, a start that
+cannot fit refused in one line before any sampling, and one that may not fit warned about."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lightning_troll.training.memory_check as memory_check
+from lightning_troll.models.loading import tiny_causal_lm
+from lightning_troll.training.memory_check import GIB, check_fits, estimate
+from tests.conftest import refused_here
+from tests.test_faults import fit_args
+
+
+def test_the_parts_by_hand():
+    """A tiny Llama: 2 layers, hidden 16, 2 heads of 8 (kv heads 2), MLP width 64, float32.
+    KV cache: 6 sequences x 10 positions x 2 layers x 2 (keys, values) x 2 heads x 8 x 4 bytes
+    = 15,360; activations: 100 tokens x 2 layers x (16 x 16 + 4 x 64) x 4 = 409,600."""
+    model = tiny_causal_lm(vocab_size=40, hidden_size=16, num_layers=2, num_heads=2).train()
+    weights = sum(p.numel() for p in model.parameters()) * 4
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    parts = estimate(model, model, 6, 10, 100, [torch.optim.AdamW(model.parameters())])
+    assert parts == {
+        "weights": weights + buffers,
+        "gradients": weights,
+        "optimiser": 2 * weights,
+        "kv_cache": 15360,
+        "activations": 409600,
+    }
+    no_adam = estimate(model, model, 6, 10, 100, [torch.optim.SGD(model.parameters(), lr=0.1)])
+    assert no_adam["optimiser"] == 0
+    assert estimate(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2), 6, 10, 100, []) is None
+
+
+def test_the_cli_refuses_a_run_that_cannot_fit_in_one_line_before_sampling(
+    tiny_model_dir, tmp_path, monkeypatch, capsys
+):
+    """With 1 KiB said to be available the tiny model's weights alone do not fit: exit status 2,
+    one line of its own that names the options, no traceback, and no rollout sampled (no checkpoint written)."""
+    monkeypatch.setattr(memory_check, "available_bytes", lambda device: 2**10)
+    err = refused_here(fit_args(tmp_path, tiny_model_dir, 1), tmp_path, monkeypatch, capsys)
+    lines = [line for line in err.splitlines() if line.startswith("lightning-troll:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith("lightning-troll: error: this run needs at least")
+    assert "and cpu has 0.0 GiB" in lines[0] and "model.sampling.max_new_tokens" in lines[0]
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_a_floor_that_fits_with_activations_that_may_not_warns(tiny_model_dir, monkeypatch):
+    """Available memory between the floor and the floor plus activations: a warning that names
+    micro_batch_tokens; above both, nothing."""
+    from tests.test_training import make_module
+
+    module = make_module(tiny_model_dir)
+    parts = estimate(module, module.policy, 4 * 4, 64 + 4, 2048, [])
+    floor = sum(v for k, v in parts.items() if k != "activations")
+    monkeypatch.setattr(memory_check, "available_bytes", lambda device: floor + 1)
+    with pytest.warns(UserWarning, match=r"may not fit.*micro_batch_tokens \(2048\)"):
+        check_fits(module, 4, 64)
+    monkeypatch.setattr(memory_check, "available_bytes", lambda device: floor - 1)
+    with pytest.raises(ValueError, match=r"needs at least .* GiB before any activation"):
+        check_fits(module, 4, 64)
+    monkeypatch.setattr(memory_check, "available_bytes", lambda device: 64 * GIB)
+    check_fits(module, 4, 64)  # fits: no warning (warnings are errors in this suite's filter)
+
+
+def test_the_memory_available_is_read_on_this_machine():
+    available = memory_check.available_bytes(torch.device("cpu"))
+    assert available is not None and available > 2**20
