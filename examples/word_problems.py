@@ -23,7 +23,7 @@ not one number. The reward is exact: ``last_number`` (the reply's last number eq
   one: SmolLM2's greedy accuracy must lie between 0.15 and 0.45 before training.
 
 ``--make-task`` writes a folder laid out as ``examples/own_task/`` (``task.yaml``, ``data/``), which
-``examples/unseen_task_check.py --task`` and ``lightning-troll fit --config task.yaml`` train on.
+``studies/unseen_task_check.py --task`` and ``lightning-troll fit --config task.yaml`` train on.
 """
 
 from __future__ import annotations

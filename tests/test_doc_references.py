@@ -10,8 +10,15 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-TOP = ("lightning_troll/", "docs/", "examples/", "configs/", "tests/", "callbacks/", ".ci/")
+DOCS = [
+    ROOT / "README.md",
+    *sorted((ROOT / "docs").glob("*.md")),
+    *sorted((ROOT / "studies").glob("*.md")),
+]
+TOP = (
+    "lightning_troll/", "docs/", "examples/", "studies/", "configs/", "tests/", "callbacks/",
+    ".ci/",
+)  # fmt: skip
 """A path starting here is the repository's."""
 PACKAGES = tuple(
     f"{p.name}/" for p in (ROOT / "lightning_troll").iterdir() if (p / "__init__.py").exists()

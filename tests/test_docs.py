@@ -30,7 +30,6 @@ PAGES = (
     "concepts.md",
     "configuration.md",
     "own-task.md",
-    "results.md",
     "benchmarks.md",
     "gpu-and-fsdp.md",
     "troubleshooting.md",
@@ -40,8 +39,6 @@ PAGES = (
     "api.md",
     "supports.md",
     "architecture.md",
-    "paper-regime.md",
-    "staleness.md",
     "engines.md",
 )
 SECTIONS = (
@@ -73,7 +70,8 @@ FILE_SUFFIXES = (".py", ".yaml", ".json", ".jsonl", ".md", ".ckpt", ".png", ".cs
 
 
 def documents() -> list[Path]:
-    return [README, *sorted(DOCS.glob("*.md"))]
+    """The README, the docs and the studies' pages (their index, plans and results)."""
+    return [README, *sorted(DOCS.glob("*.md")), *sorted((ROOT / "studies").glob("*.md"))]
 
 
 def split_fences(text: str) -> tuple[str, list[tuple[str, str]]]:
@@ -305,6 +303,15 @@ def test_every_docs_page_exists_and_the_readme_links_it(page):
     assert f"](docs/{page})" in README.read_text(), f"the README's reading list lacks docs/{page}"
 
 
+def test_the_readme_links_the_studies_index_and_the_index_every_study_page():
+    """The studies live apart from the library (``studies/``); their index names every page."""
+    assert "](studies/README.md)" in README.read_text()
+    index = (ROOT / "studies" / "README.md").read_text()
+    pages = sorted(p.name for p in (ROOT / "studies").glob("*.md") if p.name != "README.md")
+    missing = [page for page in pages if f"]({page}" not in index]
+    assert pages and not missing, f"studies/README.md does not link {missing}"
+
+
 @pytest.mark.parametrize("path", documents(), ids=lambda p: p.name)
 def test_every_relative_link_resolves(path):
     found = links(path)
@@ -334,12 +341,12 @@ def test_every_config_script_and_flag_named_exists(path, fit_options):
     ``--old_policy.max_staleness``, is checked with the page's other options)."""
     problems = []
     text = path.read_text()
-    pattern = r"(?<![\w./-])((?:configs|examples|tests)/[\w./-]+\.(?:py|yaml))\b"
+    pattern = r"(?<![\w./-])((?:configs|examples|studies|tests)/[\w./-]+\.(?:py|yaml))\b"
     for name in sorted(set(re.findall(pattern, text))):
         if not (ROOT / name).is_file():
             problems.append(f"{name}: no such file")
     for line in command_lines(path):
-        for script, rest in re.findall(r"(examples/\w+\.py)((?:\s+[^|;&]*)?)", line):
+        for script, rest in re.findall(r"((?:examples|studies)/\w+\.py)((?:\s+[^|;&]*)?)", line):
             if not (ROOT / script).is_file():
                 continue
             known = _script_flags(ROOT / script)
@@ -373,10 +380,10 @@ def test_every_make_target_named_exists(path):
 
 def test_the_link_check_catches_a_broken_file_or_anchor():
     page = DOCS / "concepts.md"
-    assert link_problem(page, "results.md") is None
+    assert link_problem(page, "benchmarks.md") is None
     assert link_problem(page, "../README.md#install") is None
     assert link_problem(page, "no-such-page.md") is not None
-    assert link_problem(page, "results.md#no-such-heading") is not None
+    assert link_problem(page, "benchmarks.md#no-such-heading") is not None
     assert link_problem(page, "../configs/tinymath.yaml#x") is not None
 
 

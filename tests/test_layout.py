@@ -292,11 +292,11 @@ def test_a_command_line_checkpoint_of_the_flat_layout_resumes(tmp_path, monkeypa
 
 
 def test_the_library_tests_load_no_study_script():
-    """The studies' tests live in ``examples/study_tests/``; the scripts they load (``study_kit``,
-    ``paper_regime_study``, ...) and every script of ``examples/`` that imports one of those are
-    the study scripts, and no file under ``tests/`` imports or loads one: no ``import``, no string
-    naming one (``load("study_kit")``, ``sys.modules["study_kit"]``, ``"examples/study_kit.py"``)
-    outside docstrings, and no import from ``examples`` or ``study_tests``."""
+    """The studies live in ``studies/`` with their tests in ``studies/tests/``, and every
+    script of ``examples/`` that imports a study script is a study script too (it belongs there);
+    no file under ``tests/`` imports or loads one: no ``import``, no string naming one
+    (``load("study_kit")``, ``sys.modules["study_kit"]``, ``"studies/study_kit.py"``) outside
+    docstrings, and no import from ``studies`` or ``examples``."""
 
     def imports(path: Path) -> set[str]:
         """The top-level modules ``path`` imports, at module level or inside functions."""
@@ -326,18 +326,16 @@ def test_the_library_tests_load_no_study_script():
         }
         return imports(path) | strings
 
-    scripts = {path.stem: path for path in (ROOT / "examples").glob("*.py")}
-    study_tests = sorted((ROOT / "examples" / "study_tests").glob("*.py"))
-    studies = set().union(*(loads(path) & scripts.keys() for path in study_tests))
-    assert studies, "no test in examples/study_tests/ loads a script of examples/"
-    while more := {n for n, p in scripts.items() if n not in studies and imports(p) & studies}:
-        studies |= more
+    studies = {path.stem for path in (ROOT / "studies").glob("*.py")}
+    assert len(studies) > 10, f"studies/ holds {len(studies)} scripts"
+    examples = {path.stem: path for path in (ROOT / "examples").glob("*.py")}
+    misplaced = sorted(name for name, path in examples.items() if imports(path) & studies)
+    assert not misplaced, f"examples/ holds scripts that import a study script: {misplaced}"
     offending = [
         f"{path.relative_to(ROOT)}: {sorted(named)}"
         for path in sorted((ROOT / "tests").rglob("*.py"))
-        if (named := (loads(path) & studies) | (imports(path) & {"examples", "study_tests"}))
+        if (named := (loads(path) & studies) | (imports(path) & {"examples", "studies"}))
     ]
     assert not offending, (
-        "tests/ loads study scripts (their tests go in examples/study_tests/):\n"
-        + "\n".join(offending)
+        "tests/ loads study scripts (their tests go in studies/tests/):\n" + "\n".join(offending)
     )

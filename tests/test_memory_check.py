@@ -8,6 +8,7 @@ import torch
 
 import lightning_troll.training.memory_check as memory_check
 from lightning_troll.models.loading import tiny_causal_lm
+from lightning_troll.rollouts.micro_batches import resolve_tokens
 from lightning_troll.training.memory_check import GIB, check_fits, estimate
 from tests.conftest import refused_here
 from tests.test_faults import fit_args
@@ -53,10 +54,11 @@ def test_a_floor_that_fits_with_activations_that_may_not_warns(tiny_model_dir, m
     from tests.test_training import make_module
 
     module = make_module(tiny_model_dir)
-    parts = estimate(module, module.policy, 4 * 4, 64 + 4, 2048, [])
+    micro = resolve_tokens("auto", module.policy)  # the default
+    parts = estimate(module, module.policy, 4 * 4, 64 + 4, micro, [])
     floor = sum(v for k, v in parts.items() if k != "activations")
     monkeypatch.setattr(memory_check, "available_bytes", lambda device: floor + 1)
-    with pytest.warns(UserWarning, match=r"may not fit.*micro_batch_tokens \(2048\)"):
+    with pytest.warns(UserWarning, match=rf"may not fit.*micro_batch_tokens \({micro}\)"):
         check_fits(module, 4, 64)
     monkeypatch.setattr(memory_check, "available_bytes", lambda device: floor - 1)
     with pytest.raises(ValueError, match=r"needs at least .* GiB before any activation"):

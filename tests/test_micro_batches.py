@@ -13,9 +13,12 @@ from lightning_troll.models.loading import tiny_causal_lm
 from lightning_troll.objectives import build_objective
 from lightning_troll.rollouts.forward import behaviour_outputs, response_hidden
 from lightning_troll.rollouts.micro_batches import (
+    FALLBACK_TOKENS,
+    activation_bytes,
     consecutive_parts,
     lengths_of,
     part_cost,
+    resolve_tokens,
     split_to,
     token_parts,
     used_columns,
@@ -92,9 +95,29 @@ def test_split_to_halves_the_costliest_part():
 
 
 def test_the_option_is_checked():
-    with pytest.raises(ValueError, match=r"optimization.micro_batch_tokens must be null or >= 1"):
-        OptimizationConfig(micro_batch_tokens=0)
+    for bad in (0, -5, "many", 1.5, True):
+        with pytest.raises(
+            ValueError, match=r"micro_batch_tokens must be auto, null or an integer"
+        ):
+            OptimizationConfig(micro_batch_tokens=bad)
     assert OptimizationConfig(micro_batch_tokens=None).micro_batch_tokens is None
+    assert OptimizationConfig().micro_batch_tokens == "auto"
+
+
+def test_auto_fills_the_device_s_activation_budget():
+    """A tiny Llama of 2 layers, hidden 16, MLP width 64, float32 keeps 2 x (16 x 16 + 4 x 64)
+    x 4 = 4,096 bytes a token: 2 GiB of them on a CPU is 524,288 tokens; in float64 twice the
+    bytes, half the tokens. SmolLM2-135M's shape (30 layers, 576, 1,536) in float32: 1,843,200
+    bytes, 1,165 tokens."""
+    model = tiny_causal_lm(vocab_size=VOCAB, hidden_size=16, num_layers=2, num_heads=2)
+    assert activation_bytes(model) == 4096
+    assert resolve_tokens("auto", model) == 2 * 2**30 // 4096 == 524288
+    assert resolve_tokens("auto", model.double()) == 262144
+    assert resolve_tokens(300, model) == 300 and resolve_tokens(None, model) is None
+    smollm2 = torch.nn.Linear(1, 1)  # SmolLM2-135M's config, without its weights
+    smollm2.config = SimpleNamespace(num_hidden_layers=30, hidden_size=576, intermediate_size=1536)
+    assert activation_bytes(smollm2) == 1843200 and resolve_tokens("auto", smollm2) == 1165
+    assert resolve_tokens("auto", torch.nn.Linear(2, 2)) == FALLBACK_TOKENS
 
 
 # -- the packed forward -------------------------------------------------------------------------

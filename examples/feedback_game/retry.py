@@ -1,7 +1,7 @@
 """A multi-turn game with feedback: answer a word problem; a wrong answer is told so and may be
 tried again, up to the episode's turn limit (``model.episodes.max_turns``).
 
-Two scorings, both planned in docs/feedback-game-plan.md:
+Two scorings, both planned in studies/feedback-game-plan.md:
 
 - :class:`Scored`, the game (``task.yaml``): the environment scores alone. A right answer ends the
   episode with 1.0, each wrong one costs :data:`RETRY_COST`, and a turn that the token budget

@@ -17,21 +17,59 @@ Notation: B sequences, S prompt length (left padded), T response length (right p
 from __future__ import annotations
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 __all__ = [
-    "DEFAULT_MICRO_BATCH_TOKENS",
+    "ACTIVATION_BUDGET",
+    "activation_bytes",
     "consecutive_parts",
     "lengths_of",
     "part_cost",
+    "resolve_tokens",
     "split_to",
     "token_parts",
     "used_columns",
 ]
 
-DEFAULT_MICRO_BATCH_TOKENS = 2048
-"""``model.optimization.micro_batch_tokens`` when not given: the tokens one forward pass holds
-(docs/benchmarks.md, "Cost against completion length", for how it was chosen)."""
+ACTIVATION_BUDGET = {"cpu": 2 * 2**30, "cuda": 8 * 2**30}
+"""``model.optimization.micro_batch_tokens: auto``: the bytes of activations one forward may keep
+for its backward pass, by the device's type (any other device takes CUDA's), turned into tokens by
+the model's :func:`activation_bytes`. On a CPU that is 1,165 tokens of SmolLM2-135M in float32,
+where forwards of about 1,000 tokens trained fastest (parts of 816 tokens 44-48 s, of 1,632 57 s,
+of 3,264 67 s, for the same tokens; docs/benchmarks.md, "Cost against completion length"), and
+the whole minibatch of TinyMath's demo, whose forwards are cheap; on a GPU it is 5,200 tokens of
+Qwen3-0.6B in bfloat16 and 1,500 of Qwen3-4B (not yet measured on a GPU)."""
+FALLBACK_TOKENS = 4096
+"""``auto`` for a model whose config does not say its layers, hidden size and MLP width."""
+
+
+def activation_bytes(model: nn.Module) -> int | None:
+    """An estimate of the activations one token keeps for the backward pass through ``model``:
+    ``layers x (16 hidden + 4 MLP width)`` values in the weights' dtype (what a decoder layer
+    keeps, attention probabilities left out; SmolLM2-135M in float32 measured 2.3 MB a token
+    against 1.8 MB estimated). None where the config does not say its sizes."""
+    config = getattr(model, "config", None)
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layers = getattr(config, "num_hidden_layers", None)
+    hidden = getattr(config, "hidden_size", None)
+    if not (isinstance(layers, int) and isinstance(hidden, int)):
+        return None
+    width = getattr(config, "intermediate_size", None) or 4 * hidden
+    size = next(model.parameters()).element_size()
+    return layers * (16 * hidden + 4 * width) * size
+
+
+def resolve_tokens(value: int | str | None, model: nn.Module) -> int | None:
+    """``micro_batch_tokens`` for ``model``: ``auto`` is its device's :data:`ACTIVATION_BUDGET`
+    over its :func:`activation_bytes` (at least 64 tokens); a number or None as it is."""
+    if value != "auto":
+        return value
+    per_token = activation_bytes(model)
+    if per_token is None:
+        return FALLBACK_TOKENS
+    device = next(model.parameters()).device.type
+    budget = ACTIVATION_BUDGET.get(device, ACTIVATION_BUDGET["cuda"])
+    return max(64, budget // per_token)
 
 
 def lengths_of(attention_mask: Tensor, prompt_length: int) -> tuple[Tensor, Tensor]:

@@ -11,10 +11,9 @@ What a run holds for certain, and is counted as its floor:
   ``model.group_size``) at ``data.max_prompt_tokens`` + ``model.sampling.max_new_tokens``
   positions, keys and values of every layer.
 
-Beside the floor, one training micro-batch's activations are estimated at
-``micro_batch_tokens x layers x (16 hidden + 4 MLP width)`` values (what a decoder layer keeps
-for its backward pass, attention probabilities left out; SmolLM2-135M in float32 measured
-2.3 MB a token against 1.8 MB estimated, docs/benchmarks.md). A floor over the memory available
+Beside the floor, one training micro-batch's activations are estimated at ``micro_batch_tokens``
+times the model's :func:`~lightning_troll.rollouts.micro_batches.activation_bytes` a token. A
+floor over the memory available
 stops the start (``ValueError``, one line naming the options to change); a floor plus
 activations over it warns once. Nothing here runs on a model that is not a transformers one.
 """
@@ -27,6 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+
+from lightning_troll.rollouts.micro_batches import activation_bytes, resolve_tokens
 
 __all__ = ["available_bytes", "check_fits", "estimate"]
 
@@ -77,7 +78,6 @@ def estimate(
         return None
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or hidden // heads
-    width = getattr(config, "intermediate_size", None) or 4 * hidden
     trainable = [p for p in policy.parameters() if p.requires_grad]
     size = trainable[0].element_size() if trainable else 4
     adam = any("adam" in type(opt).__name__.lower() for opt in optimizers)
@@ -86,7 +86,7 @@ def estimate(
         "gradients": _bytes(trainable),
         "optimiser": 2 * _bytes(trainable) if adam else 0,
         "kv_cache": sequences * positions * layers * 2 * kv_heads * head_dim * size,
-        "activations": micro_tokens * layers * (16 * hidden + 4 * width) * size,
+        "activations": micro_tokens * (activation_bytes(policy) or 0),
     }
 
 
@@ -99,7 +99,7 @@ def check_fits(module: Any, prompts: int, prompt_tokens: int) -> None:
     sampling, optimization = module.sampling, module.optimization
     sequences = prompts * module.group_size
     positions = prompt_tokens + sampling.max_new_tokens
-    micro = optimization.micro_batch_tokens or (
+    micro = resolve_tokens(optimization.micro_batch_tokens, module.policy) or (
         (optimization.micro_batch_size or optimization.minibatch_size or sequences) * positions
     )
     optimizers = module.trainer.optimizers if module._trainer is not None else []
@@ -119,8 +119,8 @@ def check_fits(module: Any, prompts: int, prompt_tokens: int) -> None:
     if floor + parts["activations"] > available:
         warnings.warn(
             f"this run may not fit: about {(floor + parts['activations']) / GIB:.1f} GiB "
-            f"({said} GiB) and {where}; lower model.optimization.micro_batch_tokens "
-            f"({optimization.micro_batch_tokens}) or set model.gradient_checkpointing",
+            f"({said} GiB) and {where}; lower model.optimization.micro_batch_tokens ({micro}) "
+            "or set model.gradient_checkpointing",
             UserWarning,
             stacklevel=2,
         )

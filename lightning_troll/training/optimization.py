@@ -22,7 +22,7 @@ import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
@@ -33,9 +33,9 @@ from lightning_troll.models.sharding import is_sharded
 from lightning_troll.objectives.aggregation import AGGREGATION_SIZES
 from lightning_troll.objectives.stats import ObjectiveStats
 from lightning_troll.rollouts.micro_batches import (
-    DEFAULT_MICRO_BATCH_TOKENS,
     lengths_of,
     part_cost,
+    resolve_tokens,
     split_to,
     token_parts,
 )
@@ -55,11 +55,13 @@ class OptimizationConfig:
     micro_batch_size: int | None = None
     """The most sequences per forward pass (gradient accumulation); null: as many as
     ``micro_batch_tokens`` allows."""
-    micro_batch_tokens: int | None = DEFAULT_MICRO_BATCH_TOKENS
+    micro_batch_tokens: int | Literal["auto"] | None = "auto"
     """The most tokens per forward pass: sequences of like length share a micro-batch, each
     costing its padded width (its real tokens with ``pack_sequences``), so training memory does
     not grow with completion length; a longer sequence goes alone. The teacher-forced passes
-    over a rollout use it too. Null: ``micro_batch_size`` alone decides."""
+    over a rollout use it too. ``auto``: the tokens whose activations fill 2 GiB on a CPU, 8 GiB on
+    a GPU, by the model's size (1,165 tokens of SmolLM2-135M in float32). Null:
+    ``micro_batch_size`` alone decides."""
     pack_sequences: bool = False
     """Pack a micro-batch's sequences into one row without padding, each with its own
     positions (transformers' packed attention), in the loss and the teacher-forced passes;
@@ -70,7 +72,7 @@ class OptimizationConfig:
     """Stop the run after this many optimiser steps in a row with a non-finite loss or gradient."""
 
     @property
-    def parts(self) -> tuple[int | None, bool]:
+    def parts(self) -> tuple[int | str | None, bool]:
         """How a pass over a rollout splits and packs it: ``micro_batch_tokens, pack_sequences``."""
         return self.micro_batch_tokens, self.pack_sequences
 
@@ -78,10 +80,18 @@ class OptimizationConfig:
         for name in ("epochs_per_rollout", "max_bad_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"optimization.{name} must be >= 1; got {getattr(self, name)!r}")
-        for name in ("minibatch_size", "micro_batch_size", "micro_batch_tokens"):
+        for name in ("minibatch_size", "micro_batch_size"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"optimization.{name} must be null or >= 1; got {value!r}")
+        tokens = self.micro_batch_tokens
+        if tokens not in (None, "auto") and not (
+            isinstance(tokens, int) and not isinstance(tokens, bool) and tokens >= 1
+        ):
+            raise ValueError(
+                f"optimization.micro_batch_tokens must be auto, null or an integer >= 1; got "
+                f"{tokens!r}"
+            )
         clip = self.gradient_clip_norm
         if clip is not None and not clip > 0:
             raise ValueError(f"optimization.gradient_clip_norm must be null or > 0; got {clip!r}")
@@ -129,7 +139,7 @@ class MinibatchLoop:
         # DDP and FSDP average gradients: the step equals a single-process step on the union.
         world = trainer.world_size
         total = sum_over_processes(trainer, size(minibatch.response_mask).float()).clamp_min(1)
-        parts = self.micro_batches(trainer, minibatch)
+        parts = self.micro_batches(trainer, minibatch, module.policy)
         losses, step_stats = [], []
         for i, part in enumerate(parts):
             loss, stats = module.loss_of(part)
@@ -155,16 +165,17 @@ class MinibatchLoop:
         self.last_minibatch = minibatch
         log_step(module, loss, step_stats, norm)
 
-    def micro_batches(self, trainer: Trainer, minibatch: Rollout) -> list[Rollout]:
+    def micro_batches(
+        self, trainer: Trainer, minibatch: Rollout, policy: nn.Module
+    ) -> list[Rollout]:
         """The minibatch's parts of at most ``micro_batch_tokens`` tokens (and
         ``micro_batch_size`` sequences), each without the columns it does not use; every process
         makes as many parts as the one that needs most (a sharded forward gathers weights with
         every other process)."""
         config = self.config
         mask, prompt_length = minibatch.attention_mask, minibatch.prompt_length
-        packed = config.pack_sequences
-        parts = token_parts(mask, prompt_length, config.micro_batch_tokens,
-                            config.micro_batch_size, packed)  # fmt: skip
+        packed, tokens = config.pack_sequences, resolve_tokens(config.micro_batch_tokens, policy)
+        parts = token_parts(mask, prompt_length, tokens, config.micro_batch_size, packed)
         if trainer.world_size > 1:
             counts = trainer.strategy.all_gather(torch.tensor(len(parts), device=mask.device))
             if int(counts.max()) > len(parts):

@@ -1,3 +1,0 @@
-"""The study machinery's tests: the studies in ``examples/`` (their runs, grids, tables, plots,
-statistics, records and plans), apart from the library's tests in ``tests/``, which import no
-study script (``tests/test_layout.py`` checks that). ``make test`` runs both folders."""
