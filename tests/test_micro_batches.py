@@ -224,3 +224,21 @@ def test_teacher_forced_passes_in_parts_equal_one_pass(model):
             assert torch.equal(old.indices[:, :k], whole_old.indices[:, :k])
             torch.testing.assert_close(old.logprobs[:, :k], whole_old.logprobs[:, :k])
             torch.testing.assert_close(old.tail_logmass, whole_old.tail_logmass)
+
+
+def test_a_sharded_pass_runs_as_many_parts_on_every_process(monkeypatch):
+    """Under FSDP2 every process must run as many forwards: with another process needing 4
+    parts, one range of 5 sequences is halved longest first into (0-1, 1-2, 2-3, 3-5); unsharded,
+    the ranges stay as they are."""
+    import lightning_troll.rollouts.micro_batches as micro
+
+    model = torch.nn.Linear(1, 1)
+    assert micro.as_many_as_every_process([slice(0, 5)], model) == [slice(0, 5)]
+    monkeypatch.setattr(micro, "is_sharded", lambda m: True)
+    monkeypatch.setattr(micro.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(micro.dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(micro.dist, "all_reduce", lambda t, op: t.fill_(4))
+    split = micro.as_many_as_every_process([slice(0, 5)], model)
+    assert split == [slice(0, 1), slice(1, 2), slice(2, 3), slice(3, 5)]
+    with pytest.raises(ValueError, match="cannot make 4 passes of 2 sequences"):
+        micro.as_many_as_every_process([slice(0, 1), slice(1, 2)], model)

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from lightning_troll.models.snapshots import evaluating
 from lightning_troll.objectives.chunking import head_logits, map_row_chunks
 from lightning_troll.rollouts.forward import linear_head, response_hidden, response_logits
-from lightning_troll.rollouts.micro_batches import consecutive_parts, resolve_tokens
+from lightning_troll.rollouts.micro_batches import pass_ranges
 from lightning_troll.rollouts.rollout import Rollout
 from lightning_troll.trust_region.projection import SparseDistribution, TrustRegionProjection
 
@@ -71,8 +71,7 @@ def kl_to_behaviour(
     mask, prompt_length = rollout.attention_mask, rollout.prompt_length
     parts = []
     with evaluating(policy), torch.autocast(device, enabled=False):
-        tokens = resolve_tokens(max_tokens, policy)
-        for part in consecutive_parts(mask, prompt_length, tokens, packed):
+        for part in pass_ranges(mask, prompt_length, max_tokens, packed, policy):
             rows = torch.arange(part.start, part.stop, device=mask.device)
             piece = rollout if part.stop - part.start == len(mask) else rollout.select(rows)
             parts.append(drift_from_behaviour(policy, piece.trimmed(), rule, chunk_size,

@@ -27,7 +27,7 @@ from lightning_troll.objectives.chunking import (
     map_row_chunks,
 )
 from lightning_troll.rollouts.behaviour import behaviour_rows
-from lightning_troll.rollouts.micro_batches import consecutive_parts, resolve_tokens, used_columns
+from lightning_troll.rollouts.micro_batches import pass_ranges, used_columns
 from lightning_troll.rollouts.packing import packed_response_hidden, packs
 from lightning_troll.rollouts.prompt_cache import (
     PromptCache,
@@ -326,8 +326,7 @@ def behaviour_outputs(
     check_chunk_size(chunk_size, "chunk_size")
     length = response_mask.shape[1]
     prompt_length = input_ids.shape[1] - length  # S
-    tokens = resolve_tokens(max_tokens, model)
-    ranges = consecutive_parts(attention_mask, prompt_length, tokens, packed)
+    ranges = pass_ranges(attention_mask, prompt_length, max_tokens, packed, model)
     if len(ranges) > 1:
         outputs = []
         for part in ranges:

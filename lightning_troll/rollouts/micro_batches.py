@@ -17,14 +17,19 @@ Notation: B sequences, S prompt length (left padded), T response length (right p
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
+
+from lightning_troll.models.sharding import is_sharded
 
 __all__ = [
     "ACTIVATION_BUDGET",
+    "as_many_as_every_process",
     "activation_bytes",
     "consecutive_parts",
     "lengths_of",
     "part_cost",
+    "pass_ranges",
     "resolve_tokens",
     "split_to",
     "token_parts",
@@ -37,8 +42,8 @@ for its backward pass, by the device's type (any other device takes CUDA's), tur
 the model's :func:`activation_bytes`. On a CPU that is 1,165 tokens of SmolLM2-135M in float32,
 where forwards of about 1,000 tokens trained fastest (parts of 816 tokens 44-48 s, of 1,632 57 s,
 of 3,264 67 s, for the same tokens; docs/benchmarks.md, "Cost against completion length"), and
-the whole minibatch of TinyMath's demo, whose forwards are cheap; on a GPU it is 5,200 tokens of
-Qwen3-0.6B in bfloat16 and 1,500 of Qwen3-4B (not yet measured on a GPU)."""
+the whole minibatch of TinyMath's demo, whose forwards are cheap; on a GPU it is 5,349 tokens of
+Qwen3-0.6B in bfloat16 and 1,493 of Qwen3-4B (not yet measured on a GPU)."""
 FALLBACK_TOKENS = 4096
 """``auto`` for a model whose config does not say its layers, hidden size and MLP width."""
 
@@ -189,3 +194,35 @@ def split_to(parts: list[Tensor], count: int, costs: list[int]) -> list[Tensor]:
         parts[i : i + 1] = [parts[i][:half], parts[i][half:]]
         costs[i : i + 1] = [costs[i] // 2, costs[i] - costs[i] // 2]
     return parts
+
+
+def as_many_as_every_process(ranges: list[slice], model: nn.Module) -> list[slice]:
+    """``ranges`` split until every process has as many as the one with most, where ``model`` is
+    sharded with FSDP2 over several processes (each forward gathers its weights with every other
+    process, so all must run as many); the longest range is halved each time. Unchanged
+    otherwise."""
+    if not (is_sharded(model) and dist.is_initialized() and dist.get_world_size() > 1):
+        return ranges
+    count = torch.tensor([len(ranges)], device=next(model.parameters()).device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    ranges = list(ranges)
+    while len(ranges) < int(count):
+        i = max(range(len(ranges)), key=lambda j: ranges[j].stop - ranges[j].start)
+        part = ranges[i]
+        if part.stop - part.start < 2:
+            raise ValueError(f"cannot make {int(count)} passes of {ranges[-1].stop} sequences")
+        middle = (part.start + part.stop) // 2
+        ranges[i : i + 1] = [slice(part.start, middle), slice(middle, part.stop)]
+    return ranges
+
+
+def pass_ranges(
+    attention_mask: Tensor, prompt_length: int, max_tokens: int | str | None, packed: bool,
+    model: nn.Module,
+) -> list[slice]:  # fmt: skip
+    """The consecutive ranges a teacher-forced pass of ``model`` runs in: ``max_tokens``
+    resolved for the model (:func:`resolve_tokens`), :func:`consecutive_parts`, as many on every
+    process as a sharded model needs (:func:`as_many_as_every_process`)."""
+    tokens = resolve_tokens(max_tokens, model)
+    ranges = consecutive_parts(attention_mask, prompt_length, tokens, packed)
+    return as_many_as_every_process(ranges, model)

@@ -1,7 +1,7 @@
 """studies/tinymath_study.py and its tables and plots (tinymath_report.py): grid, arguments,
 aggregation, table, plots, the committed outputs reported as they were, and a tiny end-to-end
 run. The machinery shared with the other studies is tested in
-studies/tests/test_study_kit.py."""
+studies/study_tests/test_study_kit.py."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """studies/smollm2_study.py and its tables and plots (smollm2_report.py): grid, arguments,
 tables, the committed outputs reported as they were, and a dry run with an interrupted run resumed
 from its checkpoint. The machinery they share with the other studies is tested in
-studies/tests/test_study_kit.py."""
+studies/study_tests/test_study_kit.py."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:  # `pytest studies/tests` alone, without `python -m`
+if str(ROOT) not in sys.path:  # `pytest studies/study_tests` alone, without `python -m`
     sys.path.insert(0, str(ROOT))
 
 from tests.conftest import smollm2_dir, tiny_chat_model_dir, tiny_model_dir  # noqa: E402, F401
