@@ -6,9 +6,19 @@ calls them."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
-__all__ = ["check_refresh", "idle_proximal", "one_step_trap", "shared_cannot_lag"]
+from lightning_troll.training.staleness import MAX_STALENESS
+
+__all__ = [
+    "check_refresh",
+    "check_versions_fit",
+    "rollouts_of_run",
+    "idle_proximal",
+    "one_step_trap",
+    "shared_cannot_lag",
+]
 
 
 def check_refresh(
@@ -29,6 +39,11 @@ def check_refresh(
         )
     if isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or max_staleness < 0:
         raise ValueError(f"old_policy.max_staleness must be an integer >= 0; got {max_staleness!r}")
+    if max_staleness > MAX_STALENESS:
+        raise ValueError(
+            f"old_policy.max_staleness must be at most {MAX_STALENESS} (each version of lag keeps "
+            f"one more copy of the weights on the CPU and in every checkpoint); got {max_staleness}"
+        )
     if max_staleness and every_n_rollouts > 1:
         raise ValueError(
             f"old_policy.every_n_rollouts={every_n_rollouts} and old_policy.max_staleness="
@@ -143,3 +158,46 @@ def idle_proximal(
         "pass per rollout buys nothing; for stale data set old_policy.max_staleness (with "
         "model.snapshot.mode 'copy'), or use model.loss.anchor 'behaviour'"
     )
+
+
+def check_versions_fit(
+    max_staleness: int,
+    version_bytes: int,
+    available: int | None,
+    run_rollouts: int | None,
+) -> str:
+    """What ``max_staleness`` kept versions of ``version_bytes`` each cost, as a line to print at
+    a fit's start; refuses, in one line, a lag the host's ``available`` memory cannot hold or one
+    the run's ``run_rollouts`` never reach (the sampler would stay at version 0 throughout)."""
+    held = max_staleness * version_bytes
+    if run_rollouts is not None and max_staleness >= run_rollouts:
+        raise ValueError(
+            f"old_policy.max_staleness={max_staleness} is not below the run's {run_rollouts} "
+            f"rollouts: the sampler would stay at the starting weights for the whole run while "
+            f"keeping {max_staleness} copies of them; lower it below {run_rollouts}"
+        )
+    if available is not None and held > available:
+        raise ValueError(
+            f"old_policy.max_staleness={max_staleness} keeps {max_staleness} versions of the "
+            f"weights on the CPU ({max_staleness} x {_size(version_bytes)} = {_size(held)}), more "
+            f"than the {_size(available)} this host has free; lower it to at most "
+            f"{available // max(version_bytes, 1)}"
+        )
+    return (
+        f"old_policy.max_staleness={max_staleness} keeps {max_staleness} past versions of the "
+        f"weights on the CPU and in every checkpoint: {max_staleness} x {_size(version_bytes)} = "
+        f"{_size(held)}"
+    )
+
+
+def rollouts_of_run(max_steps: int, epochs: int, minibatch: int | None, sequences: int | None):
+    """Rollouts a run of ``max_steps`` optimiser steps trains (None where not known): each rollout
+    of ``sequences`` takes ``epochs`` passes of minibatches of ``minibatch`` sequences."""
+    if max_steps is None or max_steps < 1 or sequences is None:
+        return None
+    per_rollout = epochs * (1 if minibatch is None else math.ceil(sequences / minibatch))
+    return math.ceil(max_steps / per_rollout)
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"

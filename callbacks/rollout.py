@@ -101,6 +101,7 @@ class RolloutGeneration(Callback):
         except EnvironmentFailure as error:  # as above: the episodes ran, nothing trained
             raise EpisodeFault(str(error)) from error
         pl_module.rollout = rollout
+        self._sample_ahead(trainer, pl_module)
         self.rollouts += 1
         self.mean_rewards.append(float(report.rewards.mean()))
         log_rollout(pl_module, report)
@@ -123,6 +124,24 @@ class RolloutGeneration(Callback):
         if self._started is not None:
             pl_module.log("time/iteration", clock(pl_module.device) - self._started)
             self._started = None
+
+    def _sample_ahead(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """With a stale sampler and an engine in its own process, asks for the next rollout now,
+        while this one trains (``model.staleness``,
+        :meth:`~lightning_troll.training.staleness.StalenessSchedule.sample_ahead`). Nothing is
+        asked ahead of a rollout that dynamic sampling or episodes make; at an epoch's end the
+        next rollout is the next epoch's first (:meth:`~lightning_troll.data.prompts.ResumableLoader.peek`)."""
+        schedule, engine = getattr(pl_module, "staleness", None), pl_module.engine
+        if schedule is None or not schedule.max_staleness or not hasattr(engine, "submit"):
+            return
+        schedule.ahead_seed = None
+        loader = getattr(trainer.datamodule, "train_loader", None)
+        upcoming = loader.peek() if loader is not None else None
+        if upcoming is None or pl_module.dynamic_sampling or pl_module.episodes is not None:
+            return
+        schedule.sample_ahead(
+            upcoming, pl_module.collector, pl_module.policy, pl_module.snapshot, engine
+        )
 
     def _extra_prompts(self, trainer: Trainer, count: int) -> Callable[[int], PromptBatch]:
         """Extra round r of this rollout: ``count`` training prompts drawn by a generator seeded

@@ -244,22 +244,28 @@ def test_the_overlap_benchmark_times_both_arms_on_tinymath(tmp_path, capsys):
     assert "--engine-threads must be in [1, --threads); got 2" in capsys.readouterr().err
 
 
-def test_the_refresh_must_come_after_rollout_generation(tmp_path, tiny_model_dir):
-    """A Trainer of one's own that lists OldPolicyRefresh first is refused before any rollout:
-    it would ask ahead before the current rollout is collected."""
+@pytest.mark.parametrize("refresh_first", [True, False])
+def test_a_stale_run_samples_ahead_in_either_callback_order(tmp_path, tiny_model_dir, refresh_first):
+    """The module holds the staleness schedule and RolloutGeneration asks ahead right after it
+    collects, so a Trainer of one's own may list OldPolicyRefresh before or after it: each
+    rollout after the first is the one asked ahead, sampled by the version the schedule keeps."""
     refresh = OldPolicyRefresh(max_staleness=1)
     callbacks = [refresh, RolloutGeneration(log_samples=0)]
-    trainer = make_trainer(tmp_path, 2, callbacks=callbacks, limit_val_batches=0)
+    callbacks = callbacks if refresh_first else callbacks[::-1]
+    trainer = make_trainer(tmp_path, 3, callbacks=callbacks, limit_val_batches=0)
     module = make_module(tiny_model_dir, rollout_engine_options={"process": True})
-    with pytest.raises(
-        ValueError, match=r"RolloutGeneration must come before it in trainer\.callbacks"
-    ):
+    asked = []
+    submit = module.engine.submit
+    module.engine.submit = lambda *a, **k: asked.append(refresh.rollouts) or submit(*a, **k)
+    try:
         trainer.fit(module, datamodule=make_data(tiny_model_dir))
-    assert module.engine._child is None  # refused before the engine's process started
-    wrong_order = make_trainer(tmp_path, 2, callbacks=callbacks)
-    refresh.setup(wrong_order, make_module(tiny_model_dir), "fit")  # engine here: no ask ahead
-    right_order = make_trainer(tmp_path, 2, callbacks=callbacks[::-1])
-    refresh.setup(right_order, module, "fit")  # the order the command uses
+    finally:
+        module.engine.close()
+    assert module.staleness is refresh.schedule
+    # the first rollout's own request, then after each rollout is collected (before it trains)
+    # the next one's, asked ahead; rollouts 2 and 3 are those asked ahead, not asked again
+    assert asked == [0, 0, 1, 2]
+    assert refresh.rollouts == 3 and refresh.version == 2
 
 
 def test_the_seed_of_a_rollout_in_flight_is_handed_on_once_and_not_kept():

@@ -364,3 +364,31 @@ def test_a_resume_from_every_n_rollouts_to_a_staleness_takes_the_next_version_ke
             max_staleness=1,
         )  # fmt: skip
     assert resumed.logged == [(3.0, 0.0), (3.0, 1.0), (4.0, 1.0)]
+
+
+def test_a_lag_is_bounded_and_its_cost_printed():
+    """max_staleness above the documented limit is refused with the other options; at a fit's
+    start the kept versions' bytes are told, and a lag the host cannot hold or the run never
+    reaches is refused in one line naming the option."""
+    from lightning_troll.callbacks.refresh_options import (
+        check_refresh,
+        check_versions_fit,
+        rollouts_of_run,
+    )
+    from lightning_troll.training.staleness import MAX_STALENESS
+
+    check_refresh(1, MAX_STALENESS)
+    with pytest.raises(ValueError, match=rf"max_staleness must be at most {MAX_STALENESS}.*got 65"):
+        check_refresh(1, MAX_STALENESS + 1)
+    mib = 2**20
+    assert check_versions_fit(4, 3 * mib, 100 * mib, 20) == (
+        "old_policy.max_staleness=4 keeps 4 past versions of the weights on the CPU and in every "
+        "checkpoint: 4 x 3.0 MiB = 12.0 MiB"
+    )
+    with pytest.raises(ValueError, match=r"=20 is not below the run's 20 rollouts"):
+        check_versions_fit(20, mib, None, 20)
+    with pytest.raises(ValueError, match=r"4 x 30.0 MiB = 120.0 MiB.*than the 100.0 MiB.*at most 3"):
+        check_versions_fit(4, 30 * mib, 100 * mib, None)
+    # 1,024 sequences in minibatches of 256, two epochs: 8 steps a rollout; 100 steps: 13
+    assert rollouts_of_run(100, 2, 256, 1024) == 13
+    assert rollouts_of_run(100, 1, None, 1024) == 100 and rollouts_of_run(-1, 1, None, 64) is None

@@ -459,7 +459,7 @@ def test_kl_to_behaviour_is_zero_before_any_step(tiny_model_dir):
     assert module.collector.collect(batch)[0].old is None
     with pytest.raises(ValueError, match="cache_old_distributions"):
         module.kl_to_behaviour(module.collector.collect(batch)[0])
-    module.cache_old_distributions = True
+    module = make_module(tiny_model_dir, objective="clip", cache_old_distributions=True)
     rollout = module.collector.collect(batch)[0]
     lumped, sampled = module.kl_to_behaviour(rollout)
     assert lumped.shape == sampled.shape == (int(rollout.response_mask.sum()),)
@@ -483,8 +483,7 @@ def test_drift_from_behaviour_gives_the_sampled_tokens_log_ratios(tiny_model_dir
     from lightning_troll.rollouts.drift import drift_from_behaviour
     from lightning_troll.rollouts.forward import response_logits
 
-    module = make_module(tiny_model_dir, objective="clip")
-    module.cache_old_distributions = True
+    module = make_module(tiny_model_dir, objective="clip", cache_old_distributions=True)
     data = make_data(tiny_model_dir)
     data.setup("fit")
     rollout = module.collector.collect(next(iter(data.train_dataloader())))[0]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import asdict
+from functools import cached_property
 from typing import Any, Literal
 
 import torch
@@ -69,6 +70,7 @@ from lightning_troll.training.rollout_parts import (
     check_engine_processes,
     world_size,
 )
+from lightning_troll.training.staleness import StalenessSchedule
 from lightning_troll.training.validation import (
     ValidationFigures,
     stopping_between_validations,
@@ -268,20 +270,20 @@ class TrollModule(LightningModule):
         self.automatic_optimization = False
         context = EngineContext(model, dtype, self.tokenizer, lora, tied_adapter(self.policy))
         self.engine = build_rollout_engine(rollout_engine, rollout_engine_options, context, loss)
-        self.global_batch = GlobalBatch(self, estimator, group_size, scale_rewards)
+        self.global_batch = GlobalBatch(estimator, group_size, scale_rewards)
         self.episodes = None if episodes is None else EpisodeSampler(
             episodes, self.tokenizer, self.policies.stop_ids, sampling.max_new_tokens, make
         )  # fmt: skip
 
         self.rollout: Rollout | None = None  # the next training step's, from the callback
+        self.staleness = StalenessSchedule()  # OldPolicyRefresh's, once it is set up
         self.minibatch_loop = MinibatchLoop(optimization, seed)  # seed None: the run's
         self.resume = ResumeState(self.minibatch_loop)
         self.val_figures = ValidationFigures()
 
     @property
     def old_policy(self) -> torch.nn.Module:
-        """The snapshot's module: a separate frozen copy, or the policy itself when the snapshot
-        shares it (``shared``, LoRA)."""
+        """The snapshot's module: a frozen copy, or the policy itself (``shared``, LoRA)."""
         return self.policies.old_policy
 
     # -- set-up and parts --------------------------------------------------------------------
@@ -291,6 +293,7 @@ class TrollModule(LightningModule):
         if stage == "fit" and self._trainer is not None and self.trainer.datamodule is not None:
             options = self.hparams.get("rewards"), self.optimization.minibatch_size, self.group_size
             check_fit_data(*options, self.trainer.datamodule, self.hparams.get("episodes"))
+        self.global_batch.strategy = self.trainer.strategy if self._trainer is not None else None
         if stage == "fit":
             check_engine_processes(self.engine, world_size(self))
 
@@ -306,9 +309,9 @@ class TrollModule(LightningModule):
         self.policies.keep_frozen_in_eval()
         return self
 
-    @property
+    @cached_property
     def collector(self) -> RolloutCollector:
-        """The rollout pipeline over this module's parts: engine, scorer, policies, options."""
+        """The rollout pipeline over this module's parts (built once, on first use)."""
         policies, cached = self.policies, self.cache_old_distributions
         return RolloutCollector(
             policy=self.policy, behaviour=policies.behaviour, engine=self.engine,
@@ -328,11 +331,9 @@ class TrollModule(LightningModule):
 
     def teardown(self, stage: str) -> None:
         """Stops the reward workers and the rollout engine (a later fit starts them again)."""
-        if stage == "fit":
-            self.scorer.close()
-            self.engine.close()
-            if self.episodes is not None:
-                self.episodes.close()
+        for part in (self.scorer, self.engine, self.episodes) if stage == "fit" else ():
+            if part is not None:
+                part.close()
 
     def configure_optimizers(self):
         return optimizers(self.policy, self._optimizer_factory, self._scheduler_factory)

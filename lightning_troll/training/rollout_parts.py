@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule
+from lightning.pytorch.strategies import Strategy
 from torch import Tensor, nn
 
 from lightning_troll.models.lora import LoraConfig
@@ -128,28 +129,34 @@ class GlobalBatch:
 
     ``advantages`` gathers the (few) rewards of every process first, so that an estimator that
     uses batch statistics (``reinforce_pp``'s std, ``scale_rewards: batch``, or a user's own)
-    sees the same batch as a single-process run would; groups never straddle processes.
+    sees the same batch as a single-process run would; groups never straddle processes. The
+    processes are the trainer's ``strategy``'s, which the module sets once it has a trainer
+    (None: one process).
     """
 
-    module: LightningModule
     estimator: str
     group_size: int
     scale_rewards: str | None
+    strategy: Strategy | None = None
+
+    @property
+    def world(self) -> int:
+        return 1 if self.strategy is None else self.strategy.world_size
 
     def advantages(self, rewards: Tensor) -> Tensor:
         """Advantages (B,) of this process's rewards (B,), over the global batch."""
-        if world_size(self.module) == 1:
+        if self.world == 1:
             return compute_advantages(self.estimator, rewards, self.group_size, self.scale_rewards)
-        # rewards are scored on the CPU; NCCL gathers only tensors on the module's device
-        everyone = self.module.all_gather(rewards.to(self.module.device))  # (world, B)
+        # rewards are scored on the CPU; NCCL gathers only tensors on the strategy's device
+        everyone = self.strategy.all_gather(rewards.to(self.strategy.root_device))  # (world, B)
         advantages = compute_advantages(
             self.estimator, everyone.flatten(), self.group_size, self.scale_rewards
         )
-        return advantages.view_as(everyone)[self.module.global_rank].to(rewards.device)
+        return advantages.view_as(everyone)[self.strategy.global_rank].to(rewards.device)
 
     def any_process(self, flag: bool) -> bool:
         """True if ``flag`` holds on any process (every process must call this alike)."""
-        if world_size(self.module) == 1:
+        if self.world == 1:
             return flag
-        value = torch.tensor(float(flag), device=self.module.device)
-        return bool(self.module.trainer.strategy.reduce(value, reduce_op="sum") > 0)
+        value = torch.tensor(float(flag), device=self.strategy.root_device)
+        return bool(self.strategy.reduce(value, reduce_op="sum") > 0)
