@@ -245,7 +245,9 @@ def test_the_overlap_benchmark_times_both_arms_on_tinymath(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("refresh_first", [True, False])
-def test_a_stale_run_samples_ahead_in_either_callback_order(tmp_path, tiny_model_dir, refresh_first):
+def test_a_stale_run_samples_ahead_in_either_callback_order(
+    tmp_path, tiny_model_dir, refresh_first
+):
     """The module holds the staleness schedule and RolloutGeneration asks ahead right after it
     collects, so a Trainer of one's own may list OldPolicyRefresh before or after it: each
     rollout after the first is the one asked ahead, sampled by the version the schedule keeps."""

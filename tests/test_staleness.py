@@ -387,7 +387,9 @@ def test_a_lag_is_bounded_and_its_cost_printed():
     )
     with pytest.raises(ValueError, match=r"=20 is not below the run's 20 rollouts"):
         check_versions_fit(20, mib, None, 20)
-    with pytest.raises(ValueError, match=r"4 x 30.0 MiB = 120.0 MiB.*than the 100.0 MiB.*at most 3"):
+    with pytest.raises(
+        ValueError, match=r"4 x 30.0 MiB = 120.0 MiB.*than the 100.0 MiB.*at most 3"
+    ):
         check_versions_fit(4, 30 * mib, 100 * mib, None)
     # 1,024 sequences in minibatches of 256, two epochs: 8 steps a rollout; 100 steps: 13
     assert rollouts_of_run(100, 2, 256, 1024) == 13
