@@ -22,15 +22,14 @@ def _import_main_once() -> None:
     starts: seconds each for a main module that imports Lightning, as the ``lightning-troll``
     command's does. ``forkserver`` means to do this for a ``"__main__"`` in its preload, but never
     passes the server the main module's path; the pool passes it in :data:`MAIN_VARIABLE`."""
+    import contextlib
     import os
     from multiprocessing import spawn
 
     path = os.environ.pop(MAIN_VARIABLE, "")
-    if path:
-        try:
+    if path:  # where it fails, each worker imports it as it starts, and reports its error
+        with contextlib.suppress(BaseException):
             spawn.import_main_path(path)
-        except BaseException:  # noqa: BLE001 - each worker imports it then, and reports its error
-            pass
 
 
 MAIN_VARIABLE = "LIGHTNING_TROLL_WORKER_MAIN"
