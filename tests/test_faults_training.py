@@ -79,3 +79,38 @@ def test_a_run_of_non_finite_steps_saves_the_last_finite_weights_and_stops_in_tw
     assert all(
         torch.isfinite(v).all() for v in state["state_dict"].values() if v.is_floating_point()
     )
+
+
+KILLS_ENGINE = """
+import multiprocessing, os, signal
+from pathlib import Path
+
+def reward(prompt, completion, row):
+    calls = Path("calls.txt")
+    count = int(calls.read_text()) if calls.exists() else 0
+    calls.write_text(str(count + 1))
+    if count == 16:  # rollout 3: the engine's process is killed, as the OOM killer would
+        for child in multiprocessing.active_children():
+            if child.name == "lightning-troll-engine":
+                os.kill(child.pid, signal.SIGKILL)
+    return float(len(completion) % 3)
+"""
+
+
+@pytest.mark.slow
+def test_an_engine_process_killed_stops_the_run_in_two_lines_naming_the_signal(
+    tmp_path, tiny_model_dir
+):
+    (tmp_path / "my_reward.py").write_text(KILLS_ENGINE)
+    run = command(tmp_path, tiny_model_dir, 8, "--model.rollout_engine_options",
+                  '{"process": true}')  # fmt: skip
+    done = subprocess.run(run, cwd=tmp_path, capture_output=True, text=True)
+    assert done.returncode == 3, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+    told = stop_lines(done.stderr)
+    assert told[0] == (
+        "lightning-troll: stopped: the 'hf' engine's process was killed by signal 9 (SIGKILL) "
+        "while the rollout was sampled"
+    ), done.stderr[-3000:]
+    assert told[1].startswith(f"  saved {Path('ckpt') / 'last.ckpt'}: fix the cause")
+    check_checkpoint_file(tmp_path / "ckpt" / "last.ckpt")
