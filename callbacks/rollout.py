@@ -19,9 +19,10 @@ from lightning_troll.callbacks.samples import (
 from lightning_troll.data.prompts import PromptBatch, draw_prompts
 from lightning_troll.environments.protocol import EnvironmentFailure
 from lightning_troll.rewards.calls import RewardError
+from lightning_troll.rollouts.engine_process import EngineDied
 from lightning_troll.rollouts.multiturn import behaviour_logprobs_warning
 from lightning_troll.rollouts.timing import clock
-from lightning_troll.training.faults import EpisodeFault, RewardFault
+from lightning_troll.training.faults import EngineFault, EpisodeFault, RewardFault
 from lightning_troll.training.memory_check import check_fits
 
 __all__ = ["RolloutGeneration", "RolloutReport", "Samples", "samples_table"]
@@ -100,6 +101,8 @@ class RolloutGeneration(Callback):
             raise RewardFault(str(error)) from error
         except EnvironmentFailure as error:  # as above: the episodes ran, nothing trained
             raise EpisodeFault(str(error)) from error
+        except EngineDied as error:  # as above: sampling stopped, nothing trained
+            raise EngineFault(str(error)) from error
         pl_module.rollout = rollout
         self._sample_ahead(trainer, pl_module)
         self.rollouts += 1

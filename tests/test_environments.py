@@ -283,8 +283,6 @@ def test_the_factory_makes_a_fresh_environment_per_episode():
          "has no class or function 'Countdwn'; did you mean 'Countdown'\\? \\(it defines .*, "
          r"and \d+ more\)"),
         ({"environment": "Countdown"}, "model.episodes.environment: 'Countdown' is not an import path"),
-        ({"tools": [H + "multiply"], "tool_timeout": 5},
-         "model.episodes.tool_timeout=5 needs model.episodes.tool_workers >= 1"),
         ({"environment": H + "Countdown", "tool_workers": 2, "tool_timeout": 5},
          "model.episodes.tool_workers=2 with model.episodes.environment='tests.tool_helpers:"
          "Countdown', which runs no tools of model.episodes.tools: the workers would have no "

@@ -197,8 +197,15 @@ def test_episodes_options_are_checked_before_the_model_loads():
         EpisodesConfig(environment="x:y", max_turns=0)
     with pytest.raises(ValueError, match=r"name an environment .* or list tools"):
         EpisodesConfig()
-    with pytest.raises(ValueError, match=r"tool_timeout=5 needs model.episodes.tool_workers"):
-        EpisodesConfig(tools=["tests.tool_helpers:multiply"], tool_timeout=5)
+    tools = ["tests.tool_helpers:multiply"]
+    for option, value, allowed in [
+        ("tool_failures", "ignore", "one of raise, warn"),
+        ("tool_failure_limit", 0, r"a share in \(0, 1\]"),
+        ("tool_failure_limit", 1.5, r"a share in \(0, 1\]"),
+        ("tool_reply_chars", 0, "an integer >= 1"),
+    ]:
+        with pytest.raises(ValueError, match=rf"model.episodes.{option} must be {allowed}; got"):
+            EpisodesConfig(tools=tools, **{option: value})
 
 
 def test_validation_of_one_turn_episodes_is_the_single_turn_validation(tiny_model_dir):

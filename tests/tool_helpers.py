@@ -305,3 +305,10 @@ class Undocumented:
 
     def poke(self, n):
         return n
+
+
+class NoStep(Environment):
+    """An environment that forgot its step: the base class's raises at the first turn."""
+
+    def reset(self, row):
+        return row["prompt"]

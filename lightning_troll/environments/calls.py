@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple, get_args
@@ -39,6 +41,7 @@ __all__ = [
     "ToolOutcome",
     "parse_tool_calls",
     "run_tool",
+    "run_tool_within",
 ]
 
 TOOL_CALL_OPEN = "<tool_call>"
@@ -152,3 +155,39 @@ def run_tool(function: Callable[..., Any], arguments: Mapping[str, Any]) -> Tool
     if problem is not None:
         return ToolOutcome("", short(problem, _PROBLEM_CHARACTERS), "unrenderable")
     return ToolOutcome(text)
+
+
+class _Overtime(BaseException):
+    """Raised into a tool call in the trainer's process by the alarm of its timeout: a
+    BaseException, so that the tool's own ``except Exception`` does not keep it."""
+
+
+def run_tool_within(
+    function: Callable[..., Any], arguments: Mapping[str, Any], timeout: float | None
+) -> ToolOutcome:
+    """:func:`run_tool` in this process, interrupted after ``timeout`` seconds (a ``"timeout"``
+    outcome) by a SIGALRM, where this is the main thread of a system that has one; elsewhere, or
+    with ``timeout`` None, without a limit. A tool blocked in C code that holds off signals is
+    interrupted only when it returns to Python."""
+    bounded = (
+        timeout is not None
+        and hasattr(signal, "setitimer")
+        and threading.current_thread() is threading.main_thread()
+    )
+    if not bounded:
+        return run_tool(function, arguments)
+
+    def overtime(signum: int, frame: Any) -> None:
+        raise _Overtime
+
+    previous = signal.signal(signal.SIGALRM, overtime)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, timeout)
+        try:
+            return run_tool(function, arguments)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+    except _Overtime:
+        return ToolOutcome("", f"timed out after {timeout:g} s", "timeout")
+    finally:
+        signal.signal(signal.SIGALRM, previous)

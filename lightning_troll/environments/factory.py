@@ -15,7 +15,7 @@ from lightning_troll.environments.options import (
 )
 from lightning_troll.environments.protocol import Environment, load_environment, make_environment
 from lightning_troll.environments.tool_env import ToolEnvironment
-from lightning_troll.environments.tool_workers import ToolRunner
+from lightning_troll.environments.tool_workers import TOOL_REPLY_CHARS, ToolRunner
 from lightning_troll.environments.trl_env import TrlEnvironment, is_trl_environment
 
 __all__ = ["EnvironmentChoice", "EnvironmentFactory"]
@@ -41,8 +41,10 @@ class EnvironmentFactory:
             :class:`ToolEnvironment` subclass or an environment in TRL's form.
         tool_workers: Worker processes that run tool calls (``model.episodes.tool_workers``); 0 runs
             them in this process.
-        tool_timeout: Seconds a tool call may take in a worker (``model.episodes.tool_timeout``); None
+        tool_timeout: Seconds a tool call may take (``model.episodes.tool_timeout``); None
             waits for ever.
+        tool_reply_chars: The most characters of a tool's reply the model reads
+            (``model.episodes.tool_reply_chars``).
     """
 
     def __init__(
@@ -51,6 +53,7 @@ class EnvironmentFactory:
         tools: Sequence[str | Callable[..., Any]] = (),
         tool_workers: int = 0,
         tool_timeout: float | None = None,
+        tool_reply_chars: int = TOOL_REPLY_CHARS,
     ) -> None:
         self.make = ToolEnvironment if environment is None else load_environment(environment)
         """What each episode's environment is made with."""
@@ -90,7 +93,11 @@ class EnvironmentFactory:
             )
         self.tools = list(tools)
         """The tools of ``model.episodes.tools``."""
-        self.runner = ToolRunner(tools, tool_workers, tool_timeout) if tools else None
+        self.tool_limits = {"timeout": tool_timeout, "reply_chars": tool_reply_chars}
+        """What bounds a tool call and its reply, for the runners of an environment in TRL's form."""
+        self.runner = (
+            ToolRunner(tools, tool_workers, tool_timeout, tool_reply_chars) if tools else None
+        )
         """The tools and their workers; None without tools."""
         self.idle: list[Any] = []
         """Instances of an environment in TRL's form between episodes, to be reset for the next."""
@@ -111,7 +118,7 @@ class EnvironmentFactory:
             made = make_environment(self.make, *args)
         if not is_trl_environment(made):
             return made
-        return TrlEnvironment(made, self.tools, release=self._release)
+        return TrlEnvironment(made, self.tools, release=self._release, **self.tool_limits)
 
     def _release(self, instance: Any) -> None:
         """Takes back an instance in TRL's form whose episode ended."""
@@ -135,6 +142,7 @@ class EnvironmentChoice:
         tools: Tools offered beside each environment's own (as :class:`EnvironmentFactory`).
         tool_workers: As :class:`EnvironmentFactory`.
         tool_timeout: As :class:`EnvironmentFactory`.
+        tool_reply_chars: As :class:`EnvironmentFactory`.
     """
 
     def __init__(
@@ -143,10 +151,11 @@ class EnvironmentChoice:
         tools: Sequence[str | Callable[..., Any]] = (),
         tool_workers: int = 0,
         tool_timeout: float | None = None,
+        tool_reply_chars: int = TOOL_REPLY_CHARS,
     ) -> None:
         check_environment_names(environments)
         self.factories = {
-            name: EnvironmentFactory(make, tools, tool_workers, tool_timeout)
+            name: EnvironmentFactory(make, tools, tool_workers, tool_timeout, tool_reply_chars)
             for name, make in environments.items()
         }
         """name -> the factory of that environment."""

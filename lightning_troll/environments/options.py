@@ -15,7 +15,9 @@ from typing import Any
 __all__ = [
     "ENVIRONMENT_FIELD",
     "EpisodesConfig",
+    "TOOL_FAILURES",
     "check_environment_names",
+    "check_tool_failures",
     "check_tool_workers",
     "environment_problem",
 ]
@@ -41,9 +43,30 @@ def environment_problem(row: Mapping[str, Any], names: Collection[str]) -> str |
     return None
 
 
+TOOL_FAILURES = ("raise", "warn")
+"""The values of ``model.episodes.tool_failures``."""
+
+
+def check_tool_failures(policy: str, limit: float, reply_chars: int) -> None:
+    """``model.episodes.tool_failures``, ``tool_failure_limit`` and ``tool_reply_chars``."""
+    if policy not in TOOL_FAILURES:
+        raise ValueError(
+            f"model.episodes.tool_failures must be one of {', '.join(TOOL_FAILURES)}; got "
+            f"{policy!r}"
+        )
+    if isinstance(limit, bool) or not isinstance(limit, numbers.Real) or not 0 < limit <= 1:
+        raise ValueError(
+            f"model.episodes.tool_failure_limit must be a share in (0, 1]; got {limit!r}"
+        )
+    if isinstance(reply_chars, bool) or not isinstance(reply_chars, int) or reply_chars < 1:
+        raise ValueError(
+            f"model.episodes.tool_reply_chars must be an integer >= 1; got {reply_chars!r}"
+        )
+
+
 def check_tool_workers(workers: int, timeout: float | None) -> None:
     """``model.episodes.tool_workers`` and ``tool_timeout``: an integer >= 0, and null or > 0
-    seconds that needs a worker (a call in the trainer's own process cannot be abandoned)."""
+    seconds."""
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
         raise ValueError(f"model.episodes.tool_workers must be an integer >= 0; got {workers!r}")
     if timeout is not None and (
@@ -51,12 +74,6 @@ def check_tool_workers(workers: int, timeout: float | None) -> None:
     ):
         raise ValueError(
             f"model.episodes.tool_timeout must be null or > 0 seconds; got {timeout!r}"
-        )
-    if timeout is not None and workers == 0:
-        raise ValueError(
-            f"model.episodes.tool_timeout={timeout!r} needs model.episodes.tool_workers >= 1: a "
-            "call in the trainer's own process cannot be abandoned; set "
-            "model.episodes.tool_workers, or model.episodes.tool_timeout null"
         )
 
 
@@ -92,9 +109,23 @@ class EpisodesConfig:
     """Model turns per episode, >= 1."""
     tool_workers: int = 0
     """Worker processes that run the calls of ``tools``; 0 runs them in the trainer's process."""
-    tool_timeout: float | None = None
-    """Seconds a tool call may take in a worker before the model reads a timeout error (needs
-    tool_workers >= 1); null: no limit."""
+    tool_timeout: float | None = 60.0
+    """Seconds a tool call may take before the model reads a timeout error: in a worker, the
+    worker is killed and replaced; with tool_workers 0, a SIGALRM interrupts the call in the
+    trainer's main thread (a call blocked in C code that holds off signals, or run in another
+    thread, is not bounded); null: no limit."""
+    tool_failures: str = "raise"
+    """What a rollout does whose tool calls failed by the tools' own fault (raised, timed out,
+    returned what cannot be written, or killed their worker; the model's malformed, unknown and
+    badly argued calls are not counted) at a share of at least tool_failure_limit of the calls that
+    ran: raise stops the run as a failing reward does (last.ckpt saved, the resume command, exit
+    status 3); warn warns on the console once for each such rollout and trains on."""
+    tool_failure_limit: float = 1.0
+    """The share of a rollout's tool calls that ran, in (0, 1], whose failure stops the run or
+    warns (tool_failures); 1.0: every call that ran failed."""
+    tool_reply_chars: int = 8192
+    """The most characters of a tool's reply the model reads; a longer reply is cut there, a note
+    of its length added, and counted in episodes/tool_replies_cut."""
 
     def __post_init__(self) -> None:
         if isinstance(self.max_turns, bool) or not isinstance(self.max_turns, int):
@@ -102,6 +133,7 @@ class EpisodesConfig:
         if self.max_turns < 1:
             raise ValueError(f"model.episodes.max_turns must be >= 1; got {self.max_turns}")
         check_tool_workers(self.tool_workers, self.tool_timeout)
+        check_tool_failures(self.tool_failures, self.tool_failure_limit, self.tool_reply_chars)
         if isinstance(self.environment, Mapping):
             check_environment_names(self.environment)
         if self.environment is None and not self.tools:

@@ -150,6 +150,9 @@ class Step:
     """kind -> the turn's tool calls that failed that way, each kind one of
     :data:`~lightning_troll.environments.calls.TOOL_ERROR_KINDS` (each has its figure,
     ``episodes/tool_errors_<kind>``)."""
+    tool_replies_cut: int = 0
+    """The turn's tool replies cut at ``model.episodes.tool_reply_chars``
+    (``episodes/tool_replies_cut``)."""
 
     def __post_init__(self) -> None:
         if self.reward is not None and not is_finite_reward(self.reward):
@@ -162,7 +165,10 @@ class Step:
             check_messages(self.observation, "Step.observation (a string, messages or None)")
         if not isinstance(self.role, str):
             raise ValueError(f"Step.role must be a string; got {self.role!r}")
-        counts = {"Step.tool_calls": self.tool_calls}
+        counts = {
+            "Step.tool_calls": self.tool_calls,
+            "Step.tool_replies_cut": self.tool_replies_cut,
+        }
         counts.update({f"Step.tool_errors[{k!r}]": v for k, v in dict(self.tool_errors).items()})
         for name, count in counts.items():
             if isinstance(count, bool) or not isinstance(count, int) or count < 0:
@@ -230,7 +236,12 @@ def load_environment(spec: str | Callable[..., Any]) -> Callable[..., Any]:
             "function that returns an environment"
         )
     if inspect.isclass(made):
-        missing = [m for m in ("reset", "step") if not callable(getattr(made, m, None))]
+        missing = [
+            m
+            for m in ("reset", "step")
+            if not callable(getattr(made, m, None))
+            or (issubclass(made, Environment) and getattr(made, m) is getattr(Environment, m))
+        ]  # an Environment's own reset and step only raise NotImplementedError
         if missing and not is_trl_environment(made):
             raise ValueError(
                 f"{OPTION}: {spec!r} has no {' or '.join(missing)} method; an environment defines "

@@ -64,7 +64,12 @@ class ToolEnvironment(Environment):
     def observe(self, turn: str, results: Sequence[ToolResult]) -> Step:
         """The step of a turn whose calls gave ``results``: one ``tool`` message each."""
         messages = [{"role": "tool", "name": r.name or "", "content": r.text} for r in results]
-        return Step(messages, tool_calls=len(results), tool_errors=count_errors(results))
+        return Step(
+            messages,
+            tool_calls=len(results),
+            tool_errors=count_errors(results),
+            tool_replies_cut=sum(r.cut for r in results),
+        )
 
     def step(self, turn: str) -> Step:
         calls = self.calls(turn)

@@ -21,13 +21,16 @@ With ``workers`` >= 1 the calls run in :class:`ToolWorkers`, the reward workers'
 (:class:`~lightning_troll.rewards.workers.WorkerPool`) running
 :func:`~lightning_troll.environments.calls.run_tool`: the calls of a batch in parallel, a call
 past ``timeout`` abandoned and its worker replaced, a worker that dies replaced too. With 0 they
-run in this process, one after another, and cannot be abandoned: a timeout needs workers.
+run in this process, one after another, each interrupted by an alarm past ``timeout``
+(:func:`~lightning_troll.environments.calls.run_tool_within`). A reply longer than
+``reply_chars`` is cut (:func:`cut_reply`). A rollout whose tools fail too often stops the run
+(:func:`tool_failure_problem`, ``model.episodes.tool_failures``).
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +42,7 @@ from lightning_troll.environments.calls import (
     ToolErrorKind,
     ToolOutcome,
     run_tool,
+    run_tool_within,
 )
 from lightning_troll.environments.options import check_tool_workers
 from lightning_troll.environments.protocol import EnvironmentFailure
@@ -51,7 +55,22 @@ from lightning_troll.environments.tools import (
 from lightning_troll.rewards.calls import UNLOADABLE
 from lightning_troll.rewards.workers import WorkerPool, WorkersFailed, check_picklable
 
-__all__ = ["ToolResult", "ToolRunner", "ToolWorkers", "count_errors"]
+__all__ = [
+    "TOOL_FAULTS",
+    "ToolResult",
+    "ToolRunner",
+    "ToolWorkers",
+    "count_errors",
+    "cut_reply",
+    "tool_failure_problem",
+]
+
+TOOL_FAULTS = ("raised", "timeout", "unrenderable", "crashed")
+"""The kinds of tool error that are the tool's fault, not the model's: what
+``model.episodes.tool_failure_limit`` counts."""
+
+TOOL_REPLY_CHARS = 8192
+"""The default of ``model.episodes.tool_reply_chars``."""
 
 
 class ToolWorkers(WorkerPool):
@@ -75,11 +94,40 @@ class ToolResult:
     """The tool's result rendered as text, or the error message (``"Error: ..."``)."""
     error: ToolErrorKind | None = None
     """Why the call failed; None when the tool ran and its result rendered."""
+    cut: bool = False
+    """Whether the reply was longer than ``model.episodes.tool_reply_chars`` and cut there."""
 
 
 def count_errors(results: Sequence[ToolResult]) -> dict[str, int]:
     """kind -> the failed calls of that kind among ``results`` (kinds with none left out)."""
     return dict(Counter(r.error for r in results if r.error is not None))
+
+
+def cut_reply(text: str, limit: int) -> tuple[str, bool]:
+    """``text`` cut to its first ``limit`` characters with a note of its length, and whether it
+    was cut; ``text`` itself where it fits."""
+    if len(text) <= limit:
+        return text, False
+    return (
+        f"{text[:limit]}\n[cut: the reply was {len(text):,} characters; the first {limit:,} shown]",
+        True,
+    )
+
+
+def tool_failure_problem(calls: int, errors: Mapping[str, int], limit: float) -> str | None:
+    """Why a rollout's tool calls stop the run (``model.episodes.tool_failures``): of ``calls``
+    made, those the model wrote well (not ``malformed``, ``unknown`` or ``bad_arguments``) ran,
+    and the tools' own failures (:data:`TOOL_FAULTS`) among them reach ``limit``; None where
+    they do not, or where none ran."""
+    ran = calls - sum(n for kind, n in errors.items() if kind not in TOOL_FAULTS)
+    failed = sum(errors.get(kind, 0) for kind in TOOL_FAULTS)
+    if ran <= 0 or failed < limit * ran:
+        return None
+    kinds = ", ".join(f"{kind} {errors[kind]}" for kind in TOOL_FAULTS if errors.get(kind))
+    return (
+        f"{failed} of the {ran} tool calls that ran in this rollout failed ({kinds}), at or above "
+        f"model.episodes.tool_failure_limit={limit:g}"
+    )
 
 
 CALL_FORMAT = f'{TOOL_CALL_OPEN}{{"name": ..., "arguments": {{...}}}}{TOOL_CALL_CLOSE}'
@@ -94,7 +142,10 @@ class ToolRunner:
         workers: Worker processes that run the calls (``model.episodes.tool_workers``); 0 runs them in
             this process.
         timeout: Seconds a call may take in a worker before it is abandoned
-            (``model.episodes.tool_timeout``); None waits for ever. Needs ``workers`` >= 1.
+            (``model.episodes.tool_timeout``), or interrupted in this process
+            (:func:`~lightning_troll.environments.calls.run_tool_within`); None waits for ever.
+        reply_chars: The most characters of a reply the model reads
+            (``model.episodes.tool_reply_chars``); a longer one is cut (:func:`cut_reply`).
     """
 
     def __init__(
@@ -102,8 +153,11 @@ class ToolRunner:
         tools: Sequence[str | Callable[..., Any] | Tool],
         workers: int = 0,
         timeout: float | None = None,
+        reply_chars: int = TOOL_REPLY_CHARS,
     ) -> None:
         check_tool_workers(workers, timeout)
+        self.timeout = timeout
+        self.reply_chars = reply_chars
         self.tools: dict[str, Tool] = load_tools(tools)
         """name -> tool."""
         if not self.tools:
@@ -150,10 +204,14 @@ class ToolRunner:
             except WorkersFailed as error:  # no call failed: no tool can run at all
                 raise EnvironmentFailure(f"the tool workers failed: {error}") from error
         else:
-            outcomes = [run_tool(self.tools[calls[i].name].function, arguments[i])
-                        for i in todo]  # fmt: skip
+            outcomes = [run_tool_within(self.tools[calls[i].name].function, arguments[i],
+                                        self.timeout) for i in todo]  # fmt: skip
         for i, outcome in zip(todo, outcomes, strict=True):
-            results[i] = self._result(calls[i].name, outcome)
+            result = self._result(calls[i].name, outcome)
+            if result.error is None:  # an error's text is short (its problem is cut at 300)
+                text, cut = cut_reply(result.text, self.reply_chars)
+                result = ToolResult(result.name, text, None, cut)
+            results[i] = result
         return results  # type: ignore[return-value]
 
     def _refused(self, call: ToolCall | MalformedCall) -> ToolResult | None:

@@ -36,6 +36,7 @@ from lightning_troll.rewards.lookup import load_by_import_path
 __all__ = [
     "Tool",
     "check_arguments",
+    "check_callable_as_written",
     "conform_arguments",
     "load_tool",
     "load_tools",
@@ -94,8 +95,38 @@ def load_tool(
     if inspect.isclass(function) or not callable(function):
         what = "a class" if inspect.isclass(function) else f"a {type(function).__name__}"
         raise ValueError(f"{option}: {label!r} is {what}; a tool is a function")
+    check_callable_as_written(function, label, option)
     schema = tool_schema(function, label, option)
     return Tool(schema["function"]["name"], function, schema, label)
+
+
+_NOT_BY_NAME = {
+    inspect.Parameter.VAR_POSITIONAL: "*{}, which takes positional arguments",
+    inspect.Parameter.VAR_KEYWORD: "**{}, which takes any keyword",
+    inspect.Parameter.POSITIONAL_ONLY: "{} positional-only (before a /)",
+}
+
+
+def check_callable_as_written(
+    function: Callable[..., Any], spec: str, option: str = OPTION
+) -> None:
+    """Refuses a function that a call of its schema could not reach: the model's call gives
+    each argument by name, one per parameter its schema shows, so a ``*args``, a ``**kwargs`` or
+    a positional-only parameter cannot be given (the schema would ask for ``nums: integer`` of
+    ``*nums: int``, and every call would fail)."""
+    try:
+        parameters = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):  # a built-in without a signature: its schema check decides
+        return
+    for parameter in parameters:
+        how = _NOT_BY_NAME.get(parameter.kind)
+        if how is not None:
+            raise ValueError(
+                f"{option}: {spec!r} cannot be a tool: its parameter is "
+                f"{how.format(parameter.name)}; a tool call gives its arguments by name, one per "
+                "parameter, so a tool's parameters are ordinary named ones (no *args, **kwargs "
+                "or /)"
+            )
 
 
 def load_tools(specs: Sequence[str | Callable[..., Any] | Tool]) -> dict[str, Tool]:

@@ -54,7 +54,7 @@ from lightning_troll.environments.protocol import (
     is_trl_environment,
 )
 from lightning_troll.environments.tool_env import ToolEnvironment
-from lightning_troll.environments.tool_workers import ToolRunner
+from lightning_troll.environments.tool_workers import TOOL_REPLY_CHARS, ToolRunner
 from lightning_troll.environments.tools import load_tool
 from lightning_troll.rewards.calls import awaited, describe
 
@@ -85,6 +85,8 @@ class TrlEnvironment(ToolEnvironment):
         prompt_field: The row's field that holds the prompt.
         release: Called with the instance when the episode ends (:meth:`close`), once: the
             factory's pool takes it back.
+        timeout: Seconds a tool call may take (``model.episodes.tool_timeout``).
+        reply_chars: The most characters of a tool's reply the model reads.
     """
 
     def __init__(
@@ -93,6 +95,8 @@ class TrlEnvironment(ToolEnvironment):
         tools: Sequence[str | Callable[..., Any]] = (),
         prompt_field: str = "prompt",
         release: Callable[[Any], None] | None = None,
+        timeout: float | None = None,
+        reply_chars: int = TOOL_REPLY_CHARS,
     ) -> None:
         name = type(instance).__name__
         methods = tool_methods(instance)
@@ -105,7 +109,8 @@ class TrlEnvironment(ToolEnvironment):
             load_tool(method, f"{name}.{method.__name__}", "model.episodes.environment")
             for method in methods
         ]
-        super().__init__(ToolRunner([*tools, *own], workers=0), prompt_field)
+        runner = ToolRunner([*tools, *own], 0, timeout, reply_chars)
+        super().__init__(runner, prompt_field)
         self.instance = instance
         self._release = release
         self.hidden: tuple[str, ...] = ()

@@ -41,6 +41,7 @@ __all__ = [
     "dr_grpo",
     "get_advantage_estimator",
     "grpo",
+    "overflow_problem",
     "register_advantage_estimator",
     "reinforce_pp",
     "rloo",
@@ -183,3 +184,22 @@ BASELINES: dict[str, AdvantageEstimator] = {
     "rloo": rloo,
     "reinforce_pp": dr_grpo,
 }
+
+
+def overflow_problem(rewards: Tensor, advantages: Tensor) -> str | None:
+    """Why a rollout's rewards (B,) cannot train in float32, or None: the square of their spread
+    overflows (beyond about 1.8e19 apart; a variance, and the gradient of a loss that weighs
+    log-probs by such advantages, are then infinite), or the advantages (B,) are not finite."""
+    finite = rewards[torch.isfinite(rewards)]
+    if finite.numel():
+        spread = (finite.float().max() - finite.float().min()) ** 2
+        if torch.isfinite(advantages).all() and torch.isfinite(spread):
+            return None
+        low, high = float(finite.min()), float(finite.max())
+        return (
+            f"the rewards of this rollout range from {low:g} to {high:g}, whose spread squared "
+            "overflows float32 (rewards are at most about 1.8e19 apart): the advantages' and the "
+            "gradient's arithmetic would be infinite; scale the rewards down (the weights of "
+            "model.rewards) or fix the reward"
+        )
+    return None if torch.isfinite(advantages).all() else "the advantages are not finite"

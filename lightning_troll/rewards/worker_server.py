@@ -14,3 +14,25 @@ function.
 from lightning_troll.rewards.workers import leave_stop_signals_to_the_trainer
 
 leave_stop_signals_to_the_trainer()
+
+
+def _import_main_once() -> None:
+    """Runs the trainer's main module here, once, as ``__mp_main__`` (its guarded entry point
+    does not run), so that every worker forked from here has it and none imports it again as it
+    starts: seconds each for a main module that imports Lightning, as the ``lightning-troll``
+    command's does. ``forkserver`` means to do this for a ``"__main__"`` in its preload, but never
+    passes the server the main module's path; the pool passes it in :data:`MAIN_VARIABLE`."""
+    import contextlib
+    import os
+    from multiprocessing import spawn
+
+    path = os.environ.pop(MAIN_VARIABLE, "")
+    if path:  # where it fails, each worker imports it as it starts, and reports its error
+        with contextlib.suppress(BaseException):
+            spawn.import_main_path(path)
+
+
+MAIN_VARIABLE = "LIGHTNING_TROLL_WORKER_MAIN"
+"""The environment variable that hands the server the trainer's main module's path."""
+
+_import_main_once()

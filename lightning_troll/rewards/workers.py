@@ -12,7 +12,8 @@ segfault, the OOM killer, ``os._exit``) fails the call it held and is replaced t
 never dies with it.
 
 Workers are started with ``forkserver``: each is forked from a small server process that imported
-this module (and torch with it) once, so a restart costs milliseconds, and none inherits the
+this module (and torch with it) and the trainer's main module once
+(:mod:`~lightning_troll.rewards.worker_server`), so a restart costs milliseconds, and none inherits the
 trainer's threads or CUDA state as a plain ``fork`` would. Each worker watches a pipe whose only
 writing end the trainer holds and exits when it closes, so no worker outlives its trainer, even
 one killed with SIGKILL (the server and Python's resource tracker then exit as well). What a
@@ -34,6 +35,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
+from multiprocessing import spawn
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -124,6 +126,7 @@ class _Worker:
         alive_r, self.alive = context.Pipe(duplex=False)
         self.process = context.Process(target=_serve, args=(child, alive_r), daemon=True)
         self.process.start()
+        os.environ.pop("LIGHTNING_TROLL_WORKER_MAIN", None)  # the server has read it (_context)
         child.close()
         alive_r.close()
         self.conn: Connection = parent
@@ -219,6 +222,9 @@ class WorkerPool:
 
     def _context(self) -> Any:
         context = multiprocessing.get_context("forkserver")
+        main = spawn.get_preparation_data("worker").get("init_main_from_path")
+        if main:  # read by the server as it starts (worker_server): it imports it once
+            os.environ["LIGHTNING_TROLL_WORKER_MAIN"] = main
         preload = [SERVER_START, __name__, self.runner.__module__]
         context.set_forkserver_preload(list(dict.fromkeys(preload)))
         return context

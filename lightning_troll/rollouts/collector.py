@@ -40,8 +40,10 @@ from torch import Tensor, nn
 
 from lightning_troll.models.sharding import gathered, is_sharded
 from lightning_troll.models.snapshots import evaluating
+from lightning_troll.objectives.advantages import overflow_problem
 from lightning_troll.objectives.mismatch import mismatch_weights
 from lightning_troll.objectives.options import LossConfig
+from lightning_troll.rewards.calls import RewardError
 from lightning_troll.rewards.registry import RewardOutput
 from lightning_troll.rollouts.behaviour import BehaviourRecorder, records_while_sampling
 from lightning_troll.rollouts.dynamic_sampling import choose_groups
@@ -175,6 +177,9 @@ class RolloutCollector:
         if self.loss.mask_truncated:
             response_mask = response_mask & ~kept.truncated.unsqueeze(-1)
         advantages = self.advantages(kept.rewards)
+        problem = overflow_problem(kept.rewards, advantages)
+        if problem is not None:  # before any step: stops as a failing reward does
+            raise RewardError(problem)
         passes = clock(self.device)
         old_logprobs, old, ref_logprobs = self._teacher_forced(kept, response_mask)
         token_advantages, engine, masked = engine_mismatch(

@@ -32,6 +32,7 @@ Figures: ``engine/process_wait_s`` (seconds the trainer waited for a sample it a
 from __future__ import annotations
 
 import contextlib
+import signal
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -53,10 +54,15 @@ from lightning_troll.rollouts.engine import (
 )
 from lightning_troll.rollouts.rollout import SamplingConfig
 
-__all__ = ["ProcessEngine", "Request", "fingerprint"]
+__all__ = ["EngineDied", "ProcessEngine", "Request", "fingerprint"]
 
 _START_TIMEOUT_S = 600.0
 """How long the child may take to load its model and engine before the trainer gives up."""
+
+
+class EngineDied(RuntimeError):
+    """The engine's process ended while a rollout was sampled (killed, or out of memory): the
+    rollout is lost, but nothing of it trained, so a run saves its checkpoint and stops."""
 
 
 @dataclass(frozen=True)
@@ -153,10 +159,26 @@ class ProcessEngine(RolloutEngine):
 
     def _send(self, message: tuple) -> None:
         if self._child is None or not self._child.is_alive():
-            raise RuntimeError(
-                f"the {self.inner!r} engine's process is not running; see its error above"
-            )
+            raise EngineDied(self._death())
         self._conn.send(message)
+
+    def _death(self) -> str:
+        """What ended the engine's process, in a sentence: the signal that killed it, or its exit
+        code (an error of its own is printed above by the process itself)."""
+        child = self._child
+        if child is not None:
+            child.join(timeout=5)
+        code = None if child is None else child.exitcode
+        if code is not None and code < 0:
+            try:
+                how = f"was killed by signal {-code} ({signal.Signals(-code).name})"
+            except ValueError:
+                how = f"was killed by signal {-code}"
+        elif code is not None:
+            how = f"exited with code {code} (its error, if any, is printed above)"
+        else:
+            how = "stopped answering"
+        return f"the {self.inner!r} engine's process {how} while the rollout was sampled"
 
     def _receive(self, expected: str, timeout: float | None = None) -> Any:
         if timeout is not None and not self._conn.poll(timeout):
@@ -164,9 +186,7 @@ class ProcessEngine(RolloutEngine):
         try:
             kind, payload = self._conn.recv()
         except EOFError:
-            raise RuntimeError(
-                f"the {self.inner!r} engine's process ended; see its error above"
-            ) from None
+            raise EngineDied(self._death()) from None
         if kind == "error":
             raise RuntimeError(f"the {self.inner!r} engine's process failed: {payload}")
         if kind != expected:

@@ -143,6 +143,8 @@ class Episode:
     last_turn_start: int = 0
     """Where the last model turn (the final answer) starts in ``token_ids``: known from the turns
     themselves, not from the environment's tokens, which an empty reply leaves out."""
+    tool_replies_cut: int = 0
+    """Tool replies cut at ``model.episodes.tool_reply_chars`` over the episode."""
 
     @property
     def turns(self) -> int:
@@ -223,6 +225,7 @@ class _Running:
         self.end: str | None = None
         self.tool_calls = 0
         self.tool_errors: Counter[str] = Counter()
+        self.tool_replies_cut = 0
 
     def room(self, limits: EpisodeLimits) -> int:
         return limits.max_tokens - len(self.tokens)
@@ -254,6 +257,7 @@ class _Running:
         self.rewards.append(None if step.reward is None else float(step.reward))
         self.tool_calls += step.tool_calls
         self.tool_errors.update(step.tool_errors)
+        self.tool_replies_cut += step.tool_replies_cut
         if step.done:
             self.end = "done"
             return
@@ -303,7 +307,7 @@ class _Running:
         return Episode(
             self.prompt_ids, self.tokens, self.mask, self.logprobs, self.texts, self.rewards,
             str(self.end), self.tool_calls, dict(self.tool_errors), messages,
-            self.last_turn_start,
+            self.last_turn_start, self.tool_replies_cut,
         )  # fmt: skip
 
 

@@ -18,6 +18,7 @@ Notation: B = P x G episodes, S the longest prompt, T the longest response.
 
 from __future__ import annotations
 
+import warnings
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -29,8 +30,9 @@ from torch import Tensor, nn
 from lightning_troll.environments import EnvironmentChoice, EnvironmentFactory
 from lightning_troll.environments.calls import TOOL_ERROR_KINDS
 from lightning_troll.environments.options import EpisodesConfig
-from lightning_troll.environments.protocol import closed_on_failure
+from lightning_troll.environments.protocol import EnvironmentFailure, closed_on_failure
 from lightning_troll.environments.rendering import check_chat_template
+from lightning_troll.environments.tool_workers import tool_failure_problem
 from lightning_troll.models.sharding import gathered
 from lightning_troll.rollouts.behaviour import BehaviourRecorder
 from lightning_troll.rollouts.engine import RolloutEngine, budgets_for
@@ -56,6 +58,7 @@ __all__ = [
     "EpisodeSampler",
     "SampledEpisodes",
     "behaviour_logprobs_warning",
+    "check_tool_failures",
     "environment_factory",
     "episode_figures",
     "last_turn",
@@ -147,6 +150,7 @@ def episode_figures(episodes: Sequence[Episode]) -> dict[str, float]:
         "episodes/tool_calls_mean": sum(e.tool_calls for e in episodes) / n,
         "episodes/frac_tool_use": sum(e.tool_calls > 0 for e in episodes) / n,
         "episodes/env_tokens_mean": sum(len(e.mask) - sum(e.mask) for e in episodes) / n,
+        "episodes/tool_replies_cut": sum(e.tool_replies_cut for e in episodes) / n,
     }
     figures.update({f"episodes/frac_end_{end}": sum(e.end == end for e in episodes) / n
                     for end in ENDINGS})  # fmt: skip
@@ -182,6 +186,44 @@ class SampledEpisodes:
         return self.attention_mask[:, -self.response_mask.shape[1] :]
 
 
+def check_tool_failures(episodes: Sequence[Episode], config: EpisodesConfig) -> None:
+    """Stops the run (an :class:`EnvironmentFailure`, which saves and names the checkpoint) or
+    warns once, by ``model.episodes.tool_failures``, where the tools failed in this round of
+    episodes at ``model.episodes.tool_failure_limit`` or more (:func:`tool_failure_problem`);
+    the message quotes the first failure the model read."""
+    errors: Counter[str] = Counter()
+    for episode in episodes:
+        errors.update(episode.tool_errors)
+    problem = tool_failure_problem(
+        sum(e.tool_calls for e in episodes), errors, config.tool_failure_limit
+    )
+    if problem is None:
+        return
+    first = next(
+        (str(m["content"]) for e in episodes for m in e.messages
+         if m.get("role") == "tool" and _is_fault(str(m.get("content", "")))),
+        None,
+    )  # fmt: skip
+    if first is not None:
+        problem += f"; the first: {first[len('Error: ') :][:200]}"
+    if config.tool_failures == "raise":
+        raise EnvironmentFailure(
+            f"{problem}; fix the tool, or set model.episodes.tool_failures warn to train on"
+        )
+    # a registry of its own: shown at every such rollout, not once per text as warn() would
+    warnings.warn_explicit(
+        f"{problem} (model.episodes.tool_failures='warn': training on)", UserWarning,
+        __file__, 0, module=__name__, registry={},
+    )  # fmt: skip
+
+
+def _is_fault(text: str) -> bool:
+    """Whether a tool message is an error of
+    :data:`~lightning_troll.environments.tool_workers.TOOL_FAULTS` (a tool's own failure): the
+    model's errors are a malformed call, an unknown tool or bad arguments."""
+    return text.startswith("Error: tool ") and " got bad arguments: " not in text.split("\n")[0]
+
+
 def behaviour_logprobs_warning(behaviour_logprobs: str) -> str | None:
     """The warning for ``model.behaviour_logprobs: sampling`` with ``model.episodes``, else None.
     An episode's behaviour log-probs always come from one teacher-forced pass over the whole
@@ -201,7 +243,7 @@ def environment_factory(config: EpisodesConfig) -> EnvironmentFactory | Environm
     """The environment per episode of ``model.episodes``: its tools loaded and checked and
     its environment class found (refused in one line naming the option); an
     :class:`EnvironmentChoice` where it names several."""
-    options = config.tools or (), config.tool_workers, config.tool_timeout
+    options = config.tools or (), config.tool_workers, config.tool_timeout, config.tool_reply_chars
     if isinstance(config.environment, Mapping):
         return EnvironmentChoice(config.environment, *options)
     return EnvironmentFactory(config.environment, *options)
@@ -248,6 +290,7 @@ class EpisodeSampler:
         episodes = run_episodes(
             generate, self.tokenizer, environments, rows, self.limits, self.stops
         )
+        check_tool_failures(episodes, self.config)
         prompt_ids, prompt_mask = left_pad([e.prompt_ids for e in episodes], pad_id, device)
         padded = pad_episodes(episodes, pad_id)
         response = padded.tokens.to(device)  # (B, T)

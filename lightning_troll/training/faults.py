@@ -16,7 +16,14 @@ from __future__ import annotations
 from lightning_troll.environments.protocol import EnvironmentFailure
 from lightning_troll.rewards.calls import RewardError
 
-__all__ = ["FAULT_EXIT_CODE", "EpisodeFault", "RewardFault", "RunFault"]
+__all__ = [
+    "FAULT_EXIT_CODE",
+    "EngineFault",
+    "EpisodeFault",
+    "NonFiniteSteps",
+    "RewardFault",
+    "RunFault",
+]
 
 FAULT_EXIT_CODE = 3
 """The exit status of a run stopped by a :class:`RunFault` (2 is bad input found before
@@ -53,3 +60,20 @@ class EpisodeFault(EnvironmentFailure, RunFault):
     def __init__(self, message: str, resumable: bool = True) -> None:
         super().__init__(message)
         self.resumable = resumable
+
+
+class NonFiniteSteps(RunFault):
+    """``model.optimization.max_bad_steps`` optimiser steps in a row had a non-finite loss or
+    gradient. Each was skipped before it touched the weights or the optimiser's state, so the
+    state is whole (``resumable``): the checkpoint saved holds the weights of the last finite
+    step."""
+
+    resumable = True
+
+
+class EngineFault(RunFault):
+    """The rollout engine's own process died while a rollout was sampled
+    (:class:`~lightning_troll.rollouts.engine_process.EngineDied`), before it trained
+    (``resumable``)."""
+
+    resumable = True

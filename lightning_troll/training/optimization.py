@@ -40,6 +40,7 @@ from lightning_troll.rollouts.micro_batches import (
     token_parts,
 )
 from lightning_troll.rollouts.rollout import Rollout
+from lightning_troll.training.faults import NonFiniteSteps
 
 __all__ = ["MinibatchLoop", "OptimizationConfig", "optimizers"]
 
@@ -191,9 +192,11 @@ class MinibatchLoop:
         self.bad_steps += 1
         limit = self.config.max_bad_steps
         if self.bad_steps >= limit:
-            raise RuntimeError(
-                f"{self.bad_steps} optimiser steps in a row had a non-finite {what}; stopping "
-                f"(optimization.max_bad_steps={limit}). The weights are those of the last good step."
+            raise NonFiniteSteps(
+                f"{self.bad_steps} optimiser steps in a row had a non-finite {what} "
+                f"(model.optimization.max_bad_steps={limit}), the last at global step "
+                f"{module.global_step}; the weights are those of the last finite step: lower "
+                "the learning rate or look for rewards or data that overflow"
             )
         warnings.warn(
             f"non-finite {what} at global step {module.global_step}: optimiser step skipped, "
