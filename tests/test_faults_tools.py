@@ -31,7 +31,8 @@ BAD = '<tool_call>{"name": "nope", "arguments": {}}</tool_call>'
 
 def test_the_share_of_failed_calls_counts_the_tools_faults_among_the_calls_that_ran():
     """10 calls, 4 the model's own errors (malformed, unknown, bad arguments): 6 ran. 6 of 6
-    failed by the tool's fault reaches 1.0; 3 of 6 reaches 0.5 but not 0.6; none ran, none."""
+    failed by the tool's fault reaches 1.0; of 12 calls (8 ran), 4 failed reach 0.5 but not 0.6;
+    none ran, none; 3 of 3 failed: fewer than TOOL_FAILURE_MIN (4), none."""
     mixed = {"malformed": 2, "unknown": 1, "bad_arguments": 1}
     problem = tool_failure_problem(10, {**mixed, "raised": 4, "timeout": 2}, 1.0)
     assert problem == (
@@ -39,9 +40,11 @@ def test_the_share_of_failed_calls_counts_the_tools_faults_among_the_calls_that_
         "model.episodes.tool_failure_limit=1"
     )
     assert tool_failure_problem(10, {**mixed, "raised": 5}, 1.0) is None
-    assert tool_failure_problem(10, {**mixed, "crashed": 3}, 0.5) is not None
-    assert tool_failure_problem(10, {**mixed, "crashed": 3}, 0.6) is None
+    assert tool_failure_problem(12, {**mixed, "crashed": 4}, 0.5) is not None
+    assert tool_failure_problem(12, {**mixed, "crashed": 4}, 0.6) is None
     assert tool_failure_problem(4, mixed, 0.1) is None
+    assert tool_failure_problem(3, {"raised": 3}, 1.0) is None
+    assert tool_failure_problem(4, {"raised": 4}, 1.0) is not None
 
 
 def sampler(**options) -> tuple[EpisodeSampler, object]:
@@ -64,21 +67,22 @@ def play(turns: list[str], **options):
 
 def test_a_rollout_whose_every_tool_call_raises_stops_the_run_naming_the_first_error():
     with pytest.raises(EnvironmentFailure) as stopped:
-        play([ZERO, ZERO, BAD])
+        play([ZERO, ZERO, ZERO, ZERO, BAD])
     assert str(stopped.value) == (
-        "2 of the 2 tool calls that ran in this rollout failed (raised 2), at or above "
+        "4 of the 4 tool calls that ran in this rollout failed (raised 4), at or above "
         "model.episodes.tool_failure_limit=1; the first: tool 'divide' raised ZeroDivisionError: "
         "division by zero; fix the tool, or set model.episodes.tool_failures warn to "
         "train on"
     )
     play([ZERO, GOOD])  # one call of two failed: below the default limit, the rollout trains
+    play([ZERO, ZERO, ZERO])  # every call failed, but fewer than TOOL_FAILURE_MIN: it trains
 
 
 def test_under_warn_each_such_rollout_warns_once_and_trains_on():
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("default")
         for _ in range(2):  # the same text twice: both rollouts warn
-            sampled = play([ZERO, ZERO], tool_failures="warn")
+            sampled = play([ZERO] * 4, tool_failures="warn")
     told = [str(w.message) for w in seen if "tool calls that ran" in str(w.message)]
     assert len(told) == 2 and told[0].endswith("(model.episodes.tool_failures='warn': training on)")
     assert episode_figures(sampled.episodes)["episodes/tool_errors_raised"] == 1.0

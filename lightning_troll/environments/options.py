@@ -122,7 +122,7 @@ class EpisodesConfig:
     status 3); warn warns on the console once for each such rollout and trains on."""
     tool_failure_limit: float = 1.0
     """The share of a rollout's tool calls that ran, in (0, 1], whose failure stops the run or
-    warns (tool_failures); 1.0: every call that ran failed."""
+    warns (tool_failures), once at least 4 calls failed; 1.0: every call that ran failed."""
     tool_reply_chars: int = 8192
     """The most characters of a tool's reply the model reads; a longer reply is cut there, a note
     of its length added, and counted in episodes/tool_replies_cut."""

@@ -114,14 +114,19 @@ def cut_reply(text: str, limit: int) -> tuple[str, bool]:
     )
 
 
+TOOL_FAILURE_MIN = 4
+"""The fewest failed tool calls in a rollout that stop the run or warn (``tool_failures``): a tool
+that raises on one odd input early in training is the model's lesson, not a broken tool."""
+
+
 def tool_failure_problem(calls: int, errors: Mapping[str, int], limit: float) -> str | None:
     """Why a rollout's tool calls stop the run (``model.episodes.tool_failures``): of ``calls``
     made, those the model wrote well (not ``malformed``, ``unknown`` or ``bad_arguments``) ran,
     and the tools' own failures (:data:`TOOL_FAULTS`) among them reach ``limit``; None where
-    they do not, or where none ran."""
+    they do not, where none ran, or where fewer than :data:`TOOL_FAILURE_MIN` failed."""
     ran = calls - sum(n for kind, n in errors.items() if kind not in TOOL_FAULTS)
     failed = sum(errors.get(kind, 0) for kind in TOOL_FAULTS)
-    if ran <= 0 or failed < limit * ran:
+    if ran <= 0 or failed < limit * ran or failed < TOOL_FAILURE_MIN:
         return None
     kinds = ", ".join(f"{kind} {errors[kind]}" for kind in TOOL_FAULTS if errors.get(kind))
     return (
