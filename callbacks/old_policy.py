@@ -94,7 +94,7 @@ class OldPolicyRefresh(Callback):
     def _sample_ahead(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Asks an engine in its own process for the next rollout now, while this one trains:
         the next rollout is sampled by version ``rollouts + 1 - max_staleness``, which exists
-        already (see :mod:`lightning_troll.rollouts.engine_process`). Nothing is asked ahead of
+        already (see :mod:`lightning_troll.engines.process`). Nothing is asked ahead of
         a rollout that dynamic sampling or episodes make; at an epoch's end the next rollout is the
         next epoch's first (:meth:`~lightning_troll.data.prompts.ResumableLoader.peek`)."""
         self._ahead_seed = None

@@ -253,8 +253,8 @@ def grpo_smollm2(results: Results, tiny: bool) -> None:
 
     from lightning_troll.callbacks import OldPolicyRefresh, RolloutGeneration, TrustRegionMonitor
     from lightning_troll.data import PromptDataModule
+    from lightning_troll.engines.sampling import SamplingConfig
     from lightning_troll.rewards import REWARD_FUNCTIONS, register_reward
-    from lightning_troll.rollouts.rollout import SamplingConfig
     from lightning_troll.training.module import OptimizationConfig, TrollModule
 
     cuda = torch.cuda.is_available()

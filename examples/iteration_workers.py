@@ -92,8 +92,8 @@ def run_ours(spec: dict) -> dict:
         TrustRegionMonitor,
     )
     from lightning_troll.data import PromptDataModule
+    from lightning_troll.engines.sampling import SamplingConfig
     from lightning_troll.models.snapshots import SnapshotConfig
-    from lightning_troll.rollouts.rollout import SamplingConfig
     from lightning_troll.training.module import OptimizationConfig, TrollModule
 
     torch.set_num_threads(spec["threads"])

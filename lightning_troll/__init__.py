@@ -77,7 +77,7 @@ MOVED_MODULES = {
     "reward_functions": "rewards.functions",
     "reward_options": "rewards.options",
     "rollout": "rollouts.rollout",
-    "behaviour": "rollouts.behaviour",
+    "behaviour": "engines.behaviour",
     "forward": "rollouts.forward",
     "dynamic_sampling": "rollouts.dynamic_sampling",
     "drift": "rollouts.drift",

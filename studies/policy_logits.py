@@ -35,8 +35,8 @@ class Logits:
 
 def build_module(model: str, config: dict, temperature: float, max_new_tokens: int, group: int):
     """A clipped-GRPO TrollModule with ``config``'s reward and loss settings at ``temperature``."""
+    from lightning_troll.engines.sampling import SamplingConfig
     from lightning_troll.models.snapshots import SnapshotConfig
-    from lightning_troll.rollouts.rollout import SamplingConfig
     from lightning_troll.training.module import LossConfig, TrollModule
 
     cfg = config["model"]

@@ -70,6 +70,7 @@ def test_wheel_installs_into_a_fresh_venv(tmp_path):
         "data",
         "rewards",
         "environments",
+        "engines",
         "rollouts",
         "training",
         "cli",

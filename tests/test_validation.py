@@ -9,7 +9,7 @@ from lightning.pytorch import Trainer
 
 from lightning_troll.data.datamodule import PromptDataModule
 from lightning_troll.data.prompts import seeded_generator
-from lightning_troll.rollouts.rollout import sample
+from lightning_troll.engines.sampling import sample
 from lightning_troll.training.validation import pass_at_k
 from tests.test_training import make_data, make_module
 

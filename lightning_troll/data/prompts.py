@@ -207,7 +207,7 @@ class ResumableLoader(DataLoader):
 
     def peek(self) -> Any:
         """The batch the loader yields next, without taking it; what samples a rollout ahead
-        reads it (:mod:`~lightning_troll.rollouts.engine_process`). At the end of a pass, the
+        reads it (:mod:`~lightning_troll.engines.process`). At the end of a pass, the
         next epoch's first batch: the pass over the next epoch is begun here, and the next
         ``iter()`` for that epoch continues it, so the batches are the ones it would yield
         anyway. None before the first pass, and at a pass's end where the sampler's order is not

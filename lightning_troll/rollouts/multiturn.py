@@ -26,14 +26,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
+from lightning_troll.engines.base import RolloutEngine, budgets_for
+from lightning_troll.engines.behaviour import BehaviourRecorder
+from lightning_troll.engines.sampling import SamplingConfig, left_pad, sample
 from lightning_troll.environments import EnvironmentChoice, EnvironmentFactory
 from lightning_troll.environments.calls import TOOL_ERROR_KINDS
 from lightning_troll.environments.options import EpisodesConfig
 from lightning_troll.environments.protocol import closed_on_failure
 from lightning_troll.environments.rendering import check_chat_template
 from lightning_troll.models.sharding import gathered
-from lightning_troll.rollouts.behaviour import BehaviourRecorder
-from lightning_troll.rollouts.engine import RolloutEngine, budgets_for
 from lightning_troll.rollouts.episodes import (
     ENDINGS,
     Episode,
@@ -44,7 +45,6 @@ from lightning_troll.rollouts.episodes import (
     pad_episodes,
     run_episodes,
 )
-from lightning_troll.rollouts.rollout import SamplingConfig, left_pad, sample
 from lightning_troll.rollouts.samples import Samples, filled_rewards
 from lightning_troll.rollouts.timing import clock
 
@@ -67,7 +67,7 @@ class EngineTurns:
     """A ``generate_turn`` (:class:`~lightning_troll.rollouts.episodes.GenerateTurn`) over
     ``engine.generate``: one continuation per context, each up to the room its episode has left,
     stopping at the stop tokens. An engine whose ``generate`` takes no ``budgets``
-    (:func:`~lightning_troll.rollouts.engine.budgets_for`) samples every context up to the
+    (:func:`~lightning_troll.engines.base.budgets_for`) samples every context up to the
     largest room, and each episode is cut to its own."""
 
     def __init__(
@@ -100,7 +100,7 @@ class EngineTurns:
 def sampled_turns(
     model: nn.Module, sampling: SamplingConfig, pad_id: int, do_sample: bool = True
 ) -> GenerateTurn:
-    """A ``generate_turn`` over :func:`~lightning_troll.rollouts.rollout.sample` (the HF
+    """A ``generate_turn`` over :func:`~lightning_troll.engines.sampling.sample` (the HF
     engine's KV-cached loop) that records the behaviour log-probs while it samples, each context
     up to the room its episode has left. It stops at the stop tokens only; :func:`run_episodes`
     cuts a turn at a stop string."""

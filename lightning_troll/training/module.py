@@ -25,6 +25,8 @@ import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
+from lightning_troll.engines.base import EngineContext
+from lightning_troll.engines.sampling import SamplingConfig
 from lightning_troll.environments.options import EpisodesConfig
 from lightning_troll.models.lora import LoraConfig
 from lightning_troll.models.sharding import (  # the two checks: importable from here too
@@ -54,9 +56,8 @@ from lightning_troll.rewards.registry import RewardScorer
 from lightning_troll.rollouts.collector import RolloutCollector
 from lightning_troll.rollouts.drift import kl_to_behaviour
 from lightning_troll.rollouts.dynamic_sampling import check_dynamic_sampling
-from lightning_troll.rollouts.engine import EngineContext
 from lightning_troll.rollouts.multiturn import EpisodeSampler, environment_factory
-from lightning_troll.rollouts.rollout import Rollout, SamplingConfig
+from lightning_troll.rollouts.rollout import Rollout
 from lightning_troll.rollouts.timing import clock
 from lightning_troll.training.optimization import MinibatchLoop, OptimizationConfig, optimizers
 from lightning_troll.training.policies import Policies, policy_loss

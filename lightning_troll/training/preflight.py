@@ -10,6 +10,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from lightning_troll.data.prompts import PLAIN_TEMPLATE
+from lightning_troll.engines.base import engine_class
+from lightning_troll.engines.behaviour import BEHAVIOUR_LOGPROBS
 from lightning_troll.environments.options import environment_problem
 from lightning_troll.objectives import OBJECTIVES
 from lightning_troll.objectives.advantages import (
@@ -17,8 +19,6 @@ from lightning_troll.objectives.advantages import (
     REWARD_SCALES,
     get_advantage_estimator,
 )
-from lightning_troll.rollouts.behaviour import BEHAVIOUR_LOGPROBS
-from lightning_troll.rollouts.engine import engine_class
 
 __all__ = [
     "GROUP_ESTIMATORS",

@@ -25,12 +25,12 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
+from lightning_troll.engines.sampling import SamplingConfig
 from lightning_troll.environments.options import EpisodesConfig
 from lightning_troll.models.lora import LoraConfig
 from lightning_troll.models.snapshots import SnapshotConfig
 from lightning_troll.objectives import ClipConfig, LossConfig, TrustRegionConfig
 from lightning_troll.rewards.options import RewardOptions, fold_stored
-from lightning_troll.rollouts.rollout import SamplingConfig
 from lightning_troll.training.checkpoints import (
     changed_options,
     check_compatible,
@@ -64,6 +64,7 @@ MOVED_CONFIGS: tuple[tuple[type, str], ...] = (
     (OptimizationConfig, "lightning_troll.module.OptimizationConfig"),
     (OptimizationConfig, "lightning_troll.optimization.OptimizationConfig"),
     (SamplingConfig, "lightning_troll.rollout.SamplingConfig"),
+    (SamplingConfig, "lightning_troll.rollouts.rollout.SamplingConfig"),
     (SnapshotConfig, "lightning_troll.snapshots.SnapshotConfig"),
     (LoraConfig, "lightning_troll.lora.LoraConfig"),
 )

@@ -18,13 +18,13 @@ import torch
 from torch import Tensor
 
 from lightning_troll.data.prompts import seeded_generator
+from lightning_troll.engines.sampling import sample
 from lightning_troll.environments.protocol import EnvironmentFailure
 from lightning_troll.models.sharding import gathered
 from lightning_troll.rewards.calls import RewardError
 from lightning_troll.rewards.registry import RewardOutput, reward_tag
 from lightning_troll.rollouts.episodes import Episode
 from lightning_troll.rollouts.multiturn import episode_figures, sampled_turns
-from lightning_troll.rollouts.rollout import sample
 from lightning_troll.training.faults import EpisodeFault, RewardFault
 
 __all__ = [

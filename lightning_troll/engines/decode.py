@@ -10,7 +10,7 @@ does neither:
 - after every step it removes the sequences that just produced a stop token (or reached a
   budget of their own) from the batch, the cache (``batch_select_indices``) and the running
   tensors, so the next forward runs on the sequences still going only;
-- a recorder with a ``record_rows`` hook (:class:`~lightning_troll.rollouts.behaviour.
+- a recorder with a ``record_rows`` hook (:class:`~lightning_troll.engines.behaviour.
   BehaviourRecorder`) sees the logits of the running sequences only, with their row numbers.
 
 It samples from the distribution ``generate`` samples from with the same options: the float32
@@ -54,7 +54,7 @@ from torch import Tensor, nn
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from lightning_troll.rollouts.forward import is_checkpointed
+from lightning_troll.models.loading import is_checkpointed
 
 __all__ = [
     "Sampling",
@@ -71,7 +71,7 @@ _NEG_INF = float("-inf")
 
 
 class Sampling(Protocol):
-    """What decoding reads of :class:`~lightning_troll.rollouts.rollout.SamplingConfig`."""
+    """What decoding reads of :class:`~lightning_troll.engines.sampling.SamplingConfig`."""
 
     temperature: float
     top_k: int

@@ -1,6 +1,6 @@
 """Decoding that the device runs at its pace: a static KV cache, each step a captured CUDA graph.
 
-The dynamic loop of :mod:`~lightning_troll.rollouts.decode` launches every kernel of every step
+The dynamic loop of :mod:`~lightning_troll.engines.decode` launches every kernel of every step
 from the host, and a GPU waits on those launches: at Qwen3-0.6B's shape on an H200 it decoded
 1,282 tokens/s, with the device idle most of each step. :func:`graph_decode` decodes the same
 completions from the same distribution with fixed shapes instead:
@@ -16,7 +16,7 @@ completions from the same distribution with fixed shapes instead:
 - the host waits on the device once a step, reading the running flags together with the draw's
   check (as ``_Batch.keep`` does), and once more on a step where some sequence ended.
 
-Tokens are chosen outside the graph by :func:`~lightning_troll.rollouts.decode.choose_tokens`
+Tokens are chosen outside the graph by :func:`~lightning_troll.engines.decode.choose_tokens`
 from the running sequences' logits only, in the order of B, so the random stream is the dynamic
 loop's: with the same seed both paths draw the same tokens up to float rounding of the logits
 (the static step attends over all L positions, the unused ones masked). A recorder's
@@ -31,7 +31,7 @@ its decode step per batch-size bucket in the same way.
 
 Where the graphs cannot serve, :func:`graph_decode` returns None before any random draw and the
 dynamic loop decodes, with a warning naming the reason (once per reason): no CUDA device, a
-model :func:`~lightning_troll.rollouts.decode.cannot_decode` refuses, a static cache with
+model :func:`~lightning_troll.engines.decode.cannot_decode` refuses, a static cache with
 layers other than plain ``StaticLayer`` ones, an attention implementation other than ``sdpa``
 or ``eager`` (the step hands it a 4-D mask), a model sharded with FSDP2 over several processes,
 and a forward that cannot be captured (a host synchronisation inside it, for one). A later
@@ -57,7 +57,7 @@ from torch import Tensor, nn
 from transformers import StaticCache
 from transformers.cache_utils import StaticLayer
 
-from lightning_troll.rollouts.decode import (
+from lightning_troll.engines.decode import (
     Sampling,
     _plain_dynamic,
     _positions,
@@ -110,10 +110,10 @@ def graph_decode(
     recorder: Any = None,
     budgets: Tensor | None = None,
 ) -> Tensor | None:
-    """:func:`~lightning_troll.rollouts.decode.decode`'s completions, decoded under CUDA graphs
+    """:func:`~lightning_troll.engines.decode.decode`'s completions, decoded under CUDA graphs
     where ``sampling.decode`` asks for them (``auto`` on a CUDA device, or ``graphs``); None
     (before any random draw) where the dynamic loop must decode instead. Arguments and result
-    as :func:`~lightning_troll.rollouts.decode.decode`'s."""
+    as :func:`~lightning_troll.engines.decode.decode`'s."""
     mode = getattr(sampling, "decode", "auto")
     if mode == "dynamic" or (mode == "auto" and prompts.device.type != "cuda"):
         return None
@@ -141,7 +141,7 @@ def static_decode(
 ) -> Tensor | None:
     """The completions of :func:`graph_decode` from a static cache, each bucket's step captured
     as a CUDA graph (``capture``) or run eagerly (``capture=False``, any device). Returns (B, T)
-    as :func:`~lightning_troll.rollouts.decode.decode` does, or None (warned, before any random
+    as :func:`~lightning_troll.engines.decode.decode` does, or None (warned, before any random
     draw) where the first capture fails or the prefill gives no plain dynamic cache."""
     device = prompts.device
     stops = torch.as_tensor(list(stop_ids), dtype=torch.long, device=device)  # (E,)

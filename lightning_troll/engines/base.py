@@ -12,9 +12,9 @@ small:
 - :meth:`RolloutEngine.figures`: the engine's own figures, logged as ``engine/<name>``;
 - :meth:`RolloutEngine.close`: frees what the engine holds.
 
-``model.rollout_engine`` names one: ``hf`` (:class:`HFEngine`, the default: transformers'
-model, KV-cached, in the trainer's own process; it needs nothing more), ``vllm``
-(:class:`~lightning_troll.rollouts.vllm_engine.VLLMEngine`, after ``make setup-vllm``), or the
+``model.rollout_engine`` names one: ``hf`` (:class:`~lightning_troll.engines.hf.HFEngine`, the
+default: transformers' model, KV-cached, in the trainer's own process; it needs nothing more),
+``vllm`` (:class:`~lightning_troll.engines.vllm.VLLMEngine`, after ``make setup-vllm``), or the
 import path ``package.module:Class`` (or ``package.module.Class``) of a user's own subclass. No
 Lightning here.
 
@@ -32,14 +32,13 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from lightning_troll.rollouts.behaviour import BehaviourRecorder
-from lightning_troll.rollouts.rollout import SamplingConfig, sample
+from lightning_troll.engines.behaviour import BehaviourRecorder
+from lightning_troll.engines.sampling import SamplingConfig
 
 __all__ = [
     "ENGINES",
     "EngineContext",
     "Generation",
-    "HFEngine",
     "RolloutEngine",
     "budgets_for",
     "build_engine",
@@ -151,36 +150,6 @@ class RolloutEngine:
         """Frees the engine's resources; a later :meth:`generate` may start them again."""
 
 
-class HFEngine(RolloutEngine):
-    """The snapshot itself samples, with the KV-cached loop of
-    :func:`~lightning_troll.rollouts.rollout.sample`, in the trainer's process.
-
-    It needs no weights of its own (the snapshot is the behaviour policy) and records the
-    behaviour log-probs and TROLL's sparse rows while it samples.
-    """
-
-    name = "hf"
-    records_behaviour = True
-    several_processes = True
-
-    def generate(
-        self,
-        snapshot: nn.Module,
-        prompt_ids: list[list[int]],
-        group_size: int,
-        sampling: SamplingConfig,
-        pad_id: int,
-        stop_ids: Sequence[int],
-        recorder: BehaviourRecorder | None = None,
-        budgets: Sequence[int] | None = None,
-    ) -> Generation:
-        ids, attention, response, truncated = sample(
-            snapshot, prompt_ids, group_size, sampling, pad_id, list(stop_ids),
-            recorder=recorder, budgets=budgets,
-        )  # fmt: skip
-        return Generation(ids, attention, response, truncated)
-
-
 def takes_budgets(engine: RolloutEngine) -> bool:
     """Whether ``engine.generate`` takes ``budgets`` (a user's engine written without them does
     not, nor does a subclass of a built-in one whose own ``generate`` leaves them out)."""
@@ -195,8 +164,8 @@ def budgets_for(engine: RolloutEngine, budgets: Sequence[int] | None) -> dict[st
     return {} if budgets is None or not takes_budgets(engine) else {"budgets": list(budgets)}
 
 
-ENGINES = {"hf": "lightning_troll.rollouts.engine:HFEngine",
-           "vllm": "lightning_troll.rollouts.vllm_engine:VLLMEngine"}  # fmt: skip
+ENGINES = {"hf": "lightning_troll.engines.hf:HFEngine",
+           "vllm": "lightning_troll.engines.vllm:VLLMEngine"}  # fmt: skip
 """Built-in engines by name; their classes are imported on use (vLLM is an extra)."""
 
 
@@ -221,7 +190,7 @@ def engine_class(name: str) -> type[RolloutEngine]:
         raise ValueError(
             f"model.rollout_engine={name!r}: {module_name}.{attribute} is "
             f"{'missing' if cls is None else 'not a RolloutEngine subclass'}; an engine "
-            "subclasses lightning_troll.rollouts.engine.RolloutEngine"
+            "subclasses lightning_troll.engines.base.RolloutEngine"
         )
     cls.check_installed()
     return cls

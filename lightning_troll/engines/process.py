@@ -41,17 +41,17 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-from lightning_troll.models.weights import full_weights
-from lightning_troll.rewards.workers import leave_stop_signals_to_the_trainer
-from lightning_troll.rollouts.behaviour import BehaviourRecorder
-from lightning_troll.rollouts.engine import (
+from lightning_troll.engines.base import (
     EngineContext,
     Generation,
     RolloutEngine,
     budgets_for,
     build_engine,
 )
-from lightning_troll.rollouts.rollout import SamplingConfig
+from lightning_troll.engines.behaviour import BehaviourRecorder
+from lightning_troll.engines.sampling import SamplingConfig
+from lightning_troll.models.weights import full_weights
+from lightning_troll.rewards.workers import leave_stop_signals_to_the_trainer
 
 __all__ = ["ProcessEngine", "Request", "fingerprint"]
 

@@ -148,7 +148,7 @@ class BehaviourRecorder(LogitsProcessor):
     and sequence it keeps the sampled token's log-prob and, with ``sparsify_fn``, its sparse
     distribution. It returns the logits unchanged.
 
-    :func:`~lightning_troll.rollouts.decode.decode`, which drops finished sequences from its
+    :func:`~lightning_troll.engines.decode.decode`, which drops finished sequences from its
     batch, calls :meth:`record_rows` instead, with the running sequences' logits, tokens and row
     numbers; :meth:`finish` then leaves the positions after a sequence's end padded.
 
@@ -174,7 +174,7 @@ class BehaviourRecorder(LogitsProcessor):
 
     def record_rows(self, scores: Tensor, tokens: Tensor, rows: Tensor) -> None:
         """One decoding step of the sequences still running, for a sampler that drops finished
-        ones (:func:`~lightning_troll.rollouts.decode.decode`): their raw logits ``scores``
+        ones (:func:`~lightning_troll.engines.decode.decode`): their raw logits ``scores``
         (n, V), the tokens drawn from them (n,) and their indices into B (n,)."""
         self._record(scores.float() / self.temperature, tokens, rows)
 

@@ -46,16 +46,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_troll.engines.base import EngineContext, Generation, RolloutEngine
+from lightning_troll.engines.behaviour import BehaviourRecorder
+from lightning_troll.engines.sampling import SamplingConfig, left_pad, own_budgets, response_mask_of
 from lightning_troll.models.loading import resolve_model_path
 from lightning_troll.models.weights import full_weights
-from lightning_troll.rollouts.behaviour import BehaviourRecorder
-from lightning_troll.rollouts.engine import EngineContext, Generation, RolloutEngine
-from lightning_troll.rollouts.rollout import (
-    SamplingConfig,
-    left_pad,
-    own_budgets,
-    response_mask_of,
-)
 
 __all__ = ["VLLMEngine", "vllm_available"]
 
