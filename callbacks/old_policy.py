@@ -96,7 +96,7 @@ class OldPolicyRefresh(Callback):
         the next rollout is sampled by version ``rollouts + 1 - max_staleness``, which exists
         already (see :mod:`lightning_troll.engines.process`). Nothing is asked ahead of
         a rollout that dynamic sampling or episodes make; at an epoch's end the next rollout is the
-        next epoch's first (:meth:`~lightning_troll.data.prompts.ResumableLoader.peek`)."""
+        next epoch's first (:meth:`~lightning_troll.tasks.data.prompts.ResumableLoader.peek`)."""
         self._ahead_seed = None
         loader = getattr(trainer.datamodule, "train_loader", None)
         upcoming = loader.peek() if loader is not None else None

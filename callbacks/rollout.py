@@ -16,11 +16,11 @@ from lightning_troll.callbacks.samples import (
     log_samples,
     samples_table,
 )
-from lightning_troll.data.prompts import PromptBatch, draw_prompts
-from lightning_troll.environments.protocol import EnvironmentFailure
-from lightning_troll.rewards.calls import RewardError
 from lightning_troll.rollouts.multiturn import behaviour_logprobs_warning
 from lightning_troll.rollouts.timing import clock
+from lightning_troll.tasks.data.prompts import PromptBatch, draw_prompts
+from lightning_troll.tasks.environments.protocol import EnvironmentFailure
+from lightning_troll.tasks.rewards.calls import RewardError
 from lightning_troll.training.faults import EpisodeFault, RewardFault
 from lightning_troll.training.memory_check import check_fits
 
@@ -84,7 +84,7 @@ class RolloutGeneration(Callback):
         if not (hasattr(data, "train_items") and hasattr(data, "seed")):
             raise ValueError(
                 "model.dynamic_sampling=true draws its extra prompts from the training prompts "
-                "of a lightning_troll.data.datamodule.PromptDataModule; fit with one (the lightning-troll "
+                "of a lightning_troll.tasks.data.datamodule.PromptDataModule; fit with one (the lightning-troll "
                 f"command does), not {type(data).__name__}"
             )
 

@@ -62,8 +62,8 @@ def run_arm(spec: dict) -> list[float]:
     from lightning.pytorch import Callback, Trainer
 
     from lightning_troll.callbacks import OldPolicyRefresh, RolloutGeneration
-    from lightning_troll.data import PromptDataModule
     from lightning_troll.engines.sampling import SamplingConfig
+    from lightning_troll.tasks.data import PromptDataModule
     from lightning_troll.training.module import OptimizationConfig, TrollModule
 
     overlapped = spec["arm"] == "overlapped"

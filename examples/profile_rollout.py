@@ -66,7 +66,7 @@ from lightning_troll.engines import sampling as sampling_module
 from lightning_troll.engines.behaviour import BehaviourRecorder
 from lightning_troll.engines.sampling import SamplingConfig, left_pad, sample
 from lightning_troll.models.loading import load_policy, load_tokenizer, stop_token_ids
-from lightning_troll.rewards import last_number
+from lightning_troll.tasks.rewards import last_number
 from lightning_troll.trust_region.sparse import sparsify
 
 WAYS = (

@@ -53,8 +53,8 @@ def build_module(model: str, config: dict, temperature: float, max_new_tokens: i
 
 
 def prompt_batch(model: str, config: dict, count: int, seed: int):
-    from lightning_troll.data import PromptDataModule
-    from lightning_troll.data.prompts import draw_prompts
+    from lightning_troll.tasks.data import PromptDataModule
+    from lightning_troll.tasks.data.prompts import draw_prompts
 
     data = PromptDataModule(**{**config["data"], "tokenizer": model})
     data.setup("fit")

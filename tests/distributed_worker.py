@@ -105,11 +105,11 @@ def build(args, out: Path):
         SparsityCoverageMonitor,
         TrustRegionMonitor,
     )
-    from lightning_troll.data.datamodule import PromptDataModule
     from lightning_troll.engines.sampling import SamplingConfig
     from lightning_troll.models.lora import LoraConfig
     from lightning_troll.models.snapshots import SnapshotConfig
     from lightning_troll.objectives.options import TrustRegionConfig
+    from lightning_troll.tasks.data.datamodule import PromptDataModule
     from lightning_troll.training.checkpoint_io import install_atomic_saves
     from lightning_troll.training.module import OptimizationConfig, TrollModule
 

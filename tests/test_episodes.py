@@ -8,17 +8,6 @@ import re
 import pytest
 import torch
 
-from lightning_troll.environments import (
-    Environment,
-    EnvironmentFactory,
-    Step,
-    ToolCall,
-    ToolEnvironment,
-    ToolRunner,
-    parse_tool_calls,
-)
-from lightning_troll.environments.protocol import EnvironmentFailure
-from lightning_troll.environments.tools import tool_schema
 from lightning_troll.rollouts.episodes import (
     EpisodeLimits,
     GeneratedTurn,
@@ -28,6 +17,17 @@ from lightning_troll.rollouts.episodes import (
     run_episodes,
 )
 from lightning_troll.rollouts.multiturn import last_turn, sampled_turns
+from lightning_troll.tasks.environments import (
+    Environment,
+    EnvironmentFactory,
+    Step,
+    ToolCall,
+    ToolEnvironment,
+    ToolRunner,
+    parse_tool_calls,
+)
+from lightning_troll.tasks.environments.protocol import EnvironmentFailure
+from lightning_troll.tasks.environments.tools import tool_schema
 from tests import tool_helpers
 from tests.chat_helpers import chat_tokenizer, encode
 

@@ -194,7 +194,7 @@ def test_episodes_sample_with_vllm_and_its_logprobs_match_the_snapshot():
     """Three-turn plain-text episodes sampled by vLLM: the environment's replies are in the
     sequence and outside the response mask, and vLLM's log-probs of the model's tokens agree
     with the snapshot's teacher-forced pass (the logged mismatch, over the model's tokens)."""
-    from lightning_troll.environments.options import EpisodesConfig
+    from lightning_troll.tasks.environments.options import EpisodesConfig
     from tests.test_multiturn import a_batch
     from tests.test_training import make_module
 

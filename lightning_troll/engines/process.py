@@ -51,7 +51,7 @@ from lightning_troll.engines.base import (
 from lightning_troll.engines.behaviour import BehaviourRecorder
 from lightning_troll.engines.sampling import SamplingConfig
 from lightning_troll.models.weights import full_weights
-from lightning_troll.rewards.workers import leave_stop_signals_to_the_trainer
+from lightning_troll.tasks.rewards.workers import leave_stop_signals_to_the_trainer
 
 __all__ = ["ProcessEngine", "Request", "fingerprint"]
 

@@ -10,7 +10,7 @@ how far the policy drifts from the behaviour policy.
   prompts), in micro-batches (:mod:`~lightning_troll.rollouts.micro_batches`), packed or not;
 - :mod:`~lightning_troll.rollouts.episodes`, :mod:`~lightning_troll.rollouts.multiturn`:
   multi-turn episodes at token level (the model's turns, an environment's replies;
-  :mod:`lightning_troll.environments`);
+  :mod:`lightning_troll.tasks.environments`);
 - :mod:`~lightning_troll.rollouts.dynamic_sampling`, :mod:`~lightning_troll.rollouts.drift`,
   :mod:`~lightning_troll.rollouts.timing`: DAPO's dynamic sampling, the drift at a rollout's end,
   wall-clock readings.

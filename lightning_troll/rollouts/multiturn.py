@@ -29,11 +29,6 @@ from torch import Tensor, nn
 from lightning_troll.engines.base import RolloutEngine, budgets_for
 from lightning_troll.engines.behaviour import BehaviourRecorder
 from lightning_troll.engines.sampling import SamplingConfig, left_pad, sample
-from lightning_troll.environments import EnvironmentChoice, EnvironmentFactory
-from lightning_troll.environments.calls import TOOL_ERROR_KINDS
-from lightning_troll.environments.options import EpisodesConfig
-from lightning_troll.environments.protocol import closed_on_failure
-from lightning_troll.environments.rendering import check_chat_template
 from lightning_troll.models.sharding import gathered
 from lightning_troll.rollouts.episodes import (
     ENDINGS,
@@ -47,9 +42,14 @@ from lightning_troll.rollouts.episodes import (
 )
 from lightning_troll.rollouts.samples import Samples, filled_rewards
 from lightning_troll.rollouts.timing import clock
+from lightning_troll.tasks.environments import EnvironmentChoice, EnvironmentFactory
+from lightning_troll.tasks.environments.calls import TOOL_ERROR_KINDS
+from lightning_troll.tasks.environments.options import EpisodesConfig
+from lightning_troll.tasks.environments.protocol import closed_on_failure
+from lightning_troll.tasks.environments.rendering import check_chat_template
 
 if TYPE_CHECKING:
-    from lightning_troll.data.prompts import PromptBatch
+    from lightning_troll.tasks.data.prompts import PromptBatch
 
 __all__ = [
     "EngineTurns",
@@ -135,7 +135,7 @@ def last_turn(response_mask: Tensor, episodes: Sequence[Episode]) -> Tensor:
 def episode_figures(episodes: Sequence[Episode]) -> dict[str, float]:
     """What the episodes of a rollout did: turns, tool calls and their errors per episode, the
     share that called a tool, and the share of each ending (``episodes/...``). Every ending and
-    every kind of tool error (:data:`~lightning_troll.environments.calls.TOOL_ERROR_KINDS`) has
+    every kind of tool error (:data:`~lightning_troll.tasks.environments.calls.TOOL_ERROR_KINDS`) has
     its figure, 0 where none occurred, so that every process logs the same names (figures are
     reduced over the processes name by name)."""
     n = max(len(episodes), 1)

@@ -3,8 +3,8 @@
 
 :class:`RewardWorkers` keeps ``count`` processes; the calls of one scoring go to whichever is free,
 one call at a time each, so a rollout's rewards are scored in parallel. It is a
-:class:`WorkerPool` whose workers run :func:`~lightning_troll.rewards.calls.call_one`; a pool of
-another kind of call (the tools of :mod:`lightning_troll.environments.tool_workers`) names its own
+:class:`WorkerPool` whose workers run :func:`~lightning_troll.tasks.rewards.calls.call_one`; a pool of
+another kind of call (the tools of :mod:`lightning_troll.tasks.environments.tool_workers`) names its own
 ``runner``, a function at a module's top level, and its own options. A call past its timeout is
 abandoned: its worker cannot be interrupted from outside (the function may be in C code, or
 asleep), so it is killed and a fresh one started in its place. A worker that dies on its own (a
@@ -37,7 +37,7 @@ from collections.abc import Callable, Mapping, Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from lightning_troll.rewards.calls import UNLOADABLE, Outcome, call_one, describe
+from lightning_troll.tasks.rewards.calls import UNLOADABLE, Outcome, call_one, describe
 
 __all__ = [
     "RewardWorkers",
@@ -47,7 +47,7 @@ __all__ = [
     "leave_stop_signals_to_the_trainer",
 ]
 
-SERVER_START = "lightning_troll.rewards.worker_server"
+SERVER_START = "lightning_troll.tasks.rewards.worker_server"
 """The module the workers' server imports first as it starts, which makes it ignore SIGTERM (see
 its docstring); named, not imported, as no other process may import it."""
 _START_LIMIT = 300.0

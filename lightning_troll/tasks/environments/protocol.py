@@ -25,7 +25,7 @@ A minimal environment, a guessing game::
 ``model.episodes.environment: my_env:Guess`` names it by import path, found as a reward's module is
 (the working directory, then beside the config, then anything importable); each episode gets a
 fresh one. The built-in environment is
-:class:`~lightning_troll.environments.tool_env.ToolEnvironment`, the tools of ``model.episodes.tools``.
+:class:`~lightning_troll.tasks.environments.tool_env.ToolEnvironment`, the tools of ``model.episodes.tools``.
 """
 
 from __future__ import annotations
@@ -37,10 +37,10 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_troll.data.messages import NOT_TEXT, check_messages, is_text
-from lightning_troll.environments.calls import TOOL_ERROR_KINDS
-from lightning_troll.rewards.calls import as_float, describe
-from lightning_troll.rewards.lookup import load_by_import_path
+from lightning_troll.tasks.data.messages import NOT_TEXT, check_messages, is_text
+from lightning_troll.tasks.environments.calls import TOOL_ERROR_KINDS
+from lightning_troll.tasks.rewards.calls import as_float, describe
+from lightning_troll.tasks.rewards.lookup import load_by_import_path
 
 __all__ = [
     "Environment",
@@ -148,7 +148,7 @@ class Step:
     """Tool calls the turn made (an environment that runs tools counts them)."""
     tool_errors: Mapping[str, int] = field(default_factory=dict)
     """kind -> the turn's tool calls that failed that way, each kind one of
-    :data:`~lightning_troll.environments.calls.TOOL_ERROR_KINDS` (each has its figure,
+    :data:`~lightning_troll.tasks.environments.calls.TOOL_ERROR_KINDS` (each has its figure,
     ``episodes/tool_errors_<kind>``)."""
 
     def __post_init__(self) -> None:
@@ -209,7 +209,7 @@ class Environment:
 
 def is_trl_environment(made: Any) -> bool:
     """Whether ``made`` (a class, or an object one made) is an environment in TRL's form
-    (:mod:`~lightning_troll.environments.trl_env`): it has a callable ``reset``, no ``step``, and
+    (:mod:`~lightning_troll.tasks.environments.trl_env`): it has a callable ``reset``, no ``step``, and
     is not an :class:`Environment`."""
     cls = made if inspect.isclass(made) else type(made)
     return (
@@ -222,7 +222,7 @@ def is_trl_environment(made: Any) -> bool:
 def load_environment(spec: str | Callable[..., Any]) -> Callable[..., Any]:
     """What makes one environment per episode: the class (or function) that ``model.episodes.environment``
     names by import path (``"my_env:Guess"``), or is. A class must define ``reset`` and ``step``,
-    or be in TRL's form (``reset`` and no ``step``: :mod:`~lightning_troll.environments.trl_env`)."""
+    or be in TRL's form (``reset`` and no ``step``: :mod:`~lightning_troll.tasks.environments.trl_env`)."""
     made = spec if callable(spec) else load_by_import_path(spec, OPTION)
     if not callable(made):
         raise ValueError(
@@ -234,7 +234,7 @@ def load_environment(spec: str | Callable[..., Any]) -> Callable[..., Any]:
         if missing and not is_trl_environment(made):
             raise ValueError(
                 f"{OPTION}: {spec!r} has no {' or '.join(missing)} method; an environment defines "
-                "reset(row) and step(turn) (see lightning_troll.environments.Environment), or, "
+                "reset(row) and step(turn) (see lightning_troll.tasks.environments.Environment), or, "
                 "in TRL's form, reset(**row) and its tools as methods"
             )
     return made

@@ -18,8 +18,8 @@ crashed        ``Error: tool 'multiply' killed its worker process (exit code -9)
 ============== =============================================================================
 
 With ``workers`` >= 1 the calls run in :class:`ToolWorkers`, the reward workers' pool
-(:class:`~lightning_troll.rewards.workers.WorkerPool`) running
-:func:`~lightning_troll.environments.calls.run_tool`: the calls of a batch in parallel, a call
+(:class:`~lightning_troll.tasks.rewards.workers.WorkerPool`) running
+:func:`~lightning_troll.tasks.environments.calls.run_tool`: the calls of a batch in parallel, a call
 past ``timeout`` abandoned and its worker replaced, a worker that dies replaced too. With 0 they
 run in this process, one after another, and cannot be abandoned: a timeout needs workers.
 """
@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_troll.environments.calls import (
+from lightning_troll.tasks.environments.calls import (
     TOOL_CALL_CLOSE,
     TOOL_CALL_OPEN,
     MalformedCall,
@@ -40,16 +40,16 @@ from lightning_troll.environments.calls import (
     ToolOutcome,
     run_tool,
 )
-from lightning_troll.environments.options import check_tool_workers
-from lightning_troll.environments.protocol import EnvironmentFailure
-from lightning_troll.environments.tools import (
+from lightning_troll.tasks.environments.options import check_tool_workers
+from lightning_troll.tasks.environments.protocol import EnvironmentFailure
+from lightning_troll.tasks.environments.tools import (
     Tool,
     check_arguments,
     conform_arguments,
     load_tools,
 )
-from lightning_troll.rewards.calls import UNLOADABLE
-from lightning_troll.rewards.workers import WorkerPool, WorkersFailed, check_picklable
+from lightning_troll.tasks.rewards.calls import UNLOADABLE
+from lightning_troll.tasks.rewards.workers import WorkerPool, WorkersFailed, check_picklable
 
 __all__ = ["ToolResult", "ToolRunner", "ToolWorkers", "count_errors"]
 
@@ -90,7 +90,7 @@ class ToolRunner:
 
     Args:
         tools: Import paths (``"my_tools:multiply"``) or functions, each type-hinted and with a
-            docstring (:mod:`~lightning_troll.environments.tools`), or tools already built.
+            docstring (:mod:`~lightning_troll.tasks.environments.tools`), or tools already built.
         workers: Worker processes that run the calls (``model.episodes.tool_workers``); 0 runs them in
             this process.
         timeout: Seconds a call may take in a worker before it is abandoned

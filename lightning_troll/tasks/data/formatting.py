@@ -24,15 +24,15 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from lightning_troll.data.messages import NOT_TEXT, ROLES, check_messages, is_text
-from lightning_troll.data.prompts import PromptItem, template_fields
+from lightning_troll.tasks.data.messages import NOT_TEXT, ROLES, check_messages, is_text
+from lightning_troll.tasks.data.prompts import PromptItem, template_fields
 
 __all__ = ["PromptFormatter"]
 
 
 @dataclass(frozen=True)
 class PromptFormatter:
-    """Formats and tokenizes rows (the options are :class:`~lightning_troll.data.PromptDataModule`'s)."""
+    """Formats and tokenizes rows (the options are :class:`~lightning_troll.tasks.data.PromptDataModule`'s)."""
 
     prompt_field: str
     answer_field: str | None

@@ -32,7 +32,7 @@ import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from lightning_troll.rewards.calls import awaited
+from lightning_troll.tasks.rewards.calls import awaited
 
 __all__ = ["TrlFormReward", "is_trl_form"]
 

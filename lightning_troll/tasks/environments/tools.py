@@ -18,7 +18,7 @@ comes from the signature and the docstring through transformers'
 ``transformers.utils.get_json_schema``, the form chat templates take in
 ``apply_chat_template(..., tools=...)``. ``model.episodes.tools`` names tools by import path
 (``my_tools:multiply``), found in the working directory, beside the config, or as any importable
-module, as a reward named by import path is (:mod:`lightning_troll.rewards.lookup`).
+module, as a reward named by import path is (:mod:`lightning_troll.tasks.rewards.lookup`).
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_troll.data.messages import NOT_TEXT, is_text
-from lightning_troll.rewards.calls import describe
-from lightning_troll.rewards.lookup import load_by_import_path
+from lightning_troll.tasks.data.messages import NOT_TEXT, is_text
+from lightning_troll.tasks.rewards.calls import describe
+from lightning_troll.tasks.rewards.lookup import load_by_import_path
 
 __all__ = [
     "Tool",
@@ -226,7 +226,7 @@ def render_result(value: Any) -> tuple[str | None, str | None]:
     """``(text, None)``: a string as it is, anything JSON-serialisable as JSON; ``(None,
     problem)`` for a value that is neither, whose rendering raised anything at all (a circular or
     too deeply nested structure, a subclass whose methods raise), or whose text is not
-    :func:`~lightning_troll.data.messages.is_text`: it never raises."""
+    :func:`~lightning_troll.tasks.data.messages.is_text`: it never raises."""
     if isinstance(value, str):
         text = value
     else:

@@ -8,15 +8,19 @@ import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from lightning_troll.environments.options import (
+from lightning_troll.tasks.environments.options import (
     ENVIRONMENT_FIELD,
     check_environment_names,
     environment_problem,
 )
-from lightning_troll.environments.protocol import Environment, load_environment, make_environment
-from lightning_troll.environments.tool_env import ToolEnvironment
-from lightning_troll.environments.tool_workers import ToolRunner
-from lightning_troll.environments.trl_env import TrlEnvironment, is_trl_environment
+from lightning_troll.tasks.environments.protocol import (
+    Environment,
+    load_environment,
+    make_environment,
+)
+from lightning_troll.tasks.environments.tool_env import ToolEnvironment
+from lightning_troll.tasks.environments.tool_workers import ToolRunner
+from lightning_troll.tasks.environments.trl_env import TrlEnvironment, is_trl_environment
 
 __all__ = ["EnvironmentChoice", "EnvironmentFactory"]
 
@@ -35,7 +39,7 @@ class EnvironmentFactory:
         environment: An environment class (or a function returning one), or its import path;
             None for :class:`ToolEnvironment` over ``tools``. A :class:`ToolEnvironment`
             subclass gets the tools' runner as its first argument; an environment in TRL's form
-            (:mod:`~lightning_troll.environments.trl_env`) is wrapped in a
+            (:mod:`~lightning_troll.tasks.environments.trl_env`) is wrapped in a
             :class:`TrlEnvironment`, the tools beside its methods.
         tools: Tools (import paths or functions); only with no ``environment``, a
             :class:`ToolEnvironment` subclass or an environment in TRL's form.

@@ -13,7 +13,7 @@ bound arguments when the scorer is built so that bad values stop the run before 
 ``max_reward`` attribute, its best score (1.0 otherwise), which ``val/accuracy`` counts as full
 marks (``None``: it has none, as a reward model's logit, and ``val/accuracy`` leaves it out).
 
-:class:`~lightning_troll.rewards.registry.RewardScorer` uses these; ``overlong`` is registered
+:class:`~lightning_troll.tasks.rewards.registry.RewardScorer` uses these; ``overlong`` is registered
 there. The options were four flat keys before (``model.reward_kwargs``, ``model.on_reward_error``,
 ``model.reward_workers``, ``model.reward_timeout``): :func:`merge_deprecated` still takes them.
 """
@@ -51,7 +51,7 @@ RewardErrorPolicy = Literal["raise", "drop"] | float | dict[str, Literal["raise"
 class RewardOptions:
     """How the reward functions of ``model.rewards`` are called (``model.reward_options``); the
     scorer checks the values when it is built
-    (:meth:`~lightning_troll.rewards.registry.RewardScorer.from_options`)."""
+    (:meth:`~lightning_troll.tasks.rewards.registry.RewardScorer.from_options`)."""
 
     kwargs: dict[str, dict[str, Any]] | None = None
     """Keyword arguments bound to reward functions by name, e.g. ``{overlong: {buffer: 256}}``

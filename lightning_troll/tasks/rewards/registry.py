@@ -4,8 +4,8 @@ A reward function is any callable ``fn(prompt, completion, row) -> float``: ``pr
 formatted prompt text, ``completion`` the generated text (prompt excluded) and ``row`` the
 dataset row the prompt came from (the DataModule stores the gold answer under ``"answer"``, and
 the unformatted prompt under ``"prompt"`` where the row has no such field).
-Built-ins, registered by name (defined in :mod:`lightning_troll.rewards.functions`, ``overlong``
-in :mod:`lightning_troll.rewards.options`):
+Built-ins, registered by name (defined in :mod:`~lightning_troll.tasks.rewards.functions`,
+``overlong`` in :mod:`~lightning_troll.tasks.rewards.options`):
 
     tinymath  1.0 if ``tinymath.answer_of(completion)`` equals ``row["answer"]``
     gsm8k     the number after the last ``####``, compared numerically with the gold answer
@@ -16,12 +16,11 @@ in :mod:`lightning_troll.rewards.options`):
               ``buffer`` tokens of the completion budget
 
 A function may take more keyword parameters: per-completion ones the scorer passes and others
-bound from the configuration (see :mod:`lightning_troll.rewards.options`).
+bound from the configuration (see :mod:`lightning_troll.tasks.rewards.options`).
 
-Add your own with :func:`register_reward`, or name any function by import path
-(``"my_package.my_module:my_reward"``); one in TRL's form, ``fn(completions, **kwargs) ->
-list[float]``, is called as it is (:mod:`lightning_troll.rewards.trl_form`). :class:`RewardScorer`
-runs a weighted set of them over B = P * G completions and returns ``(B,)`` tensors.
+Add your own with :func:`register_reward`, or name any function by import path (``"pkg.mod:fn"``);
+one in TRL's form, ``fn(completions, **kwargs) -> list[float]``, is called as it is (``trl_form``).
+:class:`RewardScorer` runs a weighted set of them over B = P * G completions, ``(B,)`` tensors out.
 """
 
 from __future__ import annotations
@@ -36,7 +35,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from lightning_troll.rewards.calls import (
+from lightning_troll.tasks.rewards.calls import (
     FailurePolicy,
     Outcome,
     RewardError,
@@ -46,7 +45,7 @@ from lightning_troll.rewards.calls import (
     call_one,
     check_policies,
 )
-from lightning_troll.rewards.functions import (
+from lightning_troll.tasks.rewards.functions import (
     boxed,
     extract_boxed,
     gsm8k,
@@ -54,8 +53,12 @@ from lightning_troll.rewards.functions import (
     math_verify,
     tinymath,
 )
-from lightning_troll.rewards.lookup import find_attribute, import_reward_module, split_import_path
-from lightning_troll.rewards.options import (
+from lightning_troll.tasks.rewards.lookup import (
+    find_attribute,
+    import_reward_module,
+    split_import_path,
+)
+from lightning_troll.tasks.rewards.options import (
     RewardOptions,
     bind_kwargs,
     call_arguments,
@@ -65,8 +68,8 @@ from lightning_troll.rewards.options import (
     reward_tag,
     sample_keywords,
 )
-from lightning_troll.rewards.trl_form import TrlFormReward, is_trl_form
-from lightning_troll.rewards.workers import RewardWorkers, WorkersFailed, check_picklable
+from lightning_troll.tasks.rewards.trl_form import TrlFormReward, is_trl_form
+from lightning_troll.tasks.rewards.workers import RewardWorkers, WorkersFailed, check_picklable
 
 __all__ = [
     "REWARD_FUNCTIONS",
@@ -180,9 +183,9 @@ def _unique_name(fn: Callable[..., Any], taken: Mapping[str, Any]) -> str:
 
 def _build(spec: str | Callable[..., Any]) -> RewardFunction:
     """A reward function from its spec: ``reward_model:<folder or hub name>`` is a
-    :class:`~lightning_troll.rewards.reward_model.RewardModel`; anything else is resolved."""
+    :class:`~lightning_troll.tasks.rewards.reward_model.RewardModel`; anything else is resolved."""
     if isinstance(spec, str) and spec.startswith(REWARD_MODEL_PREFIX):
-        from lightning_troll.rewards.reward_model import RewardModel
+        from lightning_troll.tasks.rewards.reward_model import RewardModel
 
         return RewardModel(spec[len(REWARD_MODEL_PREFIX) :])
     fn = resolve_reward(spec)
@@ -215,7 +218,7 @@ class RewardScorer:
             few named in one warning per call.
         kwargs: Keyword arguments bound to functions by name, e.g. ``{"overlong": {"buffer":
             256}}``; each name must be one of ``rewards`` and each argument one its function takes.
-        workers: Worker processes that score (:mod:`~lightning_troll.rewards.workers`), the calls
+        workers: Worker processes that score (:mod:`~lightning_troll.tasks.rewards.workers`), the calls
             of one scoring in parallel across them; 0 scores in this process. Batched functions
             (reward models) always score in this process.
         timeout: Seconds a call may take in a worker before it is abandoned (and its worker
@@ -223,7 +226,7 @@ class RewardScorer:
         none_ok: ``rewards`` may name no function: every sample then scores 0 (with
             ``model.episodes``, the environment's turn rewards alone score an episode).
 
-    :meth:`from_options` builds one from a :class:`~lightning_troll.rewards.options.RewardOptions`
+    :meth:`from_options` builds one from a :class:`~lightning_troll.tasks.rewards.options.RewardOptions`
     record (``model.reward_options``); errors name the options as that record's fields.
     """
 

@@ -33,10 +33,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_troll.data.messages import check_messages
-from lightning_troll.environments.calls import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
-from lightning_troll.environments.protocol import EnvironmentFailure
-from lightning_troll.rewards.calls import describe
+from lightning_troll.tasks.data.messages import check_messages
+from lightning_troll.tasks.environments.calls import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+from lightning_troll.tasks.environments.protocol import EnvironmentFailure
+from lightning_troll.tasks.rewards.calls import describe
 
 __all__ = [
     "TOOL_RESPONSE_CLOSE",

@@ -1,7 +1,7 @@
 """Prompt data for rollouts: a LightningDataModule that yields batches of P prompts.
 
 Rows come from the built-in TinyMath generator, a local ``.json``/``.jsonl``/``.parquet`` file
-or a hub dataset, read by :class:`~lightning_troll.data.sources.PromptSource`. ``setup`` formats every
+or a hub dataset, read by :class:`~lightning_troll.tasks.data.sources.PromptSource`. ``setup`` formats every
 row with ``template`` (optionally inside the tokenizer's chat template), tokenizes it once and
 checks it against ``max_prompt_tokens``; the dataloaders then yield :class:`PromptBatch`
 records: the prompt texts, their unpadded token ids and the rows, whose gold answer reward
@@ -20,8 +20,8 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerBase
 
-from lightning_troll.data.formatting import PromptFormatter
-from lightning_troll.data.prompts import (
+from lightning_troll.tasks.data.formatting import PromptFormatter
+from lightning_troll.tasks.data.prompts import (
     PLAIN_TEMPLATE,
     EpochShuffleSampler,
     PromptBatch,
@@ -34,7 +34,7 @@ from lightning_troll.data.prompts import (
     template_fields,
     write_jsonl,
 )
-from lightning_troll.data.sources import PromptSource
+from lightning_troll.tasks.data.sources import PromptSource
 
 __all__ = [
     "EpochShuffleSampler",
@@ -236,7 +236,7 @@ class PromptDataModule(LightningDataModule):
         one dropped. With N processes, step k's N batches together are step k's batch of a
         single-process run with ``N * batch_size`` prompts.
 
-        Resumes mid-epoch from a checkpoint (see :class:`~lightning_troll.data.prompts.ResumableLoader`).
+        Resumes mid-epoch from a checkpoint (see :class:`~lightning_troll.tasks.data.prompts.ResumableLoader`).
         """
         if self.train_items is None:
             self.setup("fit")
@@ -269,7 +269,7 @@ class PromptDataModule(LightningDataModule):
 
     def val_dataloader(self) -> DataLoader | list:
         """Validation batches in order, shared out over processes as
-        :func:`~lightning_troll.data.prompts.shared_in_order` says; an empty list (no
+        :func:`~lightning_troll.tasks.data.prompts.shared_in_order` says; an empty list (no
         validation) when there are no rows."""
         if self.val_items is None:
             self.setup("validate")

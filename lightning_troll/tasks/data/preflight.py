@@ -10,7 +10,7 @@ is not a JSON object, a file with no rows, a ``data.num_val`` that would hold ou
 once each, about rows whose prompt repeats an earlier row's, and validation prompts that are
 also training prompts. The ``lightning-troll`` command calls it before the model loads, so a
 refused start leaves no run folder. Prompt lengths need the tokenizer and are checked when the
-rows are tokenized (:class:`~lightning_troll.data.formatting.PromptFormatter`).
+rows are tokenized (:class:`~lightning_troll.tasks.data.formatting.PromptFormatter`).
 
 :func:`check_hub_dataset` refuses, as early, a hub dataset name that is not in the cache where
 the hub cannot be reached or has no dataset of that name.
@@ -25,14 +25,14 @@ from typing import Any
 
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lightning_troll.data.formatting import PromptFormatter
-from lightning_troll.data.prompts import (
+from lightning_troll.tasks.data.formatting import PromptFormatter
+from lightning_troll.tasks.data.prompts import (
     PLAIN_TEMPLATE,
     check_file,
     looks_like_file,
     read_rows_with_lines,
 )
-from lightning_troll.data.sources import check_holdout
+from lightning_troll.tasks.data.sources import check_holdout
 
 __all__ = ["check_data_files", "check_hub_dataset"]
 

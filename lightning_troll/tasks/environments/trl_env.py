@@ -21,13 +21,13 @@ TRL's GRPO trainer takes an environment as a class whose public methods are the 
 
 ``model.episodes.environment: my_env:Counter`` names it as any environment. A class (or, at run
 time, an object) with a ``reset`` and no ``step`` that is not an
-:class:`~lightning_troll.environments.Environment` is read in this form (:func:`is_trl_environment`),
+:class:`~lightning_troll.tasks.environments.Environment` is read in this form (:func:`is_trl_environment`),
 and each episode gets a :class:`TrlEnvironment` around an instance, made once and reset for every
-episode it plays, as TRL does (:class:`~lightning_troll.environments.EnvironmentFactory` keeps the
+episode it plays, as TRL does (:class:`~lightning_troll.tasks.environments.EnvironmentFactory` keeps the
 pool):
 
 - ``reset(**row)`` starts the episode: the conversation is the row's ``prompt`` (as the built-in
-  :class:`~lightning_troll.environments.ToolEnvironment` takes it), and a string ``reset`` returns
+  :class:`~lightning_troll.tasks.environments.ToolEnvironment` takes it), and a string ``reset`` returns
   is appended to its last message, as TRL does;
 - every public method but ``reset`` and ``get_reward`` is a tool (type hints and an ``Args:``
   docstring, as ``model.episodes.tools``), bound to the episode's instance, and so run in the
@@ -47,16 +47,16 @@ import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from lightning_troll.environments.protocol import (
+from lightning_troll.tasks.environments.protocol import (
     EnvironmentFailure,
     Step,
     is_finite_reward,
     is_trl_environment,
 )
-from lightning_troll.environments.tool_env import ToolEnvironment
-from lightning_troll.environments.tool_workers import ToolRunner
-from lightning_troll.environments.tools import load_tool
-from lightning_troll.rewards.calls import awaited, describe
+from lightning_troll.tasks.environments.tool_env import ToolEnvironment
+from lightning_troll.tasks.environments.tool_workers import ToolRunner
+from lightning_troll.tasks.environments.tools import load_tool
+from lightning_troll.tasks.rewards.calls import awaited, describe
 
 __all__ = ["NOT_TOOLS", "TrlEnvironment", "is_trl_environment", "tool_methods"]
 

@@ -10,7 +10,7 @@ many chat templates render (Qwen2.5's among them)::
 one block per call. A turn makes one call: the episode loop ends every model turn at the end of
 its first ``</tool_call>`` (whatever the environment, one of your own included), so its results
 come back before the model writes anything more (:func:`parse_tool_calls` reads every block of
-a text it is given, as a :class:`~lightning_troll.environments.ToolEnvironment` called outside
+a text it is given, as a :class:`~lightning_troll.tasks.environments.ToolEnvironment` called outside
 the loop may be). The block's text is a JSON object with a string ``"name"`` and an object
 ``"arguments"`` (given as a JSON string holding an object, as OpenAI's API writes them, it is
 read too; left out, it is ``{}``). A block that is not that is a :class:`MalformedCall`, and so
@@ -25,9 +25,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple, get_args
 
-from lightning_troll.data.messages import NOT_TEXT, is_text
-from lightning_troll.environments.tools import render_result
-from lightning_troll.rewards.calls import awaited, describe, short
+from lightning_troll.tasks.data.messages import NOT_TEXT, is_text
+from lightning_troll.tasks.environments.tools import render_result
+from lightning_troll.tasks.rewards.calls import awaited, describe, short
 
 __all__ = [
     "TOOL_CALL_CLOSE",
@@ -140,7 +140,7 @@ def run_tool(function: Callable[..., Any], arguments: Mapping[str, Any]) -> Tool
     """``function(**arguments)`` (awaited, for an ``async def`` tool), its result rendered; or an
     outcome whose ``problem`` says what went wrong and whose ``kind`` is ``"raised"`` or
     ``"unrenderable"`` (whatever rendering the result raised). Runs in this process or in a tool
-    worker (:mod:`lightning_troll.environments.tool_workers`)."""
+    worker (:mod:`lightning_troll.tasks.environments.tool_workers`)."""
     try:
         value = awaited(function(**arguments))  # an ``async def`` tool's coroutine run to its end
     except (Exception, SystemExit, GeneratorExit, asyncio.CancelledError) as exc:

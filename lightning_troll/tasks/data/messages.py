@@ -2,8 +2,8 @@
 text a tokenizer can read.
 
 One check serves every place a conversation comes from: a data row's prompt
-(:mod:`lightning_troll.data.formatting`), an environment's start and observations, and a tool's
-result (:mod:`lightning_troll.environments`).
+(:mod:`lightning_troll.tasks.data.formatting`), an environment's start and observations, and a tool's
+result (:mod:`lightning_troll.tasks.environments`).
 """
 
 from __future__ import annotations

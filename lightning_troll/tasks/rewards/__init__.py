@@ -1,20 +1,20 @@
 """Rewards: the registry and scorer (``model.rewards``), the built-in reward functions and their
 options.
 
-- :mod:`~lightning_troll.rewards.registry`: :func:`register_reward`, import paths,
+- :mod:`~lightning_troll.tasks.rewards.registry`: :func:`register_reward`, import paths,
   :class:`RewardScorer`;
-- :mod:`~lightning_troll.rewards.functions`: the built-ins (``tinymath``, ``gsm8k``, ``boxed``,
+- :mod:`~lightning_troll.tasks.rewards.functions`: the built-ins (``tinymath``, ``gsm8k``, ``boxed``,
   ``last_number``, ``math_verify``);
-- :mod:`~lightning_troll.rewards.options`: :class:`RewardOptions` (``model.reward_options``),
+- :mod:`~lightning_troll.tasks.rewards.options`: :class:`RewardOptions` (``model.reward_options``),
   ``overlong``;
-- :mod:`~lightning_troll.rewards.calls` and :mod:`~lightning_troll.rewards.workers`: one call and
+- :mod:`~lightning_troll.tasks.rewards.calls` and :mod:`~lightning_troll.tasks.rewards.workers`: one call and
   what a failed one scores; calls in worker processes with a timeout;
-- :mod:`~lightning_troll.rewards.reward_model`: :class:`RewardModel`, a classifier as a reward;
-- :mod:`~lightning_troll.rewards.trl_form`: reward functions written for TRL, called as they are.
+- :mod:`~lightning_troll.tasks.rewards.reward_model`: :class:`RewardModel`, a classifier as a reward;
+- :mod:`~lightning_troll.tasks.rewards.trl_form`: reward functions written for TRL, called as they are.
 """
 
-from lightning_troll.rewards.options import RewardOptions
-from lightning_troll.rewards.registry import (
+from lightning_troll.tasks.rewards.options import RewardOptions
+from lightning_troll.tasks.rewards.registry import (
     REWARD_FUNCTIONS,
     RewardError,
     RewardFunction,
@@ -32,7 +32,7 @@ from lightning_troll.rewards.registry import (
     reward_tag,
     tinymath,
 )
-from lightning_troll.rewards.reward_model import RewardModel
+from lightning_troll.tasks.rewards.reward_model import RewardModel
 
 __all__ = [
     "REWARD_FUNCTIONS",

@@ -3,8 +3,8 @@
 :class:`PromptSource` checks the ``data.*`` options that say where the rows are and how many to
 take, and reads the training and validation rows as plain dicts. A local source file without a
 ``val_file`` is split into training and held-out rows by ``seed``. Formatting and tokenizing the
-rows is :class:`~lightning_troll.data.datamodule.PromptDataModule`'s job; reading local files is in
-:mod:`lightning_troll.data.prompts`.
+rows is :class:`~lightning_troll.tasks.data.datamodule.PromptDataModule`'s job; reading local files is in
+:mod:`lightning_troll.tasks.data.prompts`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 import torch
 
-from lightning_troll.data.prompts import (
+from lightning_troll.tasks.data.prompts import (
     check_count,
     check_file,
     looks_like_file,
@@ -39,7 +39,7 @@ def check_holdout(source: str, num_val: int, size: int) -> None:
 
 class PromptSource:
     """The rows of a run's prompts; the arguments are the ``data.*`` options of the same names
-    (see :class:`~lightning_troll.data.datamodule.PromptDataModule`), checked here."""
+    (see :class:`~lightning_troll.tasks.data.datamodule.PromptDataModule`), checked here."""
 
     def __init__(
         self,

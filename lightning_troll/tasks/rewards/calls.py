@@ -6,7 +6,7 @@ A call is ``fn(prompt, completion, row, **keywords)`` for one completion, or, fo
 score per completion; an ``async def`` function is awaited. Its result is valid when it is a
 number (or bool, or one-element tensor) finite in float32; anything else (NaN, None, a string, a list of the wrong length) is an error,
 as is an exception. A call may also time out when it runs in a worker process
-(:mod:`lightning_troll.rewards.workers`).
+(:mod:`lightning_troll.tasks.rewards.workers`).
 """
 
 from __future__ import annotations

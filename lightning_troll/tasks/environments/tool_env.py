@@ -13,13 +13,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from lightning_troll.environments.calls import MalformedCall, ToolCall, parse_tool_calls
-from lightning_troll.environments.protocol import (
+from lightning_troll.tasks.environments.calls import MalformedCall, ToolCall, parse_tool_calls
+from lightning_troll.tasks.environments.protocol import (
     Environment,
     Step,
     call_environment,
 )
-from lightning_troll.environments.tool_workers import ToolResult, ToolRunner, count_errors
+from lightning_troll.tasks.environments.tool_workers import ToolResult, ToolRunner, count_errors
 
 __all__ = ["ToolEnvironment", "step_all"]
 

@@ -1,7 +1,7 @@
 """Imported by the workers' server process as it starts, and by no other: it ignores SIGTERM (and
 SIGINT, which it ignores by itself), as the workers and the trainer's other children do.
 
-:class:`~lightning_troll.rewards.workers.WorkerPool` names this module first in the server's
+:class:`~lightning_troll.tasks.rewards.workers.WorkerPool` names this module first in the server's
 preload (``forkserver`` imports the list before it serves). Nothing else imports it, as it
 changes the signals of the process that does. A scheduler's SIGTERM reaches every process of the
 job; had it ended the server, the pipes that carry its workers' exit statuses would close, and
@@ -11,6 +11,6 @@ watches a pipe the trainer holds), and each worker it forks sets its own signals
 function.
 """
 
-from lightning_troll.rewards.workers import leave_stop_signals_to_the_trainer
+from lightning_troll.tasks.rewards.workers import leave_stop_signals_to_the_trainer
 
 leave_stop_signals_to_the_trainer()

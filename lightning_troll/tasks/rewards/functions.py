@@ -2,9 +2,9 @@
 ``math_verify``, and the answer parsing they share.
 
 Each is a reward function ``fn(prompt, completion, row) -> float``, registered under its name
-in :mod:`lightning_troll.rewards.registry` (whose docstring lists what each scores). The fifth built-in,
+in :mod:`lightning_troll.tasks.rewards.registry` (whose docstring lists what each scores). The fifth built-in,
 ``overlong``, scores a completion's length, not its answer; it lives with the reward options it
-takes (:mod:`lightning_troll.rewards.options`). ``gsm8k``, ``boxed`` and ``last_number`` compare
+takes (:mod:`lightning_troll.tasks.rewards.options`). ``gsm8k``, ``boxed`` and ``last_number`` compare
 numbers exactly, as fractions: ``"1,000"`` and ``"1000.0"`` are one number. ``math_verify``
 hands both answers to Hugging Face's ``math-verify`` package (the ``math`` extra), which parses
 LaTeX and plain expressions into SymPy and compares them symbolically.

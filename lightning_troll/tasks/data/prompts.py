@@ -1,6 +1,6 @@
 """Prompt records, their batching and shuffling, and local prompt files (json, jsonl, parquet).
 
-The pieces of :mod:`lightning_troll.data.datamodule` that need no DataModule: :class:`PromptBatch` is what a
+The pieces of :mod:`lightning_troll.tasks.data.datamodule` that need no DataModule: :class:`PromptBatch` is what a
 training step receives, :class:`EpochShuffleSampler` makes the order depend on (seed, epoch)
 only, and :func:`read_rows` / :func:`write_jsonl` read and write local prompt files.
 """
@@ -49,7 +49,7 @@ class PromptBatch:
     """Unpadded token ids of each prompt, as the tokenizer gives them (BOS included if it adds one)."""
     rows: list[dict[str, Any]]
     """Copies of the dataset rows, the gold answer under ``"answer"`` and the prompt under
-    ``"prompt"`` (:meth:`~lightning_troll.data.formatting.PromptFormatter.kept`)."""
+    ``"prompt"`` (:meth:`~lightning_troll.tasks.data.formatting.PromptFormatter.kept`)."""
     samples: int = 0
     """Validation batches: completions to sample per prompt besides the greedy one
     (``data.val_samples``, for pass@k); 0 for none."""
