@@ -11,7 +11,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_troll.rollouts.forward import is_checkpointed
+from lightning_troll.models.loading import is_checkpointed
 
 __all__ = ["ReleaseFreedMemory", "release_freed_memory", "resident_bytes"]
 

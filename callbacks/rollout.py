@@ -16,12 +16,12 @@ from lightning_troll.callbacks.samples import (
     log_samples,
     samples_table,
 )
-from lightning_troll.data.prompts import PromptBatch, draw_prompts
-from lightning_troll.environments.protocol import EnvironmentFailure
-from lightning_troll.rewards.calls import RewardError
-from lightning_troll.rollouts.engine_process import EngineDied
+from lightning_troll.engines.process import EngineDied
 from lightning_troll.rollouts.multiturn import behaviour_logprobs_warning
 from lightning_troll.rollouts.timing import clock
+from lightning_troll.tasks.data.prompts import PromptBatch, draw_prompts
+from lightning_troll.tasks.environments.protocol import EnvironmentFailure
+from lightning_troll.tasks.rewards.calls import RewardError
 from lightning_troll.training.faults import EngineFault, EpisodeFault, RewardFault
 from lightning_troll.training.memory_check import check_fits
 
@@ -85,7 +85,7 @@ class RolloutGeneration(Callback):
         if not (hasattr(data, "train_items") and hasattr(data, "seed")):
             raise ValueError(
                 "model.dynamic_sampling=true draws its extra prompts from the training prompts "
-                "of a lightning_troll.data.datamodule.PromptDataModule; fit with one (the lightning-troll "
+                "of a lightning_troll.tasks.data.datamodule.PromptDataModule; fit with one (the lightning-troll "
                 f"command does), not {type(data).__name__}"
             )
 
@@ -133,7 +133,7 @@ class RolloutGeneration(Callback):
         while this one trains (``model.staleness``,
         :meth:`~lightning_troll.training.staleness.StalenessSchedule.sample_ahead`). Nothing is
         asked ahead of a rollout that dynamic sampling or episodes make; at an epoch's end the
-        next rollout is the next epoch's first (:meth:`~lightning_troll.data.prompts.ResumableLoader.peek`)."""
+        next rollout is the next epoch's first (:meth:`~lightning_troll.tasks.data.prompts.ResumableLoader.peek`)."""
         schedule, engine = getattr(pl_module, "staleness", None), pl_module.engine
         if schedule is None or not schedule.max_staleness or not hasattr(engine, "submit"):
             return

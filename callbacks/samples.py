@@ -20,8 +20,8 @@ from lightning_troll.callbacks.figures import (
     markdown_table,
     write_table,
 )
-from lightning_troll.rewards.registry import reward_tag
 from lightning_troll.rollouts.samples import RolloutReport, Samples
+from lightning_troll.tasks.rewards.registry import reward_tag
 
 __all__ = ["RolloutReport", "Samples", "log_rollout", "log_samples", "samples_table"]
 

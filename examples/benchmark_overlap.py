@@ -9,7 +9,7 @@ benchmark's prompts (8 prompts x 8 completions, 32 new tokens, 4 optimiser steps
   ``--threads`` threads;
 - ``overlapped``: ``model.rollout_engine_options: {process: true, threads: t}``, the engine in a
   process of its own on ``t`` threads and the trainer on ``--threads - t``, so that the two
-  arms use the same cores (:mod:`lightning_troll.rollouts.engine_process`).
+  arms use the same cores (:mod:`lightning_troll.engines.process`).
 
 Each arm runs in a fresh process, the arms in turn, ``--repeats`` times; an arm's figure is the
 median over its iterations after the first of every run (the first starts the engine's process
@@ -62,8 +62,8 @@ def run_arm(spec: dict) -> list[float]:
     from lightning.pytorch import Callback, Trainer
 
     from lightning_troll.callbacks import OldPolicyRefresh, RolloutGeneration
-    from lightning_troll.data import PromptDataModule
-    from lightning_troll.rollouts.rollout import SamplingConfig
+    from lightning_troll.engines.sampling import SamplingConfig
+    from lightning_troll.tasks.data import PromptDataModule
     from lightning_troll.training.module import OptimizationConfig, TrollModule
 
     overlapped = spec["arm"] == "overlapped"

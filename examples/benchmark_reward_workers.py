@@ -20,7 +20,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from lightning_troll.rewards.registry import RewardScorer
+from lightning_troll.tasks.rewards.registry import RewardScorer
 
 DELAY = 0.05
 """Seconds one call of :func:`slow_reward` takes (``--delay`` sets it in every process)."""

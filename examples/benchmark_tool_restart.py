@@ -18,7 +18,7 @@ import time
 
 import lightning.pytorch  # noqa: F401 - a main module as heavy as the command's
 
-from lightning_troll.environments import ToolCall, ToolRunner
+from lightning_troll.tasks.environments import ToolCall, ToolRunner
 
 TOOLS = ["tests.tool_helpers:sleep", "tests.tool_helpers:multiply"]
 

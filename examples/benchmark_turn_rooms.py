@@ -44,7 +44,7 @@ FIGURES = ("sampled", "kept", "steps", "seconds")
 def ways() -> dict[str, type]:
     """The two engines: the HF engine, and the same engine written without ``budgets``; each
     counts the tokens it samples and its decoding steps."""
-    from lightning_troll.rollouts.engine import HFEngine
+    from lightning_troll.engines.hf import HFEngine
 
     class Counting(HFEngine):
         sampled = steps = 0
@@ -73,11 +73,11 @@ def run_way(engine_class: type, model, tokenizer, rows: list[dict], args) -> dic
     """Every episode of ``rows`` once with ``engine_class``: its figures."""
     from retry import Scored
 
+    from lightning_troll.engines.base import EngineContext
+    from lightning_troll.engines.sampling import SamplingConfig
     from lightning_troll.models.loading import stop_token_ids
-    from lightning_troll.rollouts.engine import EngineContext
     from lightning_troll.rollouts.episodes import EpisodeLimits, Stops, run_episodes
     from lightning_troll.rollouts.multiturn import EngineTurns
-    from lightning_troll.rollouts.rollout import SamplingConfig
 
     engine = engine_class(EngineContext(str(args.model), "float32", tokenizer))
     sampling = SamplingConfig(

@@ -30,10 +30,10 @@ def count(
     from torch.overrides import TorchFunctionMode
     from torch.profiler import ProfilerActivity, profile
 
+    from lightning_troll.engines.behaviour import BehaviourRecorder
+    from lightning_troll.engines.sampling import SamplingConfig, sample
     from lightning_troll.models.loading import tiny_causal_lm
     from lightning_troll.models.tinymath import build_tokenizer
-    from lightning_troll.rollouts.behaviour import BehaviourRecorder
-    from lightning_troll.rollouts.rollout import SamplingConfig, sample
     from lightning_troll.trust_region import defaults
     from lightning_troll.trust_region.sparse import sparsify
 

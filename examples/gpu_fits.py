@@ -32,7 +32,7 @@ from gpu_models import (  # noqa: E402
     shape_table,
 )
 
-from lightning_troll.environments import Environment, Step  # noqa: E402
+from lightning_troll.tasks.environments import Environment, Step  # noqa: E402
 
 if TYPE_CHECKING:
     from gpu_phases import Results
@@ -252,9 +252,9 @@ def grpo_smollm2(results: Results, tiny: bool) -> None:
     from lightning.pytorch import Callback, Trainer
 
     from lightning_troll.callbacks import OldPolicyRefresh, RolloutGeneration, TrustRegionMonitor
-    from lightning_troll.data import PromptDataModule
-    from lightning_troll.rewards import REWARD_FUNCTIONS, register_reward
-    from lightning_troll.rollouts.rollout import SamplingConfig
+    from lightning_troll.engines.sampling import SamplingConfig
+    from lightning_troll.tasks.data import PromptDataModule
+    from lightning_troll.tasks.rewards import REWARD_FUNCTIONS, register_reward
     from lightning_troll.training.module import OptimizationConfig, TrollModule
 
     cuda = torch.cuda.is_available()

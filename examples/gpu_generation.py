@@ -119,7 +119,7 @@ def generation_rows(
 def sample_with(snapshot, prompts, group: int, tokens: int, path: str):
     """(ids, attention mask, response mask) of ``group`` completions of ``tokens`` per prompt,
     sampled by the decoding ``path``."""
-    from lightning_troll.rollouts.rollout import SamplingConfig, sample
+    from lightning_troll.engines.sampling import SamplingConfig, sample
 
     sampling = SamplingConfig(max_new_tokens=tokens, decode=path)
     ids, attention, response, _ = sample(snapshot, prompts, group, sampling, PAD, EOS)

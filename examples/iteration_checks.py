@@ -30,9 +30,10 @@ def behaviour_error(model_dir: str, dtype: str, threads: int, max_new_tokens: in
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from lightning_troll.engines.behaviour import BehaviourRecorder
+    from lightning_troll.engines.sampling import SamplingConfig, sample
     from lightning_troll.models import stop_token_ids
-    from lightning_troll.rollouts.behaviour import BehaviourRecorder
-    from lightning_troll.rollouts.rollout import SamplingConfig, behaviour_outputs, sample
+    from lightning_troll.rollouts.rollout import behaviour_outputs
     from lightning_troll.trust_region.sparse import sparsify
 
     torch.set_num_threads(threads)
@@ -81,8 +82,8 @@ def engine_ways(model, model_dir, tokenizer, stops, max_new_tokens) -> dict:
     (its start-up and first weight push happen here, before any timing)."""
     from importlib.util import find_spec
 
-    from lightning_troll.rollouts.engine import EngineContext, build_engine
-    from lightning_troll.rollouts.rollout import SamplingConfig
+    from lightning_troll.engines.base import EngineContext, build_engine
+    from lightning_troll.engines.sampling import SamplingConfig
 
     sampling = SamplingConfig(temperature=TEMPERATURE, max_new_tokens=max_new_tokens)
     prompts = chat_prompt_ids(tokenizer)
@@ -111,8 +112,8 @@ def generation_speed(model_dir: str, threads: int, max_new_tokens: int, repeats:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+    from lightning_troll.engines.sampling import left_pad
     from lightning_troll.models import stop_token_ids
-    from lightning_troll.rollouts.rollout import left_pad
 
     torch.set_num_threads(threads)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()

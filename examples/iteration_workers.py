@@ -91,9 +91,9 @@ def run_ours(spec: dict) -> dict:
         SparsityCoverageMonitor,
         TrustRegionMonitor,
     )
-    from lightning_troll.data import PromptDataModule
+    from lightning_troll.engines.sampling import SamplingConfig
     from lightning_troll.models.snapshots import SnapshotConfig
-    from lightning_troll.rollouts.rollout import SamplingConfig
+    from lightning_troll.tasks.data import PromptDataModule
     from lightning_troll.training.module import OptimizationConfig, TrollModule
 
     torch.set_num_threads(spec["threads"])
@@ -202,7 +202,7 @@ def run_trl(spec: dict) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     sys.path.insert(0, str(ROOT))  # the same reward function as ours (it needs torch only)
-    from lightning_troll.rewards import last_number
+    from lightning_troll.tasks.rewards import last_number
 
     torch.set_num_threads(spec["threads"])
     torch.manual_seed(0)

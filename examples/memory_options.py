@@ -31,11 +31,12 @@ import warnings
 import bitsandbytes as bnb
 import torch
 
+from lightning_troll.engines.sampling import SamplingConfig, sample
 from lightning_troll.models import tiny_causal_lm
 from lightning_troll.models.lora import LoraConfig
 from lightning_troll.models.snapshots import SnapshotConfig, module_bytes
 from lightning_troll.models.tinymath import build_tokenizer
-from lightning_troll.rollouts.rollout import Rollout, SamplingConfig, behaviour_outputs, sample
+from lightning_troll.rollouts.rollout import Rollout, behaviour_outputs
 from lightning_troll.training.module import TrollModule
 
 OPTIONS = {

@@ -1,5 +1,5 @@
 """Rollout generation phase by phase: transformers' ``generate`` against the library's own
-decoding loop (:mod:`lightning_troll.rollouts.decode`), side by side in one run.
+decoding loop (:mod:`lightning_troll.engines.decode`), side by side in one run.
 
 One rollout of SmolLM2-135M-Instruct (``make smollm2``): the 8 arithmetic prompts of
 ``examples/benchmark_iteration.py`` in the chat template, 8 completions each (64 sequences), at
@@ -61,12 +61,12 @@ from transformers.cache_utils import DynamicLayer
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from iteration_workers import GROUP, SMOLLM2, chat_prompt_ids, pick_rows  # noqa: E402
 
+from lightning_troll.engines import decode as decode_module
+from lightning_troll.engines import sampling as sampling_module
+from lightning_troll.engines.behaviour import BehaviourRecorder
+from lightning_troll.engines.sampling import SamplingConfig, left_pad, sample
 from lightning_troll.models.loading import load_policy, load_tokenizer, stop_token_ids
-from lightning_troll.rewards import last_number
-from lightning_troll.rollouts import decode as decode_module
-from lightning_troll.rollouts import rollout
-from lightning_troll.rollouts.behaviour import BehaviourRecorder
-from lightning_troll.rollouts.rollout import SamplingConfig, left_pad, sample
+from lightning_troll.tasks.rewards import last_number
 from lightning_troll.trust_region.sparse import sparsify
 
 WAYS = (
@@ -156,7 +156,7 @@ def run_way(way: str, setup: dict, clock: Clock) -> dict:
         ids, mask = left_pad([p for p in prompts for _ in range(GROUP)], pad)  # (B, S)
         options = {"cache_implementation": "static"} if "static" in way else {}
         start = time.perf_counter()
-        with rollout._plain_generation_config(model):
+        with sampling_module._plain_generation_config(model):
             out = model.generate(
                 input_ids=ids,
                 attention_mask=mask,
@@ -169,16 +169,24 @@ def run_way(way: str, setup: dict, clock: Clock) -> dict:
             )
         clock.seconds["total"] = clock.seconds["loop"] = time.perf_counter() - start
         responses = out[:, ids.shape[1] :]
-        mask, _ = rollout.response_mask_of(responses, stops)
+        mask, _ = sampling_module.response_mask_of(responses, stops)
         return {"tokens": int(mask.sum()), "length": responses.shape[1]}
     recorder = None if "no recorder" in way else BehaviourRecorder(1.0, sparse_rows)
     sampler = setup["compiled"] if "compiled" in way else model
     with ExitStack() as patches:
         enter = patches.enter_context
         if way.startswith("old"):
-            enter(mock.patch.object(rollout, "decode", lambda *args, **kwargs: None))
-        enter(mock.patch.object(rollout, "decode", clock.timed("loop", rollout.decode)))
-        enter(mock.patch.object(rollout, "_generate", clock.timed("loop", rollout._generate)))
+            enter(mock.patch.object(sampling_module, "decode", lambda *args, **kwargs: None))
+        enter(
+            mock.patch.object(
+                sampling_module, "decode", clock.timed("loop", sampling_module.decode)
+            )
+        )
+        enter(
+            mock.patch.object(
+                sampling_module, "_generate", clock.timed("loop", sampling_module._generate)
+            )
+        )
         if "multinomial" in way:
             enter(mock.patch.object(decode_module, "draw", multinomial))
         choose = clock.timed("sampling", decode_module.choose_tokens)

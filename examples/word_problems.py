@@ -188,7 +188,7 @@ def probe(rows: list[dict], model_dir: Path, batch: int = 32) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from lightning_troll.rewards.functions import last_number
+    from lightning_troll.tasks.rewards.functions import last_number
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()

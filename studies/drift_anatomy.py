@@ -106,8 +106,8 @@ def load_module(checkpoint: Path, stored: dict, variant: dict, model: str | None
 
 def prompt_batch(module, data_options: dict, count: int, seed: int):
     """``count`` training prompts drawn with ``seed``, as the run's data module builds them."""
-    from lightning_troll.data import PromptDataModule
-    from lightning_troll.data.prompts import draw_prompts
+    from lightning_troll.tasks.data import PromptDataModule
+    from lightning_troll.tasks.data.prompts import draw_prompts
 
     options = {k: v for k, v in data_options.items() if not k.startswith("_")}
     options["tokenizer"] = module.hparams.model

@@ -35,8 +35,8 @@ class Logits:
 
 def build_module(model: str, config: dict, temperature: float, max_new_tokens: int, group: int):
     """A clipped-GRPO TrollModule with ``config``'s reward and loss settings at ``temperature``."""
+    from lightning_troll.engines.sampling import SamplingConfig
     from lightning_troll.models.snapshots import SnapshotConfig
-    from lightning_troll.rollouts.rollout import SamplingConfig
     from lightning_troll.training.module import LossConfig, TrollModule
 
     cfg = config["model"]
@@ -53,8 +53,8 @@ def build_module(model: str, config: dict, temperature: float, max_new_tokens: i
 
 
 def prompt_batch(model: str, config: dict, count: int, seed: int):
-    from lightning_troll.data import PromptDataModule
-    from lightning_troll.data.prompts import draw_prompts
+    from lightning_troll.tasks.data import PromptDataModule
+    from lightning_troll.tasks.data.prompts import draw_prompts
 
     data = PromptDataModule(**{**config["data"], "tokenizer": model})
     data.setup("fit")

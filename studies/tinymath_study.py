@@ -258,9 +258,10 @@ def support_sizes(
     """How many tokens ``sparsify`` keeps to cover ``1 - mass_delta`` of the policy's mass, at
     every response token of TinyMath rollouts sampled with ``configs/tinymath.yaml``'s settings
     (no cap on the count: ``max_tokens`` is the vocabulary size)."""
+    from lightning_troll.engines.sampling import SamplingConfig, sample
     from lightning_troll.models import load_policy, load_tokenizer
     from lightning_troll.models.tinymath import generate_problems
-    from lightning_troll.rollouts.rollout import SamplingConfig, response_logits, sample
+    from lightning_troll.rollouts.rollout import response_logits
     from lightning_troll.trust_region.sparse import sparsify
 
     config = base_config()["model"]

@@ -148,7 +148,7 @@ def workers_die_at_start(monkeypatch) -> None:
     """Every reward or tool worker process is killed as soon as it is started, and whatever it
     sent before it died is read away: the pool sees a worker that never reported ready (a worker
     can send "ready" before the kill reaches it, which the pool would take for a crash in a call)."""
-    from lightning_troll.rewards import workers
+    from lightning_troll.tasks.rewards import workers
 
     start = workers._Worker.__init__
 

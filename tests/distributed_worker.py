@@ -40,12 +40,13 @@ def scripted_sample(
     model, prompt_ids, group_size, sampling, pad_id, eos_id, do_sample=True, recorder=None,
     budgets=None,
 ):  # fmt: skip
-    """Stands in for :func:`lightning_troll.rollouts.rollout.sample`: the j-th completion of a prompt is
+    """Stands in for :func:`lightning_troll.engines.sampling.sample`: the j-th completion of a prompt is
     a fixed function of (prompt, j), of varying length, ended by EOS unless it fills the budget.
     ``eos_id`` is one id or several (the module's stop ids); the first ends the completions.
     A ``recorder`` is fed the model's logits position by position, as ``generate`` feeds it.
     Single-turn runs only: a prompt's own ``budgets`` (an episode's turn) are refused."""
-    from lightning_troll.rollouts.rollout import left_pad, position_ids, response_mask_of
+    from lightning_troll.engines.sampling import left_pad, response_mask_of
+    from lightning_troll.rollouts.rollout import position_ids
 
     if budgets is not None:
         raise NotImplementedError("scripted_sample stands in for single-turn rollouts only")
@@ -104,11 +105,11 @@ def build(args, out: Path):
         SparsityCoverageMonitor,
         TrustRegionMonitor,
     )
-    from lightning_troll.data.datamodule import PromptDataModule
+    from lightning_troll.engines.sampling import SamplingConfig
     from lightning_troll.models.lora import LoraConfig
     from lightning_troll.models.snapshots import SnapshotConfig
     from lightning_troll.objectives.options import TrustRegionConfig
-    from lightning_troll.rollouts.rollout import SamplingConfig
+    from lightning_troll.tasks.data.datamodule import PromptDataModule
     from lightning_troll.training.checkpoint_io import install_atomic_saves
     from lightning_troll.training.module import OptimizationConfig, TrollModule
 
@@ -213,8 +214,8 @@ def gather_counts(module, prompts: list[list[int]]) -> dict[str, int]:
     import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule
 
+    from lightning_troll.engines.sampling import SamplingConfig, sample
     from lightning_troll.models.sharding import gathered
-    from lightning_troll.rollouts.rollout import SamplingConfig, sample
 
     calls = {"n": 0}
     # What FSDP2 gathers weights with: all_gather_single in torch 2.13; torch 2.11 (the GPU
@@ -246,8 +247,8 @@ def gather_counts(module, prompts: list[list[int]]) -> dict[str, int]:
 
 def greedy(module) -> torch.Tensor:
     """Greedy completions of a few prompts by the trained policy, as validation makes them."""
+    from lightning_troll.engines.sampling import SamplingConfig, sample
     from lightning_troll.models.sharding import gathered
-    from lightning_troll.rollouts.rollout import SamplingConfig, sample
 
     prompts = [module.tokenizer.encode(p) for p in ("12+34=", "7-9=", "50+50=")]
     with gathered(module.policy):
@@ -293,7 +294,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--validate", type=int, default=0, help="validate on N rows, no fit")
     args = parser.parse_args(argv)
 
-    import lightning_troll.rollouts.engine as engines
+    import lightning_troll.engines.hf as engines
 
     if not args.real_sampling and args.engine == "hf":  # the HF engine samples with it
         engines.sample = scripted_sample

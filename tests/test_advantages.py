@@ -172,8 +172,8 @@ def test_scale_rewards_divides_a_registered_estimator_and_refuses_unknown_scales
 def test_a_dropped_reward_grows_grpo_advantages_and_shrinks_rloo_ones_as_the_docs_say():
     """Rewards 1, 0, 0 and a dropped one, filled with the others' mean 1/3 (docs/rewards.md):
     GRPO gives the 1 an advantage of 1.41 (1.15 over the three alone), RLOO 0.89 (1 alone)."""
-    from lightning_troll.rewards.registry import RewardOutput
     from lightning_troll.rollouts.samples import filled_rewards
+    from lightning_troll.tasks.rewards.registry import RewardOutput
 
     scored = RewardOutput(torch.tensor([1.0, 0.0, 0.0, 5.0]), {}, torch.tensor([1, 1, 1, 0]) > 0)
     filled = filled_rewards(scored, 4)

@@ -6,12 +6,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from lightning_troll.rollouts.behaviour import (
+from lightning_troll.engines.behaviour import (
     BehaviourRecord,
     BehaviourRecorder,
     records_while_sampling,
 )
-from lightning_troll.rollouts.rollout import SamplingConfig, behaviour_outputs, sample
+from lightning_troll.engines.sampling import SamplingConfig, sample
+from lightning_troll.rollouts.rollout import behaviour_outputs
 from lightning_troll.trust_region.projection import SparseDistribution, sparsify
 
 PROMPTS = [[1, 5, 9, 4], [1, 7], [1, 3, 3, 8, 6]]

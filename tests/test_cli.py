@@ -14,8 +14,8 @@ from lightning_troll.cli.command import main as cli_main
 from lightning_troll.cli.command import quarter_means, shows_help
 from lightning_troll.cli.command import run as cli_run
 from lightning_troll.objectives import ClipObjective, TrollObjective
-from lightning_troll.rewards.options import DEPRECATED_KEYS
-from lightning_troll.rewards.registry import RewardError
+from lightning_troll.tasks.rewards.options import DEPRECATED_KEYS
+from lightning_troll.tasks.rewards.registry import RewardError
 from lightning_troll.training import policies as policies_file
 from lightning_troll.training.module import TrollModule
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_troll.rewards.functions import tinymath
+from lightning_troll.tasks.rewards.functions import tinymath
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -61,7 +61,7 @@ def test_the_api_example_collects_a_rollout_and_trains_on_it():
 
 
 def test_the_modules_collector_is_the_pipeline_over_its_parts(tiny_model_dir):
-    from lightning_troll.data.prompts import collate_prompts
+    from lightning_troll.tasks.data.prompts import collate_prompts
     from tests.test_training import make_data, make_module
 
     module = make_module(tiny_model_dir)
@@ -87,7 +87,7 @@ def test_every_rollout_figure_is_logged_on_the_module_device(tiny_model_dir):
     from types import SimpleNamespace
 
     from lightning_troll.callbacks.samples import log_rollout
-    from lightning_troll.data.prompts import collate_prompts
+    from lightning_troll.tasks.data.prompts import collate_prompts
     from tests.test_training import make_data, make_module
 
     module = make_module(tiny_model_dir)

@@ -10,10 +10,10 @@ import string
 
 import pytest
 
-from lightning_troll.data.datamodule import PromptDataModule, write_jsonl
-from lightning_troll.data.prompts import collate_prompts
 from lightning_troll.models.tinymath import char_tokenizer
-from lightning_troll.rewards.registry import RewardScorer
+from lightning_troll.tasks.data.datamodule import PromptDataModule, write_jsonl
+from lightning_troll.tasks.data.prompts import collate_prompts
+from lightning_troll.tasks.rewards.registry import RewardScorer
 
 # a chat template that writes every message as [role]content: what it received shows in the text
 TEMPLATE = (

@@ -10,7 +10,8 @@ import pytest
 import torch
 from transformers import PreTrainedTokenizerFast
 
-from lightning_troll.data.datamodule import (
+from lightning_troll.models.tinymath import char_tokenizer
+from lightning_troll.tasks.data.datamodule import (
     EpochShuffleSampler,
     PromptBatch,
     PromptDataModule,
@@ -19,8 +20,7 @@ from lightning_troll.data.datamodule import (
     read_rows,
     write_jsonl,
 )
-from lightning_troll.models.tinymath import char_tokenizer
-from lightning_troll.rewards.registry import RewardScorer
+from lightning_troll.tasks.rewards.registry import RewardScorer
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +131,7 @@ def test_val_file_caps_and_keeps_order(tok, tmp_path):
 def test_tinymath_with_a_val_file_takes_every_row_of_it_when_num_val_is_null(tmp_path):
     """The datamodule's docs: data.val_file works with any source, and num_val null takes all of
     its rows (TinyMath refused null before, as if the rows were its own)."""
-    from lightning_troll.data.sources import PromptSource
+    from lightning_troll.tasks.data.sources import PromptSource
 
     val = write_jsonl(tmp_path / "val.jsonl", rows_of(5))
     source = PromptSource("tinymath", None, "train", "test", 16, None, 0, str(val))

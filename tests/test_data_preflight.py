@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_troll.data.preflight import check_data_files
+from lightning_troll.tasks.data.preflight import check_data_files
 from tests.conftest import refused_here
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -164,8 +164,8 @@ def test_a_hub_dataset_name_is_checked_before_the_model_loads(monkeypatch, tmp_p
     from huggingface_hub import HfApi, constants
     from huggingface_hub.errors import RepositoryNotFoundError
 
-    from lightning_troll.data.preflight import check_hub_dataset
     from lightning_troll.models import loading
+    from lightning_troll.tasks.data.preflight import check_hub_dataset
 
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "datasets")

@@ -1,4 +1,4 @@
-"""The decoding loop of rollouts (lightning_troll.rollouts.decode) against ``generate``, the
+"""The decoding loop of rollouts (lightning_troll.engines.decode) against ``generate``, the
 model's own distribution and a teacher-forced pass."""
 
 from __future__ import annotations
@@ -23,12 +23,13 @@ from transformers import (
     TopPLogitsWarper,
 )
 
+from lightning_troll.engines import decode as decode_module
+from lightning_troll.engines import sampling as sampling_module
+from lightning_troll.engines.behaviour import BehaviourRecorder
+from lightning_troll.engines.decode import cannot_decode, top_k_mask, top_p_mask
+from lightning_troll.engines.sampling import SamplingConfig, left_pad, sample
 from lightning_troll.models.loading import load_policy, load_tokenizer
-from lightning_troll.rollouts import decode as decode_module
-from lightning_troll.rollouts import rollout
-from lightning_troll.rollouts.behaviour import BehaviourRecorder
-from lightning_troll.rollouts.decode import cannot_decode, top_k_mask, top_p_mask
-from lightning_troll.rollouts.rollout import SamplingConfig, behaviour_outputs, left_pad, sample
+from lightning_troll.rollouts.rollout import behaviour_outputs
 from lightning_troll.trust_region.sparse import sparsify
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -75,7 +76,7 @@ def generated(
     args = (model, prompts, group, sampling, pad, stops, do_sample, recorder)
     if path == "generate":
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(rollout, "decode", lambda *args, **kwargs: None)
+            patch.setattr(sampling_module, "decode", lambda *args, **kwargs: None)
             return sample(*args, budgets=budgets)
     return sample(*args, budgets=budgets)
 

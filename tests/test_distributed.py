@@ -123,7 +123,7 @@ def test_validation_over_two_processes_counts_every_row_once(tmp_path):
     """Five held-out rows over two processes: one answers rows 0, 2 and 4, the other rows 1 and
     3 and a copy of row 0 that it does not count. The figures equal one process's, and
     ``val/reward`` (each row's gold answer) is the mean over the five rows."""
-    from lightning_troll.data.datamodule import PromptDataModule
+    from lightning_troll.tasks.data.datamodule import PromptDataModule
 
     options = ["--validate", "5", "--reward", "tests.reward_helpers:gold_answer"]
     one = json.loads((launch(tmp_path / "one", *options) / "validated.json").read_text())

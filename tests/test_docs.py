@@ -169,7 +169,7 @@ def fit_options() -> dict[str, argparse.Action]:
     """Option string -> action of ``lightning-troll fit``: the parser that ``lightning_troll.cli.command``
     builds, stopped before it parses anything (no model is loaded)."""
     from lightning_troll.cli.command import TRAINER_DEFAULTS, TrollCLI
-    from lightning_troll.data.datamodule import PromptDataModule
+    from lightning_troll.tasks.data.datamodule import PromptDataModule
     from lightning_troll.training.module import TrollModule
 
     class ParserOnly(TrollCLI):

@@ -7,11 +7,11 @@ import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
 
-from lightning_troll.data.datamodule import collate_prompts
-from lightning_troll.data.prompts import draw_prompts
 from lightning_troll.objectives.advantages import flat_groups
-from lightning_troll.rewards.options import RewardOptions
 from lightning_troll.rollouts.dynamic_sampling import cat_sequences, choose_groups, group_rows
+from lightning_troll.tasks.data.datamodule import collate_prompts
+from lightning_troll.tasks.data.prompts import draw_prompts
+from lightning_troll.tasks.rewards.options import RewardOptions
 from lightning_troll.training.module import LossConfig
 from tests.test_resume import logged
 from tests.test_training import Recorder, make_data, make_module, make_trainer

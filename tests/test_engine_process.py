@@ -11,9 +11,9 @@ import torch
 from lightning.pytorch import Callback
 
 from lightning_troll.callbacks import OldPolicyRefresh, RolloutGeneration
+from lightning_troll.engines.hf import HFEngine
+from lightning_troll.engines.process import ProcessEngine, fingerprint
 from lightning_troll.models.weights import full_weights
-from lightning_troll.rollouts.engine import HFEngine
-from lightning_troll.rollouts.engine_process import ProcessEngine, fingerprint
 from lightning_troll.training.rollout_parts import engine_in_a_process
 from tests.test_training import make_data, make_module, make_trainer
 

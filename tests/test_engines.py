@@ -8,19 +8,19 @@ import copy
 import pytest
 import torch
 
-from lightning_troll.models.loading import tiny_causal_lm
-from lightning_troll.models.quantize import quantize_int8_
-from lightning_troll.models.weights import full_weights
-from lightning_troll.rollouts.engine import (
+from lightning_troll.engines.base import (
     ENGINES,
     EngineContext,
     Generation,
-    HFEngine,
     RolloutEngine,
     build_engine,
     engine_class,
 )
-from lightning_troll.rollouts.vllm_engine import vllm_available
+from lightning_troll.engines.hf import HFEngine
+from lightning_troll.engines.vllm import vllm_available
+from lightning_troll.models.loading import tiny_causal_lm
+from lightning_troll.models.quantize import quantize_int8_
+from lightning_troll.models.weights import full_weights
 from lightning_troll.training.preflight import check_module_options
 
 
@@ -64,10 +64,10 @@ def test_a_turn_is_sampled_up_to_its_episodes_room_where_the_engine_takes_budget
     ``budgets`` (the built-in ones, one that passes ``**kwargs`` on) samples each context up to
     its own room; one written without them is asked for the largest room for every context (and
     the episode cuts each turn to its room)."""
-    from lightning_troll.rollouts.engine import budgets_for, takes_budgets
+    from lightning_troll.engines.base import budgets_for, takes_budgets
+    from lightning_troll.engines.sampling import SamplingConfig
     from lightning_troll.rollouts.episodes import Stops
     from lightning_troll.rollouts.multiturn import EngineTurns
-    from lightning_troll.rollouts.rollout import SamplingConfig
 
     model = tiny_causal_lm(32).eval()
     engine = engine_class.__new__(engine_class)
@@ -346,7 +346,7 @@ def test_an_engine_for_one_process_is_refused_in_a_run_of_several():
     """A user's engine that cannot share a run with other processes is refused at setup, before
     any rollout; the built-in engines both serve DDP and FSDP2."""
 
-    from lightning_troll.rollouts.vllm_engine import VLLMEngine
+    from lightning_troll.engines.vllm import VLLMEngine
     from lightning_troll.training.rollout_parts import check_engine_processes
 
     class OneProcess(CountingEngine):
@@ -391,8 +391,8 @@ def test_a_vllm_request_samples_up_to_its_prompts_own_budget(monkeypatch):
     import sys
     from types import SimpleNamespace
 
-    from lightning_troll.rollouts.rollout import SamplingConfig
-    from lightning_troll.rollouts.vllm_engine import VLLMEngine
+    from lightning_troll.engines.sampling import SamplingConfig
+    from lightning_troll.engines.vllm import VLLMEngine
 
     monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(SamplingParams=SimpleNamespace))
     engine = VLLMEngine.__new__(VLLMEngine)
@@ -416,8 +416,8 @@ def test_every_request_and_completion_of_a_vllm_call_samples_from_a_seed_of_its_
     import sys
     from types import SimpleNamespace
 
-    from lightning_troll.rollouts.rollout import SamplingConfig
-    from lightning_troll.rollouts.vllm_engine import VLLMEngine, request_seeds
+    from lightning_troll.engines.sampling import SamplingConfig
+    from lightning_troll.engines.vllm import VLLMEngine, request_seeds
 
     monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(SamplingParams=SimpleNamespace))
     engine = VLLMEngine.__new__(VLLMEngine)

@@ -9,11 +9,11 @@ import json
 
 import pytest
 
-from lightning_troll.data.prompts import write_jsonl
-from lightning_troll.environments import EnvironmentChoice, TrlEnvironment
-from lightning_troll.environments.options import EpisodesConfig
 from lightning_troll.rollouts.episodes import EpisodeLimits, Stops, run_episodes
 from lightning_troll.rollouts.multiturn import environment_factory
+from lightning_troll.tasks.data.prompts import write_jsonl
+from lightning_troll.tasks.environments import EnvironmentChoice, TrlEnvironment
+from lightning_troll.tasks.environments.options import EpisodesConfig
 from lightning_troll.training.preflight import check_fit_data
 from tests import tool_helpers
 from tests.chat_helpers import chat_tokenizer
@@ -100,7 +100,7 @@ class Data:
     """What ``check_fit_data`` reads of a DataModule: its prepared rows."""
 
     def __init__(self, train, val=()):
-        from lightning_troll.data.prompts import PromptItem
+        from lightning_troll.tasks.data.prompts import PromptItem
 
         self.train_items = [PromptItem("p", [1], row) for row in train]
         self.val_items = [PromptItem("p", [1], row) for row in val]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_troll.environments import (
+from lightning_troll.tasks.environments import (
     Conversation,
     EnvironmentFactory,
     Step,
@@ -20,7 +20,7 @@ from lightning_troll.environments import (
     template_support,
     tool_section,
 )
-from lightning_troll.environments.rendering import Reply, TemplateSupport
+from lightning_troll.tasks.environments.rendering import Reply, TemplateSupport
 from tests import tool_helpers
 from tests.chat_helpers import CHATML, CHATML_TOOLS, FORGETFUL, chat_tokenizer
 

@@ -8,17 +8,6 @@ import re
 import pytest
 import torch
 
-from lightning_troll.environments import (
-    Environment,
-    EnvironmentFactory,
-    Step,
-    ToolCall,
-    ToolEnvironment,
-    ToolRunner,
-    parse_tool_calls,
-)
-from lightning_troll.environments.protocol import EnvironmentFailure
-from lightning_troll.environments.tools import tool_schema
 from lightning_troll.rollouts.episodes import (
     EpisodeLimits,
     GeneratedTurn,
@@ -28,6 +17,17 @@ from lightning_troll.rollouts.episodes import (
     run_episodes,
 )
 from lightning_troll.rollouts.multiturn import last_turn, sampled_turns
+from lightning_troll.tasks.environments import (
+    Environment,
+    EnvironmentFactory,
+    Step,
+    ToolCall,
+    ToolEnvironment,
+    ToolRunner,
+    parse_tool_calls,
+)
+from lightning_troll.tasks.environments.protocol import EnvironmentFailure
+from lightning_troll.tasks.environments.tools import tool_schema
 from tests import tool_helpers
 from tests.chat_helpers import chat_tokenizer, encode
 
@@ -481,8 +481,8 @@ def tinymath():
 def test_an_episode_of_one_turn_is_a_plain_completion(tinymath, do_sample):
     """The same tokens, the same mask and the same behaviour log-probs as sampling the prompts
     once, greedily or (from the same seed) at random."""
-    from lightning_troll.rollouts.behaviour import BehaviourRecorder
-    from lightning_troll.rollouts.rollout import SamplingConfig, sample
+    from lightning_troll.engines.behaviour import BehaviourRecorder
+    from lightning_troll.engines.sampling import SamplingConfig, sample
 
     model, tokenizer, stop_ids, rows = tinymath
     sampling = SamplingConfig(max_new_tokens=6)
@@ -510,7 +510,7 @@ def test_an_episode_of_one_turn_is_a_plain_completion(tinymath, do_sample):
 
 def test_sampled_episodes_continue_after_the_environments_tokens(tinymath):
     model, tokenizer, stop_ids, rows = tinymath
-    from lightning_troll.rollouts.rollout import SamplingConfig
+    from lightning_troll.engines.sampling import SamplingConfig
 
     torch.manual_seed(1)
     episodes = run_episodes(
@@ -538,7 +538,7 @@ def test_a_turn_sampled_up_to_its_own_room_is_the_turn_cut_there(tinymath, budge
     mask, ends and log-probs. The rooms differ from the second turn on, and no turn runs past
     its own; with 16 tokens, three episodes' last turns end at a room smaller than another's
     (two cut there, one stopping there)."""
-    from lightning_troll.rollouts.rollout import SamplingConfig
+    from lightning_troll.engines.sampling import SamplingConfig
 
     model, tokenizer, stop_ids, rows = tinymath
     generate = sampled_turns(model, SamplingConfig(max_new_tokens=budget), 0, do_sample=False)

@@ -12,10 +12,10 @@ import torch
 import yaml
 
 from lightning_troll.cli.command import run as cli_run
+from lightning_troll.engines.sampling import SamplingConfig, sample
 from lightning_troll.models.loading import load_policy, load_tokenizer, tiny_causal_lm
 from lightning_troll.models.tinymath import build_tokenizer
 from lightning_troll.objectives import ClipObjective, TrollObjective
-from lightning_troll.rollouts.rollout import SamplingConfig, sample
 from lightning_troll.training.checkpoints import (
     CheckpointError,
     check_checkpoint_file,

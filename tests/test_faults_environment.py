@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow  # two whole fits, one in a subprocess
 ENVIRONMENT = """
 from pathlib import Path
 
-from lightning_troll.environments import Environment, Step
+from lightning_troll.tasks.environments import Environment, Step
 
 
 class Breaks(Environment):

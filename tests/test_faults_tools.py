@@ -12,12 +12,12 @@ import warnings
 
 import pytest
 
-from lightning_troll.environments import ToolCall, ToolRunner
-from lightning_troll.environments.options import EpisodesConfig
-from lightning_troll.environments.protocol import EnvironmentFailure, load_environment
-from lightning_troll.environments.tool_workers import ToolResult, tool_failure_problem
-from lightning_troll.environments.tools import load_tool
 from lightning_troll.rollouts.multiturn import EpisodeSampler, episode_figures
+from lightning_troll.tasks.environments import ToolCall, ToolRunner
+from lightning_troll.tasks.environments.options import EpisodesConfig
+from lightning_troll.tasks.environments.protocol import EnvironmentFailure, load_environment
+from lightning_troll.tasks.environments.tool_workers import ToolResult, tool_failure_problem
+from lightning_troll.tasks.environments.tools import load_tool
 from tests.chat_helpers import CHATML_TOOLS, chat_tokenizer
 from tests.conftest import refused_here
 from tests.test_episodes import Scripted

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_troll.data.datamodule import PromptDataModule
-from lightning_troll.data.prompts import collate_prompts
-from lightning_troll.rewards.options import RewardOptions
-from lightning_troll.rewards.registry import RewardError, RewardScorer
+from lightning_troll.tasks.data.datamodule import PromptDataModule
+from lightning_troll.tasks.data.prompts import collate_prompts
+from lightning_troll.tasks.rewards.options import RewardOptions
+from lightning_troll.tasks.rewards.registry import RewardError, RewardScorer
 from tests.test_training import make_module
 
 PROMPTS = [

@@ -1,4 +1,4 @@
-"""Decoding from a static KV cache in buckets (lightning_troll.rollouts.graph_decode) against the
+"""Decoding from a static KV cache in buckets (lightning_troll.engines.graph_decode) against the
 dynamic loop, a teacher-forced pass and the option's checks.
 
 On a CPU the static path runs without graph capture (``static_decode(..., capture=False)``):
@@ -15,12 +15,13 @@ import pytest
 import torch
 from transformers import MistralConfig, MistralForCausalLM
 
-from lightning_troll.rollouts import graph_decode as graph_module
-from lightning_troll.rollouts import rollout
-from lightning_troll.rollouts.behaviour import BehaviourRecorder
-from lightning_troll.rollouts.decode import decode
-from lightning_troll.rollouts.graph_decode import cannot_capture, graph_decode, static_decode
-from lightning_troll.rollouts.rollout import SamplingConfig, behaviour_outputs, left_pad, sample
+from lightning_troll.engines import graph_decode as graph_module
+from lightning_troll.engines import sampling as sampling_module
+from lightning_troll.engines.behaviour import BehaviourRecorder
+from lightning_troll.engines.decode import decode
+from lightning_troll.engines.graph_decode import cannot_capture, graph_decode, static_decode
+from lightning_troll.engines.sampling import SamplingConfig, left_pad, sample
+from lightning_troll.rollouts.rollout import behaviour_outputs
 from tests.test_decode import PROMPTS, VOCAB, sparse_rows, stops_at_several_lengths, tiny_llama
 
 SAMPLINGS = [
@@ -110,8 +111,10 @@ def test_the_static_path_through_sample_gives_every_output_of_the_dynamic_loop(l
         warnings.simplefilter("always")
         theirs = sample(llama64, PROMPTS, 2, sampling, 0, stops, True, budgets=budgets)
     assert [str(w.message) for w in caught if "decode" in str(w.message)]  # no CUDA: warned
-    monkeypatch.setattr(rollout, "graph_decode", partial(static_decode, capture=False))
-    monkeypatch.setattr(rollout, "decode", lambda *a, **k: pytest.fail("the dynamic loop ran"))
+    monkeypatch.setattr(sampling_module, "graph_decode", partial(static_decode, capture=False))
+    monkeypatch.setattr(
+        sampling_module, "decode", lambda *a, **k: pytest.fail("the dynamic loop ran")
+    )
     torch.manual_seed(3)
     ours = sample(llama64, PROMPTS, 2, sampling, 0, stops, True, budgets=budgets)
     for a, b in zip(ours, theirs, strict=True):
@@ -131,8 +134,8 @@ def test_each_prompts_budget_ends_its_completions_there(llama64):
     static, dynamic = both_paths(llama64, PROMPTS, 2, sampling, stops, False, budgets=budgets)
     assert torch.equal(static, dynamic)
     own = torch.tensor(budgets).repeat_interleave(2)  # (B,)
-    response, _ = rollout.response_mask_of(static, stops, own)  # (B, T)
-    free_lengths = rollout.response_mask_of(free, stops)[0].sum(-1)  # (B,)
+    response, _ = sampling_module.response_mask_of(static, stops, own)  # (B, T)
+    free_lengths = sampling_module.response_mask_of(free, stops)[0].sum(-1)  # (B,)
     assert torch.equal(response.sum(-1), torch.minimum(free_lengths, own))
     for seed in (1, 2):
         static, dynamic = both_paths(llama64, PROMPTS, 2, SAMPLINGS[1], stops, True, seed, budgets)
@@ -185,7 +188,7 @@ def test_recorded_rows_equal_a_teacher_forced_pass(llama, sampling):
     ids, mask = left_pad(PROMPTS, 0)
     torch.manual_seed(0)
     tokens = static_decode(llama, ids, mask, 4, sampling, 0, stops, True, recorder, capture=False)
-    response, _ = rollout.response_mask_of(tokens, stops)
+    response, _ = sampling_module.response_mask_of(tokens, stops)
     assert len(set(response.sum(-1).tolist())) >= 3
     full = torch.cat([ids.repeat_interleave(4, 0), tokens.masked_fill(~response, 0)], dim=-1)
     attention = torch.cat([mask.repeat_interleave(4, 0), response.long()], dim=-1)
@@ -343,7 +346,7 @@ def test_graphs_on_cuda_record_a_teacher_forced_passs_log_probs():
     try:
         torch.manual_seed(0)
         tokens = graph_decode(model, ids, mask, 4, sampling, 0, stops, True, recorder)
-        response, _ = rollout.response_mask_of(tokens, stops)
+        response, _ = sampling_module.response_mask_of(tokens, stops)
         full = torch.cat([ids.repeat_interleave(4, 0), tokens.masked_fill(~response, 0)], -1)
         attention = torch.cat([mask.repeat_interleave(4, 0), response.long()], dim=-1)
         logp, old = recorder.finish(tokens).outputs(response)

@@ -1,5 +1,5 @@
-"""The layout of the package: layers whose imports run one way, rooms of readable size, the old
-import paths, and checkpoints written before the move.
+"""The layout of the package: layers whose imports run one way, rooms of readable size, what the
+packages export, and checkpoints written before the move (old paths: ``tests/test_moved.py``).
 """
 
 from __future__ import annotations
@@ -24,15 +24,17 @@ LAYERS = (
     "trust_region",
     "objectives",
     "models",
-    "data",
-    "rewards",
-    "environments",
+    "tasks.data",
+    "tasks.rewards",
+    "tasks.environments",
+    "engines",
     "rollouts",
     "training",
     "callbacks",
     "cli",
 )
-"""Bottom to top: a module imports only from its own layer and the layers below."""
+"""Bottom to top: a module imports only from its own layer and the layers below. ``tasks`` is one
+room of three layers (the data, the rewards, the environments), ordered like the rooms."""
 TORCH_ONLY = {"trust_region", "objectives"}
 """Layers that import neither Lightning nor transformers."""
 
@@ -51,7 +53,10 @@ def modules() -> dict[str, Path]:
 
 def layer_of(module: str) -> str | None:
     parts = module.split(".")
-    return parts[1] if len(parts) > 1 and parts[1] in LAYERS else None
+    for depth in (3, 2):  # a sub-layer (tasks.data) before its room
+        if ".".join(parts[1:depth]) in LAYERS:
+            return ".".join(parts[1:depth])
+    return None
 
 
 def imports_of(path: Path, module: str) -> set[str]:
@@ -72,14 +77,14 @@ def imports_of(path: Path, module: str) -> set[str]:
     return {m for m in found if m in known} | {m for m in found if not m.startswith("lightning")}
 
 
-def test_at_most_nine_entries_at_the_top_one_per_layer():
+def test_at_most_eight_entries_at_the_top_one_per_room():
     entries = {
         p.name
         for p in PACKAGE.iterdir()
         if p.name not in ("__init__.py", "__main__.py", "py.typed")
     } - {"__pycache__"}
-    assert len(entries) <= 9, sorted(entries)
-    assert entries == set(LAYERS) - {"callbacks"}
+    assert len(entries) <= 8, sorted(entries)
+    assert entries == {layer.split(".")[0] for layer in LAYERS} - {"callbacks"}
 
 
 @pytest.mark.parametrize("module", sorted(modules()))
@@ -136,14 +141,7 @@ def test_the_maths_imports_torch_only(layer):
         assert not outside & {"lightning", "transformers", "peft", "datasets"}, (module, outside)
 
 
-@pytest.mark.parametrize(("old", "new"), sorted(lightning_troll.MOVED_MODULES.items()))
-def test_old_module_paths_are_the_same_modules(old, new):
-    assert importlib.import_module(f"lightning_troll.{old}") is importlib.import_module(
-        f"lightning_troll.{new}"
-    )
-
-
-# (an old flat module that is now a package, a name it exported, where the name lives now)
+# (a package, a name it exports, the module the name lives in)
 PACKAGE_EXPORTS = [
     ("objectives", "TrustRegionConfig", "objectives.options"),
     ("objectives", "ClipConfig", "objectives.options"),
@@ -154,29 +152,31 @@ PACKAGE_EXPORTS = [
     ("objectives", "AGGREGATIONS", "objectives.aggregation"),
     ("objectives", "ObjectiveStats", "objectives.stats"),
     ("objectives", "token_entropy", "objectives.base"),
-    ("data", "PromptDataModule", "data.datamodule"),
-    ("data", "read_rows", "data.prompts"),
-    ("rewards", "RewardScorer", "rewards.registry"),
-    ("rewards", "register_reward", "rewards.registry"),
-    ("rewards", "last_number", "rewards.functions"),
-    ("rewards", "overlong", "rewards.options"),
+    ("tasks.data", "PromptDataModule", "tasks.data.datamodule"),
+    ("tasks.data", "read_rows", "tasks.data.prompts"),
+    ("tasks.rewards", "RewardScorer", "tasks.rewards.registry"),
+    ("tasks.rewards", "register_reward", "tasks.rewards.registry"),
+    ("tasks.rewards", "last_number", "tasks.rewards.functions"),
+    ("tasks.rewards", "overlong", "tasks.rewards.options"),
     ("models", "load_policy", "models.loading"),
     ("models", "tiny_causal_lm", "models.loading"),
     ("cli", "main", "cli.command"),
     ("cli", "TrollCLI", "cli.command"),
-    ("module", "TrollModule", "training.module"),
-    ("module", "TrustRegionConfig", "objectives.options"),
-    ("module", "OptimizationConfig", "training.optimization"),
-    ("rollout", "response_logits", "rollouts.forward"),
+    ("engines", "HFEngine", "engines.hf"),
+    ("engines", "SamplingConfig", "engines.sampling"),
+    ("rollouts", "SamplingConfig", "engines.sampling"),
+    ("rollouts", "RolloutCollector", "rollouts.collector"),
+    ("training.module", "TrustRegionConfig", "objectives.options"),
+    ("rollouts.rollout", "response_logits", "rollouts.forward"),
 ]
 
 
-@pytest.mark.parametrize(("old", "name", "home"), PACKAGE_EXPORTS, ids=str)
-def test_old_import_paths_give_the_same_objects(old, name, home):
-    old_module = importlib.import_module(f"lightning_troll.{old}")
+@pytest.mark.parametrize(("package", "name", "home"), PACKAGE_EXPORTS, ids=str)
+def test_the_packages_export_their_modules_names(package, name, home):
+    exporting = importlib.import_module(f"lightning_troll.{package}")
     home_module = importlib.import_module(f"lightning_troll.{home}")
-    assert getattr(old_module, name) is getattr(home_module, name)
-    assert name in old_module.__all__
+    assert getattr(exporting, name) is getattr(home_module, name)
+    assert name in exporting.__all__
 
 
 def test_the_public_names_resolve():
@@ -202,7 +202,7 @@ def test_the_architecture_page_names_every_module_once():
     """docs/architecture.md's table of modules names each module of the package, and no other."""
     text = (ROOT / "docs" / "architecture.md").read_text()
     table = text.split("## Every module", 1)[1].split("\n## ", 1)[0]
-    named = re.findall(r"`((?:[a-z_]+/)?[a-z_0-9]+\.py)`", table)
+    named = re.findall(r"`((?:[a-z_]+/)*[a-z_0-9]+\.py)`", table)
     files = [
         str(path.relative_to(PACKAGE if PACKAGE in path.parents else ROOT))
         for path in modules().values()
@@ -212,8 +212,8 @@ def test_the_architecture_page_names_every_module_once():
 
 
 def test_the_reward_registry_holds_the_built_ins_by_name():
-    from lightning_troll.rewards import functions, options
-    from lightning_troll.rewards.registry import REWARD_FUNCTIONS
+    from lightning_troll.tasks.rewards import functions, options
+    from lightning_troll.tasks.rewards.registry import REWARD_FUNCTIONS
 
     builtins = {name: getattr(functions, name) for name in functions.__all__}
     del builtins["extract_boxed"]  # a helper, not a reward
@@ -253,7 +253,7 @@ def test_a_python_checkpoint_of_the_flat_layout_loads_and_resumes(tmp_path, monk
     from lightning.pytorch import Trainer
 
     from lightning_troll.callbacks import OldPolicyRefresh, RolloutGeneration
-    from lightning_troll.data import PromptDataModule
+    from lightning_troll.tasks.data import PromptDataModule
     from lightning_troll.training.module import TrollModule
 
     monkeypatch.chdir(ROOT)  # the checkpoint names its model folder relative to the repository

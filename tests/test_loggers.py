@@ -12,7 +12,7 @@ import pytest
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_troll.callbacks.figures import markdown_table
-from lightning_troll.rewards.options import RewardOptions
+from lightning_troll.tasks.rewards.options import RewardOptions
 from tests.test_training import fit, make_data, make_module, make_trainer
 
 HISTOGRAMS = ("kl_before", "kl_after", "eta", "support_size")

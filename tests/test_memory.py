@@ -7,10 +7,10 @@ import torch
 from lightning.pytorch import Callback
 
 from lightning_troll.callbacks import OldPolicyRefresh, RolloutGeneration
+from lightning_troll.engines import sampling as sampling_module
 from lightning_troll.models.lora import LoraConfig
 from lightning_troll.models.quantize import Int8Linear, quantize_rows
 from lightning_troll.models.snapshots import SnapshotConfig
-from lightning_troll.rollouts import rollout as rollout_module
 from lightning_troll.rollouts.rollout import behaviour_outputs
 from lightning_troll.training.module import LossConfig, OptimizationConfig, TrollModule
 from tests.test_training import Recorder, fit, make_data, make_module, make_trainer
@@ -39,7 +39,7 @@ class ModeSpy(Callback):
 
     def setup(self, trainer, pl_module, stage):
         generate, loss_of = pl_module.policy.generate, pl_module.loss_of
-        self.decode = rollout_module.decode
+        self.decode = sampling_module.decode
 
         def spy_sampling(run):
             def spy(*args, **kwargs):
@@ -53,10 +53,10 @@ class ModeSpy(Callback):
             return loss_of(*args, **kwargs)
 
         pl_module.policy.generate, pl_module.loss_of = spy_sampling(generate), spy_loss
-        rollout_module.decode = spy_sampling(self.decode)
+        sampling_module.decode = spy_sampling(self.decode)
 
     def teardown(self, trainer, pl_module, stage):
-        rollout_module.decode = self.decode
+        sampling_module.decode = self.decode
 
 
 def test_shared_snapshot_samples_in_eval_mode_and_trains_in_train_mode(tmp_path, tiny_model_dir):

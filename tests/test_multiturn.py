@@ -13,17 +13,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_troll.data.datamodule import PromptDataModule
-from lightning_troll.environments import Step
-from lightning_troll.environments.calls import TOOL_ERROR_KINDS
-from lightning_troll.environments.options import EpisodesConfig
+from lightning_troll.engines.sampling import SamplingConfig
 from lightning_troll.objectives import LossConfig
-from lightning_troll.rewards.registry import RewardOutput
 from lightning_troll.rollouts.episodes import Episode
 from lightning_troll.rollouts.forward import response_logits
 from lightning_troll.rollouts.multiturn import episode_figures
-from lightning_troll.rollouts.rollout import Rollout, SamplingConfig
+from lightning_troll.rollouts.rollout import Rollout
 from lightning_troll.rollouts.samples import filled_rewards
+from lightning_troll.tasks.data.datamodule import PromptDataModule
+from lightning_troll.tasks.environments import Step
+from lightning_troll.tasks.environments.calls import TOOL_ERROR_KINDS
+from lightning_troll.tasks.environments.options import EpisodesConfig
+from lightning_troll.tasks.rewards.registry import RewardOutput
 from lightning_troll.training.module import TrollModule
 from tests.test_training import make_module as training_module
 

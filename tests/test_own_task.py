@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from lightning_troll.cli.command import main as cli_main
-from lightning_troll.rewards.lookup import config_folders
-from lightning_troll.rewards.registry import resolve_reward
+from lightning_troll.tasks.rewards.lookup import config_folders
+from lightning_troll.tasks.rewards.registry import resolve_reward
 from lightning_troll.training.preflight import check_rollout_split, task_rewards
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -201,7 +201,7 @@ def test_the_python_api_refuses_the_same_at_setup(tiny_model_dir):
     """A module and a DataModule built apart: the checks run when the fit sets them up."""
     from lightning.pytorch import Trainer
 
-    from lightning_troll.data.datamodule import PromptDataModule
+    from lightning_troll.tasks.data.datamodule import PromptDataModule
     from lightning_troll.training.module import OptimizationConfig, TrollModule
 
     module = TrollModule(model=str(tiny_model_dir), group_size=2)
@@ -227,7 +227,7 @@ def test_a_lookup_from_another_folder_keeps_what_was_importable_before(tmp_path,
     import sys
     from pathlib import Path
 
-    from lightning_troll.rewards.registry import resolve_reward
+    from lightning_troll.tasks.rewards.registry import resolve_reward
     from tests.reward_helpers import length_reward
 
     root = str(Path(__file__).resolve().parents[1])

@@ -180,7 +180,7 @@ def test_the_pages_tool_trains_from_a_folder_of_its_own(tmp_path, tiny_chat_mode
     chat template (no tool section: the tools go into a system message), its tool in a worker
     process with a timeout, no PYTHONPATH. Whether a model calls it is the episodes' tests'
     business (tests/test_episodes.py scripts the calls)."""
-    from lightning_troll.data.prompts import write_jsonl
+    from lightning_troll.tasks.data.prompts import write_jsonl
 
     text = (ROOT / "docs" / "own-task.md").read_text()
     (block,) = [b for b in re.findall(r"```python\n(.*?)```", text, flags=re.S)

@@ -22,7 +22,7 @@ from lightning_troll.callbacks import (
     SparsityCoverageMonitor,
     TrustRegionMonitor,
 )
-from lightning_troll.data.datamodule import PromptDataModule
+from lightning_troll.engines.sampling import SamplingConfig, response_mask_of, sample
 from lightning_troll.models import gguf, smollm2
 from lightning_troll.models.loading import (
     load_policy,
@@ -31,8 +31,8 @@ from lightning_troll.models.loading import (
     tiny_causal_lm,
 )
 from lightning_troll.models.tinymath import build_tokenizer
-from lightning_troll.rewards.registry import last_number
-from lightning_troll.rollouts.rollout import SamplingConfig, response_mask_of, sample
+from lightning_troll.tasks.data.datamodule import PromptDataModule
+from lightning_troll.tasks.rewards.registry import last_number
 from lightning_troll.training.module import OptimizationConfig, TrollModule
 
 ROOT = Path(__file__).resolve().parents[1]

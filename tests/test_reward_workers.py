@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_troll.rewards import workers as workers_module
-from lightning_troll.rewards.registry import (
+from lightning_troll.tasks.rewards import workers as workers_module
+from lightning_troll.tasks.rewards.registry import (
     RewardError,
     RewardScorer,
     RewardWarning,
@@ -41,7 +41,7 @@ MATH_VERIFY_RIGHT = [
 @pytest.mark.parametrize(("completion", "gold"), MATH_VERIFY_RIGHT)
 def test_math_verify_is_right_where_boxed_or_last_number_are_wrong(completion, gold):
     pytest.importorskip("math_verify")
-    from lightning_troll.rewards.functions import math_verify
+    from lightning_troll.tasks.rewards.functions import math_verify
 
     row = {"answer": gold}
     assert math_verify("Q?", completion, row) == 1.0
@@ -61,7 +61,7 @@ def last_number_or_zero(completion, row) -> float:
 )
 def test_math_verify_scores_wrong_answers_zero(completion, gold):
     pytest.importorskip("math_verify")
-    from lightning_troll.rewards.functions import math_verify
+    from lightning_troll.tasks.rewards.functions import math_verify
 
     assert math_verify("Q?", completion, {"answer": gold}) == 0.0
 
@@ -74,7 +74,7 @@ def test_math_verify_by_name_without_the_package_names_the_extra(monkeypatch):
 
 
 def test_every_builtin_says_when_to_use_it():
-    from lightning_troll.rewards.registry import REWARD_FUNCTIONS
+    from lightning_troll.tasks.rewards.registry import REWARD_FUNCTIONS
 
     for name in ("tinymath", "gsm8k", "boxed", "last_number", "overlong", "math_verify"):
         assert "Use it" in REWARD_FUNCTIONS[name].__doc__, name
@@ -373,7 +373,7 @@ def test_a_reward_a_worker_cannot_load_stops_the_run_whatever_on_error_says(monk
     """No call of it can run in the workers: not one completion's failure to drop or score."""
     import pickle
 
-    from lightning_troll.rewards import registry
+    from lightning_troll.tasks.rewards import registry
     from tests.tool_helpers import LoadsNowhere
 
     monkeypatch.setattr(registry, "check_picklable", lambda *a: pickle.dumps(LoadsNowhere()))
@@ -429,7 +429,7 @@ def test_math_verify_trains_by_name(tmp_path, tiny_model_dir):
     module = make_module(tiny_model_dir, rewards={"math_verify": 1.0})
     trainer, module, recorder = fit(tmp_path, tiny_model_dir, max_steps=2, module=module)
     assert trainer.global_step == 2
-    from lightning_troll.rewards.functions import math_verify
+    from lightning_troll.tasks.rewards.functions import math_verify
 
     assert module.scorer.functions == {"math_verify": math_verify}
     reward = trainer.callback_metrics["reward/mean"]
@@ -457,7 +457,7 @@ def _descendants(pid: int) -> set[int]:
 TRAINER = """
 import sys
 sys.path.insert(0, {root!r})
-from lightning_troll.rewards.registry import RewardScorer
+from lightning_troll.tasks.rewards.registry import RewardScorer
 if __name__ == "__main__":
     scorer = RewardScorer({{"tests.reward_helpers:hangs_and_counts": 1.0}}, workers=2,
                           on_error="drop")

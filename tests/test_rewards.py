@@ -10,13 +10,13 @@ import warnings
 import pytest
 import torch
 
-from lightning_troll.rewards.options import (
+from lightning_troll.tasks.rewards.options import (
     DEPRECATED_KEYS,
     RewardOptions,
     fold_stored,
     merge_deprecated,
 )
-from lightning_troll.rewards.registry import (
+from lightning_troll.tasks.rewards.registry import (
     REWARD_FUNCTIONS,
     RewardError,
     RewardScorer,

@@ -208,11 +208,11 @@ def test_a_tied_head_keeps_the_embeddings_base_weight_and_tying_engines_are_refu
     samples from the snapshot itself and is kept."""
     import copy
 
+    from lightning_troll.engines.base import EngineContext
     from lightning_troll.models.loading import tiny_causal_lm
     from lightning_troll.models.lora import apply_lora
     from lightning_troll.models.weights import full_weights, ties_an_adapted_embedding
     from lightning_troll.objectives.options import LossConfig
-    from lightning_troll.rollouts.engine import EngineContext
     from lightning_troll.training.rollout_parts import build_rollout_engine
 
     policy = embedding_lora_policy()

@@ -193,7 +193,7 @@ def first_prompts(*args: str) -> tuple[int, int, list[str]]:
     """(data.seed, model.seed, the first rollout's prompts) of a ``lightning-troll fit`` command
     line, parsed and instantiated as the command does, without training."""
     from lightning_troll.cli.command import TRAINER_DEFAULTS, TrollArgumentParser, TrollCLI
-    from lightning_troll.data.datamodule import PromptDataModule
+    from lightning_troll.tasks.data.datamodule import PromptDataModule
     from lightning_troll.training.module import TrollModule
 
     cli = TrollCLI(

@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from lightning_troll.environments import (
+from lightning_troll.tasks.environments import (
     MalformedCall,
     ToolCall,
     ToolResult,
@@ -18,8 +18,8 @@ from lightning_troll.environments import (
     load_tools,
     parse_tool_calls,
 )
-from lightning_troll.environments.tools import check_arguments, render_result
-from lightning_troll.rewards.lookup import config_folders
+from lightning_troll.tasks.environments.tools import check_arguments, render_result
+from lightning_troll.tasks.rewards.lookup import config_folders
 from tests import tool_helpers
 
 H = "tests.tool_helpers:"
@@ -394,7 +394,7 @@ def test_a_tool_that_kills_its_worker_is_an_error_and_the_worker_is_replaced():
 def test_tool_workers_that_cannot_start_fail_the_environment_not_a_call():
     """No call failed: the pool cannot run any. That is the environment's failure, which stops
     the run cleanly (saved, resumable), not an error text the model would train on."""
-    from lightning_troll.environments.protocol import EnvironmentFailure
+    from lightning_troll.tasks.environments.protocol import EnvironmentFailure
 
     runner = ToolRunner(TOOLS, workers=1, timeout=30.0)
     try:
@@ -408,7 +408,7 @@ def test_tool_workers_that_cannot_start_fail_the_environment_not_a_call():
 def test_a_tool_a_worker_cannot_load_stops_the_run_instead_of_training_on_its_error():
     import pickle
 
-    from lightning_troll.environments.protocol import EnvironmentFailure
+    from lightning_troll.tasks.environments.protocol import EnvironmentFailure
 
     runner = ToolRunner(TOOLS, workers=1, timeout=30.0)
     runner._payloads["multiply"] = pickle.dumps(tool_helpers.LoadsNowhere())

@@ -18,11 +18,11 @@ from lightning_troll.callbacks import (
     TrustRegionMonitor,
 )
 from lightning_troll.callbacks.refresh_options import one_step_trap
-from lightning_troll.data.datamodule import PromptDataModule
+from lightning_troll.engines.sampling import SamplingConfig
 from lightning_troll.objectives import ClipConfig, ClipStats, LossConfig, TrollStats
-from lightning_troll.rewards.options import RewardOptions
-from lightning_troll.rewards.registry import RewardError
-from lightning_troll.rollouts.rollout import SamplingConfig
+from lightning_troll.tasks.data.datamodule import PromptDataModule
+from lightning_troll.tasks.rewards.options import RewardOptions
+from lightning_troll.tasks.rewards.registry import RewardError
 from lightning_troll.training.module import OptimizationConfig, TrollModule, TrustRegionConfig
 
 pytestmark = pytest.mark.slow  # whole fits: seconds each

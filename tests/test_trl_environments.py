@@ -10,14 +10,14 @@ import sys
 
 import pytest
 
-from lightning_troll.environments import (
+from lightning_troll.rollouts.episodes import EpisodeLimits, Stops, run_episodes
+from lightning_troll.tasks.environments import (
     EnvironmentFactory,
     Step,
     TrlEnvironment,
     is_trl_environment,
 )
-from lightning_troll.environments.protocol import EnvironmentFailure
-from lightning_troll.rollouts.episodes import EpisodeLimits, Stops, run_episodes
+from lightning_troll.tasks.environments.protocol import EnvironmentFailure
 from tests import tool_helpers
 from tests.chat_helpers import chat_tokenizer
 from tests.test_episodes import Scripted
@@ -64,7 +64,7 @@ def test_an_episode_keeps_its_state_in_its_own_instance():
 def test_an_episode_reads_each_methods_schema_once(monkeypatch):
     """The schemas come from the docstrings and type hints once per episode (two methods, two
     reads), not once to check them and again to load them."""
-    from lightning_troll.environments import tools
+    from lightning_troll.tasks.environments import tools
 
     reads = []
     real = tools.tool_schema
@@ -173,7 +173,7 @@ def test_a_trl_environment_trains_from_a_folder_of_its_own(
 ):
     """An environment class in TRL's form beside task.yaml, its reward from get_reward alone
     (model.rewards empty): every episode scores 0.5 however it ends, so reward/mean is 0.5."""
-    from lightning_troll.data.prompts import write_jsonl
+    from lightning_troll.tasks.data.prompts import write_jsonl
 
     folder = tmp_path / "my_task"
     folder.mkdir()

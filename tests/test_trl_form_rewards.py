@@ -11,9 +11,9 @@ import warnings
 
 import pytest
 
-from lightning_troll.rewards.calls import RewardError, RewardWarning
-from lightning_troll.rewards.registry import RewardScorer
-from lightning_troll.rewards.trl_form import TrlFormReward, is_trl_form
+from lightning_troll.tasks.rewards.calls import RewardError, RewardWarning
+from lightning_troll.tasks.rewards.registry import RewardScorer
+from lightning_troll.tasks.rewards.trl_form import TrlFormReward, is_trl_form
 from tests.test_own_task_example import fit_in_own_folder
 
 
@@ -211,7 +211,7 @@ def test_a_trl_form_reward_trains_from_a_folder_of_its_own(
 ):
     """The reward in TRL's form lies beside task.yaml; one rollout on a tiny model from that
     folder, no PYTHONPATH: every completion scores 0.25, so reward/mean is 0.25."""
-    from lightning_troll.data.prompts import write_jsonl
+    from lightning_troll.tasks.data.prompts import write_jsonl
 
     folder = tmp_path / "my_task"
     folder.mkdir()

@@ -7,9 +7,9 @@ import pytest
 import torch
 from lightning.pytorch import Trainer
 
-from lightning_troll.data.datamodule import PromptDataModule
-from lightning_troll.data.prompts import seeded_generator
-from lightning_troll.rollouts.rollout import sample
+from lightning_troll.engines.sampling import sample
+from lightning_troll.tasks.data.datamodule import PromptDataModule
+from lightning_troll.tasks.data.prompts import seeded_generator
 from lightning_troll.training.validation import pass_at_k
 from tests.test_training import make_data, make_module
 
@@ -123,7 +123,7 @@ def test_copies_that_pad_a_shared_validation_set_are_answered_but_not_counted(ti
     import dataclasses
     from types import SimpleNamespace
 
-    from lightning_troll.data.prompts import collate_prompts
+    from lightning_troll.tasks.data.prompts import collate_prompts
     from lightning_troll.training.validation import validation_metrics
 
     data = make_data(tiny_model_dir, num_val=5, val_samples=2)

@@ -12,11 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lightning_troll.engines.base import EngineContext, build_engine
+from lightning_troll.engines.sampling import SamplingConfig, sample
 from lightning_troll.models.loading import load_policy, load_tokenizer, stop_token_ids
 from lightning_troll.models.weights import full_weights
-from lightning_troll.rollouts.engine import EngineContext, build_engine
 from lightning_troll.rollouts.forward import behaviour_outputs
-from lightning_troll.rollouts.rollout import SamplingConfig, sample
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -194,7 +194,7 @@ def test_episodes_sample_with_vllm_and_its_logprobs_match_the_snapshot():
     """Three-turn plain-text episodes sampled by vLLM: the environment's replies are in the
     sequence and outside the response mask, and vLLM's log-probs of the model's tokens agree
     with the snapshot's teacher-forced pass (the logged mismatch, over the model's tokens)."""
-    from lightning_troll.environments.options import EpisodesConfig
+    from lightning_troll.tasks.environments.options import EpisodesConfig
     from tests.test_multiturn import a_batch
     from tests.test_training import make_module
 
@@ -227,7 +227,7 @@ def test_vllm_in_a_process_of_its_own_samples_with_the_weights_it_was_sent(tinym
     """``rollout_engine_options: {process: true}`` with vLLM: the child starts vLLM, samples the
     prompts with the weights sent (its fingerprint says so), and its log-probs are the policy's
     own at the sampled tokens."""
-    from lightning_troll.rollouts.engine_process import fingerprint
+    from lightning_troll.engines.process import fingerprint
     from lightning_troll.training.rollout_parts import engine_in_a_process
 
     _, policy, tokenizer = tinymath

@@ -10,7 +10,7 @@ import time
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from lightning_troll.environments import Environment, Step
+from lightning_troll.tasks.environments import Environment, Step
 
 
 def multiply(a: float, b: float) -> float:

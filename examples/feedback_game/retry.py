@@ -21,7 +21,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from lightning_troll.environments import Environment, Step
+from lightning_troll.tasks.environments import Environment, Step
 
 INSTRUCTION = "Answer in one short sentence that ends with the number."
 FEEDBACK = "That is not right. Check your steps and answer again, ending with the number."

@@ -19,11 +19,11 @@ from lightning_troll.callbacks import (
     TrustRegionMonitor,
 )
 from lightning_troll.callbacks.refresh_options import check_refresh
-from lightning_troll.data.datamodule import PromptDataModule
-from lightning_troll.data.preflight import check_data_files, check_hub_dataset
-from lightning_troll.data.prompts import PLAIN_TEMPLATE
 from lightning_troll.models.loading import check_reachable
-from lightning_troll.rewards.registry import resolve_reward
+from lightning_troll.tasks.data.datamodule import PromptDataModule
+from lightning_troll.tasks.data.preflight import check_data_files, check_hub_dataset
+from lightning_troll.tasks.data.prompts import PLAIN_TEMPLATE
+from lightning_troll.tasks.rewards.registry import resolve_reward
 from lightning_troll.training.preflight import (
     check_episode_prompts,
     check_module_options,

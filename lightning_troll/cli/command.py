@@ -63,8 +63,8 @@ from lightning_troll.cli.quiet import quiet_library_notices
 from lightning_troll.cli.renamed import fold_renamed_options
 from lightning_troll.cli.seeds import follow_run_seed
 from lightning_troll.cli.stops import full_disk, quiet_about_no_space, refuse, stop
-from lightning_troll.data.datamodule import PromptDataModule
-from lightning_troll.rewards.lookup import config_folders as reward_config_folders
+from lightning_troll.tasks.data.datamodule import PromptDataModule
+from lightning_troll.tasks.rewards.lookup import config_folders as reward_config_folders
 from lightning_troll.training.checkpoint_io import install_atomic_saves
 from lightning_troll.training.checkpoints import (
     changed_options,
@@ -72,6 +72,7 @@ from lightning_troll.training.checkpoints import (
 )
 from lightning_troll.training.faults import RunFault
 from lightning_troll.training.module import DEFAULT_OPTIMIZER, TrollModule
+from lightning_troll.training.moved import fold_moved_options
 
 __all__ = ["BAD_INPUT", "TrollCLI", "main", "quarter_means", "run", "shows_help"]
 
@@ -216,6 +217,8 @@ class TrollCLI(LightningCLI):
         subcommand = self.config.get("subcommand")
         config = self.config[subcommand] if subcommand else self.config
         fold_renamed_options(config.model)
+        if moved := fold_moved_options(config.model, config.get("data")):
+            rank_zero_warn(moved)
         self._config_files = config_files(config)
         with reward_config_folders(self._config_files):
             check_task(config)
@@ -235,6 +238,8 @@ class TrollCLI(LightningCLI):
         subcommand = self.config.get("subcommand")
         config = self.config[subcommand] if subcommand else self.config
         fold_renamed_options(config.model, from_checkpoint=True)  # what an old one stored
+        if moved := fold_moved_options(config.model, config.get("data")):
+            rank_zero_warn(moved)
         follow_run_seed(config)  # seed_everything: true is drawn after parsing
         check_schedule_length(config)
         if self._given_model is None:

@@ -51,8 +51,9 @@ import torch
 from lightning_troll.models.folders import replace_folder, sync_tree
 from lightning_troll.models.loading import DTYPES
 from lightning_troll.models.weights import carries_adapter, ties_an_adapted_embedding
-from lightning_troll.rewards.options import DEPRECATED_KEYS
+from lightning_troll.tasks.rewards.options import DEPRECATED_KEYS
 from lightning_troll.training.checkpoints import CheckpointError, check_checkpoint_file
+from lightning_troll.training.moved import load_checkpoint_file
 
 __all__ = [
     "FOLDER_READS",
@@ -102,7 +103,8 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
     if not where.is_dir():
         # The checkpoint's own hyper-parameters hold the option records (allow-listed for
         # weights_only in lightning_troll.training.resume); LightningCLI's adds its instantiator.
-        return torch.load(where, map_location="cpu", weights_only=False)
+        # Records pickled under the paths of an earlier layout are found at their places now.
+        return load_checkpoint_file(where, map_location="cpu")
     from lightning.fabric.utilities.load import _load_distributed_checkpoint
 
     for _ in range(FOLDER_READS):

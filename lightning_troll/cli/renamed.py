@@ -4,7 +4,7 @@ present place before anything is built, each with a one-line warning (docs/confi
 
 ``model.reward_kwargs``, ``model.on_reward_error``, ``model.reward_workers`` and
 ``model.reward_timeout`` are the fields ``kwargs``, ``on_error``, ``workers`` and ``timeout`` of
-``model.reward_options`` now (:class:`~lightning_troll.rewards.options.RewardOptions`). A
+``model.reward_options`` now (:class:`~lightning_troll.tasks.rewards.options.RewardOptions`). A
 checkpoint written before the rename stores all four: resuming from one folds them over the
 defaults, without a warning.
 """
@@ -16,7 +16,7 @@ from typing import Any
 
 from jsonargparse import Namespace
 
-from lightning_troll.rewards.options import DEPRECATED_KEYS, RewardOptions, merge_deprecated
+from lightning_troll.tasks.rewards.options import DEPRECATED_KEYS, RewardOptions, merge_deprecated
 
 __all__ = ["fold_renamed_options"]
 
@@ -25,7 +25,7 @@ def fold_renamed_options(model: Namespace, from_checkpoint: bool = False) -> Non
     """Moves the deprecated reward keys given in the parsed ``model`` section into
     ``model.reward_options`` and sets them to null: a value from the command line or a config
     file over the given ``reward_options`` (warned; given beside its new name with another value,
-    refused by :func:`~lightning_troll.rewards.options.merge_deprecated`), or, ``from_checkpoint``,
+    refused by :func:`~lightning_troll.tasks.rewards.options.merge_deprecated`), or, ``from_checkpoint``,
     the values an old checkpoint stored, over the defaults and silently."""
     old = {key: model.get(key) for key in DEPRECATED_KEYS}
     if all(value is None for value in old.values()):

@@ -31,6 +31,7 @@ from lightning_troll.models.tinymath import TINYMATH_DIR
 __all__ = [
     "DTYPES",
     "check_reachable",
+    "is_checkpointed",
     "TINYMATH",
     "load_policy",
     "load_tokenizer",
@@ -379,3 +380,12 @@ def tiny_causal_lm(
         pad_token_id=pad_token_id, bos_token_id=bos_token_id, eos_token_id=eos_token_id
     )
     return model.eval()
+
+
+def is_checkpointed(model: torch.nn.Module) -> bool:
+    """True if the model recomputes its layers in the backward pass (transformers' flag)."""
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):  # new name first
+        value = getattr(model, name, None)
+        if value is not None:
+            return bool(value)
+    return False

@@ -38,24 +38,25 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
+from lightning_troll.engines.base import RolloutEngine
+from lightning_troll.engines.behaviour import BehaviourRecorder, records_while_sampling
+from lightning_troll.engines.sampling import SamplingConfig
 from lightning_troll.models.sharding import gathered, is_sharded
 from lightning_troll.models.snapshots import evaluating
 from lightning_troll.objectives.advantages import overflow_problem
 from lightning_troll.objectives.mismatch import mismatch_weights
 from lightning_troll.objectives.options import LossConfig
-from lightning_troll.rewards.calls import RewardError
-from lightning_troll.rewards.registry import RewardOutput
-from lightning_troll.rollouts.behaviour import BehaviourRecorder, records_while_sampling
 from lightning_troll.rollouts.dynamic_sampling import choose_groups
-from lightning_troll.rollouts.engine import RolloutEngine
 from lightning_troll.rollouts.multiturn import EpisodeSampler, episode_figures
-from lightning_troll.rollouts.rollout import Rollout, SamplingConfig, behaviour_outputs
+from lightning_troll.rollouts.rollout import Rollout, behaviour_outputs
 from lightning_troll.rollouts.samples import RolloutReport, Samples, filled_rewards
 from lightning_troll.rollouts.timing import clock
+from lightning_troll.tasks.rewards.calls import RewardError
+from lightning_troll.tasks.rewards.registry import RewardOutput
 from lightning_troll.trust_region.sparse import SparseDistribution
 
 if TYPE_CHECKING:  # the data layer's package imports Lightning (its DataModule)
-    from lightning_troll.data.prompts import PromptBatch
+    from lightning_troll.tasks.data.prompts import PromptBatch
 
 __all__ = ["RolloutCollector"]
 
@@ -111,7 +112,7 @@ class RolloutCollector:
     """What samples (``hf``: the behaviour policy itself, in this process)."""
     scorer: Callable[..., RewardOutput]
     """The reward functions: ``scorer(prompts, completions, rows, tokens, max_new_tokens,
-    device=...)`` (a :class:`~lightning_troll.rewards.registry.RewardScorer`)."""
+    device=...)`` (a :class:`~lightning_troll.tasks.rewards.registry.RewardScorer`)."""
     decode: Callable[[Tensor, Tensor], list[str]]
     """Response tokens and their mask -> text, without EOS and padding."""
     advantages: Callable[[Tensor], Tensor]

@@ -3,14 +3,14 @@ reply tokenized as the chat template renders it, until the episode ends.
 
 :func:`run_episodes` runs the episodes of a batch with any engine: it takes a ``generate_turn``
 callable (:class:`GenerateTurn`) that continues token sequences, one environment per episode
-(:mod:`lightning_troll.environments`) and their data rows. Each round, every running episode's
+(:mod:`lightning_troll.tasks.environments`) and their data rows. Each round, every running episode's
 context (prompt and response so far) is continued until a stop: an end-of-turn or end-of-text
 token (``<|im_end|>``, eos; kept), or the end of a stop string, ``</tool_call>`` for every
 environment (kept: a turn makes one tool call); tokens after the stop are dropped, so an engine
 that cannot stop at strings may run on.
-The environment answers the turn's text (:func:`~lightning_troll.environments.step_all`); its
+The environment answers the turn's text (:func:`~lightning_troll.tasks.environments.step_all`); its
 reply becomes the tokens the template writes between this turn and the next one's generation
-prompt (:class:`~lightning_troll.environments.Conversation`), with mask 0 and log-prob 0. An
+prompt (:class:`~lightning_troll.tasks.environments.Conversation`), with mask 0 and log-prob 0. An
 episode ends:
 
 - ``"done"``: the environment said so (a :class:`ToolEnvironment` turn without a tool call);
@@ -39,8 +39,8 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from lightning_troll.environments import TOOL_CALL_CLOSE, Conversation, step_all
-from lightning_troll.environments.protocol import (
+from lightning_troll.tasks.environments import TOOL_CALL_CLOSE, Conversation, step_all
+from lightning_troll.tasks.environments.protocol import (
     EnvironmentFailure,
     Step,
     call_environment,
@@ -48,7 +48,7 @@ from lightning_troll.environments.protocol import (
     is_finite_reward,
     tool_schemas_of,
 )
-from lightning_troll.environments.rendering import unrendered
+from lightning_troll.tasks.environments.rendering import unrendered
 
 __all__ = [
     "ENDINGS",
@@ -252,7 +252,7 @@ class _Running:
         if not isinstance(step, Step):
             raise EnvironmentFailure(
                 f"the environment {self.name}.step returned a {type(step).__name__}; an "
-                "environment's step returns a lightning_troll.environments.Step"
+                "environment's step returns a lightning_troll.tasks.environments.Step"
             )
         self.rewards.append(None if step.reward is None else float(step.reward))
         self.tool_calls += step.tool_calls

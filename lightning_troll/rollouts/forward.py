@@ -20,13 +20,14 @@ from functools import partial
 import torch
 from torch import Tensor, nn
 
+from lightning_troll.engines.behaviour import behaviour_rows
+from lightning_troll.models.loading import is_checkpointed
 from lightning_troll.objectives.chunking import (
     HiddenRows,
     check_chunk_size,
     head_logits,
     map_row_chunks,
 )
-from lightning_troll.rollouts.behaviour import behaviour_rows
 from lightning_troll.rollouts.micro_batches import pass_ranges, used_columns
 from lightning_troll.rollouts.packing import packed_response_hidden, packs
 from lightning_troll.rollouts.prompt_cache import (
@@ -188,15 +189,6 @@ def distinct_prompts(input_ids: Tensor, attention_mask: Tensor, prompt_length: i
         0, inverse, positions, reduce="amin"
     )[: int(inverse.max()) + 1]  # (U,)
     return first, inverse
-
-
-def is_checkpointed(model: nn.Module) -> bool:
-    """True if the model recomputes its layers in the backward pass (transformers' flag)."""
-    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):  # new name first
-        value = getattr(model, name, None)
-        if value is not None:
-            return bool(value)
-    return False
 
 
 def _shared_prompt_hidden(

@@ -27,15 +27,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from lightning_troll.environments import EnvironmentChoice, EnvironmentFactory
-from lightning_troll.environments.calls import TOOL_ERROR_KINDS
-from lightning_troll.environments.options import EpisodesConfig
-from lightning_troll.environments.protocol import EnvironmentFailure, closed_on_failure
-from lightning_troll.environments.rendering import check_chat_template
-from lightning_troll.environments.tool_workers import tool_failure_problem
+from lightning_troll.engines.base import RolloutEngine, budgets_for
+from lightning_troll.engines.behaviour import BehaviourRecorder
+from lightning_troll.engines.sampling import SamplingConfig, left_pad, sample
 from lightning_troll.models.sharding import gathered
-from lightning_troll.rollouts.behaviour import BehaviourRecorder
-from lightning_troll.rollouts.engine import RolloutEngine, budgets_for
 from lightning_troll.rollouts.episodes import (
     ENDINGS,
     Episode,
@@ -46,12 +41,17 @@ from lightning_troll.rollouts.episodes import (
     pad_episodes,
     run_episodes,
 )
-from lightning_troll.rollouts.rollout import SamplingConfig, left_pad, sample
 from lightning_troll.rollouts.samples import Samples, filled_rewards
 from lightning_troll.rollouts.timing import clock
+from lightning_troll.tasks.environments import EnvironmentChoice, EnvironmentFactory
+from lightning_troll.tasks.environments.calls import TOOL_ERROR_KINDS
+from lightning_troll.tasks.environments.options import EpisodesConfig
+from lightning_troll.tasks.environments.protocol import EnvironmentFailure, closed_on_failure
+from lightning_troll.tasks.environments.rendering import check_chat_template
+from lightning_troll.tasks.environments.tool_workers import tool_failure_problem
 
 if TYPE_CHECKING:
-    from lightning_troll.data.prompts import PromptBatch
+    from lightning_troll.tasks.data.prompts import PromptBatch
 
 __all__ = [
     "EngineTurns",
@@ -70,7 +70,7 @@ class EngineTurns:
     """A ``generate_turn`` (:class:`~lightning_troll.rollouts.episodes.GenerateTurn`) over
     ``engine.generate``: one continuation per context, each up to the room its episode has left,
     stopping at the stop tokens. An engine whose ``generate`` takes no ``budgets``
-    (:func:`~lightning_troll.rollouts.engine.budgets_for`) samples every context up to the
+    (:func:`~lightning_troll.engines.base.budgets_for`) samples every context up to the
     largest room, and each episode is cut to its own."""
 
     def __init__(
@@ -103,7 +103,7 @@ class EngineTurns:
 def sampled_turns(
     model: nn.Module, sampling: SamplingConfig, pad_id: int, do_sample: bool = True
 ) -> GenerateTurn:
-    """A ``generate_turn`` over :func:`~lightning_troll.rollouts.rollout.sample` (the HF
+    """A ``generate_turn`` over :func:`~lightning_troll.engines.sampling.sample` (the HF
     engine's KV-cached loop) that records the behaviour log-probs while it samples, each context
     up to the room its episode has left. It stops at the stop tokens only; :func:`run_episodes`
     cuts a turn at a stop string."""
@@ -138,7 +138,7 @@ def last_turn(response_mask: Tensor, episodes: Sequence[Episode]) -> Tensor:
 def episode_figures(episodes: Sequence[Episode]) -> dict[str, float]:
     """What the episodes of a rollout did: turns, tool calls and their errors per episode, the
     share that called a tool, and the share of each ending (``episodes/...``). Every ending and
-    every kind of tool error (:data:`~lightning_troll.environments.calls.TOOL_ERROR_KINDS`) has
+    every kind of tool error (:data:`~lightning_troll.tasks.environments.calls.TOOL_ERROR_KINDS`) has
     its figure, 0 where none occurred, so that every process logs the same names (figures are
     reduced over the processes name by name)."""
     n = max(len(episodes), 1)
@@ -219,7 +219,7 @@ def check_tool_failures(episodes: Sequence[Episode], config: EpisodesConfig) -> 
 
 def _is_fault(text: str) -> bool:
     """Whether a tool message is an error of
-    :data:`~lightning_troll.environments.tool_workers.TOOL_FAULTS` (a tool's own failure): the
+    :data:`~lightning_troll.tasks.environments.tool_workers.TOOL_FAULTS` (a tool's own failure): the
     model's errors are a malformed call, an unknown tool or bad arguments."""
     return text.startswith("Error: tool ") and " got bad arguments: " not in text.split("\n")[0]
 

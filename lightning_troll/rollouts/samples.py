@@ -16,10 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from lightning_troll.engines.behaviour import BehaviourRecord
 from lightning_troll.objectives.advantages import flat_groups
-from lightning_troll.rewards.registry import RewardOutput
-from lightning_troll.rollouts.behaviour import BehaviourRecord
 from lightning_troll.rollouts.dynamic_sampling import cat_sequences, group_rows
+from lightning_troll.tasks.rewards.registry import RewardOutput
 
 __all__ = ["RolloutReport", "Samples", "filled_rewards"]
 

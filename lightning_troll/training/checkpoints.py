@@ -27,6 +27,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from lightning_troll.training.moved import load_checkpoint_file
+
 __all__ = [
     "CheckpointError",
     "aside_path",
@@ -145,7 +147,7 @@ def stored_data_seed(path: str | Path) -> int | None:
     path = Path(path)
     source = path / "meta.pt" if path.is_dir() else path
     try:
-        checkpoint = torch.load(source, map_location="cpu", mmap=True, weights_only=False)
+        checkpoint = load_checkpoint_file(source, map_location="cpu", mmap=True)
     except Exception:  # noqa: BLE001 - not a checkpoint this can read: Lightning will say
         return None
     state = checkpoint.get("PromptDataModule") if isinstance(checkpoint, dict) else None

@@ -13,8 +13,8 @@ resume from once the cause is fixed. Nothing here imports Lightning.
 
 from __future__ import annotations
 
-from lightning_troll.environments.protocol import EnvironmentFailure
-from lightning_troll.rewards.calls import RewardError
+from lightning_troll.tasks.environments.protocol import EnvironmentFailure
+from lightning_troll.tasks.rewards.calls import RewardError
 
 __all__ = [
     "FAULT_EXIT_CODE",
@@ -73,7 +73,7 @@ class NonFiniteSteps(RunFault):
 
 class EngineFault(RunFault):
     """The rollout engine's own process died while a rollout was sampled
-    (:class:`~lightning_troll.rollouts.engine_process.EngineDied`), before it trained
+    (:class:`~lightning_troll.engines.process.EngineDied`), before it trained
     (``resumable``)."""
 
     resumable = True

@@ -26,7 +26,8 @@ import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
-from lightning_troll.environments.options import EpisodesConfig
+from lightning_troll.engines.base import EngineContext
+from lightning_troll.engines.sampling import SamplingConfig
 from lightning_troll.models.lora import LoraConfig
 from lightning_troll.models.sharding import (  # the two checks: importable from here too
     check_shardable,  # noqa: F401
@@ -45,20 +46,20 @@ from lightning_troll.objectives import (
 )
 from lightning_troll.objectives.chunking import DEFAULT_CHUNK_SIZE, check_chunk_size
 from lightning_troll.objectives.options import check_anchor
-from lightning_troll.rewards.options import (  # RewardErrorPolicy: importable from here too
+from lightning_troll.rollouts.collector import RolloutCollector
+from lightning_troll.rollouts.drift import kl_to_behaviour
+from lightning_troll.rollouts.dynamic_sampling import check_dynamic_sampling
+from lightning_troll.rollouts.multiturn import EpisodeSampler, environment_factory
+from lightning_troll.rollouts.rollout import Rollout
+from lightning_troll.rollouts.timing import clock
+from lightning_troll.tasks.environments.options import EpisodesConfig
+from lightning_troll.tasks.rewards.options import (  # RewardErrorPolicy: importable from here too
     DEPRECATED_KEYS,
     RewardErrorPolicy,
     RewardOptions,
     merge_deprecated,
 )
-from lightning_troll.rewards.registry import RewardScorer
-from lightning_troll.rollouts.collector import RolloutCollector
-from lightning_troll.rollouts.drift import kl_to_behaviour
-from lightning_troll.rollouts.dynamic_sampling import check_dynamic_sampling
-from lightning_troll.rollouts.engine import EngineContext
-from lightning_troll.rollouts.multiturn import EpisodeSampler, environment_factory
-from lightning_troll.rollouts.rollout import Rollout, SamplingConfig
-from lightning_troll.rollouts.timing import clock
+from lightning_troll.tasks.rewards.registry import RewardScorer
 from lightning_troll.training.optimization import MinibatchLoop, OptimizationConfig, optimizers
 from lightning_troll.training.policies import Policies, policy_loss
 from lightning_troll.training.preflight import check_fit_data, check_module_options

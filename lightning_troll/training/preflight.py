@@ -9,16 +9,16 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from lightning_troll.data.prompts import PLAIN_TEMPLATE
-from lightning_troll.environments.options import environment_problem
+from lightning_troll.engines.base import engine_class
+from lightning_troll.engines.behaviour import BEHAVIOUR_LOGPROBS
 from lightning_troll.objectives import OBJECTIVES
 from lightning_troll.objectives.advantages import (
     BASELINES,
     REWARD_SCALES,
     get_advantage_estimator,
 )
-from lightning_troll.rollouts.behaviour import BEHAVIOUR_LOGPROBS
-from lightning_troll.rollouts.engine import engine_class
+from lightning_troll.tasks.data.prompts import PLAIN_TEMPLATE
+from lightning_troll.tasks.environments.options import environment_problem
 
 __all__ = [
     "GROUP_ESTIMATORS",

@@ -11,10 +11,9 @@ this (the module's checkpoint hooks call it); the helpers it calls are in
 
 The option records a module is built from are pickled with its hyper-parameters, and
 checkpoints are loaded with ``weights_only=True``, which accepts only allow-listed classes:
-:data:`CHECKPOINT_CONFIGS` lists them and this file allows them under their present path and
-under every path they had before (:data:`MOVED_CONFIGS`: ``lightning_troll.module``, then the
-flat modules ``lightning_troll.objectives``, ``optimization``, ``rollout``, ``snapshots`` and
-``lora``), so that checkpoints written before they moved still load.
+:data:`CHECKPOINT_CONFIGS` lists them, and this file allows them under their present path and
+under every path they had before (:mod:`lightning_troll.training.moved`), so that checkpoints
+written before they moved still load.
 """
 
 from __future__ import annotations
@@ -25,12 +24,12 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lightning_troll.environments.options import EpisodesConfig
+from lightning_troll.engines.sampling import SamplingConfig
 from lightning_troll.models.lora import LoraConfig
 from lightning_troll.models.snapshots import SnapshotConfig
 from lightning_troll.objectives import ClipConfig, LossConfig, TrustRegionConfig
-from lightning_troll.rewards.options import RewardOptions, fold_stored
-from lightning_troll.rollouts.rollout import SamplingConfig
+from lightning_troll.tasks.environments.options import EpisodesConfig
+from lightning_troll.tasks.rewards.options import RewardOptions, fold_stored
 from lightning_troll.training.checkpoints import (
     changed_options,
     check_compatible,
@@ -38,9 +37,10 @@ from lightning_troll.training.checkpoints import (
     rng_states_by_rank,
     seed_per_rank,
 )
+from lightning_troll.training.moved import allow_moved_records
 from lightning_troll.training.optimization import MinibatchLoop, OptimizationConfig
 
-__all__ = ["CHECKPOINT_CONFIGS", "MOVED_CONFIGS", "ResumeState"]
+__all__ = ["CHECKPOINT_CONFIGS", "ResumeState"]
 
 CHECKPOINT_CONFIGS = (
     TrustRegionConfig,
@@ -55,22 +55,16 @@ CHECKPOINT_CONFIGS = (
 )
 """The option records TrollModule's hyper-parameters (and so its checkpoints) hold."""
 
-MOVED_CONFIGS: tuple[tuple[type, str], ...] = (
-    *(
-        (config, f"lightning_troll.{old}.{config.__name__}")
-        for config in (TrustRegionConfig, ClipConfig, LossConfig)
-        for old in ("module", "objectives")
-    ),
-    (OptimizationConfig, "lightning_troll.module.OptimizationConfig"),
-    (OptimizationConfig, "lightning_troll.optimization.OptimizationConfig"),
-    (SamplingConfig, "lightning_troll.rollout.SamplingConfig"),
-    (SnapshotConfig, "lightning_troll.snapshots.SnapshotConfig"),
-    (LoraConfig, "lightning_troll.lora.LoraConfig"),
-)
-"""(option record, a path it had before): what older checkpoints name it by. The package's
-present ``lightning_troll.objectives`` exports the first three under that name too."""
+REEXPORTED = {
+    f"lightning_troll.{old}.{config.__name__}": config
+    for config in (TrustRegionConfig, ClipConfig, LossConfig)
+    for old in ("module", "objectives")
+} | {"lightning_troll.module.OptimizationConfig": OptimizationConfig}
+"""Paths older checkpoints name a record by that a module re-exported it under (the flat
+``module`` and ``objectives``); every other old path follows from ``moved.MOVED_MODULES``."""
 
-torch.serialization.add_safe_globals([*CHECKPOINT_CONFIGS, *MOVED_CONFIGS])
+torch.serialization.add_safe_globals(list(CHECKPOINT_CONFIGS))
+allow_moved_records(CHECKPOINT_CONFIGS, REEXPORTED)
 
 
 class ResumeState:

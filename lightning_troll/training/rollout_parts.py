@@ -16,12 +16,12 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies import Strategy
 from torch import Tensor, nn
 
+from lightning_troll.engines.base import EngineContext, RolloutEngine, build_engine
+from lightning_troll.engines.process import ProcessEngine
 from lightning_troll.models.lora import LoraConfig
 from lightning_troll.objectives import LossConfig
 from lightning_troll.objectives.advantages import compute_advantages
 from lightning_troll.rollouts.drift import support_rule
-from lightning_troll.rollouts.engine import EngineContext, RolloutEngine, build_engine
-from lightning_troll.rollouts.engine_process import ProcessEngine
 from lightning_troll.trust_region.projection import (
     SparseDistribution,
     TrustRegionProjection,

@@ -17,14 +17,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_troll.data.prompts import seeded_generator
-from lightning_troll.environments.protocol import EnvironmentFailure
+from lightning_troll.engines.sampling import sample
 from lightning_troll.models.sharding import gathered
-from lightning_troll.rewards.calls import RewardError
-from lightning_troll.rewards.registry import RewardOutput, reward_tag
 from lightning_troll.rollouts.episodes import Episode
 from lightning_troll.rollouts.multiturn import episode_figures, sampled_turns
-from lightning_troll.rollouts.rollout import sample
+from lightning_troll.tasks.data.prompts import seeded_generator
+from lightning_troll.tasks.environments.protocol import EnvironmentFailure
+from lightning_troll.tasks.rewards.calls import RewardError
+from lightning_troll.tasks.rewards.registry import RewardOutput, reward_tag
 from lightning_troll.training.faults import EpisodeFault, RewardFault
 
 __all__ = [
@@ -73,7 +73,7 @@ def validation_metrics(module: Any, batch: Any, batch_idx: int) -> dict[str, tup
     the mean of), the weight it takes in the mean over batches and processes.
 
     A completion is correct when its total reward over the functions that have a best score
-    reaches full marks (:attr:`~lightning_troll.rewards.registry.RewardScorer.full_marks`; a
+    reaches full marks (:attr:`~lightning_troll.tasks.rewards.registry.RewardScorer.full_marks`; a
     reward model's logit is left out). Where no function has one (a reward model alone, or
     episodes scored by their environment alone, ``model.rewards: {}``, whose reward is the sum of
     its turn rewards) a positive total is correct. Prompts that only pad a validation set

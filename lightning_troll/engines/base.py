@@ -1,0 +1,207 @@
+"""Rollout engines: what samples a rollout's completions from the behaviour policy.
+
+An engine turns prompts into G sampled completions each. It does not score them, does not
+compute advantages and does not hold the old distributions TROLL projects onto: those come from
+the trainer's own snapshot, whatever the engine (``callbacks/rollout.py``). The interface is
+small:
+
+- :meth:`RolloutEngine.generate`: token ids in, :class:`Generation` out (the sequences, which
+  positions are response tokens, and the sampled tokens' log-probs where the engine has them);
+- :meth:`RolloutEngine.load_weights`: takes the behaviour policy's current weights, called
+  before the first generation and after every snapshot refresh (:attr:`RolloutEngine.stale`);
+- :meth:`RolloutEngine.figures`: the engine's own figures, logged as ``engine/<name>``;
+- :meth:`RolloutEngine.close`: frees what the engine holds.
+
+``model.rollout_engine`` names one: ``hf`` (:class:`~lightning_troll.engines.hf.HFEngine`, the
+default: transformers' model, KV-cached, in the trainer's own process; it needs nothing more),
+``vllm`` (:class:`~lightning_troll.engines.vllm.VLLMEngine`, after ``make setup-vllm``), or the
+import path ``package.module:Class`` (or ``package.module.Class``) of a user's own subclass. No
+Lightning here.
+
+Notation: P prompts, G completions per prompt, B = P * G sequences (prompt-major), S prompt
+length (left padded), T response length (right padded).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor, nn
+
+from lightning_troll.engines.behaviour import BehaviourRecorder
+from lightning_troll.engines.sampling import SamplingConfig
+
+__all__ = [
+    "ENGINES",
+    "EngineContext",
+    "Generation",
+    "RolloutEngine",
+    "budgets_for",
+    "build_engine",
+    "takes_budgets",
+]
+
+
+@dataclass(frozen=True)
+class Generation:
+    """G completions per prompt, as an engine returns them."""
+
+    input_ids: Tensor
+    """(B, S + T) prompt (left padded) followed by the response (right padded with pad_id)."""
+    attention_mask: Tensor
+    """(B, S + T) 1 at prompt and response tokens, 0 at padding."""
+    response_mask: Tensor
+    """(B, T) bool, True at response tokens up to and including the first stop token."""
+    truncated: Tensor
+    """(B,) bool, True where the completion hit the token budget without a stop token."""
+    logprobs: Tensor | None = None
+    """(B, T) float32 log-probs the engine gave the sampled tokens at the sampling temperature
+    (0 at padding), or None where the engine does not report them."""
+
+
+@dataclass(frozen=True)
+class EngineContext:
+    """What an engine is built from: the model the run loads, and how it computes."""
+
+    model: str
+    """``model.model``: a hub name, a local directory, or ``tinymath``."""
+    dtype: str
+    """``model.dtype``: float32, bfloat16, float16 or auto."""
+    tokenizer: Any
+    """The run's tokenizer (its chat template has already been applied to the prompts)."""
+    lora: Any = None
+    """``model.lora`` (a ``LoraConfig``) when the policy trains LoRA adapters (engines then take
+    merged weights), else None."""
+    tied_embedding_adapter: bool = False
+    """True when the policy's output layer is tied to an input embedding that carries a LoRA
+    adapter (:func:`~lightning_troll.models.weights.ties_an_adapted_embedding`)."""
+
+
+class RolloutEngine:
+    """Samples completions from the behaviour policy; the base class of every engine.
+
+    Args:
+        context: the run's model, dtype and tokenizer.
+        **options: the engine's own options (``model.rollout_engine_options``); an engine that
+            takes none refuses any.
+    """
+
+    name = "custom"
+    """The engine's name in logs and errors."""
+    several_processes = False
+    """True when the engine serves a run of several processes (DDP, FSDP2); otherwise such a run
+    is refused before training."""
+    records_behaviour = False
+    """True when a :class:`BehaviourRecorder` can see the snapshot's own logits while it samples
+    (then no teacher-forced pass is needed after sampling); otherwise the snapshot recomputes
+    the behaviour log-probs after sampling."""
+
+    def __init__(self, context: EngineContext, **options: Any) -> None:
+        if options:
+            raise ValueError(
+                f"model.rollout_engine_options: the {self.name} engine takes no options; got "
+                f"{sorted(options)}"
+            )
+        self.context = context
+        self.stale = True
+        """True until :meth:`load_weights` has given the engine the behaviour policy's weights
+        (set again by every snapshot refresh)."""
+
+    @classmethod
+    def check_installed(cls) -> None:
+        """Raises ``ImportError`` saying how to install what the engine needs, if it is missing
+        (called before the model loads)."""
+
+    def generate(
+        self,
+        snapshot: nn.Module,
+        prompt_ids: list[list[int]],
+        group_size: int,
+        sampling: SamplingConfig,
+        pad_id: int,
+        stop_ids: Sequence[int],
+        recorder: BehaviourRecorder | None = None,
+        budgets: Sequence[int] | None = None,
+    ) -> Generation:
+        """``group_size`` completions per prompt of ``prompt_ids``, sampled by the behaviour
+        policy (``snapshot`` is it, weights gathered, for engines that sample with it).
+
+        ``budgets``, where given, is each prompt's own most tokens, each at most
+        ``sampling.max_new_tokens`` (an episode's turn may use the room its episode has left
+        only); a completion that reaches its own is truncated there. An engine whose
+        ``generate`` does not take ``budgets`` is never given them: each turn then samples up to
+        the largest, and each episode is cut to its own (:func:`takes_budgets`)."""
+        raise NotImplementedError
+
+    def load_weights(self, snapshot: nn.Module) -> None:
+        """Takes the behaviour policy's current weights from ``snapshot`` (every process calls
+        it alike; a sharded snapshot's weights are gathered)."""
+        self.stale = False
+
+    def figures(self) -> dict[str, float]:
+        """The engine's own figures since the last call (e.g. seconds spent taking weights)."""
+        return {}
+
+    def close(self) -> None:
+        """Frees the engine's resources; a later :meth:`generate` may start them again."""
+
+
+def takes_budgets(engine: RolloutEngine) -> bool:
+    """Whether ``engine.generate`` takes ``budgets`` (a user's engine written without them does
+    not, nor does a subclass of a built-in one whose own ``generate`` leaves them out)."""
+    parameters = inspect.signature(engine.generate).parameters.values()
+    return any(p.name == "budgets" or p.kind is p.VAR_KEYWORD for p in parameters)
+
+
+def budgets_for(engine: RolloutEngine, budgets: Sequence[int] | None) -> dict[str, list[int]]:
+    """The keyword arguments that give ``engine.generate`` each prompt's own most tokens:
+    ``{"budgets": [...]}``, or none where there are no budgets or the engine does not take them
+    (:func:`takes_budgets`; it then samples every prompt up to ``sampling.max_new_tokens``)."""
+    return {} if budgets is None or not takes_budgets(engine) else {"budgets": list(budgets)}
+
+
+ENGINES = {"hf": "lightning_troll.engines.hf:HFEngine",
+           "vllm": "lightning_troll.engines.vllm:VLLMEngine"}  # fmt: skip
+"""Built-in engines by name; their classes are imported on use (vLLM is an extra)."""
+
+
+def engine_class(name: str) -> type[RolloutEngine]:
+    """The engine class named by ``model.rollout_engine``: a built-in name or an import path
+    ``package.module:Class`` / ``package.module.Class``. Raises ``ValueError`` naming the option."""
+    path = ENGINES.get(name, name)
+    module_name, _, attribute = path.rpartition(":") if ":" in path else path.rpartition(".")
+    if not module_name or not attribute:
+        raise ValueError(
+            f"model.rollout_engine must be one of {sorted(ENGINES)} or an import path "
+            f"'package.module:Class'; got {name!r}"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ValueError(
+            f"model.rollout_engine={name!r}: cannot import module {module_name!r} ({error})"
+        ) from None
+    cls = getattr(module, attribute, None)
+    if not (isinstance(cls, type) and issubclass(cls, RolloutEngine)):
+        raise ValueError(
+            f"model.rollout_engine={name!r}: {module_name}.{attribute} is "
+            f"{'missing' if cls is None else 'not a RolloutEngine subclass'}; an engine "
+            "subclasses lightning_troll.engines.base.RolloutEngine"
+        )
+    cls.check_installed()
+    return cls
+
+
+def build_engine(
+    name: str, context: EngineContext, options: dict[str, Any] | None = None
+) -> RolloutEngine:
+    """The engine ``model.rollout_engine: name`` with ``model.rollout_engine_options``."""
+    cls = engine_class(name)
+    try:
+        return cls(context, **(options or {}))
+    except TypeError as error:
+        raise ValueError(f"model.rollout_engine_options for {name!r}: {error}") from None

@@ -1,0 +1,46 @@
+"""The ``hf`` engine (``model.rollout_engine: hf``, the default): the snapshot itself samples,
+with the KV-cached loop of :func:`~lightning_troll.engines.sampling.sample`, in the trainer's
+process. No Lightning here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import nn
+
+from lightning_troll.engines.base import Generation, RolloutEngine
+from lightning_troll.engines.behaviour import BehaviourRecorder
+from lightning_troll.engines.sampling import SamplingConfig, sample
+
+__all__ = ["HFEngine"]
+
+
+class HFEngine(RolloutEngine):
+    """The snapshot itself samples, with the KV-cached loop of
+    :func:`~lightning_troll.engines.sampling.sample`, in the trainer's process.
+
+    It needs no weights of its own (the snapshot is the behaviour policy) and records the
+    behaviour log-probs and TROLL's sparse rows while it samples.
+    """
+
+    name = "hf"
+    records_behaviour = True
+    several_processes = True
+
+    def generate(
+        self,
+        snapshot: nn.Module,
+        prompt_ids: list[list[int]],
+        group_size: int,
+        sampling: SamplingConfig,
+        pad_id: int,
+        stop_ids: Sequence[int],
+        recorder: BehaviourRecorder | None = None,
+        budgets: Sequence[int] | None = None,
+    ) -> Generation:
+        ids, attention, response, truncated = sample(
+            snapshot, prompt_ids, group_size, sampling, pad_id, list(stop_ids),
+            recorder=recorder, budgets=budgets,
+        )  # fmt: skip
+        return Generation(ids, attention, response, truncated)

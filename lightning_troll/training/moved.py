@@ -1,0 +1,221 @@
+"""Module paths of earlier layouts, folded in one place where a checkpoint or a config is read.
+
+Modules moved twice: out of the flat package into sub-packages (0.1.0), then sampling into
+``engines/`` and the task's parts into ``tasks/`` (0.2.0; ``CHANGELOG.md`` lists every move).
+No import of an old path works any more; what older runs wrote down still loads:
+
+- a checkpoint pickles the option records a module is built from by their module path. Read with
+  ``weights_only=True`` (Lightning's default for a local file), the records are allow-listed under
+  every path they had (:data:`MOVED_RECORDS`); read with ``weights_only=False``
+  (:func:`load_checkpoint_file`), the unpickler looks old paths up in the same tables;
+- a config file, a command line or a checkpoint's stored options may name a module by import
+  path (a reward, a tool, an environment, an engine): :func:`fold_moved_paths` rewrites an old
+  path to its place now, with a one-line warning.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pickle
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "MOVED_MODULES",
+    "MOVED_RECORDS",
+    "allow_moved_records",
+    "fold_moved_options",
+    "fold_moved_paths",
+    "load_checkpoint_file",
+    "moved_path",
+]
+
+_FLAT = {
+    "sparse": "trust_region.sparse",
+    "kl_solver": "trust_region.kl_solver",
+    "union": "trust_region.union",
+    "supports": "trust_region.supports",
+    "projection": "trust_region.projection",
+    "aggregation": "objectives.aggregation",
+    "advantages": "objectives.advantages",
+    "chunking": "objectives.chunking",
+    "objective_stats": "objectives.stats",
+    "policy_objective": "objectives.base",
+    "lora": "models.lora",
+    "quantize": "models.quantize",
+    "gguf": "models.gguf",
+    "smollm2": "models.smollm2",
+    "snapshots": "models.snapshots",
+    "sharding": "models.sharding",
+    "tinymath": "models.tinymath",
+    "prompts": "tasks.data.prompts",
+    "sources": "tasks.data.sources",
+    "reward_functions": "tasks.rewards.functions",
+    "reward_options": "tasks.rewards.options",
+    "rollout": "rollouts.rollout",
+    "behaviour": "engines.behaviour",
+    "forward": "rollouts.forward",
+    "dynamic_sampling": "rollouts.dynamic_sampling",
+    "drift": "rollouts.drift",
+    "timing": "rollouts.timing",
+    "module": "training.module",
+    "optimization": "training.optimization",
+    "validation": "training.validation",
+    "checkpoints": "training.checkpoints",
+    "resume": "training.resume",
+    "preflight": "training.preflight",
+    "export": "cli.export",
+}
+"""The flat layout's modules (``lightning_troll.<old>``, before 0.1.0's sub-packages)."""
+
+_SAMPLING = ("SamplingConfig", "sample", "left_pad", "response_mask_of", "own_budgets")
+
+MOVED_MODULES: dict[str, str] = {
+    **{f"lightning_troll.{old}": f"lightning_troll.{new}" for old, new in _FLAT.items()},
+    **{f"lightning_troll.rollout.{name}": "lightning_troll.engines.sampling" for name in _SAMPLING},
+    **{
+        f"lightning_troll.rollouts.rollout.{n}": "lightning_troll.engines.sampling"
+        for n in _SAMPLING
+    },
+    "lightning_troll.rollouts.engine": "lightning_troll.engines.base",
+    "lightning_troll.rollouts.engine.HFEngine": "lightning_troll.engines.hf",
+    "lightning_troll.rollouts.decode": "lightning_troll.engines.decode",
+    "lightning_troll.rollouts.graph_decode": "lightning_troll.engines.graph_decode",
+    "lightning_troll.rollouts.behaviour": "lightning_troll.engines.behaviour",
+    "lightning_troll.rollouts.engine_process": "lightning_troll.engines.process",
+    "lightning_troll.rollouts.vllm_engine": "lightning_troll.engines.vllm",
+    "lightning_troll.rollouts.forward.is_checkpointed": "lightning_troll.models.loading",
+    "lightning_troll.data": "lightning_troll.tasks.data",
+    "lightning_troll.rewards": "lightning_troll.tasks.rewards",
+    "lightning_troll.environments": "lightning_troll.tasks.environments",
+}
+"""An old module path -> the module's place now; a key that ends in a name (a capitalised class
+or a function) moves that name alone, to the module its value names."""
+
+
+def _moves_a_name(key: str) -> bool:
+    """Whether the key ``key`` of :data:`MOVED_MODULES` moves one name (else a whole module)."""
+    return key.rpartition(".")[2] in (*_SAMPLING, "HFEngine", "is_checkpointed")
+
+
+def moved_path(path: str) -> str | None:
+    """``path`` (``package.module``, ``package.module.Name`` or ``package.module:Name``) at its
+    place now, or None where it names nothing that moved."""
+    if not path.startswith("lightning_troll."):
+        return None
+    module, colon, attribute = path.partition(":")
+    dotted = f"{module}.{attribute}" if colon else module
+    keys = [k for k in MOVED_MODULES if dotted == k or dotted.startswith(k + ".")]
+    if not keys:
+        return None
+    key = max(keys, key=len)
+    if _moves_a_name(key):
+        new = f"{MOVED_MODULES[key]}.{key.rpartition('.')[2]}{dotted[len(key) :]}"
+    else:
+        new = MOVED_MODULES[key] + dotted[len(key) :]
+    if not colon:
+        return new
+    tail = len(attribute.split("."))  # the colon goes back before the attribute's parts
+    parts = new.split(".")
+    return ".".join(parts[:-tail]) + ":" + ".".join(parts[-tail:])
+
+
+def fold_moved_paths(values: Any) -> tuple[Any, list[str]]:
+    """``values`` (a string, or dicts and lists of them, keys included) with every old module path
+    at its place now, and the folds made (``old -> new``)."""
+    folds: list[str] = []
+
+    def fold(value: Any) -> Any:
+        if isinstance(value, str):
+            new = moved_path(value)
+            if new is None:
+                return value
+            folds.append(f"{value} -> {new}")
+            return new
+        if isinstance(value, dict):
+            return {fold(k): fold(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(fold(v) for v in value)
+        return value
+
+    return fold(values), folds
+
+
+def fold_moved_options(*sections: Any) -> str | None:
+    """Folds, in place, every old module path among the options of parsed config ``sections``
+    (jsonargparse Namespaces, whose ``items`` are their leaves by dotted key); returns the
+    one-line warning that says what was folded, or None where nothing was."""
+    folds: list[str] = []
+    for section in sections:
+        for key, value in list((section or {}).items()):
+            new, made = fold_moved_paths(value)
+            if made:
+                section[key] = new
+                folds += made
+    if not folds:
+        return None
+    return (
+        "the options name modules by paths they had before (CHANGELOG.md, Moved modules), read "
+        "at their places now; write the new paths: " + "; ".join(dict.fromkeys(folds))
+    )
+
+
+def records_by_old_path(records: Iterable[type], known: dict[str, type]) -> dict[str, type]:
+    """Every path a checkpoint of an earlier layout may name one of ``records`` by -> the record:
+    ``known`` (paths a module re-exported it under) and every old module path that folds to the
+    record's own."""
+    found = dict(known)
+    for record in records:
+        here = f"{record.__module__}.{record.__qualname__}"
+        for old, new in MOVED_MODULES.items():
+            if _moves_a_name(old):
+                if here == f"{new}.{old.rpartition('.')[2]}":
+                    found[old] = record
+            elif here.startswith(new + "."):
+                found[old + here[len(new) :]] = record
+    return found
+
+
+MOVED_RECORDS: dict[str, type] = {}
+"""Old path -> option record, filled by :func:`allow_moved_records` (the records live above this
+module, in ``training/resume.py``)."""
+
+
+def allow_moved_records(records: Iterable[type], known: dict[str, type]) -> None:
+    """Allows ``records`` under every old path of :func:`records_by_old_path` for
+    ``torch.load(weights_only=True)``, and for :func:`load_checkpoint_file`."""
+    MOVED_RECORDS.update(records_by_old_path(records, known))
+    torch.serialization.add_safe_globals([(r, p) for p, r in MOVED_RECORDS.items()])
+
+
+class _FoldingUnpickler(pickle.Unpickler):
+    """An unpickler that finds a class by its old path at its place now."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        path = f"{module}.{name}"
+        if path in MOVED_RECORDS:
+            return MOVED_RECORDS[path]
+        new = moved_path(path)
+        if new is not None:
+            module, _, name = new.rpartition(".")
+            return getattr(importlib.import_module(module), name)
+        return super().find_class(module, name)
+
+
+class _FoldingPickle:
+    """What ``torch.load(pickle_module=...)`` reads of a pickle module."""
+
+    Unpickler = _FoldingUnpickler
+    __name__ = "pickle"
+
+    @staticmethod
+    def load(file: Any, **kwargs: Any) -> Any:
+        return _FoldingUnpickler(file, **kwargs).load()
+
+
+def load_checkpoint_file(path: str | Path, **kwargs: Any) -> Any:
+    """``torch.load(path, weights_only=False, **kwargs)``, old module paths folded."""
+    return torch.load(path, weights_only=False, pickle_module=_FoldingPickle, **kwargs)

@@ -1,0 +1,111 @@
+"""Modules that moved: no import of an old path works, and what older runs wrote down (option
+records pickled in a checkpoint, import paths in a config) is read at the places now, through the
+one table of ``lightning_troll/training/moved.py``; ``CHANGELOG.md`` lists every move."""
+
+from __future__ import annotations
+
+import importlib
+import re
+import warnings
+from pathlib import Path
+
+import pytest
+from jsonargparse import Namespace
+
+import lightning_troll
+from lightning_troll.training.moved import (
+    MOVED_MODULES,
+    fold_moved_options,
+    load_checkpoint_file,
+    moved_path,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = ROOT / "tests" / "fixtures" / "pre_layout"
+
+
+def changelog_moves() -> list[str]:
+    """The old import paths in the first column of the 0.2.0 "Moved modules" tables."""
+    text = (ROOT / "CHANGELOG.md").read_text().split("## 0.2.0", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in text.splitlines() if line.startswith("| `lightning_troll.")]
+    return [re.match(r"\| `([a-zA-Z0-9_.]+)`", row).group(1) for row in rows]
+
+
+@pytest.mark.parametrize("old", ["projection", "module", "rollout", "reward_functions", "data"])
+def test_an_old_import_path_is_not_importable(old):
+    assert not hasattr(lightning_troll, "MOVED_MODULES")
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module(f"lightning_troll.{old}")
+
+
+@pytest.mark.parametrize("old", changelog_moves())
+def test_every_move_of_the_changelog_folds_to_a_module_that_exists(old):
+    new = moved_path(old)
+    assert new is not None, f"{old} is in CHANGELOG.md but not in MOVED_MODULES"
+    module, _, name = new.rpartition(".")
+    try:
+        importlib.import_module(new)
+    except ModuleNotFoundError:  # a name moved alone: its module holds it
+        assert hasattr(importlib.import_module(module), name), new
+
+
+def test_every_move_of_the_table_is_in_the_changelog():
+    listed = " ".join(changelog_moves())
+    text = (ROOT / "CHANGELOG.md").read_text()
+    for old in MOVED_MODULES:
+        assert old in listed or f"`{old.rpartition('.')[2]}`" in text, old
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ("lightning_troll.rollouts.engine:HFEngine", "lightning_troll.engines.hf:HFEngine"),
+        ("lightning_troll.rollouts.engine.RolloutEngine", "lightning_troll.engines.base.RolloutEngine"),
+        ("lightning_troll.rollouts.vllm_engine:VLLMEngine", "lightning_troll.engines.vllm:VLLMEngine"),
+        ("lightning_troll.rollouts.rollout.SamplingConfig", "lightning_troll.engines.sampling.SamplingConfig"),
+        ("lightning_troll.rewards.functions:gsm8k", "lightning_troll.tasks.rewards.functions:gsm8k"),
+        ("lightning_troll.reward_functions.boxed", "lightning_troll.tasks.rewards.functions.boxed"),
+        ("lightning_troll.environments", "lightning_troll.tasks.environments"),
+        ("lightning_troll.projection", "lightning_troll.trust_region.projection"),
+        ("lightning_troll.rollouts.rollout.Rollout", None),  # did not move
+        ("lightning_troll.rollouts.engine_processes", None),  # no such module, not a prefix match
+        ("my_package.rewards:score", None),
+    ],
+)  # fmt: skip
+def test_an_old_path_folds_to_its_place_now(old, new):
+    assert moved_path(old) == new
+
+
+def test_a_config_naming_old_paths_is_read_at_the_new_ones_with_one_warning():
+    model = Namespace(
+        rewards={"lightning_troll.rewards.functions:tinymath": 1.0, "gsm8k": 0.5},
+        rollout_engine="lightning_troll.rollouts.engine:HFEngine",
+        episodes=Namespace(environment="lightning_troll.environments.tool_env:ToolEnvironment"),
+    )
+    message = fold_moved_options(model, Namespace(source="tinymath"))
+    assert model.rewards == {"lightning_troll.tasks.rewards.functions:tinymath": 1.0, "gsm8k": 0.5}
+    assert model.rollout_engine == "lightning_troll.engines.hf:HFEngine"
+    assert model.episodes.environment == (
+        "lightning_troll.tasks.environments.tool_env:ToolEnvironment"
+    )
+    assert "\n" not in message and "CHANGELOG.md" in message
+    assert (
+        "lightning_troll.rollouts.engine:HFEngine -> lightning_troll.engines.hf:HFEngine" in message
+    )
+    assert fold_moved_options(model) is None  # nothing old is left
+
+
+def test_a_flat_layout_checkpoint_loads_without_weights_only_its_records_at_their_places():
+    """api.ckpt pickles its option records under the flat layout's paths
+    (``lightning_troll.rollout.SamplingConfig``, ...), which no longer import."""
+    from lightning_troll.engines.sampling import SamplingConfig
+    from lightning_troll.objectives import TrustRegionConfig
+    from lightning_troll.training.optimization import OptimizationConfig
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        checkpoint = load_checkpoint_file(FIXTURES / "api.ckpt", map_location="cpu")
+    stored = checkpoint["hyper_parameters"]
+    assert type(stored["sampling"]) is SamplingConfig and stored["sampling"].max_new_tokens == 4
+    assert type(stored["trust_region"]) is TrustRegionConfig
+    assert type(stored["optimization"]) is OptimizationConfig
