@@ -76,7 +76,7 @@ class ReleaseFreedMemory(Callback):
 
     The release costs time: the pages it gives back fault in again when the next phase
     allocates (an iteration 1.08-1.09x as long on SmolLM2 on 2 CPU cores). So by default it
-    runs only where the policy uses gradient checkpointing (``model.gradient_checkpointing``),
+    runs only where the policy uses gradient checkpointing (``model.optimization.gradient_checkpointing``),
     a run that already trades time for memory.
 
     Args:

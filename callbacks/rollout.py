@@ -38,7 +38,7 @@ class RolloutGeneration(Callback):
     the rollout to the module (``model.rollout``), and logs the figures of
     :func:`~lightning_troll.callbacks.samples.log_rollout`, a table of samples and
     ``time/iteration`` (the rollout and its optimiser steps, validation not counted). At the
-    start of a fit it warns once where ``model.behaviour_logprobs: sampling`` cannot apply
+    start of a fit it warns once where ``model.engine.behaviour_logprobs: sampling`` cannot apply
     (``model.episodes``).
 
     Args:
@@ -76,15 +76,16 @@ class RolloutGeneration(Callback):
         if stage != "fit":
             return
         if getattr(pl_module, "episodes", None) is not None:
-            message = behaviour_logprobs_warning(getattr(pl_module, "behaviour_logprobs", "auto"))
+            engine = getattr(pl_module, "engine_config", None)
+            message = behaviour_logprobs_warning(getattr(engine, "behaviour_logprobs", "auto"))
             if message is not None:
                 rank_zero_warn(message)
-        if not getattr(pl_module, "dynamic_sampling", False):
+        if not getattr(getattr(pl_module, "dynamic_sampling", None), "enabled", False):
             return
         data = trainer.datamodule
         if not (hasattr(data, "train_items") and hasattr(data, "seed")):
             raise ValueError(
-                "model.dynamic_sampling=true draws its extra prompts from the training prompts "
+                "model.dynamic_sampling.enabled=true draws its extra prompts from the training prompts "
                 "of a lightning_troll.tasks.data.datamodule.PromptDataModule; fit with one (the lightning-troll "
                 f"command does), not {type(data).__name__}"
             )
@@ -94,7 +95,8 @@ class RolloutGeneration(Callback):
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._started = clock(pl_module.device)
-        more = self._extra_prompts(trainer, len(batch)) if pl_module.dynamic_sampling else None
+        dynamic = pl_module.dynamic_sampling.enabled
+        more = self._extra_prompts(trainer, len(batch)) if dynamic else None
         try:
             rollout, report = pl_module.collector.collect(batch, more)
         except RewardError as error:  # before any step of this rollout: the run's state is whole
@@ -111,8 +113,8 @@ class RolloutGeneration(Callback):
         if report.capped and not self._warned_cap:
             self._warned_cap = True
             rank_zero_warn(
-                f"dynamic sampling: after model.dynamic_sampling_max_rounds="
-                f"{pl_module.dynamic_sampling_max_rounds} extra rounds rollout {self.rollouts} "
+                f"dynamic sampling: after model.dynamic_sampling.max_rounds="
+                f"{pl_module.dynamic_sampling.max_rounds} extra rounds rollout {self.rollouts} "
                 "had fewer informative prompt groups than data.batch_size; it trains on them "
                 "and groups without reward spread (zero advantage). Raise the cap or "
                 "model.group_size to sample more (warned once)"
@@ -140,7 +142,7 @@ class RolloutGeneration(Callback):
         schedule.ahead_seed = None
         loader = getattr(trainer.datamodule, "train_loader", None)
         upcoming = loader.peek() if loader is not None else None
-        if upcoming is None or pl_module.dynamic_sampling or pl_module.episodes is not None:
+        if upcoming is None or pl_module.dynamic_sampling.enabled or pl_module.episodes is not None:
             return
         schedule.sample_ahead(
             upcoming, pl_module.collector, pl_module.policy, pl_module.snapshot, engine

@@ -45,7 +45,7 @@ def log_rollout(module: Any, report: RolloutReport) -> None:
     ``rewards/timeouts`` and ``rewards/errors`` (and per function, when there are several).
     Where the rollout's time goes, in seconds: ``time/generation`` (sampling, every round),
     ``time/forward_passes`` (teacher-forced passes after sampling: the behaviour policy's when
-    ``model.behaviour_logprobs`` recomputes it, the reference policy's with
+    ``model.engine.behaviour_logprobs`` recomputes it, the reference policy's with
     ``model.loss.ref_kl_coef`` > 0), ``time/rollout`` (all of it, rewards included), and
     ``throughput/generated_tokens_per_s`` (response tokens up to EOS per second of generation).
     An engine other than ``hf`` adds its own figures (``engine/startup_s``,
@@ -75,7 +75,7 @@ def log_rollout(module: Any, report: RolloutReport) -> None:
         for name in names:
             column = cat(lambda s, name=name: s.scored.per_function[name])
             values[f"reward/{reward_tag(name)}/mean"] = (column * valid).sum() / count
-    if module.dynamic_sampling:
+    if module.dynamic_sampling.enabled:
         groups, kept = (
             size // module.group_size,
             report.kept.rewards.numel() // module.group_size,

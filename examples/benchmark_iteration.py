@@ -23,7 +23,7 @@ lazy initialisation) is left out; the figures are medians over the others. Per i
 
 Ours runs through ``TrollModule`` and a Lightning ``Trainer`` with the callbacks the
 ``lightning-troll`` command adds (rollouts, old-policy refresh, KL and coverage monitors), with
-``model.behaviour_logprobs`` as given (``--behaviour``; both by default) and a shared snapshot;
+``model.engine.behaviour_logprobs`` as given (``--behaviour``; both by default) and a shared snapshot;
 the split comes from the ``time/*`` metrics the module logs. TRL is timed when its Python can
 import it (``--trl-python``, by default this one): ``GRPOTrainer`` with ``beta=0`` (no reference
 model, TRL's default), its default loss, ``num_iterations=--steps``, ``per_device_train_batch_size
@@ -166,7 +166,7 @@ VARIANTS = {
     "checkpointing": {"behaviour": "sampling", "share_prompts": True, "checkpointing": True},
 }
 """Ours: the defaults; without shared prompts; without either (the library before both); the
-defaults with gradient checkpointing (``model.gradient_checkpointing``, TRL's default)."""
+defaults with gradient checkpointing (``model.optimization.gradient_checkpointing``, TRL's default)."""
 RELEASE = {"auto": None, "on": True, "off": False}
 """``--release-memory``: ``ReleaseFreedMemory(enabled=...)`` (None: where checkpointing is on)."""
 RELEASE_NAMES = {"auto": "", "on": ", memory released", "off": ", memory kept"}

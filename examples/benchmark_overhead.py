@@ -3,7 +3,7 @@
 A training step is what ``MinibatchLoop.step`` (``lightning_troll.training.optimization``) runs on one
 minibatch: the policy's forward over prompt + response (hidden states; the output layer on
 ``--chunk-size`` response tokens at a time, the default chunked log-prob path of
-``model.logits_chunk_size``), the objective, the backward pass, gradient-norm clipping and an
+``model.optimization.logits_chunk_size``), the objective, the backward pass, gradient-norm clipping and an
 AdamW step. Both objectives run on the same model (same weights), the same synthetic rollout
 and the same seed, at vocabularies V = 151,936 (Qwen's) and 32,000.
 

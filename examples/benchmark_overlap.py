@@ -7,7 +7,7 @@ benchmark's prompts (8 prompts x 8 completions, 32 new tokens, 4 optimiser steps
 
 - ``in turn``: the engine (``--engine``: ``hf`` or ``vllm``) in the trainer's process, torch on
   ``--threads`` threads;
-- ``overlapped``: ``model.rollout_engine_options: {process: true, threads: t}``, the engine in a
+- ``overlapped``: ``model.engine.options: {process: true, threads: t}``, the engine in a
   process of its own on ``t`` threads and the trainer on ``--threads - t``, so that the two
   arms use the same cores (:mod:`lightning_troll.engines.process`).
 
@@ -38,6 +38,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from lightning_troll.training.module import EngineConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -108,7 +110,7 @@ def run_arm(spec: dict) -> list[float]:
         sampling=SamplingConfig(temperature=1.0, max_new_tokens=spec["max_new_tokens"]),
         optimization=OptimizationConfig(epochs_per_rollout=spec["steps"]),
         optimizer=lambda params: torch.optim.AdamW(params, lr=1e-6, weight_decay=0.0),
-        rollout_engine=spec["engine"], rollout_engine_options=options or None,
+        engine=EngineConfig(spec["engine"], options or None),
     )  # fmt: skip
     timer = Timer()
     trainer = Trainer(

@@ -101,7 +101,7 @@ class PlusOneTurns(Environment):
 
 
 LOOP_PATHS: dict[str, list[str]] = {
-    "engine-process": ["--model.rollout_engine_options={process: true, threads: 2}",
+    "engine-process": ["--model.engine.options={process: true, threads: 2}",
                        "--old_policy.max_staleness=1"],
     "proximal": ["--old_policy.max_staleness=2", "--model.loss.anchor=proximal"],
     "episodes": ["--model.episodes.environment=gpu_fits:PlusOneTurns",

@@ -88,9 +88,9 @@ def engine_ways(model, model_dir, tokenizer, stops, max_new_tokens) -> dict:
     sampling = SamplingConfig(temperature=TEMPERATURE, max_new_tokens=max_new_tokens)
     prompts = chat_prompt_ids(tokenizer)
     context = EngineContext(model_dir, "float32", tokenizer)
-    names = {"hf": "HF engine (model.rollout_engine: hf)"}
+    names = {"hf": "HF engine (model.engine.name: hf)"}
     if find_spec("vllm") is not None:
-        names["vllm"] = "vLLM engine (model.rollout_engine: vllm)"
+        names["vllm"] = "vLLM engine (model.engine.name: vllm)"
     ways = {}
     for engine_name, label in names.items():
         engine = build_engine(engine_name, context)

@@ -16,6 +16,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from lightning_troll.training.module import EngineConfig
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peak_memory import peak_memory_gib, reset_peak, status_mib  # noqa: E402
 
@@ -155,14 +157,18 @@ def run_ours(spec: dict) -> dict:
             group_size=GROUP,
             sampling=SamplingConfig(temperature=TEMPERATURE, max_new_tokens=spec["max_new_tokens"]),
             rewards=rewards,
-            optimization=OptimizationConfig(epochs_per_rollout=spec["steps"]),
+            optimization=OptimizationConfig(
+                epochs_per_rollout=spec["steps"],
+                share_prompts=spec["share_prompts"],
+                gradient_checkpointing=spec.get("checkpointing", False),
+            ),
             optimizer=lambda params: torch.optim.AdamW(params, lr=LR, weight_decay=0.0),
             snapshot=SnapshotConfig(mode="shared"),
-            behaviour_logprobs=spec["behaviour"],
-            share_prompts=spec["share_prompts"],
-            gradient_checkpointing=spec.get("checkpointing", False),
-            rollout_engine=spec.get("engine", "hf"),
-            rollout_engine_options={"kv_cache_gib": 1} if spec.get("engine") == "vllm" else None,
+            engine=EngineConfig(
+                spec.get("engine", "hf"),
+                {"kv_cache_gib": 1} if spec.get("engine") == "vllm" else None,
+                spec["behaviour"],
+            ),
         )
         timer = Timer()
         trainer = Trainer(

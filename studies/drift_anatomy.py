@@ -172,8 +172,8 @@ def anatomy(module, optimizer, scheduler, rollout, steps: int, seed: int) -> lis
             module.policy,
             minibatch,
             module.old_rows.rule,
-            module.logits_chunk_size,
-            module.share_prompts,
+            module.optimization.logits_chunk_size,
+            module.optimization.share_prompts,
         )
 
     arrive, own = [], []

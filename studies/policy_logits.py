@@ -37,13 +37,13 @@ def build_module(model: str, config: dict, temperature: float, max_new_tokens: i
     """A clipped-GRPO TrollModule with ``config``'s reward and loss settings at ``temperature``."""
     from lightning_troll.engines.sampling import SamplingConfig
     from lightning_troll.models.snapshots import SnapshotConfig
-    from lightning_troll.training.module import LossConfig, TrollModule
+    from lightning_troll.training.module import AdvantageConfig, LossConfig, TrollModule
 
     cfg = config["model"]
     return TrollModule(
         model=model,
         objective="clip",
-        estimator=cfg.get("estimator", "grpo"),
+        advantages=AdvantageConfig(**cfg.get("advantages", {})),
         group_size=group,
         sampling=SamplingConfig(temperature=temperature, max_new_tokens=max_new_tokens),
         rewards=cfg["rewards"],

@@ -32,7 +32,7 @@ same (N, V) float32 logits, with eps and alpha from the config:
   bucket's shared out in proportion to pi_new), rebuilt here independently of the layer
   (``rebuilt_logprob_err_max`` checks the rebuild against the layer's token log-prob);
 - ``ms_per_1k`` / ``cpu_ms_per_1k``: wall and process CPU time of the sparse layer's forward and
-  backward per 1,000 tokens (rows in chunks of 1,024, as ``model.logits_chunk_size`` makes them;
+  backward per 1,000 tokens (rows in chunks of 1,024, as ``model.optimization.logits_chunk_size`` makes them;
   the fastest of 2 passes), ``dense_*`` the dense projection's;
 - ``cache_mib_per_1m``: the cached old rows (int64 ids, float32 log-probs, the tail) per million
   response tokens; ``peak_mib`` (in the JSON only): the resident set size above its level
@@ -72,7 +72,7 @@ MAX_TOKENS = (16, 64, 256)
 MASS_DELTAS = (1e-3, 1e-5)
 TEMPERATURES = (0.7, 1.0)
 CHUNK = 1024
-"""Rows per chunk of the timed projections (``model.logits_chunk_size``'s default)."""
+"""Rows per chunk of the timed projections (``model.optimization.logits_chunk_size``'s default)."""
 REFERENCE_CHUNK = 512
 """Rows per chunk of the full-vocabulary check, which holds several (rows, V) arrays at once."""
 REPEATS = 2

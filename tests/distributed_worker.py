@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from lightning_troll.training.module import AdvantageConfig, EngineConfig
+
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # for tests.reward_helpers when run as a script
     sys.path.insert(0, str(ROOT))
@@ -147,7 +149,7 @@ def build(args, out: Path):
     module = TrollModule(
         model="tinymath",
         objective=args.objective,
-        estimator=args.estimator,
+        advantages=AdvantageConfig(args.estimator),
         group_size=4,
         # mass_delta 0: the support is TinyMath's whole vocabulary (17 < max_tokens), fixed. A
         # support cut by mass would end at a token near 1e-6, and float32 rounding of another
@@ -159,15 +161,14 @@ def build(args, out: Path):
             epochs_per_rollout=STEPS_PER_ROLLOUT,
             micro_batch_size=args.micro_batch_size,
             gradient_clip_norm=1.0,
+            gradient_checkpointing=args.gradient_checkpointing,
         ),
         # eps well above the tiniest gradients: Adam would otherwise blow their float32 noise
         # (which differs with the order of reductions) up to steps of about lr
         optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3, eps=1e-4, foreach=False),
-        gradient_checkpointing=args.gradient_checkpointing,
         snapshot=SnapshotConfig(*args.snapshot.split(":")),
         lora=LoraConfig(r=4) if args.lora else None,
-        rollout_engine=args.engine,
-        rollout_engine_options={"kv_cache_gib": 0.25} if args.engine == "vllm" else None,
+        engine=EngineConfig(args.engine, {"kv_cache_gib": 0.25} if args.engine == "vllm" else None),
     )
     data = PromptDataModule(
         source="tinymath",

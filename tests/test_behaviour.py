@@ -13,6 +13,7 @@ from lightning_troll.engines.behaviour import (
 )
 from lightning_troll.engines.sampling import SamplingConfig, sample
 from lightning_troll.rollouts.rollout import behaviour_outputs
+from lightning_troll.training.module import DynamicSamplingConfig, EngineConfig
 from lightning_troll.trust_region.projection import SparseDistribution, sparsify
 
 PROMPTS = [[1, 5, 9, 4], [1, 7], [1, 3, 3, 8, 6]]
@@ -152,7 +153,7 @@ def both_ways(model_dir, **options):
     from tests.test_dynamic_sampling import collect
 
     return {
-        mode: collect(model_dir, behaviour_logprobs=mode, **options)
+        mode: collect(model_dir, engine=EngineConfig(behaviour_logprobs=mode), **options)
         for mode in ("sampling", "forward")
     }
 
@@ -166,7 +167,7 @@ def both_ways(model_dir, **options):
         {
             "objective": "troll",
             "rewards": {"tests.reward_helpers:used_the_budget": 1.0},
-            "dynamic_sampling_max_rounds": 6,
+            "dynamic_sampling": DynamicSamplingConfig(max_rounds=6),
             "more": True,
             "seed": 1,
             "loss": "mask_truncated",
@@ -203,10 +204,10 @@ def test_a_bad_behaviour_logprobs_option_is_named(tiny_model_dir):
 
     with pytest.raises(
         ValueError,
-        match=r"model.behaviour_logprobs must be one of \['auto', 'forward', 'sampling'\]; got "
+        match=r"model.engine.behaviour_logprobs must be one of \['auto', 'forward', 'sampling'\]; got "
         r"'cached'",
     ):
-        make_module(tiny_model_dir, behaviour_logprobs="cached")
+        make_module(tiny_model_dir, engine=EngineConfig(behaviour_logprobs="cached"))
 
 
 @pytest.mark.parametrize(
@@ -245,7 +246,7 @@ def test_the_default_recomputes_the_behaviour_pass_of_a_bfloat16_policy(
 
     monkeypatch.setattr(rollout_callback, "behaviour_outputs", counted)
     module, rollout, _ = collect(tiny_model_dir, dtype=dtype)
-    assert module.behaviour_logprobs == "auto"
+    assert module.engine_config.behaviour_logprobs == "auto"
     assert len(calls) == (1 if recomputed else 0)
     assert rollout.old.num_rows == int(rollout.response_mask.sum())
     assert torch.isfinite(rollout.old_logprobs[rollout.response_mask]).all()

@@ -494,9 +494,11 @@ def test_a_plain_llama_head_is_used():
 
 @pytest.mark.parametrize("bad", [0, -1, True])
 def test_module_refuses_a_bad_logits_chunk_size(bad, tiny_model_dir):
-    message = f"model.logits_chunk_size must be null (no chunks) or an integer >= 1; got {bad!r}"
+    message = f"model.optimization.logits_chunk_size must be null (no chunks) or an integer >= 1; got {bad!r}"
     with pytest.raises(ValueError, match=re.escape(message)):
-        TrollModule(model=str(tiny_model_dir), logits_chunk_size=bad)
+        TrollModule(
+            model=str(tiny_model_dir), optimization=OptimizationConfig(logits_chunk_size=bad)
+        )
 
 
 @pytest.mark.slow
@@ -508,8 +510,9 @@ def test_training_in_chunks_equals_training_on_full_logits(tmp_path, tiny_model_
         module = make_module(
             tiny_model_dir,
             optimizer=sgd(0.5),
-            logits_chunk_size=chunk_size,
-            optimization=OptimizationConfig(epochs_per_rollout=2, gradient_clip_norm=None),
+            optimization=OptimizationConfig(
+                epochs_per_rollout=2, gradient_clip_norm=None, logits_chunk_size=chunk_size
+            ),
         )
         _, _, recorder = fit(
             tmp_path / str(chunk_size), tiny_model_dir, max_steps=2, module=module,

@@ -14,7 +14,6 @@ from lightning_troll.cli.command import main as cli_main
 from lightning_troll.cli.command import quarter_means, shows_help
 from lightning_troll.cli.command import run as cli_run
 from lightning_troll.objectives import ClipObjective, TrollObjective
-from lightning_troll.tasks.rewards.options import DEPRECATED_KEYS
 from lightning_troll.tasks.rewards.registry import RewardError
 from lightning_troll.training import policies as policies_file
 from lightning_troll.training.module import TrollModule
@@ -162,11 +161,13 @@ def test_tinymath_and_presets_run_one_step(preset, tmp_path, monkeypatch, tiny_m
     assert isinstance(module.objective, TrollObjective)
     if preset:
         expected = yaml.safe_load((ROOT / "configs" / preset).read_text())["model"]
-        assert module.global_batch.estimator == expected["estimator"]
+        assert module.global_batch.estimator == expected["advantages"]["estimator"]
         assert module.objective.importance == expected["loss"]["importance"]
         assert module.objective.aggregation == expected["loss"]["aggregation"]
-        assert module.dynamic_sampling == expected.get("dynamic_sampling", False)
-        assert module.global_batch.scale_rewards == expected.get("scale_rewards")
+        assert module.dynamic_sampling.enabled == expected.get("dynamic_sampling", {}).get(
+            "enabled", False
+        )
+        assert module.global_batch.scale_rewards == expected["advantages"].get("scale_rewards")
     assert (tmp_path / LOGS / "config.yaml").exists()
 
 
@@ -253,7 +254,7 @@ def test_reward_options_in_a_config_file_reach_the_scorer(
     spelling, tmp_path, monkeypatch, tiny_model_dir
 ):
     """``model.reward_options`` in a YAML file reaches the scorer, and the checkpoint stores it;
-    the flat keys it replaced still do the same, each warned in one line."""
+    the flat keys of 0.1 it replaced do the same, folded with one warning naming the new places."""
     options = {"kwargs": None, "on_error": 0.0, "workers": 1, "timeout": 30.0}
     flat = {"on_reward_error": 0.0, "reward_workers": 1, "reward_timeout": 30.0}
     model = {"reward_options": options} if spelling == "reward_options" else flat
@@ -263,17 +264,16 @@ def test_reward_options_in_a_config_file_reach_the_scorer(
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         cli = run([*args, *one_step(tiny_model_dir)], tmp_path, monkeypatch)
-    deprecated = {str(w.message) for w in caught if w.category is FutureWarning}
-    assert deprecated == {
-        f"model.{key} is deprecated: use model.reward_options.{DEPRECATED_KEYS[key]}"
-        for key in (flat if spelling == "flat keys" else {})
-    }
+    renamed = [str(w.message) for w in caught if "renamed in 0.2.0" in str(w.message)]
+    assert len(renamed) == (spelling == "flat keys")
+    if renamed:
+        assert "model.reward_workers -> model.reward_options.workers" in renamed[0]
     scorer = cli.model.scorer
     assert (scorer.workers.count, scorer.workers.timeout) == (1, 30.0)
     assert scorer.policies == {"tinymath": 0.0}
     last = tmp_path / LOGS / "checkpoints" / "last.ckpt"
     stored = torch.load(last, map_location="cpu", weights_only=True)["hyper_parameters"]
-    assert stored["reward_options"] == options and not set(DEPRECATED_KEYS) & set(stored)
+    assert stored["reward_options"] == options and not set(flat) & set(stored)
 
 
 def test_help_shows_documented_options(tmp_path, monkeypatch, capsys):
@@ -283,16 +283,16 @@ def test_help_shows_documented_options(tmp_path, monkeypatch, capsys):
     for option in (
         "--model.objective",
         "--model.trust_region.eps",
-        "--model.estimator",
+        "--model.advantages.estimator",
         "--rollout.log_samples",
         "--old_policy.every_n_rollouts",
         "--data.source",
         "--model.snapshot.dtype",
         "--model.lora.help",
-        "--model.dynamic_sampling",
-        "--model.dynamic_sampling_max_rounds",
+        "--model.dynamic_sampling.enabled",
+        "--model.dynamic_sampling.max_rounds",
         "--model.loss.mask_truncated",
-        "--model.scale_rewards",
+        "--model.advantages.scale_rewards",
         "--model.reward_options.kwargs",
         "--model.reward_options.timeout",
         "--model.trust_region.keep_sampled_token",
@@ -352,8 +352,10 @@ def test_print_config_shows_the_peer_options_with_their_defaults(tmp_path, monke
     assert done.value.code == 0
     printed = yaml.safe_load(capsys.readouterr().out)
     model = printed["model"]
-    assert model["dynamic_sampling"] is False and model["dynamic_sampling_max_rounds"] == 3
-    assert model["scale_rewards"] is None and model["reward_options"]["kwargs"] is None
+    assert model["dynamic_sampling"] == {"enabled": False, "max_rounds": 3}
+    assert (
+        model["advantages"]["scale_rewards"] is None and model["reward_options"]["kwargs"] is None
+    )
     assert model["loss"]["mask_truncated"] is False
     assert model["trust_region"]["keep_sampled_token"] is True
     assert printed["data"]["val_samples"] == 0
@@ -362,8 +364,8 @@ def test_print_config_shows_the_peer_options_with_their_defaults(tmp_path, monke
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--model.estimator", "ppo"], "ppo"),
-        (["--model.scale_rewards", "std"], "std"),
+        (["--model.advantages.estimator", "ppo"], "ppo"),
+        (["--model.advantages.scale_rewards", "std"], "std"),
         (["--data.val_samples", "-1"], "val_samples"),
         (["--model.objective", "kl"], "kl"),
         (["--data.source", "missing.jsonl"], "missing.jsonl"),
@@ -529,10 +531,10 @@ def broken_jsonl(tmp_path: Path) -> str:
         pytest.param(["--ckpt_path", "last"], "--ckpt_path last: no ModelCheckpoint is "
                      "configured to look it up in, so the run would start afresh; give the path",
                      id="last-without-model-checkpoint"),
-        pytest.param(["--model.rollout_engine", "vllm"], "make setup-vllm", id="engine-missing",
+        pytest.param(["--model.engine.name", "vllm"], "make setup-vllm", id="engine-missing",
                      marks=pytest.mark.skipif(find_spec("vllm") is not None,
                                               reason="vLLM is installed here")),
-        pytest.param(["--model.rollout_engine", "sglang"], "model.rollout_engine must be one of "
+        pytest.param(["--model.engine.name", "sglang"], "model.engine.name must be one of "
                      "['hf', 'vllm'] or an import path", id="unknown-engine"),
         pytest.param(["--config", str(ROOT / "configs" / "demo.yaml"), "--trainer.max_steps",
                       "200"], "model.lr_scheduler.init_args.total_steps=96 is smaller than "
@@ -808,7 +810,7 @@ def test_a_resumed_run_keeps_the_data_seed_of_its_checkpoint(
     tmp_path, monkeypatch, tiny_model_dir, recwarn
 ):
     """A run with ``seed_everything: 3`` resumed with ``seed_everything: 4`` (a config changed
-    in between): its model options, ``model.seed`` among them, come from the checkpoint, and so
+    in between): its model options, ``model.optimization.seed`` among them, come from the checkpoint, and so
     does an unset ``data.seed``, so the rows held out of the file are the first start's (before,
     the new seed held out other rows, some of them the first start's training rows, and warned
     only that the order differed). A ``data.seed`` given on the command line is kept."""

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from lightning_troll.tasks.rewards.functions import tinymath
+from lightning_troll.training.module import DynamicSamplingConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -101,7 +102,9 @@ def test_every_rollout_figure_is_logged_on_the_module_device(tiny_model_dir):
         logged.update({name: (value, options) for name, value in values.items()})
 
     meta = torch.device("meta")
-    fake = SimpleNamespace(device=meta, dynamic_sampling=False, group_size=module.group_size)
+    fake = SimpleNamespace(
+        device=meta, dynamic_sampling=DynamicSamplingConfig(), group_size=module.group_size
+    )
     fake.log_dict = log_dict
     log_rollout(fake, report)
     expected = {"reward/mean", "reward/std", "time/generation", "completion/max_length"}

@@ -12,7 +12,7 @@ from lightning_troll.rollouts.dynamic_sampling import cat_sequences, choose_grou
 from lightning_troll.tasks.data.datamodule import collate_prompts
 from lightning_troll.tasks.data.prompts import draw_prompts
 from lightning_troll.tasks.rewards.options import RewardOptions
-from lightning_troll.training.module import LossConfig
+from lightning_troll.training.module import DynamicSamplingConfig, LossConfig
 from tests.test_resume import logged
 from tests.test_training import Recorder, make_data, make_module, make_trainer
 
@@ -62,12 +62,11 @@ def test_cat_sequences_pads_prompts_left_and_responses_right():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        (
-            {"dynamic_sampling_max_rounds": 0},
-            r"dynamic_sampling_max_rounds must be an integer >= 1",
-        ),
         # the group estimators refuse a group of one first (an estimator of one's own may not)
-        ({"dynamic_sampling": True, "group_size": 1}, r"model.group_size=1: the estimator 'grpo'"),
+        (
+            {"dynamic_sampling": DynamicSamplingConfig(enabled=True), "group_size": 1},
+            r"model.group_size=1: the estimator 'grpo'",
+        ),
         (
             {"reward_options": RewardOptions(kwargs={"nope": {}})},
             r"model.reward_options.kwargs names 'nope', which is not one",
@@ -130,7 +129,7 @@ def test_mask_truncated_leaves_truncated_completions_out_of_the_loss(tiny_model_
 def test_dynamic_sampling_keeps_only_informative_groups(tiny_model_dir):
     """The budget reward is often equal across a group of 4; with dynamic sampling the rollout
     holds 4 groups with spread, taken in sampling order from the rounds."""
-    options = {"rewards": {BUDGET: 1.0}, "dynamic_sampling_max_rounds": 6}
+    options = {"rewards": {BUDGET: 1.0}, "dynamic_sampling": DynamicSamplingConfig(max_rounds=6)}
     _, plain, _ = collect(tiny_model_dir, seed=1, **options)
     assert flat_groups(plain.rewards, 4).any(), "the case must have groups without spread"
     module, rollout, report = collect(tiny_model_dir, seed=1, more=True, **options)
@@ -156,7 +155,10 @@ def test_dynamic_sampling_keeps_only_informative_groups(tiny_model_dir):
 def test_dynamic_sampling_stops_at_the_cap_and_fills_with_flat_groups(tiny_model_dir):
     """A constant reward: no group ever has spread; after 2 extra rounds the rollout is the
     first 4 groups sampled, with zero advantages."""
-    options = {"rewards": {"tests.reward_helpers:constant": 1.0}, "dynamic_sampling_max_rounds": 2}
+    options = {
+        "rewards": {"tests.reward_helpers:constant": 1.0},
+        "dynamic_sampling": DynamicSamplingConfig(max_rounds=2),
+    }
     _, rollout, report = collect(tiny_model_dir, more=True, **options)
     assert len(report.rounds) == 3 and report.capped
     assert report.kept.prompts == report.rounds[0].prompts
@@ -175,8 +177,7 @@ def test_dynamic_sampling_fit_logs_and_warns_once(tmp_path, tiny_model_dir):
     module = make_module(
         tiny_model_dir,
         rewards={"tests.reward_helpers:constant": 1.0, LENGTH: 0.0},
-        dynamic_sampling=True,
-        dynamic_sampling_max_rounds=1,
+        dynamic_sampling=DynamicSamplingConfig(enabled=True, max_rounds=1),
     )
     recorder = Recorder()
     logger = CSVLogger(tmp_path, name="run", version=0)
@@ -222,3 +223,16 @@ def test_per_reward_means_are_those_of_the_sampled_completions(tmp_path, tiny_mo
         "val/reward/tests.reward_helpers_length_reward/mean",
         "val/reward/tests.reward_helpers_used_the_budget/mean",
     } <= set(metrics)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"max_rounds": 0}, r"model.dynamic_sampling.max_rounds must be an integer >= 1; got 0"),
+        ({"max_rounds": True}, r"model.dynamic_sampling.max_rounds must be an integer >= 1"),
+        ({"enabled": "yes"}, r"model.dynamic_sampling.enabled must be true or false; got 'yes'"),
+    ],
+)
+def test_dynamic_sampling_refuses_a_bad_record(fields, message):
+    with pytest.raises(ValueError, match=message):
+        DynamicSamplingConfig(**fields)

@@ -1,4 +1,4 @@
-"""An engine in its own process (``model.rollout_engine_options.process: true``): it samples what
+"""An engine in its own process (``model.engine.options.process: true``): it samples what
 the engine in the trainer's process samples, and with ``old_policy.max_staleness`` it samples
 the next rollout while the trainer trains, with the weights the staleness asks for."""
 
@@ -14,6 +14,7 @@ from lightning_troll.callbacks import OldPolicyRefresh, RolloutGeneration
 from lightning_troll.engines.hf import HFEngine
 from lightning_troll.engines.process import ProcessEngine, fingerprint
 from lightning_troll.models.weights import full_weights
+from lightning_troll.training.module import EngineConfig
 from lightning_troll.training.rollout_parts import engine_in_a_process
 from tests.test_training import make_data, make_module, make_trainer
 
@@ -86,7 +87,7 @@ def test_the_next_rollout_is_sampled_ahead_by_the_stale_version(
     trainer = make_trainer(tmp_path, 5, callbacks=callbacks, limit_val_batches=0)
     module = make_module(
         tiny_model_dir,
-        rollout_engine_options={"process": True},
+        engine=EngineConfig(options={"process": True}),
         snapshot=SnapshotConfig(dtype=dtype),
     )
     torch.manual_seed(0)
@@ -124,7 +125,7 @@ def test_a_resume_with_another_staleness_samples_ahead_with_the_weights_due(
         trainer = make_trainer(
             tmp_path, steps, callbacks=callbacks, limit_val_batches=0, enable_checkpointing=True
         )
-        module = make_module(tiny_model_dir, rollout_engine_options={"process": True})
+        module = make_module(tiny_model_dir, engine=EngineConfig(options={"process": True}))
         torch.manual_seed(0)
         try:
             with pytest.warns(UserWarning, match="differs from") if ckpt else nullcontext():
@@ -139,7 +140,7 @@ def test_a_resume_with_another_staleness_samples_ahead_with_the_weights_due(
 
 def test_the_process_option_is_checked(tiny_model_dir):
     context = make_module(tiny_model_dir).engine.context
-    with pytest.raises(ValueError, match=r"rollout_engine_options.process must be true or false"):
+    with pytest.raises(ValueError, match=r"engine.options.process must be true or false"):
         engine_in_a_process("hf", context, {"process": "yes"})
     with pytest.raises(ValueError, match=r"options.threads must be null or an integer >= 1; got 0"):
         engine_in_a_process("hf", context, {"process": True, "threads": 0})
@@ -199,7 +200,7 @@ def test_the_first_rollout_of_an_epoch_is_sampled_ahead_too(tmp_path, tiny_model
     seen = SamplerWeights()
     callbacks = [RolloutGeneration(log_samples=0), OldPolicyRefresh(max_staleness=1), seen]
     trainer = make_trainer(tmp_path, 5, callbacks=callbacks, limit_val_batches=0)
-    module = make_module(tiny_model_dir, rollout_engine_options={"process": True})
+    module = make_module(tiny_model_dir, engine=EngineConfig(options={"process": True}))
     torch.manual_seed(0)
     try:
         trainer.fit(module, datamodule=make_data(tiny_model_dir, num_train=8))
@@ -255,7 +256,7 @@ def test_a_stale_run_samples_ahead_in_either_callback_order(
     callbacks = [refresh, RolloutGeneration(log_samples=0)]
     callbacks = callbacks if refresh_first else callbacks[::-1]
     trainer = make_trainer(tmp_path, 3, callbacks=callbacks, limit_val_batches=0)
-    module = make_module(tiny_model_dir, rollout_engine_options={"process": True})
+    module = make_module(tiny_model_dir, engine=EngineConfig(options={"process": True}))
     asked = []
     submit = module.engine.submit
     module.engine.submit = lambda *a, **k: asked.append(refresh.rollouts) or submit(*a, **k)

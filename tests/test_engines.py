@@ -21,6 +21,7 @@ from lightning_troll.engines.vllm import vllm_available
 from lightning_troll.models.loading import tiny_causal_lm
 from lightning_troll.models.quantize import quantize_int8_
 from lightning_troll.models.weights import full_weights
+from lightning_troll.training.module import EngineConfig
 from lightning_troll.training.preflight import check_module_options
 
 
@@ -97,14 +98,14 @@ def test_engines_by_name_and_by_import_path():
 @pytest.mark.parametrize(
     ("name", "message"),
     [
-        ("vllmm", "model.rollout_engine must be one of ['hf', 'vllm'] or an import path"),
+        ("vllmm", "model.engine.name must be one of ['hf', 'vllm'] or an import path"),
         ("tests.test_engines:Missing", "tests.test_engines.Missing is missing"),
         ("tests.test_engines:test_engines_by_name_and_by_import_path", "not a RolloutEngine"),
         ("no_such_package.engines:Engine", "cannot import module 'no_such_package.engines'"),
     ],
 )
 def test_a_bad_engine_is_refused_with_the_option_named(name, message):
-    with pytest.raises(ValueError, match="model.rollout_engine") as error:
+    with pytest.raises(ValueError, match="model.engine.name") as error:
         check_module_options("troll", "grpo", None, 8, "auto", name)
     assert message in str(error.value)
 
@@ -119,7 +120,7 @@ def test_engine_options_are_checked():
     context = EngineContext("tinymath", "float32", None)
     with pytest.raises(ValueError, match=r"the hf engine takes no options; got \['kv_cache'\]"):
         build_engine("hf", context, {"kv_cache": 1})
-    with pytest.raises(ValueError, match=r"rollout_engine_options for .*unexpected keyword"):
+    with pytest.raises(ValueError, match=r"engine.options for .*unexpected keyword"):
         build_engine("tests.test_engines:CountingEngine", context, {"colour": "red"})
     engine = build_engine("tests.test_engines:CountingEngine", context, {"tag": "x"})
     assert isinstance(engine, RolloutEngine) and engine.tag == "x" and engine.stale
@@ -134,8 +135,7 @@ def test_a_users_engine_samples_every_rollout_and_takes_weights_after_each_refre
     CountingEngine.instances.clear()
     module = make_module(
         tiny_model_dir,
-        rollout_engine="tests.test_engines:CountingEngine",
-        rollout_engine_options={"tag": "run"},
+        engine=EngineConfig("tests.test_engines:CountingEngine", {"tag": "run"}),
     )
     trainer, module, recorder = fit(tmp_path, tiny_model_dir, max_steps=3, module=module)
     engine = module.engine
@@ -155,8 +155,8 @@ def test_module_refuses_an_unknown_engine_before_the_model_loads(monkeypatch):
         raise AssertionError("the model loaded before the engine was checked")
 
     monkeypatch.setattr(policies_file, "load_policy", no_loading)
-    with pytest.raises(ValueError, match="model.rollout_engine must be one of"):
-        module_file.TrollModule(model="tinymath", rollout_engine="sglang")
+    with pytest.raises(ValueError, match="model.engine.name must be one of"):
+        module_file.TrollModule(model="tinymath", engine=EngineConfig("sglang"))
 
 
 # -- the weights an engine takes ------------------------------------------------------------------
@@ -250,7 +250,7 @@ def test_truncated_importance_weights_scale_each_tokens_advantage(tmp_path, tiny
 
     module = make_module(
         tiny_model_dir,
-        rollout_engine="tests.test_engines:ShiftedEngine",
+        engine=EngineConfig("tests.test_engines:ShiftedEngine"),
         loss=LossConfig(engine_is_cap=1.1),
     )
     trainer, module, recorder = fit(tmp_path, tiny_model_dir, max_steps=2, module=module)
@@ -290,7 +290,7 @@ def test_masked_and_sequence_weights_scale_each_tokens_advantage(
 
     loss = LossConfig(**options)
     module = make_module(
-        tiny_model_dir, rollout_engine="tests.test_engines:ShiftedEngine", loss=loss
+        tiny_model_dir, engine=EngineConfig("tests.test_engines:ShiftedEngine"), loss=loss
     )
     trainer, module, recorder = fit(tmp_path, tiny_model_dir, max_steps=2, module=module)
     for rollout in recorder.rollouts:
@@ -337,7 +337,7 @@ def test_importance_weights_need_an_engine_that_samples_apart(tiny_model_dir):
     with pytest.raises(ValueError, match=r"the 'hf' engine \(in a process of its own\) samples"):
         make_module(
             tiny_model_dir,
-            rollout_engine_options={"process": True},
+            engine=EngineConfig(options={"process": True}),
             loss=LossConfig(engine_is_cap=2.0),
         )
 

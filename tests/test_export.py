@@ -164,7 +164,7 @@ def test_export_needs_neither_the_reward_nor_the_engine(checkpoint, tmp_path, ca
     stored["hyper_parameters"]["rewards"] = {"nowhere_to_be_found:reward": 1.0}
     stored["hyper_parameters"]["reward_options"] = {"workers": 2}
     stored["hyper_parameters"]["reward_workers"] = 2  # the flat key a checkpoint held before
-    stored["hyper_parameters"]["rollout_engine"] = "vllm"
+    stored["hyper_parameters"]["rollout_engine"] = "vllm"  # 0.1's key: folded, then left out
     moved = tmp_path / "moved.ckpt"
     torch.save(stored, moved)
     out = tmp_path / "exported"

@@ -31,7 +31,7 @@ def test_rewards_whose_spread_squared_overflows_are_named():
 @pytest.mark.slow
 def test_rewards_that_overflow_the_advantages_stop_the_run_at_the_rollout(tmp_path, tiny_model_dir):
     (tmp_path / "my_reward.py").write_text(HUGE.format(value="1e30"))
-    run = command(tmp_path, tiny_model_dir, 4, "--model.estimator", "dr_grpo")
+    run = command(tmp_path, tiny_model_dir, 4, "--model.advantages.estimator", "dr_grpo")
     done = subprocess.run(run, cwd=tmp_path, capture_output=True, text=True)
     assert done.returncode == 3, done.stderr[-3000:]
     assert "Traceback" not in done.stderr
@@ -102,7 +102,7 @@ def test_an_engine_process_killed_stops_the_run_in_two_lines_naming_the_signal(
     tmp_path, tiny_model_dir
 ):
     (tmp_path / "my_reward.py").write_text(KILLS_ENGINE)
-    run = command(tmp_path, tiny_model_dir, 8, "--model.rollout_engine_options",
+    run = command(tmp_path, tiny_model_dir, 8, "--model.engine.options",
                   '{"process": true}')  # fmt: skip
     done = subprocess.run(run, cwd=tmp_path, capture_output=True, text=True)
     assert done.returncode == 3, done.stderr[-3000:]

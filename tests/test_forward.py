@@ -8,6 +8,7 @@ import torch
 
 from lightning_troll.models.loading import tiny_causal_lm
 from lightning_troll.rollouts.forward import distinct_prompts, response_hidden
+from lightning_troll.training.module import EngineConfig
 
 G, S, T, VOCAB = 3, 6, 5, 40
 
@@ -159,7 +160,9 @@ def test_a_cache_the_layers_dropped_is_refused_not_read(monkeypatch):
     model = tiny_causal_lm(vocab_size=VOCAB, hidden_size=16, num_layers=2, num_heads=2).train()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     monkeypatch.setattr(forward, "caches_kept", lambda layers: contextlib.nullcontext())
-    with pytest.raises(RuntimeError, match="0 of 6 positions; set model.share_prompts=false"):
+    with pytest.raises(
+        RuntimeError, match="0 of 6 positions; set model.optimization.share_prompts=false"
+    ):
         response_hidden(model, ids, mask, T, share_prompts=True)
 
 
@@ -196,10 +199,13 @@ def test_training_with_shared_prompts_takes_the_same_steps(
         module = make_module(
             tiny_model_dir,
             optimizer=sgd(0.5),
-            share_prompts=share,
-            behaviour_logprobs=behaviour,
-            optimization=OptimizationConfig(minibatch_size=8, micro_batch_size=4),
-            gradient_checkpointing=checkpointing,
+            engine=EngineConfig(behaviour_logprobs=behaviour),
+            optimization=OptimizationConfig(
+                minibatch_size=8,
+                micro_batch_size=4,
+                share_prompts=share,
+                gradient_checkpointing=checkpointing,
+            ),
         )
         _, _, recorder = fit(tmp_path / str(share), tiny_model_dir, max_steps=4, module=module,
                              limit_val_batches=0)  # fmt: skip

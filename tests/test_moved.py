@@ -79,12 +79,12 @@ def test_an_old_path_folds_to_its_place_now(old, new):
 def test_a_config_naming_old_paths_is_read_at_the_new_ones_with_one_warning():
     model = Namespace(
         rewards={"lightning_troll.rewards.functions:tinymath": 1.0, "gsm8k": 0.5},
-        rollout_engine="lightning_troll.rollouts.engine:HFEngine",
+        engine=Namespace(name="lightning_troll.rollouts.engine:HFEngine"),
         episodes=Namespace(environment="lightning_troll.environments.tool_env:ToolEnvironment"),
     )
     message = fold_moved_options(model, Namespace(source="tinymath"))
     assert model.rewards == {"lightning_troll.tasks.rewards.functions:tinymath": 1.0, "gsm8k": 0.5}
-    assert model.rollout_engine == "lightning_troll.engines.hf:HFEngine"
+    assert model.engine.name == "lightning_troll.engines.hf:HFEngine"
     assert model.episodes.environment == (
         "lightning_troll.tasks.environments.tool_env:ToolEnvironment"
     )
@@ -109,3 +109,95 @@ def test_a_flat_layout_checkpoint_loads_without_weights_only_its_records_at_thei
     assert type(stored["sampling"]) is SamplingConfig and stored["sampling"].max_new_tokens == 4
     assert type(stored["trust_region"]) is TrustRegionConfig
     assert type(stored["optimization"]) is OptimizationConfig
+
+
+def test_the_options_0_2_0_renamed_fold_into_their_records():
+    """Every flat option of 0.1 lands in its record's field, over what the record holds; a
+    switch ``dynamic_sampling`` becomes the record's ``enabled``; the old reward keys an earlier
+    checkpoint stored as null beside their record are dropped; a record stays a record."""
+    from lightning_troll.objectives.options import AdvantageConfig
+    from lightning_troll.training.moved import RENAMED_OPTIONS, fold_renamed_options
+    from lightning_troll.training.optimization import OptimizationConfig
+
+    old = {
+        "model": "m",
+        "estimator": "dr_grpo",
+        "scale_rewards": "batch",
+        "dynamic_sampling": True,
+        "dynamic_sampling_max_rounds": 2,
+        "seed": 7,
+        "gradient_checkpointing": True,
+        "logits_chunk_size": None,  # null: not moved, the record's default stays
+        "share_prompts": False,
+        "rollout_engine": "vllm",
+        "rollout_engine_options": {"kv_cache_gib": 1},
+        "behaviour_logprobs": "forward",
+        "reward_kwargs": {"overlong": {"buffer": 2}},
+        "on_reward_error": "drop",
+        "reward_workers": None,
+        "reward_timeout": 5.0,
+        "optimization": {"minibatch_size": 8},
+    }
+    folded, moves = fold_renamed_options(old)
+    assert folded == {
+        "model": "m",
+        "advantages": {"estimator": "dr_grpo", "scale_rewards": "batch"},
+        "dynamic_sampling": {"enabled": True, "max_rounds": 2},
+        "optimization": {
+            "minibatch_size": 8, "seed": 7, "gradient_checkpointing": True, "share_prompts": False
+        },
+        "engine": {"name": "vllm", "options": {"kv_cache_gib": 1}, "behaviour_logprobs": "forward"},
+        "reward_options": {"kwargs": {"overlong": {"buffer": 2}}, "on_error": "drop", "timeout": 5.0},
+    }  # fmt: skip
+    assert len(moves) == 13 and "model.estimator -> model.advantages.estimator" in moves
+    assert set(RENAMED_OPTIONS) <= set(old)  # the test covers every rename
+    again, none = fold_renamed_options(folded)
+    assert again == folded and none == []  # a 0.2.0 section is left as it is
+    records = {"optimization": OptimizationConfig(), "advantages": AdvantageConfig("rloo")}
+    kept, _ = fold_renamed_options({**records, "seed": 3, "scale_rewards": "none"})
+    assert kept["optimization"] == OptimizationConfig(seed=3)
+    assert kept["advantages"] == AdvantageConfig("rloo", "none")
+
+
+def test_a_config_of_0_1_runs_warned_and_an_old_flag_is_refused_naming_the_new(tmp_path, capsys):
+    """A config file with 0.1's flat options parses into the records with one warning naming
+    the new places; the same option as a command-line flag is refused in a line that names its
+    new flag."""
+    from lightning_troll.cli import run
+
+    old = tmp_path / "old.yaml"
+    old.write_text(
+        "model:\n  estimator: rloo\n  dynamic_sampling: false\n  logits_chunk_size: 64\n"
+        "  rollout_engine: hf\n"
+    )
+    from lightning_troll.cli.loader import _load
+
+    with pytest.warns(UserWarning, match="renamed in 0.2.0") as warned:
+        loaded = _load(old.read_text())
+    assert loaded["model"] == {
+        "advantages": {"estimator": "rloo"},
+        "dynamic_sampling": {"enabled": False},
+        "optimization": {"logits_chunk_size": 64},
+        "engine": {"name": "hf"},
+    }
+    assert len([w for w in warned if "renamed in 0.2.0" in str(w.message)]) == 1
+    with pytest.raises(SystemExit) as printed:
+        run(["fit", "--config", str(old), "--print_config"])
+    assert printed.value.code in (0, None)
+    shown = capsys.readouterr().out
+    assert re.search(r"advantages:\n    estimator: rloo", shown)
+    assert re.search(r"logits_chunk_size: 64", shown)
+    with pytest.raises(SystemExit) as refused:
+        run(["fit", "--model.estimator", "rloo"])
+    assert refused.value.code == 2
+    err = capsys.readouterr().err
+    assert "--model.estimator is --model.advantages.estimator since 0.2.0" in err
+    assert len(err.strip().splitlines()) <= 2
+
+
+def test_the_changelog_lists_every_renamed_option():
+    from lightning_troll.training.moved import RENAMED_OPTIONS
+
+    text = (ROOT / "CHANGELOG.md").read_text().split("### Renamed options", 1)[1]
+    rows = re.findall(r"^\| `model\.(\w+)` \| `model\.([\w.]+)` \|$", text, flags=re.M)
+    assert dict(rows) == RENAMED_OPTIONS

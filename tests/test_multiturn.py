@@ -25,7 +25,12 @@ from lightning_troll.tasks.environments import Step
 from lightning_troll.tasks.environments.calls import TOOL_ERROR_KINDS
 from lightning_troll.tasks.environments.options import EpisodesConfig
 from lightning_troll.tasks.rewards.registry import RewardOutput
-from lightning_troll.training.module import TrollModule
+from lightning_troll.training.module import (
+    DynamicSamplingConfig,
+    EngineConfig,
+    OptimizationConfig,
+    TrollModule,
+)
 from tests.test_training import make_module as training_module
 
 ONE_TURN = EpisodesConfig(environment="tests.tool_helpers:PlainTurns", max_turns=4)
@@ -37,8 +42,8 @@ def make_module(model_dir: Path, **kwargs) -> TrollModule:
     full logits (so that a test can take their gradient)."""
     options = {
         "sampling": SamplingConfig(max_new_tokens=12),
-        "behaviour_logprobs": "forward",
-        "logits_chunk_size": None,
+        "engine": EngineConfig(behaviour_logprobs="forward"),
+        "optimization": OptimizationConfig(logits_chunk_size=None),
     }
     return training_module(model_dir, **{**options, **kwargs})
 
@@ -439,7 +444,7 @@ def test_an_episode_counts_its_whole_response_against_the_budget(tiny_model_dir)
 
 def test_sampling_behaviour_logprobs_with_episodes_warn_once_at_the_start_of_a_fit():
     """Episodes take their behaviour log-probs from a teacher-forced pass whatever
-    ``model.behaviour_logprobs`` says: ``sampling`` warns once, as the fit starts; ``auto`` and
+    ``model.engine.behaviour_logprobs`` says: ``sampling`` warns once, as the fit starts; ``auto`` and
     ``forward`` with episodes, and ``sampling`` without, do not."""
     import warnings
     from types import SimpleNamespace
@@ -448,16 +453,18 @@ def test_sampling_behaviour_logprobs_with_episodes_warn_once_at_the_start_of_a_f
 
     def setup(episodes, behaviour_logprobs):
         module = SimpleNamespace(
-            episodes=episodes, behaviour_logprobs=behaviour_logprobs, dynamic_sampling=False
+            episodes=episodes,
+            engine_config=EngineConfig(behaviour_logprobs=behaviour_logprobs),
+            dynamic_sampling=DynamicSamplingConfig(),
         )
         RolloutGeneration().setup(None, module, "fit")
 
     with pytest.warns(UserWarning) as record:
         setup(object(), "sampling")
     assert [str(w.message) for w in record] == [
-        "model.behaviour_logprobs='sampling' does not apply to model.episodes: an episode's "
+        "model.engine.behaviour_logprobs='sampling' does not apply to model.episodes: an episode's "
         "behaviour log-probs come from one teacher-forced pass of the snapshot over the whole "
-        "episode once it is played, as with 'forward'; set model.behaviour_logprobs to 'forward' "
+        "episode once it is played, as with 'forward'; set model.engine.behaviour_logprobs to 'forward' "
         "or 'auto'"
     ]
     with warnings.catch_warnings():

@@ -180,7 +180,14 @@ def test_the_command_refuses_data_without_a_reward_in_one_line(tmp_path, monkeyp
 def test_group_size_one_is_refused_for_every_group_estimator(
     estimator, tmp_path, monkeypatch, capsys
 ):
-    args = ["--config", TINYMATH, "--model.group_size", "1", "--model.estimator", estimator]
+    args = [
+        "--config",
+        TINYMATH,
+        "--model.group_size",
+        "1",
+        "--model.advantages.estimator",
+        estimator,
+    ]
     error = cli_refusal(args, tmp_path, monkeypatch, capsys)
     assert error.startswith(f"model.group_size=1: the estimator {estimator!r} compares")
 

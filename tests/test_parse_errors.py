@@ -76,8 +76,8 @@ def test_a_yaml_syntax_error_names_its_file_and_line(tmp_path, monkeypatch, caps
     [
         (["--model.objective", "kl"], "model.objective: 'kl' is not allowed; choose one of troll, clip"),
         (
-            ["--model.scale_rewards", "std"],
-            "model.scale_rewards: 'std' is not allowed; choose one of group, batch, none or null",
+            ["--model.advantages.scale_rewards", "std"],
+            "model.advantages.scale_rewards: 'std' is not allowed; choose one of group, batch, none or null",
         ),
         (["--model.group_size", "two"], "model.group_size: expected an integer; got 'two'"),
         (["--model.sampling.temperature", "hot"], "expected a number; got 'hot'"),

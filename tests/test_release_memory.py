@@ -14,6 +14,7 @@ import pytest
 from lightning_troll.callbacks import ReleaseFreedMemory, RolloutGeneration
 from lightning_troll.callbacks import memory as memory_module
 from lightning_troll.callbacks.memory import release_freed_memory, resident_bytes
+from lightning_troll.training.module import OptimizationConfig
 from tests.test_cli import ROOT, one_step, run
 from tests.test_training import fit, make_module
 
@@ -89,7 +90,9 @@ def test_a_fit_logs_the_resident_memory_and_what_was_released(tmp_path, tiny_mod
 @pytest.mark.slow
 @pytest.mark.parametrize("checkpointing", [True, False])
 def test_by_default_it_follows_gradient_checkpointing(checkpointing, tmp_path, tiny_model_dir):
-    module = make_module(tiny_model_dir, gradient_checkpointing=checkpointing)
+    module = make_module(
+        tiny_model_dir, optimization=OptimizationConfig(gradient_checkpointing=checkpointing)
+    )
     release = ReleaseFreedMemory()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -102,7 +105,9 @@ def test_by_default_it_follows_gradient_checkpointing(checkpointing, tmp_path, t
 
 @pytest.mark.slow
 def test_switched_off_it_logs_nothing(tmp_path, tiny_model_dir):
-    module = make_module(tiny_model_dir, gradient_checkpointing=True)
+    module = make_module(
+        tiny_model_dir, optimization=OptimizationConfig(gradient_checkpointing=True)
+    )
     trainer, _, _ = fit(
         tmp_path, tiny_model_dir, max_steps=1, module=module,
         extra=(ReleaseFreedMemory(enabled=False),),

@@ -20,7 +20,7 @@ from lightning_troll.callbacks import (
     RolloutGeneration,
     TrustRegionMonitor,
 )
-from lightning_troll.training.module import OptimizationConfig
+from lightning_troll.training.module import EngineConfig, OptimizationConfig
 from tests.test_training import make_data, make_module, make_trainer
 
 pytestmark = pytest.mark.slow  # whole fits: seconds each
@@ -121,7 +121,7 @@ def assert_same_steps(expected: dict, got: dict, steps: range) -> None:
         # 3 keeps the seed of rollout 4, asked for while rollout 3 trained
         (
             "sampled_ahead",
-            {"max_staleness": 1, "rollout_engine_options": {"process": True}},
+            {"max_staleness": 1, "engine": EngineConfig(options={"process": True})},
         ),
     ],
 )

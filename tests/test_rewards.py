@@ -10,12 +10,6 @@ import warnings
 import pytest
 import torch
 
-from lightning_troll.tasks.rewards.options import (
-    DEPRECATED_KEYS,
-    RewardOptions,
-    fold_stored,
-    merge_deprecated,
-)
 from lightning_troll.tasks.rewards.registry import (
     REWARD_FUNCTIONS,
     RewardError,
@@ -406,56 +400,6 @@ def test_a_reward_whose_signature_cannot_take_the_call_is_refused_at_once(fn, kw
 
 
 # ----------------------------------------------------------------------------- options
-
-
-def test_the_flat_reward_keys_still_work_warned_and_map_to_the_record(tiny_model_dir):
-    """``reward_kwargs``, ``on_reward_error``, ``reward_workers`` and ``reward_timeout`` (before
-    ``model.reward_options``) build the same record and scorer, each warned in one line; given
-    beside their new name with another value they are refused, naming both; a checkpoint of the
-    old keys reads as the record."""
-    from tests.test_training import make_module
-
-    old = {
-        "reward_kwargs": {"overlong": {"buffer": 2}},
-        "on_reward_error": "drop",
-        "reward_workers": 1,
-        "reward_timeout": 5.0,
-    }
-    record = RewardOptions(
-        kwargs={"overlong": {"buffer": 2}}, on_error="drop", workers=1, timeout=5.0
-    )
-    rewards = {"tinymath": 1.0, "overlong": 1.0}
-    with pytest.warns(FutureWarning) as warned:
-        module = make_module(tiny_model_dir, rewards=rewards, **old)
-    assert sorted(str(w.message) for w in warned if w.category is FutureWarning) == sorted(
-        f"model.{key} is deprecated: use model.reward_options.{field}"
-        for key, field in DEPRECATED_KEYS.items()
-    )
-    assert merge_deprecated(RewardOptions(), **old, warn=False) == record
-    assert module.hparams["reward_options"] == record  # the record, not the old keys
-    assert not set(DEPRECATED_KEYS) & set(module.hparams)
-    scorer = module.scorer
-    assert (scorer.workers.count, scorer.workers.timeout) == (1, 5.0)
-    assert scorer.kwargs == {"overlong": {"buffer": 2}}
-    assert scorer.policies == {"tinymath": "drop", "overlong": "drop"}
-    new = RewardScorer.from_options(rewards, record)
-    assert (new.kwargs, new.policies, new.workers.timeout) == (
-        scorer.kwargs, scorer.policies, scorer.workers.timeout
-    )  # fmt: skip
-
-    both = r"model.reward_workers \(1\) and model.reward_options.workers \(2\) are both given"
-    with pytest.raises(ValueError, match=both):
-        make_module(tiny_model_dir, reward_options=RewardOptions(workers=2), reward_workers=1)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the same value twice is no conflict, only warned
-        with pytest.raises(FutureWarning, match="model.reward_workers is deprecated"):
-            merge_deprecated(RewardOptions(workers=2), reward_workers=2)
-
-    stored = {"model": "m", "reward_kwargs": None, "on_reward_error": "drop", "reward_workers": 2}
-    assert fold_stored(stored) == {
-        "model": "m",
-        "reward_options": RewardOptions(on_error="drop", workers=2),
-    }
 
 
 def test_val_accuracy_leaves_out_a_reward_without_a_best_score():

@@ -236,7 +236,7 @@ def test_a_tied_head_keeps_the_embeddings_base_weight_and_tying_engines_are_refu
     context = EngineContext("unused", "float32", None, config, tied_embedding_adapter=True)
     refused = (
         r"lora.target_modules=\['q_proj', 'embed_tokens'\] puts an adapter on the input "
-        r"embedding.*rollout_engine 'hf'"
+        r"embedding.*engine.name 'hf'"
     )
     for name, options in (("vllm", None), ("hf", {"process": True})):
         with pytest.raises(ValueError, match=refused):

@@ -190,7 +190,7 @@ def test_dense_needs_a_separate_snapshot(tiny_model_dir):
 
 
 def first_prompts(*args: str) -> tuple[int, int, list[str]]:
-    """(data.seed, model.seed, the first rollout's prompts) of a ``lightning-troll fit`` command
+    """(data.seed, model.optimization.seed, the first rollout's prompts) of a ``lightning-troll fit`` command
     line, parsed and instantiated as the command does, without training."""
     from lightning_troll.cli.command import TRAINER_DEFAULTS, TrollArgumentParser, TrollCLI
     from lightning_troll.tasks.data.datamodule import PromptDataModule

@@ -23,7 +23,12 @@ from lightning_troll.objectives import ClipConfig, ClipStats, LossConfig, TrollS
 from lightning_troll.tasks.data.datamodule import PromptDataModule
 from lightning_troll.tasks.rewards.options import RewardOptions
 from lightning_troll.tasks.rewards.registry import RewardError
-from lightning_troll.training.module import OptimizationConfig, TrollModule, TrustRegionConfig
+from lightning_troll.training.module import (
+    AdvantageConfig,
+    OptimizationConfig,
+    TrollModule,
+    TrustRegionConfig,
+)
 
 pytestmark = pytest.mark.slow  # whole fits: seconds each
 
@@ -191,7 +196,9 @@ def test_scale_rewards_reaches_the_advantages(tiny_model_dir):
     std + 1e-6: group 1 (mean 0.5) -> -+0.5, group 2 flat; the batch [0, 1, 1, 1] has mean 0.75
     and sample std sqrt((0.5625 + 3 * 0.0625) / 3) = 0.5."""
     rewards = torch.tensor([0.0, 1.0, 1.0, 1.0], dtype=torch.float64)
-    module = make_module(tiny_model_dir, group_size=2, scale_rewards="none")
+    module = make_module(
+        tiny_model_dir, group_size=2, advantages=AdvantageConfig(scale_rewards="none")
+    )
     torch.testing.assert_close(
         module.global_batch.advantages(rewards),
         torch.tensor([-0.5, 0.5, 0.0, 0.0], dtype=torch.float64), rtol=0, atol=0,
@@ -411,9 +418,8 @@ def test_kl_end_is_the_last_weights_against_the_behaviour_policy(
     module = make_module(
         tiny_model_dir,
         objective=objective,
-        optimization=OptimizationConfig(minibatch_size=8),
+        optimization=OptimizationConfig(minibatch_size=8, logits_chunk_size=5),
         optimizer=lambda params: torch.optim.AdamW(params, lr=3e-2),
-        logits_chunk_size=5,
         cache_old_distributions=True,
     )
     recorder = Recorder()
@@ -492,7 +498,7 @@ def test_drift_from_behaviour_gives_the_sampled_tokens_log_ratios(tiny_model_dir
         for p in module.policy.parameters():
             p.add_(0.05 * torch.randn_like(p))
     lumped, log_ratio = drift_from_behaviour(
-        module.policy, rollout, module.old_rows.rule, module.logits_chunk_size
+        module.policy, rollout, module.old_rows.rule, module.optimization.logits_chunk_size
     )
     mask = rollout.response_mask
     with torch.no_grad():
@@ -579,12 +585,15 @@ def test_dropped_rewards_leave_the_loss(tmp_path, tiny_model_dir):
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"estimator": "ppo"}, r"^model.estimator must be one of .*; got 'ppo'"),
+        (
+            {"advantages": AdvantageConfig("ppo")},
+            r"^model.advantages.estimator must be one of .*; got 'ppo'",
+        ),
         ({"objective": "kl"}, r"model.objective must be one of \['clip', 'troll'\]; got 'kl'"),
         ({"group_size": 0}, r"model.group_size must be an integer >= 1; got 0"),
         (
-            {"scale_rewards": "std"},
-            r"model.scale_rewards must be one of \['batch', 'group', 'none'\] or null; got 'std'",
+            {"advantages": AdvantageConfig(scale_rewards="std")},
+            r"model.advantages.scale_rewards must be one of \['batch', 'group', 'none'\] or null; got 'std'",
         ),
         (
             {"trust_region": TrustRegionConfig(eps=-1.0)},
@@ -649,8 +658,9 @@ def test_gradient_checkpointing_gives_the_same_step(tmp_path, tiny_model_dir):
         module = make_module(
             tiny_model_dir,
             optimizer=sgd(0.5),
-            gradient_checkpointing=checkpointing,
-            optimization=OptimizationConfig(gradient_clip_norm=None),
+            optimization=OptimizationConfig(
+                gradient_clip_norm=None, gradient_checkpointing=checkpointing
+            ),
         )
         assert module.policy.is_gradient_checkpointing == checkpointing
         assert not module.old_policy.is_gradient_checkpointing

@@ -17,6 +17,7 @@ from lightning_troll.engines.sampling import SamplingConfig, sample
 from lightning_troll.models.loading import load_policy, load_tokenizer, stop_token_ids
 from lightning_troll.models.weights import full_weights
 from lightning_troll.rollouts.forward import behaviour_outputs
+from lightning_troll.training.module import EngineConfig
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -151,8 +152,7 @@ def test_a_fit_samples_with_vllm_and_logs_the_engines_mismatch(tmp_path, objecti
     module = make_module(
         "tinymath",
         objective=objective,
-        rollout_engine="vllm",
-        rollout_engine_options={"kv_cache_gib": 0.25},
+        engine=EngineConfig("vllm", {"kv_cache_gib": 0.25}),
         optimization=OptimizationConfig(minibatch_size=8),  # two steps: the second off-policy
         lora=LoraConfig(r=4, target_modules=["q_proj", "v_proj"]) if lora else None,
         rewards={"tests.reward_helpers:digit_sum": 1.0},  # TinyMath's answers vary in digits
@@ -201,8 +201,7 @@ def test_episodes_sample_with_vllm_and_its_logprobs_match_the_snapshot():
     episodes = EpisodesConfig(environment="tests.tool_helpers:ThreePlainTurns", max_turns=4)
     module = make_module(
         "tinymath",
-        rollout_engine="vllm",
-        rollout_engine_options={"kv_cache_gib": 0.25},
+        engine=EngineConfig("vllm", {"kv_cache_gib": 0.25}),
         episodes=episodes,
         sampling=SamplingConfig(max_new_tokens=16),
     )
@@ -261,7 +260,7 @@ def test_a_fit_samples_ahead_with_vllm_in_a_process_of_its_own(tmp_path):
     callbacks = [RolloutGeneration(log_samples=0), OldPolicyRefresh(max_staleness=1), seen]
     trainer = make_trainer(tmp_path, 4, callbacks=callbacks, limit_val_batches=0)
     options = {"process": True, "kv_cache_gib": 0.25}
-    module = make_module("tinymath", rollout_engine="vllm", rollout_engine_options=options)
+    module = make_module("tinymath", engine=EngineConfig("vllm", options))
     torch.manual_seed(0)
     try:
         trainer.fit(module, datamodule=make_data("tinymath"))

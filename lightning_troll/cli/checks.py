@@ -233,11 +233,9 @@ def check_task(config) -> None:
     model, data = config.model, config.data
     check_module_options(
         model.get("objective"),
-        model.get("estimator"),
-        model.get("scale_rewards"),
+        model.get("advantages"),
         model.get("group_size"),
-        model.get("behaviour_logprobs"),
-        model.get("rollout_engine") or "hf",
+        model.get("engine"),
     )
     for spec in task_rewards(model.get("rewards"), data.get("source")):
         resolve_reward(spec)

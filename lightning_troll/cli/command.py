@@ -57,10 +57,12 @@ from lightning_troll.cli.checks import (
     check_task,
     config_files,
 )
+from lightning_troll.cli.loader import MODE as LOADER_MODE
+from lightning_troll.cli.loader import register as register_loader
+from lightning_troll.cli.loader import stored_options
 from lightning_troll.cli.order import overridden_options
 from lightning_troll.cli.parse_errors import explain
 from lightning_troll.cli.quiet import quiet_library_notices
-from lightning_troll.cli.renamed import fold_renamed_options
 from lightning_troll.cli.seeds import follow_run_seed
 from lightning_troll.cli.stops import full_disk, quiet_about_no_space, refuse, stop
 from lightning_troll.tasks.data.datamodule import PromptDataModule
@@ -138,7 +140,12 @@ _COMMAND_LINE: ContextVar[tuple[str, ...] | None] = ContextVar("command_line", d
 class TrollArgumentParser(LightningArgumentParser):
     """Fills in ``data.seed`` from ``seed_everything`` while parsing, before ``--print_config``
     prints, so that the printed config shows the seed used; says a parse error in a line (see
-    :mod:`lightning_troll.cli.parse_errors`) instead of the whole usage."""
+    :mod:`lightning_troll.cli.parse_errors`) instead of the whole usage; reads config files with
+    the options 0.2.0 renamed folded (:mod:`lightning_troll.cli.loader`)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        register_loader()
+        super().__init__(*args, **{"parser_mode": LOADER_MODE, **kwargs})
 
     @override
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
@@ -209,14 +216,13 @@ class TrollCLI(LightningCLI):
         return trainer
 
     def parse_arguments(self, parser, args) -> None:
-        """Parses, folds renamed options into their present place (``fold_renamed_options``),
+        """Parses (config files with the options 0.2.0 renamed folded: :mod:`~lightning_troll.cli.loader`),
         then refuses a run that cannot train (see ``check_task``) and an unreadable
         ``--ckpt_path``, before anything is seeded or loaded."""
         super().parse_arguments(parser, args)
         self._given_model = None
         subcommand = self.config.get("subcommand")
         config = self.config[subcommand] if subcommand else self.config
-        fold_renamed_options(config.model)
         if moved := fold_moved_options(config.model, config.get("data")):
             rank_zero_warn(moved)
         self._config_files = config_files(config)
@@ -231,13 +237,20 @@ class TrollCLI(LightningCLI):
             check_checkpoint_file(path)
         self._given_model = self.config[subcommand].model.clone()
 
+    def _parse_ckpt_path(self) -> None:
+        """Lightning's reading of the options a ``--ckpt_path`` stored, over the config, with the
+        options 0.2.0 renamed folded first (:func:`~lightning_troll.cli.loader.stored_options`)."""
+        subcommand = self.config.get("subcommand")
+        path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        if (options := stored_options(path)) is not None:
+            self.config = self.parser.parse_object({subcommand: {"model": options}}, self.config)
+
     def before_instantiate_classes(self) -> None:
         """Refuses a learning-rate schedule shorter than the run; warns about model options the
         checkpoint's replaced (LightningCLI resumes with the hyper-parameters stored in
         ``--ckpt_path``, whatever the command line says)."""
         subcommand = self.config.get("subcommand")
         config = self.config[subcommand] if subcommand else self.config
-        fold_renamed_options(config.model, from_checkpoint=True)  # what an old one stored
         if moved := fold_moved_options(config.model, config.get("data")):
             rank_zero_warn(moved)
         follow_run_seed(config)  # seed_everything: true is drawn after parsing

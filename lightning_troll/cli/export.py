@@ -21,7 +21,7 @@ for its config and tokenizer), loads the trained weights and writes the policy a
 The checkpoint is a ``.ckpt`` file, or the folder of shards an FSDP2 run writes (gathered in
 this one process's CPU memory, and read again where a running fit swaps a new one in meanwhile:
 :func:`read_checkpoint`). Only the policy is rebuilt: the run's rewards, reward workers and
-rollout engine are not (:data:`POLICY_ONLY`), so a reward module that is not importable where
+rollout engine are not (:data:`POLICY_ONLY`, :data:`DEFAULTED`), so a reward module that is not importable where
 the export runs does not matter. The folder is written beside ``output_dir`` and renamed into
 place once complete, so a failed export leaves no half-written model. An ``output_dir`` that
 exists and is not empty is refused unless ``--overwrite`` is given, and ``--overwrite`` replaces
@@ -51,9 +51,8 @@ import torch
 from lightning_troll.models.folders import replace_folder, sync_tree
 from lightning_troll.models.loading import DTYPES
 from lightning_troll.models.weights import carries_adapter, ties_an_adapted_embedding
-from lightning_troll.tasks.rewards.options import DEPRECATED_KEYS
 from lightning_troll.training.checkpoints import CheckpointError, check_checkpoint_file
-from lightning_troll.training.moved import load_checkpoint_file
+from lightning_troll.training.moved import fold_renamed_options, load_checkpoint_file
 
 __all__ = [
     "FOLDER_READS",
@@ -68,14 +67,9 @@ __all__ = [
 MARKER = ".lightning-troll-export.json"
 """The file an export writes into its folder: the checkpoint it came from and every file it
 wrote, which is what ``--overwrite`` may replace."""
-POLICY_ONLY: dict[str, Any] = {
-    "rewards": None,
-    "dynamic_sampling": False,
-    "rollout_engine": "hf",
-    "rollout_engine_options": None,
-}
-"""The module options an export replaces in the checkpoint's: what scores and samples rollouts,
-which writing a policy never uses (a reward module of one's own need not be importable)."""
+POLICY_ONLY: dict[str, Any] = {"rewards": None}
+"""The module options an export replaces in the checkpoint's: what scores rollouts, which
+writing a policy never uses (a reward module of one's own need not be importable)."""
 ROUNDING_LIMIT = 0.1
 """With ``--dtype auto``, a LoRA merge is written in float32 instead of the base's dtype when
 rounding the merged weights to that dtype changes the adapters' update by more than this share of
@@ -83,9 +77,10 @@ its norm (:func:`rounding_loss`)."""
 FOLDER_READS = 3
 """Reads of a sharded checkpoint's folder that a running fit's saves may cut short before an
 export gives up (:func:`read_checkpoint`)."""
-DEFAULTED = ("reward_options", *DEPRECATED_KEYS)
-"""The module options an export leaves out of the checkpoint's, so that they take their defaults:
-how rewards are called (``model.reward_options``, or the flat keys an older checkpoint holds)."""
+DEFAULTED = ("reward_options", "advantages", "dynamic_sampling", "engine")
+"""The module options an export leaves out of the checkpoint's (the options 0.2.0 renamed folded
+first), so that they take their defaults: how rewards are called and turned into advantages, and
+what samples rollouts, none of which writing a policy uses."""
 
 
 def read_checkpoint(path: str | Path) -> dict[str, Any]:
@@ -263,7 +258,7 @@ def export_policy(
     # before the minutes a big checkpoint takes to read
     _check_output(output_dir, overwrite, Path(ckpt_path).expanduser())
     checkpoint = read_checkpoint(ckpt_path)
-    stored = checkpoint.get("hyper_parameters", {})
+    stored, _ = fold_renamed_options(checkpoint.get("hyper_parameters", {}))
     kept = {key: value for key, value in stored.items() if key not in DEFAULTED}
     checkpoint["hyper_parameters"] = {**kept, **POLICY_ONLY}
     lora = checkpoint.get("hyper_parameters", {}).get("lora")

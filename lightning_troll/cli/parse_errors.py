@@ -22,6 +22,8 @@ from typing import Any
 
 import yaml
 
+from lightning_troll.training.moved import RENAMED_OPTIONS
+
 __all__ = ["config_paths", "explain", "suggest"]
 
 _CONFIG_FLAGS = ("--config", "-c")
@@ -116,6 +118,13 @@ def _where_key(key: str, files: Sequence[str], value: str | None = None) -> str 
 
 
 def _unknown_key(key: str, parser, files: Sequence[str], flag: bool) -> str:
+    old = key.removeprefix("model.")
+    if key.startswith("model.") and old in RENAMED_OPTIONS:
+        dash = "--" if flag else ""
+        return (
+            f"{dash}{key} is {dash}model.{RENAMED_OPTIONS[old]} since 0.2.0 (CHANGELOG.md, "
+            "Renamed options)"
+        )
     names = option_names(parser)
     close = suggest(key, names)
     hint = f"; did you mean {'--' if flag else ''}{close}?" if close else ""

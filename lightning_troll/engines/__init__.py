@@ -1,7 +1,7 @@
 """Engines: what samples a rollout's completions from the behaviour policy.
 
 - :mod:`~lightning_troll.engines.base`: the engine interface (:class:`RolloutEngine`,
-  :class:`Generation`, :class:`EngineContext`) and ``model.rollout_engine`` resolved by name or
+  :class:`Generation`, :class:`EngineContext`) and ``model.engine.name`` resolved by name or
   import path;
 - :mod:`~lightning_troll.engines.hf`: the ``hf`` engine, the snapshot sampling in the trainer's
   process;
@@ -9,7 +9,7 @@
   :func:`~lightning_troll.engines.sampling.sample`, over the decoding loops
   :mod:`~lightning_troll.engines.decode` and :mod:`~lightning_troll.engines.graph_decode`;
 - :mod:`~lightning_troll.engines.behaviour`: the behaviour policy's log-probs and sparse rows
-  recorded while sampling (``model.behaviour_logprobs``);
+  recorded while sampling (``model.engine.behaviour_logprobs``);
 - :mod:`~lightning_troll.engines.process`: an engine in a process of its own;
 - :mod:`~lightning_troll.engines.vllm`: the vLLM engine (an extra, imported on use).
 

@@ -12,7 +12,7 @@ small:
 - :meth:`RolloutEngine.figures`: the engine's own figures, logged as ``engine/<name>``;
 - :meth:`RolloutEngine.close`: frees what the engine holds.
 
-``model.rollout_engine`` names one: ``hf`` (:class:`~lightning_troll.engines.hf.HFEngine`, the
+``model.engine.name`` names one: ``hf`` (:class:`~lightning_troll.engines.hf.HFEngine`, the
 default: transformers' model, KV-cached, in the trainer's own process; it needs nothing more),
 ``vllm`` (:class:`~lightning_troll.engines.vllm.VLLMEngine`, after ``make setup-vllm``), or the
 import path ``package.module:Class`` (or ``package.module.Class``) of a user's own subclass. No
@@ -28,7 +28,7 @@ import importlib
 import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from torch import Tensor, nn
 
@@ -86,7 +86,7 @@ class RolloutEngine:
 
     Args:
         context: the run's model, dtype and tokenizer.
-        **options: the engine's own options (``model.rollout_engine_options``); an engine that
+        **options: the engine's own options (``model.engine.options``); an engine that
             takes none refuses any.
     """
 
@@ -103,7 +103,7 @@ class RolloutEngine:
     def __init__(self, context: EngineContext, **options: Any) -> None:
         if options:
             raise ValueError(
-                f"model.rollout_engine_options: the {self.name} engine takes no options; got "
+                f"model.engine.options: the {self.name} engine takes no options; got "
                 f"{sorted(options)}"
             )
         self.context = context
@@ -170,25 +170,25 @@ ENGINES = {"hf": "lightning_troll.engines.hf:HFEngine",
 
 
 def engine_class(name: str) -> type[RolloutEngine]:
-    """The engine class named by ``model.rollout_engine``: a built-in name or an import path
+    """The engine class named by ``model.engine.name``: a built-in name or an import path
     ``package.module:Class`` / ``package.module.Class``. Raises ``ValueError`` naming the option."""
     path = ENGINES.get(name, name)
     module_name, _, attribute = path.rpartition(":") if ":" in path else path.rpartition(".")
     if not module_name or not attribute:
         raise ValueError(
-            f"model.rollout_engine must be one of {sorted(ENGINES)} or an import path "
+            f"model.engine.name must be one of {sorted(ENGINES)} or an import path "
             f"'package.module:Class'; got {name!r}"
         )
     try:
         module = importlib.import_module(module_name)
     except ImportError as error:
         raise ValueError(
-            f"model.rollout_engine={name!r}: cannot import module {module_name!r} ({error})"
+            f"model.engine.name={name!r}: cannot import module {module_name!r} ({error})"
         ) from None
     cls = getattr(module, attribute, None)
     if not (isinstance(cls, type) and issubclass(cls, RolloutEngine)):
         raise ValueError(
-            f"model.rollout_engine={name!r}: {module_name}.{attribute} is "
+            f"model.engine.name={name!r}: {module_name}.{attribute} is "
             f"{'missing' if cls is None else 'not a RolloutEngine subclass'}; an engine "
             "subclasses lightning_troll.engines.base.RolloutEngine"
         )
@@ -196,12 +196,28 @@ def engine_class(name: str) -> type[RolloutEngine]:
     return cls
 
 
+@dataclass(frozen=True)
+class EngineConfig:
+    """What samples the rollouts (``model.engine``)."""
+
+    name: str = "hf"
+    """``hf`` (the snapshot, in this process), ``vllm`` (after ``make setup-vllm``), or a
+    ``RolloutEngine`` subclass's import path."""
+    options: dict[str, Any] | None = None
+    """The engine's own options (docs/engines.md); ``process: true`` runs it in a process of its
+    own."""
+    behaviour_logprobs: Literal["auto", "sampling", "forward"] = "auto"
+    """Where the behaviour log-probs come from: ``sampling`` (recorded while sampling),
+    ``forward`` (a teacher-forced pass after it) or ``auto`` (sampling in float32, forward in
+    bfloat16/float16; docs/configuration.md)."""
+
+
 def build_engine(
     name: str, context: EngineContext, options: dict[str, Any] | None = None
 ) -> RolloutEngine:
-    """The engine ``model.rollout_engine: name`` with ``model.rollout_engine_options``."""
+    """The engine ``model.engine.name: name`` with ``model.engine.options``."""
     cls = engine_class(name)
     try:
         return cls(context, **(options or {}))
     except TypeError as error:
-        raise ValueError(f"model.rollout_engine_options for {name!r}: {error}") from None
+        raise ValueError(f"model.engine.options for {name!r}: {error}") from None

@@ -27,7 +27,7 @@ from lightning_troll.trust_region.sparse import SparseDistribution
 __all__ = ["BehaviourRecord", "BehaviourRecorder", "behaviour_rows", "records_while_sampling"]
 
 BEHAVIOUR_LOGPROBS = ("auto", "forward", "sampling")
-"""Values of ``model.behaviour_logprobs``."""
+"""Values of ``model.engine.behaviour_logprobs``."""
 
 _NEG_INF = float("-inf")
 
@@ -35,7 +35,7 @@ SparsifyFn = Callable[[Tensor, Tensor], "SparseDistribution | None"]
 
 
 def records_while_sampling(option: str, policy: nn.Module) -> bool:
-    """Whether ``model.behaviour_logprobs: option`` records the behaviour log-probs while sampling
+    """Whether ``model.engine.behaviour_logprobs: option`` records the behaviour log-probs while sampling
     (else a teacher-forced pass recomputes them after it).
 
     ``auto`` records them when ``policy`` computes in float32 or float64 (its first floating-point
@@ -200,7 +200,7 @@ class BehaviourRecorder(LogitsProcessor):
             raise RuntimeError(
                 f"BehaviourRecorder saw {len(steps)} generation steps for {responses.shape[1]} "
                 "generated tokens: this model's generate does not call logits processors once per "
-                "token; set model.behaviour_logprobs: forward"
+                "token; set model.engine.behaviour_logprobs: forward"
             )
         # Each step's values go to the rows that ran in it, all steps in one write; the rest
         # (sequences that had ended) keep the values BehaviourRecord.cat pads with.

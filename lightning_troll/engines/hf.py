@@ -1,4 +1,4 @@
-"""The ``hf`` engine (``model.rollout_engine: hf``, the default): the snapshot itself samples,
+"""The ``hf`` engine (``model.engine.name: hf``, the default): the snapshot itself samples,
 with the KV-cached loop of :func:`~lightning_troll.engines.sampling.sample`, in the trainer's
 process. No Lightning here.
 """

@@ -1,6 +1,6 @@
 """A rollout engine in a process of its own, so that sampling can overlap training.
 
-``model.rollout_engine_options: {process: true, ...}`` runs the engine of ``model.rollout_engine``
+``model.engine.options: {process: true, ...}`` runs the engine of ``model.engine.name``
 (``hf``, ``vllm`` or a user's own) in a child process that holds its own copy of the model, and
 :class:`ProcessEngine` stands in for it in the trainer:
 
@@ -94,10 +94,10 @@ class ProcessEngine(RolloutEngine):
 
     Args:
         context: the run's model, dtype and tokenizer (the child loads the model from it).
-        inner: the engine the child runs (``model.rollout_engine``).
-        options: that engine's own options (``model.rollout_engine_options`` without ``process``
+        inner: the engine the child runs (``model.engine.name``).
+        options: that engine's own options (``model.engine.options`` without ``process``
             and ``threads``).
-        threads: torch's CPU threads in the child (``model.rollout_engine_options.threads``);
+        threads: torch's CPU threads in the child (``model.engine.options.threads``);
             None: torch's default. On a CPU the trainer and the child share the cores.
     """
 
@@ -116,8 +116,7 @@ class ProcessEngine(RolloutEngine):
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
                                     or threads < 1):  # fmt: skip
             raise ValueError(
-                f"model.rollout_engine_options.threads must be null or an integer >= 1; got "
-                f"{threads!r}"
+                f"model.engine.options.threads must be null or an integer >= 1; got {threads!r}"
             )
         self.inner, self.options, self.threads = inner, dict(options or {}), threads
         probe = build_engine(inner, replace(context, tokenizer=None), self.options)  # fails early

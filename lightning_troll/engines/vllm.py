@@ -63,7 +63,7 @@ def vllm_available() -> bool:
 class VLLMEngine(RolloutEngine):
     """Samples with vLLM's offline ``LLM`` in the trainer's process.
 
-    Args (``model.rollout_engine_options``):
+    Args (``model.engine.options``):
         kv_cache_gib: the KV cache's size on CPU, in GiB; on CUDA see
             ``gpu_memory_utilization``.
         gpu_memory_utilization: the share of GPU memory vLLM may take (weights, activations and
@@ -88,12 +88,10 @@ class VLLMEngine(RolloutEngine):
         super().__init__(context)
         self.check_installed()
         if not kv_cache_gib > 0:
-            raise ValueError(
-                f"model.rollout_engine_options.kv_cache_gib must be > 0; got {kv_cache_gib!r}"
-            )
+            raise ValueError(f"model.engine.options.kv_cache_gib must be > 0; got {kv_cache_gib!r}")
         if not 0 < gpu_memory_utilization <= 1:
             raise ValueError(
-                "model.rollout_engine_options.gpu_memory_utilization must be in (0, 1]; got "
+                "model.engine.options.gpu_memory_utilization must be in (0, 1]; got "
                 f"{gpu_memory_utilization!r}"
             )
         self.kv_cache_gib = kv_cache_gib
@@ -108,7 +106,7 @@ class VLLMEngine(RolloutEngine):
     def check_installed(cls) -> None:
         if not vllm_available():
             raise ImportError(
-                "model.rollout_engine=vllm needs vLLM, which is not installed; `make setup-vllm` "
+                "model.engine.name=vllm needs vLLM, which is not installed; `make setup-vllm` "
                 "adds it to the project's .venv (docs/engines.md)"
             )
 

@@ -1,4 +1,5 @@
-"""TrollModule's objective options: ``model.trust_region``, ``model.clip`` and ``model.loss``.
+"""TrollModule's objective options: ``model.trust_region``, ``model.clip``, ``model.loss`` and
+``model.advantages``.
 
 Frozen records whose field docstrings become the command line's ``--help``; ``build_objective``
 turns them into an objective. Nothing here imports torch, Lightning or transformers.
@@ -16,12 +17,24 @@ from lightning_troll.trust_region.supports import check_support
 __all__ = [
     "IS_LEVELS",
     "IS_MODES",
+    "AdvantageConfig",
     "ClipConfig",
     "LossConfig",
     "TrustRegionConfig",
     "check_anchor",
     "check_engine_is",
 ]
+
+
+@dataclass(frozen=True)
+class AdvantageConfig:
+    """How rewards become advantages (``model.advantages``)."""
+
+    estimator: str = "grpo"
+    """Advantage estimator: grpo, dr_grpo, rloo, reinforce_pp, or a registered name."""
+    scale_rewards: Literal["group", "batch", "none"] | None = None
+    """What baseline-subtracted rewards are divided by: ``group`` or ``batch`` (that reward std
+    + 1e-6) or ``none``; null keeps the estimator's own."""
 
 
 @dataclass(frozen=True)
@@ -96,7 +109,7 @@ class LossConfig:
     filtering); their rewards still count in their group's baseline."""
     engine_is_cap: float | None = None
     """Importance weights for a rollout engine that samples apart from the trainer
-    (model.rollout_engine: vllm): each response token's advantage is multiplied by
+    (model.engine.name: vllm): each response token's advantage is multiplied by
     p_snapshot / p_engine, the snapshot's probability of the sampled token over the engine's,
     truncated at this cap, a finite number >= 1 (or masked above it: engine_is_mode), per token or
     per sequence (engine_is_level), as TRL and verl offer; null: off."""

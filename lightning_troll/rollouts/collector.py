@@ -129,7 +129,7 @@ class RolloutCollector:
     loss: LossConfig = LossConfig()
     """``mask_truncated`` and ``engine_is_cap`` apply here."""
     behaviour_logprobs: str = "auto"
-    """``model.behaviour_logprobs``: record while sampling (``sampling``), recompute
+    """``model.engine.behaviour_logprobs``: record while sampling (``sampling``), recompute
     (``forward``), or choose by the weights' dtype (``auto``)."""
     logits_chunk_size: int | None = None
     share_prompts: bool = False

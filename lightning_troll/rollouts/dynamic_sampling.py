@@ -11,24 +11,49 @@ padded), T response length (right padded). Nothing here imports Lightning.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
-__all__ = ["cat_sequences", "check_dynamic_sampling", "choose_groups", "group_rows"]
+__all__ = [
+    "DynamicSamplingConfig",
+    "cat_sequences",
+    "check_dynamic_sampling",
+    "choose_groups",
+    "group_rows",
+]
 
 
-def check_dynamic_sampling(enabled: bool, max_rounds: int, group_size: int) -> None:
-    """Refuses a bad ``model.dynamic_sampling`` / ``model.dynamic_sampling_max_rounds``."""
-    if not isinstance(enabled, bool):
-        raise ValueError(f"model.dynamic_sampling must be true or false; got {enabled!r}")
-    if isinstance(max_rounds, bool) or not isinstance(max_rounds, int) or max_rounds < 1:
+@dataclass(frozen=True)
+class DynamicSamplingConfig:
+    """DAPO's dynamic sampling (``model.dynamic_sampling.enabled``)."""
+
+    enabled: bool = False
+    """Groups without reward spread leave the rollout, and more prompts are sampled until it
+    holds ``data.batch_size`` informative groups."""
+    max_rounds: int = 3
+    """The most extra rounds per rollout, >= 1 (then the rollout is filled up with groups without
+    spread, warned once)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enabled, bool):
+            raise ValueError(
+                f"model.dynamic_sampling.enabled must be true or false; got {self.enabled!r}"
+            )
+        rounds = self.max_rounds
+        if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+            raise ValueError(
+                f"model.dynamic_sampling.max_rounds must be an integer >= 1; got {rounds!r}"
+            )
+
+
+def check_dynamic_sampling(config: DynamicSamplingConfig, group_size: int) -> None:
+    """Refuses dynamic sampling with groups of one, which never have reward spread."""
+    if config.enabled and group_size < 2:
         raise ValueError(
-            f"model.dynamic_sampling_max_rounds must be an integer >= 1; got {max_rounds!r}"
-        )
-    if enabled and group_size < 2:
-        raise ValueError(
-            f"model.dynamic_sampling=true needs model.group_size >= 2 (a group of one never has "
-            f"reward spread); got group_size={group_size}"
+            f"model.dynamic_sampling.enabled=true needs model.group_size >= 2 (a group of one "
+            f"never has reward spread); got group_size={group_size}"
         )
 
 

@@ -271,7 +271,7 @@ def _replayable_passes(
         raise RuntimeError(
             f"{type(model).__name__}: its checkpointed layers left the prompt cache with "
             f"{prompts.get_seq_length()} of {prompt_length} positions; set "
-            "model.share_prompts=false"
+            "model.optimization.share_prompts=false"
         )
     last = captured[-1][:, -1:][inverse]  # (B, 1, H): the prompt's last state predicts token 1
     model(

@@ -8,7 +8,7 @@ model talks to tools or an environment instead of writing one completion.
 left padded), then the model's turns and the environment's replies (right padded). Every token
 is attended; the response mask, and with it the loss, the cached old distributions and every
 trust-region statistic, holds the model's own tokens only. The behaviour log-probs come from the
-teacher-forced pass after sampling, whatever ``model.behaviour_logprobs`` says (``sampling``
+teacher-forced pass after sampling, whatever ``model.engine.behaviour_logprobs`` says (``sampling``
 warns: :func:`behaviour_logprobs_warning`); the engine's own, where it reports them, feed the
 mismatch correction. The reward functions score each episode's final answer (its last turn), and the
 environment's per-turn rewards add to it.
@@ -225,16 +225,16 @@ def _is_fault(text: str) -> bool:
 
 
 def behaviour_logprobs_warning(behaviour_logprobs: str) -> str | None:
-    """The warning for ``model.behaviour_logprobs: sampling`` with ``model.episodes``, else None.
+    """The warning for ``model.engine.behaviour_logprobs: sampling`` with ``model.episodes``, else None.
     An episode's behaviour log-probs always come from one teacher-forced pass over the whole
     episode once it is played (the environment's tokens lie between the model's turns), as with
     ``forward``: recording them while sampling does not apply."""
     if behaviour_logprobs != "sampling":
         return None
     return (
-        "model.behaviour_logprobs='sampling' does not apply to model.episodes: an episode's "
+        "model.engine.behaviour_logprobs='sampling' does not apply to model.episodes: an episode's "
         "behaviour log-probs come from one teacher-forced pass of the snapshot over the whole "
-        "episode once it is played, as with 'forward'; set model.behaviour_logprobs to 'forward' "
+        "episode once it is played, as with 'forward'; set model.engine.behaviour_logprobs to 'forward' "
         "or 'auto'"
     )
 

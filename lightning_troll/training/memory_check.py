@@ -120,7 +120,7 @@ def check_fits(module: Any, prompts: int, prompt_tokens: int) -> None:
         warnings.warn(
             f"this run may not fit: about {(floor + parts['activations']) / GIB:.1f} GiB "
             f"({said} GiB) and {where}; lower model.optimization.micro_batch_tokens ({micro}) "
-            "or set model.gradient_checkpointing",
+            "or set model.optimization.gradient_checkpointing",
             UserWarning,
             stacklevel=2,
         )

@@ -10,9 +10,12 @@ from Lightning's hooks: the policies (:class:`~lightning_troll.training.policies
 pipeline over them (``collector``), the old policy's sparse rows and the global batch
 (:mod:`~lightning_troll.training.rollout_parts`), and what a checkpoint keeps beyond the weights
 (:class:`~lightning_troll.training.resume.ResumeState`). The option records
-live beside the code they configure (``TrustRegionConfig``, ``ClipConfig`` and ``LossConfig`` in
-:mod:`~lightning_troll.objectives`, ``OptimizationConfig`` in
-:mod:`~lightning_troll.training.optimization`) and are importable from here too.
+live beside the code they configure (``TrustRegionConfig``, ``ClipConfig``, ``LossConfig`` and
+``AdvantageConfig`` in :mod:`~lightning_troll.objectives`, ``OptimizationConfig`` in
+:mod:`~lightning_troll.training.optimization`, ``DynamicSamplingConfig`` in
+:mod:`~lightning_troll.rollouts.dynamic_sampling`, ``EngineConfig`` in
+:mod:`~lightning_troll.engines.base`) and are importable from here too; every one travels whole to
+its user.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
-from lightning_troll.engines.base import EngineContext
+from lightning_troll.engines.base import EngineConfig, EngineContext
 from lightning_troll.engines.sampling import SamplingConfig
 from lightning_troll.models.lora import LoraConfig
 from lightning_troll.models.sharding import (  # the two checks: importable from here too
@@ -44,20 +47,17 @@ from lightning_troll.objectives import (
     TrustRegionConfig,
     build_objective,
 )
-from lightning_troll.objectives.chunking import DEFAULT_CHUNK_SIZE, check_chunk_size
-from lightning_troll.objectives.options import check_anchor
+from lightning_troll.objectives.options import AdvantageConfig, check_anchor
 from lightning_troll.rollouts.collector import RolloutCollector
 from lightning_troll.rollouts.drift import kl_to_behaviour
-from lightning_troll.rollouts.dynamic_sampling import check_dynamic_sampling
+from lightning_troll.rollouts.dynamic_sampling import DynamicSamplingConfig, check_dynamic_sampling
 from lightning_troll.rollouts.multiturn import EpisodeSampler, environment_factory
 from lightning_troll.rollouts.rollout import Rollout
 from lightning_troll.rollouts.timing import clock
 from lightning_troll.tasks.environments.options import EpisodesConfig
 from lightning_troll.tasks.rewards.options import (  # RewardErrorPolicy: importable from here too
-    DEPRECATED_KEYS,
     RewardErrorPolicy,
     RewardOptions,
-    merge_deprecated,
 )
 from lightning_troll.tasks.rewards.registry import RewardScorer
 from lightning_troll.training.optimization import MinibatchLoop, OptimizationConfig, optimizers
@@ -79,7 +79,10 @@ from lightning_troll.training.validation import (
 )
 
 __all__ = [
+    "AdvantageConfig",
     "ClipConfig",
+    "DynamicSamplingConfig",
+    "EngineConfig",
     "LossConfig",
     "OptimizationConfig",
     "RewardErrorPolicy",
@@ -108,14 +111,6 @@ def _reward_scorer(rewards, options: RewardOptions, episodes) -> RewardScorer:
     except ValueError as error:
         prefix = "model." if str(error).startswith(("reward_options.", "rewards ")) else ""
         raise ValueError(f"{prefix}{error}") from None
-
-
-def _keep_reward_options(hparams, options: RewardOptions) -> None:
-    """Hyper-parameters given without ``reward_options`` (a checkpoint of the old flat keys) get
-    the record the old keys made: as the dict of its fields where the command line's instantiator
-    rebuilds the module from them (it takes no record), else the record."""
-    if "reward_options" not in hparams:
-        hparams["reward_options"] = asdict(options) if "_instantiator" in hparams else options
 
 
 def _objective(name, trust_region, clip, loss, sampling) -> PolicyObjective:
@@ -152,9 +147,7 @@ class TrollModule(LightningModule):
         trust_region: TROLL's settings.
         clip: clipping's settings.
         loss: settings both objectives share.
-        estimator: advantage estimator: grpo, dr_grpo, rloo, reinforce_pp, or a registered name.
-        scale_rewards: what baseline-subtracted rewards are divided by: ``group`` or ``batch``
-            (that reward std + 1e-6) or ``none``; null keeps the estimator's own.
+        advantages: the advantage estimator and the reward scale.
         group_size: completions per prompt (G).
         sampling: how the snapshot samples (temperature, top_p, top_k, max_new_tokens).
         rewards: reward functions and weights: built-in names (tinymath, gsm8k, boxed,
@@ -162,35 +155,19 @@ class TrollModule(LightningModule):
             (``module.py`` in the working directory or beside the config); null only on TinyMath's
             data (its reward); ``{}`` only with ``episodes`` (the environment scores alone).
         reward_options: how the rewards are called: keyword arguments, failed calls, workers.
-        reward_kwargs: deprecated alias of ``reward_options.kwargs`` (warned when given).
-        on_reward_error: deprecated alias of ``reward_options.on_error`` (warned when given).
-        reward_workers: deprecated alias of ``reward_options.workers`` (warned when given).
-        reward_timeout: deprecated alias of ``reward_options.timeout`` (warned when given).
         dynamic_sampling: DAPO's: groups without reward spread leave the rollout, and more
             prompts are sampled until it holds ``data.batch_size`` informative groups.
-        dynamic_sampling_max_rounds: the most extra rounds per rollout, >= 1 (then the rollout
-            is filled up with groups without spread, warned once).
-        optimization: epochs per rollout, minibatches, accumulation, clipping.
+        optimization: epochs per rollout, minibatches, micro-batches, clipping, the shuffle's
+            seed, and what the forward passes hold at once (chunks, shared prompts, gradient
+            checkpointing).
         optimizer: any torch or bitsandbytes optimiser (``class_path`` + ``init_args``).
         lr_scheduler: an optional LR scheduler, stepped after every optimiser step.
-        seed: seed of the minibatch shuffling; null follows the run's seed (seed_everything).
-        gradient_checkpointing: recompute the policy's activations in the backward pass (less
-            memory, about a third more compute).
-        logits_chunk_size: response tokens whose logits exist at once in the loss and the cached
-            old distributions (recomputed in the backward pass); null: all at once.
-        behaviour_logprobs: where the behaviour log-probs come from: ``sampling`` (recorded
-            while sampling), ``forward`` (a teacher-forced pass after it) or ``auto`` (sampling
-            in float32, forward in bfloat16/float16; docs/configuration.md).
-        share_prompts: run each distinct prompt of a micro-batch once and its group's
-            completions against its cached keys and values (same results up to rounding; off
-            with gradient checkpointing or FSDP2).
         snapshot: how the behaviour-policy snapshot is held: a copy (in the policy's dtype,
             bfloat16 or int8) or the policy itself (``shared``).
         lora: low-rank adapters (peft) instead of full fine-tuning; null trains every weight.
             The snapshot is then a second adapter and the reference policy the base model.
-        rollout_engine: what samples the rollouts: ``hf`` (the snapshot, in this process),
-            ``vllm`` (after ``make setup-vllm``), or a ``RolloutEngine`` subclass's import path.
-        rollout_engine_options: the engine's own options (docs/engines.md).
+        engine: what samples the rollouts (``hf``, ``vllm`` or a ``RolloutEngine`` subclass),
+            its options, and where the behaviour log-probs come from.
         cache_old_distributions: cache the behaviour policy's sparse distributions in every
             rollout with clipping too (TROLL always does), for what reads them (the trust-region
             monitor's ``kl_end``); the command line sets it from ``trust_region_monitor.kl_end``.
@@ -206,52 +183,31 @@ class TrollModule(LightningModule):
         trust_region: TrustRegionConfig = TrustRegionConfig(),
         clip: ClipConfig = ClipConfig(),
         loss: LossConfig = LossConfig(),
-        estimator: str = "grpo",
-        scale_rewards: Literal["group", "batch", "none"] | None = None,
+        advantages: AdvantageConfig = AdvantageConfig(),
         group_size: int = 8,
         sampling: SamplingConfig = SamplingConfig(),
         rewards: dict[str, float] | None = None,
         reward_options: RewardOptions = RewardOptions(),
-        reward_kwargs: dict[str, dict[str, Any]] | None = None,
-        on_reward_error: RewardErrorPolicy | None = None,
-        reward_workers: int | None = None,
-        reward_timeout: float | None = None,
-        dynamic_sampling: bool = False,
-        dynamic_sampling_max_rounds: int = 3,
+        dynamic_sampling: DynamicSamplingConfig = DynamicSamplingConfig(),
         optimization: OptimizationConfig = OptimizationConfig(),
         optimizer: OptimizerCallable = _default_optimizer,
         lr_scheduler: LRSchedulerCallable | None = None,
-        seed: int | None = None,
-        gradient_checkpointing: bool = False,
-        logits_chunk_size: int | None = DEFAULT_CHUNK_SIZE,
-        behaviour_logprobs: Literal["auto", "sampling", "forward"] = "auto",
-        share_prompts: bool = True,
         snapshot: SnapshotConfig = SnapshotConfig(),
         lora: LoraConfig | None = None,
-        rollout_engine: str = "hf",
-        rollout_engine_options: dict[str, Any] | None = None,
+        engine: EngineConfig = EngineConfig(),
         cache_old_distributions: bool = False,
         episodes: EpisodesConfig | None = None,
     ) -> None:
         super().__init__()
-        reward_options = merge_deprecated(
-            reward_options, reward_kwargs, on_reward_error, reward_workers, reward_timeout
-        )  # before the hyper-parameters are saved: they keep the record, not the old keys
-        # not seed: loggers refuse model.seed and data.seed as one key with two values; the
-        # shuffle generator's state is in checkpoints (MinibatchLoop)
-        self.save_hyperparameters(ignore=["optimizer", "lr_scheduler", "seed", *DEPRECATED_KEYS])
-        _keep_reward_options(self.hparams, reward_options)
-        check_chunk_size(logits_chunk_size, "model.logits_chunk_size")
-        check_module_options(
-            objective, estimator, scale_rewards, group_size, behaviour_logprobs, rollout_engine
-        )
-        check_dynamic_sampling(dynamic_sampling, dynamic_sampling_max_rounds, group_size)
-        self.logits_chunk_size, self.share_prompts = logits_chunk_size, share_prompts
-        self.behaviour_logprobs, self.objective_name = behaviour_logprobs, objective
-        self.group_size, self.sampling, self.loss_config = group_size, sampling, loss
+        if isinstance(dynamic_sampling, bool):  # 0.1's switch, as load_from_checkpoint reads it
+            dynamic_sampling = DynamicSamplingConfig(enabled=dynamic_sampling)
+        self.save_hyperparameters(ignore=["optimizer", "lr_scheduler"])
+        check_module_options(objective, advantages, group_size, engine)
+        check_dynamic_sampling(dynamic_sampling, group_size)
+        self.objective_name, self.group_size, self.sampling = objective, group_size, sampling
+        self.loss_config, self.engine_config = loss, engine
         self.optimization = optimization  # the minibatch loop's; callbacks read it too
         self.dynamic_sampling = dynamic_sampling
-        self.dynamic_sampling_max_rounds = dynamic_sampling_max_rounds
         self.scorer = _reward_scorer(rewards, reward_options, episodes)
         make = environment_factory(episodes) if episodes else None  # refused before the model
         self.objective: PolicyObjective = _objective(objective, trust_region, clip, loss, sampling)
@@ -261,7 +217,7 @@ class TrollModule(LightningModule):
 
         self.policies = Policies(
             model, dtype, lora, snapshot, self.objective.needs_old_logits,
-            loss.ref_kl_coef > 0, gradient_checkpointing
+            loss.ref_kl_coef > 0, optimization.gradient_checkpointing
         )  # fmt: skip
         self.policy, self.ref_policy = self.policies.policy, self.policies.ref_policy
         if not self.policies.snapshot.shares_policy:  # a child module: saved, moved, sharded
@@ -270,15 +226,17 @@ class TrollModule(LightningModule):
         self.snapshot = self.policies.snapshot
         self.automatic_optimization = False
         context = EngineContext(model, dtype, self.tokenizer, lora, tied_adapter(self.policy))
-        self.engine = build_rollout_engine(rollout_engine, rollout_engine_options, context, loss)
-        self.global_batch = GlobalBatch(estimator, group_size, scale_rewards)
+        self.engine = build_rollout_engine(engine.name, engine.options, context, loss)
+        self.global_batch = GlobalBatch(
+            advantages.estimator, group_size, advantages.scale_rewards
+        )  # fmt: skip
         self.episodes = None if episodes is None else EpisodeSampler(
             episodes, self.tokenizer, self.policies.stop_ids, sampling.max_new_tokens, make
         )  # fmt: skip
 
         self.rollout: Rollout | None = None  # the next training step's, from the callback
         self.staleness = StalenessSchedule()  # OldPolicyRefresh's, once it is set up
-        self.minibatch_loop = MinibatchLoop(optimization, seed)  # seed None: the run's
+        self.minibatch_loop = MinibatchLoop(optimization)  # seed None: the run's
         self.resume = ResumeState(self.minibatch_loop)
         self.val_figures = ValidationFigures()
 
@@ -313,17 +271,18 @@ class TrollModule(LightningModule):
     @cached_property
     def collector(self) -> RolloutCollector:
         """The rollout pipeline over this module's parts (built once, on first use)."""
-        policies, cached = self.policies, self.cache_old_distributions
+        policies, cached, passes = self.policies, self.cache_old_distributions, self.optimization
         return RolloutCollector(
             policy=self.policy, behaviour=policies.behaviour, engine=self.engine,
             scorer=self.scorer, decode=policies.decode, advantages=self.global_batch.advantages,
             sampling=self.sampling, group_size=self.group_size, pad_id=policies.pad_id,
             stop_ids=policies.stop_ids, reference=policies.reference, loss=self.loss_config,
             sparsify_old=self.old_rows.sparsify if cached else RolloutCollector.sparsify_old,
-            behaviour_logprobs=self.behaviour_logprobs, share_prompts=self.share_prompts,
-            logits_chunk_size=self.logits_chunk_size, packed=self.optimization.pack_sequences,
-            max_tokens=self.optimization.micro_batch_tokens, max_rounds=self.dynamic_sampling_max_rounds,
-            any_process=self.global_batch.any_process, episodes=self.episodes,
+            behaviour_logprobs=self.engine_config.behaviour_logprobs,
+            share_prompts=passes.share_prompts, logits_chunk_size=passes.logits_chunk_size,
+            packed=passes.pack_sequences, max_tokens=passes.micro_batch_tokens,
+            max_rounds=self.dynamic_sampling.max_rounds, any_process=self.global_batch.any_process,
+            episodes=self.episodes,
         )  # fmt: skip
 
     def on_fit_start(self) -> None:
@@ -355,7 +314,8 @@ class TrollModule(LightningModule):
 
     def loss_of(self, rollout: Rollout) -> tuple[torch.Tensor, ObjectiveStats]:
         """The objective on a (part of a) rollout, with the policy's current weights."""
-        passes = self.logits_chunk_size, self.share_prompts, self.optimization.pack_sequences
+        o = self.optimization
+        passes = o.logits_chunk_size, o.share_prompts, o.pack_sequences
         return policy_loss(self.policies, self.objective, rollout, *passes)
 
     @property
@@ -366,7 +326,8 @@ class TrollModule(LightningModule):
     def kl_to_behaviour(self, rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
         """Per response token, how far the policy's current weights are from the behaviour
         policy that sampled ``rollout`` (:func:`~lightning_troll.rollouts.drift.kl_to_behaviour`)."""
-        options = self.logits_chunk_size, self.share_prompts, *self.optimization.parts
+        o = self.optimization
+        options = o.logits_chunk_size, o.share_prompts, *o.parts
         return kl_to_behaviour(self.policy, rollout, self.old_rows.rule, *options)
 
     # -- checkpoints -----------------------------------------------------------------------------

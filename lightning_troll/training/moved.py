@@ -1,4 +1,5 @@
-"""Module paths of earlier layouts, folded in one place where a checkpoint or a config is read.
+"""Module paths and option names of earlier releases, folded in one place where a checkpoint or a
+config is read.
 
 Modules moved twice: out of the flat package into sub-packages (0.1.0), then sampling into
 ``engines/`` and the task's parts into ``tasks/`` (0.2.0; ``CHANGELOG.md`` lists every move).
@@ -10,11 +11,17 @@ No import of an old path works any more; what older runs wrote down still loads:
   (:func:`load_checkpoint_file`), the unpickler looks old paths up in the same tables;
 - a config file, a command line or a checkpoint's stored options may name a module by import
   path (a reward, a tool, an environment, an engine): :func:`fold_moved_paths` rewrites an old
-  path to its place now, with a one-line warning.
+  path to its place now, with a one-line warning;
+- options of 0.1's flat ``model`` section now live in records (``model.estimator`` is
+  ``model.advantages.estimator``, :data:`RENAMED_OPTIONS`): :func:`fold_renamed_options` moves
+  them, in a config file as it is read and in a checkpoint's stored options, with a one-line
+  warning for a config. The command line's own flags are not folded: an old one is refused,
+  naming its new place.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import pickle
 from collections.abc import Iterable
@@ -26,11 +33,14 @@ import torch
 __all__ = [
     "MOVED_MODULES",
     "MOVED_RECORDS",
+    "RENAMED_OPTIONS",
     "allow_moved_records",
     "fold_moved_options",
     "fold_moved_paths",
+    "fold_renamed_options",
     "load_checkpoint_file",
     "moved_path",
+    "renamed_warning",
 ]
 
 _FLAT = {
@@ -219,3 +229,59 @@ class _FoldingPickle:
 def load_checkpoint_file(path: str | Path, **kwargs: Any) -> Any:
     """``torch.load(path, weights_only=False, **kwargs)``, old module paths folded."""
     return torch.load(path, weights_only=False, pickle_module=_FoldingPickle, **kwargs)
+
+
+RENAMED_OPTIONS: dict[str, str] = {
+    "estimator": "advantages.estimator",
+    "scale_rewards": "advantages.scale_rewards",
+    "dynamic_sampling": "dynamic_sampling.enabled",
+    "dynamic_sampling_max_rounds": "dynamic_sampling.max_rounds",
+    "seed": "optimization.seed",
+    "gradient_checkpointing": "optimization.gradient_checkpointing",
+    "logits_chunk_size": "optimization.logits_chunk_size",
+    "share_prompts": "optimization.share_prompts",
+    "rollout_engine": "engine.name",
+    "rollout_engine_options": "engine.options",
+    "behaviour_logprobs": "engine.behaviour_logprobs",
+    "reward_kwargs": "reward_options.kwargs",
+    "on_reward_error": "reward_options.on_error",
+    "reward_workers": "reward_options.workers",
+    "reward_timeout": "reward_options.timeout",
+}
+"""A ``model`` option of 0.1 -> its place in 0.2.0's records (``model.<section>.<field>``).
+``model.dynamic_sampling`` was a switch and is the record's ``enabled`` where it is one."""
+
+
+def fold_renamed_options(model: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """A ``model`` section (a config's, or a checkpoint's stored hyper-parameters) with every
+    option of :data:`RENAMED_OPTIONS` moved into its record, and the moves made (``old ->
+    new``). A record found there (a module built in Python stores records) is replaced with the
+    field set; a dict is updated; an absent one becomes a dict. An old key stored as null (a
+    checkpoint of the release that kept the old reward keys beside their record) is dropped."""
+    folded, moves = dict(model), []
+    for old, new in RENAMED_OPTIONS.items():
+        if old not in folded or (old == "dynamic_sampling" and not isinstance(folded[old], bool)):
+            continue
+        value = folded.pop(old)
+        if value is None:
+            continue
+        section, field = new.split(".")
+        folded[section] = _with_field(folded.get(section), field, value)
+        moves.append(f"model.{old} -> model.{new}")
+    return folded, moves
+
+
+def _with_field(section: Any, field: str, value: Any) -> Any:
+    if dataclasses.is_dataclass(section) and not isinstance(section, type):
+        return dataclasses.replace(section, **{field: value})
+    if hasattr(section, "as_dict"):  # a jsonargparse Namespace
+        section = section.as_dict()
+    return {**(section or {}), field: value}
+
+
+def renamed_warning(moves: list[str], where: str) -> str:
+    """The one-line warning for options folded from ``where`` (a config, a checkpoint)."""
+    return (
+        f"{where} names options renamed in 0.2.0 (CHANGELOG.md, Renamed options), read at their "
+        "places now; write the new names: " + "; ".join(dict.fromkeys(moves))
+    )

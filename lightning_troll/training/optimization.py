@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_troll.models.sharding import is_sharded
 from lightning_troll.objectives.aggregation import AGGREGATION_SIZES
+from lightning_troll.objectives.chunking import DEFAULT_CHUNK_SIZE, check_chunk_size
 from lightning_troll.objectives.stats import ObjectiveStats
 from lightning_troll.rollouts.micro_batches import (
     lengths_of,
@@ -47,7 +48,7 @@ __all__ = ["MinibatchLoop", "OptimizationConfig", "optimizers"]
 
 @dataclass(frozen=True)
 class OptimizationConfig:
-    """How each rollout becomes optimiser steps."""
+    """How each rollout becomes optimiser steps, and what its forward passes hold at once."""
 
     epochs_per_rollout: int = 1
     """Passes (mu) over each rollout."""
@@ -71,6 +72,18 @@ class OptimizationConfig:
     """Clip the gradient norm to this value; null switches clipping off."""
     max_bad_steps: int = 3
     """Stop the run after this many optimiser steps in a row with a non-finite loss or gradient."""
+    seed: int | None = None
+    """Seed of the minibatch shuffling; null follows the run's seed (seed_everything)."""
+    gradient_checkpointing: bool = False
+    """Recompute the policy's activations in the backward pass (less memory, about a third more
+    compute)."""
+    logits_chunk_size: int | None = DEFAULT_CHUNK_SIZE
+    """Response tokens whose logits exist at once in the loss and the cached old distributions
+    (recomputed in the backward pass); null: all at once."""
+    share_prompts: bool = True
+    """Run each distinct prompt of a micro-batch once and its group's completions against its
+    cached keys and values (same results up to rounding; off with gradient checkpointing or
+    FSDP2)."""
 
     @property
     def parts(self) -> tuple[int | str | None, bool]:
@@ -96,18 +109,20 @@ class OptimizationConfig:
         clip = self.gradient_clip_norm
         if clip is not None and not clip > 0:
             raise ValueError(f"optimization.gradient_clip_norm must be null or > 0; got {clip!r}")
+        check_chunk_size(self.logits_chunk_size, "model.optimization.logits_chunk_size")
 
 
 class MinibatchLoop:
     """The optimiser steps of one rollout after another (manual optimisation).
 
     Args:
-        config: epochs, minibatch and micro-batch sizes, clipping, the bad-step limit.
-        seed: seed of the minibatch shuffling.
+        config: epochs, minibatch and micro-batch sizes, clipping, the bad-step limit, the
+            shuffle's seed.
     """
 
-    def __init__(self, config: OptimizationConfig, seed: int | None = None) -> None:
+    def __init__(self, config: OptimizationConfig) -> None:
         self.config = config
+        seed = config.seed
         if seed is None:  # the run's seed, as Lightning's seed_everything recorded it
             seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
         self.shuffle = torch.Generator().manual_seed(seed)

@@ -36,25 +36,22 @@ so G = 1 leaves no signal. An estimator of one's own may work with G = 1."""
 
 
 def check_module_options(
-    objective: str,
-    estimator: str,
-    scale_rewards: str | None,
-    group_size: int,
-    behaviour_logprobs: str,
-    rollout_engine: str = "hf",
+    objective: str, advantages: Any, group_size: int, engine: Any = None
 ) -> None:
     """Refuses an unknown objective, estimator, reward scale, behaviour-log-prob source or
     rollout engine (or one that is not installed), and a group size that is not a whole number
-    >= 1."""
+    >= 1. ``advantages`` and ``engine``: the records, or the command line's dicts of them."""
+    estimator = _field(advantages, "estimator", "grpo")
+    scale_rewards = _field(advantages, "scale_rewards", None)
     if objective not in OBJECTIVES:
         raise ValueError(f"model.objective must be one of {sorted(OBJECTIVES)}; got {objective!r}")
     try:
         get_advantage_estimator(estimator)
     except ValueError as error:
-        raise ValueError(f"model.{error}") from None
+        raise ValueError(f"model.advantages.{error}") from None
     if scale_rewards not in (None, *REWARD_SCALES):
         raise ValueError(
-            f"model.scale_rewards must be one of {sorted(REWARD_SCALES)} or null; got "
+            f"model.advantages.scale_rewards must be one of {sorted(REWARD_SCALES)} or null; got "
             f"{scale_rewards!r}"
         )
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
@@ -65,12 +62,21 @@ def check_module_options(
             "with the others sampled for its prompt, so it needs at least 2 (8 is usual); with 1 "
             "every advantage is 0 (or undefined) and nothing trains"
         )
+    behaviour_logprobs = _field(engine, "behaviour_logprobs", "auto")
     if behaviour_logprobs not in BEHAVIOUR_LOGPROBS:
         raise ValueError(
-            f"model.behaviour_logprobs must be one of {list(BEHAVIOUR_LOGPROBS)}; got "
+            f"model.engine.behaviour_logprobs must be one of {list(BEHAVIOUR_LOGPROBS)}; got "
             f"{behaviour_logprobs!r}"
         )
-    engine_class(rollout_engine)
+    engine_class(_field(engine, "name", "hf"))
+
+
+def _field(record: Any, name: str, default: Any) -> Any:
+    """A field of a record, or of the command line's dict of it (None: the default)."""
+    if record is None:
+        return default
+    value = record.get(name, default) if isinstance(record, dict) else getattr(record, name)
+    return default if value is None and default is not None else value
 
 
 def task_rewards(rewards: dict[str, float] | None, source: object) -> dict[str, float]:

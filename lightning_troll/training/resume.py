@@ -24,12 +24,15 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
+from lightning_troll.engines.base import EngineConfig
 from lightning_troll.engines.sampling import SamplingConfig
 from lightning_troll.models.lora import LoraConfig
 from lightning_troll.models.snapshots import SnapshotConfig
 from lightning_troll.objectives import ClipConfig, LossConfig, TrustRegionConfig
+from lightning_troll.objectives.options import AdvantageConfig
+from lightning_troll.rollouts.dynamic_sampling import DynamicSamplingConfig
 from lightning_troll.tasks.environments.options import EpisodesConfig
-from lightning_troll.tasks.rewards.options import RewardOptions, fold_stored
+from lightning_troll.tasks.rewards.options import RewardOptions
 from lightning_troll.training.checkpoints import (
     changed_options,
     check_compatible,
@@ -37,7 +40,7 @@ from lightning_troll.training.checkpoints import (
     rng_states_by_rank,
     seed_per_rank,
 )
-from lightning_troll.training.moved import allow_moved_records
+from lightning_troll.training.moved import allow_moved_records, fold_renamed_options
 from lightning_troll.training.optimization import MinibatchLoop, OptimizationConfig
 
 __all__ = ["CHECKPOINT_CONFIGS", "ResumeState"]
@@ -46,6 +49,9 @@ CHECKPOINT_CONFIGS = (
     TrustRegionConfig,
     ClipConfig,
     LossConfig,
+    AdvantageConfig,
+    DynamicSamplingConfig,
+    EngineConfig,
     OptimizationConfig,
     SamplingConfig,
     SnapshotConfig,
@@ -102,7 +108,7 @@ class ResumeState:
         """
         if "state_dict" in checkpoint:  # sharded strategies load the weights elsewhere
             check_compatible(own(), checkpoint["state_dict"], f"model {hparams['model']!r}")
-        stored = fold_stored(checkpoint.get("hyper_parameters", {}))  # the old reward keys
+        stored, _ = fold_renamed_options(checkpoint.get("hyper_parameters", {}))  # 0.1's keys
         changed = changed_options(hparams, stored)
         if changed:
             rank_zero_warn(

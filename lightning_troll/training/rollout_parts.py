@@ -37,12 +37,12 @@ def build_rollout_engine(
     context: EngineContext,
     loss: LossConfig,
 ) -> RolloutEngine:
-    """The engine of ``model.rollout_engine`` (it starts on its first rollout)."""
+    """The engine of ``model.engine.name`` (it starts on its first rollout)."""
     lora: LoraConfig | None = context.lora
     if name != "hf" and lora is not None and lora.load_in_4bit:
         raise ValueError(
-            f"model.rollout_engine={name!r} takes the policy's weights with the adapters "
-            "merged, which a 4-bit base rounds away; use rollout_engine 'hf' with "
+            f"model.engine.name={name!r} takes the policy's weights with the adapters "
+            "merged, which a 4-bit base rounds away; use engine.name 'hf' with "
             "lora.load_in_4bit, or a base in float32/bfloat16"
         )
     own_process = (options or {}).get("process") is True
@@ -53,7 +53,7 @@ def build_rollout_engine(
             "embedding, which this model ties to its output layer: the policy's output layer "
             f"keeps the embedding's base weight, but {where} loads merged weights into a model "
             "whose output layer is the merged embedding, and would sample from another policy; "
-            "leave the embedding out of model.lora.target_modules, or use rollout_engine 'hf' "
+            "leave the embedding out of model.lora.target_modules, or use engine.name 'hf' "
             "in the trainer's process"
         )
     engine = engine_in_a_process(name, context, options) or build_engine(name, context, options)
@@ -65,7 +65,7 @@ def build_rollout_engine(
             f"model.loss.engine_is_cap={loss.engine_is_cap} corrects for an engine that samples "
             f"apart from the snapshot, but the {name!r} engine{where} samples with the "
             "snapshot's weights and reports no log-probs of its own; set it to null, or use "
-            "rollout_engine 'vllm'"
+            "engine.name 'vllm'"
         )
     return engine
 
@@ -73,14 +73,12 @@ def build_rollout_engine(
 def engine_in_a_process(
     name: str, context: EngineContext, options: dict[str, Any] | None
 ) -> ProcessEngine | None:
-    """With ``process: true`` in ``model.rollout_engine_options``, the engine ``name`` in a
+    """With ``process: true`` in ``model.engine.options``, the engine ``name`` in a
     process of its own (its other options, but ``threads``, are the engine's); otherwise None."""
     options = dict(options or {})
     process = options.pop("process", False)
     if not isinstance(process, bool):
-        raise ValueError(
-            f"model.rollout_engine_options.process must be true or false; got {process!r}"
-        )
+        raise ValueError(f"model.engine.options.process must be true or false; got {process!r}")
     if not process:
         return None
     threads = options.pop("threads", None)
@@ -91,8 +89,8 @@ def check_engine_processes(engine: RolloutEngine, world: int) -> None:
     """Refuses an engine that runs in one process for a run of ``world`` processes."""
     if world > 1 and not engine.several_processes:
         raise ValueError(
-            f"model.rollout_engine={engine.name!r} runs in a single process; this run has "
-            f"{world} (trainer.devices x trainer.num_nodes): use rollout_engine 'hf' for DDP and "
+            f"model.engine.name={engine.name!r} runs in a single process; this run has "
+            f"{world} (trainer.devices x trainer.num_nodes): use engine.name 'hf' for DDP and "
             "FSDP2, or one device"
         )
 

@@ -14,13 +14,11 @@ bound arguments when the scorer is built so that bad values stop the run before 
 marks (``None``: it has none, as a reward model's logit, and ``val/accuracy`` leaves it out).
 
 :class:`~lightning_troll.tasks.rewards.registry.RewardScorer` uses these; ``overlong`` is registered
-there. The options were four flat keys before (``model.reward_kwargs``, ``model.on_reward_error``,
-``model.reward_workers``, ``model.reward_timeout``): :func:`merge_deprecated` still takes them.
+there.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -28,15 +26,12 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 __all__ = [
-    "DEPRECATED_KEYS",
     "SAMPLE_KEYWORDS",
     "RewardErrorPolicy",
     "RewardOptions",
     "bind_kwargs",
     "call_arguments",
     "check_call_signatures",
-    "fold_stored",
-    "merge_deprecated",
     "overlong",
     "parameters",
     "reward_tag",
@@ -64,70 +59,6 @@ class RewardOptions:
     """Processes scoring a rollout's rewards in parallel; 0: in-process."""
     timeout: float | None = None
     """Seconds per reward call in a worker, then abandoned; null: no limit (needs workers >= 1)."""
-
-
-DEPRECATED_KEYS = {
-    "reward_kwargs": "kwargs",
-    "on_reward_error": "on_error",
-    "reward_workers": "workers",
-    "reward_timeout": "timeout",
-}
-"""The flat ``model`` options that :class:`RewardOptions` replaced: old key -> its field."""
-
-
-def merge_deprecated(
-    options: RewardOptions,
-    reward_kwargs: dict[str, dict[str, Any]] | None = None,
-    on_reward_error: RewardErrorPolicy | None = None,
-    reward_workers: int | None = None,
-    reward_timeout: float | None = None,
-    *,
-    warn: bool = True,
-) -> RewardOptions:
-    """``options`` with the deprecated flat keys that were given (not None) moved into their
-    fields, each warned in one line (``model.reward_workers is deprecated: use
-    model.reward_options.workers``) unless ``warn`` is False. An old key given while its field
-    holds another value, neither the default nor the old key's, is refused, naming both."""
-    old = {
-        "reward_kwargs": reward_kwargs,
-        "on_reward_error": on_reward_error,
-        "reward_workers": reward_workers,
-        "reward_timeout": reward_timeout,
-    }
-    defaults = RewardOptions()
-    moved: dict[str, Any] = {}
-    for key, value in old.items():
-        if value is None:
-            continue
-        field = DEPRECATED_KEYS[key]
-        present = getattr(options, field)
-        if present != getattr(defaults, field) and present != value:
-            raise ValueError(
-                f"model.{key} ({value!r}) and model.reward_options.{field} ({present!r}) are "
-                f"both given, and model.{key} is the deprecated name of the other: give only "
-                f"model.reward_options.{field}"
-            )
-        if warn:
-            # imported here: the rollout pipeline imports this file and no Lightning
-            from lightning.fabric.utilities.rank_zero import rank_zero_warn
-
-            rank_zero_warn(
-                f"model.{key} is deprecated: use model.reward_options.{field}",
-                category=FutureWarning,
-                stacklevel=5,  # the caller of merge_deprecated
-            )
-        moved[field] = value
-    return dataclasses.replace(options, **moved) if moved else options
-
-
-def fold_stored(hparams: Mapping[str, Any]) -> dict[str, Any]:
-    """A checkpoint's hyper-parameters without the deprecated keys; one written before the rename
-    (which stores all four and no ``reward_options``) gets the record they make, unwarned."""
-    stored = {key: value for key, value in hparams.items() if key not in DEPRECATED_KEYS}
-    old = {key: hparams[key] for key in DEPRECATED_KEYS if key in hparams}
-    if old and "reward_options" not in stored:
-        stored["reward_options"] = merge_deprecated(RewardOptions(), **old, warn=False)
-    return stored
 
 
 SAMPLE_KEYWORDS = ("completion_tokens", "max_new_tokens")
