@@ -27,6 +27,7 @@ import sys
 import threading
 import warnings
 from contextvars import ContextVar
+from pathlib import Path
 from typing import Any, NoReturn
 
 from jsonargparse import set_parsing_settings
@@ -62,7 +63,7 @@ from lightning_troll.cli.parse_errors import explain
 from lightning_troll.cli.quiet import quiet_library_notices
 from lightning_troll.cli.renamed import fold_renamed_options
 from lightning_troll.cli.seeds import follow_run_seed
-from lightning_troll.cli.stops import full_disk, quiet_about_no_space, refuse, stop
+from lightning_troll.cli.stops import fresh_folder, full_disk, quiet_about_no_space, refuse, stop
 from lightning_troll.data.datamodule import PromptDataModule
 from lightning_troll.rewards.lookup import config_folders as reward_config_folders
 from lightning_troll.training.checkpoint_io import install_atomic_saves
@@ -99,6 +100,9 @@ class _TrainingStarted(Callback):
 
     def __init__(self) -> None:
         self.started = False
+        self.fresh: tuple[Path, Path] | None = None
+        """(the logger's folder, its nearest folder that existed) where this run creates the
+        logger's folder: a start refused before training removes it (``stops.refuse``)."""
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -111,6 +115,9 @@ class _TrainingStarted(Callback):
         if self.started:
             with contextlib.suppress(AttributeError):
                 exception.during_training = True  # read by main()
+        elif self.fresh is not None and trainer.is_global_zero:
+            with contextlib.suppress(AttributeError):
+                exception.fresh_folder = self.fresh  # removed by stops.refuse
         full = full_disk(exception)
         if full is not None:  # read by stops.no_space
             full.log_dir = trainer.log_dir  # type: ignore[attr-defined]
@@ -205,6 +212,7 @@ class TrollCLI(LightningCLI):
             extra.append(TrollModelSummary())
         trainer = super().instantiate_trainer(**kwargs, callbacks=given + extra)
         install_atomic_saves(trainer.strategy)  # every checkpoint callback's saves, a user's too
+        extra[0].fresh = fresh_folder(trainer.logger)
         return trainer
 
     def parse_arguments(self, parser, args) -> None:
