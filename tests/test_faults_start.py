@@ -123,3 +123,32 @@ def test_a_start_refused_after_the_model_loads_leaves_no_run_folder(
     stderr = refused_here(args, tmp_path, monkeypatch, capsys)  # version_1: only it goes
     assert [p.name for p in (tmp_path / "runs" / "lightning_logs").iterdir()] == ["version_0"]
     shutil.rmtree(tmp_path / "runs")
+
+
+def test_a_killed_saves_partial_file_goes_at_the_next_start_there_and_in_the_resumed_folder(
+    tmp_path,
+):
+    """A kill during a save leaves ``.last.ckpt.partial``; the next run's start removes it from
+    its checkpoint folder and from the folder of the checkpoint it resumes (the printed resume
+    command writes into a new version folder), but not the file of a save in progress there, nor
+    the previous checkpoint a sharded save set aside."""
+    import fcntl
+    from types import SimpleNamespace
+
+    from lightning_troll.callbacks import RolloutCheckpoint
+
+    old, new = tmp_path / "version_0" / "checkpoints", tmp_path / "version_1" / "checkpoints"
+    old.mkdir(parents=True)
+    (old / "last.ckpt").write_bytes(b"whole")
+    (old / ".last.ckpt.partial").write_bytes(b"cut short")
+    (old / ".last.ckpt.old").mkdir()
+    new.mkdir(parents=True)
+    (new / ".last.ckpt.partial").write_bytes(b"cut short")
+    (new / ".last-v1.ckpt.partial").write_bytes(b"being written")
+    with open(new / ".last-v1.ckpt.partial", "rb") as writing:
+        fcntl.flock(writing.fileno(), fcntl.LOCK_EX)  # as a save in progress holds it
+        trainer = SimpleNamespace(ckpt_path=str(old / "last.ckpt"), is_global_zero=True,
+                                  strategy=SimpleNamespace(broadcast=lambda x: x))  # fmt: skip
+        RolloutCheckpoint(dirpath=str(new))._claim(trainer)
+    assert sorted(p.name for p in old.iterdir()) == [".last.ckpt.old", "last.ckpt"]
+    assert sorted(p.name for p in new.iterdir()) == [".last-v1.ckpt.partial"]
