@@ -152,3 +152,35 @@ def test_a_killed_saves_partial_file_goes_at_the_next_start_there_and_in_the_res
         RolloutCheckpoint(dirpath=str(new))._claim(trainer)
     assert sorted(p.name for p in old.iterdir()) == [".last.ckpt.old", "last.ckpt"]
     assert sorted(p.name for p in new.iterdir()) == [".last-v1.ckpt.partial"]
+
+
+TOOLS = 'def add(a: int, b: int) -> int:\n    """Add.\n\n    Args:\n        a: A number.\n        b: Another.\n    """\n    return a + b\n'
+
+
+@pytest.mark.slow
+def test_a_resumed_run_takes_the_tools_given_where_the_stored_module_was_renamed(
+    tmp_path, tiny_model_dir, monkeypatch, recwarn
+):
+    """The checkpoint names ``my_tools:add``; renamed since to ``tl2:add``, the resumed run takes
+    the given name, warns once naming both, and trains to its end."""
+    from tests.chat_helpers import CHATML_TOOLS
+    from tests.conftest import command_here
+
+    model = tmp_path / "chat_model"
+    shutil.copytree(tiny_model_dir, model)
+    tokenizer_only(tiny_model_dir, model, CHATML_TOOLS)
+    (tmp_path / "my_reward.py").write_text(REWARD)
+    (tmp_path / "my_tools.py").write_text(TOOLS)
+    episodes = ["--model.episodes", '{"tools": ["my_tools:add"], "max_turns": 2}']
+    command_here(command(tmp_path, model, 2, *episodes)[1:], tmp_path, monkeypatch)
+    (tmp_path / "my_tools.py").rename(tmp_path / "tl2.py")
+    ckpt = tmp_path / "ckpt" / "last.ckpt"
+    renamed = ["--model.episodes", '{"tools": ["tl2:add"], "max_turns": 2}']
+    args = command(tmp_path, model, 4, *renamed, "--ckpt_path", str(ckpt))[1:]
+    recwarn.clear()
+    command_here(args, tmp_path, monkeypatch)
+    told = [str(w.message) for w in recwarn if "model.episodes" in str(w.message)]
+    assert len(told) == 1 and "model.episodes.tools: ['my_tools:add'] -> ['tl2:add']" in told[0]
+    import torch
+
+    assert torch.load(ckpt, weights_only=True)["global_step"] == 4

@@ -61,7 +61,7 @@ from lightning_troll.cli.checks import (
 from lightning_troll.cli.order import overridden_options
 from lightning_troll.cli.parse_errors import explain
 from lightning_troll.cli.quiet import quiet_library_notices
-from lightning_troll.cli.renamed import fold_renamed_options
+from lightning_troll.cli.renamed import fold_renamed_options, take_given_code
 from lightning_troll.cli.seeds import follow_run_seed
 from lightning_troll.cli.stops import fresh_folder, full_disk, quiet_about_no_space, refuse, stop
 from lightning_troll.data.datamodule import PromptDataModule
@@ -247,6 +247,7 @@ class TrollCLI(LightningCLI):
         check_schedule_length(config)
         if self._given_model is None:
             return
+        take_given_code(self._given_model, self.config[self.subcommand].model)
         stored = dict(self.config[self.subcommand].model.items())
         ignored = changed_options(self._given_model, stored)  # checkpoint's -> given
         if ignored:

@@ -7,6 +7,10 @@ present place before anything is built, each with a one-line warning (docs/confi
 ``model.reward_options`` now (:class:`~lightning_troll.rewards.options.RewardOptions`). A
 checkpoint written before the rename stores all four: resuming from one folds them over the
 defaults, without a warning.
+
+A resumed run keeps the model options its checkpoint stores, but takes ``model.episodes.tools``
+and ``model.episodes.environment`` as given (:func:`take_given_code`): they name code of one's
+own, which may have been renamed or moved since the checkpoint was written.
 """
 
 from __future__ import annotations
@@ -18,7 +22,10 @@ from jsonargparse import Namespace
 
 from lightning_troll.rewards.options import DEPRECATED_KEYS, RewardOptions, merge_deprecated
 
-__all__ = ["fold_renamed_options"]
+__all__ = ["GIVEN_ON_RESUME", "fold_renamed_options", "take_given_code"]
+
+GIVEN_ON_RESUME = ("tools", "environment")
+"""The ``model.episodes`` fields a resumed run takes from the command line, not the checkpoint."""
 
 
 def fold_renamed_options(model: Namespace, from_checkpoint: bool = False) -> None:
@@ -50,3 +57,16 @@ def _fields(options: Any) -> dict[str, Any]:
     if dataclasses.is_dataclass(options) and not isinstance(options, type):
         return dataclasses.asdict(options)
     return dict(options)
+
+
+def take_given_code(given: Namespace, stored: Namespace) -> None:
+    """Sets in ``stored`` (the ``model`` section a resumed run takes from its checkpoint) the
+    fields of :data:`GIVEN_ON_RESUME` that ``given`` (the command line's and configs' ``model``)
+    sets to another value; the module's resume warns, naming the stored and the new value."""
+    new, old = given.get("episodes"), stored.get("episodes")
+    if new is None or old is None:
+        return
+    for field in GIVEN_ON_RESUME:
+        value = new.get(field)
+        if value and value != old.get(field):
+            old[field] = value
