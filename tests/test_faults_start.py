@@ -184,3 +184,23 @@ def test_a_resumed_run_takes_the_tools_given_where_the_stored_module_was_renamed
     import torch
 
     assert torch.load(ckpt, weights_only=True)["global_step"] == 4
+
+
+@pytest.mark.parametrize(
+    ("extra", "told"),
+    [(["--model.rewards", "{tinymath: abc}"],
+      "model.rewards: the weight of 'tinymath' is 'abc'; weights are numbers"),
+     (["--model.model", "./nothere"], "model.model='./nothere': "),
+     (["--model.optimizer.init_args.lr", "-1e-4"],
+      "--model.optimizer.init_args.lr -1e-4: a value that starts with '-' is read as an option; "
+      "write --model.optimizer.init_args.lr=-1e-4")],
+)  # fmt: skip
+def test_a_bad_value_is_named_by_its_option(extra, told, tmp_path, monkeypatch, capsys):
+    from tests.test_faults_reward import ROOT
+
+    args = ["fit", "--config", str(ROOT / "configs" / "tinymath.yaml"), *extra]
+    stderr = refused_here(args, tmp_path, monkeypatch, capsys)
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) <= 2 and "Traceback" not in stderr, lines
+    assert lines[0].startswith(f"lightning-troll: error: {told}"), lines
+    assert list(tmp_path.iterdir()) == []
