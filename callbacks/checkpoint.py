@@ -19,7 +19,11 @@ from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_troll.training.checkpoint_io import SaveFailed, install_atomic_saves
+from lightning_troll.training.checkpoint_io import (
+    SaveFailed,
+    install_atomic_saves,
+    remove_partial_files,
+)
 from lightning_troll.training.checkpoints import aside_path
 from lightning_troll.training.faults import RunFault
 
@@ -90,11 +94,16 @@ class RolloutCheckpoint(Checkpoint):
     def _claim(self, trainer: Trainer) -> None:
         """Never writes over another run's checkpoint: where the folder (a fixed ``dirpath``, a
         logger without version folders, or none) holds a ``last.ckpt`` that this fit did not
-        resume from, this run's is ``last-v1.ckpt`` (or the first free ``last-v<n>.ckpt``)."""
+        resume from, this run's is ``last-v1.ckpt`` (or the first free ``last-v<n>.ckpt``). The
+        partial files of saves killed while writing, in that folder and in the resumed
+        checkpoint's, are removed (:func:`remove_partial_files`)."""
         if self._saved_at >= 0:  # this callback's own file, from an earlier fit call
             return
         resumed = trainer.ckpt_path
         resumed = None if not resumed or "://" in str(resumed) else Path(resumed).resolve()
+        if trainer.is_global_zero:  # what a save killed while writing left here or there
+            for folder in {Path(self.dirpath), *([resumed.parent] if resumed else [])}:
+                remove_partial_files(folder)
         name, n = self.FILENAME, 0
         while True:
             there = Path(self.dirpath, name)

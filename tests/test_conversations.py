@@ -152,7 +152,7 @@ def test_chat_template_false_refuses_conversations_and_a_system_prompt(chat_tok,
     rows = [{"prompt": [user("2+2?")], "answer": "4"}]
     with pytest.raises(ValueError) as error:
         texts(rows, chat_tok, tmp_path, chat_template=False)
-    assert "data.chat_template=false, but row 0 of the train rows" in str(error.value)
+    assert "data.chat_template=false, but line 1 of the train rows" in str(error.value)
     assert "leave data.chat_template at null (or true)" in str(error.value)
     with pytest.raises(ValueError, match="data.system_prompt='Be terse.' needs the chat template, "
                        "but data.chat_template=false"):  # fmt: skip
@@ -186,7 +186,7 @@ def test_a_conversation_with_a_tokenizer_without_chat_template_is_named(tmp_path
 )
 def test_malformed_conversations_are_refused_by_row(prompt, message, chat_tok, tmp_path):
     rows = [{"prompt": "1+1?", "answer": "2"}, {"prompt": prompt, "answer": "4"}]
-    with pytest.raises(ValueError, match="row 1") as error:
+    with pytest.raises(ValueError, match="line 2") as error:
         texts(rows, chat_tok, tmp_path, chat_template=True)
     assert message in str(error.value)
 
@@ -202,7 +202,7 @@ def test_a_prompt_that_no_tokenizer_can_read_is_refused_by_row(row, at, chat_tok
     """Half a surrogate pair, in the prompt or in a field the template brings into a conversation's
     last message, is refused naming the row and showing where, not passed to the tokenizer."""
     rows = [{"prompt": "1+1?", "answer": "2", "extra": ""}, {"extra": "", **row}]
-    with pytest.raises(ValueError, match="row 1 of ") as error:
+    with pytest.raises(ValueError, match="line 2 of ") as error:
         texts(rows, chat_tok, tmp_path, template="{prompt} {extra}")
     message = str(error.value)
     assert "holds half a surrogate pair alone (U+D800-U+DFFF)" in message and at in message

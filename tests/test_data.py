@@ -462,7 +462,7 @@ def test_missing_field(tok, tmp_path):
     path = write_jsonl(tmp_path / "e.jsonl", rows)
     with pytest.raises(
         ValueError,
-        match="data.prompt_field='prompt': row 2 of the train rows .* has no field 'prompt'",
+        match="data.prompt_field='prompt': line 3 of the train rows .* has no field 'prompt'",
     ):
         make(tok, path, val_file=str(path), batch_size=1)
 
@@ -473,7 +473,7 @@ def test_prompt_too_long(tok, tmp_path):
     # "x" * 20 is 21 tokens with <bos>; "0+1=" is 5.
     with pytest.raises(
         ValueError,
-        match=r"data.max_prompt_tokens=8: 1 of 4 train prompts .* row 3 with 21 tokens",
+        match=r"data.max_prompt_tokens=8: 1 of 4 train prompts .* line 4 with 21 tokens",
     ):
         make(tok, path, val_file=str(path), max_prompt_tokens=8, batch_size=1)
     assert (
@@ -484,7 +484,7 @@ def test_prompt_too_long(tok, tmp_path):
 @pytest.mark.parametrize("split", ["train", "validation"])
 def test_errors_name_the_files_own_row_where_rows_were_held_out(tok, tmp_path, split):
     """Rows held out for validation leave the training rows a part of the file (and the held-out
-    rows another): an error names the bad row's position in the file, the row the user finds."""
+    rows another): an error names the bad row's line in the file, the line the user finds."""
     probe = make(tok, write_jsonl(tmp_path / "probe.jsonl", rows_of(10)), num_val=3, batch_size=1)
     ids = {"train": [r.row["id"] for r in probe.train_items],
            "validation": [r.row["id"] for r in probe.val_items]}[split]  # fmt: skip
@@ -493,7 +493,9 @@ def test_errors_name_the_files_own_row_where_rows_were_held_out(tok, tmp_path, s
     rows = rows_of(10)
     rows[bad] = {"prompt": 12, "answer": "1", "id": bad}
     where = "train rows" if split == "train" else "validation rows"
-    with pytest.raises(ValueError, match=rf"row {bad} of the {where} of .* holds a int \(12\)"):
+    with pytest.raises(
+        ValueError, match=rf"line {bad + 1} of the {where} of .* holds a int \(12\)"
+    ):
         make(tok, write_jsonl(tmp_path / "bad.jsonl", rows), num_val=3, batch_size=1)
 
 
@@ -507,7 +509,7 @@ def test_prompt_must_be_text(tok, tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": 12, "answer": "1"}])
     with pytest.raises(
         ValueError,
-        match=r"data.prompt_field='prompt': row 0 of the train rows of .* holds a int \(12\), not text",
+        match=r"data.prompt_field='prompt': line 1 of the train rows of .* holds a int \(12\), not text",
     ):
         make(tok, path, val_file=str(path), batch_size=1)
 

@@ -158,13 +158,13 @@ def test_export_inside_a_sharded_checkpoints_folder_is_refused(tmp_path, capsys)
 
 
 def test_export_needs_neither_the_reward_nor_the_engine(checkpoint, tmp_path, capsys):
-    """A checkpoint whose reward module is nowhere to be imported and whose engine is vLLM (not
-    installed here) exports its policy all the same."""
+    """A checkpoint whose reward and tool modules are nowhere to be imported (renamed since) and
+    whose engine is vLLM (not installed here) exports its policy all the same."""
     stored = torch.load(checkpoint, weights_only=False)
     stored["hyper_parameters"]["rewards"] = {"nowhere_to_be_found:reward": 1.0}
     stored["hyper_parameters"]["reward_options"] = {"workers": 2}
     stored["hyper_parameters"]["reward_workers"] = 2  # the flat key a checkpoint held before
-    stored["hyper_parameters"]["rollout_engine"] = "vllm"  # 0.1's key: folded, then left out
+    stored["hyper_parameters"].update(rollout_engine="vllm", episodes={"tools": ["tl2:add"]})
     moved = tmp_path / "moved.ckpt"
     torch.save(stored, moved)
     out = tmp_path / "exported"

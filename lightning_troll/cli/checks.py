@@ -21,7 +21,7 @@ from lightning_troll.callbacks import (
 from lightning_troll.callbacks.refresh_options import check_refresh
 from lightning_troll.models.loading import check_reachable
 from lightning_troll.tasks.data.datamodule import PromptDataModule
-from lightning_troll.tasks.data.preflight import check_data_files, check_hub_dataset
+from lightning_troll.tasks.data.preflight import check_data_files, check_hub_dataset, check_prompts
 from lightning_troll.tasks.data.prompts import PLAIN_TEMPLATE
 from lightning_troll.tasks.rewards.registry import resolve_reward
 from lightning_troll.training.preflight import (
@@ -216,9 +216,12 @@ def _options(section) -> dict:
 def check_sections(config) -> None:
     """Builds the data module and the callbacks of :data:`SECTIONS` from their options once,
     before the model loads (LightningCLI builds the model first), so that a bad value gets their
-    own one-line refusal naming the option there and not after minutes of loading weights.
-    Building them reads no data and loads no tokenizer."""
-    PromptDataModule(**_options(config.data))
+    own one-line refusal naming the option there and not after minutes of loading weights. A
+    fresh run's local prompts are then prepared with the tokenizer alone (:func:`check_prompts`);
+    a resumed run's were checked when it began, with the tokenizer the checkpoint names."""
+    data = PromptDataModule(**_options(config.data))
+    if not config.get("ckpt_path"):
+        check_prompts(data)
     for section, cls in SECTIONS.items():
         if config.get(section) is not None:
             cls(**_options(config.get(section)))

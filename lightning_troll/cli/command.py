@@ -21,7 +21,6 @@ runs keep their traceback.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 import threading
@@ -31,7 +30,7 @@ from typing import Any, NoReturn
 
 from jsonargparse import set_parsing_settings
 from jsonargparse._common import debug_mode_active
-from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import Checkpoint, ModelSummary, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_warn
@@ -59,12 +58,18 @@ from lightning_troll.cli.checks import (
 )
 from lightning_troll.cli.loader import MODE as LOADER_MODE
 from lightning_troll.cli.loader import register as register_loader
-from lightning_troll.cli.loader import stored_options
+from lightning_troll.cli.loader import stored_options, take_given_code
 from lightning_troll.cli.order import overridden_options
 from lightning_troll.cli.parse_errors import explain
 from lightning_troll.cli.quiet import quiet_library_notices
 from lightning_troll.cli.seeds import follow_run_seed
-from lightning_troll.cli.stops import full_disk, quiet_about_no_space, refuse, stop
+from lightning_troll.cli.stops import (
+    TrainingStarted,
+    fresh_folder,
+    quiet_about_no_space,
+    refuse,
+    stop,
+)
 from lightning_troll.tasks.data.datamodule import PromptDataModule
 from lightning_troll.tasks.rewards.lookup import config_folders as reward_config_folders
 from lightning_troll.training.checkpoint_io import install_atomic_saves
@@ -95,29 +100,6 @@ which install adds it) and Lightning's own configuration checks."""
 
 DEBUG_FLAG = "--debug"
 DEBUG_VARIABLE = "LIGHTNING_TROLL_DEBUG"
-
-
-class _TrainingStarted(Callback):
-    """Marks an exception raised once training has started: a crash, not bad input."""
-
-    def __init__(self) -> None:
-        self.started = False
-
-    @override
-    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self.started = True
-
-    @override
-    def on_exception(
-        self, trainer: Trainer, pl_module: LightningModule, exception: BaseException
-    ) -> None:
-        if self.started:
-            with contextlib.suppress(AttributeError):
-                exception.during_training = True  # read by main()
-        full = full_disk(exception)
-        if full is not None:  # read by stops.no_space
-            full.log_dir = trainer.log_dir  # type: ignore[attr-defined]
-            full.kept = getattr(trainer.checkpoint_callback, "last_model_path", None)  # type: ignore[attr-defined]
 
 
 def quarter_means(values: list[float]) -> list[float]:
@@ -194,7 +176,7 @@ class TrollCLI(LightningCLI):
         config = self._get(self.config_init, "trainer", default={})
         given = config.get("callbacks") or []
         given = list(given) if isinstance(given, list) else [given]
-        extra: list[Callback] = [_TrainingStarted()]
+        extra: list[Callback] = [TrainingStarted()]
         if config.get("enable_checkpointing") is not False and not any(
             isinstance(c, Checkpoint) for c in given
         ):
@@ -213,6 +195,7 @@ class TrollCLI(LightningCLI):
             extra.append(TrollModelSummary())
         trainer = super().instantiate_trainer(**kwargs, callbacks=given + extra)
         install_atomic_saves(trainer.strategy)  # every checkpoint callback's saves, a user's too
+        extra[0].fresh = fresh_folder(trainer.logger)
         return trainer
 
     def parse_arguments(self, parser, args) -> None:
@@ -257,6 +240,7 @@ class TrollCLI(LightningCLI):
         check_schedule_length(config)
         if self._given_model is None:
             return
+        take_given_code(self._given_model, self.config[self.subcommand].model)
         stored = dict(self.config[self.subcommand].model.items())
         ignored = changed_options(self._given_model, stored)  # checkpoint's -> given
         if ignored:

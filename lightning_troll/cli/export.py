@@ -21,8 +21,9 @@ for its config and tokenizer), loads the trained weights and writes the policy a
 The checkpoint is a ``.ckpt`` file, or the folder of shards an FSDP2 run writes (gathered in
 this one process's CPU memory, and read again where a running fit swaps a new one in meanwhile:
 :func:`read_checkpoint`). Only the policy is rebuilt: the run's rewards, reward workers and
-rollout engine are not (:data:`POLICY_ONLY`, :data:`DEFAULTED`), so a reward module that is not importable where
-the export runs does not matter. The folder is written beside ``output_dir`` and renamed into
+rollout engine, tools and environment are not (:data:`POLICY_ONLY`, :data:`DEFAULTED`), so a
+reward or tool module that is not importable where the export runs does not matter. The folder is
+written beside ``output_dir`` and renamed into
 place once complete, so a failed export leaves no half-written model. An ``output_dir`` that
 exists and is not empty is refused unless ``--overwrite`` is given, and ``--overwrite`` replaces
 only a folder an earlier export wrote (its :data:`MARKER` lists every file it wrote): a folder
@@ -67,9 +68,10 @@ __all__ = [
 MARKER = ".lightning-troll-export.json"
 """The file an export writes into its folder: the checkpoint it came from and every file it
 wrote, which is what ``--overwrite`` may replace."""
-POLICY_ONLY: dict[str, Any] = {"rewards": None}
-"""The module options an export replaces in the checkpoint's: what scores rollouts, which
-writing a policy never uses (a reward module of one's own need not be importable)."""
+POLICY_ONLY: dict[str, Any] = {"rewards": None, "episodes": None}
+"""The module options an export replaces in the checkpoint's: what scores rollouts and an
+episode's tools and environment, which writing a policy never uses (a reward or tool module of
+one's own need not be importable)."""
 ROUNDING_LIMIT = 0.1
 """With ``--dtype auto``, a LoRA merge is written in float32 instead of the base's dtype when
 rounding the merged weights to that dtype changes the adapters' update by more than this share of

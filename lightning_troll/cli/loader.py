@@ -1,4 +1,4 @@
-"""How the command line reads a config file: YAML, with the options that 0.2.0 moved into records
+"""How the command line reads a config file and a resumed checkpoint's options: YAML, with the options that 0.2.0 moved into records
 folded into their places (:func:`~lightning_troll.training.moved.fold_renamed_options`), so a
 config written for 0.1 still runs, warned once in a line naming the new places.
 
@@ -20,7 +20,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_troll.training.moved import fold_renamed_options, renamed_warning
 
-__all__ = ["MODE", "register", "stored_options"]
+__all__ = ["GIVEN_ON_RESUME", "MODE", "register", "stored_options", "take_given_code"]
 
 MODE = "lightning_troll"
 """The ``parser_mode`` whose loader folds renamed options."""
@@ -64,3 +64,22 @@ def stored_options(path: str | None) -> dict[str, Any] | None:
     if "_class_path" in hparams:
         return {"class_path": hparams.pop("_class_path"), "dict_kwargs": hparams}
     return hparams
+
+
+GIVEN_ON_RESUME = ("tools", "environment")
+"""The ``model.episodes`` fields a resumed run takes from the command line, not the checkpoint:
+they name code of one's own, which may have been renamed or moved since the checkpoint was
+written."""
+
+
+def take_given_code(given: Any, stored: Any) -> None:
+    """Sets in ``stored`` (the ``model`` section a resumed run takes from its checkpoint) the
+    fields of :data:`GIVEN_ON_RESUME` that ``given`` (the command line's and configs' ``model``)
+    sets to another value; the module's resume warns, naming the stored and the new value."""
+    new, old = given.get("episodes"), stored.get("episodes")
+    if new is None or old is None:
+        return
+    for field in GIVEN_ON_RESUME:
+        value = new.get(field)
+        if value and value != old.get(field):
+            old[field] = value

@@ -9,6 +9,7 @@ type with the type expected, a missing config file with where it was looked for.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import difflib
 import importlib
@@ -197,6 +198,38 @@ def _nested_field(key: str, message: str) -> str | None:
     return f"{key}.{field}: expected {describe(hint)}{got}"
 
 
+def _mapped_to(hint: Any) -> Any:
+    """The value type of a mapping hint (``dict[str, float] | None`` gives ``float``), or None."""
+    for part in (
+        typing.get_args(hint)
+        if typing.get_origin(hint) in (typing.Union, types.UnionType)
+        else [hint]
+    ):
+        if typing.get_origin(part) in (dict, typing.Mapping) and len(typing.get_args(part)) == 2:
+            return typing.get_args(part)[1]
+    return None
+
+
+def _bad_entry(key: str, hint: Any, value: str, at: str) -> str | None:
+    """For a mapping of weights (``model.rewards``) given with one that is not a number: which
+    entry, and that weights are numbers; else None."""
+    if _mapped_to(hint) not in (float, int):
+        return None
+    try:
+        given = ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return None
+    if not isinstance(given, dict):
+        return None
+    for name, weight in given.items():
+        if isinstance(weight, bool) or not isinstance(weight, int | float):
+            return (
+                f"{key}: the weight of {name!r} is {weight!r}{at}; weights are numbers "
+                f"({key} '{{{name}: 1.0}}')"
+            )
+    return None
+
+
 def _bad_value(key: str, message: str, parser, files: Sequence[str]) -> str:
     action = parser._option_string_actions.get(f"--{key}")
     hint = getattr(action, "_typehint", None)
@@ -213,9 +246,29 @@ def _bad_value(key: str, message: str, parser, files: Sequence[str]) -> str:
     if special:
         return special
     if hint is not None and value is not None:
-        return f"{key}: expected {describe(hint)}; got {value!r}{at}"
+        return (
+            _bad_entry(key, hint, value, at)
+            or f"{key}: expected {describe(hint)}; got {value!r}{at}"
+        )
     detail = [line.strip() for line in message.splitlines()[1:] if line.strip()]
     return f"{key}: {detail[0] if detail else 'bad value'}{at}"
+
+
+def _negative_value(args: Sequence[str]) -> str | None:
+    """For an option given a negative number the command line takes for an option of its own
+    (``--model.optimizer.init_args.lr -1e-4``): how to write it; else None."""
+    for flag, value in zip(args, args[1:], strict=False):
+        if not flag.startswith("--") or "=" in flag or not value.startswith("-"):
+            continue
+        try:
+            float(value)
+        except ValueError:
+            continue
+        return (
+            f"{flag} {value}: a value that starts with '-' is read as an option; write "
+            f"{flag}={value}"
+        )
+    return None
 
 
 def explain(message: str, parser, args: Sequence[str]) -> str:
@@ -244,6 +297,10 @@ def explain(message: str, parser, args: Sequence[str]) -> str:
         close = difflib.get_close_matches(command.group(1), known, n=1)
         hint = f"; did you mean {close[0]}?" if close else ""
         return f"no command {command.group(1)!r}{hint} (commands: {', '.join(known)})"
+    if re.match(r"argument --[\w.]+: expected one argument", message):
+        negative = _negative_value(args)
+        if negative is not None:
+            return negative
     keyed = re.match(r'Parser key "([\w.]+)":', message)
     if keyed:
         return _bad_value(keyed.group(1), message, parser, files)

@@ -9,6 +9,7 @@ refusal rather than the parser's union-type report). A fault during training
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -17,10 +18,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from lightning.pytorch import Callback, LightningModule, Trainer
+from typing_extensions import override
+
 from lightning_troll.training.checkpoint_io import NO_SPACE
 from lightning_troll.training.faults import FAULT_EXIT_CODE, RunFault
 
-__all__ = ["full_disk", "quiet_about_no_space", "refuse", "stop"]
+__all__ = ["TrainingStarted", "fresh_folder", "full_disk", "quiet_about_no_space", "refuse", "stop"]
 
 
 def full_disk(error: BaseException | None) -> OSError | None:
@@ -102,7 +106,72 @@ def stop(error: BaseException) -> None:
     refuse(error)
 
 
+def fresh_folder(logger: Any) -> tuple[Path, Path] | None:
+    """(the folder, its nearest folder that exists) of a TensorBoard or CSV ``logger`` whose
+    folder (``runs/lightning_logs/version_<n>``) does not exist yet, or None; asked before the fit,
+    which creates it."""
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+    if not isinstance(logger, TensorBoardLogger | CSVLogger):
+        return None
+    folder = Path(logger.log_dir).absolute()
+    if folder.exists():
+        return None
+    existing = folder.parent
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    return folder, existing
+
+
+def remove_fresh_folder(error: BaseException) -> None:
+    """Removes the logger's folder a start refused before training created (``error``'s
+    ``fresh_folder``: its config copy and an events file), and the empty folders above it that
+    the start created, unless it holds a checkpoint."""
+    fresh = getattr(error, "fresh_folder", None)
+    if fresh is None:
+        return
+    folder, existing = fresh
+    if not folder.is_dir() or any(p.name.endswith(".ckpt") for p in folder.rglob("*")):
+        return
+    shutil.rmtree(folder, ignore_errors=True)
+    parent = folder.parent
+    while parent != existing and parent.is_dir() and not any(parent.iterdir()):
+        parent.rmdir()
+        parent = parent.parent
+
+
 def refuse(error: BaseException) -> None:
-    """Prints ``error`` as one line and exits with status 2."""
+    """Prints ``error`` as one line and exits with status 2; a run folder the refused start
+    created is removed (:func:`remove_fresh_folder`)."""
+    remove_fresh_folder(error)
     print(f"lightning-troll: error: {_said(error)}", file=sys.stderr)
     raise SystemExit(2) from None
+
+
+class TrainingStarted(Callback):
+    """Marks an exception raised once training has started: a crash, not bad input."""
+
+    def __init__(self) -> None:
+        self.started = False
+        self.fresh: tuple[Path, Path] | None = None
+        """(the logger's folder, its nearest folder that existed) where this run creates the
+        logger's folder: a start refused before training removes it (``stops.refuse``)."""
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.started = True
+
+    @override
+    def on_exception(
+        self, trainer: Trainer, pl_module: LightningModule, exception: BaseException
+    ) -> None:
+        if self.started:
+            with contextlib.suppress(AttributeError):
+                exception.during_training = True  # read by main()
+        elif self.fresh is not None and trainer.is_global_zero:
+            with contextlib.suppress(AttributeError):
+                exception.fresh_folder = self.fresh  # removed by stops.refuse
+        full = full_disk(exception)
+        if full is not None:  # read by stops.no_space
+            full.log_dir = trainer.log_dir  # type: ignore[attr-defined]
+            full.kept = getattr(trainer.checkpoint_callback, "last_model_path", None)  # type: ignore[attr-defined]

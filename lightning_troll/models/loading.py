@@ -84,7 +84,8 @@ def _resolve(name_or_path: str | Path) -> str:
         raise FileNotFoundError(f"model: the GGUF file {str(name_or_path)!r} does not exist")
     if isinstance(name_or_path, Path) or not _HUB_ID.match(name_or_path):
         raise FileNotFoundError(
-            f"name_or_path {str(name_or_path)!r} is neither an existing local directory nor a "
+            f"model.model={str(name_or_path)!r}: {str(Path(name_or_path).absolute())!r} is "
+            "neither an existing local directory nor a "
             f"hub id ('name' or 'org/name'); give a directory holding config.json, "
             f"a hub id, or {TINYMATH!r} for the shipped demo policy"
         )

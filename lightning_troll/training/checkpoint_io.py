@@ -44,6 +44,7 @@ __all__ = [
     "SaveFailed",
     "install_atomic_saves",
     "partial_path",
+    "remove_partial_files",
     "save_folder_checkpoint",
     "writes_folders",
 ]
@@ -92,8 +93,38 @@ class _Writes:
 
 def partial_path(target: Path) -> Path:
     """Where a save of ``target`` is written before its rename: a hidden file beside it. A
-    process killed while saving leaves it behind; the next save of ``target`` overwrites it."""
+    process killed while saving leaves it behind; the next save of ``target`` overwrites it, and
+    the next run's start in that folder removes it (:func:`remove_partial_files`)."""
     return target.with_name(f".{target.name}.partial")
+
+
+def _locked(file: Any) -> bool:
+    """Takes ``file``'s exclusive lock (held until it is closed), without waiting: False where
+    another open file holds it (a save in progress), True where taken or where the system has
+    no such locks."""
+    try:
+        import fcntl
+    except ImportError:  # not a POSIX system
+        return True
+    try:
+        fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False
+    return True
+
+
+def remove_partial_files(folder: str | Path) -> list[Path]:
+    """Removes from ``folder`` the partial files (:func:`partial_path`) of saves that a kill cut
+    short, and returns them. A save holds its partial file locked while it writes, so the file of
+    another run's save in progress in the same folder is left alone. (A sharded save's partial
+    folder is cleared by its next save.)"""
+    removed = []
+    for partial in Path(folder).glob(".*.partial"):
+        with contextlib.suppress(OSError), open(partial, "rb") as file:
+            if partial.is_file() and _locked(file):
+                partial.unlink()
+                removed.append(partial)
+    return removed
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -115,6 +146,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         writes = _Writes()
         try:
             with open(partial, "wb") as file:
+                _locked(file)  # a start in this folder leaves the file of a save in progress
                 writes.file = file
                 torch.save(checkpoint, writes)
                 file.flush()

@@ -44,33 +44,47 @@ __all__ = [
 
 
 def changed_options(now: Mapping[str, Any], stored: Mapping[str, Any]) -> list[str]:
-    """``model.<key>: <stored> -> <now>`` for every key both have with different values.
+    """``model.<key>: <stored> -> <now>`` for every key both have with different values; for an
+    option record, ``model.<key>.<field>: <stored> -> <now>`` for each field that differs.
 
     An option record and the dict of its fields count as equal (the command line stores dicts,
     a module built in Python or by ``load_from_checkpoint`` holds the records); keys starting
     with ``_`` (the command line's own, such as ``_instantiator``) are left out. A field that a
     record gained after the checkpoint was written counts only when it is set: away from the
     field's default, or, where the record is a plain dict, to anything but null."""
-    return [
-        f"model.{key}: {stored[key]!r} -> {value!r}"
-        for key, value in now.items()
-        if key in stored and not key.startswith("_") and _differ(stored[key], value)
-    ]
+    said = []
+    for key, value in now.items():
+        if key not in stored or key.startswith("_"):
+            continue
+        fields = _fields_that_differ(stored[key], value)
+        if fields is None:
+            if _plain(stored[key]) != _plain(value):
+                said.append(f"model.{key}: {stored[key]!r} -> {value!r}")
+            continue
+        old, new = _plain(stored[key]), _plain(value)
+        for field in fields:
+            was = repr(old[field]) if field in old else "(not stored)"
+            given = repr(new[field]) if field in new else "(not given)"
+            said.append(f"model.{key}.{field}: {was} -> {given}")
+    return said
 
 
-def _differ(stored: Any, now: Any) -> bool:
+def _fields_that_differ(stored: Any, now: Any) -> list[str] | None:
+    """The fields of two option records (or dicts of fields) that differ, in order; None where
+    they are not both records."""
     old, new = _plain(stored), _plain(now)
     if not (isinstance(old, dict) and isinstance(new, dict)):
-        return old != new
+        return None
     defaults = {}
     if dataclasses.is_dataclass(now) and not isinstance(now, type):
         defaults = {f.name: f.default for f in dataclasses.fields(now)}
-    for key in old.keys() | new.keys():
-        if key not in new or (key in old and old[key] != new[key]):
-            return True
-        if key not in old and new[key] != defaults.get(key):  # a field newer than the file
-            return True
-    return False
+    return [
+        key
+        for key in [*old, *(k for k in new if k not in old)]
+        if key not in new
+        or (key in old and old[key] != new[key])
+        or (key not in old and new[key] != defaults.get(key))  # a field newer than the file
+    ]
 
 
 def _plain(value: Any) -> Any:

@@ -222,7 +222,7 @@ class PromptDataModule(LightningDataModule):
             max_prompt_tokens=self.max_prompt_tokens,
             tokenizer=self.tokenizer,
             describe=self._describe,
-            positions=self.row_source.positions.get(split),
+            lines=self.row_source.lines.get(split),
         )
         shadowed = formatter.shadowed(rows) if split == "train" else None
         if shadowed is not None:

@@ -44,20 +44,22 @@ class PromptFormatter:
     tokenizer: PreTrainedTokenizerBase
     describe: Callable[[str], str]
     """Names the rows of a split in errors (``"the file x.jsonl"``)."""
-    positions: Sequence[int] | None = None
-    """Each row's position in the file it was read from, where the rows are a part of it (the
-    training rows of a file that validation rows were held out of): errors name that row."""
+    lines: Sequence[int] | None = None
+    """Each row's line in the file it was read from, as an editor counts (1 for the first; a
+    ``.json`` list's or a ``.parquet`` file's place in it), where the rows come from a file:
+    errors name that line, also where the rows are a part of the file (the training rows of a
+    file that validation rows were held out of)."""
 
-    def number(self, i: int) -> int:
-        """How errors name row ``i``: its position in its file (0 for the first)."""
-        return i if self.positions is None else self.positions[i]
+    def name(self, i: int) -> str:
+        """How errors name row ``i``: its line in its file, or its place (0 for the first)."""
+        return f"row {i}" if self.lines is None else f"line {self.lines[i]}"
 
     def prepare(self, rows: list[dict[str, Any]], split: str) -> list[PromptItem]:
         """Checks fields, formats, tokenizes and checks the length of every row."""
         if not rows:
             return []
         self.check_fields(rows, split)
-        texts = [self.format(row, self.number(i), split) for i, row in enumerate(rows)]
+        texts = [self.format(row, self.name(i), split) for i, row in enumerate(rows)]
         bos = self.tokenizer.bos_token
         # A chat template usually writes BOS itself: do not add a second one.
         chat = [
@@ -78,7 +80,7 @@ class PromptFormatter:
             raise ValueError(
                 f"data.max_prompt_tokens={self.max_prompt_tokens}: {len(too_long)} of {len(rows)} "
                 f"{split} prompts of {self.describe(split)} have too many tokens (or none); the "
-                f"first is row {self.number(i)} with {lengths[i]} tokens "
+                f"first is {self.name(i)} with {lengths[i]} tokens "
                 f"({texts[i][:60]!r}); raise data.max_prompt_tokens or shorten data.template"
             )
         return [
@@ -154,7 +156,7 @@ class PromptFormatter:
                     f"a field of {where}; fields are {sorted(rows[0])}"
                 )
             raise ValueError(
-                f"{self.option_value(option, field)}: row {self.number(i)} of {where} has no field "
+                f"{self.option_value(option, field)}: {self.name(i)} of {where} has no field "
                 f"{field!r}"
             )
         where = f"the {split} rows of {self.describe(split)}"
@@ -164,17 +166,17 @@ class PromptFormatter:
                 continue
             if not isinstance(value, list):
                 raise ValueError(
-                    f"data.prompt_field={source!r}: row {self.number(i)} of {where} holds a "
+                    f"data.prompt_field={source!r}: {self.name(i)} of {where} holds a "
                     f"{type(value).__name__} ({value!r:.40}), not text or a list of "
                     "{role, content} messages"
                 )
-            at = f"data.prompt_field={source!r}: row {self.number(i)} of {where}"
+            at = f"data.prompt_field={source!r}: {self.name(i)} of {where}"
             if not value:
                 raise ValueError(f"{at} holds an empty conversation")
             check_messages(value, at, ROLES)
             if self.chat_template is False:
                 raise ValueError(
-                    f"data.chat_template=false, but row {self.number(i)} of {where} is a "
+                    f"data.chat_template=false, but {self.name(i)} of {where} is a "
                     f"conversation (a list of messages in {source!r}); leave data.chat_template at null (or true), so "
                     "that the tokenizer's chat template writes it"
                 )
@@ -191,32 +193,33 @@ class PromptFormatter:
             messages = messages[: turns[-1]] if turns else messages
         return messages
 
-    def format(self, row: Mapping[str, Any], index: int, split: str) -> str:
+    def format(self, row: Mapping[str, Any], name: str, split: str) -> str:
+        """Row ``row``, named ``name`` in errors (:meth:`name`), as the prompt's text."""
         messages = self.conversation(row)
         if messages is not None:
-            text = self._format_messages(messages, row, index, split)
+            text = self._format_messages(messages, row, name, split)
         else:
-            text = self._format_text(row, index, split)
+            text = self._format_text(row, name, split)
         if not is_text(text):  # e.g. a JSON "\ud800" escape in a field the prompt reads
             at = next(i for i, c in enumerate(text) if not is_text(c))
             raise ValueError(
-                f"data.source: {split} row {index} of {self.describe(split)} {NOT_TEXT} "
+                f"data.source: {split} {name} of {self.describe(split)} {NOT_TEXT} "
                 f"(at {text[max(at - 30, 0) : at + 30]!r}); fix or drop the row"
             )
         return text
 
-    def _format_text(self, row: Mapping[str, Any], index: int, split: str) -> str:
+    def _format_text(self, row: Mapping[str, Any], name: str, split: str) -> str:
         """A plain prompt: ``data.template`` over the row, then the chat template if it is used."""
         try:
             text = self.template.format_map({**row, "prompt": row[self.prompt_field]})
         except (AttributeError, IndexError, KeyError, TypeError, ValueError) as exc:
             raise ValueError(
-                f"data.template={self.template!r} cannot format {split} row {index} "
+                f"data.template={self.template!r} cannot format {split} {name} "
                 f"({type(exc).__name__}: {exc})"
             ) from exc
         if not self._uses_chat(row):
             return text
-        return self._chat([{"role": "user", "content": text}])
+        return self._chat([{"role": "user", "content": text}], f"{split} {name}", split)
 
     def _uses_chat(self, row: Mapping[str, Any]) -> bool:
         """Whether the chat template writes this row's prompt (see :attr:`chat_template`)."""
@@ -225,13 +228,13 @@ class PromptFormatter:
         return self.system_prompt is not None or self.conversation(row) is not None
 
     def _format_messages(
-        self, messages: list[dict[str, Any]], row: Mapping[str, Any], index: int, split: str
+        self, messages: list[dict[str, Any]], row: Mapping[str, Any], name: str, split: str
     ) -> str:
         """A conversation: ``data.template`` on its last user message, then the chat template."""
         users = [i for i, m in enumerate(messages) if m["role"] == "user"]
         if not users or messages[-1]["role"] == "assistant":
             raise ValueError(
-                f"{split} row {index} of {self.describe(split)}: its conversation has no user turn "
+                f"{split} {name} of {self.describe(split)}: its conversation has no user turn "
                 "to answer (a prompt ends with the user's turn; a 'messages' row's last assistant "
                 "turn and what follows it are left out)"
             )
@@ -241,21 +244,30 @@ class PromptFormatter:
         except (AttributeError, IndexError, KeyError, TypeError, ValueError) as exc:
             raise ValueError(
                 f"data.template={self.template!r} cannot format the last user message of {split} "
-                f"row {index} ({type(exc).__name__}: {exc})"
+                f"{name} ({type(exc).__name__}: {exc})"
             ) from exc
-        return self._chat(messages)
+        return self._chat(messages, f"{split} {name}", split)
 
-    def _chat(self, messages: list[dict[str, Any]]) -> str:
+    def _chat(self, messages: list[dict[str, Any]], row: str, split: str) -> str:
         """The chat template over ``messages`` (after ``data.system_prompt`` unless they bring a
-        system message), the assistant's turn opened."""
+        system message), the assistant's turn opened; a template that raises is named in one line
+        with ``row`` (``"train line 41"``) and its own error, not jinja2's traceback."""
         if self.system_prompt is not None and messages[0]["role"] != "system":
             messages = [{"role": "system", "content": self.system_prompt}, *messages]
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(
-                "the tokenizer has no chat template to write a conversational row or "
-                "data.system_prompt; use a chat model's tokenizer, or plain-text prompts without "
-                "data.system_prompt"
+                f"{row} of {self.describe(split)}: the tokenizer has no chat template to write a "
+                "conversational row or data.system_prompt; use a chat model's tokenizer, or "
+                "plain-text prompts without data.system_prompt"
             )
-        return self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False
-        )
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False
+            )
+        except Exception as exc:  # noqa: BLE001 - a template's raise_exception, a jinja2 error
+            said = " ".join(str(exc).split())
+            raise ValueError(
+                f"{row} of {self.describe(split)}: the tokenizer's chat template cannot write "
+                f"it ({type(exc).__name__}: {said}); fix the row, or give a tokenizer whose "
+                "template takes it (model.model names the tokenizer)"
+            ) from None

@@ -9,8 +9,12 @@ is not a JSON object, a file with no rows, a ``data.num_val`` that would hold ou
 (``data.prompt_field``, ``data.answer_field``, the fields ``data.template`` names). It warns,
 once each, about rows whose prompt repeats an earlier row's, and validation prompts that are
 also training prompts. The ``lightning-troll`` command calls it before the model loads, so a
-refused start leaves no run folder. Prompt lengths need the tokenizer and are checked when the
-rows are tokenized (:class:`~lightning_troll.tasks.data.formatting.PromptFormatter`).
+refused start leaves no run folder.
+
+:func:`check_prompts` then formats and tokenizes a local file's prompts as the run will, with the
+tokenizer alone (it loads before the model): a conversation's roles and contents, a chat template
+that raises on a row or is missing, and prompt lengths (``data.max_prompt_tokens``) are refused
+in one line naming the file's line (:class:`~lightning_troll.tasks.data.formatting.PromptFormatter`).
 
 :func:`check_hub_dataset` refuses, as early, a hub dataset name that is not in the cache where
 the hub cannot be reached or has no dataset of that name.
@@ -25,6 +29,7 @@ from typing import Any
 
 from lightning.pytorch.utilities import rank_zero_warn
 
+from lightning_troll.tasks.data.datamodule import PromptDataModule
 from lightning_troll.tasks.data.formatting import PromptFormatter
 from lightning_troll.tasks.data.prompts import (
     PLAIN_TEMPLATE,
@@ -34,7 +39,7 @@ from lightning_troll.tasks.data.prompts import (
 )
 from lightning_troll.tasks.data.sources import check_holdout
 
-__all__ = ["check_data_files", "check_hub_dataset"]
+__all__ = ["check_data_files", "check_hub_dataset", "check_prompts"]
 
 _DEFAULTS = {"prompt_field": "prompt", "answer_field": None, "template": PLAIN_TEMPLATE}
 
@@ -106,6 +111,15 @@ def check_data_files(
                 f"{held[shared[0]]} there, line {train[shared[0]]} here): validation then "
                 "measures what the policy saw, not what it learned"
             )
+
+
+def check_prompts(module: PromptDataModule) -> None:
+    """Prepares the prompts of ``module`` (the rows read, checked, formatted and tokenized, as
+    its ``setup`` does) where its ``data.source`` is a local file, so that a conversation, a chat
+    template or a prompt length the run cannot use is refused before the model loads; TinyMath's
+    rows need no check and a hub dataset's are fetched later."""
+    if module.row_source.kind == "file":
+        module.setup("fit")
 
 
 def _in_cache(name: str) -> bool:

@@ -18,7 +18,7 @@ from lightning_troll.tasks.data.prompts import (
     check_count,
     check_file,
     looks_like_file,
-    read_rows,
+    read_rows_with_lines,
     seeded_generator,
 )
 
@@ -72,8 +72,9 @@ class PromptSource:
         self.source, self.dataset_config, self.val_file = source, dataset_config, val_file
         self.train_split, self.val_split = train_split, val_split
         self.num_train, self.num_val, self.seed = num_train, num_val, seed
-        self.positions: dict[str, list[int]] = {}
-        """split -> the file position of each row read, where a split is a part of a file."""
+        self.lines: dict[str, list[int]] = {}
+        """split -> the line of each row read in its file (1-based, as an editor counts), where
+        the rows come from a local file."""
 
     def describe(self, split: str = "train") -> str:
         """The source (or validation file) of ``split``'s rows, for messages."""
@@ -96,12 +97,12 @@ class PromptSource:
             return generate_problems(self.num_train, seed=self.seed, split=self.train_split)
         if self.kind == "hub":
             return self._load_hub(self.train_split, self.num_train)
-        rows = read_rows(self.source, "data.source")
+        rows, lines = read_rows_with_lines(self.source, "data.source")
         kept = list(range(len(rows)))
         if self.val_file is None:
             kept = self._holdout(len(rows))[0]
         kept = kept[: self.num_train or None]
-        self.positions["train"] = kept
+        self.lines["train"] = [lines[i] for i in kept]
         return [rows[i] for i in kept]
 
     def val_rows(self) -> list[dict[str, Any]]:
@@ -109,16 +110,19 @@ class PromptSource:
         if self.num_val == 0:
             return []
         if self.val_file is not None:
-            return read_rows(self.val_file, "data.val_file")[: self.num_val]
+            rows, lines = read_rows_with_lines(self.val_file, "data.val_file")
+            self.lines["validation"] = lines[: self.num_val]
+            return rows[: self.num_val]
         if self.kind == "tinymath":
             from lightning_troll.models.tinymath import generate_problems
 
             return generate_problems(self.num_val, seed=self.seed, split=self.val_split)
         if self.kind == "hub":
             return self._load_hub(self.val_split, self.num_val)
-        rows = read_rows(self.source, "data.source")
-        self.positions["validation"] = self._holdout(len(rows))[1]
-        return [rows[i] for i in self.positions["validation"]]
+        rows, lines = read_rows_with_lines(self.source, "data.source")
+        held = self._holdout(len(rows))[1]
+        self.lines["validation"] = [lines[i] for i in held]
+        return [rows[i] for i in held]
 
     def _holdout(self, size: int) -> tuple[list[int], list[int]]:
         """(train indices, validation indices) of a local file, both in file order."""
