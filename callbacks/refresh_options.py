@@ -184,8 +184,9 @@ def check_versions_fit(
             f"{available // max(version_bytes, 1)}"
         )
     return (
-        f"old_policy.max_staleness={max_staleness} keeps {max_staleness} past versions of the "
-        f"weights on the CPU and in every checkpoint: {max_staleness} x {_size(version_bytes)} = "
+        f"old_policy.max_staleness={max_staleness} keeps {max_staleness} past "
+        f"version{'s' if max_staleness != 1 else ''} of the weights on the CPU and in every "
+        f"checkpoint: {max_staleness} x {_size(version_bytes)} = "
         f"{_size(held)}"
     )
 
