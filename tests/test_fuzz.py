@@ -105,12 +105,13 @@ class FuzzedReward:
         IndexError("deep"),
     ]
 
-    def __init__(self, seed: int, invalid_rate: float) -> None:
+    def __init__(self, seed: int, invalid_rate: float, valid: list | None = None) -> None:
         self.rng = random.Random(seed)
         self.invalid_rate = invalid_rate
+        self.valid = self.VALID if valid is None else valid
 
     def __call__(self, prompt, completion, row):
-        pool = self.INVALID if self.rng.random() < self.invalid_rate else self.VALID
+        pool = self.INVALID if self.rng.random() < self.invalid_rate else self.valid
         value = self.rng.choice(pool)
         if isinstance(value, Exception):
             raise value
@@ -138,9 +139,12 @@ def test_malformed_rewards_raise_a_reward_error_or_are_dropped(seed):
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", range(3))
 def test_dropped_rewards_never_bring_nan_into_the_loss(seed, tiny_model_dir):
+    """Valid rewards the advantages can hold (1e30 beside -2.5 cannot: its spread squared
+    overflows float32, and the rollout is refused, below) with malformed ones dropped."""
     torch.manual_seed(seed)
     module = make_module(tiny_model_dir, reward_options=RewardOptions(on_error="drop"))
-    module.scorer = RewardScorer({FuzzedReward(seed, 0.5): 1.0}, on_error="drop")
+    held = [v for v in FuzzedReward.VALID if not (isinstance(v, float) and v > 1e19)]
+    module.scorer = RewardScorer({FuzzedReward(seed, 0.5, held): 1.0}, on_error="drop")
     data = PromptDataModule(tokenizer=str(tiny_model_dir), batch_size=4, num_train=4, num_val=0)
     data.setup("fit")
     with pytest.warns(UserWarning, match=r"dropped"):
@@ -148,3 +152,7 @@ def test_dropped_rewards_never_bring_nan_into_the_loss(seed, tiny_model_dir):
     assert torch.isfinite(rollout.rewards).all() and torch.isfinite(rollout.advantages).all()
     loss, stats = module.loss_of(rollout)
     assert torch.isfinite(loss) and torch.isfinite(stats.policy_loss)
+    # the collector is built once, on first use: it takes the new scorer itself
+    module.collector.scorer = RewardScorer({FuzzedReward(seed, 0.0, [1e30, -2.5]): 1.0})
+    with pytest.raises(RewardError, match="spread squared overflows float32"):
+        module.collector.collect(collate_prompts(data.train_items))

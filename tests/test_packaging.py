@@ -115,8 +115,8 @@ def test_wheel_installs_into_a_fresh_venv(tmp_path):
     code = (
         "import importlib.util, lightning_troll, lightning_troll.callbacks as c; "
         "from lightning_troll.trust_region.projection import TrustRegionProjection; "
-        "from lightning_troll.projection import TrustRegionProjection as Old; "
-        "assert Old is TrustRegionProjection; "
+        "import lightning_troll.engines.hf, lightning_troll.tasks.data.datamodule; "
+        "assert importlib.util.find_spec('lightning_troll.projection') is None; "
         "from lightning_troll.models.loading import load_policy; load_policy('tinymath'); "
         "print(lightning_troll.__file__); print(c.__file__); "
         "print(importlib.util.find_spec('callbacks'))"
