@@ -27,7 +27,7 @@ from lightning_troll.objectives.aggregation import (
 from lightning_troll.objectives.base import LossInputs, PolicyObjective, token_entropy
 from lightning_troll.objectives.clip import ClipObjective
 from lightning_troll.objectives.options import ClipConfig, LossConfig, TrustRegionConfig
-from lightning_troll.objectives.registry import OBJECTIVES, build_objective
+from lightning_troll.objectives.registry import OBJECTIVES, build_objective, objective_from_records
 from lightning_troll.objectives.stats import ClipStats, ObjectiveStats, TrollStats
 from lightning_troll.objectives.troll import TrollObjective
 
@@ -48,5 +48,6 @@ __all__ = [
     "TrollStats",
     "TrustRegionConfig",
     "build_objective",
+    "objective_from_records",
     "token_entropy",
 ]

@@ -20,8 +20,6 @@ its user.
 
 from __future__ import annotations
 
-import re
-from dataclasses import asdict
 from functools import cached_property
 from typing import Any, Literal
 
@@ -45,9 +43,9 @@ from lightning_troll.objectives import (
     ObjectiveStats,
     PolicyObjective,
     TrustRegionConfig,
-    build_objective,
+    objective_from_records,
 )
-from lightning_troll.objectives.options import AdvantageConfig, check_anchor
+from lightning_troll.objectives.options import AdvantageConfig
 from lightning_troll.rollouts.collector import RolloutCollector
 from lightning_troll.rollouts.drift import kl_to_behaviour
 from lightning_troll.rollouts.dynamic_sampling import DynamicSamplingConfig, check_dynamic_sampling
@@ -60,7 +58,12 @@ from lightning_troll.tasks.rewards.options import (  # RewardErrorPolicy: import
     RewardOptions,
 )
 from lightning_troll.tasks.rewards.registry import RewardScorer
-from lightning_troll.training.optimization import MinibatchLoop, OptimizationConfig, optimizers
+from lightning_troll.training.optimization import (
+    MinibatchLoop,
+    OptimizationConfig,
+    StepParts,
+    optimizers,
+)
 from lightning_troll.training.policies import Policies, policy_loss
 from lightning_troll.training.preflight import check_fit_data, check_module_options
 from lightning_troll.training.resume import ResumeState
@@ -111,30 +114,6 @@ def _reward_scorer(rewards, options: RewardOptions, episodes) -> RewardScorer:
     except ValueError as error:
         prefix = "model." if str(error).startswith(("reward_options.", "rewards ")) else ""
         raise ValueError(f"{prefix}{error}") from None
-
-
-def _objective(name, trust_region, clip, loss, sampling) -> PolicyObjective:
-    """The objective of ``model.objective`` from its records (the rollout applies the loss
-    options that are not the objective's), once the records are checked against each other."""
-    check_anchor(name, trust_region.support, loss.anchor)
-    shared = asdict(loss)
-    rollout_options = ("mask_truncated", "engine_is_cap", "engine_is_level", "engine_is_mode",
-                       "engine_is_floor", "anchor", "anchor_is_cap")  # fmt: skip
-    for option in rollout_options:
-        shared.pop(option)
-    shared["norm_length"] = loss.norm_length or sampling.max_new_tokens
-    sections = {"troll": ("trust_region", trust_region), "clip": ("clip", clip)}
-    built = {}
-    for objective, (section, record) in sections.items():  # the other's options are checked too
-        specific = asdict(record)
-        try:
-            built[objective] = build_objective(objective, **specific, **shared)
-        except ValueError as error:
-            found = re.match(r"[a-z_]+", str(error))
-            option = found.group() if found else ""
-            where = section if option in specific else "loss" if option in shared else None
-            raise ValueError(f"model.{where}.{error}" if where else f"model: {error}") from None
-    return built[name]
 
 
 class TrollModule(LightningModule):
@@ -210,7 +189,9 @@ class TrollModule(LightningModule):
         self.dynamic_sampling = dynamic_sampling
         self.scorer = _reward_scorer(rewards, reward_options, episodes)
         make = environment_factory(episodes) if episodes else None  # refused before the model
-        self.objective: PolicyObjective = _objective(objective, trust_region, clip, loss, sampling)
+        self.objective: PolicyObjective = objective_from_records(
+            objective, trust_region, clip, loss, sampling.max_new_tokens
+        )
         self.old_rows = OldRows(self.objective, trust_region)
         self.cache_old_distributions = objective == "troll" or bool(cache_old_distributions)
         self._optimizer_factory, self._scheduler_factory = optimizer, lr_scheduler
@@ -308,9 +289,16 @@ class TrollModule(LightningModule):
             )
         rollout, self.rollout = self.rollout, None
         start = clock(self.device)  # every optimiser step of the rollout, from policy_loss
-        self.minibatch_loop.run(self, rollout)
+        self.minibatch_loop.run(self.step_parts(), rollout)
         seconds = clock(self.device) - start
         self.log("time/training", seconds, prog_bar=True, sync_dist=True, batch_size=1)
+
+    def step_parts(self) -> StepParts:
+        """What the minibatch loop takes for a rollout's steps."""
+        return StepParts(
+            self.trainer, self.policy, self.objective.aggregation, self.optimizers(),
+            self.lr_schedulers(), self.loss_of, self.manual_backward, self.log_dict,
+        )  # fmt: skip
 
     def loss_of(self, rollout: Rollout) -> tuple[torch.Tensor, ObjectiveStats]:
         """The objective on a (part of a) rollout, with the policy's current weights."""

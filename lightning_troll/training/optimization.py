@@ -10,8 +10,9 @@ process (``max_bad_steps`` in a row stop the run).
 
 :class:`MinibatchLoop` holds what the loop carries from rollout to rollout: the shuffle
 generator and the count of bad steps in a row (both go into checkpoints) and the statistics of
-the last rollout's steps. The loss itself comes from ``module.loss_of`` (policy forward and
-objective); the loop only decides how its gradients become steps.
+the last rollout's steps. Its owner hands it a :class:`StepParts` for each rollout (the trainer,
+the policy, the optimiser and scheduler, the loss of a part, the backward pass, the logger): the
+loop reads nothing else of the module and only decides how the gradients become steps.
 """
 
 from __future__ import annotations
@@ -19,13 +20,13 @@ from __future__ import annotations
 import math
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import Trainer
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
@@ -43,7 +44,7 @@ from lightning_troll.rollouts.micro_batches import (
 from lightning_troll.rollouts.rollout import Rollout
 from lightning_troll.training.faults import NonFiniteSteps
 
-__all__ = ["MinibatchLoop", "OptimizationConfig", "optimizers"]
+__all__ = ["MinibatchLoop", "OptimizationConfig", "StepParts", "optimizers"]
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,26 @@ class OptimizationConfig:
         check_chunk_size(self.logits_chunk_size, "model.optimization.logits_chunk_size")
 
 
+@dataclass(frozen=True)
+class StepParts:
+    """What the minibatch loop needs from its owner for one rollout's steps, handed over whole:
+    the loop reads nothing else of the module that owns it."""
+
+    trainer: Trainer
+    policy: nn.Module
+    aggregation: str
+    """The objective's aggregation, which sets each micro-batch's weight in the step."""
+    optimizer: Any
+    scheduler: Any
+    """Stepped after every optimiser step; None: no schedule."""
+    loss_of: Callable[[Rollout], tuple[Tensor, ObjectiveStats]]
+    """The objective on a (part of a) rollout with the policy's current weights."""
+    backward: Callable[[Tensor], None]
+    """The strategy's backward pass (``manual_backward``)."""
+    log: Callable[..., None]
+    """``log_dict`` of the step's figures."""
+
+
 class MinibatchLoop:
     """The optimiser steps of one rollout after another (manual optimisation).
 
@@ -137,49 +158,47 @@ class MinibatchLoop:
         """The minibatch of the optimiser step being taken (what ``on_before_optimizer_step``
         hooks see; with ``last_minibatch`` None, the rollout's first step)."""
 
-    def run(self, module: LightningModule, rollout: Rollout) -> None:
+    def run(self, parts: StepParts, rollout: Rollout) -> None:
         """``epochs_per_rollout`` passes over shuffled minibatches, one optimiser step each."""
         self.last_stats = []
         self.last_minibatch = None
-        opt = module.optimizers()
         for _ in range(self.config.epochs_per_rollout):
             for minibatch in rollout.minibatches(self.config.minibatch_size, self.shuffle):
-                self.step(module, minibatch, opt)
+                self.step(parts, minibatch)
 
-    def step(self, module: LightningModule, minibatch: Rollout, opt) -> None:
+    def step(self, step: StepParts, minibatch: Rollout) -> None:
         """One optimiser step on ``minibatch``, accumulated over its micro-batches."""
         self.current_minibatch = minibatch
-        trainer = module.trainer
-        size = AGGREGATION_SIZES[module.objective.aggregation]
+        trainer, policy, opt = step.trainer, step.policy, step.optimizer
+        size = AGGREGATION_SIZES[step.aggregation]
         # Each process weighs its part by the global total, times the world size because
         # DDP and FSDP average gradients: the step equals a single-process step on the union.
         world = trainer.world_size
         total = sum_over_processes(trainer, size(minibatch.response_mask).float()).clamp_min(1)
-        parts = self.micro_batches(trainer, minibatch, module.policy)
+        parts = self.micro_batches(trainer, minibatch, policy)
         losses, step_stats = [], []
         for i, part in enumerate(parts):
-            loss, stats = module.loss_of(part)
+            loss, stats = step.loss_of(part)
             weighted = loss * (size(part.response_mask) * world / total)
-            with gradient_sync(trainer, module.policy, i == len(parts) - 1):
-                module.manual_backward(weighted)
+            with gradient_sync(trainer, policy, i == len(parts) - 1):
+                step.backward(weighted)
             losses.append(weighted.detach())
             step_stats.append(stats)
         loss = torch.stack(losses).sum()
-        norm = grad_norm(module.policy, self.config.gradient_clip_norm)
+        norm = grad_norm(policy, self.config.gradient_clip_norm)
         # One decision for all processes: a step is skipped everywhere or nowhere.
         bad_loss = sum_over_processes(trainer, (~torch.isfinite(loss)).float()) > 0
         if bad_loss or not torch.isfinite(norm):
-            self._skip_step(module, opt, "loss" if bad_loss else "gradient")
+            self._skip_step(trainer.global_step, opt, "loss" if bad_loss else "gradient")
             return
         self.bad_steps = 0
         opt.step()
         opt.zero_grad(set_to_none=True)
-        scheduler = module.lr_schedulers()
-        if scheduler is not None:
-            scheduler.step()
+        if step.scheduler is not None:
+            step.scheduler.step()
         self.last_stats.extend(step_stats)
         self.last_minibatch = minibatch
-        log_step(module, loss, step_stats, norm)
+        log_step(step.log, loss, step_stats, norm)
 
     def micro_batches(
         self, trainer: Trainer, minibatch: Rollout, policy: nn.Module
@@ -202,7 +221,7 @@ class MinibatchLoop:
             return [minibatch.trimmed()]
         return [minibatch.select(part).trimmed() for part in parts]
 
-    def _skip_step(self, module: LightningModule, opt, what: str) -> None:
+    def _skip_step(self, global_step: int, opt, what: str) -> None:
         opt.zero_grad(set_to_none=True)
         self.bad_steps += 1
         limit = self.config.max_bad_steps
@@ -210,11 +229,11 @@ class MinibatchLoop:
             raise NonFiniteSteps(
                 f"{self.bad_steps} optimiser steps in a row had a non-finite {what} "
                 f"(model.optimization.max_bad_steps={limit}), the last at global step "
-                f"{module.global_step}; the weights are those of the last finite step: lower "
+                f"{global_step}; the weights are those of the last finite step: lower "
                 "the learning rate or look for rewards or data that overflow"
             )
         warnings.warn(
-            f"non-finite {what} at global step {module.global_step}: optimiser step skipped, "
+            f"non-finite {what} at global step {global_step}: optimiser step skipped, "
             f"weights untouched ({self.bad_steps} of {limit} allowed in a row)",
             RuntimeWarning,
             stacklevel=2,
@@ -265,7 +284,7 @@ def grad_norm(policy: nn.Module, clip: float | None) -> Tensor:
 
 
 def log_step(
-    module: LightningModule, loss: Tensor, stats: list[ObjectiveStats], grad_norm: Tensor
+    log: Callable[..., None], loss: Tensor, stats: list[ObjectiveStats], grad_norm: Tensor
 ) -> None:
     """Logs the step's loss, the mean of its parts' statistics and the gradient norm. Called
     once per optimiser step; a logger keeps the last value of a name in a training batch, so
@@ -274,7 +293,7 @@ def log_step(
     def mean(name: str) -> Tensor:
         return torch.stack([getattr(s, name) for s in stats]).mean()
 
-    module.log_dict(
+    log(
         {
             "loss/total": loss,
             "loss/policy": mean("policy_loss"),
