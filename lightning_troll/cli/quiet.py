@@ -5,10 +5,19 @@ Each filter names the notice it drops and why; anything else a library says stil
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import warnings
+from pathlib import Path
 
-__all__ = ["quiet_library_notices"]
+__all__ = ["OWN_CODE", "own_warning_format", "quiet_library_notices"]
+
+OWN_CODE = (
+    Path(__file__).resolve().parents[1],
+    Path(importlib.util.find_spec("lightning_troll.callbacks").origin).resolve().parent,
+)
+"""The package's folder and its callbacks' (inside it once installed; beside it in a development
+checkout): a warning raised from a file under either is the library's own."""
 
 _RANK_ZERO_LOGGERS = (
     "lightning.pytorch.utilities.rank_zero",
@@ -31,8 +40,26 @@ class _DropTips(logging.Filter):
         return not str(record.msg).startswith(_DROPPED)
 
 
+_PLAIN_FORMAT = warnings.formatwarning
+
+
+def own_warning_format(message, category, filename, lineno, line=None) -> str:
+    """The library's own warnings as one line, ``lightning-troll: warning: ...``, as its errors
+    are written (the file and line of the library's code say nothing to a user); any other
+    warning as Python writes it."""
+    try:
+        own = any(Path(filename).resolve().is_relative_to(root) for root in OWN_CODE)
+    except (OSError, ValueError):
+        own = False
+    if not own:
+        return _PLAIN_FORMAT(message, category, filename, lineno, line)
+    return f"lightning-troll: warning: {message}\n"
+
+
 def quiet_library_notices() -> None:
-    """Installs the filters (idempotent)."""
+    """Installs the filters and the one-line format of the library's own warnings
+    (idempotent)."""
+    warnings.formatwarning = own_warning_format
     # Lightning's own pytree helper calls isinstance(..., LeafSpec), which torch deprecates: a
     # notice to Lightning's developers, raised in Lightning's code on every fit.
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
