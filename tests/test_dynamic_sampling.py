@@ -82,8 +82,8 @@ def test_dynamic_sampling_needs_groups_whatever_the_estimator():
     from lightning_troll.rollouts.dynamic_sampling import check_dynamic_sampling
 
     with pytest.raises(ValueError, match=r"needs model.group_size >= 2"):
-        check_dynamic_sampling(True, 3, 1)
-    check_dynamic_sampling(False, 3, 1)
+        check_dynamic_sampling(DynamicSamplingConfig(enabled=True), 1)
+    check_dynamic_sampling(DynamicSamplingConfig(), 1)
 
 
 def test_extra_prompts_depend_only_on_seed_and_purpose(tiny_model_dir):

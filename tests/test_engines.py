@@ -21,7 +21,7 @@ from lightning_troll.engines.vllm import vllm_available
 from lightning_troll.models.loading import tiny_causal_lm
 from lightning_troll.models.quantize import quantize_int8_
 from lightning_troll.models.weights import full_weights
-from lightning_troll.training.module import EngineConfig
+from lightning_troll.training.module import AdvantageConfig, EngineConfig
 from lightning_troll.training.preflight import check_module_options
 
 
@@ -106,14 +106,14 @@ def test_engines_by_name_and_by_import_path():
 )
 def test_a_bad_engine_is_refused_with_the_option_named(name, message):
     with pytest.raises(ValueError, match="model.engine.name") as error:
-        check_module_options("troll", "grpo", None, 8, "auto", name)
+        check_module_options("troll", AdvantageConfig(), 8, EngineConfig(name))
     assert message in str(error.value)
 
 
 @pytest.mark.skipif(vllm_available(), reason="vLLM is installed here")
 def test_vllm_without_vllm_says_how_to_install_it():
     with pytest.raises(ImportError, match=r"make setup-vllm"):
-        check_module_options("troll", "grpo", None, 8, "auto", "vllm")
+        check_module_options("troll", AdvantageConfig(), 8, EngineConfig("vllm"))
 
 
 def test_engine_options_are_checked():

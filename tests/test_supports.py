@@ -227,7 +227,7 @@ def test_print_config_shows_the_data_seed_used(capsys):
     import yaml
 
     printed = yaml.safe_load(capsys.readouterr().out)
-    assert printed["data"]["seed"] == 7 and printed["model"]["seed"] == 7
+    assert printed["data"]["seed"] == 7 and printed["model"]["optimization"]["seed"] == 7
 
 
 @pytest.mark.slow
