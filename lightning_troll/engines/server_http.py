@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import socket
 import subprocess
@@ -187,7 +188,8 @@ class Launched:
 
     Args:
         gpus: per server, the ``CUDA_VISIBLE_DEVICES`` it sees (e.g. ``["0", "1"]``), or None.
-        kv_cache_gib: on a CPU, each server's KV cache (``VLLM_CPU_KVCACHE_SPACE``).
+        kv_cache_gib: on a CPU, each server's KV cache (``VLLM_CPU_KVCACHE_SPACE``, whole GiB:
+            rounded up).
         threads: on a CPU, each server's OpenMP threads (``VLLM_CPU_OMP_THREADS_BIND``
             unbound, ``OMP_NUM_THREADS``), or None.
     """
@@ -202,7 +204,7 @@ class Launched:
         for i in range(count):
             port = free_port()
             env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
-            env.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{kv_cache_gib:g}")
+            env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, math.ceil(kv_cache_gib))))
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
             if threads is not None:
                 env["OMP_NUM_THREADS"] = str(threads)

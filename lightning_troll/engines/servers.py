@@ -71,7 +71,7 @@ class ServerEngine(RolloutEngine):
         launch: how many servers to start on this machine (``vllm serve`` on loopback).
         serve_args: further ``vllm serve`` arguments for started servers.
         gpus: per started server, the GPUs it sees (``CUDA_VISIBLE_DEVICES``, e.g. ``["0", "1"]``).
-        kv_cache_gib: on a CPU, each started server's KV cache in GiB.
+        kv_cache_gib: on a CPU, each started server's KV cache in GiB (whole: rounded up).
         threads: on a CPU, each started server's OpenMP threads (null: its default).
         start_timeout_s: seconds started servers may take to become healthy.
         log_dir: where started servers write their output (null: a temporary folder).
