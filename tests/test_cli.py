@@ -535,7 +535,7 @@ def broken_jsonl(tmp_path: Path) -> str:
                      marks=pytest.mark.skipif(find_spec("vllm") is not None,
                                               reason="vLLM is installed here")),
         pytest.param(["--model.engine.name", "sglang"], "model.engine.name must be one of "
-                     "['hf', 'vllm'] or an import path", id="unknown-engine"),
+                     "['hf', 'vllm', 'vllm_server'] or an import path", id="unknown-engine"),
         pytest.param(["--config", str(ROOT / "configs" / "demo.yaml"), "--trainer.max_steps",
                       "200"], "model.lr_scheduler.init_args.total_steps=96 is smaller than "
                      "trainer.max_steps=200: OneCycleLR schedules 96 optimiser steps",

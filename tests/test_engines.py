@@ -92,13 +92,16 @@ def test_engines_by_name_and_by_import_path():
     assert engine_class("hf") is HFEngine
     assert engine_class("tests.test_engines:CountingEngine") is CountingEngine
     assert engine_class("tests.test_engines.CountingEngine") is CountingEngine
-    assert set(ENGINES) == {"hf", "vllm"}
+    assert set(ENGINES) == {"hf", "vllm", "vllm_server"}
 
 
 @pytest.mark.parametrize(
     ("name", "message"),
     [
-        ("vllmm", "model.engine.name must be one of ['hf', 'vllm'] or an import path"),
+        (
+            "vllmm",
+            "model.engine.name must be one of ['hf', 'vllm', 'vllm_server'] or an import path",
+        ),
         ("tests.test_engines:Missing", "tests.test_engines.Missing is missing"),
         ("tests.test_engines:test_engines_by_name_and_by_import_path", "not a RolloutEngine"),
         ("no_such_package.engines:Engine", "cannot import module 'no_such_package.engines'"),

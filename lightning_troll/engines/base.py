@@ -165,7 +165,8 @@ def budgets_for(engine: RolloutEngine, budgets: Sequence[int] | None) -> dict[st
 
 
 ENGINES = {"hf": "lightning_troll.engines.hf:HFEngine",
-           "vllm": "lightning_troll.engines.vllm:VLLMEngine"}  # fmt: skip
+           "vllm": "lightning_troll.engines.vllm:VLLMEngine",
+           "vllm_server": "lightning_troll.engines.servers:ServerEngine"}  # fmt: skip
 """Built-in engines by name; their classes are imported on use (vLLM is an extra)."""
 
 

@@ -52,7 +52,7 @@ from lightning_troll.engines.sampling import SamplingConfig, left_pad, own_budge
 from lightning_troll.models.loading import resolve_model_path
 from lightning_troll.models.weights import full_weights
 
-__all__ = ["VLLMEngine", "vllm_available"]
+__all__ = ["VLLMEngine", "laid_out", "request_seeds", "vllm_available"]
 
 
 def vllm_available() -> bool:
@@ -249,6 +249,21 @@ def _generation(prompt_ids, outputs, group_size, pad_id, stop_ids, device) -> Ge
             logprobs.append(
                 [entry[token].logprob for token, entry in zip(tokens, entries, strict=True)]
             )
+    return laid_out(prompt_ids, completions, logprobs, group_size, pad_id, stop_ids, device)
+
+
+def laid_out(
+    prompt_ids: list[list[int]],
+    completions: list[list[int]],
+    logprobs: list[list[float]],
+    group_size: int,
+    pad_id: int,
+    stop_ids: Sequence[int],
+    device: torch.device,
+) -> Generation:
+    """Sampled token ids and their log-probs (prompt-major, ``group_size`` a prompt, each as long
+    as it was sampled) -> a :class:`Generation`: prompts left padded, responses right padded and
+    cut after their first stop token."""
     prompts, prompt_mask = left_pad([p for p in prompt_ids for _ in range(group_size)], pad_id)
     width = max(1, max(len(c) for c in completions))  # T
     responses = torch.full((len(completions), width), pad_id, dtype=torch.long)  # (B, T)

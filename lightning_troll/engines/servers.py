@@ -1,0 +1,331 @@
+"""The ``vllm_server`` engine: completions sampled by running ``vllm serve`` processes, on GPUs or
+machines of their own, over vLLM's OpenAI-compatible HTTP API (docs/engines.md).
+
+- **Servers.** ``model.engine.options.servers`` gives their addresses, or ``launch: n`` starts
+  ``n`` of them on free loopback ports (:class:`~lightning_troll.engines.server_http.Launched`,
+  the command :func:`~lightning_troll.engines.server_http.serve_command`), stopped at the
+  engine's close. Servers given by address are checked when the engine is built, before the
+  model loads: one serving another model or tokenizer is refused in one line.
+- **Sampling.** A rollout's prompts are split evenly among the servers (contiguous shares, in
+  order); each prompt goes as token ids in a request of its own to ``/v1/completions`` with
+  ``n = G``, the run's sampling options, its stop tokens, a seed of its own drawn from the
+  trainer's generator (:func:`~lightning_troll.engines.vllm.request_seeds`) and ``logprobs: 0``;
+  the answers' token ids and log-probs (after temperature: servers run with ``--logprobs-mode
+  processed_logprobs``) are laid out as every engine's.
+- **Versions.** Each push is the next weight version; every server is told it
+  (``/update_weight_version``) and asked it back (``/weight_info``) before it samples, so every
+  completion is tagged with the version that sampled it (:attr:`ServerEngine.last_versions`) and
+  a server that holds another one (restarted) stops the run. As the engine in a process of its
+  own, it takes the stale versions ``old_policy.max_staleness`` asks for (:meth:`push`) and
+  samples the next rollout while the trainer trains (:meth:`submit`, in a thread), so the
+  staleness machinery drives it unchanged.
+- **Weights** go by :mod:`~lightning_troll.engines.server_weights` (``push: folder`` or
+  ``nccl``), from the trainer's rank 0; under DDP or FSDP2 every process gathers, rank 0 pushes,
+  the others wait, and each samples its own prompts.
+- **Faults.** A server that does not answer (after ``wait_s``), answers with an error, or whose
+  process ended raises :class:`~lightning_troll.engines.server_http.ServerDown` naming its
+  address, which the rollout callback turns into a fault after a checkpoint.
+
+No Lightning here.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_troll.engines.base import EngineContext, Generation, RolloutEngine
+from lightning_troll.engines.behaviour import BehaviourRecorder
+from lightning_troll.engines.process import Request, fingerprint
+from lightning_troll.engines.sampling import SamplingConfig, own_budgets
+from lightning_troll.engines.server_http import Launched, Server, ServerDown, check_serves
+from lightning_troll.engines.server_weights import build_push
+from lightning_troll.engines.vllm import laid_out, request_seeds
+from lightning_troll.models.loading import resolve_model_path
+from lightning_troll.models.weights import full_weights
+
+__all__ = ["ServerEngine", "split_evenly"]
+
+
+def split_evenly(count: int, servers: int) -> list[int]:
+    """The server of each of ``count`` prompts: contiguous shares whose sizes differ by at most
+    one, the larger first (10 prompts on 3 servers: 4, 3, 3)."""
+    share, extra = divmod(count, servers)
+    owners: list[int] = []
+    for s in range(servers):
+        owners += [s] * (share + (s < extra))
+    return owners
+
+
+class ServerEngine(RolloutEngine):
+    """Samples from ``vllm serve`` processes over HTTP; see the module's docstring.
+
+    Args (``model.engine.options``):
+        servers: the servers' addresses (``http://host:port``); or
+        launch: how many servers to start on this machine (``vllm serve`` on loopback).
+        serve_args: further ``vllm serve`` arguments for started servers.
+        gpus: per started server, the GPUs it sees (``CUDA_VISIBLE_DEVICES``, e.g. ``["0", "1"]``).
+        kv_cache_gib: on a CPU, each started server's KV cache in GiB (whole: rounded up).
+        threads: on a CPU, each started server's OpenMP threads (null: its default).
+        start_timeout_s: seconds started servers may take to become healthy.
+        log_dir: where started servers write their output (null: a temporary folder).
+        wait_s: seconds to wait for a server that does not answer to come back (0: fail at once).
+        push: how weights reach the servers, ``folder`` or ``nccl``.
+        push_dir: with ``folder``, a folder every server can read (null: a temporary folder).
+        nccl: with ``nccl``, ``{master_address, master_port, server_workers}``.
+        model_name: the name the servers serve the model under (null: the model's own name).
+        concurrency: requests in flight at once, over all servers.
+    """
+
+    name = "vllm_server"
+    several_processes = True
+    records_behaviour = False
+
+    def __init__(
+        self,
+        context: EngineContext,
+        servers: list[str] | None = None,
+        launch: int = 0,
+        serve_args: list[str] | None = None,
+        gpus: list[str] | None = None,
+        kv_cache_gib: float = 1.0,
+        threads: int | None = None,
+        start_timeout_s: float = 900.0,
+        log_dir: str | None = None,
+        wait_s: float = 0.0,
+        push: str = "folder",
+        push_dir: str | None = None,
+        nccl: dict[str, Any] | None = None,
+        model_name: str | None = None,
+        concurrency: int = 64,
+    ) -> None:
+        super().__init__(context)
+        _check_options(servers, launch, gpus, wait_s, concurrency)
+        self.addresses = list(servers or [])
+        self.launch, self.serve_args, self.gpus = launch, list(serve_args or []), gpus
+        self.kv_cache_gib, self.threads, self.log_dir = kv_cache_gib, threads, log_dir
+        self.start_timeout_s, self.wait_s, self.model_name = start_timeout_s, wait_s, model_name
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        self.rank = rank
+        extra = {"push_dir": push_dir} if push == "folder" else {**(nccl or {}), "rank": rank}
+        self._push = build_push(push, extra)
+        self.servers: list[Server] = []
+        self._launched: Launched | None = None
+        self._pool = ThreadPoolExecutor(max_workers=concurrency)
+        self._ahead = ThreadPoolExecutor(max_workers=1)
+        self._future: Future | None = None
+        self._pending: Request | None = None
+        self.version = 0
+        """How many weight pushes: the version the servers hold (0: none yet)."""
+        self.policy_version: int | None = None
+        """The trainer's policy version the servers hold when one was pushed ahead of a rollout
+        (set by the staleness schedule); None otherwise."""
+        self.pending_seed: int | None = None
+        self.next_seed: int | None = None
+        self.last_versions: list[int] = []
+        """The weight version that sampled each completion of the last generation (B,)."""
+        self.last_fingerprint: float | None = None
+        """The fingerprint of the weights of that version (:func:`fingerprint`)."""
+        self._fingerprints: dict[int, float] = {}
+        self._figures: dict[str, float] = {}
+        if self.addresses:
+            self._connect(self.addresses)
+
+    # -- servers ----------------------------------------------------------------------------------
+    def _connect(self, addresses: list[str]) -> None:
+        self.servers = [Server(a, self.wait_s) for a in addresses]
+        for server in self.servers:
+            check_serves(server, self.context.model, self.context.tokenizer, self.model_name)
+            try:
+                server.get("/weight_info")
+            except ServerDown as error:
+                raise ValueError(
+                    f"model.engine.options.servers: the vLLM server at {server.address} has no "
+                    "weight routes (/weight_info); start it with VLLM_SERVER_DEV_MODE=1 "
+                    f"(docs/engines.md) [{error}]"
+                ) from None
+
+    def _ensure_started(self) -> None:
+        if self.servers:
+            return
+        start = time.perf_counter()
+        model = resolve_model_path(self.context.model)
+        self._launched = Launched(self.launch, model, self.context.dtype, self.serve_args,
+                                  self.gpus, self.kv_cache_gib, self.threads, self.log_dir)  # fmt: skip
+        self._launched.wait_healthy(self.start_timeout_s)
+        self._connect(self._launched.addresses)
+        self._figures["engine/startup_s"] = time.perf_counter() - start
+
+    # -- weights ----------------------------------------------------------------------------------
+    def load_weights(self, snapshot: nn.Module) -> None:
+        self.push(dict(full_weights(snapshot)), next(snapshot.parameters()).device)
+        self.policy_version = None
+        super().load_weights(snapshot)
+
+    def push(self, weights: dict[str, torch.Tensor], device: torch.device) -> int:
+        """Pushes ``weights`` (by transformers name, gathered) to every server as the next
+        version, from rank 0 (the others wait); returns the version."""
+        self._ensure_started()
+        if self._future is not None:  # a rollout asked for older weights: dropped
+            self._collect()
+        start = time.perf_counter()
+        self.version += 1
+        if self.rank == 0 or self._push.name == "nccl":  # NCCL: every rank joins the gather
+            self._push.push(self.servers, weights.items(), self.version)
+        if self.rank == 0:
+            for server in self.servers:
+                server.post("/update_weight_version", {"new_version": str(self.version)})
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
+        self._fingerprints = {self.version: fingerprint(weights)}
+        self._figures["engine/weight_push_s"] = time.perf_counter() - start
+        return self.version
+
+    # -- sampling ---------------------------------------------------------------------------------
+    def submit(self, prompt_ids: list[list[int]], group_size: int, sampling: SamplingConfig,
+               pad_id: int, stop_ids: Sequence[int],
+               budgets: Sequence[int] | None = None) -> None:  # fmt: skip
+        """Sends the requests of these prompts now, in a thread, and returns at once."""
+        request = Request(tuple(map(tuple, prompt_ids)), group_size, sampling, pad_id,
+                          tuple(stop_ids), self.version,
+                          None if budgets is None else tuple(budgets))  # fmt: skip
+        if self._future is not None:
+            self._collect()  # one rollout in flight: the older one is dropped
+        seed, self.next_seed = self.next_seed, None
+        if seed is None:
+            seed = int(torch.randint(0, 2**31 - 1, ()))
+        self._future = self._ahead.submit(self._sample, request, seed)
+        self._pending, self.pending_seed = request, seed
+
+    def generate(
+        self,
+        snapshot: nn.Module,
+        prompt_ids: list[list[int]],
+        group_size: int,
+        sampling: SamplingConfig,
+        pad_id: int,
+        stop_ids: Sequence[int],
+        recorder: BehaviourRecorder | None = None,
+        budgets: Sequence[int] | None = None,
+    ) -> Generation:
+        if recorder is not None:
+            raise ValueError("the vllm_server engine cannot record the snapshot's logits")
+        if self.stale or not self.servers:
+            self.load_weights(snapshot)
+        request = Request(tuple(map(tuple, prompt_ids)), group_size, sampling, pad_id,
+                          tuple(stop_ids), self.version,
+                          None if budgets is None else tuple(budgets))  # fmt: skip
+        prefetched = self._future is not None and self._pending == request
+        if not prefetched:
+            self.submit(prompt_ids, group_size, sampling, pad_id, stop_ids, budgets)
+        start = time.perf_counter()
+        completions, logprobs, versions = self._collect()
+        self._figures["engine/server_wait_s"] = time.perf_counter() - start
+        self._figures["engine/server_prefetched"] = float(prefetched)
+        self.last_versions = [v for v in versions for _ in range(group_size)]
+        self.last_fingerprint = self._fingerprints.get(versions[0]) if versions else None
+        device = next(snapshot.parameters()).device
+        return laid_out(prompt_ids, completions, logprobs, group_size, pad_id, stop_ids, device)
+
+    def _collect(self) -> tuple[list, list, list[int]]:
+        future, self._future, self._pending, self.pending_seed = self._future, None, None, None
+        return future.result()
+
+    def _sample(self, request: Request, seed: int) -> tuple[list, list, list[int]]:
+        """Every prompt's G completions and log-probs (prompt-major) and the weight version of the
+        server that sampled each prompt."""
+        prompts = [list(p) for p in request.prompt_ids]
+        owners = split_evenly(len(prompts), len(self.servers))
+        held = [self._held_version(s) for s in self.servers]
+        largest = request.sampling.max_new_tokens
+        budgets = own_budgets(request.budgets or [largest] * len(prompts), len(prompts), largest)
+        seeds = request_seeds(seed, len(prompts), request.group_size)
+        futures = [
+            self._pool.submit(self._complete, self.servers[owner], ids, request, int(budget), s)
+            for ids, owner, budget, s in zip(prompts, owners, budgets.tolist(), seeds, strict=True)
+        ]
+        answers = [f.result() for f in futures]
+        completions = [tokens for answer in answers for tokens, _ in answer]
+        logprobs = [values for answer in answers for _, values in answer]
+        return completions, logprobs, [held[o] for o in owners]
+
+    def _held_version(self, server: Server) -> int:
+        answer = server.get("/weight_info") or {}
+        held = answer.get("weight_version")
+        if held is None or str(held) != str(self.version):
+            raise ServerDown(
+                f"the vLLM server at {server.address} holds weight version {held!r}, not the "
+                f"version {self.version} pushed to it (it restarted?): its samples would come "
+                "from other weights"
+            )
+        return int(held)
+
+    def _complete(self, server: Server, ids: list[int], request: Request, budget: int,
+                  seed: int) -> list[tuple[list[int], list[float]]]:  # fmt: skip
+        """One prompt's ``n = G`` completions from ``server``: (token ids, log-probs) each."""
+        sampling = request.sampling
+        body = {
+            "model": server.model, "prompt": ids, "n": request.group_size, "max_tokens": budget,
+            "temperature": sampling.temperature, "top_p": sampling.top_p,
+            "top_k": sampling.top_k or -1, "min_p": 0.0, "repetition_penalty": 1.0,
+            "seed": seed, "stop_token_ids": list(request.stop_ids), "logprobs": 0,
+            "return_token_ids": True, "skip_special_tokens": False,
+        }  # fmt: skip
+        answer = server.post("/v1/completions", body)
+        choices = sorted((answer or {}).get("choices") or [], key=lambda c: c["index"])
+        if len(choices) != request.group_size:
+            raise ServerDown(f"the vLLM server at {server.address} answered {len(choices)} "
+                             f"completions for a prompt; asked {request.group_size}")  # fmt: skip
+        out = []
+        for choice in choices:
+            tokens = list(choice.get("token_ids") or [])
+            values = (choice.get("logprobs") or {}).get("token_logprobs") or []
+            if len(values) != len(tokens):
+                raise ServerDown(f"the vLLM server at {server.address} answered {len(tokens)} "
+                                 f"tokens with {len(values)} log-probs")  # fmt: skip
+            out.append((tokens, [float(v) for v in values]))
+        return out
+
+    # -- the rest ---------------------------------------------------------------------------------
+    def figures(self) -> dict[str, float]:
+        figures, self._figures = self._figures, {}
+        return figures
+
+    def close(self) -> None:
+        if self._future is not None:
+            self._future.cancel()
+            self._future = self._pending = self.pending_seed = None
+        if self._launched is not None:
+            self._launched.stop()
+            self._launched = None
+            self.servers = []
+        self._push.close()
+        self.version, self.policy_version, self.stale = 0, None, True
+
+
+def _check_options(servers, launch, gpus, wait_s, concurrency) -> None:
+    if bool(servers) == bool(launch):
+        raise ValueError(
+            "model.engine.options: the vllm_server engine takes either servers (a list of "
+            f"addresses) or launch (a count >= 1); got servers={servers!r}, launch={launch!r}"
+        )
+    if isinstance(launch, bool) or not isinstance(launch, int) or launch < 0:
+        raise ValueError(f"model.engine.options.launch must be an integer >= 1; got {launch!r}")
+    bad = [a for a in servers or [] if not str(a).startswith(("http://", "https://"))]
+    if bad:
+        raise ValueError(
+            f"model.engine.options.servers must be addresses 'http://host:port'; got {bad[0]!r}"
+        )
+    if gpus is not None and len(gpus) != launch:
+        raise ValueError(f"model.engine.options.gpus must give one entry per launched server "
+                         f"({launch}); got {gpus!r}")  # fmt: skip
+    if not wait_s >= 0:
+        raise ValueError(f"model.engine.options.wait_s must be >= 0 seconds; got {wait_s!r}")
+    if concurrency < 1:
+        raise ValueError(f"model.engine.options.concurrency must be >= 1; got {concurrency!r}")

@@ -1,0 +1,225 @@
+"""The ``vllm_server`` engine against stand-in servers (``http.server`` in a thread, answering
+vLLM's routes the way ``vllm serve`` does): prompts split among servers, token ids and log-probs
+laid out, every completion tagged with the weight version that sampled it, weights pushed by
+folder, the next rollout sampled ahead, and the one-line refusals and faults. No vLLM needed;
+``tests/test_server_vllm.py`` runs real servers."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_troll.engines.base import EngineContext, build_engine
+from lightning_troll.engines.process import EngineDied
+from lightning_troll.engines.sampling import SamplingConfig
+from lightning_troll.engines.server_http import ServerDown, free_port
+from lightning_troll.engines.servers import split_evenly
+from lightning_troll.models.loading import load_policy, load_tokenizer
+
+TOKENIZER = load_tokenizer("tinymath")
+EOS = TOKENIZER.eos_token_id
+
+
+class StandIn:
+    """A server answering vLLM's routes: completion ``k`` of a prompt is ``[last + 1 + k, EOS]``
+    with log-probs ``-0.5`` each; ``fail`` makes a route answer HTTP 500."""
+
+    def __init__(self, name: str = "tinymath", tokenize=None, port: int | None = None) -> None:
+        self.name, self.tokenize = name, tokenize or (lambda text: TOKENIZER.encode(
+            text, add_special_tokens=False))  # fmt: skip
+        self.version, self.requests, self.reloads, self.fail = None, [], [], set()
+        stand_in = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):  # quiet
+                pass
+
+            def _answer(self, code, payload):
+                data = json.dumps(payload).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                self._answer(*stand_in.route(self.path, None))
+
+            def do_POST(self):
+                length = int(self.headers.get("Content-Length") or 0)
+                body = json.loads(self.rfile.read(length) or b"null")
+                self._answer(*stand_in.route(self.path, body))
+
+        self.port = port or free_port()
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+        self.address = f"http://127.0.0.1:{self.port}"
+
+    def route(self, path, body):
+        if path in self.fail:
+            return 500, {"error": {"message": f"{path} broke"}}
+        if path == "/v1/models":
+            return 200, {"data": [{"id": self.name, "root": f"/models/{self.name}"}]}
+        if path == "/tokenize":
+            return 200, {"tokens": self.tokenize(body["prompt"])}
+        if path == "/weight_info":
+            return 200, {"weight_version": self.version}
+        if path == "/update_weight_version":
+            self.version = body["new_version"]
+            return 200, {"success": True}
+        if path == "/collective_rpc":
+            folder = Path(body["kwargs"]["weights_path"])
+            self.reloads.append((folder, (folder / "model.safetensors").is_file()))
+            return 200, {"results": [None]}
+        if path in ("/reset_prefix_cache", "/health"):
+            return 200, {}
+        if path == "/v1/completions":
+            self.requests.append(body)
+            last = body["prompt"][-1]
+            choices = [{"index": k, "text": "", "token_ids": [last + 1 + k, EOS],
+                        "logprobs": {"token_logprobs": [-0.5, -0.5]}}
+                       for k in range(body["n"])]  # fmt: skip
+            return 200, {"choices": choices}
+        return 404, {"detail": "Not Found"}
+
+    def stop(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def stand_ins():
+    servers = [StandIn(), StandIn()]
+    yield servers
+    for server in servers:
+        server.stop()
+
+
+def engine_for(addresses, **options):
+    context = EngineContext("tinymath", "float32", TOKENIZER)
+    return build_engine("vllm_server", context, {"servers": addresses, **options})
+
+
+SAMPLING = SamplingConfig(max_new_tokens=4)
+
+
+def test_prompts_are_split_evenly_in_order():
+    assert split_evenly(10, 3) == [0] * 4 + [1] * 3 + [2] * 3
+    assert split_evenly(2, 3) == [0, 1]
+    assert split_evenly(4, 2) == [0, 0, 1, 1]
+
+
+def test_two_servers_share_a_rollout_and_tag_it_with_the_version_pushed(stand_ins, tmp_path):
+    policy = load_policy("tinymath")
+    engine = engine_for([s.address for s in stand_ins], push_dir=str(tmp_path))
+    prompts = [[1, 5], [1, 6], [1, 7], [1, 8], [1, 9]]
+    torch.manual_seed(0)
+    generation = engine.generate(policy, prompts, 2, SAMPLING, TOKENIZER.pad_token_id, [EOS])
+    # the first 3 prompts went to the first server, the last 2 to the second, as token ids
+    assert sorted(r["prompt"] for r in stand_ins[0].requests) == prompts[:3]  # sent at once:
+    assert sorted(r["prompt"] for r in stand_ins[1].requests) == prompts[3:]  # in any order
+    first = stand_ins[0].requests[0]
+    assert first["n"] == 2 and first["logprobs"] == 0 and first["stop_token_ids"] == [EOS]
+    assert first["return_token_ids"] is True and first["max_tokens"] == 4
+    seed_of = {tuple(r["prompt"]): r["seed"] for s in stand_ins for r in s.requests}
+    seeds = [seed_of[tuple(p)] for p in prompts]
+    assert seeds == [seeds[0] + 2 * i for i in range(5)]  # a seed of its own per request
+    # prompt-major, G each: prompt i's completion k is [last + 1 + k, EOS], log-probs -0.5
+    assert generation.input_ids.shape == (10, 2 + 2)
+    assert generation.input_ids[:, 2:].tolist() == [[p[-1] + 1 + k, EOS]
+                                                    for p in prompts for k in range(2)]  # fmt: skip
+    assert generation.response_mask.all() and not generation.truncated.any()
+    assert torch.equal(generation.logprobs, torch.full((10, 2), -0.5))
+    # weights went by folder, version 1, to both; every completion is tagged with it
+    assert all(len(s.reloads) == 1 and s.reloads[0][1] for s in stand_ins)
+    assert engine.version == 1 and engine.last_versions == [1] * 10
+    assert engine.last_fingerprint is not None
+    engine.stale = True  # a refresh: the next rollout pushes version 2 first
+    engine.generate(policy, prompts[:2], 2, SAMPLING, TOKENIZER.pad_token_id, [EOS])
+    assert engine.last_versions == [2] * 4 and [s.version for s in stand_ins] == ["2", "2"]
+    assert not stand_ins[0].reloads[0][0].exists()  # the older version's folder is removed
+    engine.close()
+
+
+def test_the_next_rollout_is_sampled_ahead_and_taken_when_it_is_asked_for(stand_ins, tmp_path):
+    policy = load_policy("tinymath")
+    engine = engine_for([s.address for s in stand_ins], push_dir=str(tmp_path))
+    engine.load_weights(policy)
+    prompts = [[1, 5], [1, 6]]
+    engine.submit(prompts, 3, SAMPLING, TOKENIZER.pad_token_id, [EOS])
+    engine.generate(policy, prompts, 3, SAMPLING, TOKENIZER.pad_token_id, [EOS])
+    assert engine.figures()["engine/server_prefetched"] == 1.0
+    assert sum(len(s.requests) for s in stand_ins) == 2  # not asked twice
+    engine.close()
+
+
+def test_a_server_that_is_not_up_is_refused_naming_its_address():
+    address = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(ServerDown, match=f"server at {address} did not answer GET /v1/models"):
+        engine_for([address])
+    assert issubclass(ServerDown, EngineDied)  # the rollout callback makes it a fault
+
+
+def test_a_server_of_another_model_or_tokenizer_is_refused_before_training():
+    other = StandIn(name="Qwen3-0.6B")
+    odd = StandIn(tokenize=lambda text: [1, 2, 3])
+    try:
+        with pytest.raises(ValueError, match=f"server at {other.address} serves 'Qwen3-0.6B'"):
+            engine_for([other.address])
+        with pytest.raises(ValueError, match=f"server at {odd.address} tokenizes otherwise"):
+            engine_for([odd.address])
+        engine_for([other.address], model_name="Qwen3-0.6B", push_dir=None).close()
+    finally:
+        other.stop()
+        odd.stop()
+
+
+def test_an_error_answer_or_a_server_gone_ends_the_rollout_naming_the_address(stand_ins):
+    policy = load_policy("tinymath")
+    engine = engine_for([s.address for s in stand_ins])
+    engine.load_weights(policy)
+    stand_ins[1].fail.add("/v1/completions")
+    with pytest.raises(ServerDown, match=f"{stand_ins[1].address} answered POST /v1/completions "
+                                         "with HTTP 500"):  # fmt: skip
+        engine.generate(policy, [[1, 5], [1, 6]], 2, SAMPLING, 0, [EOS])
+    stand_ins[1].fail.clear()
+    stand_ins[1].version = None  # restarted: it holds the weights it started with
+    with pytest.raises(ServerDown, match=f"{stand_ins[1].address} holds weight version None"):
+        engine.generate(policy, [[1, 5], [1, 6]], 2, SAMPLING, 0, [EOS])
+    stand_ins[0].stop()
+    with pytest.raises(ServerDown, match=f"{stand_ins[0].address} did not answer"):
+        engine.generate(policy, [[1, 5], [1, 6]], 2, SAMPLING, 0, [EOS])
+    stand_ins[0].stop = lambda: None  # already stopped
+    engine.close()
+
+
+def test_wait_s_waits_for_a_server_to_come_back():
+    port = free_port()
+    late: list[StandIn] = []
+    timer = threading.Timer(1.5, lambda: late.append(StandIn(port=port)))
+    timer.start()
+    try:
+        engine = engine_for([f"http://127.0.0.1:{port}"], wait_s=20)  # not up for 1.5 s
+        assert engine.servers[0].model == "tinymath"
+        engine.close()
+    finally:
+        timer.join()
+        for server in late:
+            server.stop()
+    with pytest.raises(ValueError, match="wait_s must be >= 0 seconds; got -1"):
+        engine_for([f"http://127.0.0.1:{port}"], wait_s=-1)
+
+
+def test_the_options_are_checked_naming_them():
+    with pytest.raises(ValueError, match="either servers .* or launch"):
+        engine_for([])
+    with pytest.raises(ValueError, match="servers must be addresses 'http://host:port'; got 'x:1'"):
+        engine_for(["x:1"])
+    with pytest.raises(ValueError, match="push must be one of"):
+        engine_for(["http://127.0.0.1:1"], push="carrier-pigeon")
