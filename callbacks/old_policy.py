@@ -38,8 +38,8 @@ class OldPolicyRefresh(Callback):
     :class:`~lightning_troll.training.staleness.StalenessSchedule` this callback configures, hands
     to the module as ``model.staleness`` and triggers after every rollout); a ``copy`` snapshot
     only. The ``s`` kept versions cost ``s`` copies of the weights on the CPU and in every
-    checkpoint: the start of a fit prints that figure, and refuses a lag that the host's free
-    memory cannot hold or that the run's length never reaches (``s`` at most
+    checkpoint: the start of a fit prints that figure (a warning where the run's length never
+    reaches the lag), and refuses a lag that the host's free memory cannot hold (``s`` at most
     :data:`~lightning_troll.training.staleness.MAX_STALENESS`, checked with the other options).
     Every rollout logs ``rollout/policy_version`` (the version that sampled it) and
     ``rollout/staleness`` (the trainer's version minus that one).
@@ -180,8 +180,8 @@ class OldPolicyRefresh(Callback):
             rank_zero_warn(message)
 
     def _check_versions(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """Prints what the kept versions cost; refuses a lag the host cannot hold or the run
-        never reaches (:func:`~lightning_troll.callbacks.refresh_options.check_versions_fit`)."""
+        """Prints what the kept versions cost (warns where the run never reaches the lag);
+        refuses a lag the host cannot hold (:func:`~lightning_troll.callbacks.refresh_options.check_versions_fit`)."""
         optimization = getattr(pl_module, "optimization", None)
         prompts = getattr(trainer.datamodule, "batch_size", None)
         group_size = getattr(pl_module, "group_size", None)
@@ -195,7 +195,7 @@ class OldPolicyRefresh(Callback):
             self.max_staleness, version_bytes(pl_module.policy),
             available_bytes(torch.device("cpu")), run_rollouts,
         )  # fmt: skip
-        rank_zero_info(cost)
+        (rank_zero_warn if "not below the run's" in cost else rank_zero_info)(cost)
 
     def refresh(self, pl_module: LightningModule, weights: Any = None, version: int = -1) -> None:
         """Loads ``weights`` (the policy by default) into the module's snapshot now."""

@@ -167,15 +167,10 @@ def check_versions_fit(
     run_rollouts: int | None,
 ) -> str:
     """What ``max_staleness`` kept versions of ``version_bytes`` each cost, as a line to print at
-    a fit's start; refuses, in one line, a lag the host's ``available`` memory cannot hold or one
-    the run's ``run_rollouts`` never reach (the sampler would stay at version 0 throughout)."""
+    a fit's start (with a warning's words where the run's ``run_rollouts`` never reach the lag:
+    the sampler then stays at the starting weights throughout); refuses, in one line, a lag the
+    host's ``available`` memory cannot hold."""
     held = max_staleness * version_bytes
-    if run_rollouts is not None and max_staleness >= run_rollouts:
-        raise ValueError(
-            f"old_policy.max_staleness={max_staleness} is not below the run's {run_rollouts} "
-            f"rollouts: the sampler would stay at the starting weights for the whole run while "
-            f"keeping {max_staleness} copies of them; lower it below {run_rollouts}"
-        )
     if available is not None and held > available:
         raise ValueError(
             f"old_policy.max_staleness={max_staleness} keeps {max_staleness} versions of the "
@@ -183,11 +178,17 @@ def check_versions_fit(
             f"than the {_size(available)} this host has free; lower it to at most "
             f"{available // max(version_bytes, 1)}"
         )
+    outlasts = ""
+    if run_rollouts is not None and max_staleness >= run_rollouts:
+        outlasts = (
+            f"; it is not below the run's {run_rollouts} rollouts, so the starting weights sample "
+            "every rollout of this run"
+        )
     return (
         f"old_policy.max_staleness={max_staleness} keeps {max_staleness} past "
         f"version{'s' if max_staleness != 1 else ''} of the weights on the CPU and in every "
         f"checkpoint: {max_staleness} x {_size(version_bytes)} = "
-        f"{_size(held)}"
+        f"{_size(held)}{outlasts}"
     )
 
 
