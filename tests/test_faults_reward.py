@@ -54,12 +54,18 @@ def command(folder: Path, model_dir: Path, steps: int, *extra: str) -> list[str]
     return [str(Path(sys.executable).parent / "lightning-troll"), *base, *extra]
 
 
+WARNING = "lightning-troll: warning:"
+"""How the command starts a warning of its own (not a refusal or a stop)."""
+
+
 def stop_lines(stderr: str) -> list[str]:
-    """What a stopped run tells its user on stderr: the failure, then where it saved."""
+    """What a stopped run tells its user on stderr: the failure, then where it saved (the
+    library's warnings along the way, ``lightning-troll: warning: ...``, are not part of it)."""
     return [
         line
         for line in stderr.splitlines()
         if line.startswith(("lightning-troll:", "  saved", "  the last checkpoint"))
+        and not line.startswith(WARNING)
     ]
 
 
