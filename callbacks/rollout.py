@@ -144,9 +144,12 @@ class RolloutGeneration(Callback):
         upcoming = loader.peek() if loader is not None else None
         if upcoming is None or pl_module.dynamic_sampling.enabled or pl_module.episodes is not None:
             return
-        schedule.sample_ahead(
-            upcoming, pl_module.collector, pl_module.policy, pl_module.snapshot, engine
-        )
+        try:
+            schedule.sample_ahead(
+                upcoming, pl_module.collector, pl_module.policy, pl_module.snapshot, engine
+            )
+        except EngineDied as error:  # as in sampling: this rollout has not trained
+            raise EngineFault(str(error)) from error
 
     def _extra_prompts(self, trainer: Trainer, count: int) -> Callable[[int], PromptBatch]:
         """Extra round r of this rollout: ``count`` training prompts drawn by a generator seeded

@@ -287,3 +287,30 @@ def test_the_seed_of_a_rollout_in_flight_is_handed_on_once_and_not_kept():
     module.engine.next_seed = None
     refresh.on_train_start(None, module)  # a second start has nothing to hand on
     assert module.engine.next_seed is None
+
+
+def test_an_engine_that_dies_while_asked_ahead_stops_the_run_as_a_fault():
+    """The request for the next rollout, sent while this one is about to train, meets a dead
+    engine: the run stops as at a death during sampling (EngineFault: a checkpoint, one line)."""
+    from types import SimpleNamespace
+
+    from lightning_troll.engines.process import EngineDied
+    from lightning_troll.training.faults import EngineFault
+    from lightning_troll.training.staleness import StalenessSchedule
+
+    class Dead:
+        policy_version = 0
+
+        def submit(self, *args, **kwargs):
+            raise EngineDied("the engine's process was killed by signal 9 (SIGKILL)")
+
+    upcoming = SimpleNamespace(prompt_ids=[[1, 2]])
+    module = SimpleNamespace(
+        staleness=StalenessSchedule(max_staleness=1), engine=Dead(), episodes=None,
+        dynamic_sampling=SimpleNamespace(enabled=False), policy=None, snapshot=None,
+        collector=SimpleNamespace(group_size=2, sampling=None, pad_id=0, stop_ids=[3]),
+    )  # fmt: skip
+    trainer = SimpleNamespace(datamodule=SimpleNamespace(train_loader=SimpleNamespace(
+        peek=lambda: upcoming)))  # fmt: skip
+    with pytest.raises(EngineFault, match="killed by signal 9"):
+        RolloutGeneration()._sample_ahead(trainer, module)
