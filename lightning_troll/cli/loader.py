@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 from jsonargparse import get_loader, set_loader
-from jsonargparse._loaders_dumpers import get_loader_exceptions
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_troll.training.moved import fold_renamed_options, renamed_warning
@@ -44,7 +44,7 @@ def _load(text: str) -> Any:
 
 def register() -> None:
     """Registers the folding loader under :data:`MODE` (again is harmless)."""
-    set_loader(MODE, _load, get_loader_exceptions("yaml"))  # what is no YAML stays a string
+    set_loader(MODE, _load, (yaml.YAMLError,))  # a value that is no YAML stays a string
 
 
 def stored_options(path: str | None) -> dict[str, Any] | None:
