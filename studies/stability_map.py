@@ -291,6 +291,9 @@ def plot(records: Sequence[dict], path: Path) -> Path:
             ax.set_title(f"{panel}: {o}, share {kind}", fontsize=9)
             ax.set_xlabel("optimiser steps per rollout")
             ax.set_ylabel("learning rate")
+    total = len(cells()) * len(OBJECTIVES) * len(SEEDS)
+    done = "all" if len(records) == total else "incomplete: shares over the seeds finished"
+    fig.suptitle(f"{len(records)} of {total} runs ({done})")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
