@@ -2,7 +2,7 @@
 
 Per rollout, :class:`ConstraintMonitor` bins every response token of the rollout's optimiser
 steps twice: by the old policy's probability of the sampled token (its confidence: the
-behaviour policy's, or under ``model.loss.anchor: proximal`` the proximal policy's;
+behaviour policy's, or under ``model.corrections.anchor: proximal`` the proximal policy's;
 :data:`CONFIDENCE_BINS`) and by the sign of its advantage (:data:`ADVANTAGE_SIGNS`). In each bin
 it logs the share of the bin's tokens that each of the objective's constraint masks holds
 (:meth:`~lightning_troll.objectives.ObjectiveStats.constraint_masks`):

@@ -72,8 +72,8 @@ class TrustRegionMonitor(Callback):
     policy by the end of each rollout: after its last optimiser step, a forward pass without
     gradients over that step's minibatch gives per token KL(pi || pi_old), as
     ``trust_region/kl_end_{mean,max}`` (between the lumped sparse distributions of
-    ``model.trust_region``'s rule, like ``kl_before``; clipping runs then cache those
-    distributions too) and ``trust_region/kl_end_sampled`` (the mean of ``r log r - r + 1`` over
+    ``model.trust_region``'s rule, like ``kl_before``; the monitor asks a clipping run to cache
+    those distributions too, ``TrollModule.keep_old_distributions``, which changes no update) and ``trust_region/kl_end_sampled`` (the mean of ``r log r - r + 1`` over
     the sampled tokens, an unbiased estimate of the mean KL over the whole vocabulary unless
     ``sampling.top_p`` or ``top_k`` truncates the sampling).
 
@@ -83,7 +83,7 @@ class TrustRegionMonitor(Callback):
     stale sampler lies from the weights that train on its data.
 
     Both measure against the old policy the objective bounds, the rollout's cached log-probs and
-    sparse rows: under ``model.loss.anchor: behaviour`` the sampler, as above; under ``proximal``
+    sparse rows: under ``model.corrections.anchor: behaviour`` the sampler, as above; under ``proximal``
     the weights the rollout's update starts from, so ``kl_start`` is 0 at every rollout whatever
     the staleness, ``kl_end`` is how far the update moved from them, and ``kl_end_sampled`` is
     biased (its tokens come from the stale sampler, not from that old policy). How far the stale
@@ -155,15 +155,8 @@ class TrustRegionMonitor(Callback):
         self.clip.to(pl_module.device)
         self.end.to(pl_module.device)
         self.start.to(pl_module.device)
-        asked = [name for name in ("kl_end", "kl_start") if getattr(self, name)]
-        if asked and stage == "fit" and not getattr(pl_module, "cache_old_distributions", True):
-            raise ValueError(
-                f"trust_region_monitor.{asked[0]} reads the behaviour policy's sparse distributions, "
-                "which a clipping run caches only when asked: build the module with "
-                "cache_old_distributions=True (the command line sets it from "
-                "trust_region_monitor.kl_end and kl_start; a resumed run keeps the value its "
-                "checkpoint stores)"
-            )
+        if (self.kl_end or self.kl_start) and stage == "fit":
+            pl_module.keep_old_distributions()  # clipping caches them once asked; TROLL always
 
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:

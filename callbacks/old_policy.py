@@ -56,7 +56,7 @@ class OldPolicyRefresh(Callback):
     At the start of a fit it warns (once) when the configuration makes every optimiser step
     on-policy: one epoch, one minibatch per rollout and a refresh every rollout leave the policy
     equal to the behaviour policy at every step, so the trust region (or the clip) never acts.
-    It warns (once) too when ``model.loss.anchor`` is ``proximal`` but the sampler always holds
+    It warns (once) too when ``model.corrections.anchor`` is ``proximal`` but the sampler always holds
     the current weights (no staleness and a refresh every rollout into a snapshot in the policy's
     dtype, or a shared snapshot): the proximal weight is then 1 and its forward pass buys nothing.
 
@@ -157,7 +157,7 @@ class OldPolicyRefresh(Callback):
         if self.max_staleness:
             self._check_versions(trainer, pl_module)
         snapshot = getattr(getattr(pl_module, "policies", None), "snapshot_config", None)
-        anchor = getattr(getattr(pl_module, "loss_config", None), "anchor", "behaviour")
+        anchor = getattr(getattr(pl_module, "corrections", None), "anchor", "behaviour")
         message = idle_proximal(anchor, self.every_n_rollouts, self.max_staleness, snapshot)
         if message is not None:
             rank_zero_warn(message)

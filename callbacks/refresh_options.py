@@ -93,7 +93,7 @@ def one_step_trap(
 
     One epoch over a rollout taken as one minibatch (``minibatch_size`` null, or at least the
     ``rollout_sequences``) makes one step per rollout. With the snapshot refreshed after every
-    rollout and no staleness, or under ``model.loss.anchor: proximal`` whatever the snapshot
+    rollout and no staleness, or under ``model.corrections.anchor: proximal`` whatever the snapshot
     (the old policy is then the current weights before the rollout's update), that step starts
     from the very policy the objective bounds it against: the importance ratios are 1, the
     projection (or the clip) never acts, and the update is a plain policy gradient.
@@ -110,7 +110,7 @@ def one_step_trap(
     smaller = f"below {rollout_sequences}" if rollout_sequences is not None else "to a number"
     if proximal:
         old = (
-            "model.loss.anchor='proximal' takes the old policy from the current weights before "
+            "model.corrections.anchor='proximal' takes the old policy from the current weights before "
             "each rollout's update, whatever the sampler"
         )
     else:
@@ -135,7 +135,7 @@ def one_step_trap(
 def idle_proximal(
     anchor: str, every_n_rollouts: int, max_staleness: int, snapshot: Any = None
 ) -> str | None:
-    """The warning for ``model.loss.anchor: proximal`` where the sampler always holds the current
+    """The warning for ``model.corrections.anchor: proximal`` where the sampler always holds the current
     weights, else None: a shared snapshot (the policy itself), or a copy in the policy's dtype
     refreshed after every rollout with no staleness. The proximal policy is then the sampler, its
     weight is 1 (up to rounding) and its forward pass per rollout buys nothing. A snapshot in
@@ -153,10 +153,10 @@ def idle_proximal(
     else:
         return None
     return (
-        f"model.loss.anchor='proximal' has nothing to correct: {why}, so the proximal policy is "
+        f"model.corrections.anchor='proximal' has nothing to correct: {why}, so the proximal policy is "
         "the sampler, the proximal-over-behaviour weight is 1 and the anchor's extra forward "
         "pass per rollout buys nothing; for stale data set old_policy.max_staleness (with "
-        "model.snapshot.mode 'copy'), or use model.loss.anchor 'behaviour'"
+        "model.snapshot.mode 'copy'), or use model.corrections.anchor 'behaviour'"
     )
 
 

@@ -51,7 +51,7 @@ def log_rollout(module: Any, report: RolloutReport) -> None:
     An engine other than ``hf`` adds its own figures (``engine/startup_s``,
     ``engine/weight_push_s``) and ``rollout/engine_logprob_diff``, the mean absolute difference
     between its log-probs of the sampled tokens and the snapshot's; with
-    ``model.loss.engine_is_cap`` each token's advantage is weighted by the truncated (or masked)
+    ``model.corrections.engine_is_cap`` each token's advantage is weighted by the truncated (or masked)
     ratio of the two (``rollout/engine_is_weight_mean``, ``rollout/engine_is_capped_frac`` or
     ``rollout/engine_is_masked_frac``). With several processes ``reward/std`` and the figures
     that average over tokens or episodes are those of every process's samples together

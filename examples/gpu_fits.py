@@ -103,7 +103,7 @@ class PlusOneTurns(Environment):
 LOOP_PATHS: dict[str, list[str]] = {
     "engine-process": ["--model.engine.options={process: true, threads: 2}",
                        "--old_policy.max_staleness=1"],
-    "proximal": ["--old_policy.max_staleness=2", "--model.loss.anchor=proximal"],
+    "proximal": ["--old_policy.max_staleness=2", "--model.corrections.anchor=proximal"],
     "episodes": ["--model.episodes.environment=gpu_fits:PlusOneTurns",
                  "--model.sampling.max_new_tokens=16"],
 }  # fmt: skip

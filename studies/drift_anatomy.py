@@ -91,8 +91,8 @@ def load_module(checkpoint: Path, stored: dict, variant: dict, model: str | None
     if not Path(path).exists() and (ROOT / path).exists():
         path = str(ROOT / path)  # a config's relative folder, from another working directory
     overrides["model"] = path
-    overrides["cache_old_distributions"] = True
     module = TrollModule.load_from_checkpoint(checkpoint, map_location="cpu", **overrides)
+    module.keep_old_distributions()
     configured = module.configure_optimizers()
     optimizer = configured["optimizer"] if isinstance(configured, dict) else configured
     # a copy: AdamW updates its state in place, and every variant starts from the stored one

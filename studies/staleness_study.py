@@ -61,7 +61,7 @@ def arm_args(arm: str, prompts: int) -> tuple[str, ...]:
     minibatch = prompts * paper.GROUP // steps
     return (
         "--old_policy.max_staleness", str(staleness),
-        "--model.loss.anchor", anchor,
+        "--model.corrections.anchor", anchor,
         "--model.optimization.minibatch_size", str(minibatch),
         "--trust_region_monitor.kl_start", "true",
     )  # fmt: skip

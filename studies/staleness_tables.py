@@ -28,7 +28,7 @@ ARMS = {
     "s4-proximal": (4, "proximal", paper.STEPS),
     "steps32": (0, "behaviour", 32),
 }
-"""Arm -> (old_policy.max_staleness, loss.anchor, optimiser steps per rollout), in the plan's
+"""Arm -> (old_policy.max_staleness, corrections.anchor, optimiser steps per rollout), in the plan's
 order; the first is the baseline (no lag)."""
 STALE = tuple(a for a, (lag, anchor, _) in ARMS.items() if lag and anchor == "behaviour")
 """The levels the staleness check measures (s2, s4). The KL at a rollout's start is taken against

@@ -176,11 +176,11 @@ def both_ways(model_dir, **options):
     ids=["troll", "clip", "dynamic-sampling-masked"],
 )
 def test_rollouts_recorded_while_sampling_equal_recomputed_ones(tiny_model_dir, options):
-    from lightning_troll.training.module import LossConfig
+    from lightning_troll.training.module import CorrectionsConfig
 
     options = dict(options)
     if options.pop("loss", None):
-        options["loss"] = LossConfig(mask_truncated=True)
+        options["corrections"] = CorrectionsConfig(mask_truncated=True)
     runs = both_ways(tiny_model_dir, **options)
     (_, recorded, report), (_, forward, _) = runs["sampling"], runs["forward"]
     if options.get("more"):

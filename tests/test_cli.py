@@ -291,7 +291,7 @@ def test_help_shows_documented_options(tmp_path, monkeypatch, capsys):
         "--model.lora.help",
         "--model.dynamic_sampling.enabled",
         "--model.dynamic_sampling.max_rounds",
-        "--model.loss.mask_truncated",
+        "--model.corrections.mask_truncated",
         "--model.advantages.scale_rewards",
         "--model.reward_options.kwargs",
         "--model.reward_options.timeout",
@@ -356,7 +356,7 @@ def test_print_config_shows_the_peer_options_with_their_defaults(tmp_path, monke
     assert (
         model["advantages"]["scale_rewards"] is None and model["reward_options"]["kwargs"] is None
     )
-    assert model["loss"]["mask_truncated"] is False
+    assert model["corrections"]["mask_truncated"] is False and "mask_truncated" not in model["loss"]
     assert model["trust_region"]["keep_sampled_token"] is True
     assert printed["data"]["val_samples"] == 0
 
@@ -582,11 +582,11 @@ def broken_jsonl(tmp_path: Path) -> str:
         pytest.param(["--old_policy.max_staleness", "2", "--model.snapshot.dtype", "int8"],
                      "old_policy.max_staleness=2 keeps past versions of the weights",
                      id="staleness-on-int8"),
-        pytest.param(["--model.trust_region.support", "dense", "--model.loss.anchor", "proximal"],
-                     "model.loss.anchor='proximal' does not work with "
+        pytest.param(["--model.trust_region.support", "dense", "--model.corrections.anchor", "proximal"],
+                     "model.corrections.anchor='proximal' does not work with "
                      "model.trust_region.support='dense'", id="proximal-on-dense"),
-        pytest.param(["--model.loss.anchor_is_cap", "1e400"],
-                     "model.loss.anchor_is_cap must be a finite number >= 1; got inf", id="infinite-cap"),
+        pytest.param(["--model.corrections.anchor_is_cap", "1e400"],
+                     "model.corrections.anchor_is_cap must be a finite number >= 1; got inf", id="infinite-cap"),
         pytest.param(["--trainer.logger", "lightning.pytorch.loggers.MLFlowLogger",
                       "--trainer.logger.tracking_uri", "file:./mlruns"],
                      "lightning.pytorch.loggers.MLFlowLogger refused its arguments: MlflowException:"

@@ -12,7 +12,7 @@ from lightning_troll.rollouts.dynamic_sampling import cat_sequences, choose_grou
 from lightning_troll.tasks.data.datamodule import collate_prompts
 from lightning_troll.tasks.data.prompts import draw_prompts
 from lightning_troll.tasks.rewards.options import RewardOptions
-from lightning_troll.training.module import DynamicSamplingConfig, LossConfig
+from lightning_troll.training.module import CorrectionsConfig, DynamicSamplingConfig
 from tests.test_resume import logged
 from tests.test_training import Recorder, make_data, make_module, make_trainer
 
@@ -116,7 +116,7 @@ def test_mask_truncated_leaves_truncated_completions_out_of_the_loss(tiny_model_
     """The same samples (same seed) with and without the mask: truncated rows lose every token,
     the others keep theirs; rewards and advantages do not change."""
     _, plain, _ = collect(tiny_model_dir)
-    _, masked, _ = collect(tiny_model_dir, loss=LossConfig(mask_truncated=True))
+    _, masked, _ = collect(tiny_model_dir, corrections=CorrectionsConfig(mask_truncated=True))
     truncated = plain.truncated
     assert truncated.any() and not truncated.all()
     assert torch.equal(masked.input_ids, plain.input_ids)

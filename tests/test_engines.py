@@ -248,13 +248,13 @@ def shifts(mask):
 
 @pytest.mark.slow
 def test_truncated_importance_weights_scale_each_tokens_advantage(tmp_path, tiny_model_dir):
-    from lightning_troll.objectives import LossConfig
+    from lightning_troll.objectives import CorrectionsConfig
     from tests.test_training import fit, make_module
 
     module = make_module(
         tiny_model_dir,
         engine=EngineConfig("tests.test_engines:ShiftedEngine"),
-        loss=LossConfig(engine_is_cap=1.1),
+        corrections=CorrectionsConfig(engine_is_cap=1.1),
     )
     trainer, module, recorder = fit(tmp_path, tiny_model_dir, max_steps=2, module=module)
     metrics = trainer.callback_metrics
@@ -288,24 +288,26 @@ def test_truncated_importance_weights_scale_each_tokens_advantage(tmp_path, tiny
 def test_masked_and_sequence_weights_scale_each_tokens_advantage(
     tmp_path, tiny_model_dir, options, figure, share
 ):
-    from lightning_troll.objectives import LossConfig
+    from lightning_troll.objectives import CorrectionsConfig
     from tests.test_training import fit, make_module
 
-    loss = LossConfig(**options)
+    corrections = CorrectionsConfig(**options)
     module = make_module(
-        tiny_model_dir, engine=EngineConfig("tests.test_engines:ShiftedEngine"), loss=loss
+        tiny_model_dir,
+        engine=EngineConfig("tests.test_engines:ShiftedEngine"),
+        corrections=corrections,
     )
     trainer, module, recorder = fit(tmp_path, tiny_model_dir, max_steps=2, module=module)
     for rollout in recorder.rollouts:
         sampled = rollout.attention_mask[:, rollout.prompt_length :].bool()  # every response token
         mask = rollout.response_mask
         ratios = torch.exp(-shifts(mask))
-        if loss.engine_is_level == "sequence":
+        if corrections.engine_is_level == "sequence":
             product = torch.exp(-(shifts(mask) * mask).sum(-1, keepdim=True))
-            weights = product.clamp(max=loss.engine_is_cap).expand_as(mask) * mask
+            weights = product.clamp(max=corrections.engine_is_cap).expand_as(mask) * mask
             assert torch.equal(mask, sampled)  # truncating keeps every token in the loss
         else:
-            band = (ratios >= loss.engine_is_floor) & (ratios <= loss.engine_is_cap)
+            band = (ratios >= corrections.engine_is_floor) & (ratios <= corrections.engine_is_cap)
             weights = torch.where(band, ratios, 0.0) * mask
             # a masked token leaves the loss: the response mask, the old rows and log-probs
             assert torch.equal(mask, sampled & band) and bool((sampled & ~band).any())
@@ -325,23 +327,25 @@ def test_masked_and_sequence_weights_scale_each_tokens_advantage(
 
 
 def test_importance_weights_need_an_engine_that_samples_apart(tiny_model_dir):
-    from lightning_troll.objectives import LossConfig
+    from lightning_troll.objectives import CorrectionsConfig
     from tests.test_training import make_module
 
     with pytest.raises(ValueError, match=r"engine_is_cap=2.0 .* the 'hf' engine samples with"):
-        make_module(tiny_model_dir, loss=LossConfig(engine_is_cap=2.0))
+        make_module(tiny_model_dir, corrections=CorrectionsConfig(engine_is_cap=2.0))
     with pytest.raises(
-        ValueError, match=r"model.loss.engine_is_cap must be a finite number >= 1 .* or null"
+        ValueError, match=r"model.corrections.engine_is_cap must be a finite number >= 1 .* or null"
     ):
-        LossConfig(engine_is_cap=0.5)
+        CorrectionsConfig(engine_is_cap=0.5)
     with pytest.raises(ValueError, match=r"engine_is_cap=2.0 .* the 'hf' engine samples with"):
-        make_module(tiny_model_dir, loss=LossConfig(engine_is_cap=2.0, engine_is_mode="mask"))
+        make_module(
+            tiny_model_dir, corrections=CorrectionsConfig(engine_is_cap=2.0, engine_is_mode="mask")
+        )
     # in a process of its own the HF engine still samples with the snapshot's weights
     with pytest.raises(ValueError, match=r"the 'hf' engine \(in a process of its own\) samples"):
         make_module(
             tiny_model_dir,
             engine=EngineConfig(options={"process": True}),
-            loss=LossConfig(engine_is_cap=2.0),
+            corrections=CorrectionsConfig(engine_is_cap=2.0),
         )
 
 

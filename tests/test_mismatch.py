@@ -1,4 +1,4 @@
-"""Importance weights for a sampler apart from the trainer (``model.loss.engine_is_*``): each
+"""Importance weights for a sampler apart from the trainer (``model.corrections.engine_is_*``): each
 level and mode against a hand-computed case, what each logs, and the options' checks."""
 
 from __future__ import annotations
@@ -67,18 +67,18 @@ def test_a_sequence_whose_product_overflows_is_capped_or_masked_not_nan():
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"cap": 0.5}, "model.loss.engine_is_cap must be a finite number >= 1 (weights above it are truncated or masked), or null to switch the correction off; got 0.5"),
-        ({"cap": math.inf}, "model.loss.engine_is_cap must be a finite number >= 1 (weights above it are truncated or masked), or null to switch the correction off; got inf"),
-        ({"cap": float("1e400")}, "model.loss.engine_is_cap must be a finite number >= 1"),
-        ({"cap": math.nan}, "model.loss.engine_is_cap must be a finite number >= 1"),
-        ({"cap": True}, "model.loss.engine_is_cap must be a finite number >= 1"),
-        ({"cap": 2.0, "level": "batch"}, "model.loss.engine_is_level must be one of ['token', 'sequence']; got 'batch'"),
-        ({"cap": 2.0, "mode": "clip"}, "model.loss.engine_is_mode must be one of ['truncate', 'mask']; got 'clip'"),
-        ({"cap": 2.0, "mode": "mask", "floor": 1.5}, "model.loss.engine_is_floor must be in (0, 1] or null; got 1.5"),
-        ({"cap": 2.0, "floor": 0.5}, "model.loss.engine_is_floor=0.5 masks the ratios below it, so it needs model.loss.engine_is_mode 'mask'"),
-        ({"cap": None, "mode": "mask"}, "shape the weights of model.loss.engine_is_cap, which is null (off)"),
+        ({"cap": 0.5}, "model.corrections.engine_is_cap must be a finite number >= 1 (weights above it are truncated or masked), or null to switch the correction off; got 0.5"),
+        ({"cap": math.inf}, "model.corrections.engine_is_cap must be a finite number >= 1 (weights above it are truncated or masked), or null to switch the correction off; got inf"),
+        ({"cap": float("1e400")}, "model.corrections.engine_is_cap must be a finite number >= 1"),
+        ({"cap": math.nan}, "model.corrections.engine_is_cap must be a finite number >= 1"),
+        ({"cap": True}, "model.corrections.engine_is_cap must be a finite number >= 1"),
+        ({"cap": 2.0, "level": "batch"}, "model.corrections.engine_is_level must be one of ['token', 'sequence']; got 'batch'"),
+        ({"cap": 2.0, "mode": "clip"}, "model.corrections.engine_is_mode must be one of ['truncate', 'mask']; got 'clip'"),
+        ({"cap": 2.0, "mode": "mask", "floor": 1.5}, "model.corrections.engine_is_floor must be in (0, 1] or null; got 1.5"),
+        ({"cap": 2.0, "floor": 0.5}, "model.corrections.engine_is_floor=0.5 masks the ratios below it, so it needs model.corrections.engine_is_mode 'mask'"),
+        ({"cap": None, "mode": "mask"}, "shape the weights of model.corrections.engine_is_cap, which is null (off)"),
         ({"cap": None, "floor": 0.5}, "which is null (off); got engine_is_level='token', engine_is_mode='truncate', engine_is_floor=0.5; set the cap"),
-        ({"cap": 2.0, "mode": "mask", "floor": True}, "model.loss.engine_is_floor must be in (0, 1] or null; got True"),
+        ({"cap": 2.0, "mode": "mask", "floor": True}, "model.corrections.engine_is_floor must be in (0, 1] or null; got True"),
     ],
 )  # fmt: skip
 def test_option_mistakes_are_named(options, message):

@@ -104,9 +104,9 @@ def test_a_nan_figure_is_logged_as_nan_not_dropped():
     assert logged_clip_figures(clip_step(3, 0.0))["clip/approx_kl"] == 0.0
 
 
-def test_kl_end_asks_the_module_for_its_cache_and_never_sets_it(tmp_path, tiny_model_dir):
-    """Observers observe: a clipping module built without ``cache_old_distributions`` is refused
-    by the kl_end monitor in one line, and the monitor leaves the module's option as it found it."""
+def test_kl_end_asks_the_module_for_its_cache(tmp_path, tiny_model_dir):
+    """A clipping module caches the old distributions only once a reader asks; the kl_end and
+    kl_start monitors ask at the fit's set-up, and a monitor asking for neither leaves it be."""
     from lightning.pytorch import Trainer
 
     from lightning_troll.callbacks import TrustRegionMonitor
@@ -115,20 +115,20 @@ def test_kl_end_asks_the_module_for_its_cache_and_never_sets_it(tmp_path, tiny_m
     module = make_module(tiny_model_dir, objective="clip")
     assert module.cache_old_distributions is False
     trainer = Trainer(accelerator="cpu", logger=False, enable_checkpointing=False)
-    monitor = TrustRegionMonitor(kl_end=True)
-    with pytest.raises(ValueError, match="trust_region_monitor.kl_end reads the behaviour policy's "
-                       "sparse distributions.*cache_old_distributions=True"):  # fmt: skip
-        monitor.setup(trainer, module, "fit")
+    TrustRegionMonitor().setup(trainer, module, "fit")
     assert module.cache_old_distributions is False
-    asked = make_module(tiny_model_dir, objective="clip", cache_old_distributions=True)
-    monitor.setup(trainer, asked, "fit")
-    assert asked.cache_old_distributions is True
+    TrustRegionMonitor(kl_end=True).setup(trainer, module, "validate")
+    assert module.cache_old_distributions is False
+    for asked in ({"kl_end": True}, {"kl_start": True}):
+        module = make_module(tiny_model_dir, objective="clip")
+        TrustRegionMonitor(**asked).setup(trainer, module, "fit")
+        assert module.cache_old_distributions is True
 
 
-def test_the_command_line_links_kl_end_to_the_cache(tmp_path, monkeypatch, tiny_model_dir):
+def test_kl_end_on_the_command_line_caches_the_rows(tmp_path, monkeypatch, capsys, tiny_model_dir):
     """A clipping run with ``trust_region_monitor.kl_end`` or ``kl_start`` caches the old
-    distributions (and logs the KL at each rollout's end or start) without the user setting the
-    module's option."""
+    distributions (and logs the KL at each rollout's end or start) without a module option; an
+    option of the release that set it by hand is refused, naming the monitor's."""
     from lightning_troll.cli.command import run
     from tests.test_cli import ROOT, one_step
 
@@ -143,3 +143,10 @@ def test_the_command_line_links_kl_end_to_the_cache(tmp_path, monkeypatch, tiny_
     assert "trust_region/kl_end_mean" not in cli.trainer.callback_metrics
     cli = run([*args, "--model.objective", "clip"])
     assert cli.model.cache_old_distributions is False
+    with pytest.raises(SystemExit) as refused:
+        run([*args, "--model.cache_old_distributions", "true"])
+    assert refused.value.code == 2
+    assert (
+        "--model.cache_old_distributions is retired in 0.2.0: --trust_region_monitor.kl_end "
+        "and kl_start ask for what they read" in capsys.readouterr().err
+    )

@@ -137,6 +137,8 @@ def test_the_options_0_2_0_renamed_fold_into_their_records():
         "reward_workers": None,
         "reward_timeout": 5.0,
         "optimization": {"minibatch_size": 8},
+        "loss": {"importance": "sequence", "mask_truncated": True, "anchor": "proximal"},
+        "cache_old_distributions": True,
     }
     folded, moves = fold_renamed_options(old)
     assert folded == {
@@ -148,15 +150,45 @@ def test_the_options_0_2_0_renamed_fold_into_their_records():
         },
         "engine": {"name": "vllm", "options": {"kv_cache_gib": 1}, "behaviour_logprobs": "forward"},
         "reward_options": {"kwargs": {"overlong": {"buffer": 2}}, "on_error": "drop", "timeout": 5.0},
+        "loss": {"importance": "sequence"},
+        "corrections": {"mask_truncated": True, "anchor": "proximal"},
     }  # fmt: skip
-    assert len(moves) == 13 and "model.estimator -> model.advantages.estimator" in moves
-    assert set(RENAMED_OPTIONS) <= set(old)  # the test covers every rename
+    assert len(moves) == 16 and "model.estimator -> model.advantages.estimator" in moves
+    assert "model.loss.anchor -> model.corrections.anchor" in moves
+    assert any(m.startswith("model.cache_old_distributions (retired: ") for m in moves)
+    flat = {k for k in RENAMED_OPTIONS if "." not in k}
+    assert flat <= set(old)  # the test covers every flat rename (the dotted ones: below)
     again, none = fold_renamed_options(folded)
     assert again == folded and none == []  # a 0.2.0 section is left as it is
     records = {"optimization": OptimizationConfig(), "advantages": AdvantageConfig("rloo")}
     kept, _ = fold_renamed_options({**records, "seed": 3, "scale_rewards": "none"})
     assert kept["optimization"] == OptimizationConfig(seed=3)
     assert kept["advantages"] == AdvantageConfig("rloo", "none")
+
+
+def test_a_loss_record_of_an_older_checkpoint_gives_its_corrections_their_record():
+    """A ``LossConfig`` unpickled from a checkpoint written before the corrections had a record
+    of their own carries their fields beside its own: each moves into ``corrections`` (a record
+    stays a record), the loss keeps its fields, and a retired option stored false goes quietly."""
+    from lightning_troll.objectives import CorrectionsConfig, LossConfig
+    from lightning_troll.training.moved import CORRECTIONS, RENAMED_OPTIONS, fold_renamed_options
+
+    stored = LossConfig(entropy_coef=0.1)
+    values = {"mask_truncated": True, "engine_is_cap": 3.0, "engine_is_level": "sequence",
+              "engine_is_mode": "mask", "engine_is_floor": 0.5, "anchor": "proximal",
+              "anchor_is_cap": 4.0}  # fmt: skip
+    assert set(values) == set(CORRECTIONS)
+    assert {f"loss.{f}" for f in CORRECTIONS} <= set(RENAMED_OPTIONS)
+    vars(stored).update(values)  # as the unpickler sets an older record's state
+    model = {"loss": stored, "corrections": CorrectionsConfig(), "cache_old_distributions": False}
+    folded, moves = fold_renamed_options(model)
+    assert folded == {
+        "loss": LossConfig(entropy_coef=0.1),
+        "corrections": CorrectionsConfig(**values),
+    }
+    assert not set(CORRECTIONS) & set(vars(folded["loss"]))
+    assert len(moves) == 7
+    assert fold_renamed_options({"loss": LossConfig()}) == ({"loss": LossConfig()}, [])
 
 
 def test_a_config_of_0_1_runs_warned_and_an_old_flag_is_refused_naming_the_new(tmp_path, capsys):
@@ -199,5 +231,5 @@ def test_the_changelog_lists_every_renamed_option():
     from lightning_troll.training.moved import RENAMED_OPTIONS
 
     text = (ROOT / "CHANGELOG.md").read_text().split("### Renamed options", 1)[1]
-    rows = re.findall(r"^\| `model\.(\w+)` \| `model\.([\w.]+)` \|$", text, flags=re.M)
+    rows = re.findall(r"^\| `model\.([\w.]+)` \| `model\.([\w.]+)` \|$", text, flags=re.M)
     assert dict(rows) == RENAMED_OPTIONS

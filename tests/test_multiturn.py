@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from lightning_troll.engines.sampling import SamplingConfig
-from lightning_troll.objectives import LossConfig
+from lightning_troll.objectives import CorrectionsConfig
 from lightning_troll.rollouts.episodes import Episode
 from lightning_troll.rollouts.forward import response_logits
 from lightning_troll.rollouts.multiturn import episode_figures
@@ -426,7 +426,7 @@ def test_an_episode_counts_its_whole_response_against_the_budget(tiny_model_dir)
         tiny_model_dir,
         episodes=THREE_TURNS,
         rewards={"tests.reward_helpers:token_count": 1.0},
-        loss=LossConfig(mask_truncated=True),
+        corrections=CorrectionsConfig(mask_truncated=True),
     )
     batch = a_batch(tiny_model_dir)
     rollout, report = collect(module, batch)

@@ -387,14 +387,14 @@ def test_changed_options_name_real_changes_and_not_fields_newer_than_the_checkpo
     from lightning_troll.objectives.options import LossConfig
     from lightning_troll.training.checkpoints import changed_options
 
-    old = {k: v for k, v in dataclasses.asdict(LossConfig()).items() if k != "engine_is_cap"}
+    old = {k: v for k, v in dataclasses.asdict(LossConfig()).items() if k != "entropy_coef"}
     stored = {"loss": old, "group_size": 8, "_instantiator": "x"}
     same = {"loss": LossConfig(), "group_size": 8, "_instantiator": "y"}
     assert changed_options(same, stored) == []
-    assert changed_options({"loss": dict(old, engine_is_cap=None)}, stored) == []  # a plain dict
+    assert changed_options({"loss": dict(old, entropy_coef=None)}, stored) == []  # a plain dict
     assert changed_options({"group_size": 4}, stored) == ["model.group_size: 8 -> 4"]
-    (line,) = changed_options({"loss": LossConfig(engine_is_cap=2.0)}, stored)
-    assert line == "model.loss.engine_is_cap: (not stored) -> 2.0"
+    (line,) = changed_options({"loss": LossConfig(entropy_coef=0.01)}, stored)
+    assert line == "model.loss.entropy_coef: (not stored) -> 0.01"
     (line,) = changed_options({"loss": LossConfig(aggregation="seq_mean_token_mean")}, stored)
     assert line == f"model.loss.aggregation: {old['aggregation']!r} -> 'seq_mean_token_mean'"
     lines = changed_options({"loss": {"aggregation": old["aggregation"]}}, stored)  # some gone

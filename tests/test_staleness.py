@@ -115,15 +115,15 @@ class Anchors(Callback):
 def test_the_proximal_anchor_bounds_the_current_weights_and_weighs_the_stale_sampler(
     tmp_path, tiny_model_dir
 ):
-    """loss.anchor proximal with a sampler 2 versions behind: the old policy the objective sees
+    """corrections.anchor proximal with a sampler 2 versions behind: the old policy the objective sees
     is the current weights before the update (their log-probs and sparse rows), and each token's
     advantage carries min(p_proximal / p_behaviour, 2)."""
-    from lightning_troll.objectives import LossConfig
+    from lightning_troll.objectives import CorrectionsConfig
 
     anchors = Anchors()
     callbacks = [RolloutGeneration(log_samples=0), anchors, OldPolicyRefresh(max_staleness=2)]
     trainer = make_trainer(tmp_path, 4, callbacks=callbacks, limit_val_batches=0)
-    module = make_module(tiny_model_dir, loss=LossConfig(anchor="proximal"))
+    module = make_module(tiny_model_dir, corrections=CorrectionsConfig(anchor="proximal"))
     torch.manual_seed(0)
     trainer.fit(module, datamodule=make_data(tiny_model_dir))
     assert anchors.checked == 4
@@ -136,12 +136,14 @@ def test_the_proximal_pass_reads_the_policy_without_dropout(tmp_path, tiny_model
     dropout 0.5 and a sampler that is not stale, p_proximal = p_behaviour, so every weight is 1
     (in train mode dropout made them random)."""
     from lightning_troll.models.lora import LoraConfig
-    from lightning_troll.objectives import LossConfig
+    from lightning_troll.objectives import CorrectionsConfig
 
     callbacks = [RolloutGeneration(log_samples=0), OldPolicyRefresh()]
     trainer = make_trainer(tmp_path, 2, callbacks=callbacks, limit_val_batches=0)
     module = make_module(
-        tiny_model_dir, lora=LoraConfig(dropout=0.5), loss=LossConfig(anchor="proximal")
+        tiny_model_dir,
+        lora=LoraConfig(dropout=0.5),
+        corrections=CorrectionsConfig(anchor="proximal"),
     )
     torch.manual_seed(0)
     with pytest.warns(UserWarning, match="max_staleness=0"):  # nothing to correct, as here
@@ -152,12 +154,12 @@ def test_the_proximal_pass_reads_the_policy_without_dropout(tmp_path, tiny_model
 
 
 def test_anchor_mistakes_are_named():
-    from lightning_troll.objectives import LossConfig
+    from lightning_troll.objectives import CorrectionsConfig
 
     with pytest.raises(
-        ValueError, match=r"model.loss.anchor must be one of \['behaviour', 'proximal'\]"
+        ValueError, match=r"model.corrections.anchor must be one of \['behaviour', 'proximal'\]"
     ):
-        LossConfig(anchor="current")
+        CorrectionsConfig(anchor="current")
     for cap, shown in (
         (0.5, "0.5"),
         (float("inf"), "inf"),
@@ -166,16 +168,18 @@ def test_anchor_mistakes_are_named():
     ):
         with pytest.raises(
             ValueError,
-            match=rf"model.loss.anchor_is_cap must be a finite number >= 1; got {shown} ",
+            match=rf"model.corrections.anchor_is_cap must be a finite number >= 1; got {shown} ",
         ):
-            LossConfig(anchor="proximal", anchor_is_cap=cap)
+            CorrectionsConfig(anchor="proximal", anchor_is_cap=cap)
     with pytest.raises(
         ValueError,
-        match=r"model.loss.anchor_is_cap=5.0 caps the weight of model.loss.anchor 'proximal', "
+        match=r"model.corrections.anchor_is_cap=5.0 caps the weight of model.corrections.anchor 'proximal', "
         r"but the anchor is 'behaviour', which has no such weight",
     ):
-        LossConfig(anchor_is_cap=5.0)
-    assert LossConfig(anchor_is_cap=2.0).anchor == "behaviour"  # the default cap is no mistake
+        CorrectionsConfig(anchor_is_cap=5.0)
+    assert (
+        CorrectionsConfig(anchor_is_cap=2.0).anchor == "behaviour"
+    )  # the default cap is no mistake
 
 
 def test_the_proximal_anchor_is_refused_on_the_dense_support_before_the_model_loads(
@@ -184,27 +188,29 @@ def test_the_proximal_anchor_is_refused_on_the_dense_support_before_the_model_lo
     """The dense support reads the old logits from the snapshot (the stale sampler) in the loss
     pass, while the proximal anchor's old log-probs are the weights before the update: the loss
     would mix two old policies. Clipping has no support, so it takes the proximal anchor."""
-    from lightning_troll.objectives import LossConfig, TrustRegionConfig
+    from lightning_troll.objectives import CorrectionsConfig, TrustRegionConfig
     from lightning_troll.training import policies
 
     loaded = []
     monkeypatch.setattr(policies, "load_policy", lambda *a, **k: loaded.append(a))
-    dense, proximal = TrustRegionConfig(support="dense"), LossConfig(anchor="proximal")
+    dense, proximal = TrustRegionConfig(support="dense"), CorrectionsConfig(anchor="proximal")
     with pytest.raises(ValueError) as error:
-        make_module(tiny_model_dir, trust_region=dense, loss=proximal)
+        make_module(tiny_model_dir, trust_region=dense, corrections=proximal)
     assert str(error.value).startswith(
-        "model.loss.anchor='proximal' does not work with model.trust_region.support='dense': "
+        "model.corrections.anchor='proximal' does not work with model.trust_region.support='dense': "
     )
     assert "use model.trust_region.support 'union' or 'official'" in str(error.value)
-    assert "or model.loss.anchor 'behaviour'" in str(error.value)
+    assert "or model.corrections.anchor 'behaviour'" in str(error.value)
     assert not loaded, "the model was loaded before the options were refused"
     monkeypatch.undo()
-    for objective, trust_region, loss in (
-        ("troll", dense, LossConfig()),
+    for objective, trust_region, corrections in (
+        ("troll", dense, CorrectionsConfig()),
         ("troll", TrustRegionConfig(support="union"), proximal),
         ("clip", dense, proximal),
     ):
-        make_module(tiny_model_dir, objective=objective, trust_region=trust_region, loss=loss)
+        make_module(
+            tiny_model_dir, objective=objective, trust_region=trust_region, corrections=corrections
+        )
 
 
 @pytest.mark.parametrize(
@@ -226,15 +232,17 @@ def test_a_proximal_anchor_with_nothing_to_correct_is_warned(anchor, refresh, sn
     if why is None:
         assert message is None
     else:
-        assert message.startswith(f"model.loss.anchor='proximal' has nothing to correct: {why}")
+        assert message.startswith(
+            f"model.corrections.anchor='proximal' has nothing to correct: {why}"
+        )
 
 
 def test_the_idle_proximal_warning_comes_once_at_the_start(tmp_path, tiny_model_dir):
-    from lightning_troll.objectives import LossConfig
+    from lightning_troll.objectives import CorrectionsConfig
 
     callbacks = [RolloutGeneration(log_samples=0), OldPolicyRefresh()]
     trainer = make_trainer(tmp_path, 2, callbacks=callbacks, limit_val_batches=0)
-    module = make_module(tiny_model_dir, loss=LossConfig(anchor="proximal"))
+    module = make_module(tiny_model_dir, corrections=CorrectionsConfig(anchor="proximal"))
     with pytest.warns(UserWarning) as caught:
         trainer.fit(module, datamodule=make_data(tiny_model_dir))
     idle = [w for w in caught if "has nothing to correct" in str(w.message)]

@@ -281,13 +281,13 @@ def test_one_step_trap_is_named_with_the_options_that_change_it(
 def test_one_step_trap_under_the_proximal_anchor_names_only_what_helps(
     epochs, minibatch, every_n, stale, traps
 ):
-    """Under ``model.loss.anchor: proximal`` the old policy is the current weights before the
+    """Under ``model.corrections.anchor: proximal`` the old policy is the current weights before the
     rollout's update, so staleness and a lagging snapshot leave one step per rollout on-policy;
     the warning names only the options that change that."""
     message = one_step_trap(epochs, minibatch, 32, every_n, "troll", stale, "proximal")
     assert (message is not None) == traps
     if traps:
-        assert "model.loss.anchor='proximal'" in message
+        assert "model.corrections.anchor='proximal'" in message
         assert "model.optimization.minibatch_size below 32" in message
         assert "or model.optimization.epochs_per_rollout above 1" in message
         assert "every_n_rollouts above" not in message and "max_staleness" not in message
@@ -373,15 +373,14 @@ def test_kl_start_is_how_stale_the_data_is(tmp_path, tiny_model_dir, objective, 
     sampled by the weights it starts with (0); rollouts 2 and 3 by version 0, which the policy has
     left. Under the proximal anchor the old policy is the weights the rollout starts from: 0
     whatever the staleness (the stale sampler shows in rollout/proximal_is_weight_mean)."""
-    from lightning_troll.objectives import LossConfig
+    from lightning_troll.objectives import CorrectionsConfig
 
     module = make_module(
         tiny_model_dir,
         objective=objective,
-        loss=LossConfig(anchor=anchor),
+        corrections=CorrectionsConfig(anchor=anchor),
         optimization=OptimizationConfig(minibatch_size=8),
         optimizer=lambda params: torch.optim.AdamW(params, lr=3e-2),
-        cache_old_distributions=True,
     )
     seen = KLStart()
     callbacks = [
@@ -420,7 +419,6 @@ def test_kl_end_is_the_last_weights_against_the_behaviour_policy(
         objective=objective,
         optimization=OptimizationConfig(minibatch_size=8, logits_chunk_size=5),
         optimizer=lambda params: torch.optim.AdamW(params, lr=3e-2),
-        cache_old_distributions=True,
     )
     recorder = Recorder()
     callbacks = [
@@ -463,10 +461,11 @@ def test_kl_to_behaviour_is_zero_before_any_step(tiny_model_dir):
     data.setup("fit")
     batch = next(iter(data.train_dataloader()))
     assert module.collector.collect(batch)[0].old is None
-    with pytest.raises(ValueError, match="cache_old_distributions"):
+    with pytest.raises(ValueError, match="keep_old_distributions"):
         module.kl_to_behaviour(module.collector.collect(batch)[0])
-    module = make_module(tiny_model_dir, objective="clip", cache_old_distributions=True)
+    module.keep_old_distributions()  # the collector built before is built again, caching them
     rollout = module.collector.collect(batch)[0]
+    assert rollout.old is not None
     lumped, sampled = module.kl_to_behaviour(rollout)
     assert lumped.shape == sampled.shape == (int(rollout.response_mask.sum()),)
     assert lumped.abs().max() < 1e-5 and sampled.abs().max() < 1e-5
@@ -489,7 +488,8 @@ def test_drift_from_behaviour_gives_the_sampled_tokens_log_ratios(tiny_model_dir
     from lightning_troll.rollouts.drift import drift_from_behaviour
     from lightning_troll.rollouts.forward import response_logits
 
-    module = make_module(tiny_model_dir, objective="clip", cache_old_distributions=True)
+    module = make_module(tiny_model_dir, objective="clip")
+    module.keep_old_distributions()
     data = make_data(tiny_model_dir)
     data.setup("fit")
     rollout = module.collector.collect(next(iter(data.train_dataloader())))[0]

@@ -161,12 +161,6 @@ class TrollCLI(LightningCLI):
         parser.add_lightning_class_args(ConstraintMonitor, "constraint_monitor")
         parser.add_class_arguments(RolloutCheckpoint, "checkpoint", fail_untyped=False)
         parser.link_arguments("model.model", "data.tokenizer")
-        # what the monitor reads, the module computes: asked for through the module's option
-        parser.link_arguments(
-            ("trust_region_monitor.kl_end", "trust_region_monitor.kl_start"),
-            "model.cache_old_distributions",
-            compute_fn=_either,
-        )
         parser.set_defaults({"model.optimizer": DEFAULT_OPTIMIZER})
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
@@ -373,11 +367,6 @@ def main(args: list[str] | None = None) -> None:
     checkpoint = cli.checkpoint_callback
     if checkpoint is not None and checkpoint.stopped_by is not None:
         raise SystemExit(128 + int(checkpoint.stopped_by))
-
-
-def _either(*flags: bool) -> bool:
-    """Whether any of ``flags`` is set (a link's compute function)."""
-    return any(flags)
 
 
 if __name__ == "__main__":

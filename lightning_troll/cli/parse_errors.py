@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from lightning_troll.training.moved import RENAMED_OPTIONS
+from lightning_troll.training.moved import RENAMED_OPTIONS, RETIRED_OPTIONS
 
 __all__ = ["config_paths", "explain", "suggest"]
 
@@ -126,6 +126,9 @@ def _unknown_key(key: str, parser, files: Sequence[str], flag: bool) -> str:
             f"{dash}{key} is {dash}model.{RENAMED_OPTIONS[old]} since 0.2.0 (CHANGELOG.md, "
             "Renamed options)"
         )
+    if key.startswith("model.") and old in RETIRED_OPTIONS:
+        dash = "--" if flag else ""
+        return f"{dash}{key} is retired in 0.2.0: {dash}{RETIRED_OPTIONS[old]}"
     names = option_names(parser)
     close = suggest(key, names)
     hint = f"; did you mean {'--' if flag else ''}{close}?" if close else ""

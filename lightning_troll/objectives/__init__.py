@@ -26,7 +26,12 @@ from lightning_troll.objectives.aggregation import (
 )
 from lightning_troll.objectives.base import LossInputs, PolicyObjective, token_entropy
 from lightning_troll.objectives.clip import ClipObjective
-from lightning_troll.objectives.options import ClipConfig, LossConfig, TrustRegionConfig
+from lightning_troll.objectives.options import (
+    ClipConfig,
+    CorrectionsConfig,
+    LossConfig,
+    TrustRegionConfig,
+)
 from lightning_troll.objectives.registry import OBJECTIVES, build_objective, objective_from_records
 from lightning_troll.objectives.stats import ClipStats, ObjectiveStats, TrollStats
 from lightning_troll.objectives.troll import TrollObjective
@@ -40,6 +45,7 @@ __all__ = [
     "ClipConfig",
     "ClipObjective",
     "ClipStats",
+    "CorrectionsConfig",
     "LossConfig",
     "LossInputs",
     "ObjectiveStats",

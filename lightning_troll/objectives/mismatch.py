@@ -1,5 +1,5 @@
 """Importance weights for a sampler that is not the trainer: truncated or masked, per token or per
-sequence (``model.loss.engine_is_*``).
+sequence (``model.corrections.engine_is_*``).
 
 A rollout engine that samples apart from the trainer (vLLM) gives the sampled tokens slightly
 different probabilities than the trainer's snapshot does, so the rollout is a little off-policy.
@@ -12,7 +12,7 @@ With ``rho_t = pi_snapshot(y_t) / pi_engine(y_t)`` for each response token:
   its response tokens), one weight for every token of the completion.
 
 Each response token's advantage is multiplied by its weight. A masked token leaves the loss: it is
-taken out of the response mask, as ``loss.mask_truncated`` takes out a truncated completion, so it
+taken out of the response mask, as ``corrections.mask_truncated`` takes out a truncated completion, so it
 counts in no token count (Dr.GRPO's constant normaliser, B x ``norm_length``, still counts every
 sequence, as its definition does), gets no gradient from any term (the regression, the reference KL, the
 entropy bonus) and is left out of the trust-region figures. The options are checked by

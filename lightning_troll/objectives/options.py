@@ -1,5 +1,5 @@
-"""TrollModule's objective options: ``model.trust_region``, ``model.clip``, ``model.loss`` and
-``model.advantages``.
+"""TrollModule's objective options: ``model.trust_region``, ``model.clip``, ``model.loss``,
+``model.corrections`` and ``model.advantages``.
 
 Frozen records whose field docstrings become the command line's ``--help``; ``build_objective``
 turns them into an objective. Nothing here imports torch, Lightning or transformers.
@@ -19,6 +19,7 @@ __all__ = [
     "IS_MODES",
     "AdvantageConfig",
     "ClipConfig",
+    "CorrectionsConfig",
     "LossConfig",
     "TrustRegionConfig",
     "check_anchor",
@@ -103,6 +104,14 @@ class LossConfig:
     """Weight of a KL penalty to the initial policy (k3 estimator); 0 switches it off."""
     entropy_coef: float = 0.0
     """Weight of an entropy bonus; 0 switches it off."""
+
+
+@dataclass(frozen=True)
+class CorrectionsConfig:
+    """What the rollout corrects before either objective sees it (``model.corrections``): which
+    completions leave the loss, the weights for a sampler apart from the trainer, and the policy
+    the update is drawn around when the sampler is stale."""
+
     mask_truncated: bool = False
     """Leave completions that hit sampling.max_new_tokens without EOS (episodes: those the token
     budget cut off) out of the loss (TRL's mask_truncated_completions, DAPO's overlong
@@ -143,20 +152,20 @@ class LossConfig:
         )
         if self.anchor not in ANCHORS:
             raise ValueError(
-                f"model.loss.anchor must be one of {list(ANCHORS)}; got {self.anchor!r}"
+                f"model.corrections.anchor must be one of {list(ANCHORS)}; got {self.anchor!r}"
             )
         if not _finite_cap(self.anchor_is_cap):
             raise ValueError(
-                f"model.loss.anchor_is_cap must be a finite number >= 1; got {self.anchor_is_cap!r} "
+                f"model.corrections.anchor_is_cap must be a finite number >= 1; got {self.anchor_is_cap!r} "
                 "(the proximal-over-behaviour weight is always capped: a large cap such as 100 "
                 "hardly truncates it; 1 weighs every token at most 1)"
             )
         default = type(self).__dataclass_fields__["anchor_is_cap"].default
         if self.anchor == "behaviour" and self.anchor_is_cap != default:
             raise ValueError(
-                f"model.loss.anchor_is_cap={self.anchor_is_cap} caps the weight of "
-                "model.loss.anchor 'proximal', but the anchor is 'behaviour', which has no such "
-                "weight; set model.loss.anchor 'proximal' or leave the cap out"
+                f"model.corrections.anchor_is_cap={self.anchor_is_cap} caps the weight of "
+                "model.corrections.anchor 'proximal', but the anchor is 'behaviour', which has no such "
+                "weight; set model.corrections.anchor 'proximal' or leave the cap out"
             )
 
 
@@ -166,32 +175,36 @@ IS_MODES = ("truncate", "mask")
 
 
 def check_engine_is(cap: float | None, level: str, mode: str, floor: float | None) -> None:
-    """Refuses a combination of ``loss.engine_is_*`` options that cannot mean anything, in one
+    """Refuses a combination of ``corrections.engine_is_*`` options that cannot mean anything, in one
     line naming the option."""
     if cap is not None and not _finite_cap(cap):
         raise ValueError(
-            "model.loss.engine_is_cap must be a finite number >= 1 (weights above it are truncated or "
+            "model.corrections.engine_is_cap must be a finite number >= 1 (weights above it are truncated or "
             f"masked), or null to switch the correction off; got {cap!r}"
         )
     if level not in IS_LEVELS:
         raise ValueError(
-            f"model.loss.engine_is_level must be one of {list(IS_LEVELS)}; got {level!r}"
+            f"model.corrections.engine_is_level must be one of {list(IS_LEVELS)}; got {level!r}"
         )
     if mode not in IS_MODES:
-        raise ValueError(f"model.loss.engine_is_mode must be one of {list(IS_MODES)}; got {mode!r}")
+        raise ValueError(
+            f"model.corrections.engine_is_mode must be one of {list(IS_MODES)}; got {mode!r}"
+        )
     if cap is None and (level != "token" or mode != "truncate" or floor is not None):
         raise ValueError(
-            "model.loss.engine_is_level, engine_is_mode and engine_is_floor shape the weights of "
-            f"model.loss.engine_is_cap, which is null (off); got engine_is_level={level!r}, "
+            "model.corrections.engine_is_level, engine_is_mode and engine_is_floor shape the weights of "
+            f"model.corrections.engine_is_cap, which is null (off); got engine_is_level={level!r}, "
             f"engine_is_mode={mode!r}, engine_is_floor={floor!r}; set the cap"
         )
     if floor is not None:
         if isinstance(floor, bool) or not (isinstance(floor, int | float) and 0 < floor <= 1):
-            raise ValueError(f"model.loss.engine_is_floor must be in (0, 1] or null; got {floor!r}")
+            raise ValueError(
+                f"model.corrections.engine_is_floor must be in (0, 1] or null; got {floor!r}"
+            )
         if mode != "mask":
             raise ValueError(
-                f"model.loss.engine_is_floor={floor} masks the ratios below it, so it needs "
-                f"model.loss.engine_is_mode 'mask'; got {mode!r}"
+                f"model.corrections.engine_is_floor={floor} masks the ratios below it, so it needs "
+                f"model.corrections.engine_is_mode 'mask'; got {mode!r}"
             )
 
 
@@ -203,16 +216,16 @@ def _finite_cap(cap: object) -> bool:
 
 
 def check_anchor(objective: str, support: str, anchor: str) -> None:
-    """Refuses ``loss.anchor: proximal`` with TROLL's dense support: the dense projection reads
+    """Refuses ``corrections.anchor: proximal`` with TROLL's dense support: the dense projection reads
     the old logits from the snapshot (the stale sampler) in the loss pass, while the proximal
     anchor's old log-probs are the current weights' before the update, which are not kept
     during it; the loss would mix two old policies."""
     if objective == "troll" and support == "dense" and anchor == "proximal":
         raise ValueError(
-            "model.loss.anchor='proximal' does not work with model.trust_region.support='dense': "
+            "model.corrections.anchor='proximal' does not work with model.trust_region.support='dense': "
             "the dense projection recomputes the old logits from the sampler's snapshot in the "
             "loss pass, so it would bound the update around the stale sampler while the ratio's "
             "old log-probs are the proximal weights' (not kept during the update); use "
             "model.trust_region.support 'union' or 'official' with the proximal anchor, or "
-            "model.loss.anchor 'behaviour' with the dense support"
+            "model.corrections.anchor 'behaviour' with the dense support"
         )

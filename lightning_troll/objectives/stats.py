@@ -33,7 +33,7 @@ class ObjectiveStats:
     """(N,) importance ratio of each response token."""
     token_old_prob: Tensor
     """(N,) the old policy's probability of each sampled token (its confidence): the behaviour
-    policy's, or under ``model.loss.anchor: proximal`` the proximal policy's."""
+    policy's, or under ``model.corrections.anchor: proximal`` the proximal policy's."""
     token_advantage: Tensor
     """(N,) the advantage each response token is trained with."""
 

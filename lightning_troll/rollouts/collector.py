@@ -10,16 +10,16 @@
    (:mod:`lightning_troll.rollouts.multiturn`);
 2. **dynamic sampling** (when extra prompts are given): more rounds while any process has fewer
    informative groups than prompts, then the groups kept;
-3. the **loss mask**: dropped rewards and, with ``loss.mask_truncated``, truncated completions
+3. the **loss mask**: dropped rewards and, with ``corrections.mask_truncated``, truncated completions
    leave it;
 4. the **advantages** of the rewards (over the global batch, through ``advantages``);
 5. the **behaviour policy's** log-probs (and sparse rows) unless recorded while sampling, and the
    **reference policy's** log-probs when there is one;
 6. the **mismatch correction**: where the engine reports its own log-probs, their difference
-   from the trainer's, and with ``loss.engine_is_cap`` importance weights on the advantages
+   from the trainer's, and with ``corrections.engine_is_cap`` importance weights on the advantages
    (truncated or masked, per token or per sequence: :mod:`lightning_troll.objectives.mismatch`);
    masked tokens leave the loss mask;
-7. with ``loss.anchor: proximal`` (a stale sampler), the **proximal policy**: the current
+7. with ``corrections.anchor: proximal`` (a stale sampler), the **proximal policy**: the current
    weights' log-probs and sparse rows replace the sampler's as the old policy, and the
    advantages take the truncated proximal-over-behaviour weight.
 
@@ -45,7 +45,7 @@ from lightning_troll.models.sharding import gathered, is_sharded
 from lightning_troll.models.snapshots import evaluating
 from lightning_troll.objectives.advantages import overflow_problem
 from lightning_troll.objectives.mismatch import mismatch_weights
-from lightning_troll.objectives.options import LossConfig
+from lightning_troll.objectives.options import CorrectionsConfig
 from lightning_troll.rollouts.dynamic_sampling import choose_groups
 from lightning_troll.rollouts.multiturn import EpisodeSampler, episode_figures
 from lightning_troll.rollouts.rollout import Rollout, behaviour_outputs
@@ -71,7 +71,7 @@ def _this_process(flag: bool) -> bool:
 
 def engine_mismatch(
     engine: dict[str, float],
-    loss: LossConfig,
+    corrections: CorrectionsConfig,
     kept: Samples,
     response_mask: Tensor,
     advantages: Tensor,
@@ -79,24 +79,24 @@ def engine_mismatch(
 ) -> tuple[Tensor, dict[str, float], Tensor | None]:
     """The ``engine``'s figures with ``rollout/engine_logprob_diff`` added where it reports its
     own log-probs, the advantages weighted per token (``(B, T)``) by the importance weights of
-    ``loss.engine_is_*`` (:func:`mismatch_weights`; ``advantages`` as they are otherwise), and
+    ``corrections.engine_is_*`` (:func:`mismatch_weights`; ``advantages`` as they are otherwise), and
     with ``engine_is_mode: mask`` the response tokens that stay in the loss (None otherwise)."""
     if kept.engine_logprobs is None:
         return advantages, engine, None
     tokens = response_mask.sum().clamp_min(1)
     gap = (kept.engine_logprobs - old_logprobs).abs() * response_mask
     engine["rollout/engine_logprob_diff"] = float(gap.sum() / tokens)
-    if loss.engine_is_cap is None:
+    if corrections.engine_is_cap is None:
         return advantages, engine, None
     weights, stay, figures = mismatch_weights(
         old_logprobs - kept.engine_logprobs,
         response_mask,
-        loss.engine_is_cap,
-        loss.engine_is_level,
-        loss.engine_is_mode,
-        loss.engine_is_floor,
+        corrections.engine_is_cap,
+        corrections.engine_is_level,
+        corrections.engine_is_mode,
+        corrections.engine_is_floor,
     )
-    masked = stay if loss.engine_is_mode == "mask" else None
+    masked = stay if corrections.engine_is_mode == "mask" else None
     return advantages.unsqueeze(-1) * weights, {**engine, **figures}, masked
 
 
@@ -126,8 +126,8 @@ class RolloutCollector:
     sparsify_old: Callable[[Tensor, Tensor], SparseDistribution | None] = lambda logits, ids: None
     """The behaviour policy's sparse rows from its logits and the sampled tokens (TROLL), or
     None when nothing reads them."""
-    loss: LossConfig = LossConfig()
-    """``mask_truncated`` and ``engine_is_cap`` apply here."""
+    corrections: CorrectionsConfig = CorrectionsConfig()
+    """``model.corrections``: every one applies here."""
     behaviour_logprobs: str = "auto"
     """``model.engine.behaviour_logprobs``: record while sampling (``sampling``), recompute
     (``forward``), or choose by the weights' dtype (``auto``)."""
@@ -175,7 +175,7 @@ class RolloutCollector:
             parts = [s.select(g) for s, g in zip(rounds, groups, strict=True) if g.numel()]
             kept = Samples.cat(parts, self.pad_id)
         response_mask = kept.response_mask & kept.scored.valid.unsqueeze(-1)  # dropped rewards
-        if self.loss.mask_truncated:
+        if self.corrections.mask_truncated:
             response_mask = response_mask & ~kept.truncated.unsqueeze(-1)
         advantages = self.advantages(kept.rewards)
         problem = overflow_problem(kept.rewards, advantages)
@@ -184,7 +184,12 @@ class RolloutCollector:
         passes = clock(self.device)
         old_logprobs, old, ref_logprobs = self._teacher_forced(kept, response_mask)
         token_advantages, engine, masked = engine_mismatch(
-            dict(self.engine.figures()), self.loss, kept, response_mask, advantages, old_logprobs
+            dict(self.engine.figures()),
+            self.corrections,
+            kept,
+            response_mask,
+            advantages,
+            old_logprobs,
         )
         tokens = float(response_mask.sum())  # what the engine's rollout/ figures average over
         counts = dict.fromkeys([n for n in engine if n.startswith("rollout/")], tokens)
@@ -193,7 +198,7 @@ class RolloutCollector:
             response_mask = masked
             old_logprobs = old_logprobs * masked
             ref_logprobs = None if ref_logprobs is None else ref_logprobs * masked
-        if self.loss.anchor == "proximal":
+        if self.corrections.anchor == "proximal":
             old_logprobs, old, token_advantages, figures = self._proximal(
                 kept, response_mask, token_advantages, old_logprobs
             )
@@ -257,10 +262,10 @@ class RolloutCollector:
     def _proximal(
         self, kept: Samples, response_mask: Tensor, advantages: Tensor, behaviour: Tensor
     ) -> tuple[Tensor, SparseDistribution | None, Tensor, dict[str, float]]:
-        """``loss.anchor: proximal``: the current weights' log-probs and sparse rows (a
+        """``corrections.anchor: proximal``: the current weights' log-probs and sparse rows (a
         teacher-forced pass of the policy, before this rollout's update) become the old policy
         the objective bounds, and each token's advantage is weighted by
-        ``min(p_proximal / p_behaviour, loss.anchor_is_cap)``."""
+        ``min(p_proximal / p_behaviour, corrections.anchor_is_cap)``."""
         inputs = (kept.input_ids, kept.attention_mask, response_mask, self.sampling.temperature)
         share = self.share_prompts and not is_sharded(self.policy)
         with evaluating(self.policy) as policy:  # no dropout: the policy as the snapshot samples
@@ -269,7 +274,7 @@ class RolloutCollector:
             )
         # the same truncated weight as the engine's token-level correction, under its own names
         weights, _, engine_figures = mismatch_weights(
-            proximal - behaviour, response_mask, self.loss.anchor_is_cap
+            proximal - behaviour, response_mask, self.corrections.anchor_is_cap
         )
         figures = {k.replace("engine_is", "proximal_is"): v for k, v in engine_figures.items()}
         per_token = advantages if advantages.dim() == 2 else advantages.unsqueeze(-1)

@@ -29,7 +29,7 @@ __all__ = ["drift_from_behaviour", "kl_to_behaviour", "sampled_kl", "support_rul
 def support_rule(objective: nn.Module, trust_region) -> TrustRegionProjection:
     """The rule that chooses the sparse rows, ``model.trust_region``'s: TROLL's own projection,
     or for clipping one built from the same settings (clipping runs cache and measure the rows
-    with it when ``cache_old_distributions`` is on)."""
+    with it once a reader asks: ``TrollModule.keep_old_distributions``)."""
     projection = getattr(objective, "projection", None)
     if projection is not None:
         return projection
@@ -100,8 +100,9 @@ def drift_from_behaviour(
     the log-ratio ``log pi(o_t) - log pi_old(o_t)`` of the sampled token; ``(N,)`` each."""
     if rollout.old is None:
         raise ValueError(
-            "kl_to_behaviour needs the rollout's sparse old distributions: set "
-            "cache_old_distributions (clipping runs do not cache them otherwise)"
+            "kl_to_behaviour needs the rollout's sparse old distributions, which a clipping "
+            "run caches once asked: call TrollModule.keep_old_distributions() before the "
+            "rollout (trust_region_monitor.kl_end and kl_start ask for them)"
         )
     mask = rollout.response_mask
     tokens = rollout.tokens[mask]  # (N,)

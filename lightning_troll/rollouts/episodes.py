@@ -153,7 +153,7 @@ class Episode:
     @property
     def truncated(self) -> bool:
         """The token budget cut the episode off (``"max_tokens"`` or ``"no_room"``);
-        ``model.loss.mask_truncated`` leaves it out."""
+        ``model.corrections.mask_truncated`` leaves it out."""
         return self.end in ("max_tokens", "no_room")
 
 

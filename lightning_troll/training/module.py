@@ -10,8 +10,8 @@ from Lightning's hooks: the policies (:class:`~lightning_troll.training.policies
 pipeline over them (``collector``), the old policy's sparse rows and the global batch
 (:mod:`~lightning_troll.training.rollout_parts`), and what a checkpoint keeps beyond the weights
 (:class:`~lightning_troll.training.resume.ResumeState`). The option records
-live beside the code they configure (``TrustRegionConfig``, ``ClipConfig``, ``LossConfig`` and
-``AdvantageConfig`` in :mod:`~lightning_troll.objectives`, ``OptimizationConfig`` in
+live beside the code they configure (``TrustRegionConfig``, ``ClipConfig``, ``LossConfig``,
+``CorrectionsConfig`` and ``AdvantageConfig`` in :mod:`~lightning_troll.objectives`, ``OptimizationConfig`` in
 :mod:`~lightning_troll.training.optimization`, ``DynamicSamplingConfig`` in
 :mod:`~lightning_troll.rollouts.dynamic_sampling`, ``EngineConfig`` in
 :mod:`~lightning_troll.engines.base`) and are importable from here too; every one travels whole to
@@ -39,6 +39,7 @@ from lightning_troll.models.snapshots import SnapshotConfig
 from lightning_troll.models.weights import ties_an_adapted_embedding as tied_adapter
 from lightning_troll.objectives import (
     ClipConfig,
+    CorrectionsConfig,
     LossConfig,
     ObjectiveStats,
     PolicyObjective,
@@ -84,6 +85,7 @@ from lightning_troll.training.validation import (
 __all__ = [
     "AdvantageConfig",
     "ClipConfig",
+    "CorrectionsConfig",
     "DynamicSamplingConfig",
     "EngineConfig",
     "LossConfig",
@@ -126,6 +128,9 @@ class TrollModule(LightningModule):
         trust_region: TROLL's settings.
         clip: clipping's settings.
         loss: settings both objectives share.
+        corrections: what the rollout corrects before either objective sees it: truncated
+            completions masked, weights for an engine that samples apart from the trainer, the
+            policy the update is drawn around when the sampler is stale.
         advantages: the advantage estimator and the reward scale.
         group_size: completions per prompt (G).
         sampling: how the snapshot samples (temperature, top_p, top_k, max_new_tokens).
@@ -147,9 +152,6 @@ class TrollModule(LightningModule):
             The snapshot is then a second adapter and the reference policy the base model.
         engine: what samples the rollouts (``hf``, ``vllm`` or a ``RolloutEngine`` subclass),
             its options, and where the behaviour log-probs come from.
-        cache_old_distributions: cache the behaviour policy's sparse distributions in every
-            rollout with clipping too (TROLL always does), for what reads them (the trust-region
-            monitor's ``kl_end``); the command line sets it from ``trust_region_monitor.kl_end``.
         episodes: multi-turn episodes with tools or an environment (docs/own-task.md); null:
             one completion per sample.
     """
@@ -162,6 +164,7 @@ class TrollModule(LightningModule):
         trust_region: TrustRegionConfig = TrustRegionConfig(),
         clip: ClipConfig = ClipConfig(),
         loss: LossConfig = LossConfig(),
+        corrections: CorrectionsConfig = CorrectionsConfig(),
         advantages: AdvantageConfig = AdvantageConfig(),
         group_size: int = 8,
         sampling: SamplingConfig = SamplingConfig(),
@@ -174,7 +177,6 @@ class TrollModule(LightningModule):
         snapshot: SnapshotConfig = SnapshotConfig(),
         lora: LoraConfig | None = None,
         engine: EngineConfig = EngineConfig(),
-        cache_old_distributions: bool = False,
         episodes: EpisodesConfig | None = None,
     ) -> None:
         super().__init__()
@@ -184,16 +186,16 @@ class TrollModule(LightningModule):
         check_module_options(objective, advantages, group_size, engine)
         check_dynamic_sampling(dynamic_sampling, group_size)
         self.objective_name, self.group_size, self.sampling = objective, group_size, sampling
-        self.loss_config, self.engine_config = loss, engine
+        self.corrections, self.engine_config = corrections, engine
         self.optimization = optimization  # the minibatch loop's; callbacks read it too
         self.dynamic_sampling = dynamic_sampling
         self.scorer = _reward_scorer(rewards, reward_options, episodes)
         make = environment_factory(episodes) if episodes else None  # refused before the model
         self.objective: PolicyObjective = objective_from_records(
-            objective, trust_region, clip, loss, sampling.max_new_tokens
+            objective, trust_region, clip, loss, corrections, sampling.max_new_tokens
         )
         self.old_rows = OldRows(self.objective, trust_region)
-        self.cache_old_distributions = objective == "troll" or bool(cache_old_distributions)
+        self.cache_old_distributions = objective == "troll"  # clipping: keep_old_distributions
         self._optimizer_factory, self._scheduler_factory = optimizer, lr_scheduler
 
         self.policies = Policies(
@@ -207,7 +209,7 @@ class TrollModule(LightningModule):
         self.snapshot = self.policies.snapshot
         self.automatic_optimization = False
         context = EngineContext(model, dtype, self.tokenizer, lora, tied_adapter(self.policy))
-        self.engine = build_rollout_engine(engine.name, engine.options, context, loss)
+        self.engine = build_rollout_engine(engine.name, engine.options, context, corrections)
         self.global_batch = GlobalBatch(
             advantages.estimator, group_size, advantages.scale_rewards
         )  # fmt: skip
@@ -249,6 +251,14 @@ class TrollModule(LightningModule):
         self.policies.keep_frozen_in_eval()
         return self
 
+    def keep_old_distributions(self) -> None:
+        """Caches the behaviour policy's sparse distributions in every rollout, with clipping too
+        (TROLL always does): what a reader of them asks for before the first rollout (the
+        trust-region monitor's ``kl_end`` and ``kl_start``)."""
+        if not self.cache_old_distributions:
+            self.cache_old_distributions = True
+            self.__dict__.pop("collector", None)  # built again, caching them
+
     @cached_property
     def collector(self) -> RolloutCollector:
         """The rollout pipeline over this module's parts (built once, on first use)."""
@@ -257,7 +267,7 @@ class TrollModule(LightningModule):
             policy=self.policy, behaviour=policies.behaviour, engine=self.engine,
             scorer=self.scorer, decode=policies.decode, advantages=self.global_batch.advantages,
             sampling=self.sampling, group_size=self.group_size, pad_id=policies.pad_id,
-            stop_ids=policies.stop_ids, reference=policies.reference, loss=self.loss_config,
+            stop_ids=policies.stop_ids, reference=policies.reference, corrections=self.corrections,
             sparsify_old=self.old_rows.sparsify if cached else RolloutCollector.sparsify_old,
             behaviour_logprobs=self.engine_config.behaviour_logprobs,
             share_prompts=passes.share_prompts, logits_chunk_size=passes.logits_chunk_size,

@@ -16,7 +16,9 @@ No import of an old path works any more; what older runs wrote down still loads:
   ``model.advantages.estimator``, :data:`RENAMED_OPTIONS`): :func:`fold_renamed_options` moves
   them, in a config file as it is read and in a checkpoint's stored options, with a one-line
   warning for a config. The command line's own flags are not folded: an old one is refused,
-  naming its new place.
+  naming its new place. The rollout's corrections moved from ``model.loss`` into a record of their
+  own (``model.loss.anchor`` is ``model.corrections.anchor``), folded the same way; an option that
+  0.2.0 retired (:data:`RETIRED_OPTIONS`) is dropped.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ __all__ = [
     "MOVED_MODULES",
     "MOVED_RECORDS",
     "RENAMED_OPTIONS",
+    "RETIRED_OPTIONS",
     "allow_moved_records",
     "fold_moved_options",
     "fold_moved_paths",
@@ -231,6 +234,10 @@ def load_checkpoint_file(path: str | Path, **kwargs: Any) -> Any:
     return torch.load(path, weights_only=False, pickle_module=_FoldingPickle, **kwargs)
 
 
+CORRECTIONS = ("mask_truncated", "engine_is_cap", "engine_is_level", "engine_is_mode",
+               "engine_is_floor", "anchor", "anchor_is_cap")  # fmt: skip
+"""The fields ``model.loss`` held in 0.1 that ``model.corrections`` holds in 0.2.0."""
+
 RENAMED_OPTIONS: dict[str, str] = {
     "estimator": "advantages.estimator",
     "scale_rewards": "advantages.scale_rewards",
@@ -247,28 +254,69 @@ RENAMED_OPTIONS: dict[str, str] = {
     "on_reward_error": "reward_options.on_error",
     "reward_workers": "reward_options.workers",
     "reward_timeout": "reward_options.timeout",
+    **{f"loss.{field}": f"corrections.{field}" for field in CORRECTIONS},
 }
 """A ``model`` option of 0.1 -> its place in 0.2.0's records (``model.<section>.<field>``).
-``model.dynamic_sampling`` was a switch and is the record's ``enabled`` where it is one."""
+``model.dynamic_sampling`` was a switch and is the record's ``enabled`` where it is one; a dotted
+old name is a field that moved from one record to another."""
+
+RETIRED_OPTIONS: dict[str, str] = {
+    "cache_old_distributions": "trust_region_monitor.kl_end and kl_start ask for what they read"
+}
+"""A ``model`` option of 0.1 that 0.2.0 no longer takes -> what does its work now. A config's is
+dropped with a warning where it was set, a checkpoint's silently; a flag is refused."""
 
 
 def fold_renamed_options(model: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """A ``model`` section (a config's, or a checkpoint's stored hyper-parameters) with every
-    option of :data:`RENAMED_OPTIONS` moved into its record, and the moves made (``old ->
-    new``). A record found there (a module built in Python stores records) is replaced with the
-    field set; a dict is updated; an absent one becomes a dict. An old key stored as null (a
-    checkpoint of the release that kept the old reward keys beside their record) is dropped."""
+    option of :data:`RENAMED_OPTIONS` moved into its record and every one of
+    :data:`RETIRED_OPTIONS` dropped, and the moves made (``old -> new``). A record found there (a
+    module built in Python stores records) is replaced with the field set; a dict is updated; an
+    absent one becomes a dict. An old key stored as null (a checkpoint of the release that kept
+    the old reward keys beside their record) is dropped; so is a retired option, named among the
+    moves only where it was set (true)."""
     folded, moves = dict(model), []
     for old, new in RENAMED_OPTIONS.items():
-        if old not in folded or (old == "dynamic_sampling" and not isinstance(folded[old], bool)):
-            continue
-        value = folded.pop(old)
-        if value is None:
+        value = _take(folded, old)
+        if value is _ABSENT or value is None:
             continue
         section, field = new.split(".")
         folded[section] = _with_field(folded.get(section), field, value)
         moves.append(f"model.{old} -> model.{new}")
+    for old, instead in RETIRED_OPTIONS.items():
+        if folded.pop(old, None):
+            moves.append(f"model.{old} (retired: {instead})")
     return folded, moves
+
+
+_ABSENT = object()
+
+
+def _take(model: dict[str, Any], old: str) -> Any:
+    """Takes the option ``old`` out of ``model`` and returns it (``_ABSENT`` where it is not
+    there). A dotted ``old`` is a field of a record: of a dict, of a Namespace, or one that a
+    record unpickled from an older checkpoint still carries beside its fields now."""
+    if "." not in old:
+        if old not in model or (old == "dynamic_sampling" and not isinstance(model[old], bool)):
+            return _ABSENT
+        return model.pop(old)
+    name, field = old.split(".")
+    section = model.get(name)
+    if dataclasses.is_dataclass(section) and not isinstance(section, type):
+        own = {f.name for f in dataclasses.fields(section)}
+        if field in own or field not in vars(section):
+            return _ABSENT
+        kept = dataclasses.replace(section)  # the fields it has now
+        others = {k: v for k, v in vars(section).items() if k not in own and k != field}
+        vars(kept).update(others)  # old fields still to move
+        model[name] = kept
+        return vars(section)[field]
+    if hasattr(section, "as_dict"):  # a jsonargparse Namespace
+        section = section.as_dict()
+    if not isinstance(section, dict) or field not in section:
+        return _ABSENT
+    model[name] = {k: v for k, v in section.items() if k != field}
+    return section[field]
 
 
 def _with_field(section: Any, field: str, value: Any) -> Any:

@@ -28,7 +28,7 @@ from lightning_troll.engines.base import EngineConfig
 from lightning_troll.engines.sampling import SamplingConfig
 from lightning_troll.models.lora import LoraConfig
 from lightning_troll.models.snapshots import SnapshotConfig
-from lightning_troll.objectives import ClipConfig, LossConfig, TrustRegionConfig
+from lightning_troll.objectives import ClipConfig, CorrectionsConfig, LossConfig, TrustRegionConfig
 from lightning_troll.objectives.options import AdvantageConfig
 from lightning_troll.rollouts.dynamic_sampling import DynamicSamplingConfig
 from lightning_troll.tasks.environments.options import EpisodesConfig
@@ -49,6 +49,7 @@ CHECKPOINT_CONFIGS = (
     TrustRegionConfig,
     ClipConfig,
     LossConfig,
+    CorrectionsConfig,
     AdvantageConfig,
     DynamicSamplingConfig,
     EngineConfig,

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from lightning_troll.engines.base import EngineContext, RolloutEngine, build_engine
 from lightning_troll.engines.process import ProcessEngine
 from lightning_troll.models.lora import LoraConfig
-from lightning_troll.objectives import LossConfig
+from lightning_troll.objectives import CorrectionsConfig
 from lightning_troll.objectives.advantages import compute_advantages
 from lightning_troll.rollouts.drift import support_rule
 from lightning_troll.trust_region.projection import (
@@ -35,7 +35,7 @@ def build_rollout_engine(
     name: str,
     options: dict[str, Any] | None,
     context: EngineContext,
-    loss: LossConfig,
+    corrections: CorrectionsConfig,
 ) -> RolloutEngine:
     """The engine of ``model.engine.name`` (it starts on its first rollout)."""
     lora: LoraConfig | None = context.lora
@@ -59,13 +59,13 @@ def build_rollout_engine(
     engine = engine_in_a_process(name, context, options) or build_engine(name, context, options)
     in_process = isinstance(engine, ProcessEngine)
     with_snapshot = engine.inner_samples_with_snapshot if in_process else engine.records_behaviour
-    if loss.engine_is_cap is not None and with_snapshot:
+    if corrections.engine_is_cap is not None and with_snapshot:
         where = " (in a process of its own)" if in_process else ""
         raise ValueError(
-            f"model.loss.engine_is_cap={loss.engine_is_cap} corrects for an engine that samples "
+            f"model.corrections.engine_is_cap={corrections.engine_is_cap} corrects for an engine that samples "
             f"apart from the snapshot, but the {name!r} engine{where} samples with the "
             "snapshot's weights and reports no log-probs of its own; set it to null, or use "
-            "engine.name 'vllm'"
+            "engine.name 'vllm' or 'vllm_server'"
         )
     return engine
 

@@ -27,7 +27,7 @@ def record(arm, objective, seed, accuracy=(0.5, 0.5), kl=0.0):
 def test_each_arm_sets_its_staleness_anchor_and_steps():
     args = dict(zip(*[iter(study.arm_args("s4-proximal", 8))] * 2, strict=True))
     assert args["--old_policy.max_staleness"] == "4"
-    assert args["--model.loss.anchor"] == "proximal"
+    assert args["--model.corrections.anchor"] == "proximal"
     assert args["--model.optimization.minibatch_size"] == "8"  # 64 sequences in 8 steps
     assert args["--trust_region_monitor.kl_start"] == "true"
     steps32 = dict(zip(*[iter(study.arm_args("steps32", 8))] * 2, strict=True))

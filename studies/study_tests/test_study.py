@@ -222,7 +222,7 @@ def test_a_fair_run_trains_with_its_clip_range_and_steps(tmp_path):
     assert done.trainer.global_step == 4  # 16 sequences in 4 minibatches, one rollout
     objective = done.model.objective
     assert (objective.eps_low, objective.eps_high) == pytest.approx((3e-4, 4e-4), rel=1e-12)
-    assert done.model.loss_config.importance == "sequence"  # the GSPO preset
+    assert done.model.objective.importance == "sequence"  # the GSPO preset
 
 
 def test_a_stress_run_trains_at_its_learning_rate(tmp_path):
