@@ -113,6 +113,34 @@ def test_a_bad_engine_is_refused_with_the_option_named(name, message):
     assert message in str(error.value)
 
 
+class OldSignature(HFEngine):
+    """An engine written against 0.1's ``generate``: the request's fields one by one."""
+
+    def generate(self, snapshot, prompt_ids, group_size, sampling, pad_id, stop_ids,
+                 recorder=None, budgets=None):  # fmt: skip
+        raise AssertionError("never called: the engine is refused when it is named")
+
+
+def test_an_engine_written_against_the_old_generate_is_refused_before_the_model_loads():
+    """The checks made before anything loads (and every build of the engine, in a process of
+    its own too) refuse it in one line that says how to write ``generate`` now."""
+    from lightning_troll.engines.process import ProcessEngine
+
+    name = "tests.test_engines:OldSignature"
+    fix = "write it as generate(self, snapshot, request, recorder=None)"
+    with pytest.raises(ValueError, match=r"model\.engine\.name='tests\.test_engines:Old") as error:
+        check_module_options("troll", AdvantageConfig(), 8, EngineConfig(name))
+    message = str(error.value)
+    assert "\n" not in message and fix in message and "CHANGELOG.md" in message
+    assert "tests.test_engines.OldSignature.generate takes prompt_ids" in message
+    context = EngineContext("tinymath", "float32", None)
+    with pytest.raises(ValueError, match=re.escape(fix)):
+        build_engine(name, context)
+    with pytest.raises(ValueError, match=re.escape(fix)):
+        ProcessEngine(context, inner=name)
+    assert engine_class("tests.test_engines:CountingEngine") is CountingEngine  # *args: accepted
+
+
 def test_a_request_keeps_its_fields_as_tuples_and_is_equal_to_the_same_request():
     from lightning_troll.engines.sampling import SamplingConfig
 

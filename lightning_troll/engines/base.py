@@ -27,6 +27,7 @@ length (left padded), T response length (right padded).
 from __future__ import annotations
 
 import importlib
+import inspect
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -199,7 +200,8 @@ ENGINES = {"hf": "lightning_troll.engines.hf:HFEngine",
 
 def engine_class(name: str) -> type[RolloutEngine]:
     """The engine class named by ``model.engine.name``: a built-in name or an import path
-    ``package.module:Class`` / ``package.module.Class``. Raises ``ValueError`` naming the option."""
+    ``package.module:Class`` / ``package.module.Class``. Raises ``ValueError`` naming the option,
+    also for an engine whose ``generate`` takes 0.1's arguments (:func:`_check_generate`)."""
     path = ENGINES.get(name, name)
     module_name, _, attribute = path.rpartition(":") if ":" in path else path.rpartition(".")
     if not module_name or not attribute:
@@ -220,8 +222,21 @@ def engine_class(name: str) -> type[RolloutEngine]:
             f"{'missing' if cls is None else 'not a RolloutEngine subclass'}; an engine "
             "subclasses lightning_troll.engines.base.RolloutEngine"
         )
+    _check_generate(cls, name)
     cls.check_installed()
     return cls
+
+
+def _check_generate(cls: type[RolloutEngine], name: str) -> None:
+    """Refuses an engine whose ``generate`` takes 0.1's arguments (``prompt_ids``, ``group_size``,
+    ... one by one) instead of one :class:`SampleRequest`."""
+    if "prompt_ids" in inspect.signature(cls.generate).parameters:
+        raise ValueError(
+            f"model.engine.name={name!r}: {cls.__module__}.{cls.__qualname__}.generate takes "
+            "prompt_ids, group_size, ... one by one, as before 0.2.0; write it as "
+            "generate(self, snapshot, request, recorder=None), reading them from request, a "
+            "lightning_troll.engines.base.SampleRequest (CHANGELOG.md)"
+        )
 
 
 @dataclass(frozen=True)
