@@ -10,7 +10,7 @@ Both ways run the same episodes' prompts through
 :func:`~lightning_troll.rollouts.episodes.run_episodes` with the HF engine, as the game trains
 (``examples/feedback_game/task.yaml``: the ``Scored`` environment, its turn limit, token budget
 and temperature), each repeat from the same seed, the ways alternating. "largest" is the HF engine
-written without ``budgets``, which the turn loop then asks for the largest room of the batch.
+ignoring the request's ``budgets``: it samples every turn up to the largest room of the batch.
 Both draw episodes from the same distribution with other random draws, so their episodes differ.
 Printed per way, summed over a repeat's episodes (medians over the repeats): the tokens the model
 sampled (a row of a decoding step each), the model tokens the episodes kept, the decoding steps
@@ -25,6 +25,7 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -42,8 +43,8 @@ FIGURES = ("sampled", "kept", "steps", "seconds")
 
 
 def ways() -> dict[str, type]:
-    """The two engines: the HF engine, and the same engine written without ``budgets``; each
-    counts the tokens it samples and its decoding steps."""
+    """The two engines: the HF engine, and the same engine ignoring the request's ``budgets``;
+    each counts the tokens it samples and its decoding steps."""
     from lightning_troll.engines.hf import HFEngine
 
     class Counting(HFEngine):
@@ -55,16 +56,13 @@ def ways() -> dict[str, type]:
             return out
 
     class OwnRooms(Counting):
-        def generate(self, snapshot, prompt_ids, group_size, sampling, pad_id, stop_ids,
-                     recorder=None, budgets=None):  # fmt: skip
-            return self.counted(super().generate(snapshot, prompt_ids, group_size, sampling,
-                                                 pad_id, stop_ids, recorder, budgets))  # fmt: skip
+        def generate(self, snapshot, request, recorder=None):
+            return self.counted(super().generate(snapshot, request, recorder))
 
     class Largest(Counting):
-        def generate(self, snapshot, prompt_ids, group_size, sampling, pad_id, stop_ids,
-                     recorder=None):  # fmt: skip
-            return self.counted(super().generate(snapshot, prompt_ids, group_size, sampling,
-                                                 pad_id, stop_ids, recorder))  # fmt: skip
+        def generate(self, snapshot, request, recorder=None):
+            everyone = replace(request, budgets=None)  # each prompt up to the largest room
+            return self.counted(super().generate(snapshot, everyone, recorder))
 
     return {"own rooms": OwnRooms, "largest": Largest}
 

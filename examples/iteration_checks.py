@@ -82,11 +82,12 @@ def engine_ways(model, model_dir, tokenizer, stops, max_new_tokens) -> dict:
     (its start-up and first weight push happen here, before any timing)."""
     from importlib.util import find_spec
 
-    from lightning_troll.engines.base import EngineContext, build_engine
+    from lightning_troll.engines.base import EngineContext, SampleRequest, build_engine
     from lightning_troll.engines.sampling import SamplingConfig
 
     sampling = SamplingConfig(temperature=TEMPERATURE, max_new_tokens=max_new_tokens)
     prompts = chat_prompt_ids(tokenizer)
+    request = SampleRequest(prompts, GROUP, sampling, tokenizer.pad_token_id, stops)
     context = EngineContext(model_dir, "float32", tokenizer)
     names = {"hf": "HF engine (model.engine.name: hf)"}
     if find_spec("vllm") is not None:
@@ -97,7 +98,7 @@ def engine_ways(model, model_dir, tokenizer, stops, max_new_tokens) -> dict:
         engine.load_weights(model)
 
         def run(engine=engine) -> int:
-            made = engine.generate(model, prompts, GROUP, sampling, tokenizer.pad_token_id, stops)
+            made = engine.generate(model, request)
             return int(made.response_mask.sum())
 
         ways[label] = run

@@ -11,6 +11,7 @@ import torch
 from lightning.pytorch import Callback
 
 from lightning_troll.callbacks import OldPolicyRefresh, RolloutGeneration
+from lightning_troll.engines.base import SampleRequest
 from lightning_troll.engines.hf import HFEngine
 from lightning_troll.engines.process import ProcessEngine, fingerprint
 from lightning_troll.models.weights import full_weights
@@ -32,13 +33,14 @@ def test_the_engine_apart_samples_what_the_engine_here_samples(tiny_model_dir):
     engine = engine_in_a_process("hf", module.engine.context, {"process": True})
     assert isinstance(engine, ProcessEngine) and not engine.records_behaviour
 
-    def both(seed: int, **budgets):
+    def both(seed: int, budgets=None):
+        request = SampleRequest(prompts, *options, budgets=budgets)
         torch.manual_seed(seed)
-        got = engine.generate(snapshot, prompts, *options, **budgets)
+        got = engine.generate(snapshot, request)
         torch.manual_seed(seed)
         seed = int(torch.randint(0, 2**63 - 1, ()))  # what the request drew
         torch.manual_seed(seed)
-        here = HFEngine(module.engine.context).generate(snapshot, prompts, *options, **budgets)
+        here = HFEngine(module.engine.context).generate(snapshot, request)
         for name in ("input_ids", "attention_mask", "response_mask", "truncated"):
             assert torch.equal(getattr(got, name), getattr(here, name)), name
         return got
@@ -53,7 +55,7 @@ def test_the_engine_apart_samples_what_the_engine_here_samples(tiny_model_dir):
         # new weights: the next sample is theirs
         changed = {k: v + 0.01 for k, v in weights_of(snapshot).items()}
         engine.push(changed, torch.device("cpu"))
-        engine.generate(snapshot, prompts, *options)
+        engine.generate(snapshot, SampleRequest(prompts, *options))
         assert engine.last_fingerprint == fingerprint(changed)
     finally:
         engine.close()

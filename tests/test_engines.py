@@ -4,6 +4,8 @@ weights an engine takes (LoRA merged, int8 dequantised, tied heads)."""
 from __future__ import annotations
 
 import copy
+import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -13,6 +15,7 @@ from lightning_troll.engines.base import (
     EngineContext,
     Generation,
     RolloutEngine,
+    SampleRequest,
     build_engine,
     engine_class,
 )
@@ -51,21 +54,22 @@ class CountingEngine(HFEngine):
         return {"engine/calls": float(self.generated)}
 
 
-class WithoutBudgets(HFEngine):
-    """An engine whose ``generate`` takes no ``budgets``, as one written before them."""
+class IgnoresBudgets(HFEngine):
+    """An engine that ignores the request's ``budgets``: it samples every prompt up to
+    ``sampling.max_new_tokens``."""
 
-    def generate(self, snapshot, prompt_ids, group_size, sampling, pad_id, stop_ids, recorder=None):
-        self.asked = sampling.max_new_tokens
-        return super().generate(snapshot, prompt_ids, group_size, sampling, pad_id, stop_ids)
+    def generate(self, snapshot, request, recorder=None):
+        self.asked = request.sampling.max_new_tokens
+        return super().generate(snapshot, replace(request, budgets=None), recorder)
 
 
-@pytest.mark.parametrize("engine_class", [HFEngine, CountingEngine, WithoutBudgets])
-def test_a_turn_is_sampled_up_to_its_episodes_room_where_the_engine_takes_budgets(engine_class):
-    """Rooms of 2, 7 and 4 tokens, and a stop the model cannot write: an engine that takes
-    ``budgets`` (the built-in ones, one that passes ``**kwargs`` on) samples each context up to
-    its own room; one written without them is asked for the largest room for every context (and
-    the episode cuts each turn to its room)."""
-    from lightning_troll.engines.base import budgets_for, takes_budgets
+@pytest.mark.parametrize("engine_class", [HFEngine, CountingEngine, IgnoresBudgets])
+def test_a_turn_is_sampled_up_to_its_episodes_room_where_the_engine_reads_budgets(engine_class):
+    """Rooms of 2, 7 and 4 tokens, and a stop the model cannot write: an engine that reads
+    ``request.budgets`` (the built-in ones, one that passes the request on) samples each context
+    up to its own room; one that ignores them is asked for the largest room for every context,
+    and the episode cuts each turn to its room (``tests/test_episodes.py``: a turn sampled up to
+    the largest room and cut is the turn sampled up to its own)."""
     from lightning_troll.engines.sampling import SamplingConfig
     from lightning_troll.rollouts.episodes import Stops
     from lightning_troll.rollouts.multiturn import EngineTurns
@@ -77,14 +81,10 @@ def test_a_turn_is_sampled_up_to_its_episodes_room_where_the_engine_takes_budget
     rooms = [2, 7, 4]
     out = turns([[1, 5, 9], [3, 4], [8]], rooms, Stops((32,)))  # 32: outside the vocabulary
     lengths = [len(turn.token_ids) for turn in out]
-    assert budgets_for(engine, None) == {}
-    if engine_class is WithoutBudgets:
-        assert not takes_budgets(engine) and engine.asked == 7
-        assert budgets_for(engine, rooms) == {}
+    if engine_class is IgnoresBudgets:
+        assert engine.asked == 7
         assert lengths == [7, 7, 7]
     else:
-        assert takes_budgets(engine)
-        assert budgets_for(engine, (2, 7, 4)) == {"budgets": rooms}  # a list, as a request sends
         assert lengths == rooms
 
 
@@ -111,6 +111,70 @@ def test_a_bad_engine_is_refused_with_the_option_named(name, message):
     with pytest.raises(ValueError, match="model.engine.name") as error:
         check_module_options("troll", AdvantageConfig(), 8, EngineConfig(name))
     assert message in str(error.value)
+
+
+class OldSignature(HFEngine):
+    """An engine written against 0.1's ``generate``: the request's fields one by one."""
+
+    def generate(self, snapshot, prompt_ids, group_size, sampling, pad_id, stop_ids,
+                 recorder=None, budgets=None):  # fmt: skip
+        raise AssertionError("never called: the engine is refused when it is named")
+
+
+def test_an_engine_written_against_the_old_generate_is_refused_before_the_model_loads():
+    """The checks made before anything loads (and every build of the engine, in a process of
+    its own too) refuse it in one line that says how to write ``generate`` now."""
+    from lightning_troll.engines.process import ProcessEngine
+
+    name = "tests.test_engines:OldSignature"
+    fix = "write it as generate(self, snapshot, request, recorder=None)"
+    with pytest.raises(ValueError, match=r"model\.engine\.name='tests\.test_engines:Old") as error:
+        check_module_options("troll", AdvantageConfig(), 8, EngineConfig(name))
+    message = str(error.value)
+    assert "\n" not in message and fix in message and "CHANGELOG.md" in message
+    assert "tests.test_engines.OldSignature.generate takes prompt_ids" in message
+    context = EngineContext("tinymath", "float32", None)
+    with pytest.raises(ValueError, match=re.escape(fix)):
+        build_engine(name, context)
+    with pytest.raises(ValueError, match=re.escape(fix)):
+        ProcessEngine(context, inner=name)
+    assert engine_class("tests.test_engines:CountingEngine") is CountingEngine  # *args: accepted
+
+
+def test_a_request_keeps_its_fields_as_tuples_and_is_equal_to_the_same_request():
+    from lightning_troll.engines.sampling import SamplingConfig
+
+    sampling = SamplingConfig(max_new_tokens=6)
+    request = SampleRequest([[1, 2], [3]], 2, sampling, 0, [7, 8], budgets=[6, 1])
+    assert request.prompt_ids == ((1, 2), (3,)) and request.stop_ids == (7, 8)
+    assert request.budgets == (6, 1) and request.each_budget == (6, 1)
+    assert request == SampleRequest(((1, 2), (3,)), 2, sampling, 0, (7, 8), (6, 1))
+    assert request != replace(request, budgets=None)
+    assert SampleRequest([[1], [2], [3]], 1, sampling, 0, [7]).each_budget == (6, 6, 6)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        (
+            {"budgets": [3]},
+            "budgets must be 2 integers (one per prompt) from 1 to max_new_tokens 6",
+        ),
+        ({"budgets": [3, 0]}, "budgets must be 2 integers"),
+        ({"budgets": [3, 7]}, "from 1 to max_new_tokens 6; got [3, 7]"),
+        ({"budgets": [3, True]}, "budgets must be 2 integers"),
+        ({"budgets": [3, 2.0]}, "budgets must be 2 integers"),
+        ({"group_size": 0}, "group_size must be an integer >= 1; got 0"),
+        ({"group_size": True}, "group_size must be an integer >= 1; got True"),
+    ],
+)
+def test_a_request_is_checked_when_it_is_built(changes, message):
+    from lightning_troll.engines.sampling import SamplingConfig
+
+    fields = {"prompt_ids": [[1, 2], [3]], "group_size": 2, "sampling": SamplingConfig(
+        max_new_tokens=6), "pad_id": 0, "stop_ids": [7]}  # fmt: skip
+    with pytest.raises(ValueError, match=re.escape(message)):
+        SampleRequest(**{**fields, **changes})
 
 
 @pytest.mark.skipif(vllm_available(), reason="vLLM is installed here")
@@ -228,12 +292,12 @@ class ShiftedEngine(HFEngine):
     name = "shifted"
     records_behaviour = False
 
-    def generate(self, snapshot, prompt_ids, group_size, sampling, pad_id, stop_ids, recorder=None):
+    def generate(self, snapshot, request, recorder=None):
         from lightning_troll.rollouts.forward import behaviour_outputs
 
-        g = super().generate(snapshot, prompt_ids, group_size, sampling, pad_id, stop_ids)
+        g = super().generate(snapshot, request)
         true, _ = behaviour_outputs(
-            snapshot, g.input_ids, g.attention_mask, g.response_mask, sampling.temperature,
+            snapshot, g.input_ids, g.attention_mask, g.response_mask, request.sampling.temperature,
             None, None, False,
         )  # fmt: skip
         return Generation(*[getattr(g, f) for f in ("input_ids", "attention_mask", "response_mask",
@@ -405,15 +469,13 @@ def test_a_vllm_request_samples_up_to_its_prompts_own_budget(monkeypatch):
     engine = VLLMEngine.__new__(VLLMEngine)
     engine._llm, engine.stale, engine._figures = SeededLLM(), False, {}
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=6)
-    out = engine.generate(
-        torch.nn.Linear(2, 2), [[1, 2, 3], [4], [6, 7]], 2, sampling, 5, [5], budgets=[2, 6, 4]
-    )  # SeededLLM writes tokens 10 to 999: 5, the pad, is a stop it never writes
+    request = SampleRequest([[1, 2, 3], [4], [6, 7]], 2, sampling, 5, [5], budgets=[2, 6, 4])
+    out = engine.generate(torch.nn.Linear(2, 2), request)
+    # SeededLLM writes tokens 10 to 999: 5, the pad, is a stop it never writes
     assert out.response_mask.sum(-1).tolist() == [2, 2, 6, 6, 4, 4]
     assert out.truncated.all()
     assert out.logprobs[out.response_mask].eq(-1.0).all()
     assert out.logprobs[~out.response_mask].eq(0.0).all()
-    with pytest.raises(ValueError, match=r"budgets must be 3 integers"):
-        engine.generate(torch.nn.Linear(2, 2), [[1], [2], [3]], 1, sampling, 5, [5], budgets=[7])
 
 
 def test_every_request_and_completion_of_a_vllm_call_samples_from_a_seed_of_its_own(monkeypatch):
@@ -435,7 +497,7 @@ def test_every_request_and_completion_of_a_vllm_call_samples_from_a_seed_of_its_
 
     def sample(group: int) -> Generation:
         torch.manual_seed(11)
-        return engine.generate(snapshot, prompts, group, sampling, 0, [999])
+        return engine.generate(snapshot, SampleRequest(prompts, group, sampling, 0, [999]))
 
     first = sample(2)
     rows = {tuple(row.tolist()) for row in first.input_ids}

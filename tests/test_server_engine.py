@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_troll.engines.base import EngineContext, build_engine
+from lightning_troll.engines.base import EngineContext, SampleRequest, build_engine
 from lightning_troll.engines.process import EngineDied
 from lightning_troll.engines.sampling import SamplingConfig
 from lightning_troll.engines.server_http import ServerDown, free_port
@@ -109,6 +109,11 @@ def engine_for(addresses, **options):
 SAMPLING = SamplingConfig(max_new_tokens=4)
 
 
+def asked(prompts, group, pad_id=TOKENIZER.pad_token_id):
+    """The request of ``group`` completions of each prompt, 4 tokens at most, ended by EOS."""
+    return SampleRequest(prompts, group, SAMPLING, pad_id, (EOS,))
+
+
 def test_prompts_are_split_evenly_in_order():
     assert split_evenly(10, 3) == [0] * 4 + [1] * 3 + [2] * 3
     assert split_evenly(2, 3) == [0, 1]
@@ -120,7 +125,7 @@ def test_two_servers_share_a_rollout_and_tag_it_with_the_version_pushed(stand_in
     engine = engine_for([s.address for s in stand_ins], push_dir=str(tmp_path))
     prompts = [[1, 5], [1, 6], [1, 7], [1, 8], [1, 9]]
     torch.manual_seed(0)
-    generation = engine.generate(policy, prompts, 2, SAMPLING, TOKENIZER.pad_token_id, [EOS])
+    generation = engine.generate(policy, asked(prompts, 2))
     # the first 3 prompts went to the first server, the last 2 to the second, as token ids
     assert sorted(r["prompt"] for r in stand_ins[0].requests) == prompts[:3]  # sent at once:
     assert sorted(r["prompt"] for r in stand_ins[1].requests) == prompts[3:]  # in any order
@@ -141,7 +146,7 @@ def test_two_servers_share_a_rollout_and_tag_it_with_the_version_pushed(stand_in
     assert engine.version == 1 and engine.last_versions == [1] * 10
     assert engine.last_fingerprint is not None
     engine.stale = True  # a refresh: the next rollout pushes version 2 first
-    engine.generate(policy, prompts[:2], 2, SAMPLING, TOKENIZER.pad_token_id, [EOS])
+    engine.generate(policy, asked(prompts[:2], 2))
     assert engine.last_versions == [2] * 4 and [s.version for s in stand_ins] == ["2", "2"]
     assert not stand_ins[0].reloads[0][0].exists()  # the older version's folder is removed
     engine.close()
@@ -152,8 +157,8 @@ def test_the_next_rollout_is_sampled_ahead_and_taken_when_it_is_asked_for(stand_
     engine = engine_for([s.address for s in stand_ins], push_dir=str(tmp_path))
     engine.load_weights(policy)
     prompts = [[1, 5], [1, 6]]
-    engine.submit(prompts, 3, SAMPLING, TOKENIZER.pad_token_id, [EOS])
-    engine.generate(policy, prompts, 3, SAMPLING, TOKENIZER.pad_token_id, [EOS])
+    engine.submit(asked(prompts, 3))
+    engine.generate(policy, asked(prompts, 3))
     assert engine.figures()["engine/server_prefetched"] == 1.0
     assert sum(len(s.requests) for s in stand_ins) == 2  # not asked twice
     engine.close()
@@ -187,14 +192,14 @@ def test_an_error_answer_or_a_server_gone_ends_the_rollout_naming_the_address(st
     stand_ins[1].fail.add("/v1/completions")
     with pytest.raises(ServerDown, match=f"{stand_ins[1].address} answered POST /v1/completions "
                                          "with HTTP 500"):  # fmt: skip
-        engine.generate(policy, [[1, 5], [1, 6]], 2, SAMPLING, 0, [EOS])
+        engine.generate(policy, asked([[1, 5], [1, 6]], 2, pad_id=0))
     stand_ins[1].fail.clear()
     stand_ins[1].version = None  # restarted: it holds the weights it started with
     with pytest.raises(ServerDown, match=f"{stand_ins[1].address} holds weight version None"):
-        engine.generate(policy, [[1, 5], [1, 6]], 2, SAMPLING, 0, [EOS])
+        engine.generate(policy, asked([[1, 5], [1, 6]], 2, pad_id=0))
     stand_ins[0].stop()
     with pytest.raises(ServerDown, match=f"{stand_ins[0].address} did not answer"):
-        engine.generate(policy, [[1, 5], [1, 6]], 2, SAMPLING, 0, [EOS])
+        engine.generate(policy, asked([[1, 5], [1, 6]], 2, pad_id=0))
     stand_ins[0].stop = lambda: None  # already stopped
     engine.close()
 

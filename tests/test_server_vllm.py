@@ -15,7 +15,7 @@ import pytest
 import torch
 from lightning.pytorch import Callback
 
-from lightning_troll.engines.base import EngineContext, build_engine
+from lightning_troll.engines.base import EngineContext, SampleRequest, build_engine
 from lightning_troll.engines.process import fingerprint
 from lightning_troll.engines.sampling import SamplingConfig
 from lightning_troll.models.loading import load_policy, load_tokenizer, stop_token_ids
@@ -45,11 +45,12 @@ def test_two_servers_sample_each_pushed_version_as_the_trainer_scores_it(servers
                                              "Say hello.", "Count to three.")]  # fmt: skip
     stops = stop_token_ids(tokenizer, policy)
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=10)
+    request = SampleRequest(prompts, 2, sampling, tokenizer.pad_token_id, stops)
     for push in (1, 2, 3):  # a rollout after each push
         weights = perturbed(policy, 0.02, seed=push)
         engine.load_weights(weights)
         torch.manual_seed(push)
-        generation = engine.generate(weights, prompts, 2, sampling, tokenizer.pad_token_id, stops)
+        generation = engine.generate(weights, request)
         mask = generation.response_mask
         assert generation.input_ids.shape[0] == 8 and mask.any(-1).all()
         reference = teacher_forced(weights, generation, 1.0)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_troll.engines.base import EngineContext, build_engine
+from lightning_troll.engines.base import EngineContext, SampleRequest, build_engine
 from lightning_troll.engines.sampling import SamplingConfig, sample
 from lightning_troll.models.loading import load_policy, load_tokenizer, stop_token_ids
 from lightning_troll.models.weights import full_weights
@@ -70,7 +70,8 @@ def test_engine_logprobs_agree_with_a_teacher_forced_pass(tinymath, temperature)
     engine.load_weights(weights)
     sampling = SamplingConfig(temperature=temperature, max_new_tokens=8)
     stops = stop_token_ids(tokenizer, policy)
-    generation = engine.generate(weights, PROMPTS, 4, sampling, tokenizer.pad_token_id, stops)
+    request = SampleRequest(PROMPTS, 4, sampling, tokenizer.pad_token_id, stops)
+    generation = engine.generate(weights, request)
     mask = generation.response_mask
     assert generation.input_ids.shape[0] == 16 and mask.any(-1).all()
     assert generation.logprobs is not None and bool((generation.logprobs[~mask] == 0).all())
@@ -92,7 +93,7 @@ def test_a_weight_push_changes_the_output_as_an_hf_model_of_those_weights_predic
     outputs = []
     for weights in (policy, perturbed(policy, 1.0, seed=2)):
         engine.load_weights(weights)
-        got = engine.generate(weights, PROMPTS, 1, greedy, pad, stops)
+        got = engine.generate(weights, SampleRequest(PROMPTS, 1, greedy, pad, stops))
         expected = sample(weights, PROMPTS, 1, greedy, pad, stops, do_sample=False)
         assert torch.equal(got.input_ids, expected[0])
         assert torch.equal(got.response_mask, expected[2])
@@ -105,10 +106,11 @@ def test_a_seeded_engine_samples_the_same_completions_again(tinymath):
     engine.load_weights(policy)
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=8)
     stops = stop_token_ids(tokenizer, policy)
+    request = SampleRequest(PROMPTS, 4, sampling, tokenizer.pad_token_id, stops)
     runs = []
     for _ in range(2):
         torch.manual_seed(7)
-        runs.append(engine.generate(policy, PROMPTS, 4, sampling, tokenizer.pad_token_id, stops))
+        runs.append(engine.generate(policy, request))
         after = torch.rand(())  # the trainer's generator moved by the one seed drawn, no more
         torch.manual_seed(7)
         torch.randint(0, 2**31 - 1, ())
@@ -130,7 +132,8 @@ def test_smollm2s_tied_head_takes_new_weights(smollm2_dir):
         prompts = [tokenizer.encode("What is 12 + 30?"), tokenizer.encode("Name a colour.")]
         stops = stop_token_ids(tokenizer, policy)
         sampling = SamplingConfig(temperature=1.0, max_new_tokens=12)
-        generation = engine.generate(weights, prompts, 2, sampling, tokenizer.pad_token_id, stops)
+        request = SampleRequest(prompts, 2, sampling, tokenizer.pad_token_id, stops)
+        generation = engine.generate(weights, request)
         mask = generation.response_mask
         reference = teacher_forced(weights, generation, 1.0)
         gap = (generation.logprobs - reference)[mask].abs().max()
@@ -238,7 +241,7 @@ def test_vllm_in_a_process_of_its_own_samples_with_the_weights_it_was_sent(tinym
         engine.push({n: w.detach().clone() for n, w in full_weights(other)}, torch.device("cpu"))
         engine.stale = False
         stops = stop_token_ids(tokenizer, policy)
-        generation = engine.generate(other, PROMPTS, 3, sampling, 0, stops)
+        generation = engine.generate(other, SampleRequest(PROMPTS, 3, sampling, 0, stops))
         assert engine.last_fingerprint == fingerprint(dict(full_weights(other)))
         assert generation.input_ids.shape[0] == len(PROMPTS) * 3
         mask = generation.response_mask

@@ -1,7 +1,7 @@
 """Engines: what samples a rollout's completions from the behaviour policy.
 
 - :mod:`~lightning_troll.engines.base`: the engine interface (:class:`RolloutEngine`,
-  :class:`Generation`, :class:`EngineContext`) and ``model.engine.name`` resolved by name or
+  :class:`SampleRequest`, :class:`Generation`, :class:`EngineContext`) and ``model.engine.name`` resolved by name or
   import path;
 - :mod:`~lightning_troll.engines.hf`: the ``hf`` engine, the snapshot sampling in the trainer's
   process;
@@ -17,7 +17,13 @@ Engines sit below the rollout pipeline (:mod:`lightning_troll.rollouts`): the co
 engine, an engine never reads the collector. No Lightning here.
 """
 
-from lightning_troll.engines.base import EngineContext, Generation, RolloutEngine, build_engine
+from lightning_troll.engines.base import (
+    EngineContext,
+    Generation,
+    RolloutEngine,
+    SampleRequest,
+    build_engine,
+)
 from lightning_troll.engines.hf import HFEngine
 from lightning_troll.engines.sampling import SamplingConfig, sample
 
@@ -26,6 +32,7 @@ __all__ = [
     "Generation",
     "HFEngine",
     "RolloutEngine",
+    "SampleRequest",
     "SamplingConfig",
     "build_engine",
     "sample",

@@ -5,8 +5,10 @@ compute advantages and does not hold the old distributions TROLL projects onto: 
 the trainer's own snapshot, whatever the engine (``callbacks/rollout.py``). The interface is
 small:
 
-- :meth:`RolloutEngine.generate`: token ids in, :class:`Generation` out (the sequences, which
-  positions are response tokens, and the sampled tokens' log-probs where the engine has them);
+- :meth:`RolloutEngine.generate`: a :class:`SampleRequest` in (the prompts' token ids, G, the
+  sampling options, the pad and stop ids, each prompt's own budget), :class:`Generation` out
+  (the sequences, which positions are response tokens, and the sampled tokens' log-probs where
+  the engine has them);
 - :meth:`RolloutEngine.load_weights`: takes the behaviour policy's current weights, called
   before the first generation and after every snapshot refresh (:attr:`RolloutEngine.stale`);
 - :meth:`RolloutEngine.figures`: the engine's own figures, logged as ``engine/<name>``;
@@ -26,24 +28,70 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from torch import Tensor, nn
 
 from lightning_troll.engines.behaviour import BehaviourRecorder
-from lightning_troll.engines.sampling import SamplingConfig
+from lightning_troll.engines.sampling import SamplingConfig, check_budgets
 
 __all__ = [
     "ENGINES",
     "EngineContext",
     "Generation",
     "RolloutEngine",
-    "budgets_for",
+    "SampleRequest",
     "build_engine",
-    "takes_budgets",
 ]
+
+
+@dataclass(frozen=True)
+class SampleRequest:
+    """What an engine is asked to sample: ``group_size`` completions of each prompt.
+
+    Checked when built (``ValueError`` naming the field). The prompts, stop ids and budgets are
+    kept as tuples, whatever sequences they were given as, so that two requests for the same
+    sample are equal: an engine that samples ahead (:meth:`ProcessEngine.submit
+    <lightning_troll.engines.process.ProcessEngine.submit>`) knows the request it is then asked
+    for by equality.
+    """
+
+    prompt_ids: tuple[tuple[int, ...], ...]
+    """(P,) each prompt's token ids, unpadded."""
+    group_size: int
+    """G, completions per prompt (at least 1)."""
+    sampling: SamplingConfig
+    """``model.sampling``: temperature, top-k, top-p and ``max_new_tokens``."""
+    pad_id: int
+    """The id written after a completion's end (the response's right padding)."""
+    stop_ids: tuple[int, ...]
+    """The tokens that end a completion (any of them)."""
+    budgets: tuple[int, ...] | None = None
+    """(P,) each prompt's own most tokens, each from 1 to ``sampling.max_new_tokens`` (an
+    episode's turn has the room its episode has left), or None: ``sampling.max_new_tokens`` for
+    every prompt. A completion that reaches its own budget ends there, truncated. An engine that
+    ignores them samples every prompt up to ``sampling.max_new_tokens``, which a multi-turn
+    rollout sets to the largest budget of the turn; the episode then cuts each completion to its
+    own budget, so only the tokens sampled past it are wasted."""
+
+    def __post_init__(self) -> None:
+        keep = object.__setattr__  # frozen: the normalised fields are set once, here
+        keep(self, "prompt_ids", tuple(tuple(ids) for ids in self.prompt_ids))
+        keep(self, "stop_ids", tuple(self.stop_ids))
+        group = self.group_size
+        if isinstance(group, bool) or not isinstance(group, int) or group < 1:
+            raise ValueError(f"group_size must be an integer >= 1; got {group!r}")
+        if self.budgets is not None:
+            largest = self.sampling.max_new_tokens
+            keep(self, "budgets", check_budgets(self.budgets, len(self.prompt_ids), largest))
+
+    @property
+    def each_budget(self) -> tuple[int, ...]:
+        """(P,) each prompt's most tokens: its own budget, or ``sampling.max_new_tokens``."""
+        if self.budgets is not None:
+            return self.budgets
+        return (self.sampling.max_new_tokens,) * len(self.prompt_ids)
 
 
 @dataclass(frozen=True)
@@ -117,24 +165,18 @@ class RolloutEngine:
         (called before the model loads)."""
 
     def generate(
-        self,
-        snapshot: nn.Module,
-        prompt_ids: list[list[int]],
-        group_size: int,
-        sampling: SamplingConfig,
-        pad_id: int,
-        stop_ids: Sequence[int],
-        recorder: BehaviourRecorder | None = None,
-        budgets: Sequence[int] | None = None,
+        self, snapshot: nn.Module, request: SampleRequest, recorder: BehaviourRecorder | None = None
     ) -> Generation:
-        """``group_size`` completions per prompt of ``prompt_ids``, sampled by the behaviour
-        policy (``snapshot`` is it, weights gathered, for engines that sample with it).
+        """``request.group_size`` completions of each prompt of ``request``, sampled by the
+        behaviour policy (``snapshot`` is it, weights gathered, for engines that sample with it).
 
-        ``budgets``, where given, is each prompt's own most tokens, each at most
-        ``sampling.max_new_tokens`` (an episode's turn may use the room its episode has left
-        only); a completion that reaches its own is truncated there. An engine whose
-        ``generate`` does not take ``budgets`` is never given them: each turn then samples up to
-        the largest, and each episode is cut to its own (:func:`takes_budgets`)."""
+        ``request.budgets``, where given, is each prompt's own most tokens (an episode's turn may
+        use the room its episode has left only); a completion that reaches its own is truncated
+        there. An engine that ignores them samples every prompt up to
+        ``request.sampling.max_new_tokens`` (a turn's largest budget), and the episode cuts each
+        completion to its own budget (:class:`SampleRequest`). A ``recorder``, where given, is
+        fed the snapshot's raw logits while it samples (engines with :attr:`records_behaviour`
+        only)."""
         raise NotImplementedError
 
     def load_weights(self, snapshot: nn.Module) -> None:
@@ -150,20 +192,6 @@ class RolloutEngine:
         """Frees the engine's resources; a later :meth:`generate` may start them again."""
 
 
-def takes_budgets(engine: RolloutEngine) -> bool:
-    """Whether ``engine.generate`` takes ``budgets`` (a user's engine written without them does
-    not, nor does a subclass of a built-in one whose own ``generate`` leaves them out)."""
-    parameters = inspect.signature(engine.generate).parameters.values()
-    return any(p.name == "budgets" or p.kind is p.VAR_KEYWORD for p in parameters)
-
-
-def budgets_for(engine: RolloutEngine, budgets: Sequence[int] | None) -> dict[str, list[int]]:
-    """The keyword arguments that give ``engine.generate`` each prompt's own most tokens:
-    ``{"budgets": [...]}``, or none where there are no budgets or the engine does not take them
-    (:func:`takes_budgets`; it then samples every prompt up to ``sampling.max_new_tokens``)."""
-    return {} if budgets is None or not takes_budgets(engine) else {"budgets": list(budgets)}
-
-
 ENGINES = {"hf": "lightning_troll.engines.hf:HFEngine",
            "vllm": "lightning_troll.engines.vllm:VLLMEngine",
            "vllm_server": "lightning_troll.engines.servers:ServerEngine"}  # fmt: skip
@@ -172,7 +200,8 @@ ENGINES = {"hf": "lightning_troll.engines.hf:HFEngine",
 
 def engine_class(name: str) -> type[RolloutEngine]:
     """The engine class named by ``model.engine.name``: a built-in name or an import path
-    ``package.module:Class`` / ``package.module.Class``. Raises ``ValueError`` naming the option."""
+    ``package.module:Class`` / ``package.module.Class``. Raises ``ValueError`` naming the option,
+    also for an engine whose ``generate`` takes 0.1's arguments (:func:`_check_generate`)."""
     path = ENGINES.get(name, name)
     module_name, _, attribute = path.rpartition(":") if ":" in path else path.rpartition(".")
     if not module_name or not attribute:
@@ -193,8 +222,21 @@ def engine_class(name: str) -> type[RolloutEngine]:
             f"{'missing' if cls is None else 'not a RolloutEngine subclass'}; an engine "
             "subclasses lightning_troll.engines.base.RolloutEngine"
         )
+    _check_generate(cls, name)
     cls.check_installed()
     return cls
+
+
+def _check_generate(cls: type[RolloutEngine], name: str) -> None:
+    """Refuses an engine whose ``generate`` takes 0.1's arguments (``prompt_ids``, ``group_size``,
+    ... one by one) instead of one :class:`SampleRequest`."""
+    if "prompt_ids" in inspect.signature(cls.generate).parameters:
+        raise ValueError(
+            f"model.engine.name={name!r}: {cls.__module__}.{cls.__qualname__}.generate takes "
+            "prompt_ids, group_size, ... one by one, as before 0.2.0; write it as "
+            "generate(self, snapshot, request, recorder=None), reading them from request, a "
+            "lightning_troll.engines.base.SampleRequest (CHANGELOG.md)"
+        )
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,7 @@ V vocabulary.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -57,12 +58,14 @@ from transformers.cache_utils import DynamicLayer
 from lightning_troll.models.loading import is_checkpointed
 
 __all__ = [
+    "Prefill",
     "Sampling",
     "cannot_decode",
     "check_drawn",
     "choose_tokens",
     "decode",
     "draw",
+    "prefill",
     "top_k_mask",
     "top_p_mask",
 ]
@@ -233,26 +236,16 @@ def decode(
         return None
     device = prompts.device
     stops = torch.as_tensor(list(stop_ids), dtype=torch.long, device=device)  # (E,)
-    first_positions = _positions(prompt_mask)  # (P, S)
-    out = model(
-        input_ids=prompts,
-        attention_mask=prompt_mask,
-        position_ids=first_positions,
-        use_cache=True,
-        logits_to_keep=1,
-    )
-    name = "cache" if "cache" in out else "past_key_values"  # transformers renamed it
-    cache = out.get(name)
-    if not _plain_dynamic(cache):
+    first = prefill(model, prompts, prompt_mask, group_size)
+    if first is None:
         return None
+    name, cache, logits = first.name, first.cache, first.logits  # logits (B, V)
     cache.batch_repeat_interleave(group_size)  # P -> B rows
-    logits = out.logits[:, -1].float().repeat_interleave(group_size, dim=0)  # (B, V)
-    del out
     total = prompts.shape[0] * group_size  # B
     batch = _Batch(
         rows=torch.arange(total, device=device),  # (B,)
         mask=prompt_mask.repeat_interleave(group_size, dim=0),  # (B, S)
-        positions=(first_positions[:, -1] + 1).repeat_interleave(group_size),  # (B,)
+        positions=first.following.repeat_interleave(group_size),  # (B,)
         cache=cache,
     )
     budget = sampling.max_new_tokens
@@ -280,6 +273,43 @@ def decode(
             break
         logits = _step(model, batch, tokens, name) if batch.rows.numel() else _idle(model, prompts)
     return responses[:, :steps]  # (B, T)
+
+
+@dataclass(frozen=True)
+class Prefill:
+    """The P prompts after their one forward: what both decoding loops start from."""
+
+    cache: DynamicCache
+    """The prompts' keys and values, P rows (each loop repeats them G times its own way)."""
+    name: str
+    """The keyword the model's forward takes the cache by (transformers renamed it)."""
+    logits: Tensor
+    """(B, V) float32 logits of each sequence's first token, each prompt's repeated G times."""
+    following: Tensor
+    """(P,) the position of each prompt's next token (left padding skipped)."""
+
+
+def prefill(
+    model: nn.Module, prompts: Tensor, prompt_mask: Tensor, group_size: int
+) -> Prefill | None:
+    """Each of the (P, S) left-padded ``prompts`` through ``model`` once, keeping the cache and
+    the last position's logits only; None (before any random draw) where the forward returns no
+    plain dynamic cache. :func:`decode` and :func:`~lightning_troll.engines.graph_decode.
+    static_decode` both start here."""
+    first_positions = _positions(prompt_mask)  # (P, S)
+    out = model(
+        input_ids=prompts,
+        attention_mask=prompt_mask,
+        position_ids=first_positions,
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    name = "cache" if "cache" in out else "past_key_values"  # transformers renamed it
+    cache = out.get(name)
+    if not _plain_dynamic(cache):
+        return None
+    logits = out.logits[:, -1].float().repeat_interleave(group_size, dim=0)  # (B, V)
+    return Prefill(cache, name, logits, first_positions[:, -1] + 1)  # following (P,)
 
 
 def _step(model: nn.Module, batch: _Batch, tokens: Tensor, name: str) -> Tensor:

@@ -5,8 +5,9 @@ from the host, and a GPU waits on those launches: at Qwen3-0.6B's shape on an H2
 1,282 tokens/s, with the device idle most of each step. :func:`graph_decode` decodes the same
 completions from the same distribution with fixed shapes instead:
 
-- the P prompts are prefilled once, as in the dynamic loop, and their keys and values copied G
-  times into transformers' ``StaticCache``, B rows of L positions allocated once;
+- the P prompts are prefilled once, by the dynamic loop's own prefill
+  (:func:`~lightning_troll.engines.decode.prefill`), and their keys and values copied G times
+  into transformers' ``StaticCache``, B rows of L positions allocated once;
 - each one-token step of a bucket of b slots is captured once as a ``torch.cuda.CUDAGraph``
   and then replayed: one launch a step, whatever the model's depth;
 - a sequence that ends stays in its slot (fed its last token, its outputs ignored) until the
@@ -58,13 +59,13 @@ from transformers import StaticCache
 from transformers.cache_utils import StaticLayer
 
 from lightning_troll.engines.decode import (
+    Prefill,
     Sampling,
-    _plain_dynamic,
-    _positions,
     _synced,
     cannot_decode,
     check_drawn,
     choose_tokens,
+    prefill,
 )
 
 __all__ = ["DECODE_MODES", "cannot_capture", "graph_decode", "static_decode"]
@@ -145,24 +146,14 @@ def static_decode(
     draw) where the first capture fails or the prefill gives no plain dynamic cache."""
     device = prompts.device
     stops = torch.as_tensor(list(stop_ids), dtype=torch.long, device=device)  # (E,)
-    first_positions = _positions(prompt_mask)  # (P, S)
-    out = model(
-        input_ids=prompts,
-        attention_mask=prompt_mask,
-        position_ids=first_positions,
-        use_cache=True,
-        logits_to_keep=1,
-    )
-    name = "cache" if "cache" in out else "past_key_values"  # transformers renamed it
-    if not _plain_dynamic(out.get(name)):
+    first = prefill(model, prompts, prompt_mask, group_size)
+    if first is None:
         _fall_back("its forward returns no plain dynamic cache")
         return None
     budget = sampling.max_new_tokens
-    batch = _StaticBatch.prefilled(
-        model, out.get(name), name, prompt_mask, first_positions, group_size, budget
-    )
-    logits = out.logits[:, -1].float().repeat_interleave(group_size, dim=0)  # (B, V)
-    del out
+    batch = _StaticBatch.prefilled(model, first, prompt_mask, group_size, budget)
+    logits = first.logits  # (B, V)
+    del first  # the dynamic cache: copied into the static one
     if capture:
         failure = batch.capture()
         if failure is not None:
@@ -223,14 +214,15 @@ class _StaticBatch:
         self.logits: Tensor | None = None  # (b, V) the captured step's output
 
     @classmethod
-    def prefilled(cls, model, dynamic, name, prompt_mask, first_positions, group, budget):
-        """The B slots after the prefill: the (P, S) prompts' keys and values of ``dynamic`` (a
-        filled ``DynamicCache``) repeated ``group`` times into a static cache of L positions."""
+    def prefilled(cls, model, first: Prefill, prompt_mask, group, budget):
+        """The B slots after the prefill: the (P, S) prompts' keys and values of ``first.cache``
+        (a filled ``DynamicCache``) repeated ``group`` times into a static cache of L
+        positions."""
         length = prompt_mask.shape[1]  # S
         positions = -(-(length + budget) // 16) * 16  # L: S + T, aligned for attention kernels
         cache = StaticCache(config=model.config, max_cache_len=positions)
         storage = []
-        for layer, filled in zip(cache.layers, dynamic.layers, strict=True):
+        for layer, filled in zip(cache.layers, first.cache.layers, strict=True):
             keys = filled.keys.repeat_interleave(group, dim=0)  # (B, H, S, D)
             values = filled.values.repeat_interleave(group, dim=0)
             layer.lazy_initialization(keys, values)  # (B, H, L, D) zeros
@@ -244,9 +236,9 @@ class _StaticBatch:
         shape = (visible.shape[0], 1, 1, positions)  # (B, 1, 1, L)
         mask = torch.full(shape, lowest, dtype=dtype, device=visible.device)
         mask[:, 0, 0, :length].masked_fill_(visible, 0.0)
-        following = (first_positions[:, -1:] + 1).repeat_interleave(group, dim=0)  # (B, 1)
+        following = first.following.unsqueeze(-1).repeat_interleave(group, dim=0)  # (B, 1)
         rows = torch.arange(visible.shape[0], device=visible.device)  # (B,)
-        return cls(model, cache, name, rows, following, mask, length, storage)
+        return cls(model, cache, first.name, rows, following, mask, length, storage)
 
     def next_bucket(self) -> int:
         """The size of the next smaller bucket: the largest power of two below b (0 at b = 1)."""

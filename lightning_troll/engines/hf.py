@@ -5,13 +5,11 @@ process. No Lightning here.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from torch import nn
 
-from lightning_troll.engines.base import Generation, RolloutEngine
+from lightning_troll.engines.base import Generation, RolloutEngine, SampleRequest
 from lightning_troll.engines.behaviour import BehaviourRecorder
-from lightning_troll.engines.sampling import SamplingConfig, sample
+from lightning_troll.engines.sampling import sample
 
 __all__ = ["HFEngine"]
 
@@ -29,18 +27,10 @@ class HFEngine(RolloutEngine):
     several_processes = True
 
     def generate(
-        self,
-        snapshot: nn.Module,
-        prompt_ids: list[list[int]],
-        group_size: int,
-        sampling: SamplingConfig,
-        pad_id: int,
-        stop_ids: Sequence[int],
-        recorder: BehaviourRecorder | None = None,
-        budgets: Sequence[int] | None = None,
+        self, snapshot: nn.Module, request: SampleRequest, recorder: BehaviourRecorder | None = None
     ) -> Generation:
         ids, attention, response, truncated = sample(
-            snapshot, prompt_ids, group_size, sampling, pad_id, list(stop_ids),
-            recorder=recorder, budgets=budgets,
+            snapshot, request.prompt_ids, request.group_size, request.sampling, request.pad_id,
+            list(request.stop_ids), recorder=recorder, budgets=request.budgets,
         )  # fmt: skip
         return Generation(ids, attention, response, truncated)

@@ -7,9 +7,10 @@
 - **Weights by version.** :meth:`ProcessEngine.load_weights` sends the behaviour policy's
   weights (:func:`~lightning_troll.models.weights.full_weights`, as CPU tensors in shared memory)
   under a version number; the child loads them into its model and hands that to its engine.
-- **Sampling requests.** :meth:`ProcessEngine.submit` sends prompts and a seed and returns at
-  once; the child samples while the trainer goes on, and the next :meth:`ProcessEngine.generate`
-  for the same prompts, sampling options and version takes the result. A ``generate`` that
+- **Sampling requests.** :meth:`ProcessEngine.submit` sends a
+  :class:`~lightning_troll.engines.base.SampleRequest` and a seed and returns at once; the child
+  samples while the trainer goes on, and the next :meth:`ProcessEngine.generate` of an equal
+  request and the same version takes the result. A ``generate`` that
   matches no request sends one and waits, as an engine in the trainer's process would.
 - **Who submits.** With ``old_policy.max_staleness: s >= 1`` the rollout k + 1 is sampled by
   the policy of s versions before the trainer's (:class:`~lightning_troll.callbacks.old_policy.
@@ -34,7 +35,6 @@ from __future__ import annotations
 import contextlib
 import signal
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -46,11 +46,10 @@ from lightning_troll.engines.base import (
     EngineContext,
     Generation,
     RolloutEngine,
-    budgets_for,
+    SampleRequest,
     build_engine,
 )
 from lightning_troll.engines.behaviour import BehaviourRecorder
-from lightning_troll.engines.sampling import SamplingConfig
 from lightning_troll.models.weights import full_weights
 from lightning_troll.tasks.rewards.workers import leave_stop_signals_to_the_trainer
 
@@ -67,16 +66,12 @@ class EngineDied(RuntimeError):
 
 @dataclass(frozen=True)
 class Request:
-    """What a sample is asked for: the same request gives the same answer."""
+    """A sample asked of the weights of one version: the same request gives the same answer."""
 
-    prompt_ids: tuple[tuple[int, ...], ...]
-    group_size: int
-    sampling: SamplingConfig
-    pad_id: int
-    stop_ids: tuple[int, ...]
+    asked: SampleRequest
+    """The prompts and options sampled."""
     version: int
-    budgets: tuple[int, ...] | None = None
-    """Each prompt's own most tokens, or None: ``sampling.max_new_tokens`` for all."""
+    """The weights' version that samples them (how many pushes the engine had)."""
 
 
 def fingerprint(weights: dict[str, torch.Tensor]) -> float:
@@ -213,51 +208,28 @@ class ProcessEngine(RolloutEngine):
         self._figures["engine/weight_push_s"] = time.perf_counter() - start
         return self.version
 
-    def submit(
-        self,
-        prompt_ids: list[list[int]],
-        group_size: int,
-        sampling: SamplingConfig,
-        pad_id: int,
-        stop_ids: Sequence[int],
-        budgets: Sequence[int] | None = None,
-    ) -> None:
-        """Asks the child for a sample of the weights it holds now, and returns at once."""
-        request = self._request(prompt_ids, group_size, sampling, pad_id, stop_ids, budgets)
+    def submit(self, request: SampleRequest) -> None:
+        """Asks the child for a sample of ``request`` by the weights it holds now, and returns at
+        once."""
         if self._pending is not None:
             self._receive("generation")  # only one request in flight: the older one is dropped
         seed, self.next_seed = self.next_seed, None
         if seed is None:
             seed = int(torch.randint(0, 2**63 - 1, ()))
-        self._send(("generate", (request, seed)))
-        self._pending, self.pending_seed = request, seed
-
-    def _request(self, prompt_ids, group_size, sampling, pad_id, stop_ids, budgets) -> Request:
-        """The request for these prompts and options, of the weights the child holds now."""
-        prompts = tuple(map(tuple, prompt_ids))
-        own = None if budgets is None else tuple(budgets)
-        return Request(prompts, group_size, sampling, pad_id, tuple(stop_ids), self.version, own)
+        pending = Request(request, self.version)
+        self._send(("generate", (pending, seed)))
+        self._pending, self.pending_seed = pending, seed
 
     def generate(
-        self,
-        snapshot: nn.Module,
-        prompt_ids: list[list[int]],
-        group_size: int,
-        sampling: SamplingConfig,
-        pad_id: int,
-        stop_ids: Sequence[int],
-        recorder: BehaviourRecorder | None = None,
-        budgets: Sequence[int] | None = None,
+        self, snapshot: nn.Module, request: SampleRequest, recorder: BehaviourRecorder | None = None
     ) -> Generation:
         if recorder is not None:
             raise ValueError("an engine in its own process cannot record the snapshot's logits")
         if self.stale or self._child is None:
             self.load_weights(snapshot)
-        prefetched = self._pending == self._request(
-            prompt_ids, group_size, sampling, pad_id, stop_ids, budgets
-        )
+        prefetched = self._pending == Request(request, self.version)
         if not prefetched:
-            self.submit(prompt_ids, group_size, sampling, pad_id, stop_ids, budgets)
+            self.submit(request)
         start = time.perf_counter()
         tensors, self.last_fingerprint = self._receive("generation")
         self._pending = self.pending_seed = None
@@ -321,10 +293,7 @@ def _serve(
             elif kind == "generate":
                 request, seed = payload
                 torch.manual_seed(seed)
-                out = engine.generate(model, [list(p) for p in request.prompt_ids],
-                                      request.group_size, request.sampling, request.pad_id,
-                                      list(request.stop_ids),
-                                      **budgets_for(engine, request.budgets))  # fmt: skip
+                out = engine.generate(model, request.asked)
                 fields = (out.input_ids, out.attention_mask, out.response_mask, out.truncated,
                           out.logprobs)  # fmt: skip
                 cpu = tuple(None if t is None else t.cpu() for t in fields)

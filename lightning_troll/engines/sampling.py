@@ -25,7 +25,14 @@ from lightning_troll.engines.behaviour import BehaviourRecorder
 from lightning_troll.engines.decode import decode
 from lightning_troll.engines.graph_decode import DECODE_MODES, graph_decode
 
-__all__ = ["SamplingConfig", "left_pad", "own_budgets", "response_mask_of", "sample"]
+__all__ = [
+    "SamplingConfig",
+    "check_budgets",
+    "left_pad",
+    "own_budgets",
+    "response_mask_of",
+    "sample",
+]
 
 
 @dataclass(frozen=True)
@@ -158,16 +165,24 @@ def own_budgets(
     budgets: Sequence[int], prompts: int, largest: int, device: torch.device | None = None
 ) -> Tensor:
     """(P,) int64: ``budgets``, one per prompt, each from 1 to ``largest`` (the
-    ``max_new_tokens`` they are sampled with); raises ``ValueError`` otherwise."""
-    values = list(budgets)
+    ``max_new_tokens`` they are sampled with); raises ``ValueError`` otherwise
+    (:func:`check_budgets`)."""
+    return torch.tensor(check_budgets(budgets, prompts, largest), dtype=torch.long, device=device)
+
+
+def check_budgets(budgets: Sequence[int], prompts: int, largest: int) -> tuple[int, ...]:
+    """``budgets`` as a tuple, where they are ``prompts`` integers (one per prompt) each from 1 to
+    ``largest`` (the ``max_new_tokens`` they are sampled with); raises ``ValueError`` naming
+    them otherwise."""
+    values = tuple(budgets)
     if len(values) != prompts or any(
         isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= largest for b in values
     ):
         raise ValueError(
             f"budgets must be {prompts} integers (one per prompt) from 1 to max_new_tokens "
-            f"{largest}; got {values[:8]}{' ...' if len(values) > 8 else ''}"
+            f"{largest}; got {list(values[:8])}{' ...' if len(values) > 8 else ''}"
         )
-    return torch.tensor(values, dtype=torch.long, device=device)
+    return values
 
 
 def _generate(

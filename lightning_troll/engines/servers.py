@@ -32,7 +32,6 @@ No Lightning here.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -40,10 +39,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_troll.engines.base import EngineContext, Generation, RolloutEngine
+from lightning_troll.engines.base import EngineContext, Generation, RolloutEngine, SampleRequest
 from lightning_troll.engines.behaviour import BehaviourRecorder
 from lightning_troll.engines.process import Request, fingerprint
-from lightning_troll.engines.sampling import SamplingConfig, own_budgets
 from lightning_troll.engines.server_http import Launched, Server, ServerDown, check_serves
 from lightning_troll.engines.server_weights import build_push
 from lightning_troll.engines.vllm import laid_out, request_seeds
@@ -188,67 +186,51 @@ class ServerEngine(RolloutEngine):
         return self.version
 
     # -- sampling ---------------------------------------------------------------------------------
-    def submit(self, prompt_ids: list[list[int]], group_size: int, sampling: SamplingConfig,
-               pad_id: int, stop_ids: Sequence[int],
-               budgets: Sequence[int] | None = None) -> None:  # fmt: skip
-        """Sends the requests of these prompts now, in a thread, and returns at once."""
-        request = Request(tuple(map(tuple, prompt_ids)), group_size, sampling, pad_id,
-                          tuple(stop_ids), self.version,
-                          None if budgets is None else tuple(budgets))  # fmt: skip
+    def submit(self, request: SampleRequest) -> None:
+        """Sends the requests of ``request``'s prompts now, in a thread, and returns at once."""
         if self._future is not None:
             self._collect()  # one rollout in flight: the older one is dropped
         seed, self.next_seed = self.next_seed, None
         if seed is None:
             seed = int(torch.randint(0, 2**31 - 1, ()))
         self._future = self._ahead.submit(self._sample, request, seed)
-        self._pending, self.pending_seed = request, seed
+        self._pending, self.pending_seed = Request(request, self.version), seed
 
     def generate(
-        self,
-        snapshot: nn.Module,
-        prompt_ids: list[list[int]],
-        group_size: int,
-        sampling: SamplingConfig,
-        pad_id: int,
-        stop_ids: Sequence[int],
-        recorder: BehaviourRecorder | None = None,
-        budgets: Sequence[int] | None = None,
+        self, snapshot: nn.Module, request: SampleRequest, recorder: BehaviourRecorder | None = None
     ) -> Generation:
         if recorder is not None:
             raise ValueError("the vllm_server engine cannot record the snapshot's logits")
         if self.stale or not self.servers:
             self.load_weights(snapshot)
-        request = Request(tuple(map(tuple, prompt_ids)), group_size, sampling, pad_id,
-                          tuple(stop_ids), self.version,
-                          None if budgets is None else tuple(budgets))  # fmt: skip
-        prefetched = self._future is not None and self._pending == request
+        prefetched = self._future is not None and self._pending == Request(request, self.version)
         if not prefetched:
-            self.submit(prompt_ids, group_size, sampling, pad_id, stop_ids, budgets)
+            self.submit(request)
         start = time.perf_counter()
         completions, logprobs, versions = self._collect()
         self._figures["engine/server_wait_s"] = time.perf_counter() - start
         self._figures["engine/server_prefetched"] = float(prefetched)
-        self.last_versions = [v for v in versions for _ in range(group_size)]
+        self.last_versions = [v for v in versions for _ in range(request.group_size)]
         self.last_fingerprint = self._fingerprints.get(versions[0]) if versions else None
         device = next(snapshot.parameters()).device
-        return laid_out(prompt_ids, completions, logprobs, group_size, pad_id, stop_ids, device)
+        return laid_out(request, completions, logprobs, device)
 
     def _collect(self) -> tuple[list, list, list[int]]:
         future, self._future, self._pending, self.pending_seed = self._future, None, None, None
         return future.result()
 
-    def _sample(self, request: Request, seed: int) -> tuple[list, list, list[int]]:
+    def _sample(self, request: SampleRequest, seed: int) -> tuple[list, list, list[int]]:
         """Every prompt's G completions and log-probs (prompt-major) and the weight version of the
         server that sampled each prompt."""
         prompts = [list(p) for p in request.prompt_ids]
         owners = split_evenly(len(prompts), len(self.servers))
         held = [self._held_version(s) for s in self.servers]
-        largest = request.sampling.max_new_tokens
-        budgets = own_budgets(request.budgets or [largest] * len(prompts), len(prompts), largest)
         seeds = request_seeds(seed, len(prompts), request.group_size)
         futures = [
-            self._pool.submit(self._complete, self.servers[owner], ids, request, int(budget), s)
-            for ids, owner, budget, s in zip(prompts, owners, budgets.tolist(), seeds, strict=True)
+            self._pool.submit(self._complete, self.servers[owner], ids, request, budget, s)
+            for ids, owner, budget, s in zip(
+                prompts, owners, request.each_budget, seeds, strict=True
+            )
         ]
         answers = [f.result() for f in futures]
         completions = [tokens for answer in answers for tokens, _ in answer]
@@ -266,7 +248,7 @@ class ServerEngine(RolloutEngine):
             )
         return int(held)
 
-    def _complete(self, server: Server, ids: list[int], request: Request, budget: int,
+    def _complete(self, server: Server, ids: list[int], request: SampleRequest, budget: int,
                   seed: int) -> list[tuple[list[int], list[float]]]:  # fmt: skip
         """One prompt's ``n = G`` completions from ``server``: (token ids, log-probs) each."""
         sampling = request.sampling

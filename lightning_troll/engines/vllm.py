@@ -40,15 +40,14 @@ import importlib.util
 import os
 import random
 import time
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from lightning_troll.engines.base import EngineContext, Generation, RolloutEngine
+from lightning_troll.engines.base import EngineContext, Generation, RolloutEngine, SampleRequest
 from lightning_troll.engines.behaviour import BehaviourRecorder
-from lightning_troll.engines.sampling import SamplingConfig, left_pad, own_budgets, response_mask_of
+from lightning_troll.engines.sampling import left_pad, response_mask_of
 from lightning_troll.models.loading import resolve_model_path
 from lightning_troll.models.weights import full_weights
 
@@ -155,26 +154,15 @@ class VLLMEngine(RolloutEngine):
         super().load_weights(snapshot)
 
     def generate(
-        self,
-        snapshot: nn.Module,
-        prompt_ids: list[list[int]],
-        group_size: int,
-        sampling: SamplingConfig,
-        pad_id: int,
-        stop_ids: Sequence[int],
-        recorder: BehaviourRecorder | None = None,
-        budgets: Sequence[int] | None = None,
+        self, snapshot: nn.Module, request: SampleRequest, recorder: BehaviourRecorder | None = None
     ) -> Generation:
         if recorder is not None:
             raise ValueError("the vllm engine cannot record the snapshot's logits while sampling")
-        largest = sampling.max_new_tokens
-        if budgets is None:
-            budgets = [largest] * len(prompt_ids)
-        budgets = own_budgets(budgets, len(prompt_ids), largest).tolist()
         if self.stale or self._llm is None:
             self.load_weights(snapshot)
         from vllm import SamplingParams  # noqa: PLC0415
 
+        sampling, group_size = request.sampling, request.group_size
         base = int(torch.randint(0, 2**31 - 1, ()))  # one draw from the trainer's generator
         params = [
             SamplingParams(
@@ -183,21 +171,23 @@ class VLLMEngine(RolloutEngine):
                 top_p=sampling.top_p,
                 top_k=sampling.top_k or -1,
                 max_tokens=budget,
-                stop_token_ids=list(stop_ids),
+                stop_token_ids=list(request.stop_ids),
                 logprobs=0,  # the sampled token's only
                 seed=seed,
                 detokenize=False,
                 skip_special_tokens=False,
             )
             for seed, budget in zip(
-                request_seeds(base, len(prompt_ids), group_size), budgets, strict=True
+                request_seeds(base, len(request.prompt_ids), group_size),
+                request.each_budget,
+                strict=True,
             )
         ]
-        requests = [{"prompt_token_ids": list(ids)} for ids in prompt_ids]
+        requests = [{"prompt_token_ids": list(ids)} for ids in request.prompt_ids]
         with _trainer_state_kept():
             outputs = self._llm.generate(requests, params, use_tqdm=False)
         device = next(snapshot.parameters()).device
-        return _generation(prompt_ids, outputs, group_size, pad_id, stop_ids, device)
+        return _generation(request, outputs, device)
 
     def figures(self) -> dict[str, float]:
         figures, self._figures = self._figures, {}
@@ -233,8 +223,10 @@ def _one_engine_per_process() -> dict[str, Any]:
     return {"distributed_executor_backend": "external_launcher", "seed": rank}
 
 
-def _generation(prompt_ids, outputs, group_size, pad_id, stop_ids, device) -> Generation:
-    """vLLM's request outputs -> a :class:`Generation` (prompt-major, left/right padded)."""
+def _generation(request: SampleRequest, outputs, device: torch.device) -> Generation:
+    """vLLM's outputs of ``request`` -> a :class:`Generation` (prompt-major, left/right
+    padded)."""
+    group_size = request.group_size
     completions: list[list[int]] = []  # each as long as vLLM generated it
     logprobs: list[list[float]] = []
     for output in outputs:  # one per prompt, in order
@@ -249,22 +241,21 @@ def _generation(prompt_ids, outputs, group_size, pad_id, stop_ids, device) -> Ge
             logprobs.append(
                 [entry[token].logprob for token, entry in zip(tokens, entries, strict=True)]
             )
-    return laid_out(prompt_ids, completions, logprobs, group_size, pad_id, stop_ids, device)
+    return laid_out(request, completions, logprobs, device)
 
 
 def laid_out(
-    prompt_ids: list[list[int]],
+    request: SampleRequest,
     completions: list[list[int]],
     logprobs: list[list[float]],
-    group_size: int,
-    pad_id: int,
-    stop_ids: Sequence[int],
     device: torch.device,
 ) -> Generation:
-    """Sampled token ids and their log-probs (prompt-major, ``group_size`` a prompt, each as long
-    as it was sampled) -> a :class:`Generation`: prompts left padded, responses right padded and
-    cut after their first stop token."""
-    prompts, prompt_mask = left_pad([p for p in prompt_ids for _ in range(group_size)], pad_id)
+    """Sampled token ids and their log-probs of ``request`` (prompt-major, ``group_size`` a
+    prompt, each as long as it was sampled) -> a :class:`Generation`: prompts left padded,
+    responses right padded and cut after their first stop token."""
+    group_size, pad_id = request.group_size, request.pad_id
+    copies = [ids for ids in request.prompt_ids for _ in range(group_size)]  # B, prompt-major
+    prompts, prompt_mask = left_pad(copies, pad_id)
     width = max(1, max(len(c) for c in completions))  # T
     responses = torch.full((len(completions), width), pad_id, dtype=torch.long)  # (B, T)
     sampled = torch.zeros((len(completions), width), dtype=torch.float32)  # (B, T)
@@ -272,7 +263,7 @@ def laid_out(
         responses[i, : len(tokens)] = torch.as_tensor(tokens, dtype=torch.long)
         sampled[i, : len(values)] = torch.as_tensor(values, dtype=torch.float32)
     lengths = torch.tensor([len(c) for c in completions])  # (B,): past them, padding
-    response_mask, truncated = response_mask_of(responses, list(stop_ids), lengths)
+    response_mask, truncated = response_mask_of(responses, list(request.stop_ids), lengths)
     responses = responses.masked_fill(~response_mask, pad_id)
     sampled = sampled.masked_fill(~response_mask, 0.0)
     input_ids = torch.cat([prompts, responses], dim=-1)  # (B, S + T)

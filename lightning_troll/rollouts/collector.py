@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from lightning_troll.engines.base import RolloutEngine
+from lightning_troll.engines.base import RolloutEngine, SampleRequest
 from lightning_troll.engines.behaviour import BehaviourRecorder, records_while_sampling
 from lightning_troll.engines.sampling import SamplingConfig
 from lightning_troll.models.sharding import gathered, is_sharded
@@ -296,15 +296,10 @@ class RolloutCollector:
             # sharded weights are gathered once for the whole generation, not once per token
             if engine.stale:  # the first rollout, or the snapshot was refreshed since the last
                 engine.load_weights(snapshot)
-            generation = engine.generate(
-                snapshot,
-                batch.prompt_ids,
-                group,
-                self.sampling,
-                self.pad_id,
-                self.stop_ids,
-                recorder=recorder,
+            request = SampleRequest(
+                batch.prompt_ids, group, self.sampling, self.pad_id, self.stop_ids
             )
+            generation = engine.generate(snapshot, request, recorder=recorder)
         input_ids, attention_mask = generation.input_ids, generation.attention_mask
         response_mask, truncated = generation.response_mask, generation.truncated
         length = response_mask.shape[1]

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from lightning_troll.engines.base import RolloutEngine, budgets_for
+from lightning_troll.engines.base import RolloutEngine, SampleRequest
 from lightning_troll.engines.behaviour import BehaviourRecorder
 from lightning_troll.engines.sampling import SamplingConfig, left_pad, sample
 from lightning_troll.models.sharding import gathered
@@ -68,10 +68,10 @@ __all__ = [
 
 class EngineTurns:
     """A ``generate_turn`` (:class:`~lightning_troll.rollouts.episodes.GenerateTurn`) over
-    ``engine.generate``: one continuation per context, each up to the room its episode has left,
-    stopping at the stop tokens. An engine whose ``generate`` takes no ``budgets``
-    (:func:`~lightning_troll.engines.base.budgets_for`) samples every context up to the
-    largest room, and each episode is cut to its own."""
+    ``engine.generate``: one continuation per context, each up to the room its episode has left
+    (the request's ``budgets``), stopping at the stop tokens. An engine that ignores the budgets
+    samples every context up to the largest room (the request's ``max_new_tokens``), and each
+    episode is cut to its own."""
 
     def __init__(
         self, engine: RolloutEngine, snapshot: nn.Module, sampling: SamplingConfig, pad_id: int
@@ -84,10 +84,8 @@ class EngineTurns:
         self, prompts: list[list[int]], max_new_tokens: list[int], stops: Stops
     ) -> list[GeneratedTurn]:
         turn = replace(self.sampling, max_new_tokens=max(max_new_tokens))
-        out = self.engine.generate(
-            self.snapshot, prompts, 1, turn, self.pad_id, list(stops.token_ids),
-            **budgets_for(self.engine, max_new_tokens),
-        )  # fmt: skip
+        request = SampleRequest(prompts, 1, turn, self.pad_id, stops.token_ids, max_new_tokens)
+        out = self.engine.generate(self.snapshot, request)
         self.reported = out.logprobs is not None
         length = out.response_mask.shape[1]
         responses = out.input_ids[:, -length:]  # (B, T)

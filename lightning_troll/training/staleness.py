@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_troll.engines.base import SampleRequest
 from lightning_troll.models.weights import full_weights
 
 __all__ = ["MAX_STALENESS", "StalenessSchedule", "version_bytes"]
@@ -104,10 +105,8 @@ class StalenessSchedule:
             weights = next(w for v, w in self.waiting if v == version)
             engine.push(_named(policy, weights, snapshot), next(policy.parameters()).device)
             engine.policy_version = version
-        engine.submit(
-            upcoming.prompt_ids, collector.group_size, collector.sampling, collector.pad_id,
-            collector.stop_ids,
-        )  # fmt: skip
+        engine.submit(SampleRequest(upcoming.prompt_ids, collector.group_size, collector.sampling,
+                                    collector.pad_id, collector.stop_ids))  # fmt: skip
         self.ahead_seed = engine.pending_seed
 
     def move_to(self, version: int, policy: nn.Module, snapshot: Any, engine: Any) -> None:
