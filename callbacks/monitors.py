@@ -73,8 +73,8 @@ class TrustRegionMonitor(Callback):
     gradients over that step's minibatch gives per token KL(pi || pi_old), as
     ``trust_region/kl_end_{mean,max}`` (between the lumped sparse distributions of
     ``model.trust_region``'s rule, like ``kl_before``; the monitor asks a clipping run to cache
-    those distributions too, ``TrollModule.keep_old_distributions``, which changes no update) and ``trust_region/kl_end_sampled`` (the mean of ``r log r - r + 1`` over
-    the sampled tokens, an unbiased estimate of the mean KL over the whole vocabulary unless
+    those distributions too, ``TrollModule.keep_old_distributions``, which changes no update)
+    and ``trust_region/kl_end_sampled`` (the mean of ``r log r - r + 1`` over the sampled tokens, an unbiased estimate of the mean KL over the whole vocabulary unless
     ``sampling.top_p`` or ``top_k`` truncates the sampling).
 
     With ``kl_start``, the same figures at a rollout's start, ``trust_region/kl_start_{mean,max,
@@ -83,9 +83,9 @@ class TrustRegionMonitor(Callback):
     stale sampler lies from the weights that train on its data.
 
     Both measure against the old policy the objective bounds, the rollout's cached log-probs and
-    sparse rows: under ``model.corrections.anchor: behaviour`` the sampler, as above; under ``proximal``
-    the weights the rollout's update starts from, so ``kl_start`` is 0 at every rollout whatever
-    the staleness, ``kl_end`` is how far the update moved from them, and ``kl_end_sampled`` is
+    sparse rows: under ``model.corrections.anchor: behaviour`` the sampler, as above; under
+    ``proximal`` the weights the rollout's update starts from, so ``kl_start`` is 0 at every
+    rollout whatever the staleness, ``kl_end`` is how far the update moved from them, and ``kl_end_sampled`` is
     biased (its tokens come from the stale sampler, not from that old policy). How far the stale
     sampler lies from the weights is then ``rollout/proximal_is_weight_mean`` (1 when it is not
     stale) and ``rollout/proximal_is_capped_frac``.

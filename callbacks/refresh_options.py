@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from lightning_troll.models.snapshots import SnapshotConfig
+from lightning_troll.training.preflight import field_of
 from lightning_troll.training.staleness import MAX_STALENESS
 
 __all__ = [
@@ -49,11 +51,11 @@ def check_refresh(
             f"old_policy.every_n_rollouts={every_n_rollouts} and old_policy.max_staleness="
             f"{max_staleness} both make the sampler lag; set one of them"
         )
-    if every_n_rollouts > 1 and _option(snapshot, "mode", "copy") == "shared":
+    if every_n_rollouts > 1 and field_of(snapshot, SnapshotConfig, "mode") == "shared":
         raise ValueError(shared_cannot_lag(every_n_rollouts))
     if not max_staleness:
         return
-    mode, dtype = _option(snapshot, "mode", "copy"), _option(snapshot, "dtype", "same")
+    mode, dtype = (field_of(snapshot, SnapshotConfig, f) for f in ("mode", "dtype"))
     if mode != "copy" or dtype == "int8" or lora is not None:
         raise ValueError(
             f"old_policy.max_staleness={max_staleness} keeps past versions of the weights to load "
@@ -61,14 +63,6 @@ def check_refresh(
             f"'bfloat16' and no model.lora; got mode {mode!r}, dtype {dtype!r}"
             + (" and LoRA" if lora is not None else "")
         )
-
-
-def _option(options: Any, name: str, default: Any) -> Any:
-    if options is None:
-        return default
-    if isinstance(options, dict):
-        return options.get(name, default)
-    return getattr(options, name, default)
 
 
 def shared_cannot_lag(every_n_rollouts: int) -> str:
@@ -142,7 +136,7 @@ def idle_proximal(
     another dtype differs from the policy by its rounding, which the anchor does correct."""
     if anchor != "proximal":
         return None
-    mode, dtype = _option(snapshot, "mode", "copy"), _option(snapshot, "dtype", "same")
+    mode, dtype = (field_of(snapshot, SnapshotConfig, f) for f in ("mode", "dtype"))
     if mode == "shared":
         why = "model.snapshot.mode='shared' makes the sampler the policy itself"
     elif every_n_rollouts == 1 and not max_staleness and dtype == "same":

@@ -6,10 +6,11 @@ No Lightning here.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from lightning_troll.engines.base import engine_class
+from lightning_troll.engines.base import EngineConfig, engine_class
 from lightning_troll.engines.behaviour import BEHAVIOUR_LOGPROBS
 from lightning_troll.objectives import OBJECTIVES
 from lightning_troll.objectives.advantages import (
@@ -17,6 +18,7 @@ from lightning_troll.objectives.advantages import (
     REWARD_SCALES,
     get_advantage_estimator,
 )
+from lightning_troll.objectives.options import AdvantageConfig
 from lightning_troll.tasks.data.prompts import PLAIN_TEMPLATE
 from lightning_troll.tasks.environments.options import environment_problem
 
@@ -27,6 +29,7 @@ __all__ = [
     "check_module_options",
     "check_rollout_split",
     "episode_rows_problem",
+    "field_of",
     "task_rewards",
 ]
 
@@ -41,8 +44,8 @@ def check_module_options(
     """Refuses an unknown objective, estimator, reward scale, behaviour-log-prob source or
     rollout engine (or one that is not installed), and a group size that is not a whole number
     >= 1. ``advantages`` and ``engine``: the records, or the command line's dicts of them."""
-    estimator = _field(advantages, "estimator", "grpo")
-    scale_rewards = _field(advantages, "scale_rewards", None)
+    estimator = field_of(advantages, AdvantageConfig, "estimator")
+    scale_rewards = field_of(advantages, AdvantageConfig, "scale_rewards")
     if objective not in OBJECTIVES:
         raise ValueError(f"model.objective must be one of {sorted(OBJECTIVES)}; got {objective!r}")
     try:
@@ -62,21 +65,25 @@ def check_module_options(
             "with the others sampled for its prompt, so it needs at least 2 (8 is usual); with 1 "
             "every advantage is 0 (or undefined) and nothing trains"
         )
-    behaviour_logprobs = _field(engine, "behaviour_logprobs", "auto")
+    behaviour_logprobs = field_of(engine, EngineConfig, "behaviour_logprobs")
     if behaviour_logprobs not in BEHAVIOUR_LOGPROBS:
         raise ValueError(
             f"model.engine.behaviour_logprobs must be one of {list(BEHAVIOUR_LOGPROBS)}; got "
             f"{behaviour_logprobs!r}"
         )
-    engine_class(_field(engine, "name", "hf"))
+    engine_class(field_of(engine, EngineConfig, "name"))
 
 
-def _field(record: Any, name: str, default: Any) -> Any:
-    """A field of a record, or of the command line's dict of it (None: the default)."""
+def field_of(record: Any, kind: type, name: str) -> Any:
+    """The field ``name`` of ``record``: an option record of the dataclass ``kind``, the command
+    line's dict of one, or None; where the record is None, or lacks the field or holds null
+    there, the default ``kind`` declares (one source of truth for it)."""
+    (field,) = [f for f in dataclasses.fields(kind) if f.name == name]
+    default = field.default
     if record is None:
         return default
-    value = record.get(name, default) if isinstance(record, dict) else getattr(record, name)
-    return default if value is None and default is not None else value
+    value = record.get(name) if isinstance(record, dict) else getattr(record, name, None)
+    return default if value is None else value
 
 
 def task_rewards(rewards: dict[str, float] | None, source: object) -> dict[str, float]:
