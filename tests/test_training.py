@@ -455,6 +455,36 @@ def test_kl_end_is_the_last_weights_against_the_behaviour_policy(
     assert recorder.rollouts[0].old is not None  # clipping caches the sparse rows for kl_end
 
 
+def test_records_travel_whole_to_the_objective_and_its_rows(tiny_model_dir):
+    """The objective is built from its records as from their fields one by one, and a clipping
+    run's cached rows follow every field of ``model.trust_region`` (a union support without the
+    sampled token included, which the official support refuses)."""
+    from dataclasses import asdict
+
+    from lightning_troll.objectives import ClipObjective, TrollObjective, TrustRegionConfig
+    from lightning_troll.trust_region.projection import TrustRegionProjection
+
+    region = TrustRegionConfig(eps=0.02, max_tokens=16, support="union", keep_sampled_token=False)
+    loss = LossConfig(aggregation="seq_mean_token_sum_norm", entropy_coef=0.01)
+    built = TrollObjective.from_records(region, loss, max_new_tokens=12)
+    by_fields = TrollObjective(**asdict(region), **{**asdict(loss), "norm_length": 12})
+    assert repr(built) == repr(by_fields) and built.norm_length == 12
+    assert (built.alpha, built.entropy_coef, built.aggregation) == (1.0, 0.01, loss.aggregation)
+    clip = ClipObjective.from_records(ClipConfig(0.1, 0.3), LossConfig(norm_length=7), 12)
+    assert (clip.eps_low, clip.eps_high, clip.norm_length) == (0.1, 0.3, 7)
+    rule = TrustRegionProjection.from_config(region)
+    assert (rule.eps, rule.max_tokens, rule.support, rule.keep_token) == (0.02, 16, "union", False)
+    module = make_module(tiny_model_dir, objective="clip", trust_region=region)
+    module.keep_old_distributions()
+    assert repr(module.old_rows.rule) == repr(rule)
+    data = make_data(tiny_model_dir)
+    data.setup("fit")
+    rollout = module.collector.collect(next(iter(data.train_dataloader())))[0]
+    assert rollout.old is not None and rollout.old.indices.shape[0] == int(
+        rollout.response_mask.sum()
+    )
+
+
 def test_kl_to_behaviour_is_zero_before_any_step(tiny_model_dir):
     module = make_module(tiny_model_dir, objective="clip")
     data = make_data(tiny_model_dir)

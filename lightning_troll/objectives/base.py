@@ -30,8 +30,9 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, fields, replace
+from dataclasses import asdict, dataclass, fields, replace
 from functools import partial, wraps
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -198,6 +199,15 @@ class PolicyObjective(nn.Module):
         self.norm_length = norm_length
         self.ref_kl_coef = float(ref_kl_coef)
         self.entropy_coef = float(entropy_coef)
+
+    @classmethod
+    def from_records(cls, own: Any, loss: LossConfig, max_new_tokens: int) -> PolicyObjective:
+        """The objective from its own record (``model.trust_region`` for TROLL, ``model.clip``
+        for clipping) and ``model.loss``, each taken whole: every field is the keyword of the
+        same name. ``loss.norm_length`` null divides a sequence-sum aggregation by
+        ``max_new_tokens``."""
+        shared = {**asdict(loss), "norm_length": loss.norm_length or max_new_tokens}
+        return cls(**asdict(own), **shared)
 
     @_takes_loss_inputs
     def forward(self, logits: Tensor, inputs: LossInputs) -> tuple[Tensor, ObjectiveStats]:

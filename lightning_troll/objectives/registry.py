@@ -4,7 +4,7 @@ option records that travel whole to here (:func:`objective_from_records`)."""
 from __future__ import annotations
 
 import re
-from dataclasses import asdict
+from dataclasses import fields
 
 from lightning_troll.objectives.base import PolicyObjective, check_choice
 from lightning_troll.objectives.clip import ClipObjective
@@ -43,17 +43,21 @@ def objective_from_records(
     (``model.<section>.<field>``). ``max_new_tokens``: the length a sequence-sum aggregation
     divides by when ``loss.norm_length`` is null."""
     check_anchor(name, trust_region.support, corrections.anchor)
-    shared = asdict(loss)
-    shared["norm_length"] = loss.norm_length or max_new_tokens
     sections = {"troll": ("trust_region", trust_region), "clip": ("clip", clip)}
     built = {}
     for objective, (section, record) in sections.items():
-        specific = asdict(record)
         try:
-            built[objective] = build_objective(objective, **specific, **shared)
+            built[objective] = OBJECTIVES[objective].from_records(record, loss, max_new_tokens)
         except ValueError as error:
             found = re.match(r"[a-z_]+", str(error))
             option = found.group() if found else ""
-            where = section if option in specific else "loss" if option in shared else None
-            raise ValueError(f"model.{where}.{error}" if where else f"model: {error}") from None
+            owners = [s for s, r in ((section, record), ("loss", loss)) if option in _fields(r)]
+            raise ValueError(
+                f"model.{owners[0]}.{error}" if owners else f"model: {error}"
+            ) from None
     return built[name]
+
+
+def _fields(record: object) -> set[str]:
+    """The field names of an option record."""
+    return {f.name for f in fields(record)}

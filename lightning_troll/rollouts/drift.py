@@ -33,11 +33,8 @@ def support_rule(objective: nn.Module, trust_region) -> TrustRegionProjection:
     projection = getattr(objective, "projection", None)
     if projection is not None:
         return projection
-    region = trust_region
     try:
-        return TrustRegionProjection(
-            region.eps, region.max_tokens, region.mass_delta, region.keep_sampled_token
-        )
+        return TrustRegionProjection.from_config(trust_region)
     except ValueError as error:
         raise ValueError(f"model.trust_region: {error}") from None
 

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -191,6 +192,21 @@ class TrustRegionProjection(nn.Module):
         self.mass_delta = float(mass_delta)
         self.keep_token = keep_token
         self.compile_solver = defaults.check_compile_solver(compile_solver)
+
+    @classmethod
+    def from_config(cls, config: Any) -> TrustRegionProjection:
+        """The layer of an option record with ``model.trust_region``'s fields (a
+        :class:`~lightning_troll.objectives.TrustRegionConfig`, whose ``keep_sampled_token`` is
+        ``keep_token`` here), taken whole; its ``alpha`` weighs the objective's regression, not
+        the layer."""
+        return cls(
+            eps=config.eps,
+            max_tokens=config.max_tokens,
+            mass_delta=config.mass_delta,
+            keep_token=config.keep_sampled_token,
+            support=config.support,
+            compile_solver=config.compile_solver,
+        )
 
     @property
     def needs_old_logits(self) -> bool:
