@@ -392,7 +392,7 @@ def test_the_lora_push_options_are_checked_naming_them():
         build_engine("vllm_server", context, {"launch": 1})
 
 
-def test_launched_servers_with_lora_adapters_get_the_flags_and_the_variable(monkeypatch, tmp_path):
+def test_launched_servers_get_the_lora_flags_and_on_a_cpu_whole_prefills(monkeypatch, tmp_path):
     started = []
 
     class Recorded:
@@ -401,9 +401,11 @@ def test_launched_servers_with_lora_adapters_get_the_flags_and_the_variable(monk
 
     monkeypatch.setattr(subprocess, "Popen", Recorded)
     Launched(1, "models/m", "float32", ["--max-model-len", "64"], None, 1, None, str(tmp_path),
-             lora_rank=12)  # fmt: skip
-    Launched(1, "models/m", "float32", [], None, 1, None, str(tmp_path))
+             lora_rank=12, cpu=True)  # fmt: skip
+    Launched(1, "models/m", "float32", [], ["0"], 1, None, str(tmp_path))
     (command, env), (plain, plain_env) = started
-    assert command[-5:] == ["--enable-lora", "--max-lora-rank", "16", "--max-model-len", "64"]
+    assert command[-6:] == ["--no-enable-chunked-prefill", "--enable-lora", "--max-lora-rank", "16",
+                            "--max-model-len", "64"]  # fmt: skip
     assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
-    assert "--enable-lora" not in plain and "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in plain_env
+    assert plain[-2:] == ["--seed", "0"] and plain_env["CUDA_VISIBLE_DEVICES"] == "0"
+    assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in plain_env

