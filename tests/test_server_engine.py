@@ -232,7 +232,9 @@ def test_an_error_answer_or_a_server_gone_ends_the_rollout_naming_the_address(st
     with pytest.raises(ServerDown, match=f"{stand_ins[0].address} did not answer"):
         engine.generate(policy, asked([[1, 5], [1, 6]], 2, pad_id=0))
     stand_ins[0].stop = lambda: None  # already stopped
+    root = engine._push.root  # no push_dir: a temporary folder of the engine's own
     engine.close()
+    assert not root.exists()
 
 
 def test_wait_s_waits_for_a_server_to_come_back():

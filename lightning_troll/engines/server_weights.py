@@ -58,6 +58,7 @@ class FolderPush:
     def __init__(self, push_dir: str | None = None) -> None:
         self.root = Path(push_dir or tempfile.mkdtemp(prefix="lightning-troll-push-"))
         self.root.mkdir(parents=True, exist_ok=True)
+        self._owned = push_dir is None  # a temporary folder of its own: removed at close
         self.last: Path | None = None
         """The folder of the version the servers hold (None before the first push)."""
         self.adapter: str | None = None
@@ -122,6 +123,8 @@ class FolderPush:
         if self.last is not None:
             shutil.rmtree(self.last, ignore_errors=True)
             self.last = self.adapter = None
+        if self._owned:
+            shutil.rmtree(self.root, ignore_errors=True)
 
 
 def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
