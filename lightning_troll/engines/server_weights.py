@@ -5,7 +5,13 @@ vLLM's own routes (``model.engine.options.push``):
   in a folder every server can read (``push_dir``: on one machine a temporary folder; across
   machines a shared file system), and each server reloads them in place
   (``POST /collective_rpc`` with vLLM's ``reload_weights`` and ``weights_path``), then drops the
-  KV blocks its prefix cache kept of the old weights (``POST /reset_prefix_cache``);
+  KV blocks its prefix cache kept of the old weights (``POST /reset_prefix_cache``); with LoRA
+  adapters (``lora_push: adapter``) the folder holds the behaviour policy's adapter as peft
+  saves it, and each server loads it by path under a name of its own per version
+  (``POST /v1/load_lora_adapter``), then forgets the previous version's
+  (``/v1/unload_lora_adapter``); a new adapter has a new id, under which vLLM keys its prefix
+  cache, so none is reset. The current version's folder is kept until the next push, so a
+  server that restarted can be given it again (:meth:`FolderPush.repush`);
 - ``nccl`` (GPUs): vLLM's weight transfer (``vllm serve --weight-transfer-config
   '{"backend": "nccl"}'``): one NCCL group per server, the trainer's rank 0 the sender, driven by
   vLLM's trainer-side engine (``NCCLTrainerWeightTransferEngine``) over the server's
@@ -20,6 +26,7 @@ Lightning here.
 
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
 from collections.abc import Iterable
@@ -29,28 +36,37 @@ from typing import Any
 
 import torch
 
-from lightning_troll.engines.server_http import Server
+from lightning_troll.engines.server_http import Server, ServerDown
 
-__all__ = ["PUSHES", "FolderPush", "NCCLPush", "build_push"]
+__all__ = ["PUSHES", "FolderPush", "NCCLPush", "adapter_name", "build_push"]
+
+
+def adapter_name(version: int) -> str:
+    """The name weight version ``version``'s LoRA adapter is served under (the completions'
+    ``model``)."""
+    return f"lightning-troll-v{version}"
 
 
 class FolderPush:
     """Weights written to ``<push_dir>/version-<k>/model.safetensors`` and reloaded by every
-    server from there; the previous version's folder is removed once all have."""
+    server from there, or a LoRA adapter written to ``<push_dir>/version-<k>/`` as peft saves it
+    and loaded by every server under :func:`adapter_name`; the previous version's folder is
+    removed once all have."""
 
     name = "folder"
 
     def __init__(self, push_dir: str | None = None) -> None:
         self.root = Path(push_dir or tempfile.mkdtemp(prefix="lightning-troll-push-"))
         self.root.mkdir(parents=True, exist_ok=True)
-        self._last: Path | None = None
+        self._owned = push_dir is None  # a temporary folder of its own: removed at close
+        self.last: Path | None = None
+        """The folder of the version the servers hold (None before the first push)."""
+        self.adapter: str | None = None
+        """The name that version's adapter is served under; None for full weights."""
 
     def push(self, servers: list[Server], weights: Iterable[tuple[str, torch.Tensor]],
              version: int) -> None:  # fmt: skip
-        from safetensors.torch import save_file  # noqa: PLC0415
-
-        folder = self.root / f"version-{version}"
-        folder.mkdir(parents=True, exist_ok=True)
+        folder = self._folder(version)
         tensors, seen = {}, set()
         for name, weight in weights:
             tensor = weight.detach().to("cpu").contiguous()
@@ -58,19 +74,83 @@ class FolderPush:
                 tensor = tensor.clone()
             seen.add(tensor.data_ptr())
             tensors[name] = tensor
-        save_file(tensors, str(folder / "model.safetensors.part"))
-        (folder / "model.safetensors.part").rename(folder / "model.safetensors")
-        body = {"method": "reload_weights", "kwargs": {"weights_path": str(folder)}}
-        _on_each(servers, lambda s: (s.post("/collective_rpc", body),
-                                     s.post("/reset_prefix_cache")))  # fmt: skip
-        if self._last is not None and self._last != folder:
-            shutil.rmtree(self._last, ignore_errors=True)
-        self._last = folder
+        _save(tensors, folder / "model.safetensors")
+        _on_each(servers, lambda s: _reload(s, folder))
+        self._keep(folder, None)
+
+    def push_adapter(self, servers: list[Server], tensors: dict[str, torch.Tensor],
+                     config: dict[str, Any], version: int) -> str:  # fmt: skip
+        """Writes the adapter (``tensors`` and ``config``: :func:`~lightning_troll.models.lora.
+        adapter_files`) as version ``version`` and loads it on every server, which then forgets
+        the previous version's; returns the name it is served under."""
+        folder, name, previous = self._folder(version), adapter_name(version), self.adapter
+        (folder / "adapter_config.json").write_text(json.dumps(config, indent=1) + "\n")
+        _save(tensors, folder / "adapter_model.safetensors")
+
+        def load(server: Server) -> None:
+            server.post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(folder)})
+            if previous is not None and previous != name:
+                _unload(server, previous)
+
+        _on_each(servers, load)
+        self._keep(folder, name)
+        return name
+
+    def repush(self, server: Server) -> None:
+        """Gives ``server`` the version the others hold again, from its folder (a server that
+        restarted holds the weights it started with)."""
+        if self.last is None:
+            raise ServerDown(f"the vLLM server at {server.address} holds other weights than "
+                             "pushed, and this process pushed none to give it again")  # fmt: skip
+        if self.adapter is None:
+            _reload(server, self.last)
+        else:  # in place: the name may still be loaded where the server did not restart
+            server.post("/v1/load_lora_adapter", {"lora_name": self.adapter,
+                                                  "lora_path": str(self.last),
+                                                  "load_inplace": True})  # fmt: skip
+
+    def _folder(self, version: int) -> Path:
+        folder = self.root / f"version-{version}"
+        folder.mkdir(parents=True, exist_ok=True)
+        return folder
+
+    def _keep(self, folder: Path, adapter: str | None) -> None:
+        if self.last is not None and self.last != folder:
+            shutil.rmtree(self.last, ignore_errors=True)
+        self.last, self.adapter = folder, adapter
 
     def close(self) -> None:
-        if self._last is not None:
-            shutil.rmtree(self._last, ignore_errors=True)
-            self._last = None
+        if self.last is not None:
+            shutil.rmtree(self.last, ignore_errors=True)
+            self.last = self.adapter = None
+        if self._owned:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """``tensors`` as one safetensors file at ``path``, written beside it and renamed into place."""
+    from safetensors.torch import save_file  # noqa: PLC0415
+
+    part = path.with_name(path.name + ".part")
+    save_file(tensors, str(part))
+    part.rename(path)
+
+
+def _reload(server: Server, folder: Path) -> None:
+    """``server`` reloads its weights from ``folder`` and drops its prefix cache."""
+    server.post("/collective_rpc",
+                {"method": "reload_weights", "kwargs": {"weights_path": str(folder)}})  # fmt: skip
+    server.post("/reset_prefix_cache")
+
+
+def _unload(server: Server, name: str) -> None:
+    """``server`` forgets the adapter ``name``; one it does not know (it restarted since) is
+    no error."""
+    try:
+        server.post("/v1/unload_lora_adapter", {"lora_name": name})
+    except ServerDown as error:
+        if error.code != 404:
+            raise
 
 
 class NCCLPush:

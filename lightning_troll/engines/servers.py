@@ -15,13 +15,18 @@ machines of their own, over vLLM's OpenAI-compatible HTTP API (docs/engines.md).
 - **Versions.** Each push is the next weight version; every server is told it
   (``/update_weight_version``) and asked it back (``/weight_info``) before it samples, so every
   completion is tagged with the version that sampled it (:attr:`ServerEngine.last_versions`) and
-  a server that holds another one (restarted) stops the run. As the engine in a process of its
+  a server that holds another one (it restarted) is given the current version again from its
+  folder (``push: folder``, counted in ``engine/server_repushes``) or stops the run
+  (``push: nccl``). As the engine in a process of its
   own, it takes the stale versions ``old_policy.max_staleness`` asks for (:meth:`push`) and
   samples the next rollout while the trainer trains (:meth:`submit`, in a thread), so the
   staleness machinery drives it unchanged.
 - **Weights** go by :mod:`~lightning_troll.engines.server_weights` (``push: folder`` or
   ``nccl``), from the trainer's rank 0; under DDP or FSDP2 every process gathers, rank 0 pushes,
-  the others wait, and each samples its own prompts.
+  the others wait, and each samples its own prompts. With ``model.lora`` and the folder push
+  the behaviour policy's adapter goes as an adapter (``lora_push: adapter``, the default there),
+  loaded by every server by path and named in every completion request; ``lora_push: merged``
+  pushes the merged weights instead.
 - **Faults.** A server that does not answer (after ``wait_s``), answers with an error, or whose
   process ended raises :class:`~lightning_troll.engines.server_http.ServerDown` naming its
   address, which the rollout callback turns into a fault after a checkpoint.
@@ -32,6 +37,7 @@ No Lightning here.
 from __future__ import annotations
 
 import time
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -42,10 +48,18 @@ from torch import nn
 from lightning_troll.engines.base import EngineContext, Generation, RolloutEngine, SampleRequest
 from lightning_troll.engines.behaviour import BehaviourRecorder
 from lightning_troll.engines.process import Request, fingerprint
-from lightning_troll.engines.server_http import Launched, Server, ServerDown, check_serves
-from lightning_troll.engines.server_weights import build_push
+from lightning_troll.engines.server_http import (
+    LORA_RANKS,
+    Launched,
+    Server,
+    ServerDown,
+    check_lora,
+    check_serves,
+)
+from lightning_troll.engines.server_weights import adapter_name, build_push
 from lightning_troll.engines.vllm import laid_out, request_seeds
 from lightning_troll.models.loading import resolve_model_path
+from lightning_troll.models.lora import adapter_files
 from lightning_troll.models.weights import full_weights
 
 __all__ = ["ServerEngine", "split_evenly"]
@@ -79,6 +93,9 @@ class ServerEngine(RolloutEngine):
         nccl: with ``nccl``, ``{master_address, master_port, server_workers}``.
         model_name: the name the servers serve the model under (null: the model's own name).
         concurrency: requests in flight at once, over all servers.
+        lora_push: with ``model.lora``, ``adapter`` (the behaviour policy's adapter, loaded by
+            every server by path) or ``merged`` (the weights with it merged in); null:
+            ``adapter`` with ``push: folder``, ``merged`` with ``nccl``.
     """
 
     name = "vllm_server"
@@ -102,9 +119,15 @@ class ServerEngine(RolloutEngine):
         nccl: dict[str, Any] | None = None,
         model_name: str | None = None,
         concurrency: int = 64,
+        lora_push: str | None = None,
     ) -> None:
         super().__init__(context)
         _check_options(servers, launch, gpus, wait_s, concurrency)
+        self.adapters = _adapters(lora_push, push, context.lora)
+        """True where the LoRA adapter goes as an adapter (``lora_push: adapter``)."""
+        self.served: str | None = None
+        """The name the version the servers hold is served under: its adapter's, or None (the
+        model's own)."""
         self.addresses = list(servers or [])
         self.launch, self.serve_args, self.gpus = launch, list(serve_args or []), gpus
         self.kv_cache_gib, self.threads, self.log_dir = kv_cache_gib, threads, log_dir
@@ -132,6 +155,7 @@ class ServerEngine(RolloutEngine):
         """The fingerprint of the weights of that version (:func:`fingerprint`)."""
         self._fingerprints: dict[int, float] = {}
         self._figures: dict[str, float] = {}
+        self._repushes = 0
         if self.addresses:
             self._connect(self.addresses)
 
@@ -140,6 +164,8 @@ class ServerEngine(RolloutEngine):
         self.servers = [Server(a, self.wait_s) for a in addresses]
         for server in self.servers:
             check_serves(server, self.context.model, self.context.tokenizer, self.model_name)
+            if self.adapters:
+                check_lora(server, self.context.lora.r)
             try:
                 server.get("/weight_info")
             except ServerDown as error:
@@ -154,34 +180,54 @@ class ServerEngine(RolloutEngine):
             return
         start = time.perf_counter()
         model = resolve_model_path(self.context.model)
+        rank = self.context.lora.r if self.adapters else None
+        cpu = self.gpus is None and not torch.cuda.is_available()
         self._launched = Launched(self.launch, model, self.context.dtype, self.serve_args,
-                                  self.gpus, self.kv_cache_gib, self.threads, self.log_dir)  # fmt: skip
+                                  self.gpus, self.kv_cache_gib, self.threads, self.log_dir,
+                                  rank, cpu)  # fmt: skip
         self._launched.wait_healthy(self.start_timeout_s)
         self._connect(self._launched.addresses)
         self._figures["engine/startup_s"] = time.perf_counter() - start
 
     # -- weights ----------------------------------------------------------------------------------
     def load_weights(self, snapshot: nn.Module) -> None:
-        self.push(dict(full_weights(snapshot)), next(snapshot.parameters()).device)
+        device = next(snapshot.parameters()).device
+        if self.adapters:  # the behaviour policy's adapter, as peft saves it
+            tensors, config = adapter_files(snapshot)
+            self._send(lambda: self._push.push_adapter(self.servers, tensors, config,
+                                                       self.version),
+                       fingerprint(tensors))  # fmt: skip
+            self.served = adapter_name(self.version)
+        else:
+            self.push(dict(full_weights(snapshot)), device)
         self.policy_version = None
         super().load_weights(snapshot)
 
     def push(self, weights: dict[str, torch.Tensor], device: torch.device) -> int:
         """Pushes ``weights`` (by transformers name, gathered) to every server as the next
         version, from rank 0 (the others wait); returns the version."""
+        every = self._push.name == "nccl"  # NCCL: every rank joins the gather
+        version = self._send(lambda: self._push.push(self.servers, weights.items(), self.version),
+                             fingerprint(weights), every)  # fmt: skip
+        self.served = None
+        return version
+
+    def _send(self, send: Any, mark: float, every_rank: bool = False) -> int:
+        """Makes the next version: ``send()`` (from rank 0, or ``every_rank``) gives the servers
+        its weights, each is told the version, the other ranks wait; ``mark``: its fingerprint."""
         self._ensure_started()
         if self._future is not None:  # a rollout asked for older weights: dropped
             self._collect()
         start = time.perf_counter()
         self.version += 1
-        if self.rank == 0 or self._push.name == "nccl":  # NCCL: every rank joins the gather
-            self._push.push(self.servers, weights.items(), self.version)
+        if self.rank == 0 or every_rank:
+            send()
         if self.rank == 0:
             for server in self.servers:
                 server.post("/update_weight_version", {"new_version": str(self.version)})
         if dist.is_available() and dist.is_initialized():
             dist.barrier()
-        self._fingerprints = {self.version: fingerprint(weights)}
+        self._fingerprints = {self.version: mark}
         self._figures["engine/weight_push_s"] = time.perf_counter() - start
         return self.version
 
@@ -210,6 +256,7 @@ class ServerEngine(RolloutEngine):
         completions, logprobs, versions = self._collect()
         self._figures["engine/server_wait_s"] = time.perf_counter() - start
         self._figures["engine/server_prefetched"] = float(prefetched)
+        self._figures["engine/server_repushes"], self._repushes = float(self._repushes), 0
         self.last_versions = [v for v in versions for _ in range(request.group_size)]
         self.last_fingerprint = self._fingerprints.get(versions[0]) if versions else None
         device = next(snapshot.parameters()).device
@@ -227,7 +274,7 @@ class ServerEngine(RolloutEngine):
         held = [self._held_version(s) for s in self.servers]
         seeds = request_seeds(seed, len(prompts), request.group_size)
         futures = [
-            self._pool.submit(self._complete, self.servers[owner], ids, request, budget, s)
+            self._pool.submit(_complete, self.servers[owner], self.served, ids, request, budget, s)
             for ids, owner, budget, s in zip(
                 prompts, owners, request.each_budget, seeds, strict=True
             )
@@ -238,41 +285,27 @@ class ServerEngine(RolloutEngine):
         return completions, logprobs, [held[o] for o in owners]
 
     def _held_version(self, server: Server) -> int:
-        answer = server.get("/weight_info") or {}
-        held = answer.get("weight_version")
-        if held is None or str(held) != str(self.version):
-            raise ServerDown(
-                f"the vLLM server at {server.address} holds weight version {held!r}, not the "
-                f"version {self.version} pushed to it (it restarted?): its samples would come "
-                "from other weights"
-            )
-        return int(held)
-
-    def _complete(self, server: Server, ids: list[int], request: SampleRequest, budget: int,
-                  seed: int) -> list[tuple[list[int], list[float]]]:  # fmt: skip
-        """One prompt's ``n = G`` completions from ``server``: (token ids, log-probs) each."""
-        sampling = request.sampling
-        body = {
-            "model": server.model, "prompt": ids, "n": request.group_size, "max_tokens": budget,
-            "temperature": sampling.temperature, "top_p": sampling.top_p,
-            "top_k": sampling.top_k or -1, "min_p": 0.0, "repetition_penalty": 1.0,
-            "seed": seed, "stop_token_ids": list(request.stop_ids), "logprobs": 0,
-            "return_token_ids": True, "skip_special_tokens": False,
-        }  # fmt: skip
-        answer = server.post("/v1/completions", body)
-        choices = sorted((answer or {}).get("choices") or [], key=lambda c: c["index"])
-        if len(choices) != request.group_size:
-            raise ServerDown(f"the vLLM server at {server.address} answered {len(choices)} "
-                             f"completions for a prompt; asked {request.group_size}")  # fmt: skip
-        out = []
-        for choice in choices:
-            tokens = list(choice.get("token_ids") or [])
-            values = (choice.get("logprobs") or {}).get("token_logprobs") or []
-            if len(values) != len(tokens):
-                raise ServerDown(f"the vLLM server at {server.address} answered {len(tokens)} "
-                                 f"tokens with {len(values)} log-probs")  # fmt: skip
-            out.append((tokens, [float(v) for v in values]))
-        return out
+        """The version ``server`` holds, which must be the one pushed: one that restarted is
+        given it again from its folder (``push: folder``, where this process pushed it), with a
+        warning; otherwise :class:`ServerDown`."""
+        held = (server.get("/weight_info") or {}).get("weight_version")
+        if held is not None and str(held) == str(self.version):
+            return self.version
+        where = f"the vLLM server at {server.address} holds weight version {held!r}, not the "
+        where += f"version {self.version} pushed to it (it restarted?)"
+        last = getattr(self._push, "last", None)
+        if last is None:  # NCCL, or a rank that did not write the folder
+            raise ServerDown(f"{where}: its samples would come from other weights, and "
+                             f"model.engine.options.push {self._push.name!r} cannot give "
+                             "them to it again here")  # fmt: skip
+        warnings.warn(f"{where}: pushing it the version's folder {last} again", stacklevel=2)
+        self._push.repush(server)
+        server.post("/update_weight_version", {"new_version": str(self.version)})
+        self._repushes += 1
+        held = (server.get("/weight_info") or {}).get("weight_version")
+        if str(held) != str(self.version):
+            raise ServerDown(f"{where}, and still holds {held!r} after it was pushed again")
+        return self.version
 
     # -- the rest ---------------------------------------------------------------------------------
     def figures(self) -> dict[str, float]:
@@ -288,7 +321,35 @@ class ServerEngine(RolloutEngine):
             self._launched = None
             self.servers = []
         self._push.close()
-        self.version, self.policy_version, self.stale = 0, None, True
+        self.version, self.policy_version, self.stale, self.served = 0, None, True, None
+
+
+def _complete(server: Server, model: str | None, ids: list[int], request: SampleRequest,
+              budget: int, seed: int) -> list[tuple[list[int], list[float]]]:  # fmt: skip
+    """One prompt's ``n = G`` completions from ``server`` (``model``: the adapter to sample with,
+    or None: its model): (token ids, log-probs) each."""
+    sampling = request.sampling
+    body = {
+        "model": model or server.model, "prompt": ids, "n": request.group_size, "max_tokens": budget,
+        "temperature": sampling.temperature, "top_p": sampling.top_p,
+        "top_k": sampling.top_k or -1, "min_p": 0.0, "repetition_penalty": 1.0,
+        "seed": seed, "stop_token_ids": list(request.stop_ids), "logprobs": 0,
+        "return_token_ids": True, "skip_special_tokens": False,
+    }  # fmt: skip
+    answer = server.post("/v1/completions", body)
+    choices = sorted((answer or {}).get("choices") or [], key=lambda c: c["index"])
+    if len(choices) != request.group_size:
+        raise ServerDown(f"the vLLM server at {server.address} answered {len(choices)} "
+                         f"completions for a prompt; asked {request.group_size}")  # fmt: skip
+    out = []
+    for choice in choices:
+        tokens = list(choice.get("token_ids") or [])
+        values = (choice.get("logprobs") or {}).get("token_logprobs") or []
+        if len(values) != len(tokens):
+            raise ServerDown(f"the vLLM server at {server.address} answered {len(tokens)} "
+                             f"tokens with {len(values)} log-probs")  # fmt: skip
+        out.append((tokens, [float(v) for v in values]))
+    return out
 
 
 def _check_options(servers, launch, gpus, wait_s, concurrency) -> None:
@@ -311,3 +372,27 @@ def _check_options(servers, launch, gpus, wait_s, concurrency) -> None:
         raise ValueError(f"model.engine.options.wait_s must be >= 0 seconds; got {wait_s!r}")
     if concurrency < 1:
         raise ValueError(f"model.engine.options.concurrency must be >= 1; got {concurrency!r}")
+
+
+def _adapters(lora_push: str | None, push: str, lora: Any) -> bool:
+    """Whether ``model.engine.options.lora_push`` sends the LoRA adapter as an adapter."""
+    if lora_push not in (None, "adapter", "merged"):
+        raise ValueError(f"model.engine.options.lora_push must be 'adapter' or 'merged'; "
+                         f"got {lora_push!r}")  # fmt: skip
+    if lora is None:
+        if lora_push == "adapter":
+            raise ValueError("model.engine.options.lora_push='adapter' pushes LoRA adapters, "
+                             "and model.lora is null: leave lora_push out")  # fmt: skip
+        return False
+    if lora_push is None:
+        lora_push = "adapter" if push == "folder" else "merged"
+    if lora_push == "merged":
+        return False
+    if push != "folder":
+        raise ValueError(f"model.engine.options.lora_push='adapter' needs push 'folder' (the "
+                         f"servers load adapters by path); push {push!r} sends whole weights: "
+                         "set lora_push to 'merged'")  # fmt: skip
+    if lora.r > LORA_RANKS[-1]:
+        raise ValueError(f"model.lora.r={lora.r}: vLLM serves adapters of rank at most "
+                         f"{LORA_RANKS[-1]}; set model.engine.options.lora_push to 'merged'")  # fmt: skip
+    return True

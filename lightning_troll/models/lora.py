@@ -3,8 +3,9 @@
 With LoRA the base weights never change, so the snapshot is a second adapter on the same base
 model (:class:`~lightning_troll.models.snapshots.AdapterSnapshot`) and the reference policy is the base
 model with the adapters switched off (:func:`adapters_disabled`): no second model in memory.
-QLoRA keeps the frozen base model in 4-bit NF4 through bitsandbytes (CUDA only). No Lightning
-here.
+QLoRA keeps the frozen base model in 4-bit NF4 through bitsandbytes (CUDA only). An engine that
+loads adapters by path (vLLM servers) takes the active adapter as peft saves it
+(:func:`adapter_files`). No Lightning here.
 """
 
 from __future__ import annotations
@@ -12,11 +13,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["LoraConfig", "adapters_disabled", "apply_lora"]
+__all__ = ["LoraConfig", "adapter_files", "adapters_disabled", "apply_lora"]
 
 
 @dataclass(frozen=True)
@@ -95,3 +97,26 @@ def adapters_disabled(policy: nn.Module) -> Iterator[nn.Module]:
             yield policy
     finally:
         policy.train(training)
+
+
+@torch.no_grad()
+def adapter_files(policy: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The active adapter of the peft ``policy`` as ``save_pretrained`` writes it: its weights under
+    the names of ``adapter_model.safetensors`` (``...q_proj.lora_A.weight``, the adapter's own
+    name left out), on the CPU, and its ``adapter_config.json`` as a dict ready for ``json``
+    (``inference_mode`` on). With the snapshot active, the behaviour policy's adapter."""
+    import json  # noqa: PLC0415
+
+    peft = _peft()
+    name = policy.active_adapter
+    name = name[0] if isinstance(name, list | tuple) else name
+    state = peft.get_peft_model_state_dict(policy, adapter_name=name)
+    tensors = {key: value.detach().to("cpu").contiguous() for key, value in state.items()}
+    config = policy.peft_config[name].to_dict()
+    config["inference_mode"] = True
+    return tensors, json.loads(json.dumps(config, default=_plain))
+
+
+def _plain(value: Any) -> Any:
+    """What ``json`` cannot write of a peft config: sets as sorted lists, the rest as text."""
+    return sorted(value) if isinstance(value, set | frozenset) else str(value)

@@ -42,8 +42,9 @@ def build_rollout_engine(
     if name != "hf" and lora is not None and lora.load_in_4bit:
         raise ValueError(
             f"model.engine.name={name!r} takes the policy's weights with the adapters "
-            "merged, which a 4-bit base rounds away; use engine.name 'hf' with "
-            "lora.load_in_4bit, or a base in float32/bfloat16"
+            "merged, which a 4-bit base rounds away (and vllm_server's adapters would sit on "
+            "the servers' own full-precision base, not the trainer's 4-bit one); use "
+            "engine.name 'hf' with lora.load_in_4bit, or a base in float32/bfloat16"
         )
     own_process = (options or {}).get("process") is True
     if (name != "hf" or own_process) and context.tied_embedding_adapter:
