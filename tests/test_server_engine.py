@@ -34,10 +34,12 @@ class StandIn:
     """A server answering vLLM's routes: completion ``k`` of a prompt is ``[last + 1 + k, EOS]``
     with log-probs ``-0.5`` each; ``fail`` makes a route answer HTTP 500. ``lora_rank``: started
     with ``--enable-lora --max-lora-rank`` that rank (None: without), ``runtime_lora``: with
-    ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``; the adapters it holds are in ``adapters``."""
+    ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``; the adapters it holds are in ``adapters``;
+    ``dtype``: what it computes in, as ``/server_info`` names it."""
 
     def __init__(self, name: str = "tinymath", tokenize=None, port: int | None = None,
-                 lora_rank: int | None = 8, runtime_lora: bool = True) -> None:  # fmt: skip
+                 lora_rank: int | None = 8, runtime_lora: bool = True,
+                 dtype: str = "torch.float32") -> None:  # fmt: skip
         self.name, self.tokenize = name, tokenize or (lambda text: TOKENIZER.encode(
             text, add_special_tokens=False))  # fmt: skip
         self.version, self.requests, self.reloads, self.fail = None, [], [], set()
@@ -47,6 +49,7 @@ class StandIn:
             {},
             [],
         )
+        self.dtype = dtype
         stand_in = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -109,7 +112,7 @@ class StandIn:
         if path == "/server_info?config_format=json":
             lora = None if self.lora_rank is None else {"max_lora_rank": self.lora_rank}
             return 200, {
-                "vllm_config": {"lora_config": lora},
+                "vllm_config": {"lora_config": lora, "model_config": {"dtype": self.dtype}},
                 "vllm_env": {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": self.runtime_lora},
             }
         if path == "/v1/load_lora_adapter":
@@ -205,10 +208,16 @@ def test_a_server_that_is_not_up_is_refused_naming_its_address():
     assert issubclass(ServerDown, EngineDied)  # the rollout callback makes it a fault
 
 
-def test_a_server_of_another_model_or_tokenizer_is_refused_before_training():
+def test_a_server_of_another_model_tokenizer_or_dtype_is_refused_before_training():
     other = StandIn(name="Qwen3-0.6B")
     odd = StandIn(tokenize=lambda text: [1, 2, 3])
+    rounded = StandIn(dtype="torch.bfloat16")
     try:
+        with pytest.raises(ValueError, match=f"server at {rounded.address} computes in bfloat16; "
+                           "this run's model.dtype is float32: start it with --dtype float32"):  # fmt: skip
+            engine_for([rounded.address])
+        auto = EngineContext("tinymath", "auto", TOKENIZER)
+        build_engine("vllm_server", auto, {"servers": [rounded.address]}).close()
         with pytest.raises(ValueError, match=f"server at {other.address} serves 'Qwen3-0.6B'"):
             engine_for([other.address])
         with pytest.raises(ValueError, match=f"server at {odd.address} tokenizes otherwise"):
@@ -217,6 +226,7 @@ def test_a_server_of_another_model_or_tokenizer_is_refused_before_training():
     finally:
         other.stop()
         odd.stop()
+        rounded.stop()
 
 
 def test_an_error_answer_or_a_server_gone_ends_the_rollout_naming_the_address(stand_ins):

@@ -198,6 +198,25 @@ def check_lora(server: Server, rank: int) -> None:
         )
 
 
+def check_dtype(server: Server, dtype: str) -> None:
+    """Refuses, in one line naming the address, a server that computes in another dtype than the
+    run's ``model.dtype`` (read from ``/server_info``, a route of ``VLLM_SERVER_DEV_MODE=1``): its
+    log-probs would differ from the trainer's by the rounding, and the corrections would weigh
+    that. ``auto`` takes the model's own dtype on both sides and is not checked, nor is a server
+    whose answer names none."""
+    if dtype == "auto":
+        return
+    info = server.get("/server_info?config_format=json", timeout=120.0)
+    config = (info.get("vllm_config") or {}) if isinstance(info, dict) else {}
+    served = str((config.get("model_config") or {}).get("dtype") or "").removeprefix("torch.")
+    if served and served != dtype:
+        raise ValueError(
+            f"model.engine.options.servers: the vLLM server at {server.address} computes in "
+            f"{served}; this run's model.dtype is {dtype}: start it with --dtype {dtype}, or set "
+            f"model.dtype {served}"
+        )
+
+
 def _last_part(name: str) -> str:
     return name.rstrip("/").rsplit("/", 1)[-1]
 

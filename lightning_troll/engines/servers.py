@@ -53,6 +53,7 @@ from lightning_troll.engines.server_http import (
     Launched,
     Server,
     ServerDown,
+    check_dtype,
     check_lora,
     check_serves,
 )
@@ -174,6 +175,7 @@ class ServerEngine(RolloutEngine):
                     "weight routes (/weight_info); start it with VLLM_SERVER_DEV_MODE=1 "
                     f"(docs/engines.md) [{error}]"
                 ) from None
+            check_dtype(server, self.context.dtype)
 
     def _ensure_started(self) -> None:
         if self.servers:
