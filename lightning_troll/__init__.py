@@ -34,7 +34,7 @@ from lightning_troll.trust_region.projection import (
     sparsify,
 )
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"  # CHANGELOG.md; pyproject.toml reads it from here
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",

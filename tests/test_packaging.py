@@ -61,6 +61,12 @@ def test_wheel_installs_into_a_fresh_venv(tmp_path):
         capture_output=True,
     )
     (wheel,) = dist.glob("lightning_troll-*.whl")
+    import lightning_troll
+
+    # the version is written once (lightning_troll.__version__) and is the changelog's newest
+    assert wheel.name.startswith(f"lightning_troll-{lightning_troll.__version__}-")
+    newest = (ROOT / "CHANGELOG.md").read_text().split("\n## ", 1)[1].split("\n", 1)[0]
+    assert newest == lightning_troll.__version__
     names = zipfile.ZipFile(wheel).namelist()
     assert "lightning_troll/callbacks/__init__.py" in names
     for layer in (
