@@ -233,3 +233,16 @@ def test_the_changelog_lists_every_renamed_option():
     text = (ROOT / "CHANGELOG.md").read_text().split("### Renamed options", 1)[1]
     rows = re.findall(r"^\| `model\.([\w.]+)` \| `model\.([\w.]+)` \|$", text, flags=re.M)
     assert dict(rows) == RENAMED_OPTIONS
+
+
+def test_a_python_checkpoint_of_0_1_exports(tmp_path, monkeypatch, capsys):
+    """``lightning-troll export`` of a module built in Python under 0.1, whose loss record still
+    carries the corrections' fields: the fold moves them out and the export leaves them at their
+    defaults (a policy is written without them)."""
+    from lightning_troll.cli.export import main
+
+    monkeypatch.chdir(ROOT)  # the checkpoint names its model folder relative to the repository
+    out = tmp_path / "policy"
+    main(["--ckpt_path", str(FIXTURES / "api.ckpt"), "--output_dir", str(out)])
+    assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
+    assert f"to {out}" in capsys.readouterr().out

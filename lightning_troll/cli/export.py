@@ -79,10 +79,10 @@ its norm (:func:`rounding_loss`)."""
 FOLDER_READS = 3
 """Reads of a sharded checkpoint's folder that a running fit's saves may cut short before an
 export gives up (:func:`read_checkpoint`)."""
-DEFAULTED = ("reward_options", "advantages", "dynamic_sampling", "engine")
+DEFAULTED = ("reward_options", "advantages", "dynamic_sampling", "engine", "corrections")
 """The module options an export leaves out of the checkpoint's (the options 0.2.0 renamed folded
-first), so that they take their defaults: how rewards are called and turned into advantages, and
-what samples rollouts, none of which writing a policy uses."""
+first), so that they take their defaults: how rewards are called and turned into advantages, what
+samples rollouts and what corrects them, none of which writing a policy uses."""
 
 
 def read_checkpoint(path: str | Path) -> dict[str, Any]:

@@ -11,8 +11,8 @@ pipeline over them (``collector``), the old policy's sparse rows and the global 
 (:mod:`~lightning_troll.training.rollout_parts`), and what a checkpoint keeps beyond the weights
 (:class:`~lightning_troll.training.resume.ResumeState`). The option records
 live beside the code they configure (``TrustRegionConfig``, ``ClipConfig``, ``LossConfig``,
-``CorrectionsConfig`` and ``AdvantageConfig`` in :mod:`~lightning_troll.objectives`, ``OptimizationConfig`` in
-:mod:`~lightning_troll.training.optimization`, ``DynamicSamplingConfig`` in
+``CorrectionsConfig`` and ``AdvantageConfig`` in :mod:`~lightning_troll.objectives`,
+``OptimizationConfig`` in :mod:`~lightning_troll.training.optimization`, ``DynamicSamplingConfig`` in
 :mod:`~lightning_troll.rollouts.dynamic_sampling`, ``EngineConfig`` in
 :mod:`~lightning_troll.engines.base`) and are importable from here too; every one travels whole to
 its user.
