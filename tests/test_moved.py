@@ -213,6 +213,13 @@ def test_a_config_of_0_1_runs_warned_and_an_old_flag_is_refused_naming_the_new(t
         "engine": {"name": "hf"},
     }
     assert len([w for w in warned if "renamed in 0.2.0" in str(w.message)]) == 1
+    assert "read at their places now (write the new names): model.estimator" in str(
+        [w for w in warned if "renamed in 0.2.0" in str(w.message)][0].message
+    )
+    from lightning_troll.training.moved import renamed_warning
+
+    stored = renamed_warning(["model.seed -> model.optimization.seed"], "--ckpt_path x", False)
+    assert "(nothing to change): model.seed -> model.optimization.seed" in stored
     with pytest.raises(SystemExit) as printed:
         run(["fit", "--config", str(old), "--print_config"])
     assert printed.value.code in (0, None)

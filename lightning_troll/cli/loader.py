@@ -60,7 +60,7 @@ def stored_options(path: str | None) -> dict[str, Any] | None:
         return None
     hparams, moves = fold_renamed_options(hparams)
     if moves:
-        rank_zero_warn(renamed_warning(moves, f"--ckpt_path {path}"))
+        rank_zero_warn(renamed_warning(moves, f"--ckpt_path {path}", written=False))
     if "_class_path" in hparams:
         return {"class_path": hparams.pop("_class_path"), "dict_kwargs": hparams}
     return hparams

@@ -327,9 +327,11 @@ def _with_field(section: Any, field: str, value: Any) -> Any:
     return {**(section or {}), field: value}
 
 
-def renamed_warning(moves: list[str], where: str) -> str:
-    """The one-line warning for options folded from ``where`` (a config, a checkpoint)."""
+def renamed_warning(moves: list[str], where: str, written: bool = True) -> str:
+    """The one-line warning for options folded from ``where``: a config the user wrote
+    (``written``: it asks for the new names), or a checkpoint (it says what was read where)."""
+    ask = "write the new names" if written else "nothing to change"
     return (
         f"{where} names options renamed in 0.2.0 (CHANGELOG.md, Renamed options), read at their "
-        "places now; write the new names: " + "; ".join(dict.fromkeys(moves))
+        f"places now ({ask}): " + "; ".join(dict.fromkeys(moves))
     )
