@@ -316,3 +316,38 @@ def test_an_engine_that_dies_while_asked_ahead_stops_the_run_as_a_fault():
         peek=lambda: upcoming)))  # fmt: skip
     with pytest.raises(EngineFault, match="killed by signal 9"):
         RolloutGeneration()._sample_ahead(trainer, module)
+
+
+@pytest.mark.parametrize("fails", ["send", "recv"])
+def test_a_connection_reset_by_the_dying_engine_is_its_death_not_a_traceback(fails):
+    """The child killed between the liveness check and the pipe's use: the send meets a broken
+    pipe, or the answer a reset connection (an OSError, not EOFError); either reads as the
+    death, named by the signal, as an end of file does."""
+    from lightning_troll.engines.process import EngineDied
+
+    class Killed:
+        exitcode = -9
+        alive = True
+
+        def is_alive(self):
+            return self.alive
+
+        def join(self, timeout=None):
+            self.alive = False
+
+    class Reset:
+        def send(self, message):
+            if fails == "send":
+                raise BrokenPipeError(32, "Broken pipe")
+
+        def recv(self):
+            raise ConnectionResetError(104, "Connection reset by peer")
+
+    engine = ProcessEngine.__new__(ProcessEngine)
+    engine.inner, engine._child, engine._conn = "hf", Killed(), Reset()
+    with pytest.raises(EngineDied) as died:
+        engine._send(("weights", {}))
+        engine._receive("weights")
+    assert str(died.value) == (
+        "the 'hf' engine's process was killed by signal 9 (SIGKILL) while the rollout was sampled"
+    )

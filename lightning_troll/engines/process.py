@@ -154,7 +154,10 @@ class ProcessEngine(RolloutEngine):
     def _send(self, message: tuple) -> None:
         if self._child is None or not self._child.is_alive():
             raise EngineDied(self._death())
-        self._conn.send(message)
+        try:
+            self._conn.send(message)
+        except OSError:  # the child died after the check: a broken pipe or a reset connection
+            raise EngineDied(self._death()) from None
 
     def _death(self) -> str:
         """What ended the engine's process, in a sentence: the signal that killed it, or its exit
@@ -179,7 +182,7 @@ class ProcessEngine(RolloutEngine):
             raise RuntimeError(f"the {self.inner!r} engine's process did not answer in {timeout} s")
         try:
             kind, payload = self._conn.recv()
-        except EOFError:
+        except (EOFError, OSError):  # OSError: the connection was reset as the child died
             raise EngineDied(self._death()) from None
         if kind == "error":
             raise RuntimeError(f"the {self.inner!r} engine's process failed: {payload}")
