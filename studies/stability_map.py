@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import study_kit  # noqa: E402
-from study_figures import markdown_table, pyplot, window_mean  # noqa: E402
+from study_figures import curve, markdown_table, pyplot, window_mean  # noqa: E402
 from study_kit import Grid, Run  # noqa: E402
 from study_stats import paired, sign_test  # noqa: E402
 from tinymath_report import ACCURACY  # noqa: E402
@@ -55,6 +55,18 @@ STABLE_SEEDS = 4
 """Seeds of 5 that must learn for a cell to be in an objective's stable region."""
 COLLAPSE_SEEDS = 3
 """Seeds of 5 that must collapse for a cell to be in an objective's collapse region."""
+CONFIDENCE_BINS = ("below_0.5", "0.5_0.8", "0.8_0.95", "above_0.95")
+ADVANTAGE_SIGNS = ("negative", "zero", "positive")
+ACTS = {"troll": ("trust_region/active_frac", "projected"), "clip": ("clip/active_frac", "clipped")}
+"""Per objective: its share of tokens its constraint acts on, and the name of that share in the
+``by_confidence``/``by_advantage`` figures."""
+CORNER_GAP = 2
+"""Seeds of 5 by which the objectives' learned counts must differ for the SmolLM2 corner to be the
+cell where they differ most (the plan's item 2)."""
+CORNER_SEEDS = 3
+"""Seeds of 5 one objective must learn on for a cell to be the corner when none differs."""
+SMOLLM2_ANCHOR_LR = 1e-4
+"""TinyMath's learning rate that the headroom pilot's learning rate stands for on SmolLM2."""
 METRICS = (ACCURACY, "reward/mean", "entropy", "rollout/staleness", "trust_region/", "clip/")
 """Kept per rollout: the validations, the training reward, entropy, staleness and every
 constraint figure (the KL at a rollout's end, by confidence bin and advantage sign)."""
@@ -240,6 +252,183 @@ def late_kl(objectives: dict[str, dict[int, dict]]) -> str:
     return " / ".join(out)
 
 
+def panel_regions(records: Sequence[dict], start: float) -> list[str]:
+    """Per panel (secondary): the stable and collapse regions' sizes and discordant splits over
+    the panel's complete cells."""
+    complete, stable, collapse = regions(records, start)
+    lines = []
+    for panel in PANELS:
+        mine = {c for c in complete if c.panel == panel}
+        if not mine:
+            continue
+        parts = []
+        for what, region in (("stable", stable), ("collapse", collapse)):
+            r = {o: region[o] & mine for o in OBJECTIVES}
+            troll, clip = len(r["troll"] - r["clip"]), len(r["clip"] - r["troll"])
+            parts.append(f"{what} TROLL {len(r['troll'])}, clipping {len(r['clip'])} "
+                         f"(one only: {troll} TROLL's, {clip} clipping's)")  # fmt: skip
+        lines.append(f"- `{panel}`, {len(mine)} of {len(LRS) * len(STEPS)} cells complete: "
+                     + "; ".join(parts))  # fmt: skip
+    return lines
+
+
+def entropy_difference(records: Sequence[dict], start: float) -> str:
+    """Over the complete cells, per seed the mean over cells of each objective's entropy at the
+    end; their paired difference (TROLL minus clipping), the plan's reading for "TROLL preserves
+    entropy"."""
+    complete, _, _ = regions(records, start)
+    table = by_cell(records)
+    if not complete:
+        return "no complete cell"
+    per_seed = {o: [] for o in OBJECTIVES}
+    for seed in SEEDS:
+        for o in OBJECTIVES:
+            found = [outcome(table[c][o][seed], start).entropy for c in complete]
+            if None in found:
+                return "a run of a complete cell logged no entropy at the end"
+            per_seed[o].append(statistics.fmean(found))
+    means = " / ".join(f"{statistics.fmean(per_seed[o]):.3f}" for o in OBJECTIVES)
+    return (f"over {len(complete)} complete cells, mean entropy at the end TROLL / clipping "
+            f"{means}; per seed TROLL - clipping {paired(per_seed['troll'], per_seed['clip']).text()}")  # fmt: skip
+
+
+def learned_counts(records: Sequence[dict], start: float) -> dict[Cell, dict[str, int]]:
+    """Per complete cell, each objective's number of seeds that learned."""
+    complete, _, _ = regions(records, start)
+    table = by_cell(records)
+    return {c: {o: sum(outcome(r, start).learned for r in table[c][o].values())
+                for o in OBJECTIVES} for c in complete}  # fmt: skip
+
+
+def corner(records: Sequence[dict], start: float) -> tuple[Cell, str] | None:
+    """The plan's SmolLM2 corner (item 2), once every cell is complete: the cell where the
+    objectives' learned counts differ most (ties: panel order, then the higher learning rate,
+    then more steps); if none differs by ``CORNER_GAP`` seeds, the cell of the highest learning
+    rate x steps where either learned on ``CORNER_SEEDS``. With its reason; None before."""
+    counts = learned_counts(records, start)
+    if len(counts) < len(cells()):
+        return None
+    order = {p: i for i, p in enumerate(PANELS)}
+
+    def rank(c: Cell) -> tuple:
+        return (-order[c.panel], c.lr, c.steps)  # larger is earlier in the plan's tie order
+
+    gap = {c: abs(n["troll"] - n["clip"]) for c, n in counts.items()}
+    widest = max(gap.values())
+    if widest >= CORNER_GAP:
+        cell = max((c for c in counts if gap[c] == widest), key=rank)
+        n = counts[cell]
+        return cell, (f"the objectives' learned seeds differ most here (TROLL {n['troll']} of 5, "
+                      f"clipping {n['clip']} of 5)")  # fmt: skip
+    able = [c for c, n in counts.items() if max(n.values()) >= CORNER_SEEDS]
+    if not able:
+        return None
+    cell = max(able, key=lambda c: (c.lr * c.steps, rank(c)))
+    return cell, (f"no cell differs by {CORNER_GAP} seeds; the highest learning rate x steps "
+                  f"where either objective learned on {CORNER_SEEDS} of 5")  # fmt: skip
+
+
+def corner_line(records: Sequence[dict], start: float) -> str:
+    """The SmolLM2 corner in a sentence: the cell, why, and what runs on SmolLM2."""
+    found = corner(records, start)
+    if found is None:
+        return "the SmolLM2 corner is chosen once every cell is complete"
+    cell, why = found
+    estimator, staleness = PANELS[cell.panel]
+    return (
+        f"the SmolLM2 corner (the plan's item 2) is `{cell.name}`: {why}. On SmolLM2: "
+        f"{cell.steps} optimiser steps per rollout, {estimator.upper()}, staleness "
+        f"{staleness}, the headroom pilot's learning rate x {cell.lr / SMOLLM2_ANCHOR_LR:g}"
+    )
+
+
+def constraint_report(records: Sequence[dict]) -> str:
+    """``constraints.md`` (a reading): per cell over rollouts 41-60, the mean over seeds of the
+    share of tokens each objective's constraint acts on (TROLL: projected; clipping: clipped),
+    overall, by the old policy's confidence in the token and by the advantage's sign; and the KL
+    at a rollout's end."""
+    table = by_cell(records)
+
+    def share(objectives: dict[str, dict[int, dict]], o: str, metric: str) -> str:
+        found = [window_mean(r, metric, LATE) for r in objectives.get(o, {}).values()]
+        found = [x for x in found if x is not None]
+        return f"{statistics.fmean(found):.3f}" if found else "-"
+
+    def both(objectives, figure: str | None) -> str:
+        out = []
+        for o in OBJECTIVES:
+            overall, name = ACTS[o]
+            out.append(share(objectives, o, overall if figure is None else f"{figure}/{name}"))
+        return " / ".join(out)
+
+    header = (["lr", "steps", "all tokens"] + [f"confidence {b}" for b in CONFIDENCE_BINS]
+              + [f"advantage {a}" for a in ADVANTAGE_SIGNS] + ["KL at a rollout's end"])  # fmt: skip
+    lines = ["# The constraints at work: shares of tokens over rollouts 41-60 (a reading)\n\n",
+             "Each entry is TROLL / clipping: the share of response tokens TROLL projected and "
+             "the share clipping clipped, the mean over the cell's finished seeds of each run's "
+             "mean over rollouts 41-60; by the old policy's probability of the token and by the "
+             "sign of its advantage; then the mean KL of the policy from the old policy at a "
+             "rollout's end (`trust_region/kl_end_mean`).\n"]  # fmt: skip
+    for panel in PANELS:
+        rows = []
+        for c in cells([panel]):
+            if c not in table:
+                continue
+            objectives = table[c]
+            row = [f"{c.lr:g}", str(c.steps), both(objectives, None)]
+            row += [both(objectives, f"trust_region/by_confidence/{b}") for b in CONFIDENCE_BINS]
+            row += [both(objectives, f"trust_region/by_advantage/{a}") for a in ADVANTAGE_SIGNS]
+            rows.append(row + [late_kl(objectives)])
+        if rows:
+            estimator, staleness = PANELS[panel]
+            lines.append(f"\n## {panel}: {estimator}, staleness {staleness}\n\n")
+            lines.append(markdown_table(header, rows, "rr"))
+    return "".join(lines)
+
+
+def plot_curves_by_cell(records: Sequence[dict], out: Path) -> list[Path]:
+    """Per panel, ``curves-<panel>.png``: a plot per cell (rows: learning rate; columns: steps)
+    of each objective's held-out accuracy over the validations, mean over its finished seeds
+    with a band of one standard deviation, the warm start dashed."""
+    start, table = start_accuracy(records), by_cell(records)
+    plt = pyplot()
+    paths = []
+    for panel in PANELS:
+        if not any(c.panel == panel for c in table):
+            continue
+        fig, axes = plt.subplots(len(LRS), len(STEPS), figsize=(10, 2.4 * len(LRS)),
+                                 sharex=True, sharey=True, squeeze=False)  # fmt: skip
+        for a, lr in enumerate(LRS):
+            for b, steps in enumerate(STEPS):
+                ax = axes[len(LRS) - 1 - a][b]  # the highest learning rate on top
+                objectives = table.get(Cell(panel, lr, steps), {})
+                for o in OBJECTIVES:
+                    found = list(objectives.get(o, {}).values())
+                    at, mean, std = curve(found, ACCURACY) if found else ([], [], [])
+                    if not at:
+                        continue
+                    line = ax.plot(at, mean, label=f"{o} ({len(found)})")[0]
+                    ax.fill_between(at, [m - s for m, s in zip(mean, std, strict=True)],
+                                    [m + s for m, s in zip(mean, std, strict=True)],
+                                    color=line.get_color(), alpha=0.15)  # fmt: skip
+                ax.axhline(start, color="grey", linestyle="--", linewidth=1)
+                ax.set_title(f"lr {lr:g}, {steps} steps", fontsize=9)
+                if objectives:
+                    ax.legend(fontsize=7)
+        for ax in axes[-1]:
+            ax.set_xlabel("rollout")
+        for row in axes:
+            row[0].set_ylabel("held-out accuracy")
+        estimator, staleness = PANELS[panel]
+        fig.suptitle(f"{panel}: {estimator}, staleness {staleness}")
+        fig.tight_layout()
+        path = out / f"curves-{panel}.png"
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
 def report(records: Sequence[dict]) -> str:
     """``map.md``: the verdict (or why none yet), then per panel a table of the cells."""
     start = start_accuracy(records)
@@ -249,6 +438,11 @@ def report(records: Sequence[dict]) -> str:
     complete, _, collapse = regions(records, start)
     if len(complete) == len(cells()):
         lines.append(f"Collapse regions (secondary): {compare(collapse, 'collapse region')[0]}.\n")
+    if complete:
+        lines.append("\nPer panel (secondary, complete cells):\n\n" + "\n".join(
+            panel_regions(records, start)) + "\n\n")  # fmt: skip
+        lines.append(f"Entropy (secondary): {entropy_difference(records, start)}.\n")
+    lines.append(f"Next: {corner_line(records, start)}.\n")
     unshared = unshared_first_rollouts(records)
     lines.append("Pairs whose first rollouts differ: " + (", ".join(unshared) or "none") + ".\n")
     table = by_cell(records)
@@ -335,7 +529,10 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     text = report(records)
     study_kit.write_atomic(args.out / "map.md", text)
     print(text)
-    print(f"wrote {plot(records, args.out / 'map.png')}")
+    study_kit.write_atomic(args.out / "constraints.md", constraint_report(records))
+    print(f"wrote {plot(records, args.out / 'map.png')}, {args.out / 'constraints.md'}")
+    for path in plot_curves_by_cell(records, args.out):
+        print(f"wrote {path}")
     return records
 
 

@@ -109,9 +109,109 @@ def test_report_and_maps_from_records(tmp_path):
     assert "20 of 360 runs finished" in text and "no verdict: 2 of 36 cells" in text
     assert "| 0.0001 | 4 | troll 5/5 up, 0/5 down; clip 0/5 up, 0/5 down | +0.100" in text
     assert "gspo-s0" not in text  # a panel without runs is left out
+    assert "- `grpo-s0`, 2 of 12 cells complete: stable TROLL 2, clipping 0" in text
+    assert "Next: the SmolLM2 corner is chosen once every cell is complete." in text
     assert study.plot(records, tmp_path / "map.png").stat().st_size > 10_000
 
 
 def test_seeds_outside_the_plan_are_refused():
     with pytest.raises(SystemExit):
         study.parse_args(["--seeds", "5"])
+
+
+def full_grid(learned, entropy=lambda cell, objective, seed: 0.3):
+    """Every cell's 5 seeds of both objectives; ``learned(cell, objective)`` is how many seeds
+    learned (the rest stay at the start)."""
+    records = []
+    for cell in study.cells():
+        for o in study.OBJECTIVES:
+            for seed in study.SEEDS:
+                final = (0.6, 0.6) if seed < learned(cell, o) else (0.5, 0.5)
+                records.append(record(cell.panel, cell.lr, cell.steps, o, seed, final,
+                                      entropy(cell, o, seed)))  # fmt: skip
+    return records
+
+
+def test_the_corner_is_the_cell_where_the_learned_counts_differ_most_ties_by_the_plans_order():
+    def learned(cell, objective):
+        if cell.panel == "gspo-s0" and cell.lr == 3e-4 and cell.steps == 32:
+            return 5 if objective == "troll" else 1  # differ by 4: the widest
+        if cell.panel == "grpo-s0" and cell.lr in (3e-5, 1e-4):
+            return 5 if objective == "clip" else 2  # differ by 3
+        return 3
+
+    found, why = study.corner(full_grid(learned), START)
+    assert found == study.Cell("gspo-s0", 3e-4, 32) and "TROLL 5 of 5, clipping 1 of 5" in why
+
+    def tied(cell, objective):  # differ by 3 in four grpo-s0 cells and one grpo-s4 cell
+        if (cell.panel == "grpo-s0" and cell.lr in (3e-5, 1e-4) and cell.steps in (1, 4)) or (
+            cell.panel == "grpo-s4" and cell.lr == 3e-4
+        ):
+            return 5 if objective == "clip" else 2
+        return 3
+
+    # grpo-s0 before grpo-s4, then the higher lr (1e-4), then more steps (4)
+    assert study.corner(full_grid(tied), START)[0] == study.Cell("grpo-s0", 1e-4, 4)
+
+
+def test_without_a_gap_of_two_seeds_the_corner_is_the_largest_lr_times_steps_that_learned():
+    def learned(cell, objective):
+        if cell.lr * cell.steps > 3e-4 * 4 + 1e-12:
+            return 2 if objective == "troll" else 1  # learned, but on fewer than 3 of 5
+        return 3 if objective == "clip" else 2
+
+    found, why = study.corner(full_grid(learned), START)
+    assert found == study.Cell("grpo-s0", 3e-4, 4)  # 1.2e-3: the largest with 3 of 5 (ties)
+    assert why.startswith("no cell differs by 2 seeds")
+    assert study.corner(full_grid(lambda c, o: 2), START) is None  # nothing learned on 3
+    assert study.corner(full_grid(learned)[:-1], START) is None  # one run short: not yet
+    line = study.corner_line(full_grid(learned), START)
+    assert "`grpo-s0-lr0.0003-steps4`" in line and "learning rate x 3" in line
+
+
+def test_the_per_panel_regions_and_the_entropy_difference_per_seed():
+    def learned(cell, objective):
+        return 5 if cell.panel == "gspo-s0" and objective == "troll" and cell.steps == 1 else 0
+
+    def entropy(cell, objective, seed):
+        return 0.4 + 0.01 * seed if objective == "troll" else 0.3
+
+    records = full_grid(learned, entropy)
+    lines = study.panel_regions(records, START)
+    assert len(lines) == 3
+    assert lines[1] == (
+        "- `gspo-s0`, 12 of 12 cells complete: stable TROLL 4, clipping 0 (one only: 4 TROLL's, "
+        "0 clipping's); collapse TROLL 0, clipping 0 (one only: 0 TROLL's, 0 clipping's)"
+    )
+    text = study.entropy_difference(records, START)
+    # per seed the mean over 36 cells: TROLL 0.40, ..., 0.44 against clipping 0.30
+    assert text.startswith(
+        "over 36 complete cells, mean entropy at the end TROLL / clipping 0.420 / 0.300"
+    )
+    assert "+0.120 (+0.100, +0.110, +0.120, +0.130, +0.140)" in text
+    assert study.entropy_difference(records[:5], START) == "no complete cell"
+
+
+def test_the_constraint_readings_take_each_objectives_own_share(tmp_path):
+    records = []
+    for o, share in (("troll", 0.2), ("clip", 0.05)):
+        for seed in range(2):
+            r = record("grpo-s0", 1e-4, 32, o, seed)
+            overall, name = study.ACTS[o]
+            for rollout in range(41, 61):
+                r["history"].append({"rollout": rollout, overall: share + 0.1 * seed,
+                                     f"trust_region/by_confidence/below_0.5/{name}": 2 * share,
+                                     f"trust_region/by_advantage/zero/{name}": share / 2,
+                                     "trust_region/kl_end_mean": 0.04})  # fmt: skip
+            records.append(r)
+    text = study.constraint_report(records)
+    row = [line for line in text.splitlines() if line.startswith("| 0.0001 | 32 |")]
+    cells = [c.strip() for c in row[0].strip("|").split("|")]
+    assert cells[2] == "0.250 / 0.100"  # the mean over seeds (0.2, 0.3) and (0.05, 0.15)
+    assert cells[3] == "0.400 / 0.100"  # confidence below 0.5
+    assert cells[4] == "- / -"  # a bin no run logged
+    assert cells[8] == "0.100 / 0.025"  # advantage zero
+    assert cells[10] == "0.0400 / 0.0400"
+    assert "gspo-s0" not in text
+    paths = study.plot_curves_by_cell(records, tmp_path)
+    assert [p.name for p in paths] == ["curves-grpo-s0.png"] and paths[0].stat().st_size > 10_000
