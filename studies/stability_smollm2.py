@@ -10,7 +10,7 @@ Item 1's runs are the stale-data study's ``steps32`` arm, run by its own script:
 ``studies/results/smollm2/staleness/``; seeds 3 and 4 run with ``python
 studies/staleness_study.py --arms steps32 --seeds 3 4 --out studies/results/stability/smollm2``.
 
-Item 2's cell is the one :func:`stability_map.corner` picks from the finished TinyMath map (the
+Item 2's cell is the one :func:`stability_tables.corner` picks from the finished TinyMath map (the
 script refuses to start before the map is complete). Its runs are the headroom study's word
 problems, regime and start (:func:`headroom_study.run`), 40 rollouts on seeds 0-2, with the cell's
 optimiser steps per rollout, its staleness (the behaviour anchor, as on TinyMath), its estimator
@@ -32,7 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "examples"))  # the task generators
 import headroom_study as headroom  # noqa: E402
 import paper_regime_study as paper  # noqa: E402
-import stability_map as tinymath  # noqa: E402
+import stability_map  # noqa: E402
+import stability_tables as tinymath  # noqa: E402
 import staleness_study  # noqa: E402
 import study_kit  # noqa: E402
 from study_figures import markdown_table, window_mean  # noqa: E402
@@ -139,8 +140,8 @@ def item1_records() -> list[dict]:
 def corner_cell() -> tuple[tinymath.Cell, str]:
     """The plan's corner from the finished TinyMath map; exits naming what is missing."""
     out = ROOT / "studies/results/stability/tinymath"
-    records = tinymath.study_grid(out).finished(
-        tinymath.runs(list(tinymath.PANELS), list(tinymath.SEEDS))
+    records = stability_map.study_grid(out).finished(
+        stability_map.runs(list(tinymath.PANELS), list(tinymath.SEEDS))
     )
     found = tinymath.corner(records, tinymath.start_accuracy(records)) if records else None
     if found is None:

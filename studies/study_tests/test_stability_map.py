@@ -9,6 +9,7 @@ import pytest
 from .helpers import load
 
 study = load("stability_map")
+tables = load("stability_tables")
 START = 0.5
 
 
@@ -31,7 +32,7 @@ def args_of(run) -> dict:
 
 @pytest.mark.parametrize(("steps", "minibatch"), [(1, "1024"), (4, "256"), (32, "32")])
 def test_each_cell_sets_its_steps_learning_rate_and_staleness(steps, minibatch):
-    run = study.make(study.Cell("grpo-s4", 2e-4, steps), "clip", 3)
+    run = study.make(tables.Cell("grpo-s4", 2e-4, steps), "clip", 3)
     args = args_of(run)
     assert args["--model.optimization.minibatch_size"] == minibatch  # 1,024 sequences / steps
     assert args["--model.optimizer.init_args.lr"] == "0.0002"
@@ -39,11 +40,11 @@ def test_each_cell_sets_its_steps_learning_rate_and_staleness(steps, minibatch):
     assert args["--model.objective"] == "clip" and args["--seed_everything"] == "3"
     assert args["--trust_region_monitor.kl_end"] == "true"
     assert run.max_steps == steps * 60 and run.rollouts == 60
-    assert "gspo.yaml" in study.make(study.Cell("gspo-s0", 1e-4, 4), "troll", 0).args[3]
+    assert "gspo.yaml" in study.make(tables.Cell("gspo-s0", 1e-4, 4), "troll", 0).args[3]
 
 
 def test_the_grid_runs_in_the_plans_order():
-    runs = study.runs(list(study.PANELS), list(study.SEEDS))
+    runs = study.runs(list(study.PANELS), list(tables.SEEDS))
     assert len(runs) == 360 and len({r.name for r in runs}) == 360
     assert [r.fields["panel"] for r in runs[::120]] == ["grpo-s0", "gspo-s0", "grpo-s4"]
     first = runs[:24]  # the first panel's seed 0: every cell, its two objectives side by side
@@ -54,7 +55,7 @@ def test_the_grid_runs_in_the_plans_order():
 
 def test_outcome_follows_the_plans_margins():
     def out(final, entropy=0.3):
-        return study.outcome(record("grpo-s0", 1e-4, 4, "troll", 0, final, entropy), START)
+        return tables.outcome(record("grpo-s0", 1e-4, 4, "troll", 0, final, entropy), START)
 
     assert out((0.531, 0.533)).learned  # mean 0.532 > start + 0.031
     assert not out((0.53, 0.531)).learned  # 0.5305: short of the margin
@@ -72,25 +73,25 @@ def test_regions_need_four_of_five_seeds_and_complete_cells():
         records.append(record("grpo-s0", 1e-4, 4, "troll", seed, up))
         records.append(record("grpo-s0", 1e-4, 4, "clip", seed, up if seed < 3 else down))
     records.append(record("grpo-s0", 2e-4, 4, "troll", 0, up))  # an incomplete cell
-    complete, stable, collapse = study.regions(records, START)
-    cell = study.Cell("grpo-s0", 1e-4, 4)
+    complete, stable, collapse = tables.regions(records, START)
+    cell = tables.Cell("grpo-s0", 1e-4, 4)
     assert complete == [cell]
     assert stable == {"troll": {cell}, "clip": set()}  # clipping learned on 3 of 5
     assert collapse == {"troll": set(), "clip": set()}  # clipping collapsed on 2 of 5
 
 
 def test_the_verdict_is_a_sign_test_over_the_discordant_cells():
-    cells = study.cells()
+    cells = tables.cells()
     six = {"troll": set(cells[:10]), "clip": set(cells[:4])}  # 6 cells TROLL's only
-    text, p = study.compare(six, "stable region")
+    text, p = tables.compare(six, "stable region")
     assert p == pytest.approx(2 / 2**6)  # all 6 one way: 2 * 0.5**6 = 0.03125
     assert text.startswith("TROLL's stable region is larger (TROLL 10 cells, clipping 4")
     five = {"troll": set(cells[:9]), "clip": set(cells[:4])}
-    text, p = study.compare(five, "stable region")
+    text, p = tables.compare(five, "stable region")
     assert p == pytest.approx(2 / 2**5) and text.startswith("no difference shown")
     mirrored = {"troll": set(cells[:4]), "clip": set(cells[:11])}
-    assert study.compare(mirrored, "stable region")[0].startswith("clipping's stable region")
-    assert study.verdict([record("grpo-s0", 1e-4, 4, "troll", 0)], START).startswith(
+    assert tables.compare(mirrored, "stable region")[0].startswith("clipping's stable region")
+    assert tables.verdict([record("grpo-s0", 1e-4, 4, "troll", 0)], START).startswith(
         "no verdict: 0 of 36 cells"
     )
 
@@ -99,13 +100,13 @@ def test_pairs_that_do_not_share_their_first_rollout_are_named():
     records = [record("grpo-s0", 1e-4, 4, o, 0) for o in ("troll", "clip")]
     records += [record("grpo-s0", 1e-4, 4, "troll", 1, reward=0.4)]
     records += [record("grpo-s0", 1e-4, 4, "clip", 1, reward=0.41)]
-    assert study.unshared_first_rollouts(records) == ["grpo-s0-lr0.0001-steps4-s1"]
+    assert tables.unshared_first_rollouts(records) == ["grpo-s0-lr0.0001-steps4-s1"]
 
 
 def test_report_and_maps_from_records(tmp_path):
     records = [record("grpo-s0", lr, 4, o, s, (0.6, 0.6) if o == "troll" else (0.5, 0.5))
                for lr in (1e-4, 3e-4) for o in ("troll", "clip") for s in range(5)]  # fmt: skip
-    text = study.report(records)
+    text = tables.report(records)
     assert "20 of 360 runs finished" in text and "no verdict: 2 of 36 cells" in text
     assert "| 0.0001 | 4 | troll 5/5 up, 0/5 down; clip 0/5 up, 0/5 down | +0.100" in text
     assert "gspo-s0" not in text  # a panel without runs is left out
@@ -123,9 +124,9 @@ def full_grid(learned, entropy=lambda cell, objective, seed: 0.3):
     """Every cell's 5 seeds of both objectives; ``learned(cell, objective)`` is how many seeds
     learned (the rest stay at the start)."""
     records = []
-    for cell in study.cells():
-        for o in study.OBJECTIVES:
-            for seed in study.SEEDS:
+    for cell in tables.cells():
+        for o in tables.OBJECTIVES:
+            for seed in tables.SEEDS:
                 final = (0.6, 0.6) if seed < learned(cell, o) else (0.5, 0.5)
                 records.append(record(cell.panel, cell.lr, cell.steps, o, seed, final,
                                       entropy(cell, o, seed)))  # fmt: skip
@@ -140,8 +141,8 @@ def test_the_corner_is_the_cell_where_the_learned_counts_differ_most_ties_by_the
             return 5 if objective == "clip" else 2  # differ by 3
         return 3
 
-    found, why = study.corner(full_grid(learned), START)
-    assert found == study.Cell("gspo-s0", 3e-4, 32) and "TROLL 5 of 5, clipping 1 of 5" in why
+    found, why = tables.corner(full_grid(learned), START)
+    assert found == tables.Cell("gspo-s0", 3e-4, 32) and "TROLL 5 of 5, clipping 1 of 5" in why
 
     def tied(cell, objective):  # differ by 3 in four grpo-s0 cells and one grpo-s4 cell
         if (cell.panel == "grpo-s0" and cell.lr in (3e-5, 1e-4) and cell.steps in (1, 4)) or (
@@ -151,7 +152,7 @@ def test_the_corner_is_the_cell_where_the_learned_counts_differ_most_ties_by_the
         return 3
 
     # grpo-s0 before grpo-s4, then the higher lr (1e-4), then more steps (4)
-    assert study.corner(full_grid(tied), START)[0] == study.Cell("grpo-s0", 1e-4, 4)
+    assert tables.corner(full_grid(tied), START)[0] == tables.Cell("grpo-s0", 1e-4, 4)
 
 
 def test_without_a_gap_of_two_seeds_the_corner_is_the_largest_lr_times_steps_that_learned():
@@ -160,12 +161,12 @@ def test_without_a_gap_of_two_seeds_the_corner_is_the_largest_lr_times_steps_tha
             return 2 if objective == "troll" else 1  # learned, but on fewer than 3 of 5
         return 3 if objective == "clip" else 2
 
-    found, why = study.corner(full_grid(learned), START)
-    assert found == study.Cell("grpo-s0", 3e-4, 4)  # 1.2e-3: the largest with 3 of 5 (ties)
+    found, why = tables.corner(full_grid(learned), START)
+    assert found == tables.Cell("grpo-s0", 3e-4, 4)  # 1.2e-3: the largest with 3 of 5 (ties)
     assert why.startswith("no cell differs by 2 seeds")
-    assert study.corner(full_grid(lambda c, o: 2), START) is None  # nothing learned on 3
-    assert study.corner(full_grid(learned)[:-1], START) is None  # one run short: not yet
-    line = study.corner_line(full_grid(learned), START)
+    assert tables.corner(full_grid(lambda c, o: 2), START) is None  # nothing learned on 3
+    assert tables.corner(full_grid(learned)[:-1], START) is None  # one run short: not yet
+    line = tables.corner_line(full_grid(learned), START)
     assert "`grpo-s0-lr0.0003-steps4`" in line and "learning rate x 3" in line
 
 
@@ -177,19 +178,19 @@ def test_the_per_panel_regions_and_the_entropy_difference_per_seed():
         return 0.4 + 0.01 * seed if objective == "troll" else 0.3
 
     records = full_grid(learned, entropy)
-    lines = study.panel_regions(records, START)
+    lines = tables.panel_regions(records, START)
     assert len(lines) == 3
     assert lines[1] == (
         "- `gspo-s0`, 12 of 12 cells complete: stable TROLL 4, clipping 0 (one only: 4 TROLL's, "
         "0 clipping's); collapse TROLL 0, clipping 0 (one only: 0 TROLL's, 0 clipping's)"
     )
-    text = study.entropy_difference(records, START)
+    text = tables.entropy_difference(records, START)
     # per seed the mean over 36 cells: TROLL 0.40, ..., 0.44 against clipping 0.30
     assert text.startswith(
         "over 36 complete cells, mean entropy at the end TROLL / clipping 0.420 / 0.300"
     )
     assert "+0.120 (+0.100, +0.110, +0.120, +0.130, +0.140)" in text
-    assert study.entropy_difference(records[:5], START) == "no complete cell"
+    assert tables.entropy_difference(records[:5], START) == "no complete cell"
 
 
 def test_the_constraint_readings_take_each_objectives_own_share(tmp_path):
@@ -197,14 +198,14 @@ def test_the_constraint_readings_take_each_objectives_own_share(tmp_path):
     for o, share in (("troll", 0.2), ("clip", 0.05)):
         for seed in range(2):
             r = record("grpo-s0", 1e-4, 32, o, seed)
-            overall, name = study.ACTS[o]
+            overall, name = tables.ACTS[o]
             for rollout in range(41, 61):
                 r["history"].append({"rollout": rollout, overall: share + 0.1 * seed,
                                      f"trust_region/by_confidence/below_0.5/{name}": 2 * share,
                                      f"trust_region/by_advantage/zero/{name}": share / 2,
                                      "trust_region/kl_end_mean": 0.04})  # fmt: skip
             records.append(r)
-    text = study.constraint_report(records)
+    text = tables.constraint_report(records)
     row = [line for line in text.splitlines() if line.startswith("| 0.0001 | 32 |")]
     cells = [c.strip() for c in row[0].strip("|").split("|")]
     assert cells[2] == "0.250 / 0.100"  # the mean over seeds (0.2, 0.3) and (0.05, 0.15)

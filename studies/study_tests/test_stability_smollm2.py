@@ -8,7 +8,7 @@ import pytest
 from .helpers import load
 
 study = load("stability_smollm2")
-tinymath = load("stability_map")
+tinymath = load("stability_tables")
 START = 0.25
 
 
