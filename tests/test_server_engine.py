@@ -49,7 +49,7 @@ class StandIn:
             {},
             [],
         )
-        self.dtype = dtype
+        self.dtype, self.info_reads = dtype, 0
         stand_in = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -110,6 +110,7 @@ class StandIn:
     def lora_route(self, path, body):
         """``/server_info`` (its LoRA part) and the runtime LoRA routes."""
         if path == "/server_info?config_format=json":
+            self.info_reads += 1
             lora = None if self.lora_rank is None else {"max_lora_rank": self.lora_rank}
             return 200, {
                 "vllm_config": {"lora_config": lora, "model_config": {"dtype": self.dtype}},
@@ -387,6 +388,18 @@ def test_a_server_that_cannot_load_adapters_is_refused_naming_what_to_add():
     finally:
         plain.stop()
         small.stop()
+
+
+def test_a_servers_configuration_is_read_once_for_its_checks_and_not_when_none_asks(stand_ins):
+    """The LoRA and dtype checks share one ``/server_info`` read per server; with
+    ``model.dtype: auto`` and no adapters neither asks, and the route is not read."""
+    lora_engine([s.address for s in stand_ins]).close()
+    assert [s.info_reads for s in stand_ins] == [1, 1]
+    engine_for([stand_ins[0].address]).close()  # the dtype check alone
+    assert stand_ins[0].info_reads == 2
+    auto = EngineContext("tinymath", "auto", TOKENIZER)
+    build_engine("vllm_server", auto, {"servers": [stand_ins[1].address]}).close()
+    assert stand_ins[1].info_reads == 1
 
 
 def test_the_lora_push_options_are_checked_naming_them():

@@ -38,9 +38,11 @@ __all__ = [
     "Launched",
     "Server",
     "ServerDown",
+    "check_dtype",
     "check_lora",
     "check_serves",
     "serve_command",
+    "server_info",
     "serving_rank",
 ]
 
@@ -175,13 +177,19 @@ def serving_rank(rank: int) -> int:
     return next(r for r in LORA_RANKS if r >= rank)
 
 
-def check_lora(server: Server, rank: int) -> None:
+def server_info(server: Server) -> dict:
+    """The server's configuration and environment (``/server_info``, a route of
+    ``VLLM_SERVER_DEV_MODE=1``), read once for the checks below; {} where the answer is not a
+    mapping."""
+    info = server.get("/server_info?config_format=json", timeout=120.0)
+    return info if isinstance(info, dict) else {}
+
+
+def check_lora(server: Server, info: dict, rank: int) -> None:
     """Refuses, in one line naming the address and what to add, a server that cannot load LoRA
     adapters of rank ``rank`` at runtime: started without ``--enable-lora``, with a smaller
-    ``--max-lora-rank``, or without ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` (read from
-    ``/server_info``, a route of ``VLLM_SERVER_DEV_MODE=1``)."""
-    info = server.get("/server_info?config_format=json", timeout=120.0)
-    info = info if isinstance(info, dict) else {}
+    ``--max-lora-rank``, or without ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` (``info``: its
+    :func:`server_info`)."""
     config = (info.get("vllm_config") or {}).get("lora_config")
     missing = []
     if not config:
@@ -198,16 +206,15 @@ def check_lora(server: Server, rank: int) -> None:
         )
 
 
-def check_dtype(server: Server, dtype: str) -> None:
+def check_dtype(server: Server, info: dict, dtype: str) -> None:
     """Refuses, in one line naming the address, a server that computes in another dtype than the
-    run's ``model.dtype`` (read from ``/server_info``, a route of ``VLLM_SERVER_DEV_MODE=1``): its
-    log-probs would differ from the trainer's by the rounding, and the corrections would weigh
-    that. ``auto`` takes the model's own dtype on both sides and is not checked, nor is a server
-    whose answer names none."""
+    run's ``model.dtype`` (``info``: its :func:`server_info`): its log-probs would differ from
+    the trainer's by the rounding, and the corrections would weigh that. ``auto`` takes the
+    model's own dtype on both sides and is not checked, nor is a server whose answer names
+    none."""
     if dtype == "auto":
         return
-    info = server.get("/server_info?config_format=json", timeout=120.0)
-    config = (info.get("vllm_config") or {}) if isinstance(info, dict) else {}
+    config = info.get("vllm_config") or {}
     served = str((config.get("model_config") or {}).get("dtype") or "").removeprefix("torch.")
     if served and served != dtype:
         raise ValueError(

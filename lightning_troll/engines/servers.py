@@ -56,6 +56,7 @@ from lightning_troll.engines.server_http import (
     check_dtype,
     check_lora,
     check_serves,
+    server_info,
 )
 from lightning_troll.engines.server_weights import adapter_name, build_push
 from lightning_troll.engines.vllm import laid_out, request_seeds
@@ -165,8 +166,6 @@ class ServerEngine(RolloutEngine):
         self.servers = [Server(a, self.wait_s) for a in addresses]
         for server in self.servers:
             check_serves(server, self.context.model, self.context.tokenizer, self.model_name)
-            if self.adapters:
-                check_lora(server, self.context.lora.r)
             try:
                 server.get("/weight_info")
             except ServerDown as error:
@@ -175,7 +174,11 @@ class ServerEngine(RolloutEngine):
                     "weight routes (/weight_info); start it with VLLM_SERVER_DEV_MODE=1 "
                     f"(docs/engines.md) [{error}]"
                 ) from None
-            check_dtype(server, self.context.dtype)
+            if self.adapters or self.context.dtype != "auto":
+                info = server_info(server)
+                if self.adapters:
+                    check_lora(server, info, self.context.lora.r)
+                check_dtype(server, info, self.context.dtype)
 
     def _ensure_started(self) -> None:
         if self.servers:
