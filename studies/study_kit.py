@@ -10,7 +10,8 @@ fields it is recorded with) and a :class:`Grid` that runs them one after another
   study again skips finished runs and resumes the interrupted one from its checkpoint;
 - a finished run's record (its fields, seconds, and per rollout the kept metrics) goes to
   ``runs/<name>/result.json``, and the grid's ``results.json`` and ``metrics.csv`` are rewritten
-  (to a ``.partial`` file, then moved into place, so a stop mid-write leaves the old file whole);
+  (to a ``.partial`` file, then moved into place, so a stop mid-write leaves the old file whole;
+  under the folder's lock, so that processes sharing a study's folder write in turn);
 - ``runs/`` need not be kept: a copy of ``results.json`` and ``metrics.csv`` holds the finished
   runs, and a later call takes them from there;
 - ``settings.json`` records what every run shares; a grid with other settings refuses to
@@ -31,6 +32,7 @@ from __future__ import annotations
 import csv
 import gc
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -52,6 +54,7 @@ from study_figures import (  # noqa: E402
     run_mean,
     values,
 )
+from study_files import locked, write_atomic  # noqa: E402
 from study_logs import (  # noqa: E402
     TIME,
     attempts_spent,
@@ -119,13 +122,6 @@ class Run:
     """Rollouts of the whole run (for the estimate)."""
     fields: dict = field(default_factory=dict)
     """Recorded with the run (objective, seed, lr, ...): the columns of tables and CSV."""
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Writes ``text`` beside ``path``, then moves it into place."""
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(text)
-    partial.replace(path)
 
 
 def check_dry_run_out(parser, args) -> None:
@@ -249,22 +245,24 @@ class Grid:
 
     def write(self, records: Sequence[dict]) -> None:
         """``results.json`` and ``metrics.csv``: ``records``, then the runs the outputs already
-        held that ``records`` lacks (a run of another grid is kept)."""
-        names = {r["name"] for r in records}
-        records = [*records, *(r for n, r in self.recorded().items() if n not in names)]
-        keys = sorted({k for r in records for k in r.get("fields", {})})
-        path = self.out / "metrics.csv"
-        partial = path.with_name(path.name + ".partial")
-        with partial.open("w", newline="") as f:
-            names = columns(records, self.metrics)
-            writer = csv.DictWriter(f, fieldnames=["name", *keys, "rollout", *names])
-            writer.writeheader()
-            for r in records:
-                for row in r["history"]:
-                    writer.writerow({"name": r["name"], **r.get("fields", {}), **row})
-        partial.replace(path)
-        results = [{k: v for k, v in r.items() if k != "history"} for r in records]
-        write_atomic(self.out / "results.json", json.dumps(results, indent=1))
+        held that ``records`` lacks (a run of another grid is kept), under the folder's lock
+        (:func:`locked`)."""
+        with locked(self.out):
+            names = {r["name"] for r in records}
+            records = [*records, *(r for n, r in self.recorded().items() if n not in names)]
+            keys = sorted({k for r in records for k in r.get("fields", {})})
+            path = self.out / "metrics.csv"
+            partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+            with partial.open("w", newline="") as f:
+                names = columns(records, self.metrics)
+                writer = csv.DictWriter(f, fieldnames=["name", *keys, "rollout", *names])
+                writer.writeheader()
+                for r in records:
+                    for row in r["history"]:
+                        writer.writerow({"name": r["name"], **r.get("fields", {}), **row})
+            partial.replace(path)
+            results = [{k: v for k, v in r.items() if k != "history"} for r in records]
+            write_atomic(self.out / "results.json", json.dumps(results, indent=1))
 
     # -- estimate ------------------------------------------------------------------------------
     def estimate(self, runs: Sequence[Run]) -> tuple[float, float]:

@@ -207,6 +207,33 @@ def test_records_round_trip_through_results_and_metrics_and_keep_other_grids_run
     ]  # fmt: skip
 
 
+def test_processes_sharing_a_folder_write_its_records_one_at_a_time(tmp_path):
+    """Two processes of one study (one per seed) finish runs at about the same time: a write
+    waits for the folder's lock, so neither drops the other's run nor writes into the file the
+    other writes (each its own partial file), and the second keeps the first's run."""
+    import subprocess
+    import sys
+    import threading
+
+    grid = kit.Grid(tmp_path, {}, ["val/accuracy", kit.TIME])
+    grid.write([finished("a", {"seed": 0}, [0.4, 0.5])])
+    holder = subprocess.Popen(  # another process holds the lock while it writes
+        [sys.executable, "-c", "import fcntl, sys, time\n"
+         f"f = open({str(tmp_path / '.records.lock')!r}, 'w'); fcntl.flock(f, fcntl.LOCK_EX)\n"
+         "print('held', flush=True); time.sleep(1.5)"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert holder.stdout.readline().strip() == "held"
+    writer = threading.Thread(target=grid.write, args=([finished("b", {"seed": 1}, [0.4, 0.6])],))
+    writer.start()
+    writer.join(timeout=0.5)
+    assert writer.is_alive()  # waiting for the lock
+    holder.wait(timeout=30)
+    writer.join(timeout=30)
+    assert not writer.is_alive() and sorted(grid.recorded()) == ["a", "b"]
+    assert not list(tmp_path.glob("*.partial"))
+
+
 def test_outputs_of_the_older_layout_are_read_as_they_are(tmp_path):
     """Records that keep their fields beside the name, settings and start kept in runs/: the
     fields are read into ``fields`` (absent ones as None, the rest of the record kept), and the
