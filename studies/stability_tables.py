@@ -201,9 +201,16 @@ def late_kl(objectives: dict[str, dict[int, dict]]) -> str:
     return " / ".join(out)
 
 
+def named(found: set[Cell]) -> str:
+    """`` [lr 3e-05 x 32 steps, ...]``, in the grid's order; empty for no cell."""
+    if not found:
+        return ""
+    return " [" + ", ".join(f"lr {c.lr:g} x {c.steps} steps" for c in cells() if c in found) + "]"
+
+
 def panel_regions(records: Sequence[dict], start: float) -> list[str]:
     """Per panel (secondary): the stable and collapse regions' sizes and discordant splits over
-    the panel's complete cells."""
+    the panel's complete cells, naming the cells in one region only."""
     complete, stable, collapse = regions(records, start)
     lines = []
     for panel in PANELS:
@@ -213,9 +220,10 @@ def panel_regions(records: Sequence[dict], start: float) -> list[str]:
         parts = []
         for what, region in (("stable", stable), ("collapse", collapse)):
             r = {o: region[o] & mine for o in OBJECTIVES}
-            troll, clip = len(r["troll"] - r["clip"]), len(r["clip"] - r["troll"])
+            troll, clip = r["troll"] - r["clip"], r["clip"] - r["troll"]
             parts.append(f"{what} TROLL {len(r['troll'])}, clipping {len(r['clip'])} "
-                         f"(one only: {troll} TROLL's, {clip} clipping's)")  # fmt: skip
+                         f"(one only: {len(troll)} TROLL's{named(troll)}, "
+                         f"{len(clip)} clipping's{named(clip)})")  # fmt: skip
         lines.append(f"- `{panel}`, {len(mine)} of {len(LRS) * len(STEPS)} cells complete: "
                      + "; ".join(parts))  # fmt: skip
     return lines

@@ -181,7 +181,8 @@ def test_the_per_panel_regions_and_the_entropy_difference_per_seed():
     lines = tables.panel_regions(records, START)
     assert len(lines) == 3
     assert lines[1] == (
-        "- `gspo-s0`, 12 of 12 cells complete: stable TROLL 4, clipping 0 (one only: 4 TROLL's, "
+        "- `gspo-s0`, 12 of 12 cells complete: stable TROLL 4, clipping 0 (one only: 4 TROLL's "
+        "[lr 3e-05 x 1 steps, lr 0.0001 x 1 steps, lr 0.0002 x 1 steps, lr 0.0003 x 1 steps], "
         "0 clipping's); collapse TROLL 0, clipping 0 (one only: 0 TROLL's, 0 clipping's)"
     )
     text = tables.entropy_difference(records, START)
