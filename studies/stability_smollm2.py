@@ -25,7 +25,7 @@ import argparse
 import math
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -60,17 +60,7 @@ OBJECTIVES = ("troll", "clip")
 NAMES = {"troll": "TROLL", "clip": "clipping"}
 
 
-@dataclass(frozen=True)
-class Outcome:
-    """A run's endpoints against the start's accuracy."""
-
-    final: float
-    entropy: float | None
-    learned: bool
-    collapsed: bool
-
-
-def outcome(record: dict, start: float) -> Outcome:
+def outcome(record: dict, start: float) -> tinymath.Outcome:
     """The plan's item 1 endpoints of one finished run (item 2 uses the same)."""
     final = window_mean(record, ACCURACY, ENDPOINT, at=ENDPOINT)
     if final is None:
@@ -80,7 +70,7 @@ def outcome(record: dict, start: float) -> Outcome:
         entropy is not None and entropy < ENTROPY_FLOOR
     )
     learned = final >= start + LEARNED_MARGIN and not collapsed
-    return Outcome(final, entropy, learned, collapsed)
+    return tinymath.Outcome(final, entropy, learned, collapsed)
 
 
 def by_seed(records: Sequence[dict]) -> dict[str, dict[int, dict]]:
@@ -114,14 +104,6 @@ def endpoints(records: Sequence[dict], start: float, seeds: Sequence[int]) -> tu
     if not math.isnan(diff.p_t) and diff.p_t < 0.05 and diff.mean != 0 and favours:
         return text, f"{leader} ahead here"
     return text, "no difference shown"
-
-
-def start_of(records: Sequence[dict]) -> float:
-    """The start's accuracy (rollout 0), the same in every record."""
-    found = {row[ACCURACY] for r in records for row in r["history"] if row["rollout"] == 0}
-    if len(found) != 1:
-        raise ValueError(f"the records hold {len(found)} start accuracies; expected one")
-    return found.pop()
 
 
 # -- item 1 -----------------------------------------------------------------------------------
@@ -193,13 +175,13 @@ def corner_grid(args, cell: tinymath.Cell, lr: float) -> Grid:
 def report(item1: Sequence[dict], corner: Sequence[dict], cell: str | None) -> str:
     lines = ["# The stability map on SmolLM2-135M-Instruct\n"]
     if item1:
-        start = start_of(item1)
+        start = tinymath.start_accuracy(item1)
         text, verdict = endpoints(item1, start, (0, 1, 2, 3, 4))
         lines.append(f"\n## Item 1: 32 steps per rollout, 5 seeds\n\nStart {start:.4f}. {text}.\n\n"
                      f"Verdict (the plan's rule for item 1): {verdict}.\n")  # fmt: skip
         lines.append("\n" + seed_table(item1, start))
     if corner:
-        start = start_of(corner)
+        start = tinymath.start_accuracy(corner)
         text, _ = endpoints(corner, start, CORNER_SEEDS)
         lines.append(f"\n## Item 2: the corner `{cell}`, 3 seeds (readings)\n\nStart "
                      f"{start:.4f}. {text}.\n\n" + seed_table(corner, start))  # fmt: skip
