@@ -5,6 +5,7 @@ test are fixed in ``studies/stability-plan.md`` before any run.
     python studies/stability_map.py --estimate                  # hours, then stop
     nohup python studies/stability_map.py > stability.log 2>&1 &   # the whole grid, resumable
     python studies/stability_map.py --panels grpo-s0 --seeds 0  # a share of it
+    python studies/stability_map.py --seeds 4 --objectives clip  # one process's share
     python studies/stability_map.py --report                    # tables and maps of what finished
 
 Every run is ``configs/tinymath.yaml`` with an estimator preset, one learning rate, one number of
@@ -167,6 +168,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=ROOT / "studies/results/stability/tinymath")
     p.add_argument("--panels", nargs="+", choices=list(PANELS), default=list(PANELS))
     p.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
+    p.add_argument("--objectives", nargs="+", choices=list(OBJECTIVES), default=list(OBJECTIVES),
+                   help="the objectives this process trains (processes share the folder)")  # fmt: skip
     p.add_argument("--model", default="tinymath", help="warm start (name or directory)")
     p.add_argument("--estimate", action="store_true", help="print the hours, then stop")
     p.add_argument("--report", action="store_true", help="tables and maps of finished runs")
@@ -179,7 +182,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> list[dict]:
     args = parse_args(argv)
-    todo = runs(args.panels, args.seeds, args.model)
+    todo = [r for r in runs(args.panels, args.seeds, args.model)
+            if r.fields["objective"] in args.objectives]  # fmt: skip
     study = study_grid(args.out, args.model)
     if args.estimate:
         total, left = study.estimate(todo)

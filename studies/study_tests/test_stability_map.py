@@ -217,3 +217,12 @@ def test_the_constraint_readings_take_each_objectives_own_share(tmp_path):
     assert "gspo-s0" not in text
     paths = study.plot_curves_by_cell(records, tmp_path)
     assert [p.name for p in paths] == ["curves-grpo-s0.png"] and paths[0].stat().st_size > 10_000
+
+
+def test_a_process_can_take_one_objectives_share_of_the_grid(tmp_path, capsys):
+    study.main(["--estimate", "--seeds", "4", "--out", str(tmp_path)])
+    assert capsys.readouterr().out.startswith("72 runs:")  # 36 cells, both objectives
+    study.main(["--estimate", "--seeds", "4", "--objectives", "clip", "--out", str(tmp_path)])
+    assert capsys.readouterr().out.startswith("36 runs:")
+    with pytest.raises(SystemExit):
+        study.parse_args(["--objectives", "ppo"])
