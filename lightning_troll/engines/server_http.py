@@ -41,6 +41,7 @@ __all__ = [
     "check_dtype",
     "check_lora",
     "check_serves",
+    "check_weight_routes",
     "serve_command",
     "server_info",
     "serving_rank",
@@ -175,6 +176,19 @@ LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 def serving_rank(rank: int) -> int:
     """The smallest ``--max-lora-rank`` vLLM takes that serves adapters of rank ``rank``."""
     return next(r for r in LORA_RANKS if r >= rank)
+
+
+def check_weight_routes(server: Server) -> None:
+    """Refuses, in one line naming the address, a server without the weight routes a push needs
+    (``/weight_info``, a route of ``VLLM_SERVER_DEV_MODE=1``)."""
+    try:
+        server.get("/weight_info")
+    except ServerDown as error:
+        raise ValueError(
+            f"model.engine.options.servers: the vLLM server at {server.address} has no "
+            "weight routes (/weight_info); start it with VLLM_SERVER_DEV_MODE=1 "
+            f"(docs/engines.md) [{error}]"
+        ) from None
 
 
 def server_info(server: Server) -> dict:

@@ -56,6 +56,7 @@ from lightning_troll.engines.server_http import (
     check_dtype,
     check_lora,
     check_serves,
+    check_weight_routes,
     server_info,
 )
 from lightning_troll.engines.server_weights import adapter_name, build_push
@@ -166,14 +167,7 @@ class ServerEngine(RolloutEngine):
         self.servers = [Server(a, self.wait_s) for a in addresses]
         for server in self.servers:
             check_serves(server, self.context.model, self.context.tokenizer, self.model_name)
-            try:
-                server.get("/weight_info")
-            except ServerDown as error:
-                raise ValueError(
-                    f"model.engine.options.servers: the vLLM server at {server.address} has no "
-                    "weight routes (/weight_info); start it with VLLM_SERVER_DEV_MODE=1 "
-                    f"(docs/engines.md) [{error}]"
-                ) from None
+            check_weight_routes(server)
             if self.adapters or self.context.dtype != "auto":
                 info = server_info(server)
                 if self.adapters:
