@@ -16,7 +16,8 @@ runs and resumes an interrupted one). The order is the plan's: panel by panel, w
 seed by seed, a cell's two objectives one after the other. ``--report`` classifies every finished
 run (learned, collapsed, neither) and writes what :mod:`stability_tables` makes of the records:
 ``map.md`` (per panel the counts of each cell, the verdict once all 360 runs are in, the secondary
-readings, the SmolLM2 corner) and ``constraints.md``; and the figures, ``map.png`` (the heat maps)
+readings, the SmolLM2 corner, and :mod:`stability_control`'s reading of the control column) and
+``constraints.md``; and the figures, ``map.png`` (the heat maps)
 and ``curves-<panel>.png`` (held-out accuracy per cell).
 """
 
@@ -31,6 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import study_kit  # noqa: E402
+from stability_control import divergence  # noqa: E402
 from stability_tables import (  # noqa: E402
     LRS,
     OBJECTIVES,
@@ -198,7 +200,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
         with study_kit.resumable():
             study.run_all(todo)
         records = study.finished(runs(list(PANELS), list(SEEDS), args.model))
-    text = report(records)
+    text = report(records) + divergence(records)
     study_kit.write_atomic(args.out / "map.md", text)
     print(text)
     study_kit.write_atomic(args.out / "constraints.md", constraint_report(records))
