@@ -17,8 +17,8 @@ seed by seed, a cell's two objectives one after the other. ``--report`` classifi
 run (learned, collapsed, neither) and writes what :mod:`stability_tables` makes of the records:
 ``map.md`` (per panel the counts of each cell, the verdict once all 360 runs are in, the secondary
 readings, the SmolLM2 corner, and :mod:`stability_control`'s reading of the control column) and
-``constraints.md``; and the figures, ``map.png`` (the heat maps)
-and ``curves-<panel>.png`` (held-out accuracy per cell).
+``constraints.md``; and the figures, ``map.png`` (the heat maps), ``entropy.png`` (the entropy at
+the end per cell) and ``curves-<panel>.png`` (held-out accuracy per cell).
 """
 
 from __future__ import annotations
@@ -99,13 +99,15 @@ def plot(records: Sequence[dict], path: Path) -> Path:
             [(o, k) for k in ("learned", "collapsed") for o in OBJECTIVES]
         ):
             grid = [[math.nan] * len(STEPS) for _ in LRS]
+            ax = axes[i][j]
             for a, lr in enumerate(LRS):
                 for b, steps in enumerate(STEPS):
                     found = table.get(Cell(panel, lr, steps), {}).get(o, {})
                     if found:
                         hits = [getattr(outcome(r, start), kind) for r in found.values()]
                         grid[a][b] = sum(hits) / len(hits)
-            ax = axes[i][j]
+                        ax.text(b, a, f"{sum(hits)}/{len(hits)}", ha="center", va="center",
+                                color="white" if grid[a][b] > 0.5 else "black", fontsize=8)  # fmt: skip
             ax.imshow(grid, vmin=0, vmax=1, cmap="Greens" if kind == "learned" else "Reds",
                       origin="lower")  # fmt: skip
             ax.set_xticks(range(len(STEPS)), [str(s) for s in STEPS])
@@ -116,6 +118,60 @@ def plot(records: Sequence[dict], path: Path) -> Path:
     total = len(cells()) * len(OBJECTIVES) * len(SEEDS)
     done = "all" if len(records) == total else "incomplete: shares over the seeds finished"
     fig.suptitle(f"{len(records)} of {total} runs ({done})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def entropy_means(records: Sequence[dict]) -> dict[tuple[Cell, str], float]:
+    """(cell, objective) -> the mean over its finished seeds of each run's mean entropy over
+    rollouts 56-60, where any logs it."""
+    start, means = start_accuracy(records), {}
+    for cell, objectives in by_cell(records).items():
+        for o, found in objectives.items():
+            values = [outcome(r, start).entropy for r in found.values()]
+            values = [v for v in values if v is not None]
+            if values:
+                means[cell, o] = sum(values) / len(values)
+    return means
+
+
+def plot_entropy(records: Sequence[dict], path: Path) -> Path:
+    """Per panel, heat maps of :func:`entropy_means` of TROLL and of clipping on one scale, and
+    of TROLL minus clipping, each cell's value written in it."""
+    means = entropy_means(records)
+    if not means:
+        raise ValueError("no finished run logs its entropy over rollouts 56-60")
+    top = max(means.values())
+    plt = pyplot()
+    fig, axes = plt.subplots(len(PANELS), 3, figsize=(10, 3.2 * len(PANELS)), squeeze=False)
+    for i, panel in enumerate(PANELS):
+        for j, what in enumerate((*OBJECTIVES, "troll - clip")):
+            grid = [[math.nan] * len(STEPS) for _ in LRS]
+            ax = axes[i][j]
+            for a, lr in enumerate(LRS):
+                for b, steps in enumerate(STEPS):
+                    cell = Cell(panel, lr, steps)
+                    found = [means.get((cell, o)) for o in OBJECTIVES]
+                    if what in OBJECTIVES:
+                        value = means.get((cell, what))
+                    else:
+                        value = None if None in found else found[0] - found[1]
+                    if value is not None:
+                        grid[a][b] = value
+                        ax.text(b, a, f"{value:+.3f}" if what not in OBJECTIVES else f"{value:.3f}",
+                                ha="center", va="center", fontsize=8)  # fmt: skip
+            if what in OBJECTIVES:
+                ax.imshow(grid, vmin=0, vmax=top, cmap="Blues", origin="lower")
+            else:
+                ax.imshow(grid, vmin=-0.2, vmax=0.2, cmap="RdBu", origin="lower")
+            ax.set_xticks(range(len(STEPS)), [str(s) for s in STEPS])
+            ax.set_yticks(range(len(LRS)), [f"{lr:g}" for lr in LRS])
+            ax.set_title(f"{panel}: entropy at the end, {what}", fontsize=9)
+            ax.set_xlabel("optimiser steps per rollout")
+            ax.set_ylabel("learning rate")
+    fig.suptitle("mean entropy over rollouts 56-60 (nats), mean over the finished seeds")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -205,6 +261,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     print(text)
     study_kit.write_atomic(args.out / "constraints.md", constraint_report(records))
     print(f"wrote {plot(records, args.out / 'map.png')}, {args.out / 'constraints.md'}")
+    print(f"wrote {plot_entropy(records, args.out / 'entropy.png')}")
     for path in plot_curves_by_cell(records, args.out):
         print(f"wrote {path}")
     return records

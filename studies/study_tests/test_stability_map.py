@@ -115,6 +115,19 @@ def test_report_and_maps_from_records(tmp_path):
     assert study.plot(records, tmp_path / "map.png").stat().st_size > 10_000
 
 
+def test_entropy_at_the_end_per_cell_and_objective(tmp_path):
+    records = [record("grpo-s0", 1e-4, 4, "troll", s, entropy=0.2 + 0.1 * s) for s in range(3)]
+    records += [record("grpo-s0", 1e-4, 4, "clip", s, entropy=0.3) for s in range(2)]
+    means = study.entropy_means(records)
+    cell = tables.Cell("grpo-s0", 1e-4, 4)
+    assert means == {(cell, "troll"): pytest.approx(0.3), (cell, "clip"): pytest.approx(0.3)}
+    assert study.plot_entropy(records, tmp_path / "entropy.png").stat().st_size > 10_000
+    unlogged = [{**r, "history": [row for row in r["history"] if "entropy" not in row]}
+                for r in records]  # fmt: skip
+    with pytest.raises(ValueError, match="entropy"):
+        study.plot_entropy(unlogged, tmp_path / "none.png")
+
+
 def test_seeds_outside_the_plan_are_refused():
     with pytest.raises(SystemExit):
         study.parse_args(["--seeds", "5"])
