@@ -36,20 +36,16 @@ import stability_map  # noqa: E402
 import stability_tables as tinymath  # noqa: E402
 import staleness_study  # noqa: E402
 import study_kit  # noqa: E402
-from study_figures import markdown_table, window_mean  # noqa: E402
+from study_figures import markdown_table  # noqa: E402
 from study_kit import Grid, Run  # noqa: E402
 from study_stats import paired  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 ACCURACY = "val/accuracy"
 ROLLOUTS = 40
-ENDPOINT = (30, 40)
-"""The validations whose mean is a run's final held-out accuracy ``F``."""
-ENTROPY_WINDOW = (36, 40)
-LEARNED_MARGIN = 0.038
-"""Two standard errors of one validation of the 512 held-out problems at the start's accuracy."""
-COLLAPSE_MARGIN = 0.05
-ENTROPY_FLOOR = 0.01
+ENDPOINTS = tinymath.Endpoints(final=(30, 40), entropy_window=(36, 40), learned_margin=0.038)
+"""Items 1 and 2: the map's endpoints with this task's numbers; the learned margin is two
+standard errors of one validation of the 512 held-out problems at the start's accuracy."""
 ITEM1_SEEDS = {"studies/results/smollm2/staleness": (0, 1, 2),
                "studies/results/stability/smollm2": (3, 4)}  # fmt: skip
 """Item 1: the stale-data study's folder holding each seed's ``steps32`` runs."""
@@ -62,15 +58,7 @@ NAMES = {"troll": "TROLL", "clip": "clipping"}
 
 def outcome(record: dict, start: float) -> tinymath.Outcome:
     """The plan's item 1 endpoints of one finished run (item 2 uses the same)."""
-    final = window_mean(record, ACCURACY, ENDPOINT, at=ENDPOINT)
-    if final is None:
-        raise ValueError(f"{record['name']}: no validation at rollouts {ENDPOINT}")
-    entropy = window_mean(record, "entropy", ENTROPY_WINDOW)
-    collapsed = final <= start - COLLAPSE_MARGIN or (
-        entropy is not None and entropy < ENTROPY_FLOOR
-    )
-    learned = final >= start + LEARNED_MARGIN and not collapsed
-    return tinymath.Outcome(final, entropy, learned, collapsed)
+    return tinymath.outcome(record, start, ENDPOINTS)
 
 
 def by_seed(records: Sequence[dict]) -> dict[str, dict[int, dict]]:

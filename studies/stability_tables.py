@@ -24,14 +24,7 @@ PANELS = {"grpo-s0": ("grpo", 0), "gspo-s0": ("gspo", 0), "grpo-s4": ("grpo", 4)
 """Panel -> (estimator, old_policy.max_staleness), in the order the grid runs them."""
 SEEDS = (0, 1, 2, 3, 4)
 OBJECTIVES = ("troll", "clip")
-ENDPOINT = (50, 60)
-"""The validations whose mean is a run's final held-out accuracy ``F``."""
-ENTROPY_WINDOW = (56, 60)
 LATE = (41, 60)
-LEARNED_MARGIN = 0.031
-"""Two standard errors of one validation of 1,024 prompts."""
-COLLAPSE_MARGIN = 0.05
-ENTROPY_FLOOR = 0.01
 STABLE_SEEDS = 4
 """Seeds of 5 that must learn for a cell to be in an objective's stable region."""
 COLLAPSE_SEEDS = 3
@@ -68,6 +61,25 @@ def cells(panels: Sequence[str] = tuple(PANELS)) -> list[Cell]:
 
 
 @dataclass(frozen=True)
+class Endpoints:
+    """A plan's endpoints per run: ``F`` is the mean of the validations at the rollouts of
+    ``final``; learned: ``F >= start + learned_margin``; collapsed: ``F <= start -
+    collapse_margin`` or the mean entropy over the rollouts ``entropy_window`` (inclusive) below
+    ``entropy_floor``."""
+
+    final: tuple[int, int]
+    entropy_window: tuple[int, int]
+    learned_margin: float
+    collapse_margin: float = 0.05
+    entropy_floor: float = 0.01
+
+
+TINYMATH = Endpoints(final=(50, 60), entropy_window=(56, 60), learned_margin=0.031)
+"""The map's endpoints; the learned margin is two standard errors of one validation of 1,024
+prompts."""
+
+
+@dataclass(frozen=True)
 class Outcome:
     """A run's endpoints: its final accuracy, its entropy at the end and its class."""
 
@@ -77,15 +89,16 @@ class Outcome:
     collapsed: bool
 
 
-def outcome(record: dict, start: float) -> Outcome:
-    """The plan's endpoints of one finished run against the warm start's accuracy ``start``."""
-    final = window_mean(record, ACCURACY, ENDPOINT, at=ENDPOINT)
+def outcome(record: dict, start: float, endpoints: Endpoints = TINYMATH) -> Outcome:
+    """The ``endpoints`` of one finished run against the warm start's accuracy ``start``."""
+    e = endpoints
+    final = window_mean(record, ACCURACY, e.final, at=e.final)
     if final is None:
-        raise ValueError(f"{record['name']}: no validation at rollouts {ENDPOINT}")
-    entropy = window_mean(record, "entropy", ENTROPY_WINDOW)
-    flat = entropy is not None and entropy < ENTROPY_FLOOR
-    collapsed = final <= start - COLLAPSE_MARGIN or flat
-    learned = final >= start + LEARNED_MARGIN and not collapsed
+        raise ValueError(f"{record['name']}: no validation at rollouts {e.final}")
+    entropy = window_mean(record, "entropy", e.entropy_window)
+    flat = entropy is not None and entropy < e.entropy_floor
+    collapsed = final <= start - e.collapse_margin or flat
+    learned = final >= start + e.learned_margin and not collapsed
     return Outcome(final, entropy, learned, collapsed)
 
 
