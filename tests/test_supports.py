@@ -152,7 +152,7 @@ def test_unknown_support_is_refused_in_one_line_listing_the_names():
         TrustRegionProjection(support="exact")
     with pytest.raises(ValueError) as error:
         TrustRegionConfig(support="exact")
-    assert str(error.value).startswith("trust_region.support must be one of")
+    assert str(error.value).startswith("model.trust_region.support must be one of")
     assert "\n" not in str(error.value)
     assert SUPPORTS == ("union", "official", "dense")
 

@@ -648,9 +648,12 @@ def test_bad_module_options_fail_before_training(tiny_model_dir, kwargs, message
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"epochs_per_rollout": 0}, r"optimization.epochs_per_rollout must be >= 1; got 0"),
-        ({"minibatch_size": 0}, r"optimization.minibatch_size must be null or >= 1; got 0"),
-        ({"gradient_clip_norm": -1.0}, r"optimization.gradient_clip_norm must be null or > 0"),
+        ({"epochs_per_rollout": 0}, r"model\.optimization\.epochs_per_rollout must be >= 1; got 0"),
+        ({"minibatch_size": 0}, r"model\.optimization\.minibatch_size must be null or >= 1; got 0"),
+        (
+            {"gradient_clip_norm": -1.0},
+            r"model\.optimization\.gradient_clip_norm must be null or > 0",
+        ),
     ],
 )
 def test_bad_optimization_options(kwargs, message):

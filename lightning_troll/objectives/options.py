@@ -72,7 +72,7 @@ class TrustRegionConfig:
         try:
             check_support(self.support)
         except ValueError as error:
-            raise ValueError(f"trust_region.{error}") from None
+            raise ValueError(f"model.trust_region.{error}") from None
         defaults.check_keep_token(self.support, self.keep_sampled_token)
 
 

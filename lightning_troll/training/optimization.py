@@ -94,22 +94,26 @@ class OptimizationConfig:
     def __post_init__(self) -> None:
         for name in ("epochs_per_rollout", "max_bad_steps"):
             if getattr(self, name) < 1:
-                raise ValueError(f"optimization.{name} must be >= 1; got {getattr(self, name)!r}")
+                raise ValueError(
+                    f"model.optimization.{name} must be >= 1; got {getattr(self, name)!r}"
+                )
         for name in ("minibatch_size", "micro_batch_size"):
             value = getattr(self, name)
             if value is not None and value < 1:
-                raise ValueError(f"optimization.{name} must be null or >= 1; got {value!r}")
+                raise ValueError(f"model.optimization.{name} must be null or >= 1; got {value!r}")
         tokens = self.micro_batch_tokens
         if tokens not in (None, "auto") and not (
             isinstance(tokens, int) and not isinstance(tokens, bool) and tokens >= 1
         ):
             raise ValueError(
-                f"optimization.micro_batch_tokens must be auto, null or an integer >= 1; got "
+                f"model.optimization.micro_batch_tokens must be auto, null or an integer >= 1; got "
                 f"{tokens!r}"
             )
         clip = self.gradient_clip_norm
         if clip is not None and not clip > 0:
-            raise ValueError(f"optimization.gradient_clip_norm must be null or > 0; got {clip!r}")
+            raise ValueError(
+                f"model.optimization.gradient_clip_norm must be null or > 0; got {clip!r}"
+            )
         check_chunk_size(self.logits_chunk_size, "model.optimization.logits_chunk_size")
 
 
