@@ -559,8 +559,8 @@ def broken_jsonl(tmp_path: Path) -> str:
                      id="negative-schedule"),
         pytest.param(["--model.optimization.minibatch_size", "12"],
                      "model.optimization.minibatch_size=12 does not divide a rollout of 16 "
-                     "sequences (data.batch_size=2 x model.group_size=8): its steps would take 12, "
-                     "4 sequences; choose one of [1, 2, 4, 8, 16]", id="minibatch-not-a-divisor"),
+                     "sequences (data.batch_size=2 x model.group_size=8): 1 step of 12 sequences "
+                     "would leave a last one of 4; choose one of [1, 2, 4, 8, 16]", id="minibatch-not-a-divisor"),
         pytest.param(["--data.batch_size", "0"], "data.batch_size must be an integer >= 1",
                      id="no-prompts"),
         pytest.param(["--data.source", lambda tmp: str(tmp)], "is a folder, not a file",

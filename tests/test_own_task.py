@@ -204,6 +204,17 @@ def test_a_minibatch_larger_than_the_rollout_is_refused(tmp_path, monkeypatch, c
     check_rollout_split(None, 1, 2)
 
 
+def test_a_minibatch_that_leaves_a_short_last_step_is_refused_in_one_short_line():
+    """A rollout of 4,096 in minibatches of 3: the line counts the steps, it does not list them."""
+    with pytest.raises(ValueError) as error:
+        check_rollout_split(3, 512, 8)
+    assert str(error.value) == (
+        "model.optimization.minibatch_size=3 does not divide a rollout of 4096 sequences "
+        "(data.batch_size=512 x model.group_size=8): 1365 steps of 3 sequences would leave a last "
+        "one of 1; choose one of [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]"
+    )
+
+
 def test_the_python_api_refuses_the_same_at_setup(tiny_model_dir):
     """A module and a DataModule built apart: the checks run when the fit sets them up."""
     from lightning.pytorch import Trainer

@@ -114,12 +114,12 @@ def check_rollout_split(minibatch_size: int | None, batch_size: int, group_size:
     rollout = batch_size * group_size
     if minibatch_size is not None and minibatch_size <= rollout and rollout % minibatch_size:
         divisors = [d for d in range(1, rollout + 1) if rollout % d == 0]
-        sizes = [minibatch_size] * (rollout // minibatch_size) + [rollout % minibatch_size]
+        steps = rollout // minibatch_size
         raise ValueError(
             f"model.optimization.minibatch_size={minibatch_size} does not divide a rollout of "
             f"{rollout} sequences (data.batch_size={batch_size} x model.group_size={group_size}): "
-            f"its steps would take {', '.join(map(str, sizes))} sequences; choose one of "
-            f"{divisors}"
+            f"{steps} step{'s' if steps > 1 else ''} of {minibatch_size} sequences would leave a "
+            f"last one of {rollout % minibatch_size}; choose one of {divisors}"
         )
     if minibatch_size is not None and minibatch_size > rollout:
         raise ValueError(
