@@ -43,6 +43,7 @@ from stability_tables import (  # noqa: E402
     by_cell,
     cells,
     constraint_report,
+    mean_entropy,
     outcome,
     report,
     start_accuracy,
@@ -127,14 +128,10 @@ def plot(records: Sequence[dict], path: Path) -> Path:
 def entropy_means(records: Sequence[dict]) -> dict[tuple[Cell, str], float]:
     """(cell, objective) -> the mean over its finished seeds of each run's mean entropy over
     rollouts 56-60, where any logs it."""
-    start, means = start_accuracy(records), {}
-    for cell, objectives in by_cell(records).items():
-        for o, found in objectives.items():
-            values = [outcome(r, start).entropy for r in found.values()]
-            values = [v for v in values if v is not None]
-            if values:
-                means[cell, o] = sum(values) / len(values)
-    return means
+    start = start_accuracy(records)
+    means = {(cell, o): mean_entropy(found, start)
+             for cell, objectives in by_cell(records).items() for o, found in objectives.items()}  # fmt: skip
+    return {key: e for key, e in means.items() if e is not None}
 
 
 def plot_entropy(records: Sequence[dict], path: Path) -> Path:
@@ -153,15 +150,14 @@ def plot_entropy(records: Sequence[dict], path: Path) -> Path:
             for a, lr in enumerate(LRS):
                 for b, steps in enumerate(STEPS):
                     cell = Cell(panel, lr, steps)
-                    found = [means.get((cell, o)) for o in OBJECTIVES]
                     if what in OBJECTIVES:
-                        value = means.get((cell, what))
+                        value, label = means.get((cell, what)), "{:.3f}"
                     else:
-                        value = None if None in found else found[0] - found[1]
+                        pair = [means.get((cell, o)) for o in OBJECTIVES]
+                        value, label = None if None in pair else pair[0] - pair[1], "{:+.3f}"
                     if value is not None:
                         grid[a][b] = value
-                        ax.text(b, a, f"{value:+.3f}" if what not in OBJECTIVES else f"{value:.3f}",
-                                ha="center", va="center", fontsize=8)  # fmt: skip
+                        ax.text(b, a, label.format(value), ha="center", va="center", fontsize=8)
             if what in OBJECTIVES:
                 ax.imshow(grid, vmin=0, vmax=top, cmap="Blues", origin="lower")
             else:

@@ -194,13 +194,17 @@ def paired_final(objectives: dict[str, dict[int, dict]], start: float) -> str:
     return paired(a, b).text()
 
 
+def mean_entropy(found: dict[int, dict], start: float) -> float | None:
+    """The mean over a cell's finished runs of one objective (seed -> record) of each run's
+    entropy at the end; None where none logs it."""
+    values = [outcome(r, start).entropy for r in found.values()]
+    values = [e for e in values if e is not None]
+    return statistics.fmean(values) if values else None
+
+
 def entropies(objectives: dict[str, dict[int, dict]], start: float) -> str:
-    out = []
-    for o in OBJECTIVES:
-        found = [outcome(r, start).entropy for r in objectives.get(o, {}).values()]
-        found = [e for e in found if e is not None]
-        out.append(f"{statistics.fmean(found):.3f}" if found else "-")
-    return " / ".join(out)
+    means = [mean_entropy(objectives.get(o, {}), start) for o in OBJECTIVES]
+    return " / ".join("-" if e is None else f"{e:.3f}" for e in means)
 
 
 def late_kl(objectives: dict[str, dict[int, dict]]) -> str:
