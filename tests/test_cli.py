@@ -542,6 +542,10 @@ def broken_jsonl(tmp_path: Path) -> str:
                      id="schedule-shorter-than-run"),
         pytest.param(["--config", str(ROOT / "configs" / "demo.yaml"), "--trainer.max_steps",
                       "-1"], "trainer.max_steps=-1 (no limit)", id="schedule-without-limit"),
+        pytest.param(["--trainer.max_steps", "0"], "trainer.max_steps=0: the run would train "
+                     "nothing; give a positive number, or -1 (no limit)", id="no-steps"),
+        pytest.param(["--trainer.max_epochs", "0"], "trainer.max_epochs=0: the run would train "
+                     "nothing", id="no-epochs"),
         pytest.param(["--trainer.enable_checkpointing", "false", "--trainer.callbacks",
                       "lightning.pytorch.callbacks.ModelCheckpoint"],
                      "enable_checkpointing=False", id="lightning-check"),

@@ -36,12 +36,27 @@ __all__ = [
     "check_checkpointing",
     "check_named_checkpoint",
     "check_optimizer",
+    "check_run_length",
     "check_schedule_length",
     "check_scheduler",
     "check_sections",
     "check_task",
     "config_files",
 ]
+
+
+def check_run_length(config) -> None:
+    """Refuses a ``fit`` of no length: ``trainer.max_steps`` or ``trainer.max_epochs`` 0 would
+    sample and train nothing and still end as a finished run, with a checkpoint of the start."""
+    for option, allowed in (
+        ("max_steps", "-1 (no limit)"),
+        ("max_epochs", "-1 or None (no limit)"),
+    ):
+        if config.trainer.get(option) == 0:
+            raise ValueError(
+                f"trainer.{option}=0: the run would train nothing; give a positive number, "
+                f"or {allowed}"
+            )
 
 
 def check_schedule_length(config) -> None:

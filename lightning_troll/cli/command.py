@@ -52,6 +52,7 @@ from lightning_troll.callbacks.summary import TrollModelSummary
 from lightning_troll.cli import export
 from lightning_troll.cli.checks import (
     check_named_checkpoint,
+    check_run_length,
     check_schedule_length,
     check_task,
     config_files,
@@ -231,6 +232,8 @@ class TrollCLI(LightningCLI):
         if moved := fold_moved_options(config.model, config.get("data")):
             rank_zero_warn(moved)
         follow_run_seed(config)  # seed_everything: true is drawn after parsing
+        if subcommand in (None, "fit"):  # None: built to fit by hand
+            check_run_length(config)
         check_schedule_length(config)
         if self._given_model is None:
             return
