@@ -4,6 +4,7 @@ more corner that the TinyMath map points to, at 3 seeds.
 
     python studies/stability_smollm2.py                          # both items' endpoints so far
     nohup python studies/stability_smollm2.py --corner > corner.log 2>&1 &   # item 2's runs
+    ... --corner --seeds 0 --objectives troll    # a share of them: one process per core
     python studies/stability_smollm2.py --corner --estimate      # its hours, then stop
 
 Item 1's runs are the stale-data study's ``steps32`` arm, run by its own script: seeds 0-2 are in
@@ -152,6 +153,13 @@ def corner_runs(args, cell: tinymath.Cell, lr: float) -> list[Run]:
     return found
 
 
+def own_share(runs: Sequence[Run], args) -> list[Run]:
+    """The runs of ``runs`` on ``--seeds`` and ``--objectives``: this process's share (a run's
+    seed, prompts and settings do not depend on which process trains it)."""
+    return [r for r in runs
+            if r.fields["seed"] in args.seeds and r.fields["objective"] in args.objectives]  # fmt: skip
+
+
 def corner_grid(args, cell: tinymath.Cell, lr: float) -> Grid:
     def start() -> dict:
         return study_kit.validate(corner_runs(args, cell, lr)[0], ACCURACY)
@@ -200,6 +208,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=CORNER_OUT, help="item 2's folder")
     p.add_argument("--corner", action="store_true", help="run item 2's runs (resumable)")
     p.add_argument("--estimate", action="store_true", help="with --corner: hours, then stop")
+    p.add_argument("--seeds", type=int, nargs="+", choices=CORNER_SEEDS, default=list(CORNER_SEEDS),
+                   help="with --corner: the seeds this process trains")  # fmt: skip
+    paper.add_objectives(p)
     args = p.parse_args(argv)
     args.prompts = word_problems().prompts
     return args
@@ -220,7 +231,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             return
         if args.corner:
             with study_kit.resumable():
-                study.run_all(planned)
+                study.run_all(own_share(planned, args))
         corner = study.finished(planned)
     text = report(item1, corner, cell)
     study_kit.write_atomic(ROOT / "studies/results/stability/smollm2.md", text)

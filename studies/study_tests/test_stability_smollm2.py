@@ -86,6 +86,17 @@ def test_the_corner_runs_the_cells_steps_staleness_estimator_and_scaled_lr(
     assert runs[0].fields["cell"] == cell.name
 
 
+def test_a_process_trains_its_share_of_the_corner_and_the_report_reads_every_run():
+    cell = tinymath.Cell("grpo-s0", 3e-5, 32)
+    runs = study.corner_runs(study.parse_args([]), cell, lr=1e-5)
+    args = study.parse_args(["--corner", "--seeds", "1", "2", "--objectives", "clip"])
+    assert [r.name for r in study.own_share(runs, args)] == ["corner-clip-s1", "corner-clip-s2"]
+    every = study.own_share(runs, study.parse_args(["--corner"]))
+    assert every == runs
+    with pytest.raises(SystemExit):
+        study.parse_args(["--corner", "--seeds", "3"])  # not one of the plan's three
+
+
 def test_item_1_reads_the_three_committed_seeds_of_the_stale_data_study():
     records = study.item1_records()
     table = study.by_seed(records)
