@@ -345,7 +345,13 @@ def _renamed(name: str) -> str:
 
 
 def _script_flags(script: Path) -> set[str]:
+    """The flags written in ``script`` and in the modules beside it that it imports (a study
+    script takes shared flags from a helper such as ``paper_regime_study.add_objectives``)."""
     source = script.read_text()
+    imported = re.findall(r"^(?:import|from)\s+(\w+)", source, re.MULTILINE)
+    for module in (script.parent / f"{name}.py" for name in imported):
+        if module.is_file() and module != script:
+            source += module.read_text()
     flags = set(re.findall(r"[\"'](--[a-z][\w-]*)[\"']", source))
     return flags | {"--no-" + f[2:] for f in flags}  # argparse.BooleanOptionalAction
 
