@@ -11,6 +11,7 @@ from typing_extensions import override
 
 from lightning_troll.callbacks.refresh_options import (
     check_refresh,
+    check_staleness_world,
     check_versions_fit,
     idle_proximal,
     one_step_trap,
@@ -146,11 +147,7 @@ class OldPolicyRefresh(Callback):
                     f"{type(snapshot).__name__}"
                 )
         pl_module.staleness = self.schedule  # the module holds it; RolloutGeneration reads it
-        if self.max_staleness and trainer.world_size > 1:
-            raise ValueError(
-                f"old_policy.max_staleness={self.max_staleness} runs in one process for now; "
-                f"this run has {trainer.world_size}"
-            )
+        check_staleness_world(self.max_staleness, trainer.world_size)
 
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:

@@ -15,6 +15,7 @@ from lightning_troll.training.staleness import MAX_STALENESS
 
 __all__ = [
     "check_refresh",
+    "check_staleness_world",
     "check_versions_fit",
     "rollouts_of_run",
     "idle_proximal",
@@ -62,6 +63,17 @@ def check_refresh(
             "into the snapshot, which needs model.snapshot.mode 'copy' with dtype 'same' or "
             f"'bfloat16' and no model.lora; got mode {mode!r}, dtype {dtype!r}"
             + (" and LoRA" if lora is not None else "")
+        )
+
+
+def check_staleness_world(max_staleness: int, world: int) -> None:
+    """Refuses ``old_policy.max_staleness`` above 0 in a run of ``world`` processes, more than
+    one (checked before the model loads where ``trainer.devices`` says how many, else at
+    setup)."""
+    if max_staleness and world > 1:
+        raise ValueError(
+            f"old_policy.max_staleness={max_staleness} runs in one process for now; this run has "
+            f"{world} (trainer.devices x trainer.num_nodes): set max_staleness 0, or one device"
         )
 
 

@@ -589,6 +589,19 @@ def broken_jsonl(tmp_path: Path) -> str:
         pytest.param(["--model.trust_region.support", "dense", "--model.corrections.anchor", "proximal"],
                      "model.corrections.anchor='proximal' does not work with "
                      "model.trust_region.support='dense'", id="proximal-on-dense"),
+        pytest.param(["--old_policy.max_staleness", "1", "--trainer.devices", "2"],
+                     "old_policy.max_staleness=1 runs in one process for now; this run has 2",
+                     id="staleness-on-two-processes"),
+        pytest.param(["--model.engine.options", "{process: true}", "--trainer.devices", "2"],
+                     "model.engine.name='hf' with model.engine.options.process true runs in a "
+                     "single process; this run has 2", id="engine-process-on-two-processes"),
+        pytest.param(["--model.engine.options", "{threads: 2}"],
+                     "model.engine.options.threads=2 sets the threads of the engine's own process: "
+                     "it needs model.engine.options.process: true", id="threads-without-process"),
+        pytest.param(["--model.engine.name", "vllm_server", "--model.engine.options",
+                      "{servers: http://127.0.0.1:1}"],
+                     "model.engine.options.servers must be null or a list of addresses",
+                     id="servers-not-a-list"),
         pytest.param(["--model.corrections.anchor_is_cap", "1e400"],
                      "model.corrections.anchor_is_cap must be a finite number >= 1; got inf", id="infinite-cap"),
         pytest.param(["--trainer.logger", "lightning.pytorch.loggers.MLFlowLogger",

@@ -149,6 +149,41 @@ def test_the_process_option_is_checked(tiny_model_dir):
     with pytest.raises(ValueError, match=r"the hf engine takes no options; got \['kv_cache_gib'\]"):
         engine_in_a_process("hf", context, {"process": True, "kv_cache_gib": 1})
     assert engine_in_a_process("hf", context, {}) is None
+    assert engine_in_a_process("hf", context, {"process": False}) is None
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ("process: true", r"model.engine.options must be null or a mapping of the engine's options; "
+                          r"got 'process: true'"),
+        ({"process": "yes"}, r"model.engine.options.process must be true or false; got 'yes'"),
+        ({"process": True, "threads": 0},
+         r"model.engine.options.threads must be null or an integer >= 1; got 0"),
+        ({"threads": 2}, r"model.engine.options.threads=2 sets the threads of the engine's own "
+                         r"process: it needs model.engine.options.process: true"),
+        ({"process": True, "kv_cache_gib": 1},
+         r"model.engine.options: the hf engine takes no options; got \['kv_cache_gib'\]"),
+    ],
+)  # fmt: skip
+def test_engine_options_are_refused_before_the_model_loads(options, message):
+    """The module checks ``model.engine.options`` first: a model that does not exist would fail
+    to load after it."""
+    from lightning_troll.training.module import TrollModule
+
+    with pytest.raises(ValueError, match="^" + message + "$"):
+        TrollModule(model="/nonexistent/model", engine=EngineConfig(options=options))
+
+
+def test_process_false_is_the_engine_in_the_trainers_process():
+    from lightning_troll.engines.base import EngineContext
+    from lightning_troll.objectives import CorrectionsConfig
+    from lightning_troll.training.rollout_parts import build_rollout_engine, check_engine
+
+    options = {"process": False}
+    check_engine("hf", options, None, CorrectionsConfig())  # was refused as an option of hf's
+    engine = build_rollout_engine("hf", options, EngineContext("tinymath", "float32", None))
+    assert isinstance(engine, HFEngine) and options == {"process": False}
 
 
 def test_the_loader_shows_its_next_batch_without_taking_it(tiny_model_dir):

@@ -413,6 +413,29 @@ def test_importance_weights_need_an_engine_that_samples_apart(tiny_model_dir):
         )
 
 
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"kv_cache_gib": "2"}, r"kv_cache_gib must be a number > 0 \(GiB\); got '2'"),
+        ({"kv_cache_gib": 0}, r"kv_cache_gib must be a number > 0 \(GiB\); got 0"),
+        ({"gpu_memory_utilization": 1.5}, r"gpu_memory_utilization must be a number in \(0, 1\]; got 1.5"),
+        ({"max_model_len": 0}, r"max_model_len must be null or an integer >= 1; got 0"),
+        ({"enforce_eager": "no"}, r"enforce_eager must be true or false; got 'no'"),
+        ({"llm_kwargs": ["seed"]}, r"llm_kwargs must be null or a mapping of vLLM's LLM arguments; "
+                                   r"got \['seed'\]"),
+    ],
+)  # fmt: skip
+def test_vllm_options_are_refused_from_the_options_alone(options, message):
+    """Checked before the model loads, whether or not vLLM is installed here."""
+    from lightning_troll.engines.vllm import VLLMEngine
+
+    with pytest.raises(ValueError, match=r"^model\.engine\.options\." + message + "$"):
+        VLLMEngine.check_options(options)
+    with pytest.raises(ValueError, match=r"^model.engine.options for 'vllm': .*'kv_cache'"):
+        VLLMEngine.check_options({"kv_cache": 1})
+    VLLMEngine.check_options({"kv_cache_gib": 2, "max_model_len": 512})
+
+
 def test_an_engine_for_one_process_is_refused_in_a_run_of_several():
     """A user's engine that cannot share a run with other processes is refused at setup, before
     any rollout; the built-in engines both serve DDP and FSDP2."""

@@ -3,6 +3,7 @@ processes with timeouts and deaths, and a reward model as a reward."""
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import subprocess
@@ -132,13 +133,23 @@ def test_a_batched_function_of_the_wrong_length_fails_every_sample():
 
 def test_timeouts_need_workers_and_workers_need_picklable_functions():
     with pytest.raises(
-        ValueError, match="reward_options.timeout=2.0 needs reward_options.workers >= 1"
+        ValueError,
+        match="^model.reward_options.timeout=2.0 needs model.reward_options.workers >= 1",
     ):
         RewardScorer({"gsm8k": 1.0}, timeout=2.0)
     with pytest.raises(ValueError, match="cannot run in a worker process"):
         RewardScorer([lambda p, c, r: 1.0], workers=1)
-    with pytest.raises(ValueError, match="reward_options.workers must be an integer >= 0"):
+    with pytest.raises(
+        ValueError, match=r"^model.reward_options.workers must be an integer >= 0 \(0: no worker"
+    ):
         RewardScorer({"gsm8k": 1.0}, workers=-1)
+    for timeout in (0, math.inf, "5"):
+        with pytest.raises(
+            ValueError,
+            match=r"^model.reward_options.timeout must be null \(no limit\) or a finite number > 0 "
+            rf"of seconds; got {timeout!r}$",
+        ):
+            RewardScorer({"gsm8k": 1.0}, workers=1, timeout=timeout)
 
 
 @pytest.mark.slow

@@ -21,7 +21,7 @@ from lightning_troll.engines.process import EngineDied
 from lightning_troll.engines.sampling import SamplingConfig
 from lightning_troll.engines.server_http import Launched, ServerDown, free_port
 from lightning_troll.engines.server_weights import NCCLPush
-from lightning_troll.engines.servers import split_evenly
+from lightning_troll.engines.servers import ServerEngine, split_evenly
 from lightning_troll.models.loading import load_policy, load_tokenizer
 from lightning_troll.models.lora import LoraConfig, adapter_files, apply_lora
 from lightning_troll.models.snapshots import AdapterSnapshot
@@ -261,7 +261,7 @@ def test_wait_s_waits_for_a_server_to_come_back():
         timer.join()
         for server in late:
             server.stop()
-    with pytest.raises(ValueError, match="wait_s must be >= 0 seconds; got -1"):
+    with pytest.raises(ValueError, match=r"wait_s must be a number >= 0 \(seconds\); got -1"):
         engine_for([f"http://127.0.0.1:{port}"], wait_s=-1)
 
 
@@ -272,6 +272,44 @@ def test_the_options_are_checked_naming_them():
         engine_for(["x:1"])
     with pytest.raises(ValueError, match="push must be one of"):
         engine_for(["http://127.0.0.1:1"], push="carrier-pigeon")
+
+
+A = "http://127.0.0.1:1"
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"servers": A}, r"servers must be null or a list of addresses 'http://host:port'; "
+                         r"got 'http://127.0.0.1:1'"),
+        ({"launch": True}, r"launch must be an integer >= 1 \(servers to start\); got True"),
+        ({"servers": [A], "wait_s": "5"}, r"wait_s must be a number >= 0 \(seconds\); got '5'"),
+        ({"servers": [A], "concurrency": 2.5}, r"concurrency must be an integer >= 1; got 2.5"),
+        ({"servers": [A], "concurrency": None}, r"concurrency must be an integer >= 1; got None"),
+        ({"launch": 2, "gpus": [0, 1]}, r"gpus must be null or a list of one string per launched "
+                                        r"server \(2\), .*; got \[0, 1\]"),
+        ({"launch": 1, "kv_cache_gib": "2"}, r"kv_cache_gib must be a number > 0 \(GiB\); got '2'"),
+        ({"launch": 1, "start_timeout_s": 0},
+         r"start_timeout_s must be a number > 0 \(seconds\); got 0"),
+        ({"launch": 1, "threads": 0}, r"threads must be null or an integer >= 1; got 0"),
+        ({"launch": 1, "serve_args": "--enforce-eager"},
+         r"serve_args must be null or a list of strings; got '--enforce-eager'"),
+        ({"servers": [A], "push": "nccl", "nccl": {"port": 1}},
+         r"nccl must be null or a mapping of master_address, master_port, server_workers; "
+         r"got \{'port': 1\}"),
+        ({"servers": [A], "push": "nccl", "nccl": {"master_port": 70000}},
+         r"nccl.master_port must be an integer in 1-65535; got 70000"),
+        ({"servers": [A], "nccl": {"master_port": 29600}},
+         r"nccl is for push 'nccl'; push is 'folder': leave nccl out"),
+        ({"servers": [A], "push": "nccl", "push_dir": "/tmp/weights"},
+         r"push_dir is for push 'folder'; push is 'nccl': leave push_dir out"),
+    ],
+)  # fmt: skip
+def test_bad_options_are_refused_from_the_options_alone(options, message):
+    """Before the model loads: nothing is built and no server is reached (none listens at A)."""
+    with pytest.raises(ValueError, match=r"^model\.engine\.options\." + message + "$"):
+        ServerEngine.check_options(options)
+    ServerEngine.check_options({"servers": [A], "push": "nccl", "nccl": {"master_port": 29600}})
 
 
 def test_a_restarted_server_is_given_the_current_version_again(stand_ins, tmp_path):

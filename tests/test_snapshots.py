@@ -212,7 +212,6 @@ def test_a_tied_head_keeps_the_embeddings_base_weight_and_tying_engines_are_refu
     from lightning_troll.models.loading import tiny_causal_lm
     from lightning_troll.models.lora import apply_lora
     from lightning_troll.models.weights import full_weights, ties_an_adapted_embedding
-    from lightning_troll.objectives.options import CorrectionsConfig
     from lightning_troll.training.rollout_parts import build_rollout_engine
 
     policy = embedding_lora_policy()
@@ -240,5 +239,5 @@ def test_a_tied_head_keeps_the_embeddings_base_weight_and_tying_engines_are_refu
     )
     for name, options in (("vllm", None), ("hf", {"process": True})):
         with pytest.raises(ValueError, match=refused):
-            build_rollout_engine(name, options, context, CorrectionsConfig())
-    assert build_rollout_engine("hf", None, context, CorrectionsConfig()).name == "hf"
+            build_rollout_engine(name, options, context)
+    assert build_rollout_engine("hf", None, context).name == "hf"

@@ -4,6 +4,7 @@ every way a call can fail giving the model an error message instead of ending th
 from __future__ import annotations
 
 import asyncio
+import math
 import sys
 import textwrap
 
@@ -426,10 +427,12 @@ def test_worker_options_are_checked():
         ValueError, match=r"model.episodes.tool_workers must be an integer >= 0; got -1"
     ):
         ToolRunner(TOOLS, workers=-1)
-    for timeout in (0, "5", True):
+    # inf: the in-process alarm cannot be set that far (an OverflowError mid-rollout)
+    for timeout in (0, "5", True, math.inf, math.nan):
         with pytest.raises(
             ValueError,
-            match=rf"model.episodes.tool_timeout must be null or > 0 seconds; got {timeout!r}",
+            match=rf"model.episodes.tool_timeout must be null \(no limit\) or a finite number > 0 "
+            rf"of seconds; got {timeout!r}$",
         ):
             ToolRunner(TOOLS, workers=1, timeout=timeout)
 

@@ -661,11 +661,23 @@ def test_bad_optimization_options(kwargs, message):
         OptimizationConfig(**kwargs)
 
 
-def test_bad_sampling_options():
-    with pytest.raises(ValueError, match=r"^model.sampling.temperature must be > 0; got 0"):
-        SamplingConfig(temperature=0)
-    with pytest.raises(ValueError, match=r"^model.sampling.max_new_tokens must be >= 1; got 0"):
-        SamplingConfig(max_new_tokens=0)
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"temperature": 0}, r"temperature must be a finite number > 0; got 0$"),
+        # infinite: uniform sampling, and every log-prob -log V whatever the weights
+        ({"temperature": math.inf}, r"temperature must be a finite number > 0; got inf$"),
+        ({"temperature": True}, r"temperature must be a finite number > 0; got True$"),
+        ({"top_p": math.nan}, r"top_p must be in \(0, 1\]; got nan$"),
+        ({"top_k": True}, r"top_k must be an integer >= 0 \(0 = off\); got True$"),
+        ({"top_k": 2.5}, r"top_k must be an integer >= 0 \(0 = off\); got 2.5$"),
+        ({"max_new_tokens": 0}, r"max_new_tokens must be an integer >= 1; got 0$"),
+        ({"max_new_tokens": 8.0}, r"max_new_tokens must be an integer >= 1; got 8.0$"),
+    ],
+)
+def test_bad_sampling_options(kwargs, message):
+    with pytest.raises(ValueError, match=r"^model\.sampling\." + message):
+        SamplingConfig(**kwargs)
 
 
 def test_nan_in_the_snapshot_stops_before_caching(tmp_path, tiny_model_dir):

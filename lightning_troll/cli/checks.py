@@ -18,7 +18,8 @@ from lightning_troll.callbacks import (
     SparsityCoverageMonitor,
     TrustRegionMonitor,
 )
-from lightning_troll.callbacks.refresh_options import check_refresh
+from lightning_troll.callbacks.refresh_options import check_refresh, check_staleness_world
+from lightning_troll.engines.base import EngineConfig
 from lightning_troll.models.loading import check_reachable
 from lightning_troll.tasks.data.datamodule import PromptDataModule
 from lightning_troll.tasks.data.preflight import check_data_files, check_hub_dataset, check_prompts
@@ -29,8 +30,10 @@ from lightning_troll.training.preflight import (
     check_module_options,
     check_rollout_split,
     episode_rows_problem,
+    field_of,
     task_rewards,
 )
+from lightning_troll.training.rollout_parts import check_engine_world
 
 __all__ = [
     "check_checkpointing",
@@ -280,3 +283,28 @@ def check_task(config) -> None:
         model.get("snapshot"),
         model.get("lora"),
     )
+    world = planned_world(config.trainer)
+    if world is not None:
+        check_staleness_world(refresh.get("max_staleness", 0), world)
+        engine = model.get("engine")
+        check_engine_world(
+            field_of(engine, EngineConfig, "name"), field_of(engine, EngineConfig, "options"), world
+        )
+
+
+def planned_world(trainer) -> int | None:
+    """The processes ``trainer.devices`` x ``trainer.num_nodes`` will start, where the options say
+    (a count or a list of devices); None where Lightning decides (``auto``, -1): the run's own
+    setup checks it then."""
+    devices, nodes = trainer.get("devices"), trainer.get("num_nodes") or 1
+    if isinstance(devices, str) and devices.strip().isdigit():
+        devices = int(devices)
+    if isinstance(devices, (list, tuple)):
+        devices = len(devices)
+    elif isinstance(devices, str) and "," in devices:
+        devices = len([d for d in devices.split(",") if d.strip()])
+    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+        return None
+    if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
+        return None
+    return devices * nodes

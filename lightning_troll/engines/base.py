@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import math
+import numbers
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -43,6 +45,9 @@ __all__ = [
     "RolloutEngine",
     "SampleRequest",
     "build_engine",
+    "check_option",
+    "is_count",
+    "is_number",
 ]
 
 
@@ -150,10 +155,7 @@ class RolloutEngine:
 
     def __init__(self, context: EngineContext, **options: Any) -> None:
         if options:
-            raise ValueError(
-                f"model.engine.options: the {self.name} engine takes no options; got "
-                f"{sorted(options)}"
-            )
+            raise ValueError(_takes_no_options(self.name, options))
         self.context = context
         self.stale = True
         """True until :meth:`load_weights` has given the engine the behaviour policy's weights
@@ -163,6 +165,29 @@ class RolloutEngine:
     def check_installed(cls) -> None:
         """Raises ``ImportError`` saying how to install what the engine needs, if it is missing
         (called before the model loads)."""
+
+    @classmethod
+    def check_options(cls, options: dict[str, Any], lora: Any = None) -> None:
+        """Refuses, from ``model.engine.options`` alone (before the model loads), options this
+        engine cannot take: here, any its constructor does not name (an engine whose
+        constructor is this class's takes none). An engine with bounds on its options checks
+        them in its override; ``lora`` is ``model.lora`` (or None)."""
+        if cls.__init__ is RolloutEngine.__init__:
+            if options:
+                raise ValueError(_takes_no_options(cls.name, options))
+            return
+        try:
+            inspect.signature(cls.__init__).bind(None, None, **options)
+        except TypeError as error:
+            raise ValueError(f"model.engine.options for {cls.name!r}: {error}") from None
+
+    @classmethod
+    def given_options(cls, options: dict[str, Any]) -> dict[str, Any]:
+        """Every option of the constructor, ``options`` over its defaults (after
+        :meth:`check_options`): what an override checks."""
+        bound = inspect.signature(cls.__init__).bind(None, None, **options)
+        bound.apply_defaults()
+        return {k: v for k, v in list(bound.arguments.items())[2:]}
 
     def generate(
         self, snapshot: nn.Module, request: SampleRequest, recorder: BehaviourRecorder | None = None
@@ -255,11 +280,33 @@ class EngineConfig:
     bfloat16/float16; docs/configuration.md)."""
 
 
+def check_option(name: str, value: Any, good: bool, allowed: str) -> None:
+    """Refuses ``model.engine.options.<name>``'s ``value`` unless ``good``, saying what is
+    ``allowed``."""
+    if not good:
+        raise ValueError(f"model.engine.options.{name} must be {allowed}; got {value!r}")
+
+
+def is_number(value: Any) -> bool:
+    """Whether ``value`` is a finite real number (not a bool)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def is_count(value: Any, minimum: int) -> bool:
+    """Whether ``value`` is an integer (not a bool) >= ``minimum``."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= minimum
+
+
+def _takes_no_options(name: str, options: dict[str, Any]) -> str:
+    return f"model.engine.options: the {name} engine takes no options; got {sorted(options)}"
+
+
 def build_engine(
     name: str, context: EngineContext, options: dict[str, Any] | None = None
 ) -> RolloutEngine:
     """The engine ``model.engine.name: name`` with ``model.engine.options``."""
     cls = engine_class(name)
+    cls.check_options(options or {}, context.lora)
     try:
         return cls(context, **(options or {}))
     except TypeError as error:

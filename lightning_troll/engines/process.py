@@ -48,12 +48,14 @@ from lightning_troll.engines.base import (
     RolloutEngine,
     SampleRequest,
     build_engine,
+    check_option,
+    is_count,
 )
 from lightning_troll.engines.behaviour import BehaviourRecorder
 from lightning_troll.models.weights import full_weights
 from lightning_troll.tasks.rewards.workers import leave_stop_signals_to_the_trainer
 
-__all__ = ["EngineDied", "ProcessEngine", "Request", "fingerprint"]
+__all__ = ["EngineDied", "ProcessEngine", "Request", "check_threads", "fingerprint"]
 
 _START_TIMEOUT_S = 600.0
 """How long the child may take to load its model and engine before the trainer gives up."""
@@ -83,6 +85,12 @@ def fingerprint(weights: dict[str, torch.Tensor]) -> float:
     return total
 
 
+def check_threads(threads: Any) -> None:
+    """``model.engine.options.threads`` with ``process: true``: null or an integer >= 1."""
+    check_option("threads", threads, threads is None or is_count(threads, 1),
+                 "null or an integer >= 1")  # fmt: skip
+
+
 class ProcessEngine(RolloutEngine):
     """The engine ``inner`` (a name or import path, with its ``options``) run in a child
     process; see the module's docstring.
@@ -108,11 +116,7 @@ class ProcessEngine(RolloutEngine):
         threads: int | None = None,
     ) -> None:
         super().__init__(context)
-        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
-                                    or threads < 1):  # fmt: skip
-            raise ValueError(
-                f"model.engine.options.threads must be null or an integer >= 1; got {threads!r}"
-            )
+        check_threads(threads)
         self.inner, self.options, self.threads = inner, dict(options or {}), threads
         probe = build_engine(inner, replace(context, tokenizer=None), self.options)  # fails early
         self.inner_samples_with_snapshot = probe.records_behaviour

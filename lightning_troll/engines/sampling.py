@@ -12,6 +12,8 @@ T response length (right padded).
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -54,21 +56,34 @@ class SamplingConfig:
     CUDA device and ``dynamic`` elsewhere. The completions' distribution is the same."""
 
     def __post_init__(self) -> None:
-        if not self.temperature > 0:
-            raise ValueError(f"model.sampling.temperature must be > 0; got {self.temperature!r}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"model.sampling.top_p must be in (0, 1]; got {self.top_p!r}")
-        if self.top_k < 0:
-            raise ValueError(f"model.sampling.top_k must be >= 0 (0 = off); got {self.top_k!r}")
-        if self.max_new_tokens < 1:
+        if not _finite(self.temperature) or not self.temperature > 0:
             raise ValueError(
-                f"model.sampling.max_new_tokens must be >= 1; got {self.max_new_tokens!r}"
+                f"model.sampling.temperature must be a finite number > 0; got {self.temperature!r}"
+            )
+        if not _finite(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"model.sampling.top_p must be in (0, 1]; got {self.top_p!r}")
+        if not _whole(self.top_k) or self.top_k < 0:
+            raise ValueError(
+                f"model.sampling.top_k must be an integer >= 0 (0 = off); got {self.top_k!r}"
+            )
+        if not _whole(self.max_new_tokens) or self.max_new_tokens < 1:
+            raise ValueError(
+                f"model.sampling.max_new_tokens must be an integer >= 1; got "
+                f"{self.max_new_tokens!r}"
             )
         if self.decode not in DECODE_MODES:
             raise ValueError(
                 f"model.sampling.decode must be one of {', '.join(DECODE_MODES)}; got "
                 f"{self.decode!r}"
             )
+
+
+def _finite(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _whole(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def left_pad(sequences: list[list[int]], pad_id: int, device=None) -> tuple[Tensor, Tensor]:

@@ -26,6 +26,7 @@ Lightning here.
 
 from __future__ import annotations
 
+import inspect
 import json
 import shutil
 import tempfile
@@ -230,15 +231,20 @@ def _named_source() -> Any:
 PUSHES = {"folder": FolderPush, "nccl": NCCLPush}
 """``model.engine.options.push``: how weights reach the servers."""
 
+NCCL_OPTIONS = tuple(p for p in inspect.signature(NCCLPush.__init__).parameters
+                     if p not in ("self", "rank"))  # fmt: skip
+"""The keys of ``model.engine.options.nccl``: the NCCL push's arguments but the trainer's rank."""
+
 
 def build_push(push: str, options: dict[str, Any]) -> FolderPush | NCCLPush:
-    """The push ``model.engine.options.push`` names, with ``model.engine.options.push_options``."""
+    """The push ``model.engine.options.push`` names, with its options (``push_dir``, or the
+    ``nccl`` mapping's keys)."""
     if push not in PUSHES:
         raise ValueError(f"model.engine.options.push must be one of {sorted(PUSHES)}; got {push!r}")
     try:
         return PUSHES[push](**options)
     except TypeError as error:
-        raise ValueError(f"model.engine.options.push_options for push {push!r}: {error}") from None
+        raise ValueError(f"model.engine.options for push {push!r}: {error}") from None
 
 
 def _on_each(servers: list[Server], call: Any) -> None:

@@ -45,11 +45,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_troll.engines.base import EngineContext, Generation, RolloutEngine, SampleRequest
+from lightning_troll.engines.base import (
+    EngineContext,
+    Generation,
+    RolloutEngine,
+    SampleRequest,
+)
 from lightning_troll.engines.behaviour import BehaviourRecorder
 from lightning_troll.engines.process import Request, fingerprint
 from lightning_troll.engines.server_http import (
-    LORA_RANKS,
     Launched,
     Server,
     ServerDown,
@@ -59,6 +63,7 @@ from lightning_troll.engines.server_http import (
     check_weight_routes,
     server_info,
 )
+from lightning_troll.engines.server_options import check_server_options, sends_adapters
 from lightning_troll.engines.server_weights import adapter_name, build_push
 from lightning_troll.engines.vllm import laid_out, request_seeds
 from lightning_troll.models.loading import resolve_model_path
@@ -125,8 +130,7 @@ class ServerEngine(RolloutEngine):
         lora_push: str | None = None,
     ) -> None:
         super().__init__(context)
-        _check_options(servers, launch, gpus, wait_s, concurrency)
-        self.adapters = _adapters(lora_push, push, context.lora)
+        self.adapters = sends_adapters(lora_push, push, context.lora)
         """True where the LoRA adapter goes as an adapter (``lora_push: adapter``)."""
         self.served: str | None = None
         """The name the version the servers hold is served under: its adapter's, or None (the
@@ -161,6 +165,11 @@ class ServerEngine(RolloutEngine):
         self._repushes = 0
         if self.addresses:
             self._connect(self.addresses)
+
+    @classmethod
+    def check_options(cls, options: dict[str, Any], lora: Any = None) -> None:
+        super().check_options(options, lora)
+        check_server_options(cls.given_options(options), lora)
 
     # -- servers ----------------------------------------------------------------------------------
     def _connect(self, addresses: list[str]) -> None:
@@ -349,49 +358,3 @@ def _complete(server: Server, model: str | None, ids: list[int], request: Sample
                              f"tokens with {len(values)} log-probs")  # fmt: skip
         out.append((tokens, [float(v) for v in values]))
     return out
-
-
-def _check_options(servers, launch, gpus, wait_s, concurrency) -> None:
-    if bool(servers) == bool(launch):
-        raise ValueError(
-            "model.engine.options: the vllm_server engine takes either servers (a list of "
-            f"addresses) or launch (a count >= 1); got servers={servers!r}, launch={launch!r}"
-        )
-    if isinstance(launch, bool) or not isinstance(launch, int) or launch < 0:
-        raise ValueError(f"model.engine.options.launch must be an integer >= 1; got {launch!r}")
-    bad = [a for a in servers or [] if not str(a).startswith(("http://", "https://"))]
-    if bad:
-        raise ValueError(
-            f"model.engine.options.servers must be addresses 'http://host:port'; got {bad[0]!r}"
-        )
-    if gpus is not None and len(gpus) != launch:
-        raise ValueError(f"model.engine.options.gpus must give one entry per launched server "
-                         f"({launch}); got {gpus!r}")  # fmt: skip
-    if not wait_s >= 0:
-        raise ValueError(f"model.engine.options.wait_s must be >= 0 seconds; got {wait_s!r}")
-    if concurrency < 1:
-        raise ValueError(f"model.engine.options.concurrency must be >= 1; got {concurrency!r}")
-
-
-def _adapters(lora_push: str | None, push: str, lora: Any) -> bool:
-    """Whether ``model.engine.options.lora_push`` sends the LoRA adapter as an adapter."""
-    if lora_push not in (None, "adapter", "merged"):
-        raise ValueError(f"model.engine.options.lora_push must be 'adapter' or 'merged'; "
-                         f"got {lora_push!r}")  # fmt: skip
-    if lora is None:
-        if lora_push == "adapter":
-            raise ValueError("model.engine.options.lora_push='adapter' pushes LoRA adapters, "
-                             "and model.lora is null: leave lora_push out")  # fmt: skip
-        return False
-    if lora_push is None:
-        lora_push = "adapter" if push == "folder" else "merged"
-    if lora_push == "merged":
-        return False
-    if push != "folder":
-        raise ValueError(f"model.engine.options.lora_push='adapter' needs push 'folder' (the "
-                         f"servers load adapters by path); push {push!r} sends whole weights: "
-                         "set lora_push to 'merged'")  # fmt: skip
-    if lora.r > LORA_RANKS[-1]:
-        raise ValueError(f"model.lora.r={lora.r}: vLLM serves adapters of rank at most "
-                         f"{LORA_RANKS[-1]}; set model.engine.options.lora_push to 'merged'")  # fmt: skip
-    return True

@@ -45,7 +45,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_troll.engines.base import EngineContext, Generation, RolloutEngine, SampleRequest
+from lightning_troll.engines.base import (
+    EngineContext,
+    Generation,
+    RolloutEngine,
+    SampleRequest,
+    check_option,
+    is_count,
+    is_number,
+)
 from lightning_troll.engines.behaviour import BehaviourRecorder
 from lightning_troll.engines.sampling import left_pad, response_mask_of
 from lightning_troll.models.loading import resolve_model_path
@@ -86,13 +94,6 @@ class VLLMEngine(RolloutEngine):
     ) -> None:
         super().__init__(context)
         self.check_installed()
-        if not kv_cache_gib > 0:
-            raise ValueError(f"model.engine.options.kv_cache_gib must be > 0; got {kv_cache_gib!r}")
-        if not 0 < gpu_memory_utilization <= 1:
-            raise ValueError(
-                "model.engine.options.gpu_memory_utilization must be in (0, 1]; got "
-                f"{gpu_memory_utilization!r}"
-            )
         self.kv_cache_gib = kv_cache_gib
         self.gpu_memory_utilization = gpu_memory_utilization
         self.max_model_len = max_model_len
@@ -100,6 +101,23 @@ class VLLMEngine(RolloutEngine):
         self.llm_kwargs = dict(llm_kwargs or {})
         self._llm: Any = None
         self._figures: dict[str, float] = {}
+
+    @classmethod
+    def check_options(cls, options: dict[str, Any], lora: Any = None) -> None:
+        super().check_options(options, lora)
+        o = cls.given_options(options)
+        gib, share = o["kv_cache_gib"], o["gpu_memory_utilization"]
+        check_option("kv_cache_gib", gib, is_number(gib) and gib > 0, "a number > 0 (GiB)")
+        check_option("gpu_memory_utilization", share, is_number(share) and 0 < share <= 1,
+                     "a number in (0, 1]")  # fmt: skip
+        length = o["max_model_len"]
+        check_option("max_model_len", length, length is None or is_count(length, 1),
+                     "null or an integer >= 1")  # fmt: skip
+        eager = o["enforce_eager"]
+        check_option("enforce_eager", eager, isinstance(eager, bool), "true or false")
+        extra = o["llm_kwargs"]
+        check_option("llm_kwargs", extra, extra is None or isinstance(extra, dict),
+                     "null or a mapping of vLLM's LLM arguments")  # fmt: skip
 
     @classmethod
     def check_installed(cls) -> None:

@@ -72,6 +72,7 @@ from lightning_troll.training.rollout_parts import (
     GlobalBatch,
     OldRows,
     build_rollout_engine,
+    check_engine,
     check_engine_processes,
     world_size,
 )
@@ -185,6 +186,7 @@ class TrollModule(LightningModule):
         self.save_hyperparameters(ignore=["optimizer", "lr_scheduler"])
         check_module_options(objective, advantages, group_size, engine)
         check_dynamic_sampling(dynamic_sampling, group_size)
+        check_engine(engine.name, engine.options, lora, corrections)
         self.objective_name, self.group_size, self.sampling = objective, group_size, sampling
         self.corrections, self.engine_config = corrections, engine
         self.optimization = optimization  # the minibatch loop's; callbacks read it too
@@ -209,7 +211,7 @@ class TrollModule(LightningModule):
         self.snapshot = self.policies.snapshot
         self.automatic_optimization = False
         context = EngineContext(model, dtype, self.tokenizer, lora, tied_adapter(self.policy))
-        self.engine = build_rollout_engine(engine.name, engine.options, context, corrections)
+        self.engine = build_rollout_engine(engine.name, engine.options, context)
         self.global_batch = GlobalBatch(
             advantages.estimator, group_size, advantages.scale_rewards
         )  # fmt: skip

@@ -8,6 +8,7 @@ owns or calls; the module hands them to its
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,8 +17,8 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies import Strategy
 from torch import Tensor, nn
 
-from lightning_troll.engines.base import EngineContext, RolloutEngine, build_engine
-from lightning_troll.engines.process import ProcessEngine
+from lightning_troll.engines.base import EngineContext, RolloutEngine, build_engine, engine_class
+from lightning_troll.engines.process import ProcessEngine, check_threads
 from lightning_troll.models.lora import LoraConfig
 from lightning_troll.objectives import CorrectionsConfig
 from lightning_troll.objectives.advantages import compute_advantages
@@ -28,17 +29,32 @@ from lightning_troll.trust_region.projection import (
     sparsify,
 )
 
-__all__ = ["GlobalBatch", "OldRows", "build_rollout_engine", "check_engine_processes"]
+__all__ = [
+    "GlobalBatch",
+    "OldRows",
+    "build_rollout_engine",
+    "check_engine",
+    "check_engine_processes",
+    "check_engine_world",
+]
 
 
-def build_rollout_engine(
-    name: str,
-    options: dict[str, Any] | None,
-    context: EngineContext,
-    corrections: CorrectionsConfig,
-) -> RolloutEngine:
-    """The engine of ``model.engine.name`` (it starts on its first rollout)."""
-    lora: LoraConfig | None = context.lora
+def check_engine(name: str, options: Any, lora: LoraConfig | None,
+                 corrections: CorrectionsConfig) -> None:  # fmt: skip
+    """Refuses, from the options alone (before the model loads), ``model.engine.options`` that
+    the engine ``name`` cannot take (its :meth:`~RolloutEngine.check_options`, and ``process``
+    and ``threads``), and choices that do not go together: ``model.lora.load_in_4bit`` with an
+    engine other than ``hf``, and ``model.corrections.engine_is_cap`` with an engine that
+    samples with the snapshot itself."""
+    process, _, inner = engine_options(options)
+    cls = engine_class(name)
+    takes_threads = "threads" in inspect.signature(cls.__init__).parameters
+    if not process and "threads" in inner and not takes_threads:
+        raise ValueError(
+            f"model.engine.options.threads={inner['threads']!r} sets the threads of the "
+            "engine's own process: it needs model.engine.options.process: true"
+        )
+    cls.check_options(inner, lora)
     if name != "hf" and lora is not None and lora.load_in_4bit:
         raise ValueError(
             f"model.engine.name={name!r} takes the policy's weights with the adapters "
@@ -46,9 +62,25 @@ def build_rollout_engine(
             "the servers' own full-precision base, not the trainer's 4-bit one); use "
             "engine.name 'hf' with lora.load_in_4bit, or a base in float32/bfloat16"
         )
-    own_process = (options or {}).get("process") is True
-    if (name != "hf" or own_process) and context.tied_embedding_adapter:
-        where = f"the {name!r} engine" + (" in a process of its own" if own_process else "")
+    if corrections.engine_is_cap is not None and cls.records_behaviour:
+        where = " (in a process of its own)" if process else ""
+        raise ValueError(
+            f"model.corrections.engine_is_cap={corrections.engine_is_cap} corrects for an engine that samples "
+            f"apart from the snapshot, but the {name!r} engine{where} samples with the "
+            "snapshot's weights and reports no log-probs of its own; set it to null, or use "
+            "engine.name 'vllm' or 'vllm_server'"
+        )
+
+
+def build_rollout_engine(
+    name: str, options: dict[str, Any] | None, context: EngineContext
+) -> RolloutEngine:
+    """The engine of ``model.engine.name`` (it starts on its first rollout); its options were
+    checked by :func:`check_engine` before the model loaded."""
+    process, _, inner = engine_options(options)
+    if (name != "hf" or process) and context.tied_embedding_adapter:
+        lora = context.lora
+        where = f"the {name!r} engine" + (" in a process of its own" if process else "")
         raise ValueError(
             f"model.lora.target_modules={lora.target_modules!r} puts an adapter on the input "
             "embedding, which this model ties to its output layer: the policy's output layer "
@@ -57,18 +89,25 @@ def build_rollout_engine(
             "leave the embedding out of model.lora.target_modules, or use engine.name 'hf' "
             "in the trainer's process"
         )
-    engine = engine_in_a_process(name, context, options) or build_engine(name, context, options)
-    in_process = isinstance(engine, ProcessEngine)
-    with_snapshot = engine.inner_samples_with_snapshot if in_process else engine.records_behaviour
-    if corrections.engine_is_cap is not None and with_snapshot:
-        where = " (in a process of its own)" if in_process else ""
+    return engine_in_a_process(name, context, options) or build_engine(name, context, inner)
+
+
+def engine_options(options: Any) -> tuple[bool, int | None, dict[str, Any]]:
+    """``model.engine.options`` split into ``process`` (whether the engine runs in a process of
+    its own), that process's ``threads``, and the engine's own options; refuses options that
+    are not a mapping, and a ``process`` that is not true or false."""
+    if options is not None and not isinstance(options, dict):
         raise ValueError(
-            f"model.corrections.engine_is_cap={corrections.engine_is_cap} corrects for an engine that samples "
-            f"apart from the snapshot, but the {name!r} engine{where} samples with the "
-            "snapshot's weights and reports no log-probs of its own; set it to null, or use "
-            "engine.name 'vllm' or 'vllm_server'"
+            f"model.engine.options must be null or a mapping of the engine's options; got "
+            f"{options!r}"
         )
-    return engine
+    inner = dict(options or {})
+    process = inner.pop("process", False)
+    if not isinstance(process, bool):
+        raise ValueError(f"model.engine.options.process must be true or false; got {process!r}")
+    threads = inner.pop("threads", None) if process else None
+    check_threads(threads)
+    return process, threads, inner
 
 
 def engine_in_a_process(
@@ -76,21 +115,29 @@ def engine_in_a_process(
 ) -> ProcessEngine | None:
     """With ``process: true`` in ``model.engine.options``, the engine ``name`` in a
     process of its own (its other options, but ``threads``, are the engine's); otherwise None."""
-    options = dict(options or {})
-    process = options.pop("process", False)
-    if not isinstance(process, bool):
-        raise ValueError(f"model.engine.options.process must be true or false; got {process!r}")
-    if not process:
-        return None
-    threads = options.pop("threads", None)
-    return ProcessEngine(context, name, options, threads)
+    process, threads, inner = engine_options(options)
+    return ProcessEngine(context, name, inner, threads) if process else None
 
 
 def check_engine_processes(engine: RolloutEngine, world: int) -> None:
     """Refuses an engine that runs in one process for a run of ``world`` processes."""
-    if world > 1 and not engine.several_processes:
+    _check_world(repr(engine.name), engine.several_processes, world)
+
+
+def check_engine_world(name: str, options: Any, world: int) -> None:
+    """:func:`check_engine_processes` from the options alone, before the model loads: an engine
+    in a process of its own, or one whose class does not set ``several_processes``, runs in one
+    process."""
+    process, _, _ = engine_options(options)
+    several = not process and engine_class(name).several_processes
+    engine = f"{name!r} with model.engine.options.process true" if process else repr(name)
+    _check_world(engine, several, world)
+
+
+def _check_world(engine: str, several_processes: bool, world: int) -> None:
+    if world > 1 and not several_processes:
         raise ValueError(
-            f"model.engine.name={engine.name!r} runs in a single process; this run has "
+            f"model.engine.name={engine} runs in a single process; this run has "
             f"{world} (trainer.devices x trainer.num_nodes): use engine.name 'hf' for DDP and "
             "FSDP2, or one device"
         )

@@ -7,6 +7,7 @@ torch.
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
@@ -70,10 +71,14 @@ def check_tool_workers(workers: int, timeout: float | None) -> None:
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
         raise ValueError(f"model.episodes.tool_workers must be an integer >= 0; got {workers!r}")
     if timeout is not None and (
-        isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout > 0
+        isinstance(timeout, bool)
+        or not isinstance(timeout, numbers.Real)
+        or not math.isfinite(timeout)
+        or not timeout > 0
     ):
         raise ValueError(
-            f"model.episodes.tool_timeout must be null or > 0 seconds; got {timeout!r}"
+            f"model.episodes.tool_timeout must be null (no limit) or a finite number > 0 of "
+            f"seconds; got {timeout!r}"
         )
 
 

@@ -283,8 +283,8 @@ class RewardScorer:
         """name -> the per-completion keywords (``SAMPLE_KEYWORDS``) its signature names."""
         if timeout is not None and workers == 0:
             raise ValueError(
-                f"reward_options.timeout={timeout!r} needs reward_options.workers >= 1: a call in "
-                "the trainer's own process cannot be abandoned"
+                f"model.reward_options.timeout={timeout!r} needs model.reward_options.workers >= 1: "
+                "a call in the trainer's own process cannot be abandoned"
             )
         self.workers = None if workers == 0 else RewardWorkers(workers, timeout)
         """The worker processes, or None to score in this process."""

@@ -26,7 +26,9 @@ its entry point) or a picklable object. Lambdas and closures run in-process only
 from __future__ import annotations
 
 import contextlib
+import math
 import multiprocessing
+import numbers
 import os
 import pickle
 import signal
@@ -187,9 +189,20 @@ class WorkerPool:
 
     def __init__(self, count: int, timeout: float | None = None) -> None:
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-            raise ValueError(f"{self.workers_option} must be an integer >= 0; got {count!r}")
-        if timeout is not None and not timeout > 0:
-            raise ValueError(f"{self.timeout_option} must be null or > 0 seconds; got {timeout!r}")
+            raise ValueError(
+                f"model.{self.workers_option} must be an integer >= 0 (0: no worker processes); "
+                f"got {count!r}"
+            )
+        if timeout is not None and not (
+            isinstance(timeout, numbers.Real)
+            and not isinstance(timeout, bool)
+            and math.isfinite(timeout)
+            and timeout > 0
+        ):
+            raise ValueError(
+                f"model.{self.timeout_option} must be null (no limit) or a finite number > 0 of "
+                f"seconds; got {timeout!r}"
+            )
         self.count = count
         self.timeout = timeout
         self.restarts = 0
