@@ -24,6 +24,7 @@ from lightning_troll.tasks.environments.protocol import EnvironmentFailure
 from lightning_troll.tasks.rewards.calls import RewardError
 from lightning_troll.training.faults import EngineFault, EpisodeFault, RewardFault
 from lightning_troll.training.memory_check import check_fits
+from lightning_troll.training.rollout_parts import engine_warnings
 
 __all__ = ["RolloutGeneration", "RolloutReport", "Samples", "samples_table"]
 
@@ -75,10 +76,15 @@ class RolloutGeneration(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        engine = getattr(pl_module, "engine_config", None)
+        behaviour = getattr(engine, "behaviour_logprobs", "auto")
         if getattr(pl_module, "episodes", None) is not None:
-            engine = getattr(pl_module, "engine_config", None)
-            message = behaviour_logprobs_warning(getattr(engine, "behaviour_logprobs", "auto"))
+            message = behaviour_logprobs_warning(behaviour)
             if message is not None:
+                rank_zero_warn(message)
+        elif engine is not None:
+            decode = getattr(getattr(pl_module, "sampling", None), "decode", "auto")
+            for message in engine_warnings(engine.name, engine.options, decode, behaviour):
                 rank_zero_warn(message)
         if not getattr(getattr(pl_module, "dynamic_sampling", None), "enabled", False):
             return

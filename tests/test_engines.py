@@ -531,3 +531,34 @@ def test_every_request_and_completion_of_a_vllm_call_samples_from_a_seed_of_its_
     assert request_seeds(100, 3, 4) == [100, 104, 108]  # completions 100-103, 104-107, 108-111
     ones = sample(1).input_ids[:2, 3:]  # group size 1, as an episode's turn: still apart
     assert not torch.equal(ones[0], ones[1])
+
+
+def test_an_option_the_engine_ignores_is_warned_of_at_the_start():
+    """``decode: graphs`` is the HF engine's; ``behaviour_logprobs: sampling`` needs an engine
+    that records while it samples in the trainer's process: elsewhere each is said, not dropped
+    in silence."""
+    from types import SimpleNamespace
+
+    from lightning_troll.callbacks import RolloutGeneration
+    from lightning_troll.engines.sampling import SamplingConfig
+    from lightning_troll.training.rollout_parts import engine_warnings
+
+    assert engine_warnings("hf", None, "graphs", "sampling") == []
+    assert engine_warnings("hf", {"process": True}, "graphs", "auto") == []
+    assert engine_warnings("tests.test_engines:CountingEngine", None, "auto", "forward") == []
+    (decode, behaviour) = engine_warnings("vllm_server", None, "graphs", "sampling")
+    assert decode.startswith("model.sampling.decode='graphs' is the hf engine's; the 'vllm_server'")
+    assert behaviour.startswith(
+        "model.engine.behaviour_logprobs='sampling': the 'vllm_server' engine"
+    )
+    (behaviour,) = engine_warnings("hf", {"process": True}, "auto", "sampling")
+    assert "the 'hf' engine in a process of its own does not record" in behaviour
+
+    module = SimpleNamespace(
+        engine_config=EngineConfig("hf", {"process": True}, "sampling"),
+        sampling=SamplingConfig(decode="graphs"),
+        episodes=None,
+        dynamic_sampling=None,
+    )
+    with pytest.warns(UserWarning, match=r"behaviour_logprobs='sampling': the 'hf' engine in a"):
+        RolloutGeneration().setup(None, module, "fit")

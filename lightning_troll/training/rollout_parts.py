@@ -18,6 +18,7 @@ from lightning.pytorch.strategies import Strategy
 from torch import Tensor, nn
 
 from lightning_troll.engines.base import EngineContext, RolloutEngine, build_engine, engine_class
+from lightning_troll.engines.hf import HFEngine
 from lightning_troll.engines.process import ProcessEngine, check_threads
 from lightning_troll.models.lora import LoraConfig
 from lightning_troll.objectives import CorrectionsConfig
@@ -36,6 +37,7 @@ __all__ = [
     "check_engine",
     "check_engine_processes",
     "check_engine_world",
+    "engine_warnings",
 ]
 
 
@@ -117,6 +119,29 @@ def engine_in_a_process(
     process of its own (its other options, but ``threads``, are the engine's); otherwise None."""
     process, threads, inner = engine_options(options)
     return ProcessEngine(context, name, inner, threads) if process else None
+
+
+def engine_warnings(name: str, options: Any, decode: str, behaviour_logprobs: str) -> list[str]:
+    """What a fit warns of at its start where the engine ignores an option it was given:
+    ``model.sampling.decode: graphs`` (read by the HF engine only) and
+    ``model.engine.behaviour_logprobs: sampling`` (recorded only by an engine that samples with
+    the snapshot in the trainer's process; elsewhere a teacher-forced pass after sampling gives
+    them, as ``forward`` does)."""
+    process, _, _ = engine_options(options)
+    cls, found = engine_class(name), []
+    if decode == "graphs" and not issubclass(cls, HFEngine):
+        found.append(
+            f"model.sampling.decode='graphs' is the hf engine's; the {name!r} engine decodes its "
+            "own way and ignores it"
+        )
+    if behaviour_logprobs == "sampling" and (process or not cls.records_behaviour):
+        where = " in a process of its own" if process else ""
+        found.append(
+            f"model.engine.behaviour_logprobs='sampling': the {name!r} engine{where} does not "
+            "record the snapshot's log-probs while it samples, so a teacher-forced pass after "
+            "sampling gives them, as 'forward' does; set it to 'forward' or 'auto'"
+        )
+    return found
 
 
 def check_engine_processes(engine: RolloutEngine, world: int) -> None:
