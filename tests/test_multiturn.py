@@ -349,6 +349,25 @@ def test_tools_and_the_environment_are_refused_before_the_model_loads(tmp_path):
             TrollModule(model=str(empty), rewards={}, episodes=episodes)
 
 
+def test_tools_without_a_chat_template_are_refused_before_the_weights_load(
+    tiny_model_dir, monkeypatch
+):
+    """TinyMath's tokenizer has no chat template to show tools: the tokenizer loads first, and
+    the refusal comes before the weights do."""
+    from lightning_troll.training import policies
+
+    loaded = []
+    monkeypatch.setattr(policies, "load_policy", lambda *a, **k: loaded.append(a))
+    with pytest.raises(ValueError, match=r"^model.episodes.tools: the model's tokenizer has no "
+                                         r"chat template to show the tools"):  # fmt: skip
+        TrollModule(
+            model=str(tiny_model_dir),
+            rewards={"last_number": 1.0},
+            episodes=EpisodesConfig(tools=["tests.tool_helpers:multiply"]),
+        )
+    assert loaded == []
+
+
 def test_every_kind_of_tool_error_has_its_figure_at_zero_where_none_occurred():
     """Figures are reduced over the processes name by name, so every process must log the same
     names whatever its episodes met: a rollout without tool errors gives every kind's figure at

@@ -22,6 +22,7 @@ import warnings
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -61,6 +62,7 @@ __all__ = [
     "check_tool_failures",
     "environment_factory",
     "episode_figures",
+    "episode_tokenizer_check",
     "last_turn",
     "sampled_turns",
 ]
@@ -235,6 +237,17 @@ def behaviour_logprobs_warning(behaviour_logprobs: str) -> str | None:
         "episode once it is played, as with 'forward'; set model.engine.behaviour_logprobs to 'forward' "
         "or 'auto'"
     )
+
+
+def episode_tokenizer_check(
+    make: EnvironmentFactory | EnvironmentChoice | None,
+) -> Callable[[Any], None] | None:
+    """What episodes need of the tokenizer, to check before the model's weights load: a chat
+    template where they have tools (:func:`check_chat_template`, as :class:`EpisodeSampler`
+    checks it); None without episodes or without tools."""
+    if make is None or not make.uses_tools:
+        return None
+    return partial(check_chat_template, tools=True)
 
 
 def environment_factory(config: EpisodesConfig) -> EnvironmentFactory | EnvironmentChoice:

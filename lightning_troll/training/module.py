@@ -50,7 +50,11 @@ from lightning_troll.objectives.options import AdvantageConfig
 from lightning_troll.rollouts.collector import RolloutCollector
 from lightning_troll.rollouts.drift import kl_to_behaviour
 from lightning_troll.rollouts.dynamic_sampling import DynamicSamplingConfig, check_dynamic_sampling
-from lightning_troll.rollouts.multiturn import EpisodeSampler, environment_factory
+from lightning_troll.rollouts.multiturn import (
+    EpisodeSampler,
+    environment_factory,
+    episode_tokenizer_check,
+)
 from lightning_troll.rollouts.rollout import Rollout
 from lightning_troll.rollouts.timing import clock
 from lightning_troll.tasks.environments.options import EpisodesConfig
@@ -202,7 +206,8 @@ class TrollModule(LightningModule):
 
         self.policies = Policies(
             model, dtype, lora, snapshot, self.objective.needs_old_logits,
-            loss.ref_kl_coef > 0, optimization.gradient_checkpointing
+            loss.ref_kl_coef > 0, optimization.gradient_checkpointing,
+            check_tokenizer=episode_tokenizer_check(make),
         )  # fmt: skip
         self.policy, self.ref_policy = self.policies.policy, self.policies.ref_policy
         if not self.policies.snapshot.shares_policy:  # a child module: saved, moved, sharded

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -48,6 +49,8 @@ class Policies:
         in_loss: the snapshot also runs in the loss pass (the dense projection).
         with_reference: keep a frozen reference policy (``loss.ref_kl_coef > 0``).
         gradient_checkpointing: recompute the policy's activations in the backward pass.
+        check_tokenizer: called with the tokenizer before the weights load (a refusal of what
+            the run needs of it, such as a chat template, then costs no load).
     """
 
     def __init__(
@@ -59,8 +62,11 @@ class Policies:
         in_loss: bool,
         with_reference: bool,
         gradient_checkpointing: bool,
+        check_tokenizer: Callable[[Any], None] | None = None,
     ) -> None:
         self.tokenizer = load_tokenizer(model)
+        if check_tokenizer is not None:  # what the run needs of it, before the weights load
+            check_tokenizer(self.tokenizer)
         policy = load_policy(model, dtype=dtype, load_in_4bit=bool(lora and lora.load_in_4bit))
         vocab = policy.get_output_embeddings().weight.shape[0]
         if vocab < len(self.tokenizer):
