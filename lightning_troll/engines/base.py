@@ -28,15 +28,13 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import math
-import numbers
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from torch import Tensor, nn
 
 from lightning_troll.engines.behaviour import BehaviourRecorder
-from lightning_troll.engines.sampling import SamplingConfig, check_budgets
+from lightning_troll.engines.sampling import SamplingConfig, check_budgets, is_count, is_number
 
 __all__ = [
     "ENGINES",
@@ -285,16 +283,6 @@ def check_option(name: str, value: Any, good: bool, allowed: str) -> None:
     ``allowed``."""
     if not good:
         raise ValueError(f"model.engine.options.{name} must be {allowed}; got {value!r}")
-
-
-def is_number(value: Any) -> bool:
-    """Whether ``value`` is a finite real number (not a bool)."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def is_count(value: Any, minimum: int) -> bool:
-    """Whether ``value`` is an integer (not a bool) >= ``minimum``."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= minimum
 
 
 def _takes_no_options(name: str, options: dict[str, Any]) -> str:

@@ -30,6 +30,8 @@ from lightning_troll.engines.graph_decode import DECODE_MODES, graph_decode
 __all__ = [
     "SamplingConfig",
     "check_budgets",
+    "is_count",
+    "is_number",
     "left_pad",
     "own_budgets",
     "response_mask_of",
@@ -56,17 +58,17 @@ class SamplingConfig:
     CUDA device and ``dynamic`` elsewhere. The completions' distribution is the same."""
 
     def __post_init__(self) -> None:
-        if not _finite(self.temperature) or not self.temperature > 0:
+        if not is_number(self.temperature) or not self.temperature > 0:
             raise ValueError(
                 f"model.sampling.temperature must be a finite number > 0; got {self.temperature!r}"
             )
-        if not _finite(self.top_p) or not 0 < self.top_p <= 1:
+        if not is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"model.sampling.top_p must be in (0, 1]; got {self.top_p!r}")
-        if not _whole(self.top_k) or self.top_k < 0:
+        if not is_count(self.top_k, 0):
             raise ValueError(
                 f"model.sampling.top_k must be an integer >= 0 (0 = off); got {self.top_k!r}"
             )
-        if not _whole(self.max_new_tokens) or self.max_new_tokens < 1:
+        if not is_count(self.max_new_tokens, 1):
             raise ValueError(
                 f"model.sampling.max_new_tokens must be an integer >= 1; got "
                 f"{self.max_new_tokens!r}"
@@ -78,12 +80,14 @@ class SamplingConfig:
             )
 
 
-def _finite(value: object) -> bool:
+def is_number(value: object) -> bool:
+    """Whether ``value`` is a finite real number (not a bool)."""
     return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _whole(value: object) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+def is_count(value: object, minimum: int) -> bool:
+    """Whether ``value`` is an integer (not a bool) >= ``minimum``."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= minimum
 
 
 def left_pad(sequences: list[list[int]], pad_id: int, device=None) -> tuple[Tensor, Tensor]:
