@@ -7,11 +7,12 @@ torch.
 
 from __future__ import annotations
 
-import math
 import numbers
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from lightning_troll.tasks.rewards.workers import check_timeout
 
 __all__ = [
     "ENVIRONMENT_FIELD",
@@ -70,16 +71,7 @@ def check_tool_workers(workers: int, timeout: float | None) -> None:
     seconds."""
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
         raise ValueError(f"model.episodes.tool_workers must be an integer >= 0; got {workers!r}")
-    if timeout is not None and (
-        isinstance(timeout, bool)
-        or not isinstance(timeout, numbers.Real)
-        or not math.isfinite(timeout)
-        or not timeout > 0
-    ):
-        raise ValueError(
-            f"model.episodes.tool_timeout must be null (no limit) or a finite number > 0 of "
-            f"seconds; got {timeout!r}"
-        )
+    check_timeout("episodes.tool_timeout", timeout)
 
 
 def check_environment_names(environments: Mapping[Any, Any]) -> None:

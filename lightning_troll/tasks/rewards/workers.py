@@ -48,17 +48,35 @@ __all__ = [
     "WorkerPool",
     "WorkersFailed",
     "check_picklable",
+    "check_timeout",
     "leave_stop_signals_to_the_trainer",
 ]
 
 SERVER_START = "lightning_troll.tasks.rewards.worker_server"
 """The module the workers' server imports first as it starts, which makes it ignore SIGTERM (see
 its docstring); named, not imported, as no other process may import it."""
+
+
 _START_LIMIT = 300.0
 """Seconds a new worker may take to start before scoring gives up (a broken environment)."""
 _START_DEATHS = 3
 """Workers that may die while starting, one after another with none started between, before the
 pool gives up (one killed by the OOM killer is replaced; a worker that cannot start is named)."""
+
+
+def check_timeout(option: str, timeout: float | None) -> None:
+    """``model.<option>``, the seconds a pool's call may take: null (no limit) or a finite number
+    > 0 (not a bool); raises ``ValueError`` naming the option and the value otherwise."""
+    if timeout is not None and not (
+        isinstance(timeout, numbers.Real)
+        and not isinstance(timeout, bool)
+        and math.isfinite(timeout)
+        and timeout > 0
+    ):
+        raise ValueError(
+            f"model.{option} must be null (no limit) or a finite number > 0 of seconds; "
+            f"got {timeout!r}"
+        )
 
 
 class WorkersFailed(RuntimeError):
@@ -193,16 +211,7 @@ class WorkerPool:
                 f"model.{self.workers_option} must be an integer >= 0 (0: no worker processes); "
                 f"got {count!r}"
             )
-        if timeout is not None and not (
-            isinstance(timeout, numbers.Real)
-            and not isinstance(timeout, bool)
-            and math.isfinite(timeout)
-            and timeout > 0
-        ):
-            raise ValueError(
-                f"model.{self.timeout_option} must be null (no limit) or a finite number > 0 of "
-                f"seconds; got {timeout!r}"
-            )
+        check_timeout(self.timeout_option, timeout)
         self.count = count
         self.timeout = timeout
         self.restarts = 0
