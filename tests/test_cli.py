@@ -602,6 +602,10 @@ def broken_jsonl(tmp_path: Path) -> str:
                       "{servers: http://127.0.0.1:1}"],
                      "model.engine.options.servers must be null or a list of addresses",
                      id="servers-not-a-list"),
+        pytest.param(["--model.engine.name", "vllm_server", "--model.engine.options",
+                      "{servers: [http://127.0.0.1:1]}"],
+                     "model.engine.options.servers: the vLLM server at http://127.0.0.1:1 did not "
+                     "answer GET /v1/models", id="server-not-answering"),
         pytest.param(["--model.corrections.anchor_is_cap", "1e400"],
                      "model.corrections.anchor_is_cap must be a finite number >= 1; got inf", id="infinite-cap"),
         pytest.param(["--trainer.logger", "lightning.pytorch.loggers.MLFlowLogger",

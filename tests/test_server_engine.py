@@ -20,6 +20,7 @@ from lightning_troll.engines.base import EngineContext, SampleRequest, build_eng
 from lightning_troll.engines.process import EngineDied
 from lightning_troll.engines.sampling import SamplingConfig
 from lightning_troll.engines.server_http import Launched, ServerDown, free_port
+from lightning_troll.engines.server_options import check_servers_answer
 from lightning_troll.engines.server_weights import NCCLPush
 from lightning_troll.engines.servers import ServerEngine, split_evenly
 from lightning_troll.models.loading import load_policy, load_tokenizer
@@ -246,6 +247,20 @@ def test_an_error_answer_or_a_server_gone_ends_the_rollout_naming_the_address(st
     root = engine._push.root  # no push_dir: a temporary folder of the engine's own
     engine.close()
     assert not root.exists()
+
+
+def test_the_servers_given_are_asked_before_the_model_loads(stand_ins):
+    """The command line's check: a server that answers passes, one that does not is refused as
+    bad input naming its address; malformed options are left to the options' own check."""
+    check_servers_answer({"servers": [s.address for s in stand_ins]})
+    assert all(len(s.requests) == 0 for s in stand_ins)  # asked, not sampled from
+    down = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(ValueError, match=rf"^model.engine.options.servers: the vLLM server at "
+                       rf"{down} did not answer GET /v1/models"):  # fmt: skip
+        check_servers_answer({"servers": [stand_ins[0].address, down]})
+    for malformed in ({"servers": down}, {"servers": ["x:1"]}, {"servers": [down], "wait_s": -1},
+                      {"launch": 1}, None):  # fmt: skip
+        check_servers_answer(malformed)
 
 
 def test_wait_s_waits_for_a_server_to_come_back():

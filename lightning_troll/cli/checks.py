@@ -20,6 +20,8 @@ from lightning_troll.callbacks import (
 )
 from lightning_troll.callbacks.refresh_options import check_refresh, check_staleness_world
 from lightning_troll.engines.base import EngineConfig
+from lightning_troll.engines.server_options import check_servers_answer
+from lightning_troll.engines.servers import ServerEngine
 from lightning_troll.models.loading import check_reachable
 from lightning_troll.tasks.data.datamodule import PromptDataModule
 from lightning_troll.tasks.data.preflight import check_data_files, check_hub_dataset, check_prompts
@@ -249,8 +251,9 @@ def check_task(config) -> None:
     """Refuses, before the model loads, a run that cannot train: data other than TinyMath with no
     reward, a reward module or function that cannot be found (looked for in the working
     directory, then beside the configs), a minibatch larger than the rollout, data files that
-    cannot be read or lack a field the options need (:func:`check_data_files`), and a hub dataset
-    that is neither cached nor on a hub this machine reaches (:func:`check_hub_dataset`)."""
+    cannot be read or lack a field the options need (:func:`check_data_files`), a hub dataset
+    that is neither cached nor on a hub this machine reaches (:func:`check_hub_dataset`), and
+    vLLM servers given by address that do not answer (:func:`check_servers_answer`)."""
     model, data = config.model, config.data
     check_module_options(
         model.get("objective"),
@@ -267,6 +270,9 @@ def check_task(config) -> None:
     )
     if not config.get("ckpt_path"):  # resuming, the checkpoint's stored model.model is used
         check_reachable(model.get("model") or "tinymath")
+    engine = model.get("engine")
+    if field_of(engine, EngineConfig, "name") == ServerEngine.name:
+        check_servers_answer(field_of(engine, EngineConfig, "options"))
     try:
         check_data_files(data, episode_rows_problem(model.get("episodes")))
     except ValueError as error:
@@ -286,7 +292,6 @@ def check_task(config) -> None:
     world = planned_world(config.trainer)
     if world is not None:
         check_staleness_world(refresh.get("max_staleness", 0), world)
-        engine = model.get("engine")
         check_engine_world(
             field_of(engine, EngineConfig, "name"), field_of(engine, EngineConfig, "options"), world
         )
