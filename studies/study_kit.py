@@ -6,7 +6,8 @@ fields it is recorded with) and a :class:`Grid` that runs them one after another
 
 - each run keeps ``<out>/runs/<name>/`` (a CSV log per attempt, ``checkpoints/last.ckpt``);
   Ctrl-C or SIGTERM lets the rollout in progress finish, saves, and ends the study (exit status
-  128 + the signal), before the next run when that rollout was a run's last; running the same
+  128 + the signal), before the next run when that rollout was a run's last, and at once while
+  no run trains (:mod:`study_stops`: :class:`Interrupted`, :func:`resumable`); running the same
   study again skips finished runs and resumes the interrupted one from its checkpoint;
 - a finished run's record (its fields, seconds, and per rollout the kept metrics) goes to
   ``runs/<name>/result.json``, and the grid's ``results.json`` and ``metrics.csv`` are rewritten
@@ -37,8 +38,7 @@ import shutil
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -62,6 +62,7 @@ from study_logs import (  # noqa: E402
     measured_attempts,
     read_history,
 )
+from study_stops import Interrupted, resumable  # noqa: E402
 
 __all__ = [
     "Grid",
@@ -82,30 +83,6 @@ __all__ = [
     "values",
     "write_atomic",
 ]
-
-
-class Interrupted(RuntimeError):
-    """A signal stopped the study: a run stopped before its last rollout (its ``last.ckpt``
-    resumes it), or the signal came during a run's last rollout, the run finished, and the grid
-    stops before the next run (``finished``)."""
-
-    def __init__(self, name: str, exit_code: int, finished: bool = False) -> None:
-        what = ("finished; the grid stopped before the next run" if finished
-                else "stopped before its last rollout")  # fmt: skip
-        super().__init__(f"{name} {what}")
-        self.name, self.exit_code, self.finished = name, exit_code, finished
-
-
-@contextmanager
-def resumable() -> Iterator[None]:
-    """Around a study's runs: a run stopped by a signal ends the process with its exit status
-    (128 + the signal), saying that the same command resumes it."""
-    try:
-        yield
-    except Interrupted as stopped:
-        again = "goes on with the next run" if stopped.finished else "resumes it"
-        print(f"{stopped}; the same command {again}", flush=True)
-        sys.exit(stopped.exit_code)
 
 
 @dataclass(frozen=True)

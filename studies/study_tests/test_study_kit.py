@@ -7,6 +7,9 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
+import signal
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -330,6 +333,23 @@ def test_resumable_ends_a_stopped_study_with_the_signals_status_and_lets_other_e
     with kit.resumable():
         done = "ran"
     assert done == "ran" and capsys.readouterr().out == ""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_while_no_run_trains_ends_the_study_in_one_line(signum, capsys):
+    """Between runs (or while one sets up) nothing is there to save: the study ends at once, with
+    the signal's exit status and a line, and the handlers are as they were afterwards."""
+    before = signal.getsignal(signum)
+    with pytest.raises(SystemExit) as ended, kit.resumable():
+        os.kill(os.getpid(), signum)
+        time.sleep(5)  # the handler runs before this ends
+    assert ended.value.code == 128 + signum
+    name = signal.Signals(signum).name
+    assert capsys.readouterr().out == (
+        f"{name} received while no run was training: the study stops here, nothing to save; "
+        "the same command goes on from here\n"
+    )
+    assert signal.getsignal(signum) is before
 
 
 def test_run_all_skips_finished_runs_and_starts_over_one_without_a_checkpoint(
