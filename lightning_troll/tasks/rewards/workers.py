@@ -55,8 +55,6 @@ __all__ = [
 SERVER_START = "lightning_troll.tasks.rewards.worker_server"
 """The module the workers' server imports first as it starts, which makes it ignore SIGTERM (see
 its docstring); named, not imported, as no other process may import it."""
-
-
 _START_LIMIT = 300.0
 """Seconds a new worker may take to start before scoring gives up (a broken environment)."""
 _START_DEATHS = 3
