@@ -20,9 +20,8 @@ from lightning_troll.engines.base import EngineContext, SampleRequest, build_eng
 from lightning_troll.engines.process import EngineDied
 from lightning_troll.engines.sampling import SamplingConfig
 from lightning_troll.engines.server_http import Launched, ServerDown, free_port
-from lightning_troll.engines.server_options import check_servers_answer
 from lightning_troll.engines.server_weights import NCCLPush
-from lightning_troll.engines.servers import ServerEngine, split_evenly
+from lightning_troll.engines.servers import ServerEngine, check_servers_answer, split_evenly
 from lightning_troll.models.loading import load_policy, load_tokenizer
 from lightning_troll.models.lora import LoraConfig, adapter_files, apply_lora
 from lightning_troll.models.snapshots import AdapterSnapshot
@@ -259,7 +258,7 @@ def test_the_servers_given_are_asked_before_the_model_loads(stand_ins):
                        rf"{down} did not answer GET /v1/models"):  # fmt: skip
         check_servers_answer({"servers": [stand_ins[0].address, down]})
     for malformed in ({"servers": down}, {"servers": ["x:1"]}, {"servers": [down], "wait_s": -1},
-                      {"launch": 1}, None):  # fmt: skip
+                      {"servers": [down], "colour": 1}, {"launch": 1}, None):  # fmt: skip
         check_servers_answer(malformed)
 
 

@@ -20,8 +20,7 @@ from lightning_troll.callbacks import (
 )
 from lightning_troll.callbacks.refresh_options import check_refresh, check_staleness_world
 from lightning_troll.engines.base import EngineConfig
-from lightning_troll.engines.server_options import check_servers_answer
-from lightning_troll.engines.servers import ServerEngine
+from lightning_troll.engines.servers import ServerEngine, check_servers_answer
 from lightning_troll.models.loading import check_reachable
 from lightning_troll.tasks.data.datamodule import PromptDataModule
 from lightning_troll.tasks.data.preflight import check_data_files, check_hub_dataset, check_prompts
@@ -253,7 +252,8 @@ def check_task(config) -> None:
     directory, then beside the configs), a minibatch larger than the rollout, data files that
     cannot be read or lack a field the options need (:func:`check_data_files`), a hub dataset
     that is neither cached nor on a hub this machine reaches (:func:`check_hub_dataset`), and
-    vLLM servers given by address that do not answer (:func:`check_servers_answer`)."""
+    vLLM servers given by address that do not answer
+    (:func:`~lightning_troll.engines.servers.check_servers_answer`)."""
     model, data = config.model, config.data
     check_module_options(
         model.get("objective"),

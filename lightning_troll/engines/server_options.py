@@ -1,16 +1,15 @@
 """The ``vllm_server`` engine's options checked from the options alone, before the model loads
-(:func:`check_server_options`), whether the servers given answer (:func:`check_servers_answer`),
-and how it sends a LoRA policy (:func:`sends_adapters`)."""
+(:func:`check_server_options`), and how it sends a LoRA policy (:func:`sends_adapters`)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from lightning_troll.engines.base import check_option, is_count, is_number
-from lightning_troll.engines.server_http import LORA_RANKS, Server, ServerDown
+from lightning_troll.engines.server_http import LORA_RANKS
 from lightning_troll.engines.server_weights import NCCL_OPTIONS, PUSHES
 
-__all__ = ["check_server_options", "check_servers_answer", "sends_adapters"]
+__all__ = ["check_server_options", "is_address", "sends_adapters"]
 
 
 def check_server_options(o: dict[str, Any], lora: Any) -> None:
@@ -26,7 +25,7 @@ def check_server_options(o: dict[str, Any], lora: Any) -> None:
             "model.engine.options: the vllm_server engine takes either servers (a list of "
             f"addresses) or launch (a count >= 1); got servers={servers!r}, launch={launch!r}"
         )
-    bad = [a for a in servers or [] if not a.startswith(("http://", "https://"))]
+    bad = [a for a in servers or [] if not is_address(a)]
     if bad:
         raise ValueError(
             f"model.engine.options.servers must be addresses 'http://host:port'; got {bad[0]!r}"
@@ -69,23 +68,10 @@ def check_server_options(o: dict[str, Any], lora: Any) -> None:
     sends_adapters(o["lora_push"], push, lora)
 
 
-def check_servers_answer(options: Any) -> None:
-    """Refuses, naming its address, a server of ``model.engine.options.servers`` that does not
-    answer ``GET /v1/models`` (waiting ``wait_s`` for it): the command line asks before the model
-    loads, where the engine reaches its servers only after. Options that are not well formed are
-    left to :func:`check_server_options`, and ``launch`` to the engine's start."""
-    options = options if isinstance(options, dict) else {}
-    servers, wait = options.get("servers"), options.get("wait_s", 0.0)
-    if not isinstance(servers, list) or not (is_number(wait) and wait >= 0):
-        return
-    for address in servers:
-        if not isinstance(address, str) or not address.startswith(("http://", "https://")):
-            return
-    for address in servers:
-        try:
-            Server(address, wait).get("/v1/models")
-        except ServerDown as error:
-            raise ValueError(f"model.engine.options.servers: {error}") from None
+def is_address(value: Any) -> bool:
+    """Whether ``value`` is a server's address as the engine takes it: ``http://host:port`` (or
+    ``https://``)."""
+    return isinstance(value, str) and value.startswith(("http://", "https://"))
 
 
 def sends_adapters(lora_push: str | None, push: str, lora: Any) -> bool:

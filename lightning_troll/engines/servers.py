@@ -53,6 +53,7 @@ from lightning_troll.engines.base import (
 )
 from lightning_troll.engines.behaviour import BehaviourRecorder
 from lightning_troll.engines.process import Request, fingerprint
+from lightning_troll.engines.sampling import is_number
 from lightning_troll.engines.server_http import (
     Launched,
     Server,
@@ -63,14 +64,39 @@ from lightning_troll.engines.server_http import (
     check_weight_routes,
     server_info,
 )
-from lightning_troll.engines.server_options import check_server_options, sends_adapters
+from lightning_troll.engines.server_options import (
+    check_server_options,
+    is_address,
+    sends_adapters,
+)
 from lightning_troll.engines.server_weights import adapter_name, build_push
 from lightning_troll.engines.vllm import laid_out, request_seeds
 from lightning_troll.models.loading import resolve_model_path
 from lightning_troll.models.lora import adapter_files
 from lightning_troll.models.weights import full_weights
 
-__all__ = ["ServerEngine", "split_evenly"]
+__all__ = ["ServerEngine", "check_servers_answer", "split_evenly"]
+
+
+def check_servers_answer(options: Any) -> None:
+    """Refuses, naming its address, a server of ``model.engine.options.servers`` that does not
+    answer ``GET /v1/models`` (waiting ``wait_s`` for it): the command line asks before the model
+    loads, where the engine reaches its servers only when it is built. Options it cannot read are
+    left to :meth:`ServerEngine.check_options`, and ``launch`` to the engine's start."""
+    try:
+        given = ServerEngine.given_options(options)  # every option, over the defaults
+    except TypeError:
+        return
+    servers, wait = given["servers"], given["wait_s"]
+    if not isinstance(servers, list) or not all(map(is_address, servers)):
+        return
+    if not (is_number(wait) and wait >= 0):
+        return
+    for address in servers:
+        try:
+            Server(address, wait).get("/v1/models")
+        except ServerDown as error:
+            raise ValueError(f"model.engine.options.servers: {error}") from None
 
 
 def split_evenly(count: int, servers: int) -> list[int]:
