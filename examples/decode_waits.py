@@ -7,7 +7,8 @@ counts them on any machine: a profiled rollout of a tiny model (TinyMath's token
 behaviour recorder on: the profiler's ``aten::_local_scalar_dense`` (a value read back to the
 host) and ``aten::nonzero`` (an output whose size the host must learn) calls, and the
 ``Tensor.tolist`` calls (several values read back at once, which the profiler does not show on a
-CPU).
+CPU). It counts the recorder as a GPU runs it (``read_free``: its checks read with the loop's,
+its sparse rows cut without reads) and as a CPU runs it, where a read waits for nothing.
 
     python examples/decode_waits.py            # the recorder keeps log-probs (clipping)
     python examples/decode_waits.py --sparse   # and TROLL's sparse rows
@@ -22,10 +23,16 @@ WAITS = ("aten::_local_scalar_dense", "aten::nonzero")
 
 
 def count(
-    prompts: int, group: int, max_new_tokens: int, sparse: bool = False, seed: int = 1
+    prompts: int,
+    group: int,
+    max_new_tokens: int,
+    sparse: bool = False,
+    read_free: bool = True,
+    seed: int = 1,
 ) -> dict[str, float]:
     """One profiled rollout (after an unprofiled warm-up): its decoding steps and host waits;
-    ``sparse`` also records TROLL's sparse rows at every step (its defaults)."""
+    ``sparse`` also records TROLL's sparse rows at every step (its defaults); ``read_free`` as
+    :class:`~lightning_troll.engines.behaviour.BehaviourRecorder`'s (True: as on a GPU)."""
     import torch
     from torch.overrides import TorchFunctionMode
     from torch.profiler import ProfilerActivity, profile
@@ -42,11 +49,11 @@ def count(
     prompt_ids = [tokenizer.encode(f"{12 + k}+7=") for k in range(prompts)]
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=max_new_tokens)
 
-    def rows(logits, tokens):
-        return sparsify(logits, defaults.MAX_TOKENS, defaults.MASS_DELTA, keep=tokens)
+    def rows(logits, tokens, reads=True):
+        return sparsify(logits, defaults.MAX_TOKENS, defaults.MASS_DELTA, keep=tokens, reads=reads)
 
     def rollout():
-        recorder = BehaviourRecorder(1.0, rows if sparse else None)
+        recorder = BehaviourRecorder(1.0, rows if sparse else None, read_free=read_free)
         ids, _, mask, _ = sample(model, prompt_ids, group, sampling, tokenizer.pad_token_id,
                                  [tokenizer.eos_token_id], True, recorder)  # fmt: skip
         recorder.finish(ids[:, -mask.shape[1] :])
@@ -71,7 +78,9 @@ def count(
     return {"steps": steps, "waits": waits, "waits_per_step": round(waits / steps, 2)}
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, float]:
+def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, float]]:
+    """Prints and returns the counts of the recorder as on a GPU (``gpu``) and on a CPU
+    (``cpu``)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--group", type=int, default=4, help="completions per prompt")
@@ -82,10 +91,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     for name in ("prompts", "group", "max_new_tokens"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")
-    result = count(args.prompts, args.group, args.max_new_tokens, args.sparse)
-    print(f"{result['steps']} decoding steps, {result['waits']} host waits, "
-          f"{result['waits_per_step']} a step")  # fmt: skip
-    return result
+    results = {}
+    for device, read_free in (("gpu", True), ("cpu", False)):
+        shape = (args.prompts, args.group, args.max_new_tokens)
+        result = results[device] = count(*shape, args.sparse, read_free)
+        print(f"recorder as on a {device.upper()}: {result['steps']} decoding steps, "
+              f"{result['waits']} host waits, {result['waits_per_step']} a step")  # fmt: skip
+    return results
 
 
 if __name__ == "__main__":

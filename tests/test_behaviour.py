@@ -25,8 +25,8 @@ def model(tiny_model_dir):
     return model.eval()
 
 
-def sparse_fn(logits, tokens):
-    return sparsify(logits, max_tokens=6, mass_delta=1e-3, keep=tokens)
+def sparse_fn(logits, tokens, reads=True):
+    return sparsify(logits, max_tokens=6, mass_delta=1e-3, keep=tokens, reads=reads)
 
 
 def dense(old: SparseDistribution) -> torch.Tensor:
@@ -38,9 +38,9 @@ def dense(old: SparseDistribution) -> torch.Tensor:
     return out
 
 
-def recorded_and_forward(model, sampling, sparsify_fn, seed=0):
+def recorded_and_forward(model, sampling, sparsify_fn, seed=0, read_free=None):
     torch.manual_seed(seed)
-    recorder = BehaviourRecorder(sampling.temperature, sparsify_fn)
+    recorder = BehaviourRecorder(sampling.temperature, sparsify_fn, read_free=read_free)
     ids, attention, response, _ = sample(model, PROMPTS, 4, sampling, 0, 2, recorder=recorder)
     record = recorder.finish(ids[:, -response.shape[1] :])
     recorded = record.outputs(response)
@@ -56,10 +56,14 @@ def recorded_and_forward(model, sampling, sparsify_fn, seed=0):
         SamplingConfig(temperature=1.3, top_p=0.8, top_k=5, max_new_tokens=6),
     ],
 )
-def test_recorded_rows_equal_the_forward_pass(model, sampling):
+@pytest.mark.parametrize("read_free", [False, True], ids=["reading", "read-free"])
+def test_recorded_rows_equal_the_forward_pass(model, sampling, read_free):
     """Token log-probs and sparse rows kept while sampling are those a teacher-forced pass of
-    the same model computes (float32: 1e-5), row for row in the order of the response mask."""
-    response, (logp, old), (logp_ref, old_ref) = recorded_and_forward(model, sampling, sparse_fn)
+    the same model computes (float32: 1e-5), row for row in the order of the response mask,
+    whether the recorder reads from the device at each step or not (as on a GPU)."""
+    response, (logp, old), (logp_ref, old_ref) = recorded_and_forward(
+        model, sampling, sparse_fn, read_free=read_free
+    )
     assert response.sum() > len(PROMPTS) * 4  # more than one token per completion
     torch.testing.assert_close(logp, logp_ref, rtol=0, atol=1e-5)
     assert (logp[~response] == 0).all()

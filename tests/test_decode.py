@@ -63,8 +63,8 @@ def llama():
     return tiny_llama()
 
 
-def sparse_rows(logits, tokens):
-    return sparsify(logits, max_tokens=6, mass_delta=1e-3, keep=tokens)
+def sparse_rows(logits, tokens, reads=True):
+    return sparsify(logits, max_tokens=6, mass_delta=1e-3, keep=tokens, reads=reads)
 
 
 def generated(

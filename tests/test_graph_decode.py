@@ -13,6 +13,7 @@ from functools import partial
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 from transformers import MistralConfig, MistralForCausalLM
 
 from lightning_troll.engines import graph_decode as graph_module
@@ -200,6 +201,67 @@ def test_recorded_rows_equal_a_teacher_forced_pass(llama, sampling):
     kept = old.indices >= 0
     torch.testing.assert_close(old.logprobs[kept].exp(), old_ref.logprobs[kept].exp(), rtol=0,
                                atol=1e-5)  # fmt: skip
+
+
+class DeviceReads(TorchFunctionMode):
+    """Counts the reads of tensor values by the host (each a wait on a GPU) outside the model's
+    forward: scalar and list reads, ``nonzero`` and boolean-mask indexing."""
+
+    READS = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "nonzero"}
+
+    def __init__(self, model):
+        super().__init__()
+        self.count, self.inside = 0, False
+        self.hooks = [
+            model.register_forward_pre_hook(lambda *_: setattr(self, "inside", True)),
+            model.register_forward_hook(lambda *_: setattr(self, "inside", False)),
+        ]
+
+    def __exit__(self, *exc):
+        for hook in self.hooks:
+            hook.remove()
+        return super().__exit__(*exc)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        masked = name in ("__getitem__", "__setitem__") and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool
+            for i in (args[1] if isinstance(args[1], tuple) else (args[1],))
+        )
+        if not self.inside and (name in self.READS or masked):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("loop", ["static", "dynamic"])
+def test_a_recording_step_reads_the_device_once(llama, loop):
+    """A read from the device is a wait on a GPU. With a read-free recorder (what a GPU gets)
+    a step reads once outside the model's forward (its running flags with the draw's and the
+    recorder's checks), and once more on a step where sequences ended; a reading recorder adds
+    reads at every step (so the count sees them)."""
+    sampling = SamplingConfig(temperature=0.9, top_k=9, max_new_tokens=8)
+    stops = stops_at_several_lengths(llama, PROMPTS, 8)
+    ids, mask = left_pad(PROMPTS, 0)
+
+    def reads(read_free):
+        recorder = BehaviourRecorder(sampling.temperature, sparse_rows, read_free=read_free)
+        torch.manual_seed(0)
+        with DeviceReads(llama) as counted:
+            if loop == "static":
+                tokens = static_decode(llama, ids, mask, 4, sampling, 0, stops, True, recorder,
+                                       capture=False)  # fmt: skip
+            else:
+                tokens = decode(llama, ids, mask, 4, sampling, 0, stops, True, recorder)
+        recorder.finish(tokens)
+        return counted.count, tokens
+
+    free, tokens = reads(True)
+    response, truncated = sampling_module.response_mask_of(tokens, stops)
+    ended = set((response.sum(-1) - 1)[~truncated].tolist())  # steps where sequences ended
+    assert len(ended) >= 2 and tokens.shape[1] > max(ended)
+    assert free == tokens.shape[1] + len(ended)
+    reading, _ = reads(False)
+    assert reading >= free + 3 * tokens.shape[1]
 
 
 # ------------------------------------------------------------------------------- fallback

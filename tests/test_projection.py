@@ -265,6 +265,32 @@ def test_sparsify_tail_is_accurate_when_tiny():
     assert sd.tail_logmass.item() == pytest.approx(tail, rel=1e-6)
 
 
+@pytest.mark.parametrize("keep", [False, True])
+def test_sparsify_without_reads_gives_the_same_rows_uncut(keep):
+    """``reads=False`` (a decoding step on a GPU): every row keeps max_tokens (+1) columns, the
+    unused ones padded, and the same rows as the reading path once cut to its width; the tail
+    is the same, a tiny one summed in log space included (row 1: 999 tokens at e^-100 in
+    float32, below its normal range)."""
+    vocab = 1000
+    scales = torch.tensor([1.0, 1.0, 20.0, 30.0, 12.0, 25.0]).unsqueeze(-1)  # peaked rows
+    logits = torch.randn(6, vocab, generator=generator(3)) * scales
+    logits[0] = -70.0
+    logits[0, 0] = 0.0
+    logits[1] = -100.0
+    logits[1, 5] = 0.0
+    tokens = torch.tensor([0, 7, 3, 999, 500, 42]) if keep else None
+    read = sparsify(logits, max_tokens=8, mass_delta=1e-3, keep=tokens)
+    free = sparsify(logits, max_tokens=8, mass_delta=1e-3, keep=tokens, reads=False)
+    assert free.indices.shape == (6, 9 if keep else 8) and read.indices.shape[1] < 8
+    width = read.indices.shape[1]
+    assert torch.equal(free.indices[:, :width], read.indices)
+    assert (free.indices[:, width:] == -1).all() and free.logprobs[:, width:].eq(-math.inf).all()
+    assert torch.equal(free.logprobs[:, :width], read.logprobs)
+    torch.testing.assert_close(free.tail_logmass, read.tail_logmass, rtol=1e-6, atol=0)
+    tail = math.log(vocab - 2 if keep else vocab - 1) - 100.0  # keep: token 7 leaves the tail
+    assert free.tail_logmass[1].item() == pytest.approx(tail, rel=1e-6)
+
+
 def test_sparsify_validation():
     logits = torch.zeros(2, 5)
     with pytest.raises(ValueError, match=r"max_tokens must be an integer >= 1; got 0"):

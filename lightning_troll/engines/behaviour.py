@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 from transformers import LogitsProcessor
 
+from lightning_troll.engines.decode import Check
 from lightning_troll.trust_region.sparse import SparseDistribution
 
 __all__ = ["BehaviourRecord", "BehaviourRecorder", "behaviour_rows", "records_while_sampling"]
@@ -31,7 +32,9 @@ BEHAVIOUR_LOGPROBS = ("auto", "forward", "sampling")
 
 _NEG_INF = float("-inf")
 
-SparsifyFn = Callable[[Tensor, Tensor], "SparseDistribution | None"]
+SparsifyFn = Callable[..., "SparseDistribution | None"]
+"""``(logits (n, V), tokens (n,), reads=True) -> SparseDistribution | None``; ``reads`` as
+:func:`~lightning_troll.trust_region.sparse.sparsify`'s, passed only where it is False."""
 
 
 def records_while_sampling(option: str, policy: nn.Module) -> bool:
@@ -150,17 +153,30 @@ class BehaviourRecorder(LogitsProcessor):
 
     :func:`~lightning_troll.engines.decode.decode`, which drops finished sequences from its
     batch, calls :meth:`record_rows` instead, with the running sequences' logits, tokens and row
-    numbers; :meth:`finish` then leaves the positions after a sequence's end padded.
+    numbers; :meth:`finish` then leaves the positions after a sequence's end padded. There a
+    step reads nothing from the device for the recorder where ``read_free``: its check of the
+    logits joins the loop's one wait on the device, and the sparse rows are cut without reads
+    (every row keeps ``max_tokens`` (+1) columns until :meth:`BehaviourRecord.outputs` cuts
+    them to the widest).
 
     Args:
         temperature: the sampling temperature (the loss uses it too).
-        sparsify_fn: ``(logits (n, V), tokens (n,)) -> SparseDistribution | None``, as the
-            module's ``sparsify_old``; None records log-probs only.
+        sparsify_fn: a :data:`SparsifyFn`, as the module's ``sparsify_old``; None records
+            log-probs only.
+        read_free: whether a decoding loop's steps record without reading from the device;
+            None: where the logits are not on a CPU (on a CPU a read waits for nothing, and
+            the reading path skips a pass over the vocabulary).
     """
 
-    def __init__(self, temperature: float, sparsify_fn: SparsifyFn | None = None) -> None:
+    def __init__(
+        self,
+        temperature: float,
+        sparsify_fn: SparsifyFn | None = None,
+        read_free: bool | None = None,
+    ) -> None:
         self.temperature = temperature
         self.sparsify_fn = sparsify_fn
+        self.read_free = read_free
         self._pending: Tensor | None = None  # (B, V) logits of the step whose token is unknown
         # per step: token log-probs (n,), sparse rows (n of them) or None, and the rows (n,)
         # of B they belong to (None: all B rows)
@@ -168,33 +184,41 @@ class BehaviourRecorder(LogitsProcessor):
 
     def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
         if self._pending is not None:
-            self._record(self._pending, input_ids[:, -1], None)
+            self._record(self._pending, input_ids[:, -1], None, None)
         self._pending = scores.float() / self.temperature  # (B, V), a copy
         return scores
 
-    def record_rows(self, scores: Tensor, tokens: Tensor, rows: Tensor) -> None:
+    def record_rows(
+        self, scores: Tensor, tokens: Tensor, rows: Tensor, checks: list[Check] | None = None
+    ) -> None:
         """One decoding step of the sequences still running, for a sampler that drops finished
         ones (:func:`~lightning_troll.engines.decode.decode`): their raw logits ``scores``
-        (n, V), the tokens drawn from them (n,) and their indices into B (n,)."""
-        self._record(scores.float() / self.temperature, tokens, rows)
+        (n, V), the tokens drawn from them (n,) and their indices into B (n,). With ``checks``,
+        the step's list of :class:`~lightning_troll.engines.decode.Check`, the check of the
+        logits goes first in it (its error names the step and the sequences) instead of being
+        read here; the loop reads it before it ends the step."""
+        self._record(scores.float() / self.temperature, tokens, rows, checks)
 
-    def _record(self, logits: Tensor, tokens: Tensor, rows: Tensor | None) -> None:
+    def _record(
+        self, logits: Tensor, tokens: Tensor, rows: Tensor | None, checks: list[Check] | None
+    ) -> None:
         self._pending = None
-        logp, sparse, bad = behaviour_rows(logits, tokens, sparsify_fn=self.sparsify_fn)
-        if bool(bad.any()):
-            first = bad.nonzero()[0, 0]
-            raise FloatingPointError(
-                f"the behaviour policy's logits hold NaN or +inf (or -inf at the sampled token) "
-                f"at generation step {len(self._steps)} for {int(bad.sum())} sequences (first: "
-                f"{int(first if rows is None else rows[first])}); the snapshot's weights are not "
-                "finite, so no rollout is cached from them"
-            )
+        free = logits.device.type != "cpu" if self.read_free is None else self.read_free
+        reads = checks is None or not free
+        logp, sparse, bad = behaviour_rows(
+            logits, tokens, sparsify_fn=self.sparsify_fn, reads=reads
+        )
+        step = len(self._steps)
+        if checks is not None:
+            checks.insert(0, Check(~bad.any(), lambda: _not_finite(bad, rows, step)))
+        elif bool(bad.any()):
+            raise _not_finite(bad, rows, step)
         self._steps.append((logp, sparse, rows))
 
     def finish(self, responses: Tensor) -> BehaviourRecord:
         """The record of a finished generation whose new tokens are ``responses`` (B, T)."""
         if self._pending is not None:
-            self._record(self._pending, responses[:, -1], None)
+            self._record(self._pending, responses[:, -1], None, None)
         steps, self._steps = self._steps, []
         if len(steps) != responses.shape[1]:
             raise RuntimeError(
@@ -236,15 +260,32 @@ class BehaviourRecorder(LogitsProcessor):
 
 
 def behaviour_rows(
-    rows: Tensor, tokens: Tensor, *, sparsify_fn
+    rows: Tensor, tokens: Tensor, *, sparsify_fn, reads: bool = True
 ) -> tuple[Tensor, SparseDistribution | None, Tensor]:
     """(n, V) logit rows -> token log-probs (n,), sparse rows (or None), bad-row flags (n,).
 
     A row is bad if it holds NaN or +inf, or -inf at the sampled token; other -inf entries are a
-    masked vocabulary and stay."""
+    masked vocabulary and stay. Where a row is bad the outputs are zeros and no sparse rows;
+    with ``reads=False`` nothing is read from the device, so they are computed from the rows
+    as they are (the caller reads the flags before it uses them), and ``sparsify_fn`` is asked
+    for read-free rows."""
     at_token = rows.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # (n,)
     bad = (rows.isnan() | rows.isposinf()).any(-1) | at_token.isneginf()  # (n,)
-    if bool(bad.any()):  # nothing below is computed from garbage
+    if reads and bool(bad.any()):  # nothing below is computed from garbage
         return rows.new_zeros(bad.shape, dtype=torch.float32), None, bad
     logp = rows.float().log_softmax(-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # (n,)
-    return logp, None if sparsify_fn is None else sparsify_fn(rows, tokens), bad
+    if sparsify_fn is None:
+        return logp, None, bad
+    return logp, sparsify_fn(rows, tokens) if reads else sparsify_fn(rows, tokens, reads=False), bad
+
+
+def _not_finite(bad: Tensor, rows: Tensor | None, step: int) -> FloatingPointError:
+    """The error for generation step ``step``'s logits, bad where ``bad`` (n,) is True; ``rows``
+    (n,) their indices into B (None: all B)."""
+    first = bad.nonzero()[0, 0]
+    return FloatingPointError(
+        f"the behaviour policy's logits hold NaN or +inf (or -inf at the sampled token) at "
+        f"generation step {step} for {int(bad.sum())} sequences (first: "
+        f"{int(first if rows is None else rows[first])}); the snapshot's weights are not "
+        "finite, so no rollout is cached from them"
+    )

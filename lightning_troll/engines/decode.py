@@ -45,7 +45,7 @@ V vocabulary.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -58,14 +58,15 @@ from transformers.cache_utils import DynamicLayer
 from lightning_troll.models.loading import is_checkpointed
 
 __all__ = [
+    "Check",
     "Prefill",
     "Sampling",
     "cannot_decode",
-    "check_drawn",
     "choose_tokens",
     "decode",
     "draw",
     "prefill",
+    "raise_failed",
     "top_k_mask",
     "top_p_mask",
 ]
@@ -121,7 +122,7 @@ def top_p_mask(scores: Tensor, top_p: float) -> Tensor:
 
 
 def choose_tokens(
-    scores: Tensor, sampling: Sampling, do_sample: bool, defer: list[Tensor] | None = None
+    scores: Tensor, sampling: Sampling, do_sample: bool, defer: list[Check] | None = None
 ) -> Tensor:
     """The next token of each row of ``scores`` (n, V), float32 logits: the argmax, or a draw
     from the softmax at ``sampling.temperature`` after its top-k and top-p. Returns (n,).
@@ -137,7 +138,7 @@ def choose_tokens(
     return draw(scores, defer)
 
 
-def draw(scores: Tensor, defer: list[Tensor] | None = None) -> Tensor:
+def draw(scores: Tensor, defer: list[Check] | None = None) -> Tensor:
     """One token per row of ``scores`` (n, V), drawn from ``softmax(scores)`` by inverting the
     cumulative distribution at a uniform number from torch's global generator. Returns (n,).
 
@@ -146,27 +147,46 @@ def draw(scores: Tensor, defer: list[Tensor] | None = None) -> Tensor:
     float64, so a token's share of the unit interval is its probability to ~1e-16 however
     small. Tokens at -inf are never drawn. A row holding NaN or +inf, or -inf throughout,
     raises ``RuntimeError`` (as ``torch.multinomial`` does). With ``defer``, a list, that check
-    is appended to it instead (a 0-dim bool tensor, True where every row is a distribution; see
-    :func:`check_drawn`), for a caller that reads several values in one wait on the device.
+    is appended to it as a :class:`Check` instead, for a caller that reads several values in one
+    wait on the device (:func:`raise_failed`).
     """
     weights = (scores - scores.amax(dim=-1, keepdim=True)).exp()  # (n, V), at most 1
     cdf = weights.double().cumsum(dim=-1)  # (n, V), nondecreasing
     total = cdf[:, -1:]  # (n, 1)
     drawable = (total.isfinite() & (total > 0)).all()  # ()
     if defer is None:
-        check_drawn(bool(drawable))
+        if not bool(drawable):
+            raise _not_drawable()
     else:
-        defer.append(drawable)
+        defer.append(Check(drawable, _not_drawable))
     uniform = torch.rand(total.shape, dtype=torch.float64, device=scores.device)  # (n, 1)
     tokens = torch.searchsorted(cdf, uniform * total, right=True)  # (n, 1) first cdf > u
     last = cdf.argmax(dim=-1, keepdim=True)  # (n, 1) the last token of positive weight
     return torch.minimum(tokens, last).squeeze(-1)  # (n,)
 
 
-def check_drawn(drawable: bool) -> None:
-    """Raises ``RuntimeError`` where :func:`draw`'s rows were not all distributions."""
-    if not drawable:
-        raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
+def _not_drawable() -> RuntimeError:
+    """The error of :func:`draw` for rows that are not all distributions."""
+    return RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
+
+
+@dataclass(frozen=True)
+class Check:
+    """A check of values on the device that a decoding step reads together with its running
+    flags, in the step's one wait on the device, instead of waiting for it on its own."""
+
+    ok: Tensor
+    """() bool on the device: True where the check passes."""
+    error: Callable[[], Exception]
+    """Builds the error to raise where it fails."""
+
+
+def raise_failed(checks: Sequence[Check], passed: Sequence[bool]) -> None:
+    """Raises the error of the first of ``checks`` whose value read from the device (in
+    ``passed``, in the same order) is False."""
+    for check, ok in zip(checks, passed, strict=True):
+        if not ok:
+            raise check.error()
 
 
 class _Batch:
@@ -179,14 +199,13 @@ class _Batch:
     def __init__(self, rows: Tensor, mask: Tensor, positions: Tensor, cache: DynamicCache):
         self.rows, self.mask, self.positions, self.cache = rows, mask, positions, cache
 
-    def keep(self, running: Tensor, checks: list[Tensor]) -> Tensor | None:
+    def keep(self, running: Tensor, checks: list[Check]) -> Tensor | None:
         """Keeps the sequences where ``running`` (n,) bool is True; returns their indices (n',)
-        into the n, or None where all are kept (nothing changes). ``checks`` (0-dim bool
-        tensors, the draw's) are read in the same wait on the device as ``running.all()``, and
-        the draw's raises if it failed."""
-        everyone, *drawn = torch.stack([running.all(), *checks]).tolist()
-        for ok in drawn:
-            check_drawn(ok)
+        into the n, or None where all are kept (nothing changes). ``checks`` (the draw's and
+        the recorder's) are read in the same wait on the device as ``running.all()``, and the
+        first that failed raises."""
+        everyone, *passed = torch.stack([running.all(), *(c.ok for c in checks)]).tolist()
+        raise_failed(checks, passed)
         if everyone:
             return None
         keep = running.nonzero().squeeze(-1)  # (n',)
@@ -220,9 +239,10 @@ def decode(
         pad_id: the id written after a completion's stop token.
         stop_ids: the tokens that end a completion (any of them).
         do_sample: False decodes greedily.
-        recorder: None, or an object whose ``record_rows(logits (n, V), tokens (n,), rows (n,))``
-            sees each step's raw float32 logits of the running sequences, the tokens chosen from
-            them and their indices into B.
+        recorder: None, or an object whose ``record_rows(logits (n, V), tokens (n,), rows (n,),
+            checks)`` sees each step's raw float32 logits of the running sequences, the tokens
+            chosen from them and their indices into B, and may add its own :class:`Check` to the
+            step's ``checks`` (a list) rather than wait on the device for it.
         budgets: None, or (B,) each sequence's own most tokens (at most
             ``sampling.max_new_tokens``): a sequence that reaches its own leaves the batch
             as one that produced a stop token does.
@@ -254,10 +274,10 @@ def decode(
     steps = 0
     while steps < budget:
         if logits is not None:
-            checks: list[Tensor] = []  # read with the stop check, in one wait on the device
+            checks: list[Check] = []  # read with the stop check, in one wait on the device
             tokens = choose_tokens(logits, sampling, do_sample, checks)  # (n,)
             if recorder is not None:
-                recorder.record_rows(logits, tokens, batch.rows)
+                recorder.record_rows(logits, tokens, batch.rows, checks)
             responses[batch.rows, steps] = tokens
             running = ~torch.isin(tokens, stops)  # (n,)
             if budgets is not None:

@@ -15,7 +15,9 @@ completions from the same distribution with fixed shapes instead:
   B/2 for a power-of-two B), when the running slots are moved to the front of the cache and the
   step of the smaller bucket is captured, so the cost follows the running sequences;
 - the host waits on the device once a step, reading the running flags together with the draw's
-  check (as ``_Batch.keep`` does), and once more on a step where some sequence ended.
+  and the recorder's checks (as ``_Batch.keep`` does), and once more on a step where some
+  sequence ended; nothing else in a step reads from the device (the recorder's sparse rows
+  are cut without reads there, :class:`~lightning_troll.engines.behaviour.BehaviourRecorder`).
 
 Tokens are chosen outside the graph by :func:`~lightning_troll.engines.decode.choose_tokens`
 from the running sequences' logits only, in the order of B, so the random stream is the dynamic
@@ -59,13 +61,14 @@ from transformers import StaticCache
 from transformers.cache_utils import StaticLayer
 
 from lightning_troll.engines.decode import (
+    Check,
     Prefill,
     Sampling,
     _synced,
     cannot_decode,
-    check_drawn,
     choose_tokens,
     prefill,
+    raise_failed,
 )
 
 __all__ = ["DECODE_MODES", "cannot_capture", "graph_decode", "static_decode"]
@@ -166,11 +169,11 @@ def static_decode(
     while True:
         everyone = live.numel() == batch.rows.numel()  # every slot runs: nothing to gather
         scores = logits if everyone else logits[live]  # (n, V)
-        checks: list[Tensor] = []  # read with the running flags, in one wait on the device
+        checks: list[Check] = []  # read with the running flags, in one wait on the device
         tokens = choose_tokens(scores, sampling, do_sample, checks)  # (n,)
         rows = batch.rows if everyone else batch.rows[live]  # (n,) into B
         if recorder is not None:
-            recorder.record_rows(scores, tokens, rows)
+            recorder.record_rows(scores, tokens, rows, checks)
         responses[rows, steps] = tokens
         if everyone:
             batch.tokens[:, 0] = tokens
@@ -180,10 +183,9 @@ def static_decode(
         if budgets is not None:
             running &= budgets[rows] > steps + 1
         steps += 1
-        flags = torch.cat([running, torch.stack(checks)]) if checks else running
+        flags = torch.cat([running, *(c.ok.unsqueeze(0) for c in checks)])  # (n + checks,)
         flags = flags.tolist()  # the one wait on the device this step
-        for ok in flags[running.numel() :]:
-            check_drawn(ok)
+        raise_failed(checks, flags[running.numel() :])
         if not all(flags[: running.numel()]):
             live = live[running]  # (n',)
         if live.numel() == 0 or steps == budget:

@@ -123,9 +123,11 @@ class RolloutCollector:
     stop_ids: Sequence[int]
     reference: Callable[[], AbstractContextManager[nn.Module | None]] = _no_reference
     """Context manager giving the reference policy, or None when there is none."""
-    sparsify_old: Callable[[Tensor, Tensor], SparseDistribution | None] = lambda logits, ids: None
+    sparsify_old: Callable[..., SparseDistribution | None] = lambda logits, ids, reads=True: None
     """The behaviour policy's sparse rows from its logits and the sampled tokens (TROLL), or
-    None when nothing reads them."""
+    None when nothing reads them; ``reads=False`` as :func:`~lightning_troll.trust_region.
+    sparse.sparsify`'s (:class:`~lightning_troll.engines.behaviour.BehaviourRecorder` asks it
+    so while a GPU decodes)."""
     corrections: CorrectionsConfig = CorrectionsConfig()
     """``model.corrections``: every one applies here."""
     behaviour_logprobs: str = "auto"

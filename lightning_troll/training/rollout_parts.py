@@ -181,12 +181,12 @@ class OldRows:
         """The sparse rows' rule (see :func:`lightning_troll.rollouts.drift.support_rule`)."""
         return support_rule(self.objective, self.trust_region)
 
-    def sparsify(self, logits: Tensor, tokens: Tensor) -> SparseDistribution:
+    def sparsify(self, logits: Tensor, tokens: Tensor, reads: bool = True) -> SparseDistribution:
         """Sparse rows of ``logits`` (..., V) by the rule, the sampled ``tokens`` kept where
-        the rule keeps them."""
+        the rule keeps them; ``reads`` as :func:`~lightning_troll.trust_region.sparse.sparsify`'s."""
         rule = self.rule
         keep = tokens if rule.keep_token else None
-        return sparsify(logits, rule.max_tokens, rule.mass_delta, keep=keep)
+        return sparsify(logits, rule.max_tokens, rule.mass_delta, keep=keep, reads=reads)
 
 
 def world_size(module: LightningModule) -> int:

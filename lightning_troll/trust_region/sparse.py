@@ -212,6 +212,8 @@ def sparsify(
     max_tokens: int = 64,
     mass_delta: float = 1e-5,
     keep: Tensor | None = None,
+    *,
+    reads: bool = True,
 ) -> SparseDistribution:
     """Keeps, per row, the most probable tokens of ``softmax(logits)``.
 
@@ -225,6 +227,10 @@ def sparsify(
         max_tokens: the most tokens kept per row by probability, >= 1.
         mass_delta: stop once the kept mass reaches ``1 - mass_delta``; ``0 <= mass_delta < 1``.
         keep: optional ``(N,)`` token ids kept in every case (the sampled tokens).
+        reads: False reads nothing from the device, for a caller that must not wait on it (a
+            decoding step): ``keep``'s range is then the caller's to vouch for, every row keeps
+            ``max_tokens`` (+1) columns, the unused ones padded (``-1``, ``-inf``), and the
+            tail's log-space sum is computed for every row, not only where it is tiny.
 
     Returns:
         A :class:`SparseDistribution` (detached; the old policy is a constant).
@@ -235,7 +241,7 @@ def sparsify(
     dtype = compute_dtype(logits)
     n, vocab = logits.shape
     if keep is not None:
-        check_tokens(keep, n, vocab, logits.device, "keep")
+        check_tokens(keep, n, vocab, logits.device, "keep", values=reads)
     k = min(max_tokens, vocab)
 
     top_val, top_idx = top_tokens(logits, k)  # (N, k), descending
@@ -254,16 +260,21 @@ def sparsify(
         slot = count.unsqueeze(-1)  # (N, 1)
         indices = indices.scatter(-1, slot, torch.where(missing, keep, -1).unsqueeze(-1))
         logprobs = logprobs.scatter(-1, slot, torch.where(missing, keep_lp, _NEG_INF).unsqueeze(-1))
-    width = max(int((indices >= 0).sum(-1).max()), 1) if n else 1
-    indices, logprobs = indices[:, :width], logprobs[:, :width]  # (N, K)
+    if reads:  # the widest row's columns only
+        width = max(int((indices >= 0).sum(-1).max()), 1) if n else 1
+        indices, logprobs = indices[:, :width], logprobs[:, :width]  # (N, K)
 
     # Tail mass summed over the tokens not kept (never 1 - kept, which cancels) ...
     kept = torch.where(indices >= 0, indices, indices[:, :1])  # padding repeats a kept index
     tail = p.scatter_(-1, kept, 0.0).sum(-1)  # (N,)
     tail_logmass = tail.log()
     # ... and in log space where it is too small for linear sums (extreme logits).
-    tiny = (tail < LINEAR_MASS_MIN) & ((indices >= 0).sum(-1) < vocab)
-    if bool(tiny.any()):
+    tiny = (tail < LINEAR_MASS_MIN) & ((indices >= 0).sum(-1) < vocab)  # (N,)
+    if not reads:
+        masked = logits.to(dtype).scatter(-1, kept, _NEG_INF)  # (N, V)
+        logsum = torch.logsumexp(masked, dim=-1) - logz  # (N,)
+        tail_logmass = torch.where(tiny, logsum, tail_logmass)
+    elif bool(tiny.any()):
         rows = tiny.nonzero().squeeze(-1)
         masked = logits[rows].to(dtype).scatter(-1, kept[rows], _NEG_INF)
         tail_logmass[rows] = torch.logsumexp(masked, dim=-1) - logz[rows]
