@@ -28,7 +28,10 @@ def test_the_parts_by_hand():
         "optimiser": 2 * weights,
         "kv_cache": 15360,
         "activations": 409600,
+        "sparse_rows": 0,
     }
+    kept = estimate(model, model, 6, 10, 100, [], response_tokens=42, sparse_columns=257)
+    assert kept["sparse_rows"] == 42 * (257 * (8 + 4) + 4)  # int64 index, float32 log-prob, tail
     no_adam = estimate(model, model, 6, 10, 100, [torch.optim.SGD(model.parameters(), lr=0.1)])
     assert no_adam["optimiser"] == 0
     assert estimate(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2), 6, 10, 100, []) is None
@@ -69,6 +72,29 @@ def test_a_floor_that_fits_with_activations_that_may_not_warns(tiny_model_dir, m
         check_fits(module, 4, 64)
     monkeypatch.setattr(memory_check, "available_bytes", lambda device: 64 * GIB)
     check_fits(module, 4, 64)  # fits: no warning (warnings are errors in this suite's filter)
+
+
+def test_troll_s_sparse_rows_are_counted_beside_the_activations(tiny_model_dir, monkeypatch):
+    """A TROLL run keeps its rollout's sparse rows: 4 x 4 sequences x 4 new tokens at the
+    trust region's max_tokens + 1 columns. Memory between the floor plus activations and that
+    plus the rows warns and names max_tokens; clipping without a monitor keeps none."""
+    from tests.test_training import make_module
+
+    module = make_module(tiny_model_dir)  # 4 new tokens
+    assert module.cache_old_distributions
+    micro = resolve_tokens("auto", module.policy)
+    rule = module.old_rows.rule
+    columns = rule.max_tokens + 1
+    parts = estimate(module, module.policy, 16, 64 + 4, micro, [], 16 * 4, columns)
+    assert parts["sparse_rows"] == 16 * 4 * (columns * 12 + 4) > 0
+    floor = sum(v for k, v in parts.items() if k not in ("activations", "sparse_rows"))
+    monkeypatch.setattr(memory_check, "available_bytes",
+                        lambda device: floor + parts["activations"] + 1)  # fmt: skip
+    with pytest.warns(UserWarning, match=rf"model.trust_region.max_tokens \({rule.max_tokens}\)"):
+        check_fits(module, 4, 64)
+    clipping = make_module(tiny_model_dir, objective="clip")
+    assert not clipping.cache_old_distributions
+    check_fits(clipping, 4, 64)  # no rows kept: fits (warnings are errors in this suite)
 
 
 def test_the_memory_available_is_read_on_this_machine():

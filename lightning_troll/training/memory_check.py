@@ -11,11 +11,16 @@ What a run holds for certain, and is counted as its floor:
   ``model.group_size``) at ``data.max_prompt_tokens`` + ``model.sampling.max_new_tokens``
   positions, keys and values of every layer.
 
-Beside the floor, one training micro-batch's activations are estimated at ``micro_batch_tokens``
-times the model's :func:`~lightning_troll.rollouts.micro_batches.activation_bytes` a token. A
-floor over the memory available
-stops the start (``ValueError``, one line naming the options to change); a floor plus
-activations over it warns once. Nothing here runs on a model that is not a transformers one.
+Beside the floor, two parts are estimated, at most what they take: one training micro-batch's
+activations, ``micro_batch_tokens`` times the model's
+:func:`~lightning_troll.rollouts.micro_batches.activation_bytes` a token; and, where the rollout
+keeps the behaviour policy's sparse rows (TROLL, or clipping with a monitor that reads them), those
+rows for every response token at their widest, ``model.trust_region.max_tokens`` (+1 for the
+sampled token) columns of an int64 index and a float32 log-prob, and a float32 tail mass (a
+rollout holds them from its sampling to the end of its training). A floor over the memory
+available stops the start (``ValueError``, one line naming the options to change); a floor plus
+the estimated parts over it warns once. Nothing here runs on a model that is not a transformers
+one.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from lightning_troll.rollouts.micro_batches import activation_bytes, resolve_tok
 __all__ = ["available_bytes", "check_fits", "estimate"]
 
 GIB = 2**30
+_ESTIMATED = ("activations", "sparse_rows")  # the parts beside the floor
 
 
 def available_bytes(device: torch.device) -> int | None:
@@ -64,11 +70,12 @@ def _bytes(tensors) -> int:
 
 def estimate(
     module: nn.Module, policy: nn.Module, sequences: int, positions: int, micro_tokens: int,
-    optimizers: list[Any],
+    optimizers: list[Any], response_tokens: int = 0, sparse_columns: int = 0,
 ) -> dict[str, int] | None:  # fmt: skip
     """Bytes per part of what a run needs (see the module's docstring): ``weights``,
-    ``gradients``, ``optimiser``, ``kv_cache`` and ``activations``; None for a model without a
-    decoder config (layers, heads, hidden size)."""
+    ``gradients``, ``optimiser``, ``kv_cache``, ``activations`` and ``sparse_rows`` (for
+    ``response_tokens`` in all, ``sparse_columns`` wide; 0 columns: none kept); None for a model
+    without a decoder config (layers, heads, hidden size)."""
     config = getattr(policy, "config", None)
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     layers = getattr(config, "num_hidden_layers", None)
@@ -87,6 +94,7 @@ def estimate(
         "optimiser": 2 * _bytes(trainable) if adam else 0,
         "kv_cache": sequences * positions * layers * 2 * kv_heads * head_dim * size,
         "activations": micro_tokens * (activation_bytes(policy) or 0),
+        "sparse_rows": response_tokens * (sparse_columns * (8 + 4) + 4) if sparse_columns else 0,
     }
 
 
@@ -103,10 +111,20 @@ def check_fits(module: Any, prompts: int, prompt_tokens: int) -> None:
         (optimization.micro_batch_size or optimization.minibatch_size or sequences) * positions
     )
     optimizers = module.trainer.optimizers if module._trainer is not None else []
-    parts = estimate(module, module.policy, sequences, positions, micro, optimizers)
+    lower = f"model.optimization.micro_batch_tokens ({micro})"
+    columns = 0
+    if module.cache_old_distributions:
+        rule = module.old_rows.rule
+        columns = rule.max_tokens + int(rule.keep_token)
+        lower += f" or model.trust_region.max_tokens ({rule.max_tokens})"
+    response = sequences * sampling.max_new_tokens
+    parts = estimate(
+        module, module.policy, sequences, positions, micro, optimizers, response, columns
+    )
     if available is None or parts is None:
         return
-    floor = sum(v for k, v in parts.items() if k != "activations")
+    floor = sum(v for k, v in parts.items() if k not in _ESTIMATED)
+    most = floor + sum(parts[k] for k in _ESTIMATED)
     said = ", ".join(f"{k.replace('_', ' ')} {v / GIB:.1f}" for k, v in parts.items() if v)
     where = f"{device.type} has {available / GIB:.1f} GiB"
     if floor > available:
@@ -116,11 +134,10 @@ def check_fits(module: Any, prompts: int, prompt_tokens: int) -> None:
             "lower model.sampling.max_new_tokens, data.batch_size or model.group_size, or hold "
             "the snapshot in bfloat16 or int8 (model.snapshot)"
         )
-    if floor + parts["activations"] > available:
+    if most > available:
         warnings.warn(
-            f"this run may not fit: about {(floor + parts['activations']) / GIB:.1f} GiB "
-            f"({said} GiB) and {where}; lower model.optimization.micro_batch_tokens ({micro}) "
-            "or set model.optimization.gradient_checkpointing",
+            f"this run may not fit: about {most / GIB:.1f} GiB ({said} GiB) and {where}; lower "
+            f"{lower} or set model.optimization.gradient_checkpointing",
             UserWarning,
             stacklevel=2,
         )
