@@ -61,6 +61,7 @@ from transformers.cache_utils import DynamicLayer
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from iteration_workers import GROUP, SMOLLM2, chat_prompt_ids, pick_rows  # noqa: E402
 
+from lightning_troll.engines import choice as choice_module
 from lightning_troll.engines import decode as decode_module
 from lightning_troll.engines import sampling as sampling_module
 from lightning_troll.engines.behaviour import BehaviourRecorder
@@ -188,7 +189,7 @@ def run_way(way: str, setup: dict, clock: Clock) -> dict:
             )
         )
         if "multinomial" in way:
-            enter(mock.patch.object(decode_module, "draw", multinomial))
+            enter(mock.patch.object(choice_module, "draw", multinomial))
         choose = clock.timed("sampling", decode_module.choose_tokens)
         enter(mock.patch.object(decode_module, "choose_tokens", choose))
         keep = decode_module._Batch.keep

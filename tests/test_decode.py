@@ -23,10 +23,12 @@ from transformers import (
     TopPLogitsWarper,
 )
 
+from lightning_troll.engines import choice as choice_module
 from lightning_troll.engines import decode as decode_module
 from lightning_troll.engines import sampling as sampling_module
 from lightning_troll.engines.behaviour import BehaviourRecorder
-from lightning_troll.engines.decode import cannot_decode, top_k_mask, top_p_mask
+from lightning_troll.engines.choice import top_k_mask, top_p_mask
+from lightning_troll.engines.decode import cannot_decode
 from lightning_troll.engines.sampling import SamplingConfig, left_pad, sample
 from lightning_troll.models.loading import load_policy, load_tokenizer
 from lightning_troll.rollouts.rollout import behaviour_outputs
@@ -324,7 +326,7 @@ def test_draw_follows_a_distribution_with_tiny_and_masked_probabilities():
     with two probabilities swapped, and never hit a masked token."""
     scores = torch.tensor([[0.0, -1.0, -2.5, -20.7, float("-inf"), 1.3, -4.0, float("-inf")]])
     torch.manual_seed(7)
-    drawn = decode_module.draw(scores.expand(200_000, -1))  # (200000,)
+    drawn = choice_module.draw(scores.expand(200_000, -1))  # (200000,)
     counts = torch.bincount(drawn, minlength=scores.shape[1])
     probs = scores[0].softmax(-1)
     assert counts[4] == counts[7] == 0
@@ -337,9 +339,9 @@ def test_draw_refuses_rows_that_are_not_a_distribution(bad):
     scores = torch.zeros(3, 5)
     scores[1, 2] = bad
     with pytest.raises(RuntimeError, match="probability tensor"):
-        decode_module.draw(scores)
+        choice_module.draw(scores)
     with pytest.raises(RuntimeError, match="probability tensor"):
-        decode_module.draw(torch.full((2, 5), float("-inf")))
+        choice_module.draw(torch.full((2, 5), float("-inf")))
 
 
 @pytest.mark.parametrize("recorded", [False, True])

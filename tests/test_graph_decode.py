@@ -14,7 +14,7 @@ from functools import partial
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
-from transformers import MistralConfig, MistralForCausalLM
+from transformers import LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
 from lightning_troll.engines import graph_decode as graph_module
 from lightning_troll.engines import sampling as sampling_module
@@ -204,18 +204,22 @@ def test_recorded_rows_equal_a_teacher_forced_pass(llama, sampling):
 
 
 class DeviceReads(TorchFunctionMode):
-    """Counts the reads of tensor values by the host (each a wait on a GPU) outside the model's
-    forward: scalar and list reads, ``nonzero`` and boolean-mask indexing."""
+    """Counts the reads of tensor values by the host (each a wait on a GPU), outside the model's
+    forward (``count``) and inside its forwards after the first, the prefill (``in_steps``):
+    scalar and list reads, ``nonzero`` and boolean-mask indexing."""
 
     READS = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "nonzero"}
 
     def __init__(self, model):
         super().__init__()
-        self.count, self.inside = 0, False
+        self.count, self.in_steps, self.forwards, self.inside = 0, 0, 0, False
         self.hooks = [
-            model.register_forward_pre_hook(lambda *_: setattr(self, "inside", True)),
+            model.register_forward_pre_hook(lambda *_: self._enter()),
             model.register_forward_hook(lambda *_: setattr(self, "inside", False)),
         ]
+
+    def _enter(self):
+        self.inside, self.forwards = True, self.forwards + 1
 
     def __exit__(self, *exc):
         for hook in self.hooks:
@@ -228,8 +232,11 @@ class DeviceReads(TorchFunctionMode):
             isinstance(i, torch.Tensor) and i.dtype == torch.bool
             for i in (args[1] if isinstance(args[1], tuple) else (args[1],))
         )
-        if not self.inside and (name in self.READS or masked):
-            self.count += 1
+        if name in self.READS or masked:
+            if not self.inside:
+                self.count += 1
+            elif self.forwards > 1:
+                self.in_steps += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -238,7 +245,8 @@ def test_a_recording_step_reads_the_device_once(llama, loop):
     """A read from the device is a wait on a GPU. With a read-free recorder (what a GPU gets)
     a step reads once outside the model's forward (its running flags with the draw's and the
     recorder's checks), and once more on a step where sequences ended; a reading recorder adds
-    reads at every step (so the count sees them)."""
+    reads at every step (so the count sees them). Inside the forwards only the prefill reads
+    (transformers' checks whether it may skip the sdpa mask): the steps hand it a 4-D mask."""
     sampling = SamplingConfig(temperature=0.9, top_k=9, max_new_tokens=8)
     stops = stops_at_several_lengths(llama, PROMPTS, 8)
     ids, mask = left_pad(PROMPTS, 0)
@@ -253,6 +261,7 @@ def test_a_recording_step_reads_the_device_once(llama, loop):
             else:
                 tokens = decode(llama, ids, mask, 4, sampling, 0, stops, True, recorder)
         recorder.finish(tokens)
+        assert counted.forwards == tokens.shape[1] and counted.in_steps == 0
         return counted.count, tokens
 
     free, tokens = reads(True)
@@ -300,10 +309,43 @@ def test_what_capture_cannot_serve_is_named():
     assert cannot_capture(plain, cuda) is None
     windowed = tiny_llama(MistralForCausalLM, MistralConfig, sliding_window=4)
     assert "SlidingWindow" in cannot_capture(windowed, cuda)
+    assert cannot_capture(tiny_llama(OwnMask), cuda) == "OwnMask builds its own attention mask"
     plain.config._attn_implementation = "flash_attention_2"
     assert cannot_capture(plain, cuda) == (
         "its attention implementation 'flash_attention_2' takes no 4-D mask"
     )
+
+
+class OwnMask(LlamaForCausalLM):
+    """A model whose module does not build masks with transformers' ``create_causal_mask``."""
+
+
+@pytest.mark.parametrize("cls", [LlamaForCausalLM, OwnMask])
+def test_the_dynamic_loop_hands_a_4d_mask_only_to_a_model_that_takes_it(cls):
+    """Steps after the prefill get an additive (n, 1, 1, S + t) mask where transformers' masks
+    pass it through, a 2-D one elsewhere; greedy tokens are the same either way."""
+    model = tiny_llama(cls).double()
+    masks = []
+    handle = model.register_forward_pre_hook(
+        lambda module, args, kwargs: masks.append(kwargs["attention_mask"]), with_kwargs=True
+    )
+    ids, mask = left_pad(PROMPTS, 0)
+    tokens = decode(model, ids, mask, 2, SamplingConfig(max_new_tokens=6), 0, [VOCAB - 1], False)
+    handle.remove()
+    steps = masks[1:]
+    assert len(steps) == 5 and steps[0].shape[0] == 2 * len(PROMPTS)
+    if cls is OwnMask:
+        assert all(m.dim() == 2 for m in steps)
+    else:
+        assert all(m.dim() == 4 and m.dtype == torch.float64 for m in steps)
+        lowest = torch.finfo(torch.float64).min
+        first = mask.repeat_interleave(2, 0)  # (B, S), left padding at 0
+        seen = torch.cat([first, torch.ones(first.shape[0], 1, dtype=first.dtype)], -1)
+        expected = torch.zeros(seen.shape, dtype=torch.float64).masked_fill(seen == 0, lowest)
+        assert torch.equal(steps[0][:, 0, 0], expected) and (seen == 0).any()
+    plain = decode(tiny_llama().double(), ids, mask, 2, SamplingConfig(max_new_tokens=6), 0,
+                   [VOCAB - 1], False)  # fmt: skip
+    assert torch.equal(tokens, plain)
 
 
 def test_a_failed_capture_falls_back_before_any_draw(llama, monkeypatch):

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 from transformers import LogitsProcessor
 
-from lightning_troll.engines.decode import Check
+from lightning_troll.engines.choice import Check
 from lightning_troll.trust_region.sparse import SparseDistribution
 
 __all__ = ["BehaviourRecord", "BehaviourRecorder", "behaviour_rows", "records_while_sampling"]
@@ -194,7 +194,7 @@ class BehaviourRecorder(LogitsProcessor):
         """One decoding step of the sequences still running, for a sampler that drops finished
         ones (:func:`~lightning_troll.engines.decode.decode`): their raw logits ``scores``
         (n, V), the tokens drawn from them (n,) and their indices into B (n,). With ``checks``,
-        the step's list of :class:`~lightning_troll.engines.decode.Check`, the check of the
+        the step's list of :class:`~lightning_troll.engines.choice.Check`, the check of the
         logits goes first in it (its error names the step and the sequences) instead of being
         read here; the loop reads it before it ends the step."""
         self._record(scores.float() / self.temperature, tokens, rows, checks)

@@ -13,15 +13,9 @@ does neither:
 - a recorder with a ``record_rows`` hook (:class:`~lightning_troll.engines.behaviour.
   BehaviourRecorder`) sees the logits of the running sequences only, with their row numbers.
 
-It samples from the distribution ``generate`` samples from with the same options: the float32
-logits divided by the temperature, then top-k (0: off) and top-p (1: off) as transformers'
-``TopKLogitsWarper`` and ``TopPLogitsWarper`` apply them, then the softmax; ``do_sample=False``
-takes the argmax of the raw logits. The model's own ``generation_config`` plays no part. A
-token is drawn by :func:`draw` (the inverse of the cumulative distribution at one uniform
-number per sequence from torch's global generator, so seeded runs repeat) where ``generate``
-calls ``torch.multinomial`` (one exponential number per sequence and vocabulary entry, a
-sixth of a rollout's time on SmolLM2 on a CPU). A seed therefore gives other completions than
-``generate`` would, from the same distribution; greedy decoding gives the same tokens.
+It samples as :mod:`~lightning_troll.engines.choice` chooses tokens: from the distribution
+``generate`` samples from with the same options, by another draw (a seed gives other
+completions than ``generate`` would; greedy decoding gives the same tokens).
 
 Where it cannot serve a model, :func:`decode` returns None before drawing anything, and the
 caller falls back to ``generate`` (:func:`cannot_decode` says why):
@@ -45,9 +39,10 @@ V vocabulary.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -55,32 +50,12 @@ from torch import Tensor, nn
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from lightning_troll.engines.choice import Check, Sampling, choose_tokens, raise_failed
 from lightning_troll.models.loading import is_checkpointed
 
-__all__ = [
-    "Check",
-    "Prefill",
-    "Sampling",
-    "cannot_decode",
-    "choose_tokens",
-    "decode",
-    "draw",
-    "prefill",
-    "raise_failed",
-    "top_k_mask",
-    "top_p_mask",
-]
+__all__ = ["Prefill", "cannot_decode", "decode", "no_additive_mask", "prefill"]
 
-_NEG_INF = float("-inf")
-
-
-class Sampling(Protocol):
-    """What decoding reads of :class:`~lightning_troll.engines.sampling.SamplingConfig`."""
-
-    temperature: float
-    top_k: int
-    top_p: float
-    max_new_tokens: int
+_ADDITIVE_ATTENTION = ("sdpa", "eager")  # attention that takes an additive 4-D mask as given
 
 
 def cannot_decode(model: nn.Module) -> str | None:
@@ -102,102 +77,32 @@ def cannot_decode(model: nn.Module) -> str | None:
     return None
 
 
-def top_k_mask(scores: Tensor, top_k: int) -> Tensor:
-    """(n, V) scores with all but the ``top_k`` largest of each row set to -inf (ties with the
-    k-th kept), as transformers' ``TopKLogitsWarper(top_k)`` does."""
-    k = min(top_k, scores.shape[-1])
-    kth = torch.topk(scores, k)[0][..., -1, None]  # (n, 1)
-    return scores.masked_fill(scores < kth, _NEG_INF)  # (n, V)
-
-
-def top_p_mask(scores: Tensor, top_p: float) -> Tensor:
-    """(n, V) scores with each row's least likely tokens set to -inf, keeping the smallest set
-    whose probability reaches ``top_p`` (and at least the most likely token), as transformers'
-    ``TopPLogitsWarper(top_p)`` does."""
-    ordered, order = torch.sort(scores, descending=False)  # (n, V) ascending
-    cumulative = ordered.softmax(dim=-1).cumsum(dim=-1)  # (n, V)
-    drop = cumulative <= (1 - top_p)  # (n, V) in sorted order
-    drop[..., -1:] = False  # the most likely token stays
-    return scores.masked_fill(drop.scatter(1, order, drop), _NEG_INF)  # (n, V)
-
-
-def choose_tokens(
-    scores: Tensor, sampling: Sampling, do_sample: bool, defer: list[Check] | None = None
-) -> Tensor:
-    """The next token of each row of ``scores`` (n, V), float32 logits: the argmax, or a draw
-    from the softmax at ``sampling.temperature`` after its top-k and top-p. Returns (n,).
-    ``defer`` as in :func:`draw`."""
-    if not do_sample:
-        return scores.argmax(dim=-1)  # (n,)
-    if sampling.temperature != 1.0:
-        scores = scores / sampling.temperature  # (n, V)
-    if sampling.top_k:
-        scores = top_k_mask(scores, sampling.top_k)
-    if sampling.top_p < 1.0:
-        scores = top_p_mask(scores, sampling.top_p)
-    return draw(scores, defer)
-
-
-def draw(scores: Tensor, defer: list[Check] | None = None) -> Tensor:
-    """One token per row of ``scores`` (n, V), drawn from ``softmax(scores)`` by inverting the
-    cumulative distribution at a uniform number from torch's global generator. Returns (n,).
-
-    One random number per row, where ``torch.multinomial`` draws one per row and token (its
-    cost on a CPU grows with the vocabulary and runs on one thread); the cumulative sums are
-    float64, so a token's share of the unit interval is its probability to ~1e-16 however
-    small. Tokens at -inf are never drawn. A row holding NaN or +inf, or -inf throughout,
-    raises ``RuntimeError`` (as ``torch.multinomial`` does). With ``defer``, a list, that check
-    is appended to it as a :class:`Check` instead, for a caller that reads several values in one
-    wait on the device (:func:`raise_failed`).
-    """
-    weights = (scores - scores.amax(dim=-1, keepdim=True)).exp()  # (n, V), at most 1
-    cdf = weights.double().cumsum(dim=-1)  # (n, V), nondecreasing
-    total = cdf[:, -1:]  # (n, 1)
-    drawable = (total.isfinite() & (total > 0)).all()  # ()
-    if defer is None:
-        if not bool(drawable):
-            raise _not_drawable()
-    else:
-        defer.append(Check(drawable, _not_drawable))
-    uniform = torch.rand(total.shape, dtype=torch.float64, device=scores.device)  # (n, 1)
-    tokens = torch.searchsorted(cdf, uniform * total, right=True)  # (n, 1) first cdf > u
-    last = cdf.argmax(dim=-1, keepdim=True)  # (n, 1) the last token of positive weight
-    return torch.minimum(tokens, last).squeeze(-1)  # (n,)
-
-
-def _not_drawable() -> RuntimeError:
-    """The error of :func:`draw` for rows that are not all distributions."""
-    return RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
-
-
-@dataclass(frozen=True)
-class Check:
-    """A check of values on the device that a decoding step reads together with its running
-    flags, in the step's one wait on the device, instead of waiting for it on its own."""
-
-    ok: Tensor
-    """() bool on the device: True where the check passes."""
-    error: Callable[[], Exception]
-    """Builds the error to raise where it fails."""
-
-
-def raise_failed(checks: Sequence[Check], passed: Sequence[bool]) -> None:
-    """Raises the error of the first of ``checks`` whose value read from the device (in
-    ``passed``, in the same order) is False."""
-    for check, ok in zip(checks, passed, strict=True):
-        if not ok:
-            raise check.error()
+def no_additive_mask(model: nn.Module) -> str | None:
+    """Why ``model``'s forward would not hand an additive 4-D attention mask to its attention as
+    it is, or None where it would: its attention is ``sdpa`` or ``eager`` and its modelling
+    module builds masks with transformers' ``create_causal_mask`` (which passes a 4-D mask
+    through; a model that builds its own from a 2-D one would misread it)."""
+    attention = getattr(model.config, "_attn_implementation", None)
+    if attention not in _ADDITIVE_ATTENTION:
+        return f"its attention implementation {attention!r} takes no 4-D mask"
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT
+    if not hasattr(sys.modules.get(type(base).__module__), "create_causal_mask"):
+        return f"{type(base).__name__} builds its own attention mask"
+    return None
 
 
 class _Batch:
     """The sequences still running, and everything a decoding step needs of them.
 
     Attributes: ``rows`` (n,) their indices into B; ``mask`` (n, S + t) attention mask;
-    ``positions`` (n,) the position of the next token; ``cache`` the keys and values, n rows.
+    ``positions`` (n,) the position of the next token; ``cache`` the keys and values, n rows;
+    ``additive`` whether the steps hand the model the mask as an additive 4-D one.
     """
 
-    def __init__(self, rows: Tensor, mask: Tensor, positions: Tensor, cache: DynamicCache):
+    def __init__(self, rows: Tensor, mask: Tensor, positions: Tensor, cache: DynamicCache,
+                 additive: bool = False) -> None:  # fmt: skip
         self.rows, self.mask, self.positions, self.cache = rows, mask, positions, cache
+        self.additive = additive
 
     def keep(self, running: Tensor, checks: list[Check]) -> Tensor | None:
         """Keeps the sequences where ``running`` (n,) bool is True; returns their indices (n',)
@@ -241,8 +146,9 @@ def decode(
         do_sample: False decodes greedily.
         recorder: None, or an object whose ``record_rows(logits (n, V), tokens (n,), rows (n,),
             checks)`` sees each step's raw float32 logits of the running sequences, the tokens
-            chosen from them and their indices into B, and may add its own :class:`Check` to the
-            step's ``checks`` (a list) rather than wait on the device for it.
+            chosen from them and their indices into B, and may add its own
+            :class:`~lightning_troll.engines.choice.Check` to the step's ``checks`` (a list)
+            rather than wait on the device for it.
         budgets: None, or (B,) each sequence's own most tokens (at most
             ``sampling.max_new_tokens``): a sequence that reaches its own leaves the batch
             as one that produced a stop token does.
@@ -267,6 +173,7 @@ def decode(
         mask=prompt_mask.repeat_interleave(group_size, dim=0),  # (B, S)
         positions=first.following.repeat_interleave(group_size),  # (B,)
         cache=cache,
+        additive=no_additive_mask(model) is None,
     )
     budget = sampling.max_new_tokens
     responses = torch.full((total, budget), pad_id, dtype=torch.long, device=device)  # (B, T)
@@ -335,15 +242,27 @@ def prefill(
 def _step(model: nn.Module, batch: _Batch, tokens: Tensor, name: str) -> Tensor:
     """One forward of the running sequences' last tokens (n,); returns the next logits (n, V)."""
     batch.mask = torch.cat([batch.mask, batch.mask.new_ones(batch.mask.shape[0], 1)], dim=-1)
+    mask = batch.mask  # (n, S + t)
+    if batch.additive:
+        mask = _additive(mask, batch.cache.layers[0].keys.dtype)  # (n, 1, 1, S + t)
     out = model(
         input_ids=tokens.unsqueeze(-1),  # (n, 1)
-        attention_mask=batch.mask,  # (n, S + t)
+        attention_mask=mask,
         position_ids=batch.positions.unsqueeze(-1),  # (n, 1)
         use_cache=True,
         **{name: batch.cache},
     )
     batch.positions = batch.positions + 1
     return out.logits[:, -1].float()  # (n, V)
+
+
+def _additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """(n, K) 0/1 attention mask -> (n, 1, 1, K) additive one in ``dtype``: 0 where a token is
+    seen, the dtype's lowest value elsewhere. transformers hands a 4-D mask to sdpa and eager
+    attention as it is; from a 2-D one it builds its own, and for sdpa reads from the device
+    whether it may skip it, a wait at every step."""
+    additive = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+    return additive.masked_fill_(mask == 0, torch.finfo(dtype).min)[:, None, None, :]
 
 
 def _idle(model: nn.Module, prompts: Tensor) -> None:

@@ -19,7 +19,7 @@ completions from the same distribution with fixed shapes instead:
   sequence ended; nothing else in a step reads from the device (the recorder's sparse rows
   are cut without reads there, :class:`~lightning_troll.engines.behaviour.BehaviourRecorder`).
 
-Tokens are chosen outside the graph by :func:`~lightning_troll.engines.decode.choose_tokens`
+Tokens are chosen outside the graph by :func:`~lightning_troll.engines.choice.choose_tokens`
 from the running sequences' logits only, in the order of B, so the random stream is the dynamic
 loop's: with the same seed both paths draw the same tokens up to float rounding of the logits
 (the static step attends over all L positions, the unused ones masked). A recorder's
@@ -35,8 +35,10 @@ its decode step per batch-size bucket in the same way.
 Where the graphs cannot serve, :func:`graph_decode` returns None before any random draw and the
 dynamic loop decodes, with a warning naming the reason (once per reason): no CUDA device, a
 model :func:`~lightning_troll.engines.decode.cannot_decode` refuses, a static cache with
-layers other than plain ``StaticLayer`` ones, an attention implementation other than ``sdpa``
-or ``eager`` (the step hands it a 4-D mask), a model sharded with FSDP2 over several processes,
+layers other than plain ``StaticLayer`` ones, a model that would not take the step's 4-D mask
+as it is (:func:`~lightning_troll.engines.decode.no_additive_mask`: attention other than
+``sdpa`` or ``eager``, or a mask of its own making), a model sharded with FSDP2 over several
+processes,
 and a forward that cannot be captured (a host synchronisation inside it, for one). A later
 bucket whose capture fails runs its steps eagerly, warned.
 
@@ -60,15 +62,13 @@ from torch import Tensor, nn
 from transformers import StaticCache
 from transformers.cache_utils import StaticLayer
 
+from lightning_troll.engines.choice import Check, Sampling, choose_tokens, raise_failed
 from lightning_troll.engines.decode import (
-    Check,
     Prefill,
-    Sampling,
     _synced,
     cannot_decode,
-    choose_tokens,
+    no_additive_mask,
     prefill,
-    raise_failed,
 )
 
 __all__ = ["DECODE_MODES", "cannot_capture", "graph_decode", "static_decode"]
@@ -77,7 +77,6 @@ DECODE_MODES = ("auto", "dynamic", "graphs")
 """Values of ``model.sampling.decode``."""
 
 _WARNED: set[str] = set()  # the reasons already warned about, each once per process
-_ATTENTION = ("sdpa", "eager")  # attention implementations that take an additive 4-D mask
 
 
 def cannot_capture(model: nn.Module, device: torch.device) -> str | None:
@@ -87,9 +86,9 @@ def cannot_capture(model: nn.Module, device: torch.device) -> str | None:
     reason = cannot_decode(model)
     if reason is not None:
         return reason
-    attention = getattr(model.config, "_attn_implementation", None)
-    if attention not in _ATTENTION:
-        return f"its attention implementation {attention!r} takes no 4-D mask"
+    reason = no_additive_mask(model)
+    if reason is not None:
+        return reason
     try:
         layers = StaticCache(config=model.config, max_cache_len=2).layers
     except Exception as error:  # a config transformers' static cache cannot read
