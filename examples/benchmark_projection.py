@@ -17,11 +17,14 @@ is kept as well, and, from the projection result, the mean support size |U|, the
 coverage of the kept tokens, the share of rows whose KL bound was violated (eta* > 0) and the
 largest KL after projection.
 
+The projection takes the library's defaults (``model.trust_region``: eps, max_tokens, mass_delta,
+support) unless told otherwise.
+
 The logits are LLM-like rather than iid Gaussian (which would spread the mass over thousands of
 tokens): every row is a background of ``2 * normal`` noise normalised to total mass 1, plus 3 to 8
 tokens whose logits lie 12 to 20 nats above the background's log-sum-exp, so that a handful of
 tokens carry more than 99.99% of the mass. The new policy's logits are the old ones plus
-``0.3 * normal`` noise, enough for some rows to violate the default bound eps = 0.05. The
+``0.3 * normal`` noise, enough for some rows to violate the default bound. The
 sampled tokens are drawn from the old policy.
 
 Run (from the repository root)::
@@ -55,7 +58,12 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import Tensor
 
-from lightning_troll.trust_region.projection import ProjectionResult, TrustRegionProjection
+from lightning_troll.trust_region import defaults
+from lightning_troll.trust_region.projection import (
+    SUPPORTS,
+    ProjectionResult,
+    TrustRegionProjection,
+)
 from lightning_troll.trust_region.sparse import SparseDistribution, sparsify
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -231,9 +239,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per case")
     parser.add_argument("--warmup", type=int, default=2, help="untimed runs per case first")
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
-    parser.add_argument("--eps", type=float, default=0.05, help="KL bound per token")
-    parser.add_argument("--max-tokens", type=int, default=64, help="tokens kept per row")
-    parser.add_argument("--mass-delta", type=float, default=1e-5, help="mass left out per row")
+    parser.add_argument("--eps", type=float, default=defaults.EPS, help="KL bound per token")
+    parser.add_argument("--max-tokens", type=int, default=defaults.MAX_TOKENS,
+                        help="tokens kept per row")  # fmt: skip
+    parser.add_argument("--mass-delta", type=float, default=defaults.MASS_DELTA,
+                        help="mass left out per row")  # fmt: skip
+    parser.add_argument("--support", choices=SUPPORTS, default=defaults.SUPPORT,
+                        help="the tokens the projection runs on (model.trust_region.support)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH")
@@ -248,7 +260,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> list[Row]:
     args = parse_args(argv)
     device = torch.device(args.device)
-    proj = TrustRegionProjection(args.eps, args.max_tokens, args.mass_delta, support="union")
+    proj = TrustRegionProjection(args.eps, args.max_tokens, args.mass_delta, support=args.support)
     print(
         f"torch {torch.__version__} | device {device} | threads {torch.get_num_threads()} | "
         f"cpu count {os.cpu_count()}"
