@@ -38,9 +38,8 @@ model :func:`~lightning_troll.engines.decode.cannot_decode` refuses, a static ca
 layers other than plain ``StaticLayer`` ones, a model that would not take the step's 4-D mask
 as it is (:func:`~lightning_troll.engines.decode.no_additive_mask`: attention other than
 ``sdpa`` or ``eager``, or a mask of its own making), a model sharded with FSDP2 over several
-processes,
-and a forward that cannot be captured (a host synchronisation inside it, for one). A later
-bucket whose capture fails runs its steps eagerly, warned.
+processes, and a forward that cannot be captured (a host synchronisation inside it, for one). A
+later bucket whose capture fails runs its steps eagerly, warned.
 
 ``capture=False`` (:func:`static_decode`) runs the same loop without graphs, on any device: the
 tests run it on a CPU.
