@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import tempfile
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -202,11 +203,14 @@ def test_the_next_rollout_is_sampled_ahead_and_taken_when_it_is_asked_for(stand_
     engine.close()
 
 
-def test_a_server_that_is_not_up_is_refused_naming_its_address():
+def test_a_server_that_is_not_up_is_refused_naming_its_address(tmp_path, monkeypatch):
+    """Refused while it is built, the engine leaves no temporary push folder behind."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     address = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(ServerDown, match=f"server at {address} did not answer GET /v1/models"):
         engine_for([address])
     assert issubclass(ServerDown, EngineDied)  # the rollout callback makes it a fault
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_server_of_another_model_tokenizer_or_dtype_is_refused_before_training():

@@ -167,9 +167,11 @@ class ServerEngine(RolloutEngine):
         self.start_timeout_s, self.wait_s, self.model_name = start_timeout_s, wait_s, model_name
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         self.rank = rank
+        self.servers: list[Server] = []
+        if self.addresses:  # refused before the push makes its temporary folder
+            self._connect(self.addresses)
         extra = {"push_dir": push_dir} if push == "folder" else {**(nccl or {}), "rank": rank}
         self._push = build_push(push, extra)
-        self.servers: list[Server] = []
         self._launched: Launched | None = None
         self._pool = ThreadPoolExecutor(max_workers=concurrency)
         self._ahead = ThreadPoolExecutor(max_workers=1)
@@ -189,8 +191,6 @@ class ServerEngine(RolloutEngine):
         self._fingerprints: dict[int, float] = {}
         self._figures: dict[str, float] = {}
         self._repushes = 0
-        if self.addresses:
-            self._connect(self.addresses)
 
     @classmethod
     def check_options(cls, options: dict[str, Any], lora: Any = None) -> None:
