@@ -94,9 +94,11 @@ def no_additive_mask(model: nn.Module) -> str | None:
 class _Batch:
     """The sequences still running, and everything a decoding step needs of them.
 
-    Attributes: ``rows`` (n,) their indices into B; ``mask`` (n, S + t) attention mask;
+    Attributes: ``rows`` (n,) their indices into B; ``mask`` the attention mask the steps hand
+    the model, (n, S + t) 0/1 or, where ``additive``, (n, 1, 1, S + t) additive (built once,
+    extended a column a step);
     ``positions`` (n,) the position of the next token; ``cache`` the keys and values, n rows;
-    ``additive`` whether the steps hand the model the mask as an additive 4-D one.
+    ``additive`` which of the two ``mask`` is.
     """
 
     def __init__(self, rows: Tensor, mask: Tensor, positions: Tensor, cache: DynamicCache,
@@ -168,12 +170,16 @@ def decode(
     name, cache, logits = first.name, first.cache, first.logits  # logits (B, V)
     cache.batch_repeat_interleave(group_size)  # P -> B rows
     total = prompts.shape[0] * group_size  # B
+    mask = prompt_mask.repeat_interleave(group_size, dim=0)  # (B, S)
+    additive = no_additive_mask(model) is None
+    if additive:
+        mask = _additive(mask, cache.layers[0].keys.dtype)  # (B, 1, 1, S)
     batch = _Batch(
         rows=torch.arange(total, device=device),  # (B,)
-        mask=prompt_mask.repeat_interleave(group_size, dim=0),  # (B, S)
+        mask=mask,
         positions=first.following.repeat_interleave(group_size),  # (B,)
         cache=cache,
-        additive=no_additive_mask(model) is None,
+        additive=additive,
     )
     budget = sampling.max_new_tokens
     responses = torch.full((total, budget), pad_id, dtype=torch.long, device=device)  # (B, T)
@@ -241,13 +247,12 @@ def prefill(
 
 def _step(model: nn.Module, batch: _Batch, tokens: Tensor, name: str) -> Tensor:
     """One forward of the running sequences' last tokens (n,); returns the next logits (n, V)."""
-    batch.mask = torch.cat([batch.mask, batch.mask.new_ones(batch.mask.shape[0], 1)], dim=-1)
-    mask = batch.mask  # (n, S + t)
-    if batch.additive:
-        mask = _additive(mask, batch.cache.layers[0].keys.dtype)  # (n, 1, 1, S + t)
+    seen = batch.mask[..., :1]  # (n, 1) or (n, 1, 1, 1): the column the step's token adds
+    seen = torch.zeros_like(seen) if batch.additive else torch.ones_like(seen)
+    batch.mask = torch.cat([batch.mask, seen], dim=-1)  # (n, S + t) or (n, 1, 1, S + t)
     out = model(
         input_ids=tokens.unsqueeze(-1),  # (n, 1)
-        attention_mask=mask,
+        attention_mask=batch.mask,
         position_ids=batch.positions.unsqueeze(-1),  # (n, 1)
         use_cache=True,
         **{name: batch.cache},
