@@ -103,6 +103,25 @@ def worker(length: int, model: Path, iterations: int, extra: list[str]) -> dict:
     }
 
 
+def random_rollout(lengths, prompt: int, generator, vocab: int = 20000):
+    """A rollout of ``len(lengths)`` sequences of ``prompt`` random prompt tokens (ids 10 to
+    ``vocab``) and
+    ``lengths`` (B,) random response tokens, right-padded, for training passes alone (behaviour
+    log-probs -9, no sparse rows, random advantages, groups of 8)."""
+    import torch
+
+    from lightning_troll.rollouts.rollout import Rollout
+
+    width = int(lengths.max())
+    b = len(lengths)
+    ids = torch.randint(10, vocab, (b, prompt + width), generator=generator)
+    response = torch.arange(width) < lengths.unsqueeze(-1)  # (B, T)
+    mask = torch.cat([torch.ones(b, prompt, dtype=torch.long), response.long()], -1)
+    return Rollout(ids, mask, response, torch.full(response.shape, -9.0) * response, None,
+                   torch.zeros(b), torch.randn(b, generator=generator),
+                   torch.zeros(b, dtype=torch.bool), 1.0, 8)  # fmt: skip
+
+
 def ragged_training(model_dir: Path, sequences: int, repeats: int) -> list[dict]:
     """Training time of one minibatch of ``sequences`` sequences whose completions have a long
     tail (a log-normal with median 200 tokens and sigma 1, cut at 2,048) against as many of equal
@@ -129,14 +148,7 @@ def ragged_training(model_dir: Path, sequences: int, repeats: int) -> list[dict]
     objective = build_objective("clip")  # the forward and backward passes, without TROLL's rows
 
     def rollout(lengths: torch.Tensor) -> Rollout:
-        width = int(lengths.max())
-        b = len(lengths)
-        ids = torch.randint(10, 20000, (b, prompt + width), generator=g)
-        response = torch.arange(width) < lengths.unsqueeze(-1)  # (B, T)
-        mask = torch.cat([torch.ones(b, prompt, dtype=torch.long), response.long()], -1)
-        return Rollout(ids, mask, response, torch.full(response.shape, -9.0) * response, None,
-                       torch.zeros(b), torch.randn(b, generator=g),
-                       torch.zeros(b, dtype=torch.bool), 1.0, 8)  # fmt: skip
+        return random_rollout(lengths, prompt, g)
 
     def time_of(part_rollout: Rollout, config: OptimizationConfig) -> float:
         loop, trainer = MinibatchLoop(config), SimpleNamespace(world_size=1)

@@ -118,3 +118,50 @@ def test_the_decoding_benchmark_times_both_loops_on_the_same_prompts(
     with pytest.raises(SystemExit):
         decoding.main(["--group", "0"])
     assert "--group must be >= 1; got 0" in capsys.readouterr().err
+
+
+def test_the_length_profile_splits_a_decoding_step_and_a_training_pass_by_operator_kind(
+    tiny_chat_model_dir, smollm2_dir, tmp_path, capsys, monkeypatch
+):
+    """examples/profile_lengths.py on a tiny chat model: a row per cache length and per
+    training length, each kind's share of the profiled time summing to one; the decoding step
+    spends some of it appending to the cache, a training pass none; the cache's bytes are
+    SmolLM2's 2.9 MB a position for 64 sequences; the cache's update is unmarked afterwards."""
+    from transformers import AutoConfig
+    from transformers.cache_utils import DynamicLayer
+
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    profile = importlib.import_module("profile_lengths")
+    update = DynamicLayer.update
+    out = tmp_path / "profile.json"
+    result = profile.main(["--contexts", "4", "40", "--batch", "3", "--train-lengths", "5", "20",
+                           "--repeats", "1", "--model-dir", str(tiny_chat_model_dir),
+                           "--json", str(out)])  # fmt: skip
+    assert json.loads(out.read_text()) == result
+    assert DynamicLayer.update is update
+    assert [r["context"] for r in result["decode"]] == [4, 40]
+    assert [r["response_tokens"] for r in result["training"]] == [5, 20]
+    split = [r[f"{c}_shares"] for r in result["decode"] for c in profile.CACHES]
+    for shares in split + [r["shares"] for r in result["training"]]:
+        assert set(shares) == set(profile.KINDS)
+        assert all(share >= 0 for share in shares.values())
+        assert abs(sum(shares.values()) - 1) <= 0.002  # four shares rounded to 0.001
+        assert shares["matmul"] > 0
+    for row in result["decode"]:
+        assert row["sequences"] == 3
+        assert row["concatenated_shares"]["cache_append"] > 0  # both caches' updates marked
+        assert row["reserved_shares"]["cache_append"] > 0
+        ratio = row["reserved_step_s"] / row["concatenated_step_s"]  # of times rounded to 0.1 ms
+        slack = ratio * (5e-5 / row["reserved_step_s"] + 5e-5 / row["concatenated_step_s"])
+        assert abs(row["reserved_over_concatenated"] - ratio) <= slack + 0.001
+    for row in result["training"]:
+        assert row["positions"] == 48 + row["response_tokens"] and row["ms_per_token"] > 0
+        assert row["shares"]["cache_append"] == 0 and row["page_faults_per_pass"] >= 0
+    smollm2 = AutoConfig.from_pretrained(smollm2_dir)  # 30 layers, 3 key-value heads of 64
+    assert profile.cache_bytes(smollm2, 64, 1) == 64 * 30 * 2 * 3 * 64 * 4
+    with pytest.raises(SystemExit):
+        profile.main(["--batch", "0"])
+    assert "--batch must be >= 1; got 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        profile.main(["--contexts", "8", "0"])
+    assert "--contexts must all be >= 1; got [8, 0]" in capsys.readouterr().err
