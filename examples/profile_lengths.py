@@ -8,7 +8,7 @@ process, on SmolLM2-135M-Instruct's architecture with random weights, float32:
   sequences' last tokens through the model, an additive 4-D mask) for ``--batch`` sequences (64:
   8 prompts x 8) whose cache already holds ``--contexts`` positions (random keys and values), on
   transformers' ``DynamicCache``, which appends by concatenation, and on the loop's reserved
-  cache (:mod:`lightning_troll.engines.reserved`), which writes in place: the two in turn, the
+  cache (``examples/reserved_cache.py``), which writes in place: the two in turn, the
   same keys and values. Per context and cache: the step's seconds (median of ``--repeats``,
   without the profiler), and the share of the step's operator time (the profiler's self time,
   one more step) that goes to the cache's update (its append), to attention
@@ -68,10 +68,9 @@ def kind_of(event) -> str:
 def cache_ranges():
     """Marks every cache layer's ``update`` (a step's append to the cache: transformers'
     ``DynamicLayer`` and the loop's ``ReservedLayer``) as a profiler range."""
+    from reserved_cache import ReservedLayer
     from torch.profiler import record_function
     from transformers.cache_utils import DynamicLayer
-
-    from lightning_troll.engines.reserved import ReservedLayer
 
     originals = {layer: layer.update for layer in (DynamicLayer, ReservedLayer)}
 
@@ -117,9 +116,8 @@ def decode_rows(model, contexts: list[int], batch: int, repeats: int) -> list[di
     """One decoding step at each cache length, on transformers' concatenating cache and on the
     loop's reserved one (the same keys and values), timed in turn and profiled."""
     import torch
+    from reserved_cache import reserve
     from transformers import DynamicCache
-
-    from lightning_troll.engines.reserved import reserve
 
     config = model.config
     heads, dim = config.num_key_value_heads, config.head_dim

@@ -1,22 +1,21 @@
-"""A KV cache with room reserved for a rollout's completions, each step written in place.
+"""A KV cache with room reserved for a rollout's completions, each step written in place: what
+``examples/profile_lengths.py`` measures against transformers' ``DynamicCache``.
 
-transformers' ``DynamicCache`` appends a decoding step's keys and values by concatenation: every
-step allocates each layer's whole cache anew and copies it there. On a CPU the C library serves
-blocks that large as mappings of their own, fresh from the system, whose pages fault in as the
-copy writes them (glibc maps a block above 32 MiB always, and below that any block larger than
-the last one freed, which a growing cache's next block always is). At SmolLM2-135M's shape with
-64 sequences, that append took 82-84% of a decoding step at 128 to 512 cached positions
-(``examples/profile_lengths.py``), and it grows with the positions, so sampling's cost grew faster
-than the tokens sampled.
+``DynamicCache`` appends a decoding step's keys and values by concatenation: every step allocates
+each layer's whole cache anew and copies it there, and on a CPU glibc serves blocks that large as
+mappings of their own whose pages fault in as the copy writes them. :func:`reserve` turns the
+prompts' prefilled cache into one whose layers (:class:`ReservedLayer`) hold one buffer each for
+keys and values with room for the whole completion, the prompts' rows repeated into it for their
+group: a step writes its position in place, and attention gets views of the positions filled, the
+same values a concatenated cache holds. Sequences that end are moved out by copying the running
+rows to the front of the same buffers.
 
-:func:`reserve` turns the prompts' prefilled cache into one whose layers (:class:`ReservedLayer`)
-hold one buffer each for keys and values with room for the whole completion, the prompts' rows
-repeated into it for their group: a step writes its position in place, and attention gets views
-of the positions filled, the same values a concatenated cache holds. Sequences that end are moved
-out by copying the running rows to the front of the same buffers, as the dynamic cache's
-``batch_select_indices`` copies them to a new one. The buffers take the memory the concatenated
-cache reaches when a completion runs to its budget (the memory check counts that already); a
-CPU's pages fault in only as positions are written.
+It is not the decoding loop's cache: with it, a step of SmolLM2-135M's architecture with 64
+sequences took x0.26 of the time at 2,048 cached positions, but a whole iteration of
+``examples/benchmark_lengths.py`` peaked at 13.67 GiB at 1,024 new tokens and 21.36 GiB at 2,048,
+against 7.19 and 10.35 with ``DynamicCache`` (``examples/results/smollm2/
+lengths_reserved_cache.json``), for a cause not yet found (docs/benchmarks.md, "Cost against
+completion length").
 """
 
 from __future__ import annotations
