@@ -105,9 +105,8 @@ def worker(length: int, model: Path, iterations: int, extra: list[str]) -> dict:
 
 def random_rollout(lengths, prompt: int, generator, vocab: int = 20000):
     """A rollout of ``len(lengths)`` sequences of ``prompt`` random prompt tokens (ids 10 to
-    ``vocab``) and
-    ``lengths`` (B,) random response tokens, right-padded, for training passes alone (behaviour
-    log-probs -9, no sparse rows, random advantages, groups of 8)."""
+    ``vocab``) and ``lengths`` (B,) random response tokens, right-padded, for training passes
+    alone (behaviour log-probs -9, no sparse rows, random advantages, groups of 8)."""
     import torch
 
     from lightning_troll.rollouts.rollout import Rollout

@@ -7,7 +7,7 @@ process, on SmolLM2-135M-Instruct's architecture with random weights, float32:
 - **A decoding step against the cache's length**: one step of the dynamic loop (the running
   sequences' last tokens through the model, an additive 4-D mask) for ``--batch`` sequences (64:
   8 prompts x 8) whose cache already holds ``--contexts`` positions (random keys and values), on
-  transformers' ``DynamicCache``, which appends by concatenation, and on the loop's reserved
+  transformers' ``DynamicCache``, which appends by concatenation, and on a reserved
   cache (``examples/reserved_cache.py``), which writes in place: the two in turn, the
   same keys and values. Per context and cache: the step's seconds (median of ``--repeats``,
   without the profiler), and the share of the step's operator time (the profiler's self time,
@@ -44,7 +44,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchmark_lengths import random_architecture, random_rollout  # noqa: E402
 
 KINDS = ("cache_append", "attention", "matmul", "other")
-CACHES = ("concatenated", "reserved")  # transformers' DynamicCache, the loop's reserved one
+CACHES = (
+    "concatenated",
+    "reserved",
+)  # transformers' DynamicCache, a reserved one (reserved_cache.py)
 CACHE_APPEND = "cache_append"  # the profiler's range around a cache layer's update
 ATTENTION = ("scaled_dot_product", "flash_attention", "efficient_attention", "softmax")
 MATMUL = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear")
@@ -67,7 +70,7 @@ def kind_of(event) -> str:
 @contextlib.contextmanager
 def cache_ranges():
     """Marks every cache layer's ``update`` (a step's append to the cache: transformers'
-    ``DynamicLayer`` and the loop's ``ReservedLayer``) as a profiler range."""
+    ``DynamicLayer`` and the reserved cache's ``ReservedLayer``) as a profiler range."""
     from reserved_cache import ReservedLayer
     from torch.profiler import record_function
     from transformers.cache_utils import DynamicLayer
@@ -114,7 +117,7 @@ def median_seconds(run, repeats: int) -> float:
 
 def decode_rows(model, contexts: list[int], batch: int, repeats: int) -> list[dict]:
     """One decoding step at each cache length, on transformers' concatenating cache and on the
-    loop's reserved one (the same keys and values), timed in turn and profiled."""
+    reserved one of reserved_cache.py (the same keys and values), timed in turn and profiled."""
     import torch
     from reserved_cache import reserve
     from transformers import DynamicCache
