@@ -44,18 +44,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchmark_lengths import random_architecture, random_rollout  # noqa: E402
 
 KINDS = ("cache_append", "attention", "matmul", "other")
-CACHES = (
-    "concatenated",
-    "reserved",
-)  # transformers' DynamicCache, a reserved one (reserved_cache.py)
+# transformers' DynamicCache, and the reserved one of reserved_cache.py
+CACHES = ("concatenated", "reserved")
 CACHE_APPEND = "cache_append"  # the profiler's range around a cache layer's update
+# attention's kernels, and any softmax: eager attention's, and in a training pass the loss's
 ATTENTION = ("scaled_dot_product", "flash_attention", "efficient_attention", "softmax")
 MATMUL = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear")
 
 
 def kind_of(event) -> str:
     """The kind of one profiled operator: anything within the cache's ``update`` is the cache's
-    append (its concatenations); the names below otherwise; the rest (rotary embedding, norms,
+    append (its concatenations); the names below otherwise (``attention`` counts every softmax
+    too, so a training pass's includes the loss's log-softmax); the rest (rotary embedding, norms,
     activations, the loss's elementwise work, copies) is ``other``."""
     parent = event
     while parent is not None:

@@ -16,7 +16,7 @@ from reserved_cache import ReservedLayer, reserve  # noqa: E402
 
 
 def prefilled(prompts: int = 3, heads: int = 2, length: int = 5, layers: int = 2, seed: int = 0):
-    """A DynamicCache of ``prompts`` rows as a prefill leaves it, and its (keys, values)."""
+    """A DynamicCache of ``prompts`` rows as a prefill leaves it (values wider than keys)."""
     g = torch.Generator().manual_seed(seed)
     cache = DynamicCache()
     for layer in range(layers):
