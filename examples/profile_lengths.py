@@ -7,9 +7,9 @@ process, on SmolLM2-135M-Instruct's architecture with random weights, float32:
 - **A decoding step against the cache's length**: one step of the dynamic loop (the running
   sequences' last tokens through the model, an additive 4-D mask) for ``--batch`` sequences (64:
   8 prompts x 8) whose cache already holds ``--contexts`` positions (random keys and values), on
-  transformers' ``DynamicCache``, which appends by concatenation, and on a reserved
-  cache (``examples/reserved_cache.py``), which writes in place: the two in turn, the
-  same keys and values. Per context and cache: the step's seconds (median of ``--repeats``,
+  transformers' ``DynamicCache``, which appends by concatenation, and on the decoding loop's
+  reserved cache (``lightning_troll.engines.reserved``), which writes in place: the two in turn,
+  the same keys and values. Per context and cache: the step's seconds (median of ``--repeats``,
   without the profiler), and the share of the step's operator time (the profiler's self time,
   one more step) that goes to the cache's update (its append), to attention
   (``scaled_dot_product_attention`` and its kernels), to the matrix products of the weights,
@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchmark_lengths import random_architecture, random_rollout  # noqa: E402
 
 KINDS = ("cache_append", "attention", "matmul", "other")
-# transformers' DynamicCache, and the reserved one of reserved_cache.py
+# transformers' DynamicCache, and the decoding loop's reserved one
 CACHES = ("concatenated", "reserved")
 CACHE_APPEND = "cache_append"  # the profiler's range around a cache layer's update
 # attention's kernels, and any softmax: eager attention's, and in a training pass the loss's
@@ -71,7 +71,7 @@ def kind_of(event) -> str:
 def cache_ranges():
     """Marks every cache layer's ``update`` (a step's append to the cache: transformers'
     ``DynamicLayer`` and the reserved cache's ``ReservedLayer``) as a profiler range."""
-    from reserved_cache import ReservedLayer
+    from lightning_troll.engines.reserved import ReservedLayer
     from torch.profiler import record_function
     from transformers.cache_utils import DynamicLayer
 
@@ -117,9 +117,9 @@ def median_seconds(run, repeats: int) -> float:
 
 def decode_rows(model, contexts: list[int], batch: int, repeats: int) -> list[dict]:
     """One decoding step at each cache length, on transformers' concatenating cache and on the
-    reserved one of reserved_cache.py (the same keys and values), timed in turn and profiled."""
+    decoding loop's reserved one (the same keys and values), timed in turn and profiled."""
     import torch
-    from reserved_cache import reserve
+    from lightning_troll.engines.reserved import reserve
     from transformers import DynamicCache
 
     config = model.config

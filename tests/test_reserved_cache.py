@@ -1,18 +1,14 @@
-"""The profile's cache with reserved room (examples/reserved_cache.py) holds what transformers'
-concatenating DynamicCache holds, step for step, while writing each step in place."""
+"""The decoding loop's cache with reserved room (lightning_troll/engines/reserved.py) holds what
+transformers' concatenating DynamicCache holds, step for step, while writing each step in place."""
 
 from __future__ import annotations
-
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from reserved_cache import ReservedLayer, reserve  # noqa: E402
+from lightning_troll.engines.reserved import ReservedLayer, reserve
 
 
 def prefilled(prompts: int = 3, heads: int = 2, length: int = 5, layers: int = 2, seed: int = 0):

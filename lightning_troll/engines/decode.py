@@ -6,7 +6,9 @@ decoding a finished sequence (feeding it padding) until the longest one ends. :f
 does neither:
 
 - it prefills the P distinct prompts (left padded) once and repeats each prompt's keys and
-  values G times in the cache (``DynamicCache.batch_repeat_interleave``);
+  values G times into a cache with room for the completions, which each step writes in place
+  (:func:`~lightning_troll.engines.reserved.reserve`) where ``DynamicCache`` would copy every
+  layer's whole cache to append one position;
 - after every step it removes the sequences that just produced a stop token (or reached a
   budget of their own) from the batch, the cache (``batch_select_indices``) and the running
   tensors, so the next forward runs on the sequences still going only;
@@ -51,6 +53,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from lightning_troll.engines.choice import Check, Sampling, choose_tokens, raise_failed
+from lightning_troll.engines.reserved import reserve
 from lightning_troll.models.loading import is_checkpointed
 
 __all__ = ["Prefill", "cannot_decode", "decode", "no_additive_mask", "prefill"]
@@ -168,7 +171,9 @@ def decode(
     if first is None:
         return None
     name, cache, logits = first.name, first.cache, first.logits  # logits (B, V)
-    cache.batch_repeat_interleave(group_size)  # P -> B rows
+    budget = sampling.max_new_tokens
+    most = budget if budgets is None else int(budgets.max())  # the longest a completion can be
+    reserve(cache, group_size, most - 1)  # P -> B rows, room for the steps after the first
     total = prompts.shape[0] * group_size  # B
     mask = prompt_mask.repeat_interleave(group_size, dim=0)  # (B, S)
     additive = no_additive_mask(model) is None
@@ -181,7 +186,6 @@ def decode(
         cache=cache,
         additive=additive,
     )
-    budget = sampling.max_new_tokens
     responses = torch.full((total, budget), pad_id, dtype=torch.long, device=device)  # (B, T)
     synced = _synced(model)
     steps = 0

@@ -1,21 +1,17 @@
-"""A KV cache with room reserved for a rollout's completions, each step written in place: what
-``examples/profile_lengths.py`` measures against transformers' ``DynamicCache``.
+"""A KV cache with room reserved for a rollout's completions, each step written in place.
 
-``DynamicCache`` appends a decoding step's keys and values by concatenation: every step allocates
-each layer's whole cache anew and copies it there, and on a CPU glibc serves blocks that large as
-mappings of their own whose pages fault in as the copy writes them. :func:`reserve` turns the
-prompts' prefilled cache into one whose layers (:class:`ReservedLayer`) hold one buffer each for
-keys and values with room for the whole completion, the prompts' rows repeated into it for their
-group: a step writes its position in place, and attention gets views of the positions filled, the
-same values a concatenated cache holds. Sequences that end are moved out by copying the running
-rows to the front of the same buffers.
-
-It is not the decoding loop's cache: with it, a step of SmolLM2-135M's architecture with 64
-sequences took x0.26 of the time at 2,048 cached positions, but a whole iteration of
-``examples/benchmark_lengths.py`` peaked at 13.67 GiB at 1,024 new tokens and 21.36 GiB at 2,048,
-against 7.19 and 10.35 with ``DynamicCache`` (``examples/results/smollm2/
-lengths_reserved_cache.json``), for a cause not yet found (docs/benchmarks.md, "Cost against
-completion length").
+transformers' ``DynamicCache`` appends a decoding step's keys and values by concatenation: every
+step allocates each layer's whole cache anew and copies it there, so a step's cost grows with the
+positions cached (at SmolLM2-135M's shape with 64 sequences the append took 75-94% of a step past
+1,024 positions; ``examples/profile_lengths.py``). :func:`reserve` turns the prompts' prefilled
+cache into one whose layers (:class:`ReservedLayer`) hold one buffer each for keys and values with
+room for the whole completion, the prompts' rows repeated into it for their group: a step writes
+its position in place, and attention gets views of the positions filled, the same values a
+concatenated cache holds. Sequences that end are moved out by copying the running rows to the
+front of the same buffers, as the dynamic cache's ``batch_select_indices`` copies them to a new
+one. The buffers take from the start the memory a concatenated cache reaches when every
+completion runs to its budget (what the memory check counts); on a CPU their pages are touched
+only as positions are written.
 """
 
 from __future__ import annotations
