@@ -71,9 +71,10 @@ def kind_of(event) -> str:
 def cache_ranges():
     """Marks every cache layer's ``update`` (a step's append to the cache: transformers'
     ``DynamicLayer`` and the reserved cache's ``ReservedLayer``) as a profiler range."""
-    from lightning_troll.engines.reserved import ReservedLayer
     from torch.profiler import record_function
     from transformers.cache_utils import DynamicLayer
+
+    from lightning_troll.engines.reserved import ReservedLayer
 
     originals = {layer: layer.update for layer in (DynamicLayer, ReservedLayer)}
 
@@ -119,8 +120,9 @@ def decode_rows(model, contexts: list[int], batch: int, repeats: int) -> list[di
     """One decoding step at each cache length, on transformers' concatenating cache and on the
     decoding loop's reserved one (the same keys and values), timed in turn and profiled."""
     import torch
-    from lightning_troll.engines.reserved import reserve
     from transformers import DynamicCache
+
+    from lightning_troll.engines.reserved import reserve
 
     config = model.config
     heads, dim = config.num_key_value_heads, config.head_dim
