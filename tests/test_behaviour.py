@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM
 from lightning_troll.engines.behaviour import (
     BehaviourRecord,
     BehaviourRecorder,
+    behaviour_rows,
     records_while_sampling,
 )
 from lightning_troll.engines.sampling import SamplingConfig, sample
@@ -145,6 +146,47 @@ def test_finish_refuses_a_step_count_that_does_not_match():
     recorder(torch.tensor([[1]]), torch.zeros(1, 5))
     with pytest.raises(RuntimeError, match=r"saw 1 generation steps for 2 generated tokens"):
         recorder.finish(torch.tensor([[3, 4]]))
+
+
+def recorded_steps(recorder, steps, rows=4, vocab=50, seed=0):
+    """``steps`` decoding steps of random logits through ``record_rows``, sequences dropping out
+    (one fewer a step, down to one); returns the per-step (logits, tokens, rows) given."""
+    g = torch.Generator().manual_seed(seed)
+    given = []
+    for step in range(steps):
+        running = torch.arange(max(rows - step, 1))  # (n,) indices into B
+        logits = torch.randn(len(running), vocab, generator=g) * 3
+        tokens = torch.randint(0, vocab, (len(running),), generator=g)
+        recorder.record_rows(logits, tokens, running)
+        given.append((logits, tokens, running))
+    return given
+
+
+@pytest.mark.parametrize("block_bytes", [64 * 2**20, 512], ids=["one-block", "many-blocks"])
+def test_cpu_records_live_in_a_few_blocks_and_hold_each_steps_values(monkeypatch, block_bytes):
+    """On a CPU each step's record is copied into blocks shared by the steps (so the heap does not
+    fill with small records between the steps' large temporaries); a full block starts a new one
+    without touching what the old one holds, and the record is the one kept step by step."""
+    import lightning_troll.engines.behaviour as behaviour
+
+    monkeypatch.setattr(behaviour, "_BLOCK_BYTES", block_bytes)
+    recorder = BehaviourRecorder(0.7, sparse_fn)
+    given = recorded_steps(recorder, steps=12)
+    kept = recorder._steps
+    storages = {t.untyped_storage().data_ptr() for logp, sparse, rows in kept
+                for t in (logp, rows, sparse.indices, sparse.logprobs, sparse.tail_logmass)}  # fmt: skip
+    assert len(storages) == 2 if block_bytes > 2**20 else len(storages) > 2  # int64, float32
+    for (logits, tokens, running), (logp, sparse, rows) in zip(given, kept, strict=True):
+        want_logp, want_sparse, _ = behaviour_rows(logits / 0.7, tokens, sparsify_fn=sparse_fn)
+        torch.testing.assert_close(logp, want_logp, rtol=0, atol=0)
+        torch.testing.assert_close(rows, running, rtol=0, atol=0)
+        for name in ("indices", "logprobs", "tail_logmass"):
+            torch.testing.assert_close(
+                getattr(sparse, name), getattr(want_sparse, name), rtol=0, atol=0
+            )
+    record = recorder.finish(torch.zeros(4, 12, dtype=torch.long))
+    assert record.logprobs[0].tolist() == [step[0][0].item() for step in kept]
+    assert recorder._steps == [] and recorder._store._blocks == {}
 
 
 # --------------------------------------------------------------------------------------------

@@ -165,3 +165,30 @@ def test_the_length_profile_splits_a_decoding_step_and_a_training_pass_by_operat
     with pytest.raises(SystemExit):
         profile.main(["--contexts", "8", "0"])
     assert "--contexts must all be >= 1; got [8, 0]" in capsys.readouterr().err
+
+
+def test_the_heap_profile_samples_each_way_in_a_fresh_process(
+    tiny_chat_model_dir, tmp_path, capsys, monkeypatch
+):
+    """examples/profile_heap.py on a tiny chat model: one row per way of keeping the record, in
+    order, each having sampled every token asked for, its heap's parts within the heap and its
+    peak at least its resident memory; the printed lines and the JSON say the same."""
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    heap = importlib.import_module("profile_heap")
+    out = tmp_path / "heap.json"
+    rows = heap.main(["--model-dir", str(tiny_chat_model_dir), "--layers", "1",
+                      "--new-tokens", "4", "--batch", "16", "--json", str(out)])  # fmt: skip
+    assert json.loads(out.read_text()) == {"layers": 1, "new_tokens": 4, "batch": 16, "rows": rows}
+    assert [r["way"] for r in rows] == list(heap.WAYS)
+    printed = capsys.readouterr().out
+    for row in rows:
+        assert row["tokens"] == 16 * 4 and row["seconds"] >= 0
+        assert 0 < row["in_use_mib"] <= row["heap_mib"] and 0 <= row["free_mib"] <= row["heap_mib"]
+        assert row["in_use_mib"] + row["free_mib"] <= row["heap_mib"] + 0.2  # rounded to 0.1
+        assert 0 < row["rss_mib"] <= row["peak_mib"]
+        assert f"{row['way']:>13}: heap {row['heap_mib']:8.1f} MiB" in printed
+    for bad, message in ((["--batch", "12"], "--batch must be a multiple of 8; got 12"),
+                         (["--new-tokens", "0"], "--new-tokens must be >= 1; got 0")):  # fmt: skip
+        with pytest.raises(SystemExit):
+            heap.main(bad)
+        assert message in capsys.readouterr().err
