@@ -274,11 +274,13 @@ class _Store:
     There glibc serves a step's few hundred KB of record from its heap, often from the space a
     vocabulary-sized temporary of the step (the logits and what is computed from them) has just
     freed; the record left there splits that space too small for the next step's temporaries,
-    which take new space above. Kept as they come, the records grew the heap by 5-10 MB a step
-    at SmolLM2's vocabulary with 64 sequences, most of it free but held (3.2 GB after 300 steps,
-    of which 0.19 GB in use). Blocks of ``_BLOCK_BYTES`` are above glibc's largest threshold for
-    serving from the heap, so they are mappings of their own, given back when the record is.
-    On other devices tensors are kept as they are (their allocator keeps small blocks apart).
+    which take new space above. Kept as they came, the records grew the heap by about 10 MiB a
+    step at SmolLM2's vocabulary with 64 sequences, nearly all of it free but held: 3,385 MiB
+    after 300 steps, 198 MiB in use; in blocks 197 MiB (``examples/profile_heap.py``,
+    ``examples/results/smollm2/heap.json``). Blocks of ``_BLOCK_BYTES`` are above glibc's largest
+    threshold for serving from the heap, so they are mappings of their own, given back with the
+    record. On other devices tensors are kept as they are (their allocator keeps small blocks
+    apart from large ones).
     """
 
     def __init__(self) -> None:
