@@ -28,6 +28,8 @@ import sys
 import time
 from pathlib import Path
 
+from peak_memory import status_mib
+
 ROOT = Path(__file__).resolve().parents[1]
 WAYS = ("blocks", "as_they_come")
 GROUP = 8  # completions per prompt
@@ -56,12 +58,7 @@ def heap() -> dict:
 
 def resident() -> dict:
     """The process's resident memory now and at its peak, in MiB."""
-    with open("/proc/self/status") as f:
-        status = {line.split(":")[0]: int(line.split()[1]) for line in f if line.startswith("Vm")}
-    return {
-        "rss_mib": round(status["VmRSS"] / 1024, 1),
-        "peak_mib": round(status["VmHWM"] / 1024, 1),
-    }
+    return {"rss_mib": round(status_mib("VmRSS"), 1), "peak_mib": round(status_mib("VmHWM"), 1)}
 
 
 def worker(way: str, model_dir: Path, layers: int, new_tokens: int, batch: int) -> dict:
