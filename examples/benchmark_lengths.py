@@ -10,7 +10,8 @@ to the length asked for, and the cost is that of the length, not of what a train
 to write. The prompts are the arithmetic questions of ``configs/smollm2.yaml`` in the chat
 template. Reported per length: the last iteration's generation, rest of the rollout and training
 seconds (the module's ``time/*`` figures), the tokens sampled, and the process's peak resident
-memory over its whole life (``VmHWM``), in GiB.
+memory over its whole life (``VmHWM``), in GiB, with its CPU seconds in user and kernel mode and
+its minor page faults (``getrusage``), whole run.
 
     python examples/benchmark_lengths.py --lengths 128 512 1024 2048 \\
         --json examples/results/smollm2/lengths.json --plot examples/results/smollm2/lengths.png
@@ -36,6 +37,7 @@ import argparse
 import csv
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -91,6 +93,7 @@ def worker(length: int, model: Path, iterations: int, extra: list[str]) -> dict:
         last.update({k: float(v) for k, v in row.items() if v not in ("", None)})
     with open("/proc/self/status") as f:
         peak = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 2**20
+    usage = resource.getrusage(resource.RUSAGE_SELF)
     return {
         "new_tokens": length,
         "generation_s": round(last["time/generation"], 2),
@@ -100,6 +103,9 @@ def worker(length: int, model: Path, iterations: int, extra: list[str]) -> dict:
         "mean_completion_tokens": round(last["completion/mean_length"], 1),
         "peak_gib": round(peak, 2),
         "run_s": round(seconds, 1),
+        "user_cpu_s": round(usage.ru_utime, 1),
+        "system_cpu_s": round(usage.ru_stime, 1),
+        "minor_page_faults": usage.ru_minflt,
     }
 
 

@@ -85,7 +85,7 @@ PHASES = (
     Phase("fsdp2-nccl", "FSDP2 over NCCL against one CPU process", 150, 120, cuda_only=True),
     Phase("loop-paths", "the engine apart, stale data, episodes: TinyMath fits", 150, 240),
     Phase("overhead", "TROLL vs clip, one training step, Qwen3 shapes", 240, 120),
-    Phase("generation", "dynamic decoding against CUDA graphs, Qwen3 shapes", 240, 120),
+    Phase("generation", "dynamic decoding against CUDA graphs, Qwen3 shapes", 420, 120),
     Phase("tinymath-demo", "the TinyMath demo, shortened", 120, 120),
     Phase("grpo-smollm2", "one GRPO iteration at SmolLM2-135M's shape", 120, 120),
 )

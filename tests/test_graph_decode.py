@@ -438,8 +438,12 @@ def test_graphs_on_cuda_equal_the_dynamic_loop():
 
 @pytest.mark.cuda
 def test_graphs_on_cuda_record_a_teacher_forced_passs_log_probs():
-    """float32 on the device, TF32 off: the recorded log-probs and sparse rows equal a teacher-
-    forced pass to 1e-5, as on a CPU."""
+    """float32 on the device, TF32 off: the recorded log-probs equal a teacher-forced pass's to
+    1e-5 plus 1e-5 of their size, and the sparse rows keep the same tokens. On a CPU the bound is
+    1e-5 alone; on the device the step and the pass run different kernels (a one-row product and
+    attention from one query, against a whole sequence's), whose float32 sums are ordered
+    differently: on one H200 the largest difference was 1.45e-5 at a log-prob of -2.36 (6.1e-6 of
+    it), one value in 128."""
     model = tiny_llama().to(CUDA)
     sampling = SamplingConfig(temperature=0.7, top_k=5, max_new_tokens=8, decode="graphs")
     stops = stops_at_several_lengths(model, PROMPTS, 8)
@@ -457,7 +461,7 @@ def test_graphs_on_cuda_record_a_teacher_forced_passs_log_probs():
         logp_ref, old_ref = behaviour_outputs(model, full, attention, response, 0.7, sparse_rows)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = saved
-    torch.testing.assert_close(logp, logp_ref, rtol=0, atol=1e-5)
+    torch.testing.assert_close(logp, logp_ref, rtol=1e-5, atol=1e-5)
     assert torch.equal(old.indices, old_ref.indices)
 
 
@@ -467,9 +471,11 @@ def test_a_forward_that_cannot_be_captured_falls_back_on_cuda():
     capture fails, ``graph_decode`` warns and returns None before any draw, and the device is
     still usable: ``sample`` gives the dynamic loop's completions for the same seed."""
     model = tiny_llama().to(CUDA)
-    handle = model.register_forward_pre_hook(
-        lambda module, args, kwargs: kwargs["input_ids"].sum().item(), with_kwargs=True
-    )
+
+    def read(module, args, kwargs) -> None:  # a pre-hook returns None to leave the inputs be
+        kwargs["input_ids"].sum().item()
+
+    handle = model.register_forward_pre_hook(read, with_kwargs=True)
     sampling = SamplingConfig(max_new_tokens=6, decode="graphs")
     try:
         ids, mask = (t.to(CUDA) for t in left_pad(PROMPTS, 0))

@@ -25,6 +25,7 @@ from transformers import GenerationConfig, LogitsProcessorList
 
 from lightning_troll.engines.behaviour import BehaviourRecorder
 from lightning_troll.engines.decode import decode
+from lightning_troll.engines.gqa import grouped_query_steps
 from lightning_troll.engines.graph_decode import DECODE_MODES, graph_decode
 
 __all__ = [
@@ -164,9 +165,10 @@ def sample(
     try:
         responses = None  # (B, T)
         if recorder is None or hasattr(recorder, "record_rows"):
-            responses = graph_decode(*args, budgets=lengths)  # None: not on CUDA graphs
-            if responses is None:
-                responses = decode(*args, budgets=lengths)
+            with grouped_query_steps(model):  # no copy of the cache per grouped query head
+                responses = graph_decode(*args, budgets=lengths)  # None: not on CUDA graphs
+                if responses is None:
+                    responses = decode(*args, budgets=lengths)
         if responses is None:
             responses = _generate(*args)
     except RuntimeError as error:  # NaN weights surface as torch.multinomial's complaint

@@ -1,0 +1,99 @@
+"""Grouped-query attention from one query without copying the cache, for transformers versions
+whose ``sdpa`` attention does not do so itself.
+
+A decoding step hands the model an additive 4-D mask (padding on the left, room reserved on the
+right). With a mask, transformers' ``sdpa`` attention cannot ask PyTorch's kernels for grouped
+queries (they would fall back to the slowest one), so versions before 5.24 repeat each key and
+value head for every query head of its group first: a copy of the whole cache, two per layer and
+step. On one H200 at Qwen3-0.6B's shape (16 query heads on 8 key/value heads, 64 sequences) those
+copies were 32% of the device's time per decoding step with transformers 5.17
+(``examples/results/gpu/eighth/profile_65.txt``), and they grow with the cache.
+
+With a single query a step needs no copy: the G query heads of a group become G query rows of
+their key/value head, ``(N, H, 1, D) -> (N, H / G, G, D)``, and a mask shared by the heads,
+``(N, 1, 1, L)``, broadcasts over them. transformers 5.24 and later do this in ``sdpa`` itself;
+for earlier ones :func:`grouped_query_steps` lends the model :func:`one_query_attention` (which
+does it for one query and hands every other call to ``sdpa`` unchanged) while the decoding loops
+run, and gives the model its own implementation back after them.
+
+Notation: N sequences, H query heads, G queries per key/value head, L cache positions, D head
+size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from transformers.integrations import sdpa_attention
+
+NAME = "lightning_troll_sdpa"
+"""The attention implementation :func:`grouped_query_steps` lends a model for its decoding."""
+
+
+def one_query_attention(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[Tensor, None]:
+    """transformers' ``sdpa`` attention, with one query of grouped heads (``query`` (N, H, 1, D)
+    against ``key`` and ``value`` (N, H / G, L, D), a mask (N, 1, 1, L) or None) computed on the
+    key/value heads as they are. Returns the output (N, 1, H, D) and None, as ``sdpa`` does."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    shared = attention_mask is None or attention_mask.shape[1] == 1  # one mask for every head
+    plain = kwargs.get("position_bias") is None and kwargs.get("softcap") is None
+    if query.shape[2] != 1 or groups == 1 or not shared or not plain:
+        return sdpa_attention.sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+            is_causal=is_causal, **kwargs,
+        )  # fmt: skip
+    n, heads, _, size = query.shape
+    rows = query.reshape(n, heads // groups, groups, size)  # (N, H / G, G, D)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        rows, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling
+    )  # (N, H / G, G, D)
+    return out.reshape(n, heads, 1, size).transpose(1, 2).contiguous(), None  # (N, 1, H, D)
+
+
+def sdpa_copies_groups() -> bool:
+    """Whether this transformers' ``sdpa`` attention repeats key/value heads for one query."""
+    return not hasattr(sdpa_attention, "pack_gqa")
+
+
+@contextmanager
+def grouped_query_steps(model: nn.Module, force: bool = False) -> Iterator[None]:
+    """Lends ``model`` :func:`one_query_attention` while the block runs, where its attention is
+    ``sdpa`` and this transformers would copy grouped key/value heads for one query (or where
+    ``force``); gives its own implementation back after the block, also where it raised."""
+    config = getattr(model, "config", None)
+    own = getattr(config, "_attn_implementation", None)
+    if own != "sdpa" or not (force or sdpa_copies_groups()):
+        yield
+        return
+    _register()
+    config._attn_implementation = NAME
+    try:
+        yield
+    finally:
+        config._attn_implementation = own
+
+
+def _register() -> None:
+    """Makes :data:`NAME` known to transformers: :func:`one_query_attention` as its attention
+    function, ``sdpa``'s mask as its mask (a prefill's 2-D mask becomes ``sdpa``'s)."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+
+    if NAME not in ALL_ATTENTION_FUNCTIONS:
+        AttentionInterface.register(NAME, one_query_attention)
+    if NAME not in ALL_MASK_ATTENTION_FUNCTIONS:
+        AttentionMaskInterface.register(NAME, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])

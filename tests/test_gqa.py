@@ -1,0 +1,107 @@
+"""Grouped-query attention from one query without a copy of the cache (engines/gqa.py): equal to
+the repeated heads' attention, used by the decoding loops, given back after them."""
+
+from __future__ import annotations
+
+from functools import partial
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+
+from lightning_troll.engines import gqa
+from lightning_troll.engines.behaviour import BehaviourRecorder
+from lightning_troll.engines.decode import decode
+from lightning_troll.engines.graph_decode import static_decode
+from lightning_troll.engines.sampling import SamplingConfig, left_pad
+from tests.test_decode import PROMPTS, stops_at_several_lengths, tiny_llama
+
+
+def grouped(n=3, heads=4, kv=2, length=7, size=8, query=1):
+    """A float64 attention's inputs: query (n, heads, query, size), keys and values (n, kv,
+    length, size), and an additive mask (n, 1, query, length) hiding a different prefix of each
+    row (left padding)."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(n, heads, query, size, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(n, kv, length, size, generator=g, dtype=torch.float64) for _ in range(2))
+    mask = torch.zeros(n, 1, query, length, dtype=torch.float64)
+    for row in range(n):
+        mask[row, ..., :row] = torch.finfo(torch.float64).min
+    return SimpleNamespace(num_key_value_groups=heads // kv, is_causal=True), q, k, v, mask
+
+
+@pytest.mark.parametrize("masked", [True, False])
+def test_one_query_equals_the_repeated_heads(masked):
+    module, q, k, v, mask = grouped()
+    mask = mask if masked else None
+    ours, _ = gqa.one_query_attention(module, q, k, v, mask, scaling=0.3)
+    groups = module.num_key_value_groups
+    reference = torch.nn.functional.scaled_dot_product_attention(
+        q, repeat_kv(k, groups), repeat_kv(v, groups), attn_mask=mask, scale=0.3
+    ).transpose(1, 2)  # (n, 1, heads, size)
+    assert ours.shape == (3, 1, 4, 8)
+    torch.testing.assert_close(ours, reference, rtol=0, atol=1e-12)
+
+
+def test_several_queries_go_to_sdpa_unchanged():
+    module, q, k, v, _ = grouped(query=7)
+    mask = torch.triu(torch.full((7, 7), -1e30, dtype=torch.float64), 1).expand(3, 1, 7, 7)
+    ours, _ = gqa.one_query_attention(module, q, k, v, mask)
+    theirs, _ = sdpa_attention_forward(module, q, k, v, mask)
+    assert torch.equal(ours, theirs)
+
+
+class QueryShapes(TorchFunctionMode):
+    """Records the shape of every query handed to ``scaled_dot_product_attention``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.queries: list[tuple[int, ...]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            self.queries.append(tuple(args[0].shape))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("loop", [decode, partial(static_decode, capture=False)],
+                         ids=["dynamic", "static"])  # fmt: skip
+def test_the_decoding_loops_fold_groups_and_keep_their_tokens_and_log_probs(loop):
+    """float64: each decoding loop (the dynamic one, the graphs' without capture) draws with the
+    folded attention the tokens it draws with transformers' own and records the same log-probs,
+    every decoding step's query folded (2 key/value heads of 2 queries, no repeated keys); the
+    model's implementation comes back after the loop."""
+    model = tiny_llama().double()
+    sampling = SamplingConfig(temperature=0.7, max_new_tokens=8)
+    stops = stops_at_several_lengths(model, PROMPTS, 8)
+    ids, mask = left_pad(PROMPTS, 0)
+    runs = []
+    for force in (False, True):
+        recorder = BehaviourRecorder(sampling.temperature)
+        shapes = QueryShapes()
+        torch.manual_seed(3)
+        with gqa.grouped_query_steps(model, force=force), shapes:
+            inside = model.config._attn_implementation
+            tokens = loop(model, ids, mask, 2, sampling, 0, stops, True, recorder)
+        logp, _ = recorder.finish(tokens).outputs(tokens != 0)
+        runs.append((inside, tokens, logp, shapes.queries))
+    (plain, tokens, logp, _), (folded, tokens_f, logp_f, queries) = runs
+    assert plain == ("sdpa" if not gqa.sdpa_copies_groups() else gqa.NAME)
+    assert folded == gqa.NAME and model.config._attn_implementation == "sdpa"
+    assert torch.equal(tokens, tokens_f)
+    torch.testing.assert_close(logp_f, logp, rtol=0, atol=1e-12)
+    steps = [shape for shape in queries if shape[2] != ids.shape[1]]  # not the prefill's
+    assert steps and all(shape[1:3] == (2, 2) for shape in steps)
+
+
+def test_the_implementation_comes_back_after_a_failure_and_eager_is_left_alone():
+    model = tiny_llama()
+    with pytest.raises(RuntimeError, match="planted"), gqa.grouped_query_steps(model, force=True):
+        assert model.config._attn_implementation == gqa.NAME
+        raise RuntimeError("planted")
+    assert model.config._attn_implementation == "sdpa"
+    eager = tiny_llama(attn_implementation="eager")
+    with gqa.grouped_query_steps(eager, force=True):
+        assert eager.config._attn_implementation == "eager"
