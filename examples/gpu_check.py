@@ -3,10 +3,11 @@
 On a machine with a CUDA GPU it runs seven phases, each in a process of its own under its own time
 limit, so that a phase that fails or runs out of time is recorded and the next one still runs:
 
-1. ``cuda-tests``: the CUDA-only tests (``pytest -m cuda``, ``tests/test_cuda.py`` and
-   ``tests/test_graph_decode.py``): QLoRA on a 4-bit base, the paged 8-bit AdamW, a bf16-true
-   training step, chunked == full log-probs, the projection against the float64 reference, CUDA
-   graphs decoding as the dynamic loop does;
+1. ``cuda-tests``: the CUDA-only tests (``pytest -m cuda``, ``tests/test_cuda.py``,
+   ``tests/test_graph_decode.py`` and ``tests/test_step_attention.py``): QLoRA on a 4-bit base,
+   the paged 8-bit AdamW, a bf16-true training step, chunked == full log-probs, the projection
+   against the float64 reference, CUDA graphs decoding as the dynamic loop does, sampling with
+   cuDNN's attention last;
 2. ``fsdp2-nccl``: FSDP2 (``ModelParallelStrategy``) over NCCL on every visible GPU, against the
    same run in one CPU process;
 3. ``loop-paths``: ``configs/tinymath.yaml`` for 20 rollouts on the GPU along each path of the
@@ -85,7 +86,7 @@ PHASES = (
     Phase("fsdp2-nccl", "FSDP2 over NCCL against one CPU process", 150, 120, cuda_only=True),
     Phase("loop-paths", "the engine apart, stale data, episodes: TinyMath fits", 150, 240),
     Phase("overhead", "TROLL vs clip, one training step, Qwen3 shapes", 240, 120),
-    Phase("generation", "dynamic decoding against CUDA graphs, Qwen3 shapes", 420, 120),
+    Phase("generation", "dynamic decoding against CUDA graphs, Qwen3 shapes", 480, 120),
     Phase("tinymath-demo", "the TinyMath demo, shortened", 120, 120),
     Phase("grpo-smollm2", "one GRPO iteration at SmolLM2-135M's shape", 120, 120),
 )
@@ -275,16 +276,22 @@ def markdown(report: dict) -> str:
         lines += ["", f"## {phase['name']}: {phase['title']}", ""]
         if phase.get("reason"):
             lines += [f"{phase['status']}: {_cell(phase['reason'])}", ""]
-        figures = {k: v for k, v in phase["figures"].items() if k not in ("rows", "summary")}
-        lines += [f"- {k}: {_cell(v)}" for k, v in figures.items()]
-        rows = phase["figures"].get("rows", [])
-        if rows:
+        figures = {k: v for k, v in phase["figures"].items() if k != "summary"}
+        tables = {k: v for k, v in figures.items() if _is_table(v)}  # rows, and any like them
+        lines += [f"- {k}: {_cell(v)}" for k, v in figures.items() if k not in tables]
+        for name, rows in sorted(tables.items(), key=lambda item: item[0] != "rows"):
             columns = list(dict.fromkeys(k for row in rows for k in row))
-            lines += ["", "| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
+            lines += [""] + ([] if name == "rows" else [f"{name}:", ""])
+            lines += ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
             lines += [
                 "| " + " | ".join(_cell(row.get(c, "")) for c in columns) + " |" for row in rows
             ]
     return "\n".join(lines) + "\n"
+
+
+def _is_table(value: Any) -> bool:
+    """A non-empty list of dicts: a figure the Markdown report shows as a table."""
+    return isinstance(value, list) and bool(value) and all(isinstance(v, dict) for v in value)
 
 
 def _cell(value: Any) -> str:

@@ -17,6 +17,11 @@ each bucket's step replayed as one graph). A row per shape and length gives, for
   less those of a one-token sample, over the steps between them. A path bound by the host's
   launches shows a wall time per step far above it; one the device runs at its pace, close.
 
+At ``variant_shape`` (:func:`variant_rows`, the phase's ``variants``), both paths sample
+``variant_tokens`` new tokens with the decoding steps' attention as the library runs it, with
+PyTorch's own attention backend order, and with transformers' own handling of grouped heads, one
+after the other in one process.
+
 The dynamic loop samples the 1,024-token completions at the shapes ``dynamic_long_shapes``
 only (about 50 s at 0.6B's shape on an H200, which would be most of the phase's time at three
 shapes); its other rows leave those columns null. On a CPU (``--tiny``) ``graphs`` falls back to
@@ -46,12 +51,58 @@ class GenerationSetting:
     profile_tokens: int = 17
     dynamic_long_shapes: tuple[str, ...] = ("qwen3-0.6b",)
     """Shapes at which the dynamic loop samples the longest completions too."""
+    variant_shape: str = "qwen3-0.6b"
+    """The shape at which :func:`variant_rows` times the decoding steps' attention choices."""
+    variant_tokens: int = 128
 
 
 TINY_GENERATION = GenerationSetting(
     prompts=2, group=4, prompt=8, new_tokens=(8, 16), micro_batch=4, warmup_tokens=4,
-    profile_tokens=5,
+    profile_tokens=5, variant_tokens=8,
 )  # fmt: skip
+
+VARIANTS = ("library", "torch_order", "transformers_heads")
+"""The decoding steps' attention as the library runs it (``engines/step_attention.py``), with
+PyTorch's own backend order instead of cuDNN last, and with transformers' own handling of
+grouped heads (which, before transformers 5.24, repeats them: a copy of the cache a step)."""
+
+
+def variant_rows(name: str, shape: Shape, setting: GenerationSetting) -> list[dict[str, Any]]:
+    """Both paths' tokens/s and wall time a step at ``shape``, ``variant_tokens`` new tokens, for
+    each of :data:`VARIANTS` in turn, in one process after one warm-up sample of each path."""
+    import contextlib
+    from unittest import mock
+
+    import torch
+
+    from lightning_troll.engines import step_attention
+
+    snapshot, _ = snapshot_and_policy(shape)
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(2, shape.vocab, (setting.prompts, setting.prompt), generator=g).tolist()
+    for path in PATHS:
+        sample_with(snapshot, prompts, setting.group, setting.warmup_tokens, path)
+    patches = {
+        "library": {},
+        "torch_order": {"cudnn_attention_last": lambda device: contextlib.nullcontext()},
+        "transformers_heads": {"grouped_query_steps": lambda model: contextlib.nullcontext()},
+    }
+    rows = []
+    for variant in VARIANTS:
+        row: dict[str, Any] = {"shape": name, "variant": variant,
+                               "new_tokens": setting.variant_tokens}  # fmt: skip
+        with contextlib.ExitStack() as stack:
+            for attribute, stand_in in patches[variant].items():
+                stack.enter_context(mock.patch.object(step_attention, attribute, stand_in))
+            for path in PATHS:
+                start = clock()
+                response = sample_with(snapshot, prompts, setting.group, setting.variant_tokens,
+                                       path)[2]  # fmt: skip
+                seconds = clock() - start
+                row[f"{path}_tokens_per_s"] = round(int(response.sum()) / seconds, 1)
+                row[f"{path}_wall_ms_per_step"] = round(1000 * seconds / response.shape[1], 3)
+        rows.append(row)
+    return rows
 
 
 def generation_rows(

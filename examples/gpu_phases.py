@@ -21,7 +21,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_fits import grpo_smollm2, loop_paths, tinymath_demo  # noqa: E402
-from gpu_generation import TINY_GENERATION, GenerationSetting, generation_rows  # noqa: E402
+from gpu_generation import (  # noqa: E402
+    TINY_GENERATION,
+    GenerationSetting,
+    generation_rows,
+    variant_rows,
+)
 from gpu_models import (  # noqa: E402
     QWEN3,
     TINY_QWEN3,
@@ -111,8 +116,8 @@ def each_shape(results: Results, shapes: dict[str, Shape], sizes: list[int], mea
 
 # -- phases 1 and 2: the CUDA-only tests ------------------------------------------------------
 def pytest_phase(results: Results, keyword: str) -> None:
-    """``pytest -m cuda -k keyword`` on ``tests/test_cuda.py`` and the CUDA-graph decoding tests
-    (``tests/test_graph_decode.py``), its outcome per test."""
+    """``pytest -m cuda -k keyword`` on ``tests/test_cuda.py`` and the decoding tests
+    (``tests/test_graph_decode.py``, ``tests/test_step_attention.py``), its outcome per test."""
     import pytest
     import torch
 
@@ -120,7 +125,8 @@ def pytest_phase(results: Results, keyword: str) -> None:
         raise Skip("needs a CUDA device")
     junit = results.path.with_suffix(".junit.xml")
     options = ["-q", "-p", "no:cacheprovider", f"--junitxml={junit}", f"--rootdir={ROOT}"]
-    files = [str(ROOT / "tests" / name) for name in ("test_cuda.py", "test_graph_decode.py")]
+    names = ("test_cuda.py", "test_graph_decode.py", "test_step_attention.py")
+    files = [str(ROOT / "tests" / name) for name in names]
     code = pytest.main([*files, "-m", "cuda", "-k", keyword, *options])
     counts = {"passed": 0, "failed": 0, "skipped": 0}
     for case in ET.parse(junit).getroot().iter("testcase") if junit.exists() else []:
@@ -273,6 +279,8 @@ def generation(results: Results, tiny: bool) -> None:
     def measure(name: str, shape: Shape, micro_batch: int) -> list[dict[str, Any]]:
         return generation_rows(name, shape, setting, micro_batch)
 
+    variant = setting.variant_shape  # first: a few short samples, before the long rows
+    results.update(variants=variant_rows(variant, shapes[variant], setting))
     each_shape(results, shapes, list(halving(setting.micro_batch)), measure)
     rates = [
         f"{r['shape']} {r['new_tokens']}: {r['graphs_tokens_per_s']:.0f}"

@@ -24,6 +24,7 @@ SCRIPT = ROOT / "examples" / "gpu_check.py"
 sys.path.insert(0, str(SCRIPT.parent))
 import gpu_check  # noqa: E402 - examples/ is no package
 import gpu_fits  # noqa: E402
+import gpu_generation  # noqa: E402
 import gpu_models  # noqa: E402
 import gpu_phases  # noqa: E402
 
@@ -184,7 +185,8 @@ def test_markdown_has_a_line_per_phase_and_each_phase_table():
         "summary": {"ok": 1, "skipped": 0, "failed": 1},
         "phases": [
             {"name": "overhead", "title": "T", "status": "ok", "seconds": 5.0,
-             "figures": {"summary": "x1.05", "rows": [{"shape": "qwen3-4b", "time_ratio": 1.05}]}},
+             "figures": {"summary": "x1.05", "rows": [{"shape": "qwen3-4b", "time_ratio": 1.05}],
+                         "variants": [{"variant": "a", "ms": 2.5}], "paper": {"ratio": 1.09}}},
             {"name": "generation", "title": "G", "status": "failed", "seconds": 7.0,
              "figures": {}, "reason": "timed out after 150 s, the phase's limit"},
         ],
@@ -195,6 +197,8 @@ def test_markdown_has_a_line_per_phase_and_each_phase_table():
     assert "| overhead | ok | 5.0 | x1.05 |" in text
     assert "| generation | failed | 7.0 | timed out after 150 s, the phase's limit |" in text
     assert "| shape | time_ratio |" in text and "| qwen3-4b | 1.05 |" in text
+    assert "variants:\n\n| variant | ms |\n| --- | --- |\n| a | 2.5 |" in text  # a table too
+    assert "- paper: ratio: 1.09" in text and "- variants" not in text
 
 
 def test_a_shape_out_of_gpu_memory_is_retried_smaller_and_a_failing_shape_is_recorded(tmp_path):
@@ -291,6 +295,13 @@ def assert_generation_figures(figures: dict, cuda: bool) -> None:
     for row in rows[::2]:  # the device's time per step: in the first row of each shape
         for path in ("dynamic", "graphs"):
             assert (row[f"{path}_device_ms_per_step"] is None) is not cuda
+    variants = figures["variants"]  # the steps' attention choices, both paths, first shape
+    assert [(v["shape"], v["variant"], v["new_tokens"]) for v in variants] == [
+        ("qwen3-0.6b", variant, 8) for variant in gpu_generation.VARIANTS
+    ]
+    for row in variants:
+        for path in ("dynamic", "graphs"):
+            assert row[f"{path}_tokens_per_s"] > 0 and row[f"{path}_wall_ms_per_step"] > 0
 
 
 @pytest.mark.slow  # seven phases, five of them in processes of their own: about 3 minutes

@@ -25,8 +25,8 @@ from transformers import GenerationConfig, LogitsProcessorList
 
 from lightning_troll.engines.behaviour import BehaviourRecorder
 from lightning_troll.engines.decode import decode
-from lightning_troll.engines.gqa import grouped_query_steps
 from lightning_troll.engines.graph_decode import DECODE_MODES, graph_decode
+from lightning_troll.engines.step_attention import decoding_attention
 
 __all__ = [
     "SamplingConfig",
@@ -165,7 +165,7 @@ def sample(
     try:
         responses = None  # (B, T)
         if recorder is None or hasattr(recorder, "record_rows"):
-            with grouped_query_steps(model):  # no copy of the cache per grouped query head
+            with decoding_attention(model, device):  # grouped heads uncopied, cuDNN last
                 responses = graph_decode(*args, budgets=lengths)  # None: not on CUDA graphs
                 if responses is None:
                     responses = decode(*args, budgets=lengths)

@@ -1,5 +1,6 @@
-"""Grouped-query attention from one query without a copy of the cache (engines/gqa.py): equal to
-the repeated heads' attention, used by the decoding loops, given back after them."""
+"""A decoding step's attention (engines/step_attention.py): grouped queries from one query without a
+copy of the cache, equal to the repeated heads' attention and used by the decoding loops; cuDNN's
+attention last on a GPU; both given back after the loops."""
 
 from __future__ import annotations
 
@@ -8,14 +9,15 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
-from lightning_troll.engines import gqa
+from lightning_troll.engines import step_attention as attention
 from lightning_troll.engines.behaviour import BehaviourRecorder
 from lightning_troll.engines.decode import decode
 from lightning_troll.engines.graph_decode import static_decode
-from lightning_troll.engines.sampling import SamplingConfig, left_pad
+from lightning_troll.engines.sampling import SamplingConfig, left_pad, sample
 from tests.test_decode import PROMPTS, stops_at_several_lengths, tiny_llama
 
 
@@ -36,7 +38,7 @@ def grouped(n=3, heads=4, kv=2, length=7, size=8, query=1):
 def test_one_query_equals_the_repeated_heads(masked):
     module, q, k, v, mask = grouped()
     mask = mask if masked else None
-    ours, _ = gqa.one_query_attention(module, q, k, v, mask, scaling=0.3)
+    ours, _ = attention.one_query_attention(module, q, k, v, mask, scaling=0.3)
     groups = module.num_key_value_groups
     reference = torch.nn.functional.scaled_dot_product_attention(
         q, repeat_kv(k, groups), repeat_kv(v, groups), attn_mask=mask, scale=0.3
@@ -48,7 +50,7 @@ def test_one_query_equals_the_repeated_heads(masked):
 def test_several_queries_go_to_sdpa_unchanged():
     module, q, k, v, _ = grouped(query=7)
     mask = torch.triu(torch.full((7, 7), -1e30, dtype=torch.float64), 1).expand(3, 1, 7, 7)
-    ours, _ = gqa.one_query_attention(module, q, k, v, mask)
+    ours, _ = attention.one_query_attention(module, q, k, v, mask)
     theirs, _ = sdpa_attention_forward(module, q, k, v, mask)
     assert torch.equal(ours, theirs)
 
@@ -82,14 +84,14 @@ def test_the_decoding_loops_fold_groups_and_keep_their_tokens_and_log_probs(loop
         recorder = BehaviourRecorder(sampling.temperature)
         shapes = QueryShapes()
         torch.manual_seed(3)
-        with gqa.grouped_query_steps(model, force=force), shapes:
+        with attention.grouped_query_steps(model, force=force), shapes:
             inside = model.config._attn_implementation
             tokens = loop(model, ids, mask, 2, sampling, 0, stops, True, recorder)
         logp, _ = recorder.finish(tokens).outputs(tokens != 0)
         runs.append((inside, tokens, logp, shapes.queries))
     (plain, tokens, logp, _), (folded, tokens_f, logp_f, queries) = runs
-    assert plain == ("sdpa" if not gqa.sdpa_copies_groups() else gqa.NAME)
-    assert folded == gqa.NAME and model.config._attn_implementation == "sdpa"
+    assert plain == ("sdpa" if not attention.sdpa_copies_groups() else attention.NAME)
+    assert folded == attention.NAME and model.config._attn_implementation == "sdpa"
     assert torch.equal(tokens, tokens_f)
     torch.testing.assert_close(logp_f, logp, rtol=0, atol=1e-12)
     steps = [shape for shape in queries if shape[2] != ids.shape[1]]  # not the prefill's
@@ -98,10 +100,59 @@ def test_the_decoding_loops_fold_groups_and_keep_their_tokens_and_log_probs(loop
 
 def test_the_implementation_comes_back_after_a_failure_and_eager_is_left_alone():
     model = tiny_llama()
-    with pytest.raises(RuntimeError, match="planted"), gqa.grouped_query_steps(model, force=True):
-        assert model.config._attn_implementation == gqa.NAME
+    with (
+        pytest.raises(RuntimeError, match="planted"),
+        attention.grouped_query_steps(model, force=True),
+    ):
+        assert model.config._attn_implementation == attention.NAME
         raise RuntimeError("planted")
     assert model.config._attn_implementation == "sdpa"
     eager = tiny_llama(attn_implementation="eager")
-    with gqa.grouped_query_steps(eager, force=True):
+    with attention.grouped_query_steps(eager, force=True):
         assert eager.config._attn_implementation == "eager"
+
+
+FLASH, EFFICIENT, MATH, CUDNN = (int(b) for b in (SDPBackend.FLASH_ATTENTION,
+    SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH, SDPBackend.CUDNN_ATTENTION))  # fmt: skip
+
+
+def enabled_order() -> list[int]:
+    """The attention backends in PyTorch's priority order, those enabled only."""
+    cuda = torch.backends.cuda
+    on = {FLASH: cuda.flash_sdp_enabled(), EFFICIENT: cuda.mem_efficient_sdp_enabled(),
+          MATH: cuda.math_sdp_enabled(), CUDNN: cuda.cudnn_sdp_enabled()}  # fmt: skip
+    return [b for b in torch._C._get_sdp_priority_order() if on.get(b, False)]
+
+
+def test_cudnn_comes_last_on_cuda_and_the_order_comes_back():
+    """With cuDNN first and flash disabled before (set here, as a GPU's torch may order them),
+    a CUDA device gets memory-efficient, math, then cuDNN, flash still disabled, and the order
+    and flags come back after the block; a CPU device changes nothing. Flags only: no CUDA
+    device is needed."""
+    before = [SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    with sdpa_kernel(before, set_priority=True):
+        assert enabled_order() == [CUDNN, EFFICIENT, MATH]
+        with attention.cudnn_attention_last(torch.device("cpu")):
+            assert enabled_order() == [CUDNN, EFFICIENT, MATH]
+        with attention.cudnn_attention_last(torch.device("cuda")):
+            assert enabled_order() == [EFFICIENT, MATH, CUDNN]
+            assert not torch.backends.cuda.flash_sdp_enabled()
+        assert enabled_order() == [CUDNN, EFFICIENT, MATH]
+
+
+@pytest.mark.cuda
+def test_sampling_on_cuda_runs_with_cudnn_last_and_gives_the_order_back():
+    """Every forward of ``sample`` on the device (prefill, steps, captures) sees cuDNN last,
+    with cuDNN first before and after it."""
+    model = tiny_llama().to("cuda")
+    seen = []
+    handle = model.register_forward_pre_hook(lambda *_: seen.append(enabled_order()))
+    first = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
+             SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]  # fmt: skip
+    try:
+        with sdpa_kernel(first, set_priority=True):
+            sample(model, PROMPTS, 2, SamplingConfig(max_new_tokens=6), 0, [2], True)
+            assert enabled_order()[0] == CUDNN
+    finally:
+        handle.remove()
+    assert seen and all(order[-1] == CUDNN and order[0] == FLASH for order in seen)

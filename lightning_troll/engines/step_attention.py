@@ -1,20 +1,27 @@
-"""Grouped-query attention from one query without copying the cache, for transformers versions
-whose ``sdpa`` attention does not do so itself.
+"""How a decoding step's attention runs: grouped queries read the cache as it is, and PyTorch's
+cuDNN attention comes last on a GPU. :func:`decoding_attention` sets both while the decoding loops
+run and gives everything back after them.
 
-A decoding step hands the model an additive 4-D mask (padding on the left, room reserved on the
-right). With a mask, transformers' ``sdpa`` attention cannot ask PyTorch's kernels for grouped
-queries (they would fall back to the slowest one), so versions before 5.24 repeat each key and
-value head for every query head of its group first: a copy of the whole cache, two per layer and
-step. On one H200 at Qwen3-0.6B's shape (16 query heads on 8 key/value heads, 64 sequences) those
-copies were 32% of the device's time per decoding step with transformers 5.17
-(``examples/results/gpu/eighth/profile_65.txt``), and they grow with the cache.
-
+**Grouped queries.** A decoding step hands the model an additive 4-D mask (padding on the left,
+room reserved on the right). With a mask, transformers' ``sdpa`` attention cannot ask PyTorch's
+kernels for grouped queries (they would fall back to the slowest one), so versions before 5.24
+repeat each key and value head for every query head of its group first: a copy of the whole
+cache, two per layer and step. On one H200 at Qwen3-0.6B's shape (16 query heads on 8 key/value
+heads, 64 sequences) those copies were 32% of the device's time per decoding step with
+transformers 5.17 (``examples/results/gpu/eighth/profile_65.txt``), and they grow with the cache.
 With a single query a step needs no copy: the G query heads of a group become G query rows of
 their key/value head, ``(N, H, 1, D) -> (N, H / G, G, D)``, and a mask shared by the heads,
 ``(N, 1, 1, L)``, broadcasts over them. transformers 5.24 and later do this in ``sdpa`` itself;
 for earlier ones :func:`grouped_query_steps` lends the model :func:`one_query_attention` (which
-does it for one query and hands every other call to ``sdpa`` unchanged) while the decoding loops
-run, and gives the model its own implementation back after them.
+does it for one query and hands every other call to ``sdpa`` unchanged).
+
+**cuDNN last.** Given an explicit mask, PyTorch (2.11 on that H200) chose cuDNN's attention, which
+builds an execution plan on the host for every new shape: in the same profile its 84 calls (the
+prefill, a capture's warm-up and its recording, 28 layers each) spent 755 ms on the host, 9 ms a
+call, while the attention kernels of all 65 steps ran 72 ms on the device. The dynamic loop meets a new key length at every step, and
+the CUDA graphs a new cache length every rollout and a new bucket as sequences end.
+:func:`cudnn_attention_last` moves cuDNN behind flash and memory-efficient attention (which
+take masks and plan nothing) and math, among the backends the user left enabled.
 
 Notation: N sequences, H query heads, G queries per key/value head, L cache positions, D head
 size.
@@ -23,7 +30,7 @@ size.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
@@ -97,3 +104,34 @@ def _register() -> None:
         AttentionInterface.register(NAME, one_query_attention)
     if NAME not in ALL_MASK_ATTENTION_FUNCTIONS:
         AttentionMaskInterface.register(NAME, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+
+
+@contextmanager
+def cudnn_attention_last(device: torch.device) -> Iterator[None]:
+    """On a CUDA ``device``, PyTorch's attention backends in the order flash, memory-efficient,
+    math, cuDNN (those enabled; cuDNN only where no other serves) while the block runs, the
+    previous order and flags back after it; elsewhere nothing."""
+    if device.type != "cuda":
+        yield
+        return
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    cuda = torch.backends.cuda
+    order = [
+        (SDPBackend.FLASH_ATTENTION, cuda.flash_sdp_enabled()),
+        (SDPBackend.EFFICIENT_ATTENTION, cuda.mem_efficient_sdp_enabled()),
+        (SDPBackend.MATH, cuda.math_sdp_enabled()),
+        (SDPBackend.CUDNN_ATTENTION, cuda.cudnn_sdp_enabled()),
+    ]
+    with sdpa_kernel([backend for backend, enabled in order if enabled], set_priority=True):
+        yield
+
+
+@contextmanager
+def decoding_attention(model: nn.Module, device: torch.device) -> Iterator[None]:
+    """:func:`grouped_query_steps` and :func:`cudnn_attention_last` together, for the decoding
+    loops of ``model`` on ``device``."""
+    with ExitStack() as stack:
+        stack.enter_context(grouped_query_steps(model))
+        stack.enter_context(cudnn_attention_last(device))
+        yield
