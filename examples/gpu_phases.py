@@ -170,11 +170,14 @@ class OverheadSetting:
     perturb: float = 0.1
     compiled: bool = True
     """Also TROLL with ``trust_region.compile_solver`` (its warm-up compiles)."""
+    new_shapes: int = 4
+    """Sequence lengths of :func:`new_shape_rows`, for each attention backend order."""
 
 
 TINY_OVERHEAD = OverheadSetting(
-    sequences=2, prompt=8, response=24, chunk=16, warmup=1, repeats=2, compiled=False
-)  # the compiled solver's own tests run it on a CPU; a compile here would triple the phase
+    sequences=2, prompt=8, response=24, chunk=16, warmup=1, repeats=2, compiled=False,
+    new_shapes=2,
+)  # the compiled solver's own tests run it on a CPU; a compile here would triple the phase  # fmt: skip
 
 
 def overhead(results: Results, tiny: bool) -> None:
@@ -188,6 +191,8 @@ def overhead(results: Results, tiny: bool) -> None:
         return overhead_at(shape, setting, sequences)
 
     each_shape(results, shapes, list(halving(setting.sequences)), measure)
+    first = next(iter(shapes))
+    results.update(unseen_lengths=new_shape_rows(first, shapes[first], setting))
     rows = [r for r in results.rows if "time_ratio" in r]
     if rows:
         last = rows[-1]
@@ -240,6 +245,53 @@ def overhead_at(shape: Shape, setting: OverheadSetting, sequences: int) -> dict[
         row["compiled_time_ratio"] = round(row["troll_compiled_ms"] / row["clip_ms"], 4)
     row["memory_ratio"] = round(row["troll_peak_mib"] / row["clip_peak_mib"], 4)
     return row
+
+
+def new_shape_rows(name: str, shape: Shape, setting: OverheadSetting) -> list[dict[str, Any]]:
+    """What a sequence length not seen before costs a training step: clip's behaviour pass and
+    two training steps at each of ``setting.new_shapes`` lengths (the prompts shorter each time,
+    the first row left-padded by 4 tokens so that attention gets a mask, as in a rollout), in
+    PyTorch's attention backend order, then at as many other lengths with cuDNN's attention
+    last (``engines/step_attention.py``). A backend that plans each shape on the host shows in
+    the first step, not the second."""
+    import contextlib
+
+    import torch
+
+    from lightning_troll.engines.step_attention import cudnn_attention_last
+    from lightning_troll.objectives import build_objective
+
+    snapshot, policy = snapshot_and_policy(shape, setting.perturb)
+    objective = build_objective("clip")
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-6)
+    g = torch.Generator(device=device()).manual_seed(0)
+    n, rows = setting.sequences, []
+    shorter = setting.prompt // (4 * setting.new_shapes)  # a prompt this much shorter each time
+    response = torch.ones(n, setting.response, dtype=torch.bool, device=device())
+    for index in range(2 * setting.new_shapes):
+        order = "torch_order" if index < setting.new_shapes else "cudnn_last"
+        length = setting.prompt + setting.response - shorter * index
+        ids = torch.randint(2, shape.vocab, (n, length), generator=g, device=device())
+        attention = torch.ones_like(ids)
+        attention[0, :4] = 0  # left padding: a mask reaches the attention
+        context = (
+            cudnn_attention_last(device()) if order == "cudnn_last" else contextlib.nullcontext()
+        )
+        with context:
+            start = clock()
+            rollout = make_rollout(snapshot, objective, ids, attention, response,
+                                   torch.randn(n, generator=g, device=device()), n, setting.chunk)  # fmt: skip
+            times = [clock() - start]
+            for _ in range(2):
+                start = clock()
+                train_step(policy, objective, optimizer, rollout, None, setting.chunk)
+                times.append(clock() - start)
+        rows.append({"shape": name, "order": order, "tokens": length,
+                     "behaviour_ms": round(1000 * times[0], 1),
+                     "first_step_ms": round(1000 * times[1], 1),
+                     "second_step_ms": round(1000 * times[2], 1)})  # fmt: skip
+        del rollout
+    return rows
 
 
 def arm_figures(

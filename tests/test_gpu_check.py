@@ -347,6 +347,14 @@ def test_tiny_check_runs_every_phase_and_reports_it(tmp_path):
         assert row["memory_ratio"] == pytest.approx(
             row["troll_peak_mib"] / row["clip_peak_mib"], rel=1e-3
         )
+    shapes = overhead["unseen_lengths"]  # a training step at lengths not seen before
+    assert [r["order"] for r in shapes] == ["torch_order"] * 2 + ["cudnn_last"] * 2
+    assert [r["tokens"] for r in shapes] == [32, 31, 30, 29] and len(
+        {r["shape"] for r in shapes}
+    ) == 1
+    assert all(
+        r[k] > 0 for r in shapes for k in ("behaviour_ms", "first_step_ms", "second_step_ms")
+    )
     assert_generation_figures(phases["generation"]["figures"], cuda)
     demo = phases["tinymath-demo"]["figures"]
     assert demo["rollouts"] == 2 and 0 <= demo["final_reward"] <= 1
