@@ -98,7 +98,9 @@ def test_the_decoding_loops_fold_groups_and_keep_their_tokens_and_log_probs(loop
     assert steps and all(shape[1:3] == (2, 2) for shape in steps)
 
 
-def test_the_implementation_comes_back_after_a_failure_and_eager_is_left_alone():
+def test_the_implementation_comes_back_after_a_failure_and_others_are_left_alone():
+    """Given back after a failure; a model with eager attention, or with as many key/value heads
+    as query heads, keeps its own even where forced."""
     model = tiny_llama()
     with (
         pytest.raises(RuntimeError, match="planted"),
@@ -110,6 +112,9 @@ def test_the_implementation_comes_back_after_a_failure_and_eager_is_left_alone()
     eager = tiny_llama(attn_implementation="eager")
     with attention.grouped_query_steps(eager, force=True):
         assert eager.config._attn_implementation == "eager"
+    ungrouped = tiny_llama(num_key_value_heads=4)
+    with attention.grouped_query_steps(ungrouped, force=True):
+        assert ungrouped.config._attn_implementation == "sdpa"
 
 
 FLASH, EFFICIENT, MATH, CUDNN = (int(b) for b in (SDPBackend.FLASH_ATTENTION,

@@ -79,11 +79,14 @@ def sdpa_copies_groups() -> bool:
 @contextmanager
 def grouped_query_steps(model: nn.Module, force: bool = False) -> Iterator[None]:
     """Lends ``model`` :func:`one_query_attention` while the block runs, where its attention is
-    ``sdpa`` and this transformers would copy grouped key/value heads for one query (or where
-    ``force``); gives its own implementation back after the block, also where it raised."""
+    ``sdpa``, its config groups query heads on fewer key/value heads, and this transformers would
+    copy them for one query (or where ``force``); gives its own implementation back after the
+    block, also where it raised."""
     config = getattr(model, "config", None)
     own = getattr(config, "_attn_implementation", None)
-    if own != "sdpa" or not (force or sdpa_copies_groups()):
+    heads = getattr(config, "num_attention_heads", None)
+    grouped = isinstance(heads, int) and getattr(config, "num_key_value_heads", heads) < heads
+    if own != "sdpa" or not grouped or not (force or sdpa_copies_groups()):
         yield
         return
     _register()
