@@ -83,8 +83,10 @@ class RolloutGeneration(Callback):
             if message is not None:
                 rank_zero_warn(message)
         elif engine is not None:
-            decode = getattr(getattr(pl_module, "sampling", None), "decode", "auto")
-            for message in engine_warnings(engine.name, engine.options, decode, behaviour):
+            sampling = getattr(pl_module, "sampling", None)
+            decode = getattr(sampling, "decode", "auto")
+            every = getattr(sampling, "check_every", 1)
+            for message in engine_warnings(engine.name, engine.options, decode, behaviour, every):
                 rank_zero_warn(message)
         if not getattr(getattr(pl_module, "dynamic_sampling", None), "enabled", False):
             return

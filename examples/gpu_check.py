@@ -4,10 +4,11 @@ On a machine with a CUDA GPU it runs seven phases, each in a process of its own 
 limit, so that a phase that fails or runs out of time is recorded and the next one still runs:
 
 1. ``cuda-tests``: the CUDA-only tests (``pytest -m cuda``, ``tests/test_cuda.py``,
-   ``tests/test_graph_decode.py`` and ``tests/test_step_attention.py``): QLoRA on a 4-bit base,
-   the paged 8-bit AdamW, a bf16-true training step, chunked == full log-probs, the projection
-   against the float64 reference, CUDA graphs decoding as the dynamic loop does, sampling with
-   cuDNN's attention last;
+   ``tests/test_graph_decode.py``, ``tests/test_graph_checks.py`` and
+   ``tests/test_step_attention.py``): QLoRA on a 4-bit base, the paged 8-bit AdamW, a bf16-true
+   training step, chunked == full log-probs, the projection against the float64 reference, CUDA
+   graphs decoding as the dynamic loop does (reading stop flags every step or every 4),
+   sampling with cuDNN's attention last;
 2. ``fsdp2-nccl``: FSDP2 (``ModelParallelStrategy``) over NCCL on every visible GPU, against the
    same run in one CPU process;
 3. ``loop-paths``: ``configs/tinymath.yaml`` for 20 rollouts on the GPU along each path of the

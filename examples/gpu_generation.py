@@ -19,8 +19,8 @@ each bucket's step replayed as one graph). A row per shape and length gives, for
 
 At ``variant_shape`` (:func:`variant_rows`, the phase's ``variants``), both paths sample
 ``variant_tokens`` new tokens with the decoding steps' attention as the library runs it, with
-PyTorch's own attention backend order, and with transformers' own handling of grouped heads, one
-after the other in one process.
+PyTorch's own attention backend order, and with transformers' own handling of grouped heads, and
+the graphs read stop flags every 8 steps, one after the other in one process.
 
 The dynamic loop samples the 1,024-token completions at the shapes ``dynamic_long_shapes``
 only (about 50 s at 0.6B's shape on an H200, which would be most of the phase's time at three
@@ -61,10 +61,12 @@ TINY_GENERATION = GenerationSetting(
     profile_tokens=5, variant_tokens=8,
 )  # fmt: skip
 
-VARIANTS = ("library", "torch_order", "transformers_heads")
+VARIANTS = ("library", "torch_order", "transformers_heads", "check_every_8")
 """The decoding steps' attention as the library runs it (``engines/step_attention.py``), with
 PyTorch's own backend order instead of cuDNN last, and with transformers' own handling of
-grouped heads (which, before transformers 5.24, repeats them: a copy of the cache a step)."""
+grouped heads (which, before transformers 5.24, repeats them: a copy of the cache a step); and
+the CUDA-graph path reading which sequences stopped every 8 steps
+(``model.sampling.check_every: 8``; the dynamic loop reads at every step and is not run)."""
 
 
 def variant_rows(name: str, shape: Shape, setting: GenerationSetting) -> list[dict[str, Any]]:
@@ -86,6 +88,7 @@ def variant_rows(name: str, shape: Shape, setting: GenerationSetting) -> list[di
         "library": {},
         "torch_order": {"cudnn_attention_last": lambda device: contextlib.nullcontext()},
         "transformers_heads": {"grouped_query_steps": lambda model: contextlib.nullcontext()},
+        "check_every_8": {},
     }
     rows = []
     for variant in VARIANTS:
@@ -94,10 +97,14 @@ def variant_rows(name: str, shape: Shape, setting: GenerationSetting) -> list[di
         with contextlib.ExitStack() as stack:
             for attribute, stand_in in patches[variant].items():
                 stack.enter_context(mock.patch.object(step_attention, attribute, stand_in))
+            every = 8 if variant == "check_every_8" else 1
             for path in PATHS:
+                if every > 1 and path == "dynamic":
+                    row |= {"dynamic_tokens_per_s": None, "dynamic_wall_ms_per_step": None}
+                    continue
                 start = clock()
                 response = sample_with(snapshot, prompts, setting.group, setting.variant_tokens,
-                                       path)[2]  # fmt: skip
+                                       path, every)[2]  # fmt: skip
                 seconds = clock() - start
                 row[f"{path}_tokens_per_s"] = round(int(response.sum()) / seconds, 1)
                 row[f"{path}_wall_ms_per_step"] = round(1000 * seconds / response.shape[1], 3)
@@ -167,12 +174,13 @@ def generation_rows(
     return rows
 
 
-def sample_with(snapshot, prompts, group: int, tokens: int, path: str):
+def sample_with(snapshot, prompts, group: int, tokens: int, path: str, check_every: int = 1):
     """(ids, attention mask, response mask) of ``group`` completions of ``tokens`` per prompt,
-    sampled by the decoding ``path``."""
+    sampled by the decoding ``path`` (the graphs reading stop flags every ``check_every``
+    steps)."""
     from lightning_troll.engines.sampling import SamplingConfig, sample
 
-    sampling = SamplingConfig(max_new_tokens=tokens, decode=path)
+    sampling = SamplingConfig(max_new_tokens=tokens, decode=path, check_every=check_every)
     ids, attention, response, _ = sample(snapshot, prompts, group, sampling, PAD, EOS)
     return ids, attention, response
 

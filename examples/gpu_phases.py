@@ -117,7 +117,8 @@ def each_shape(results: Results, shapes: dict[str, Shape], sizes: list[int], mea
 # -- phases 1 and 2: the CUDA-only tests ------------------------------------------------------
 def pytest_phase(results: Results, keyword: str) -> None:
     """``pytest -m cuda -k keyword`` on ``tests/test_cuda.py`` and the decoding tests
-    (``tests/test_graph_decode.py``, ``tests/test_step_attention.py``), its outcome per test."""
+    (``tests/test_graph_decode.py``, ``tests/test_graph_checks.py``,
+    ``tests/test_step_attention.py``), its outcome per test."""
     import pytest
     import torch
 
@@ -125,7 +126,12 @@ def pytest_phase(results: Results, keyword: str) -> None:
         raise Skip("needs a CUDA device")
     junit = results.path.with_suffix(".junit.xml")
     options = ["-q", "-p", "no:cacheprovider", f"--junitxml={junit}", f"--rootdir={ROOT}"]
-    names = ("test_cuda.py", "test_graph_decode.py", "test_step_attention.py")
+    names = (
+        "test_cuda.py",
+        "test_graph_decode.py",
+        "test_graph_checks.py",
+        "test_step_attention.py",
+    )
     files = [str(ROOT / "tests" / name) for name in names]
     code = pytest.main([*files, "-m", "cuda", "-k", keyword, *options])
     counts = {"passed": 0, "failed": 0, "skipped": 0}

@@ -553,6 +553,14 @@ def test_an_option_the_engine_ignores_is_warned_of_at_the_start():
     )
     (behaviour,) = engine_warnings("hf", {"process": True}, "auto", "sampling")
     assert "the 'hf' engine in a process of its own does not record" in behaviour
+    assert engine_warnings("hf", None, "auto", "forward", 8) == []
+    (every,) = engine_warnings("hf", None, "dynamic", "forward", 8)
+    assert (
+        every == "model.sampling.check_every=8 is the hf engine's CUDA-graph path's; the "
+        "dynamic loop ignores it"
+    )
+    (every,) = engine_warnings("vllm_server", None, "auto", "forward", 2)
+    assert every.endswith("path's; the 'vllm_server' engine ignores it")
 
     module = SimpleNamespace(
         engine_config=EngineConfig("hf", {"process": True}, "sampling"),

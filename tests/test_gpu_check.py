@@ -300,8 +300,12 @@ def assert_generation_figures(figures: dict, cuda: bool) -> None:
         ("qwen3-0.6b", variant, 8) for variant in gpu_generation.VARIANTS
     ]
     for row in variants:
+        ran = ("graphs",) if row["variant"] == "check_every_8" else ("dynamic", "graphs")
         for path in ("dynamic", "graphs"):
-            assert row[f"{path}_tokens_per_s"] > 0 and row[f"{path}_wall_ms_per_step"] > 0
+            if path in ran:
+                assert row[f"{path}_tokens_per_s"] > 0 and row[f"{path}_wall_ms_per_step"] > 0
+            else:
+                assert row[f"{path}_tokens_per_s"] is None
 
 
 @pytest.mark.slow  # seven phases, five of them in processes of their own: about 3 minutes

@@ -163,11 +163,13 @@ def static_decode(
     total = batch.rows.numel()  # B
     responses = torch.full((total, budget), pad_id, dtype=torch.long, device=device)  # (B, T)
     live = torch.arange(total, device=device)  # (n,) the running slots, ascending
+    every = getattr(sampling, "check_every", 1)  # steps between reads of the running flags
+    stopped = torch.zeros(total, dtype=torch.bool, device=device)  # (n,) since the last read
+    checks: list[Check] = []  # read with the running flags, in one wait on the device
     steps = 0
     while True:
         everyone = live.numel() == batch.rows.numel()  # every slot runs: nothing to gather
         scores = logits if everyone else logits[live]  # (n, V)
-        checks: list[Check] = []  # read with the running flags, in one wait on the device
         tokens = choose_tokens(scores, sampling, do_sample, checks)  # (n,)
         rows = batch.rows if everyone else batch.rows[live]  # (n,) into B
         if recorder is not None:
@@ -177,15 +179,20 @@ def static_decode(
             batch.tokens[:, 0] = tokens
         else:
             batch.tokens[live, 0] = tokens  # finished slots keep feeding their last token
-        running = ~torch.isin(tokens, stops)  # (n,)
+        ended = torch.isin(tokens, stops)  # (n,)
         if budgets is not None:
-            running &= budgets[rows] > steps + 1
+            ended |= budgets[rows] <= steps + 1
+        stopped |= ended  # a sequence that stopped keeps sampling until the flags are read
         steps += 1
-        flags = torch.cat([running, *(c.ok.unsqueeze(0) for c in checks)])  # (n + checks,)
-        flags = flags.tolist()  # the one wait on the device this step
-        raise_failed(checks, flags[running.numel() :])
-        if not all(flags[: running.numel()]):
-            live = live[running]  # (n',)
+        if steps % every and steps < budget:  # not read this step: the next one is queued
+            logits = batch.forward()  # (b, V)
+            continue
+        flags = torch.cat([~stopped, *(c.ok.unsqueeze(0) for c in checks)])  # (n + checks,)
+        flags = flags.tolist()  # the one wait on the device since the last read
+        raise_failed(checks, flags[live.numel() :])
+        if not all(flags[: live.numel()]):
+            live = live[~stopped]  # (n',)
+        checks, stopped = [], stopped.new_zeros(live.numel())
         if live.numel() == 0 or steps == budget:
             break
         if live.numel() <= batch.next_bucket():

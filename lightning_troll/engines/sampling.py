@@ -57,6 +57,12 @@ class SamplingConfig:
     finished sequences from the batch; ``graphs`` replays each step as a CUDA graph over a
     static KV cache (the dynamic loop where it cannot, warned); ``auto`` is ``graphs`` on a
     CUDA device and ``dynamic`` elsewhere. The completions' distribution is the same."""
+    check_every: int = 1
+    """How many steps the CUDA-graph path decodes between reads of which sequences stopped
+    (the dynamic loop reads at every step). At 1 the host waits on the device at every step,
+    and a seed draws the dynamic loop's completions; above 1 the host queues that many steps
+    ahead of the device, a stopped sequence samples on (its tokens cut, as past its stop)
+    until the next read, and a seed draws other completions from the same distribution."""
 
     def __post_init__(self) -> None:
         if not is_number(self.temperature) or not self.temperature > 0:
@@ -73,6 +79,11 @@ class SamplingConfig:
             raise ValueError(
                 f"model.sampling.max_new_tokens must be an integer >= 1; got "
                 f"{self.max_new_tokens!r}"
+            )
+        if not is_count(self.check_every, 1):
+            raise ValueError(
+                f"model.sampling.check_every must be an integer >= 1 (1 = every step); got "
+                f"{self.check_every!r}"
             )
         if self.decode not in DECODE_MODES:
             raise ValueError(
