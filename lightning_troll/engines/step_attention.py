@@ -18,10 +18,11 @@ does it for one query and hands every other call to ``sdpa`` unchanged).
 **cuDNN last.** Given an explicit mask, PyTorch (2.11 on that H200) chose cuDNN's attention, which
 builds an execution plan on the host for every new shape: in the same profile its 84 calls (the
 prefill, a capture's warm-up and its recording, 28 layers each) spent 755 ms on the host, 9 ms a
-call, while the attention kernels of all 65 steps ran 72 ms on the device. The dynamic loop meets a new key length at every step, and
-the CUDA graphs a new cache length every rollout and a new bucket as sequences end.
-:func:`cudnn_attention_last` moves cuDNN behind flash and memory-efficient attention (which
-take masks and plan nothing) and math, among the backends the user left enabled.
+call, while the attention kernels of all 65 steps ran 72 ms on the device. The dynamic loop meets a
+new key length at every step, and the CUDA graphs a new cache length every rollout and a new bucket
+as sequences end. :func:`cudnn_attention_last` moves cuDNN behind flash attention (which takes no
+mask, so a step's attention does not reach it), memory-efficient attention (which takes masks and
+plans nothing) and math, among the backends the user left enabled.
 
 Notation: N sequences, H query heads, G queries per key/value head, L cache positions, D head
 size.
