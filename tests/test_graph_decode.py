@@ -180,10 +180,13 @@ def test_buckets_follow_the_running_sequences_and_keep_every_token(llama64):
 
 
 @pytest.mark.parametrize("sampling", SAMPLINGS[1:], ids=["top_k", "top_p"])
-def test_recorded_rows_equal_a_teacher_forced_pass(llama, sampling):
+@pytest.mark.parametrize("every", [1, 3])
+def test_recorded_rows_equal_a_teacher_forced_pass(llama, sampling, every):
     """float32, as the dynamic loop's test holds it: the sampled tokens' log-probs to 1e-5, the
     same sparse supports and the kept tokens' probabilities to 1e-5, at every response token of
-    sequences that ended at several steps and were moved between buckets."""
+    sequences that ended at several steps and were moved between buckets; with the stop flags
+    read at every step, and every 3 (stopped sequences sampling on until a read)."""
+    sampling = replace(sampling, check_every=every)
     stops = stops_at_several_lengths(llama, PROMPTS, 8)
     recorder = BehaviourRecorder(sampling.temperature, sparse_rows)
     ids, mask = left_pad(PROMPTS, 0)
