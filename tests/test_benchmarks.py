@@ -192,3 +192,26 @@ def test_the_heap_profile_samples_each_way_in_a_fresh_process(
         with pytest.raises(SystemExit):
             heap.main(bad)
         assert message in capsys.readouterr().err
+
+
+def test_the_grouped_heads_benchmark_times_both_ways_on_the_same_step(tmp_path, monkeypatch):
+    """SmolLM2's architecture at 8 and 12 cached positions, 2 sequences: a row per length with
+    both ways' medians and their ratio, the logits of the two ways equal to float32 rounding,
+    and the record names the transformers it ran on and whether its sdpa copies groups."""
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    benchmark = importlib.import_module("benchmark_grouped_heads")
+    out = tmp_path / "grouped.json"
+    benchmark.main(["--lengths", "8", "12", "--sequences", "2", "--repeats", "1",
+                    "--json", str(out)])  # fmt: skip
+    record = json.loads(out.read_text())
+    import transformers
+
+    from lightning_troll.engines.step_attention import sdpa_copies_groups
+
+    assert record["transformers"] == transformers.__version__
+    assert record["sdpa_copies_groups"] is sdpa_copies_groups()
+    assert [row["cached"] for row in record["rows"]] == [8, 12]
+    for row in record["rows"]:
+        assert row["sequences"] == 2 and row["transformers_ms"] > 0 and row["folded_ms"] > 0
+        assert row["ratio"] == pytest.approx(row["folded_ms"] / row["transformers_ms"], abs=2e-3)
+        assert row["max_logit_gap"] < 1e-4
