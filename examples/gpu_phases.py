@@ -180,10 +180,11 @@ class OverheadSetting:
     """Sequence lengths of :func:`new_shape_rows`, for each attention backend order."""
 
 
+# compiled=False: the compiled solver's own tests run it on a CPU; a compile would triple the phase
 TINY_OVERHEAD = OverheadSetting(
     sequences=2, prompt=8, response=24, chunk=16, warmup=1, repeats=2, compiled=False,
     new_shapes=2,
-)  # the compiled solver's own tests run it on a CPU; a compile here would triple the phase  # fmt: skip
+)  # fmt: skip
 
 
 def overhead(results: Results, tiny: bool) -> None:
