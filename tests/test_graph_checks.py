@@ -29,14 +29,14 @@ def llama64():
     return tiny_llama().double()
 
 
-def decoded(model, sampling, stops, do_sample, seed=0, budgets=None, group=2, recorder=None):
+def decoded(model, sampling, stops, do_sample, seed=0, budgets=None, group=2):
     """The (B, T) tokens of the static loop (its ``sampling.check_every``) and of the dynamic
     loop, each from ``seed``."""
     ids, mask = left_pad(PROMPTS, 0)
     args = (model, ids, mask, group, sampling, 0, stops, do_sample)
     own = None if budgets is None else torch.tensor(budgets).repeat_interleave(group)
     torch.manual_seed(seed)
-    static = static_decode(*args, recorder=recorder, budgets=own, capture=False)
+    static = static_decode(*args, budgets=own, capture=False)
     torch.manual_seed(seed)
     dynamic = decode(*args, budgets=own)
     return static, dynamic, own
