@@ -23,21 +23,27 @@ import argparse
 import contextlib
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 ARMS = ("transformers", "folded")
 
 
 def smollm2_architecture(seed: int = 0):
-    """SmolLM2-135M's architecture with random weights, float32, sdpa attention, in eval mode."""
+    """SmolLM2-135M's architecture (``examples/gpu_models.py``'s ``SMOLLM2``) with random
+    weights, float32, sdpa attention, in eval mode."""
     import torch
+    from gpu_models import SMOLLM2 as shape
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=49_152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-        num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
-        tie_word_embeddings=True, attn_implementation="sdpa",
+        vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.mlp,
+        num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads, head_dim=shape.head_dim,
+        max_position_embeddings=8192, tie_word_embeddings=True, attn_implementation="sdpa",
     )  # fmt: skip
     torch.manual_seed(seed)
     return LlamaForCausalLM(config).eval()
@@ -66,10 +72,11 @@ def at_length(model, length: int, sequences: int, repeats: int, g) -> dict:
 
     from lightning_troll.engines import step_attention
 
-    ids = torch.randint(2, 49_152, (sequences, length), generator=g)
+    vocab = model.config.vocab_size
+    ids = torch.randint(2, vocab, (sequences, length), generator=g)
     with torch.no_grad():
         cache = model(input_ids=ids, use_cache=True).past_key_values  # (N, 3, L, 64) a layer
-    token = torch.randint(2, 49_152, (sequences, 1), generator=g)
+    token = torch.randint(2, vocab, (sequences, 1), generator=g)
     mask = torch.zeros(sequences, 1, 1, length + 1)  # additive: every position visible
     position = torch.full((sequences, 1), length)
     times: dict[str, list[float]] = {arm: [] for arm in ARMS}

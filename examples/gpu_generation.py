@@ -33,7 +33,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from gpu_models import EOS, PAD, Shape, clock, make_rollout, snapshot_and_policy, train_step
+from gpu_models import (
+    EOS,
+    PAD,
+    Shape,
+    clock,
+    make_rollout,
+    qwen3,
+    snapshot_and_policy,
+    train_step,
+)
 
 PATHS = ("dynamic", "graphs")
 
@@ -75,13 +84,10 @@ def variant_rows(name: str, shape: Shape, setting: GenerationSetting) -> list[di
     import contextlib
     from unittest import mock
 
-    import torch
-
     from lightning_troll.engines import step_attention
 
-    snapshot, _ = snapshot_and_policy(shape)
-    g = torch.Generator().manual_seed(0)
-    prompts = torch.randint(2, shape.vocab, (setting.prompts, setting.prompt), generator=g).tolist()
+    snapshot = qwen3(shape).requires_grad_(False)  # sampling only: no trainable copy
+    prompts = random_prompts(shape, setting)
     for path in PATHS:
         sample_with(snapshot, prompts, setting.group, setting.warmup_tokens, path)
     patches = {
@@ -123,8 +129,7 @@ def generation_rows(
     snapshot, policy = snapshot_and_policy(shape)
     objective = build_objective("troll")
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-6)
-    g = torch.Generator().manual_seed(0)
-    prompts = torch.randint(2, shape.vocab, (setting.prompts, setting.prompt), generator=g).tolist()
+    prompts = random_prompts(shape, setting)
 
     def iteration_parts(sampled) -> tuple[float, float]:
         """Seconds of the behaviour pass and of one training step on a sample."""
@@ -172,6 +177,14 @@ def generation_rows(
             snapshot, prompts, setting.group, setting.profile_tokens, path
         )
     return rows
+
+
+def random_prompts(shape: Shape, setting: GenerationSetting) -> list[list[int]]:
+    """``setting.prompts`` prompts of ``setting.prompt`` random token ids (seed 0)."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(2, shape.vocab, (setting.prompts, setting.prompt), generator=g).tolist()
 
 
 def sample_with(snapshot, prompts, group: int, tokens: int, path: str, check_every: int = 1):
