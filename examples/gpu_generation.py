@@ -1,9 +1,12 @@
-"""The ``generation`` phase of ``examples/gpu_check.py``: the two decoding paths side by side.
+"""The ``generation`` phase of ``examples/gpu_check.py``: the decoding paths side by side.
 
 At each Qwen3 shape (random initialisation, bf16 on a GPU) and at 256 and 1,024 new tokens, 8
 prompts x 8 completions are sampled by the dynamic loop (``model.sampling.decode: dynamic``,
-each step launched from the host) and by the CUDA-graph path (``graphs``: a static KV cache,
-each bucket's step replayed as one graph). A row per shape and length gives, for each path:
+each step launched from the host), by the CUDA-graph path (``graphs``: a static KV cache,
+each bucket's step replayed as one graph, the stop flags read at every step) and by that path
+reading them every 8 steps (``graphs_every_8``: ``model.sampling.check_every: 8``, the graph
+then holding the whole step, the draw and the records too). A row per shape and length gives,
+for each path:
 
 - ``*_tokens_per_s``: generated tokens over the sampling's wall time; ``*_wall_ms_per_step``:
   that time over the decoding steps (prefill and, for graphs, capture included);
@@ -17,14 +20,14 @@ each bucket's step replayed as one graph). A row per shape and length gives, for
   less those of a one-token sample, over the steps between them. A path bound by the host's
   launches shows a wall time per step far above it; one the device runs at its pace, close.
 
-At ``variant_shape`` (:func:`variant_rows`, the phase's ``variants``), both paths sample
-``variant_tokens`` new tokens with the decoding steps' attention as the library runs it, with
-PyTorch's own attention backend order, and with transformers' own handling of grouped heads, and
-the graphs read stop flags every 8 steps, one after the other in one process.
+At ``variant_shape`` (:func:`variant_rows`, the phase's ``variants``), the dynamic loop and the
+graphs sample ``variant_tokens`` new tokens with the decoding steps' attention as the library
+runs it, with PyTorch's own attention backend order, and with transformers' own handling of
+grouped heads, one after the other in one process.
 
-The dynamic loop samples the 1,024-token completions at the shapes ``dynamic_long_shapes``
-only (about 50 s at 0.6B's shape on an H200, which would be most of the phase's time at three
-shapes); its other rows leave those columns null. On a CPU (``--tiny``) ``graphs`` falls back to
+The dynamic loop and ``graphs_every_8`` sample the 1,024-token completions at the shapes
+``dynamic_long_shapes`` only (the dynamic loop took about 50 s at 0.6B's shape on an H200, which
+would be most of the phase's time at three shapes); their other rows leave those columns null. On a CPU (``--tiny``) ``graphs`` falls back to
 the dynamic loop (warned): the figures then say nothing about graphs, only that the phase runs.
 """
 
@@ -44,7 +47,8 @@ from gpu_models import (
     train_step,
 )
 
-PATHS = ("dynamic", "graphs")
+PATHS = {"dynamic": ("dynamic", 1), "graphs": ("graphs", 1), "graphs_every_8": ("graphs", 8)}
+"""Each path the phase times: its ``model.sampling.decode`` and ``check_every``."""
 
 
 @dataclass(frozen=True)
@@ -59,7 +63,8 @@ class GenerationSetting:
     """A first GRPO iteration this long (graphs) warms kernels, allocator and compiler caches."""
     profile_tokens: int = 17
     dynamic_long_shapes: tuple[str, ...] = ("qwen3-0.6b",)
-    """Shapes at which the dynamic loop samples the longest completions too."""
+    """Shapes at which the dynamic loop and ``graphs_every_8`` sample the longest completions
+    too."""
     variant_shape: str = "qwen3-0.6b"
     """The shape at which :func:`variant_rows` times the decoding steps' attention choices."""
     variant_tokens: int = 128
@@ -70,17 +75,19 @@ TINY_GENERATION = GenerationSetting(
     profile_tokens=5, variant_tokens=8,
 )  # fmt: skip
 
-VARIANTS = ("library", "torch_order", "transformers_heads", "check_every_8")
+VARIANTS = ("library", "torch_order", "transformers_heads")
 """The decoding steps' attention as the library runs it (``engines/step_attention.py``), with
 PyTorch's own backend order instead of cuDNN last, and with transformers' own handling of
-grouped heads (which, before transformers 5.24, repeats them: a copy of the cache a step); and
-the CUDA-graph path reading which sequences stopped every 8 steps
-(``model.sampling.check_every: 8``; the dynamic loop reads at every step and is not run)."""
+grouped heads (which, before transformers 5.24, repeats them: a copy of the cache a step)."""
+
+VARIANT_PATHS = ("dynamic", "graphs")
+"""The paths :func:`variant_rows` times."""
 
 
 def variant_rows(name: str, shape: Shape, setting: GenerationSetting) -> list[dict[str, Any]]:
-    """Both paths' tokens/s and wall time a step at ``shape``, ``variant_tokens`` new tokens, for
-    each of :data:`VARIANTS` in turn, in one process after one warm-up sample of each path."""
+    """The tokens/s and wall time a step of :data:`VARIANT_PATHS` at ``shape``,
+    ``variant_tokens`` new tokens, for each of :data:`VARIANTS` in turn, in one process after
+    one warm-up sample of each path."""
     import contextlib
     from unittest import mock
 
@@ -88,13 +95,12 @@ def variant_rows(name: str, shape: Shape, setting: GenerationSetting) -> list[di
 
     snapshot = qwen3(shape).requires_grad_(False)  # sampling only: no trainable copy
     prompts = random_prompts(shape, setting)
-    for path in PATHS:
+    for path in VARIANT_PATHS:
         sample_with(snapshot, prompts, setting.group, setting.warmup_tokens, path)
     patches = {
         "library": {},
         "torch_order": {"cudnn_attention_last": lambda device: contextlib.nullcontext()},
         "transformers_heads": {"grouped_query_steps": lambda model: contextlib.nullcontext()},
-        "check_every_8": {},
     }
     rows = []
     for variant in VARIANTS:
@@ -103,14 +109,10 @@ def variant_rows(name: str, shape: Shape, setting: GenerationSetting) -> list[di
         with contextlib.ExitStack() as stack:
             for attribute, stand_in in patches[variant].items():
                 stack.enter_context(mock.patch.object(step_attention, attribute, stand_in))
-            every = 8 if variant == "check_every_8" else 1
-            for path in PATHS:
-                if every > 1 and path == "dynamic":
-                    row |= {"dynamic_tokens_per_s": None, "dynamic_wall_ms_per_step": None}
-                    continue
+            for path in VARIANT_PATHS:
                 start = clock()
                 response = sample_with(snapshot, prompts, setting.group, setting.variant_tokens,
-                                       path, every)[2]  # fmt: skip
+                                       path)[2]  # fmt: skip
                 seconds = clock() - start
                 row[f"{path}_tokens_per_s"] = round(int(response.sum()) / seconds, 1)
                 row[f"{path}_wall_ms_per_step"] = round(1000 * seconds / response.shape[1], 3)
@@ -148,7 +150,7 @@ def generation_rows(
     for tokens in setting.new_tokens:
         row: dict[str, Any] = {"new_tokens": tokens, "sequences": setting.prompts * setting.group,
                                "micro_batch": micro_batch}  # fmt: skip
-        paths = PATHS
+        paths = tuple(PATHS)
         if tokens > min(setting.new_tokens) and name not in setting.dynamic_long_shapes:
             paths = ("graphs",)
         times, sampled = {}, None
@@ -169,7 +171,7 @@ def generation_rows(
         for path, seconds in times.items():
             rollout_s = seconds + behaviour_s
             row[f"{path}_rollout_share"] = round(rollout_s / (rollout_s + train_s), 4)
-        if len(times) == 2:  # tokens/s of graphs over the dynamic loop's
+        if "dynamic" in times:  # tokens/s of graphs over the dynamic loop's
             row["speedup"] = round(row["graphs_tokens_per_s"] / row["dynamic_tokens_per_s"], 3)
         rows.append(row)
     for path in PATHS:
@@ -187,13 +189,13 @@ def random_prompts(shape: Shape, setting: GenerationSetting) -> list[list[int]]:
     return torch.randint(2, shape.vocab, (setting.prompts, setting.prompt), generator=g).tolist()
 
 
-def sample_with(snapshot, prompts, group: int, tokens: int, path: str, check_every: int = 1):
+def sample_with(snapshot, prompts, group: int, tokens: int, path: str):
     """(ids, attention mask, response mask) of ``group`` completions of ``tokens`` per prompt,
-    sampled by the decoding ``path`` (the graphs reading stop flags every ``check_every``
-    steps)."""
+    sampled by the decoding ``path`` (a key of :data:`PATHS`)."""
     from lightning_troll.engines.sampling import SamplingConfig, sample
 
-    sampling = SamplingConfig(max_new_tokens=tokens, decode=path, check_every=check_every)
+    decode, every = PATHS[path]
+    sampling = SamplingConfig(max_new_tokens=tokens, decode=decode, check_every=every)
     ids, attention, response, _ = sample(snapshot, prompts, group, sampling, PAD, EOS)
     return ids, attention, response
 

@@ -344,6 +344,11 @@ def generation(results: Results, tiny: bool) -> None:
     rates = [
         f"{r['shape']} {r['new_tokens']}: {r['graphs_tokens_per_s']:.0f}"
         + (f" (dynamic {r['dynamic_tokens_per_s']:.0f})" if r["dynamic_tokens_per_s"] else "")
+        + (
+            f" (every 8: {r['graphs_every_8_tokens_per_s']:.0f})"
+            if r["graphs_every_8_tokens_per_s"]
+            else ""
+        )
         for r in results.rows
         if r.get("graphs_tokens_per_s")
     ]

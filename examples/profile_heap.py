@@ -67,13 +67,14 @@ def worker(way: str, model_dir: Path, layers: int, new_tokens: int, batch: int) 
     from transformers import AutoConfig, AutoModelForCausalLM
 
     import lightning_troll.engines.behaviour as behaviour
+    import lightning_troll.engines.records as records
     from lightning_troll.engines.decode import decode
     from lightning_troll.engines.sampling import SamplingConfig
     from lightning_troll.trust_region import defaults
     from lightning_troll.trust_region.sparse import sparsify
 
     if way == "as_they_come":
-        behaviour._Store.keep = lambda self, values: values
+        records.Store.keep = lambda self, values: values
     torch.manual_seed(0)
     config = AutoConfig.from_pretrained(model_dir)
     config.num_hidden_layers = layers

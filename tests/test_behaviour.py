@@ -167,9 +167,9 @@ def test_cpu_records_live_in_a_few_blocks_and_hold_each_steps_values(monkeypatch
     """On a CPU each step's record is copied into blocks shared by the steps (so the heap does not
     fill with small records between the steps' large temporaries); a full block starts a new one
     without touching what the old one holds, and the record is the one kept step by step."""
-    import lightning_troll.engines.behaviour as behaviour
+    import lightning_troll.engines.records as records
 
-    monkeypatch.setattr(behaviour, "_BLOCK_BYTES", block_bytes)
+    monkeypatch.setattr(records, "_BLOCK_BYTES", block_bytes)
     recorder = BehaviourRecorder(0.7, sparse_fn)
     given = recorded_steps(recorder, steps=12)
     kept = recorder._steps

@@ -275,8 +275,8 @@ def run_script(*args: str) -> subprocess.CompletedProcess:
 
 def assert_generation_figures(figures: dict, cuda: bool) -> None:
     """The ``generation`` phase at tiny shapes: a row per shape and length, each path's figures
-    where it ran (the dynamic loop at the longer length at the first shape only), and the
-    device's time per step where there is a device."""
+    where it ran (the dynamic loop and the graphs reading every 8 steps at the longer length at
+    the first shape only), and the device's time per step where there is a device."""
     assert figures["graphs_on_device"] is cuda
     rows = figures["rows"]
     assert [(r["shape"], r["new_tokens"]) for r in rows] == [
@@ -285,27 +285,26 @@ def assert_generation_figures(figures: dict, cuda: bool) -> None:
     for row in rows:
         assert row["generated_tokens"] > 0 and row["train_s"] > 0 and row["behaviour_s"] > 0
         both = row["new_tokens"] == 8 or row["shape"] == "qwen3-0.6b"
-        assert (row["dynamic_tokens_per_s"] is None) is not both
-        for path in ("dynamic", "graphs") if both else ("graphs",):
-            assert row[f"{path}_tokens_per_s"] > 0 and row[f"{path}_wall_ms_per_step"] > 0
-            assert 0 < row[f"{path}_rollout_share"] < 1
+        every = ("dynamic", "graphs", "graphs_every_8") if both else ("graphs",)
+        for path in gpu_generation.PATHS:
+            if path in every:
+                assert row[f"{path}_tokens_per_s"] > 0 and row[f"{path}_wall_ms_per_step"] > 0
+                assert 0 < row[f"{path}_rollout_share"] < 1
+            else:
+                assert row[f"{path}_tokens_per_s"] is row[f"{path}_rollout_share"] is None
         if both:
             ratio = row["graphs_tokens_per_s"] / row["dynamic_tokens_per_s"]
             assert row["speedup"] == pytest.approx(ratio, rel=2e-3)
     for row in rows[::2]:  # the device's time per step: in the first row of each shape
-        for path in ("dynamic", "graphs"):
+        for path in gpu_generation.PATHS:
             assert (row[f"{path}_device_ms_per_step"] is None) is not cuda
     variants = figures["variants"]  # the steps' attention choices, both paths, first shape
     assert [(v["shape"], v["variant"], v["new_tokens"]) for v in variants] == [
         ("qwen3-0.6b", variant, 8) for variant in gpu_generation.VARIANTS
     ]
     for row in variants:
-        ran = ("graphs",) if row["variant"] == "check_every_8" else ("dynamic", "graphs")
         for path in ("dynamic", "graphs"):
-            if path in ran:
-                assert row[f"{path}_tokens_per_s"] > 0 and row[f"{path}_wall_ms_per_step"] > 0
-            else:
-                assert row[f"{path}_tokens_per_s"] is None
+            assert row[f"{path}_tokens_per_s"] > 0 and row[f"{path}_wall_ms_per_step"] > 0
 
 
 @pytest.mark.slow  # seven phases, five of them in processes of their own: about 3 minutes

@@ -1,22 +1,32 @@
 """The CUDA-graph path's reads every k steps (``model.sampling.check_every``), on a CPU through
 its loop without capture: completions cut where the dynamic loop ends them, seeded draws equal
-while no sequence stops, one read per k steps (the records against a teacher-forced pass are
-``tests/test_graph_decode.py``'s, at k = 1 and 3)."""
+while no sequence stops, one read per k steps, slots that hold no sequence writing nowhere, and
+the checks of bad logits raised at the next read, naming the step (the records against a
+teacher-forced pass are ``tests/test_graph_decode.py``'s, at k = 1 and 3). At k > 1 the whole
+step, the choice of its tokens and their records too, is what the graph holds; the test marked
+``cuda`` captures it."""
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import replace
 
 import pytest
 import torch
 
+from lightning_troll.engines import graph_decode as graph_module
 from lightning_troll.engines import sampling as sampling_module
 from lightning_troll.engines.behaviour import BehaviourRecorder
 from lightning_troll.engines.decode import decode
 from lightning_troll.engines.graph_decode import static_decode
 from lightning_troll.engines.sampling import SamplingConfig, left_pad
+from lightning_troll.rollouts.rollout import behaviour_outputs
 from tests.test_decode import PROMPTS, VOCAB, sparse_rows, stops_at_several_lengths, tiny_llama
 from tests.test_graph_decode import SAMPLINGS, DeviceReads
+
+BUDGETS = [1, 2, 3, 4, 5, 8, 13, 20]
+"""Per prompt, for 8 prompts x 2: read every 3 steps, 10 sequences run after the first read, 6
+after the second (a bucket of 8 with 2 slots holding none), 4, 4, 2."""
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +92,112 @@ def test_the_host_reads_once_every_k_steps(llama, every):
     assert counted.count == -(-12 // every)
 
 
+def records_match_a_teacher_forced_pass(model, ids, mask, group, tokens, response, record,
+                                        temperature, atol):  # fmt: skip
+    """Asserts that ``record``'s log-probs and sparse rows at the ``response`` tokens equal a
+    teacher-forced pass's, to ``atol``."""
+    full = torch.cat([ids.repeat_interleave(group, 0), tokens.masked_fill(~response, 0)], dim=-1)
+    attention = torch.cat([mask.repeat_interleave(group, 0), response.long()], dim=-1)
+    logp, old = record.outputs(response)
+    logp_ref, old_ref = behaviour_outputs(model, full, attention, response, temperature,
+                                          sparse_rows)  # fmt: skip
+    torch.testing.assert_close(logp, logp_ref, rtol=0, atol=atol)
+    assert torch.equal(old.indices, old_ref.indices)
+    kept = old.indices >= 0
+    torch.testing.assert_close(old.logprobs[kept].exp(), old_ref.logprobs[kept].exp(), rtol=0,
+                               atol=atol)  # fmt: skip
+
+
+@pytest.mark.parametrize("seed", [3, 4])
+def test_slots_that_hold_no_sequence_write_nowhere(llama, seed):
+    """Budgets that leave 6 sequences running at a read: the bucket of 8 fills its last 2 slots
+    with copies of the first running one, which draw tokens of their own. Those land in no
+    sequence's row: the steps run in buckets of 16, 8, 4 and 2, each step feeds every slot that
+    holds a sequence the token its row holds (a copy's token written into the first running
+    sequence's row would not be the one its slot was fed), every completion runs to its budget,
+    and its records equal a teacher-forced pass over its tokens."""
+    prompts = [PROMPTS[i % 4] + [i + 3] for i in range(8)]
+    sampling = replace(SAMPLINGS[1], max_new_tokens=20, check_every=3)
+    recorder = BehaviourRecorder(sampling.temperature, sparse_rows)
+    ids, mask = left_pad(prompts, 0)
+    own = torch.tensor(BUDGETS).repeat_interleave(2)
+    fed = []  # each forward's (b,) input ids
+    handle = llama.register_forward_pre_hook(
+        lambda module, args, kwargs: fed.append(kwargs["input_ids"][:, -1].clone()),
+        with_kwargs=True,
+    )
+    torch.manual_seed(seed)
+    try:
+        tokens = static_decode(llama, ids, mask, 2, sampling, 0, [VOCAB + 5], True, recorder,
+                               budgets=own, capture=False)  # fmt: skip
+    finally:
+        handle.remove()
+    assert [len(step) for step in fed[1:]] == [16] * 5 + [8] * 3 + [4] * 6 + [2] * 5
+    held = {16: range(16), 8: range(10, 16), 4: range(12, 16), 2: range(14, 16)}  # their rows
+    for token, slots in enumerate(fed[1:]):  # the step that feeds each slot's token `token`
+        rows = list(held[len(slots)])
+        assert torch.equal(slots[: len(rows)], tokens[rows, token])
+    response, truncated = sampling_module.response_mask_of(tokens, [VOCAB + 5], own)
+    assert torch.equal(response.sum(-1), own) and truncated.all()
+    records_match_a_teacher_forced_pass(
+        llama, ids, mask, 2, tokens, response, recorder.finish(tokens), sampling.temperature, 1e-5
+    )
+
+
+@pytest.mark.parametrize("recorded", [True, False])
+def test_bad_logits_between_reads_raise_at_the_next_naming_their_step(recorded):
+    """NaN in one sequence's logits at step 4, reads every 3 steps: the read at step 6 raises
+    the recorder's error naming step 4 and sequence 1, or without a recorder the draw's."""
+    model = tiny_llama()
+    forwards = []
+
+    def spoil(module, args, output):
+        forwards.append(1)
+        if len(forwards) == 5:  # the prefill, then the steps that choose tokens 1 to 4
+            output.logits[1, -1, 0] = float("nan")
+
+    handle = model.register_forward_hook(spoil)
+    recorder = BehaviourRecorder(1.0, sparse_rows) if recorded else None
+    error, message = (
+        (FloatingPointError, r"at generation step 4 for 1 sequences \(first: 1\)") if recorded
+        else (RuntimeError, "probability tensor contains either")
+    )  # fmt: skip
+    ids, mask = left_pad(PROMPTS, 0)
+    sampling = SamplingConfig(max_new_tokens=12, check_every=3)
+    try:
+        with pytest.raises(error, match=message):
+            static_decode(model, ids, mask, 2, sampling, 0, [VOCAB + 5], True, recorder,
+                          capture=False)  # fmt: skip
+    finally:
+        handle.remove()
+    assert len(forwards) == 6  # the prefill and tokens 1 to 5: the read after token 5 raised
+
+
+def test_a_recorder_without_record_slots_reads_at_every_step(llama64, monkeypatch):
+    """A recorder that records running rows only cannot be written from a captured step: the
+    path warns once and reads at every step, so a seed draws the dynamic loop's tokens."""
+
+    class RowsOnly:
+        def __init__(self):
+            self.steps = 0
+
+        def record_rows(self, scores, tokens, rows, checks=None):
+            self.steps += 1
+
+    monkeypatch.setattr(graph_module, "_WARNED", set())
+    sampling = replace(SAMPLINGS[1], check_every=4)
+    stops = stops_at_several_lengths(llama64, PROMPTS, 12)
+    ids, mask = left_pad(PROMPTS, 0)
+    ours, theirs = RowsOnly(), RowsOnly()
+    args = (llama64, ids, mask, 2, sampling, 0, stops, True)
+    torch.manual_seed(2)
+    with pytest.warns(UserWarning, match=r"RowsOnly\) has no record_slots; it reads at every"):
+        static = static_decode(*args, ours, capture=False)
+    torch.manual_seed(2)
+    dynamic = decode(*args, theirs)
+    assert torch.equal(static, dynamic) and ours.steps == theirs.steps == static.shape[1]
+
+
 @pytest.mark.parametrize("value", [0, -2, 1.5, True, "4"])
 def test_check_every_below_one_or_not_an_integer_is_refused(value):
     with pytest.raises(ValueError, match=r"model\.sampling\.check_every must be an integer >= 1"):
@@ -105,3 +221,36 @@ def test_captured_graphs_reading_every_4_steps_cut_the_dynamic_loops_completions
     width = dynamic.shape[1]
     assert not ours[:, width:].any() and torch.equal(ours[:, :width], theirs)
     assert torch.equal(static[:, :width][theirs], dynamic[theirs])
+
+
+@pytest.mark.cuda
+def test_captured_whole_steps_run_no_step_eagerly_and_record_a_teacher_forced_pass(monkeypatch):
+    """On the device, float64, top-k draws, the budgets above, reads every 3 steps: the forward
+    runs only to prefill and in captures (a warm-up and a recording each: the first bucket's step
+    alone, then with its choice; the buckets of 16, 8, 4 and 2), never per step, and no capture
+    is warned about; every completion runs to its budget and its records equal a teacher-forced
+    pass to 1e-9."""
+    monkeypatch.setattr(graph_module, "_WARNED", set())
+    model = tiny_llama().double().to("cuda")
+    prompts = [PROMPTS[i % 4] + [i + 3] for i in range(8)]
+    sampling = replace(SAMPLINGS[1], max_new_tokens=20, check_every=3, decode="graphs")
+    recorder = BehaviourRecorder(sampling.temperature, sparse_rows)
+    ids, mask = (t.to("cuda") for t in left_pad(prompts, 0))
+    own = torch.tensor(BUDGETS, device="cuda").repeat_interleave(2)
+    forwards = []
+    handle = model.register_forward_pre_hook(lambda *_: forwards.append(1))
+    torch.manual_seed(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            tokens = static_decode(model, ids, mask, 2, sampling, 0, [VOCAB + 5], True, recorder,
+                                   budgets=own, capture=True)  # fmt: skip
+        finally:
+            handle.remove()
+    assert not [w for w in caught if "model.sampling" in str(w.message)]
+    assert len(forwards) == 1 + 2 + 2 * 4
+    response, truncated = sampling_module.response_mask_of(tokens, [VOCAB + 5], own)
+    assert torch.equal(response.sum(-1), own) and truncated.all()
+    records_match_a_teacher_forced_pass(
+        model, ids, mask, 2, tokens, response, recorder.finish(tokens), sampling.temperature, 1e-9
+    )

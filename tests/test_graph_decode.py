@@ -18,6 +18,7 @@ from transformers import LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
 from lightning_troll.engines import graph_decode as graph_module
 from lightning_troll.engines import sampling as sampling_module
+from lightning_troll.engines import static_batch as static_batch_module
 from lightning_troll.engines.behaviour import BehaviourRecorder
 from lightning_troll.engines.decode import decode
 from lightning_troll.engines.graph_decode import cannot_capture, graph_decode, static_decode
@@ -355,7 +356,7 @@ def test_a_failed_capture_falls_back_before_any_draw(llama, monkeypatch):
     """Where the first capture fails, ``graph_decode`` warns once and returns None having drawn
     no random number, so ``sample`` gives what the dynamic loop gives with the same seed."""
     monkeypatch.setattr(graph_module, "cannot_capture", lambda model, device: None)
-    monkeypatch.setattr(graph_module._StaticBatch, "capture",
+    monkeypatch.setattr(static_batch_module.StaticBatch, "capture",
                         lambda self: "RuntimeError: operation not permitted when stream is capturing")  # fmt: skip
     sampling = SamplingConfig(max_new_tokens=6, decode="graphs")
     ids, mask = left_pad(PROMPTS, 0)

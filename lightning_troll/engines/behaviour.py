@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from transformers import LogitsProcessor
 
 from lightning_troll.engines.choice import Check
+from lightning_troll.engines.records import SlotRecord, Store, not_finite
 from lightning_troll.trust_region.sparse import SparseDistribution
 
 __all__ = ["BehaviourRecord", "BehaviourRecorder", "behaviour_rows", "records_while_sampling"]
@@ -181,7 +182,8 @@ class BehaviourRecorder(LogitsProcessor):
         # per step: token log-probs (n,), sparse rows (n of them) or None, and the rows (n,)
         # of B they belong to (None: all B rows)
         self._steps: list[tuple[Tensor, SparseDistribution | None, Tensor | None]] = []
-        self._store = _Store()
+        self._store = Store()
+        self._slots: SlotRecord | None = None  # record_slots' record, written in place
 
     def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
         if self._pending is not None:
@@ -200,6 +202,33 @@ class BehaviourRecorder(LogitsProcessor):
         read here; the loop reads it before it ends the step."""
         self._record(scores.float() / self.temperature, tokens, rows, checks)
 
+    def record_slots(
+        self,
+        scores: Tensor,
+        tokens: Tensor,
+        rows: Tensor,
+        step: Tensor,
+        shape: tuple[int, int],
+        checks: list[Check],
+    ) -> None:
+        """One decoding step of a loop whose b slots keep fixed places (the CUDA-graph path
+        capturing its whole step, :func:`~lightning_troll.engines.graph_decode.static_decode`):
+        the slots' raw logits ``scores`` (b, V), the tokens drawn from them (b,), each slot's
+        row of B (b,; B itself for a slot that holds no sequence), the response position
+        ``step`` (a () tensor on the device) and the rollout's ``shape`` (B, T). Reads nothing
+        from the device and allocates nothing after its first call, so a CUDA graph can hold
+        it: each step writes in place, at (row, step), into tensors of (B + 1, T) allocated at
+        the first call; its check of the logits goes first in ``checks``, and its error names
+        the first step and the sequences whose logits were bad, from what all steps wrote."""
+        logits = scores.float() / self.temperature
+        logp, sparse, bad = behaviour_rows(
+            logits, tokens, sparsify_fn=self.sparsify_fn, reads=False
+        )
+        if self._slots is None:
+            self._slots = SlotRecord(shape, logp, sparse)
+        self._slots.write(rows, step, logp, sparse, bad)
+        checks.insert(0, Check(~bad.any(), self._slots.not_finite))
+
     def _record(
         self, logits: Tensor, tokens: Tensor, rows: Tensor | None, checks: list[Check] | None
     ) -> None:
@@ -211,9 +240,9 @@ class BehaviourRecorder(LogitsProcessor):
         )
         step = len(self._steps)
         if checks is not None:
-            checks.insert(0, Check(~bad.any(), lambda: _not_finite(bad, rows, step)))
+            checks.insert(0, Check(~bad.any(), lambda: not_finite(bad, rows, step)))
         elif bool(bad.any()):
-            raise _not_finite(bad, rows, step)
+            raise not_finite(bad, rows, step)
         keep = self._store.keep
         if sparse is not None:
             sparse = SparseDistribution(
@@ -226,9 +255,12 @@ class BehaviourRecorder(LogitsProcessor):
 
     def finish(self, responses: Tensor) -> BehaviourRecord:
         """The record of a finished generation whose new tokens are ``responses`` (B, T)."""
+        if self._slots is not None:
+            slots, self._slots = self._slots, None
+            return BehaviourRecord(*slots.fields(responses))
         if self._pending is not None:
             self._record(self._pending, responses[:, -1], None, None)
-        steps, self._steps, self._store = self._steps, [], _Store()
+        steps, self._steps, self._store = self._steps, [], Store()
         if len(steps) != responses.shape[1]:
             raise RuntimeError(
                 f"BehaviourRecorder saw {len(steps)} generation steps for {responses.shape[1]} "
@@ -268,42 +300,6 @@ class BehaviourRecorder(LogitsProcessor):
         )
 
 
-class _Store:
-    """Copies a step's record into a few large blocks, one per dtype, where it is on a CPU.
-
-    There glibc serves a step's few hundred KB of record from its heap, often from the space a
-    vocabulary-sized temporary of the step (the logits and what is computed from them) has just
-    freed; the record left there splits that space too small for the next step's temporaries,
-    which take new space above. Kept as they came, the records grew the heap by about 10 MiB a
-    step at SmolLM2's vocabulary with 64 sequences, nearly all of it free but held: 3,385 MiB
-    after 300 steps, 198 MiB in use; in blocks 197 MiB (``examples/profile_heap.py``,
-    ``examples/results/smollm2/heap.json``). Blocks of ``_BLOCK_BYTES`` are above glibc's largest
-    threshold for serving from the heap, so they are mappings of their own, given back with the
-    record. On other devices tensors are kept as they are (their allocator keeps small blocks
-    apart from large ones).
-    """
-
-    def __init__(self) -> None:
-        self._blocks: dict[torch.dtype, tuple[Tensor, int]] = {}  # dtype -> (block, used)
-
-    def keep(self, values: Tensor) -> Tensor:
-        """``values``, or a copy of it in a block (a view the same shape) on a CPU."""
-        if values.device.type != "cpu":
-            return values
-        count = values.numel()
-        block, used = self._blocks.get(values.dtype, (None, 0))
-        if block is None or used + count > block.numel():
-            size = max(count, _BLOCK_BYTES // values.element_size())
-            block, used = values.new_empty(size), 0
-        kept = block[used : used + count].view(values.shape)
-        kept.copy_(values)
-        self._blocks[values.dtype] = (block, used + count)
-        return kept
-
-
-_BLOCK_BYTES = 64 * 2**20
-
-
 def behaviour_rows(
     rows: Tensor, tokens: Tensor, *, sparsify_fn, reads: bool = True
 ) -> tuple[Tensor, SparseDistribution | None, Tensor]:
@@ -322,15 +318,3 @@ def behaviour_rows(
     if sparsify_fn is None:
         return logp, None, bad
     return logp, sparsify_fn(rows, tokens) if reads else sparsify_fn(rows, tokens, reads=False), bad
-
-
-def _not_finite(bad: Tensor, rows: Tensor | None, step: int) -> FloatingPointError:
-    """The error for generation step ``step``'s logits, bad where ``bad`` (n,) is True; ``rows``
-    (n,) their indices into B (None: all B)."""
-    first = bad.nonzero()[0, 0]
-    return FloatingPointError(
-        f"the behaviour policy's logits hold NaN or +inf (or -inf at the sampled token) at "
-        f"generation step {step} for {int(bad.sum())} sequences (first: "
-        f"{int(first if rows is None else rows[first])}); the snapshot's weights are not "
-        "finite, so no rollout is cached from them"
-    )

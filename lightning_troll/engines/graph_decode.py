@@ -25,6 +25,14 @@ loop's: with the same seed both paths draw the same tokens up to float rounding 
 (the static step attends over all L positions, the unused ones masked). A recorder's
 ``record_rows`` sees the same rows as in the dynamic loop.
 
+With ``sampling.check_every`` k > 1 the host reads the flags every k steps only, and the graph
+holds the whole step (:class:`Slots`): after the forward, every one of the b slots draws its
+token, the recorder writes in place (``record_slots``), the tokens land in ``responses`` at the
+step a device-side counter holds, and the stop flags and checks accumulate on the device; so
+between reads the host launches one graph a step and nothing else. A slot whose sequence stopped
+draws on (its tokens past its stop, cut by the caller); a spare slot of a bucket writes to row B,
+which is no sequence's.
+
 Why manual capture rather than ``torch.compile(mode="reduce-overhead")``: the cache length S + T
 changes with every rollout's prompts and budget and the batch with every bucket, and each new
 shape would be a compilation (tens of seconds to minutes at a real model's depth, and the
@@ -63,14 +71,14 @@ from transformers.cache_utils import StaticLayer
 
 from lightning_troll.engines.choice import Check, Sampling, choose_tokens, raise_failed
 from lightning_troll.engines.decode import (
-    Prefill,
     _synced,
     cannot_decode,
     no_additive_mask,
     prefill,
 )
+from lightning_troll.engines.static_batch import StaticBatch
 
-__all__ = ["DECODE_MODES", "cannot_capture", "graph_decode", "static_decode"]
+__all__ = ["DECODE_MODES", "Slots", "cannot_capture", "graph_decode", "static_decode"]
 
 DECODE_MODES = ("auto", "dynamic", "graphs")
 """Values of ``model.sampling.decode``."""
@@ -152,19 +160,47 @@ def static_decode(
         _fall_back("its forward returns no plain dynamic cache")
         return None
     budget = sampling.max_new_tokens
-    batch = _StaticBatch.prefilled(model, first, prompt_mask, group_size, budget)
+    batch = StaticBatch.prefilled(model, first, prompt_mask, group_size, budget)
     logits = first.logits  # (B, V)
     del first  # the dynamic cache: copied into the static one
-    if capture:
+    if capture:  # before any draw: a model whose forward cannot be captured is found here
         failure = batch.capture()
         if failure is not None:
             _fall_back(f"capturing its decode step failed ({failure})")
             return None
-    total = batch.rows.numel()  # B
+    every = getattr(sampling, "check_every", 1)  # steps between reads of the running flags
+    if every > 1 and recorder is not None and not hasattr(recorder, "record_slots"):
+        _fall_back_once(
+            f"model.sampling.check_every: {every} asks the CUDA-graph path to read which "
+            f"sequences stopped every {every} steps, but its recorder "
+            f"({type(recorder).__name__}) has no record_slots; it reads at every step"
+        )
+        every = 1
+    if every > 1:
+        slots = Slots(batch, sampling, do_sample, recorder, stops, budgets, pad_id)
+        return _whole_steps(batch, slots, logits, every, capture)
+    args = (sampling, do_sample, recorder, stops, budgets, pad_id)
+    return _each_step(batch, logits, *args, capture=capture)
+
+
+def _each_step(
+    batch: StaticBatch,
+    logits: Tensor,
+    sampling: Sampling,
+    do_sample: bool,
+    recorder: Any,
+    stops: Tensor,
+    budgets: Tensor | None,
+    pad_id: int,
+    capture: bool,
+) -> Tensor:
+    """The loop of :func:`static_decode` at ``check_every`` 1: each step's tokens are chosen
+    eagerly from the running sequences' logits, as the dynamic loop chooses them, and the host
+    reads which sequences stopped at every step. ``logits`` (B, V): the prefill's."""
+    total, budget = batch.rows.numel(), sampling.max_new_tokens  # B, T
+    device = logits.device
     responses = torch.full((total, budget), pad_id, dtype=torch.long, device=device)  # (B, T)
     live = torch.arange(total, device=device)  # (n,) the running slots, ascending
-    every = getattr(sampling, "check_every", 1)  # steps between reads of the running flags
-    stopped = torch.zeros(total, dtype=torch.bool, device=device)  # (n,) since the last read
     checks: list[Check] = []  # read with the running flags, in one wait on the device
     steps = 0
     while True:
@@ -179,157 +215,140 @@ def static_decode(
             batch.tokens[:, 0] = tokens
         else:
             batch.tokens[live, 0] = tokens  # finished slots keep feeding their last token
-        ended = torch.isin(tokens, stops)  # (n,)
+        running = ~torch.isin(tokens, stops)  # (n,)
         if budgets is not None:
-            ended |= budgets[rows] <= steps + 1
-        stopped |= ended  # a sequence that stopped keeps sampling until the flags are read
+            running &= budgets[rows] > steps + 1
         steps += 1
-        if steps % every and steps < budget:  # not read this step: the next one is queued
-            logits = batch.forward()  # (b, V)
-            continue
-        flags = torch.cat([~stopped, *(c.ok.unsqueeze(0) for c in checks)])  # (n + checks,)
-        flags = flags.tolist()  # the one wait on the device since the last read
+        flags = torch.cat([running, *(c.ok.unsqueeze(0) for c in checks)])  # (n + checks,)
+        flags = flags.tolist()  # the step's one wait on the device
         raise_failed(checks, flags[live.numel() :])
         if not all(flags[: live.numel()]):
-            live = live[~stopped]  # (n',)
-        checks, stopped = [], stopped.new_zeros(live.numel())
+            live = live[running]  # (n',)
+        checks = []
         if live.numel() == 0 or steps == budget:
             break
         if live.numel() <= batch.next_bucket():
-            live = batch.compact(live, capture)
+            live = batch.compact(live)
+            if capture:
+                _capture_or_warn(batch)
         logits = batch.forward()  # (b, V)
     return responses[:, :steps]  # (B, T)
 
 
-class _StaticBatch:
-    """The b slots of the bucket decoding now, and the one step they take.
+def _whole_steps(
+    batch: StaticBatch, slots: Slots, logits: Tensor, every: int, capture: bool
+) -> Tensor:
+    """The loop of :func:`static_decode` at ``check_every`` k > 1: the first token is chosen
+    eagerly from the prefill's ``logits`` (B, V); every later step, the forward with the choice
+    of its tokens, their records and the stop flags, is one captured graph (``capture``) or
+    runs eagerly, and the host reads the flags every k steps and at the budget's end."""
+    budget = slots.responses.shape[1]  # T
+    slots.choose(logits)  # the first token: its kernels run once before any capture
+    batch.slots = slots
+    if capture:
+        _capture_or_warn(batch)
+    steps = 1
+    while True:
+        if steps % every == 0 or steps == budget:
+            running = slots.read()  # the slots whose sequences run on
+            if not running or steps == budget:
+                break
+            if len(running) <= batch.next_bucket():
+                live = torch.tensor(running, device=slots.step.device)  # (n,)
+                batch.compact(live)
+                if capture:
+                    _capture_or_warn(batch)
+        batch.forward()  # the step, its tokens chosen and recorded
+        steps += 1
+    return slots.responses[:-1, :steps]  # (B, T)
 
-    Attributes: ``rows`` (b,) each slot's index into B; ``tokens`` (b, 1) the ids the next step
-    feeds; ``positions`` (b, 1) their positions; ``mask`` (b, 1, 1, L) the additive attention
-    mask (0 where a slot attends, the dtype's lowest value elsewhere); ``slot`` the cache position
-    the next step writes; ``cache`` a ``StaticCache`` whose layers view the first b rows of the
-    (B, H, L, D) keys and values allocated once; ``graph`` the captured step, or None (eager).
-    Every tensor a graph reads or writes keeps its address until the next compaction.
+
+class Slots:
+    """The choice of a step's tokens as a CUDA graph can hold it, for ``check_every`` > 1:
+    every one of the bucket's b slots draws (a slot whose sequence stopped, or that holds
+    none, too: its token lands past its stop, or in row B of ``responses``, which is no
+    sequence's), and nothing is read from the device or allocated after the first step.
+
+    Attributes: ``responses`` (B + 1, T) the tokens at (row, step); ``step`` () the response
+    position the next choice writes; ``stopped`` (b,) slots whose sequence stopped (or that hold
+    none); ``limit`` (b,) each slot's own budget; ``oks`` the step's checks, each (), and-ed over
+    the steps since the last read (None before the first step), with their ``errors``.
     """
 
-    def __init__(self, model, cache, name, rows, positions, mask, slot, storage) -> None:
-        self.model, self.cache, self.name = model, cache, name
-        self.rows, self.positions, self.mask, self.slot = rows, positions, mask, slot
-        self.tokens = torch.zeros_like(positions)  # (b, 1)
-        self.storage = storage  # per layer: the (B, H, L, D) keys and values
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.logits: Tensor | None = None  # (b, V) the captured step's output
+    def __init__(self, batch, sampling, do_sample, recorder, stops, budgets, pad_id) -> None:
+        total, budget = batch.rows.numel(), sampling.max_new_tokens  # B, T
+        device = batch.rows.device
+        self.batch, self.sampling, self.do_sample = batch, sampling, do_sample
+        self.recorder, self.stops = recorder, stops
+        self.responses = torch.full((total + 1, budget), pad_id, dtype=torch.long, device=device)
+        self.step = torch.zeros((), dtype=torch.long, device=device)
+        self.stopped = torch.zeros(total, dtype=torch.bool, device=device)
+        self.limit = budgets.clone() if budgets is not None else torch.full_like(
+            self.stopped, budget, dtype=torch.long
+        )  # fmt: skip
+        self.oks: list[Tensor] | None = None
+        self.errors: list[Any] = []
 
-    @classmethod
-    def prefilled(cls, model, first: Prefill, prompt_mask, group, budget):
-        """The B slots after the prefill: the (P, S) prompts' keys and values of ``first.cache``
-        (a filled ``DynamicCache``) repeated ``group`` times into a static cache of L
-        positions."""
-        length = prompt_mask.shape[1]  # S
-        positions = -(-(length + budget) // 16) * 16  # L: S + T, aligned for attention kernels
-        cache = StaticCache(config=model.config, max_cache_len=positions)
-        storage = []
-        for layer, filled in zip(cache.layers, first.cache.layers, strict=True):
-            keys = filled.keys.repeat_interleave(group, dim=0)  # (B, H, S, D)
-            values = filled.values.repeat_interleave(group, dim=0)
-            layer.lazy_initialization(keys, values)  # (B, H, L, D) zeros
-            layer.keys[:, :, :length] = keys
-            layer.values[:, :, :length] = values
-            layer.cumulative_length.fill_(length)
-            storage.append((layer.keys, layer.values))
-        dtype = storage[0][0].dtype
-        visible = prompt_mask.repeat_interleave(group, dim=0).bool()  # (B, S)
-        lowest = torch.finfo(dtype).min
-        shape = (visible.shape[0], 1, 1, positions)  # (B, 1, 1, L)
-        mask = torch.full(shape, lowest, dtype=dtype, device=visible.device)
-        mask[:, 0, 0, :length].masked_fill_(visible, 0.0)
-        following = first.following.unsqueeze(-1).repeat_interleave(group, dim=0)  # (B, 1)
-        rows = torch.arange(visible.shape[0], device=visible.device)  # (B,)
-        return cls(model, cache, first.name, rows, following, mask, length, storage)
-
-    def next_bucket(self) -> int:
-        """The size of the next smaller bucket: the largest power of two below b (0 at b = 1)."""
-        size = self.rows.numel()
-        return 1 << (size - 1).bit_length() - 1 if size > 1 else 0
-
-    def forward(self) -> Tensor:
-        """One step of every slot: feeds ``tokens`` at ``positions``; returns the logits (b, V),
-        float32 (the graph's output buffer when captured: read it before the next step)."""
-        self.mask[:, :, :, self.slot] = 0.0  # the position this step writes becomes visible
-        if self.graph is None:
-            logits = self._run()
+    def choose(self, logits: Tensor) -> None:
+        """Chooses and records every slot's token from its logits (b, V) and feeds it to the
+        next step; marks the slots whose sequence stopped; moves ``step`` on."""
+        batch, checks = self.batch, []
+        tokens = choose_tokens(logits, self.sampling, self.do_sample, checks)  # (b,)
+        shape = (self.responses.shape[0] - 1, self.responses.shape[1])  # (B, T)
+        if self.recorder is not None:
+            self.recorder.record_slots(logits, tokens, batch.rows, self.step, shape, checks)
+        self.responses.index_put_((batch.rows, self.step.expand_as(batch.rows)), tokens)
+        batch.tokens[:, 0] = tokens
+        ended = (tokens.unsqueeze(-1) == self.stops).any(-1)  # (b,)
+        self.stopped |= ended | (self.limit <= self.step + 1)
+        if self.oks is None:  # the first step, eager: the checks' running values start here
+            self.oks = [check.ok.clone() for check in checks]
+            self.errors = [check.error for check in checks]
         else:
-            self.graph.replay()
-            logits = self.logits
-        self.positions += 1
-        self.slot += 1
-        return logits
+            for ok, check in zip(self.oks, checks, strict=True):
+                ok &= check.ok
+        self.step += 1
 
-    def _run(self) -> Tensor:
-        out = self.model(
-            input_ids=self.tokens,  # (b, 1)
-            attention_mask=self.mask,  # (b, 1, 1, L)
-            position_ids=self.positions,  # (b, 1)
-            use_cache=True,
-            **{self.name: self.cache},
+    def read(self) -> list[int]:
+        """The slots whose sequences run on, after the one wait on the device since the last
+        read (which raises the first failed check's error)."""
+        size = self.stopped.numel()
+        flags = torch.cat([~self.stopped, *(ok.unsqueeze(0) for ok in self.oks)]).tolist()
+        raise_failed([Check(ok, error) for ok, error in zip(self.oks, self.errors, strict=True)],
+                     flags[size:])  # fmt: skip
+        for ok in self.oks:
+            ok.fill_(True)
+        return [slot for slot, running in enumerate(flags[:size]) if running]
+
+    def gather(self, take: Tensor, count: int) -> None:
+        """The per-slot state of the bucket ``take`` (b',) makes, its first ``count`` slots
+        running and the rest holding no sequence."""
+        self.limit = self.limit[take]
+        self.stopped = torch.arange(take.numel(), device=take.device) >= count
+
+
+def _capture_or_warn(batch: StaticBatch) -> None:
+    """Captures ``batch``'s step; where that fails, warns (once per reason) that its steps run
+    eagerly."""
+    failure = batch.capture()
+    if failure is not None:
+        _fall_back_once(
+            f"model.sampling.decode: capturing the CUDA-graph path's decode step for "
+            f"{batch.rows.numel()} slots failed ({failure}); those steps run eagerly"
         )
-        return out.logits[:, -1].float()  # (b, V)
-
-    def compact(self, live: Tensor, capture: bool) -> Tensor:
-        """Moves the ``live`` slots (n,) to the front, into the smallest bucket that holds them
-        (the rest of it filled with copies of the first, never read), and captures its step
-        where ``capture`` asks (eagerly if that fails, warned). Returns the new live slots
-        (n,), ``arange(n)``."""
-        count = live.numel()
-        size = 1 << (count - 1).bit_length()  # the smallest power of two >= n
-        take = torch.cat([live, live[:1].expand(size - count)])  # (b',) slots of the old bucket
-        self.graph, self.logits = None, None  # the old bucket's graph and its memory go
-        for layer, (keys, values) in zip(self.cache.layers, self.storage, strict=True):
-            keys[:size] = layer.keys[take]  # (b', H, L, D), gathered before it is written
-            values[:size] = layer.values[take]
-            layer.keys, layer.values = keys[:size], values[:size]
-            layer.batch_size = size
-        self.rows, self.mask = self.rows[take], self.mask[take]  # (b',), (b', 1, 1, L)
-        self.positions, self.tokens = self.positions[take], self.tokens[take]  # (b', 1)
-        if capture:
-            failure = self.capture()
-            if failure is not None:
-                _fall_back(f"capturing its decode step for {size} slots failed ({failure}); "
-                           "those steps run eagerly")  # fmt: skip
-        return torch.arange(count, device=live.device)
-
-    def capture(self) -> str | None:
-        """Captures this bucket's step as a CUDA graph, after one eager warm-up of it on a side
-        stream; returns None, or the error's first line where capture failed (no graph then).
-        Both write the cache position the next step writes, which that step overwrites."""
-        counters = [layer.cumulative_length for layer in self.cache.layers]
-        try:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                self._run()
-            torch.cuda.current_stream().wait_stream(side)
-            for counter in counters:
-                counter.fill_(self.slot)  # the warm-up moved it on
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                logits = self._run()  # (b, V), recorded, not run
-        except Exception as error:  # noqa: BLE001 - any failure: the step runs eagerly
-            torch.cuda.synchronize()
-            for counter in counters:
-                counter.fill_(self.slot)
-            return f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
-        self.graph, self.logits = graph, logits
-        return None
 
 
 def _fall_back(reason: str) -> None:
     """Warns, once per reason, that the dynamic loop decodes instead of the CUDA graphs."""
-    if reason in _WARNED:
-        return
-    _WARNED.add(reason)
-    warnings.warn(
+    _fall_back_once(
         f"model.sampling.decode: CUDA-graph decoding cannot serve this model ({reason}); the "
-        "dynamic decoding loop samples instead",
-        stacklevel=3,
+        "dynamic decoding loop samples instead"
     )
+
+
+def _fall_back_once(message: str) -> None:
+    """Warns ``message``, once per process."""
+    if message in _WARNED:
+        return
+    _WARNED.add(message)
+    warnings.warn(message, stacklevel=4)

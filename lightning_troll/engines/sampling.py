@@ -60,9 +60,10 @@ class SamplingConfig:
     check_every: int = 1
     """How many steps the CUDA-graph path decodes between reads of which sequences stopped
     (the dynamic loop reads at every step). At 1 the host waits on the device at every step,
-    and a seed draws the dynamic loop's completions; above 1 the host queues that many steps
-    ahead of the device, a stopped sequence samples on (its tokens cut, as past its stop)
-    until the next read, and a seed draws other completions from the same distribution."""
+    and a seed draws the dynamic loop's completions; above 1 the graph holds the whole step
+    (the draw and the records too), the host queues that many steps ahead of the device, a
+    stopped sequence samples on (its tokens cut, as past its stop) until the next read, and a
+    seed draws other completions from the same distribution."""
 
     def __post_init__(self) -> None:
         if not is_number(self.temperature) or not self.temperature > 0:

@@ -1,0 +1,176 @@
+"""The slots of the CUDA-graph path's static KV cache, and the one step they take.
+
+:class:`StaticBatch` holds what :func:`~lightning_troll.engines.graph_decode.static_decode`
+decodes from: transformers' ``StaticCache`` filled from the prefill, the feed of every slot, the
+additive mask, the captured step; it moves the running slots into smaller buckets and captures
+each bucket's step. Notation as :mod:`~lightning_troll.engines.graph_decode`'s.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import Tensor
+from transformers import StaticCache
+
+from lightning_troll.engines.decode import Prefill
+
+__all__ = ["StaticBatch", "StepEnd"]
+
+
+class StepEnd(Protocol):
+    """What a step of :class:`StaticBatch` may end with, in its graph: the choice of the slots'
+    next tokens (:class:`~lightning_troll.engines.graph_decode.Slots`)."""
+
+    def choose(self, logits: Tensor) -> None:
+        """Acts on the step's logits (b, V), reading nothing from the device."""
+
+    def gather(self, take: Tensor, count: int) -> None:
+        """Follows a compaction: the new bucket's slots are the old ``take`` (b',), its first
+        ``count`` holding the running sequences."""
+
+
+class StaticBatch:
+    """The b slots of the bucket decoding now, and the one step they take.
+
+    Attributes: ``rows`` (b,) each slot's index into B (B itself for a slot that holds no
+    sequence); ``tokens`` (b, 1) the ids the next step feeds; ``positions`` (b, 1) their
+    positions; ``mask`` (b, 1, 1, L) the additive attention mask (0 where a slot attends, the
+    dtype's lowest value elsewhere); ``slot`` the cache position the next step writes, and
+    ``slot_at`` the same on the device; ``cache`` a ``StaticCache`` whose layers view the first
+    b rows of the (B, H, L, D) keys and values allocated once; ``slots`` None, or the
+    :class:`~lightning_troll.engines.graph_decode.Slots` whose ``choose`` each step ends with (``check_every`` > 1); ``graph`` the
+    captured step, or None (eager). Every tensor a graph reads or writes keeps its address until
+    the next compaction.
+    """
+
+    def __init__(self, model, cache, name, rows, positions, mask, slot, storage) -> None:
+        self.model, self.cache, self.name = model, cache, name
+        self.rows, self.positions, self.mask, self.slot = rows, positions, mask, slot
+        self.slot_at = torch.tensor(slot, device=rows.device)  # ()
+        self.tokens = torch.zeros_like(positions)  # (b, 1)
+        self.storage = storage  # per layer: the (B, H, L, D) keys and values
+        self.slots: StepEnd | None = None
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.logits: Tensor | None = None  # (b, V) the captured step's output
+
+    @classmethod
+    def prefilled(cls, model, first: Prefill, prompt_mask, group, budget):
+        """The B slots after the prefill: the (P, S) prompts' keys and values of ``first.cache``
+        (a filled ``DynamicCache``) repeated ``group`` times into a static cache of L
+        positions."""
+        length = prompt_mask.shape[1]  # S
+        positions = -(-(length + budget) // 16) * 16  # L: S + T, aligned for attention kernels
+        cache = StaticCache(config=model.config, max_cache_len=positions)
+        storage = []
+        for layer, filled in zip(cache.layers, first.cache.layers, strict=True):
+            keys = filled.keys.repeat_interleave(group, dim=0)  # (B, H, S, D)
+            values = filled.values.repeat_interleave(group, dim=0)
+            layer.lazy_initialization(keys, values)  # (B, H, L, D) zeros
+            layer.keys[:, :, :length] = keys
+            layer.values[:, :, :length] = values
+            layer.cumulative_length.fill_(length)
+            storage.append((layer.keys, layer.values))
+        dtype = storage[0][0].dtype
+        visible = prompt_mask.repeat_interleave(group, dim=0).bool()  # (B, S)
+        lowest = torch.finfo(dtype).min
+        shape = (visible.shape[0], 1, 1, positions)  # (B, 1, 1, L)
+        mask = torch.full(shape, lowest, dtype=dtype, device=visible.device)
+        mask[:, 0, 0, :length].masked_fill_(visible, 0.0)
+        following = first.following.unsqueeze(-1).repeat_interleave(group, dim=0)  # (B, 1)
+        rows = torch.arange(visible.shape[0], device=visible.device)  # (B,)
+        return cls(model, cache, first.name, rows, following, mask, length, storage)
+
+    def next_bucket(self) -> int:
+        """The size of the next smaller bucket: the largest power of two below b (0 at b = 1)."""
+        size = self.rows.numel()
+        return 1 << (size - 1).bit_length() - 1 if size > 1 else 0
+
+    def forward(self) -> Tensor:
+        """One step of every slot: feeds ``tokens`` at ``positions``; returns the logits (b, V),
+        float32 (the graph's output buffer when captured: read it before the next step); with
+        ``slots``, their ``choose`` follows on those logits, in the graph where captured."""
+        if self.graph is None:
+            logits = self._step()
+            if self.slots is not None:
+                self.slots.choose(logits)
+        else:
+            self.graph.replay()
+            logits = self.logits
+        self.slot += 1
+        return logits
+
+    def _step(self) -> Tensor:
+        """The step as a graph holds it: every position and count it moves on lives on the
+        device."""
+        visible = self.mask[:, 0, 0]  # (b, L), a view
+        visible.index_fill_(-1, self.slot_at.view(1), 0.0)  # the position this step writes
+        out = self.model(
+            input_ids=self.tokens,  # (b, 1)
+            attention_mask=self.mask,  # (b, 1, 1, L)
+            position_ids=self.positions,  # (b, 1)
+            use_cache=True,
+            **{self.name: self.cache},
+        )
+        self.positions += 1
+        self.slot_at += 1
+        return out.logits[:, -1].float()  # (b, V)
+
+    def compact(self, live: Tensor) -> Tensor:
+        """Moves the ``live`` slots (n,) to the front, into the smallest bucket that holds them
+        (the rest of it filled with copies of the first, holding no sequence), and drops the old
+        bucket's graph (the caller captures the new one). Returns the new live slots (n,),
+        ``arange(n)``."""
+        count = live.numel()
+        size = 1 << (count - 1).bit_length()  # the smallest power of two >= n
+        take = torch.cat([live, live[:1].expand(size - count)])  # (b',) slots of the old bucket
+        self.graph, self.logits = None, None  # the old bucket's graph and its memory go
+        for layer, (keys, values) in zip(self.cache.layers, self.storage, strict=True):
+            keys[:size] = layer.keys[take]  # (b', H, L, D), gathered before it is written
+            values[:size] = layer.values[take]
+            layer.keys, layer.values = keys[:size], values[:size]
+            layer.batch_size = size
+        nowhere = self.storage[0][0].shape[0]  # B: the row of a slot holding no sequence
+        self.rows = self.rows[take].index_fill_(
+            0, torch.arange(count, size, device=live.device), nowhere
+        )  # (b',) fmt: skip
+        self.mask = self.mask[take]  # (b', 1, 1, L)
+        self.positions, self.tokens = self.positions[take], self.tokens[take]  # (b', 1)
+        if self.slots is not None:
+            self.slots.gather(take, count)
+        return torch.arange(count, device=live.device)
+
+    def capture(self) -> str | None:
+        """Captures this bucket's step (with ``slots.choose`` after it, where ``slots`` is set)
+        as a CUDA graph, after one eager warm-up of the forward on a side stream; returns None,
+        or the error's first line where capture failed (no graph then). The warm-up writes the
+        cache position the next step writes, which that step overwrites, and moves the
+        positions and counters on, which are then set back."""
+        counters = [layer.cumulative_length for layer in self.cache.layers]
+        positions = self.positions.clone()  # (b, 1)
+
+        def set_back() -> None:
+            self.positions.copy_(positions)
+            self.slot_at.fill_(self.slot)
+            for counter in counters:
+                counter.fill_(self.slot)
+
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self._step()
+            torch.cuda.current_stream().wait_stream(side)
+            set_back()  # the warm-up moved them on
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                logits = self._step()  # (b, V), recorded, not run
+                if self.slots is not None:
+                    self.slots.choose(logits)
+        except Exception as error:  # noqa: BLE001 - any failure: the step runs eagerly
+            torch.cuda.synchronize()
+            set_back()
+            return f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
+        self.graph, self.logits = graph, logits
+        return None
