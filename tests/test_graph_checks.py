@@ -16,6 +16,7 @@ import torch
 
 from lightning_troll.engines import graph_decode as graph_module
 from lightning_troll.engines import sampling as sampling_module
+from lightning_troll.engines import static_batch
 from lightning_troll.engines.behaviour import BehaviourRecorder
 from lightning_troll.engines.decode import decode
 from lightning_troll.engines.graph_decode import static_decode
@@ -108,14 +109,16 @@ def records_match_a_teacher_forced_pass(model, ids, mask, group, tokens, respons
                                atol=atol)  # fmt: skip
 
 
-@pytest.mark.parametrize("seed", [3, 4])
-def test_slots_that_hold_no_sequence_write_nowhere(llama, seed):
+@pytest.mark.parametrize(("seed", "span"), [(3, 256), (4, 256), (3, 4)])
+def test_slots_that_hold_no_sequence_write_nowhere(llama, monkeypatch, seed, span):
     """Budgets that leave 6 sequences running at a read: the bucket of 8 fills its last 2 slots
     with copies of the first running one, which draw tokens of their own. Those land in no
     sequence's row: the steps run in buckets of 16, 8, 4 and 2, each step feeds every slot that
     holds a sequence the token its row holds (a copy's token written into the first running
     sequence's row would not be the one its slot was fed), every completion runs to its budget,
-    and its records equal a teacher-forced pass over its tokens."""
+    and its records equal a teacher-forced pass over its tokens; also where the positions a
+    step attends over widen every 4 (``span``)."""
+    monkeypatch.setattr(static_batch, "SPAN", span)
     prompts = [PROMPTS[i % 4] + [i + 3] for i in range(8)]
     sampling = replace(SAMPLINGS[1], max_new_tokens=20, check_every=3)
     recorder = BehaviourRecorder(sampling.temperature, sparse_rows)
@@ -224,13 +227,17 @@ def test_captured_graphs_reading_every_4_steps_cut_the_dynamic_loops_completions
 
 
 @pytest.mark.cuda
-def test_captured_whole_steps_run_no_step_eagerly_and_record_a_teacher_forced_pass(monkeypatch):
+@pytest.mark.parametrize("span", [256, 8])
+def test_captured_whole_steps_run_no_step_eagerly_and_record_a_teacher_forced_pass(
+    monkeypatch, span
+):
     """On the device, float64, top-k draws, the budgets above, reads every 3 steps: the forward
     runs only to prefill and in captures (a warm-up and a recording each: the first bucket's step
-    alone, then with its choice; the buckets of 16, 8, 4 and 2), never per step, and no capture
-    is warned about; every completion runs to its budget and its records equal a teacher-forced
-    pass to 1e-9."""
+    alone, then with its choice; again at each new bucket of 16, 8, 4 and 2 slots and each wider
+    span of visible positions), never per step, and no capture is warned about; every completion
+    runs to its budget and its records equal a teacher-forced pass to 1e-9."""
     monkeypatch.setattr(graph_module, "_WARNED", set())
+    monkeypatch.setattr(static_batch, "SPAN", span)
     model = tiny_llama().double().to("cuda")
     prompts = [PROMPTS[i % 4] + [i + 3] for i in range(8)]
     sampling = replace(SAMPLINGS[1], max_new_tokens=20, check_every=3, decode="graphs")
@@ -248,7 +255,12 @@ def test_captured_whole_steps_run_no_step_eagerly_and_record_a_teacher_forced_pa
         finally:
             handle.remove()
     assert not [w for w in caught if "model.sampling" in str(w.message)]
-    assert len(forwards) == 1 + 2 + 2 * 4
+    start, cache = ids.shape[1], 32  # S, and L: S + 20 rounded up to 16
+    buckets = [16] * 5 + [8] * 3 + [4] * 6 + [2] * 5  # the steps that choose tokens 1 to 19
+    seen = [min(cache, -(-(start + t) // span) * span) for t in range(1, 20)]
+    steps = list(zip(buckets, seen, strict=True))
+    captures = 1 + sum(1 for t in range(1, 19) if steps[t] != steps[t - 1])
+    assert len(forwards) == 1 + 2 + 2 * captures
     response, truncated = sampling_module.response_mask_of(tokens, [VOCAB + 5], own)
     assert torch.equal(response.sum(-1), own) and truncated.all()
     records_match_a_teacher_forced_pass(

@@ -4,6 +4,8 @@ attention last on a GPU; both given back after the loops."""
 
 from __future__ import annotations
 
+import warnings
+from contextlib import nullcontext
 from functools import partial
 from types import SimpleNamespace
 
@@ -13,12 +15,14 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
+from lightning_troll.engines import graph_decode, static_batch
 from lightning_troll.engines import step_attention as attention
 from lightning_troll.engines.behaviour import BehaviourRecorder
-from lightning_troll.engines.decode import decode
+from lightning_troll.engines.decode import decode, no_additive_mask
 from lightning_troll.engines.graph_decode import static_decode
 from lightning_troll.engines.sampling import SamplingConfig, left_pad, sample
-from tests.test_decode import PROMPTS, stops_at_several_lengths, tiny_llama
+from tests.test_decode import PROMPTS, VOCAB, stops_at_several_lengths, tiny_llama
+from tests.test_graph_decode import DeviceReads
 
 
 def grouped(n=3, heads=4, kv=2, length=7, size=8, query=1):
@@ -146,18 +150,76 @@ def test_cudnn_comes_last_on_cuda_and_the_order_comes_back():
 
 
 @pytest.mark.cuda
-def test_sampling_on_cuda_runs_with_cudnn_last_and_gives_the_order_back():
+def test_sampling_on_cuda_runs_with_cudnn_last_and_gives_the_order_back(monkeypatch):
     """Every forward of ``sample`` on the device (prefill, steps, captures) sees cuDNN last,
-    with cuDNN first before and after it."""
+    with cuDNN first before and after it; the CUDA-graph path serves the model, whatever
+    attention the loops lend it (no fallback warned)."""
+    monkeypatch.setattr(graph_decode, "_WARNED", set())
     model = tiny_llama().to("cuda")
     seen = []
     handle = model.register_forward_pre_hook(lambda *_: seen.append(enabled_order()))
     first = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
              SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]  # fmt: skip
     try:
-        with sdpa_kernel(first, set_priority=True):
+        with sdpa_kernel(first, set_priority=True), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             sample(model, PROMPTS, 2, SamplingConfig(max_new_tokens=6), 0, [2], True)
             assert enabled_order()[0] == CUDNN
     finally:
         handle.remove()
     assert seen and all(order[-1] == CUDNN and order[0] == FLASH for order in seen)
+    assert not [w for w in caught if "model.sampling.decode" in str(w.message)]
+
+
+class KeyLengths(TorchFunctionMode):
+    """Records the query and key lengths of every ``scaled_dot_product_attention`` call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[int, int]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            self.calls.append((args[0].shape[2], args[1].shape[2]))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("fold", [False, True], ids=["sdpa", "folded"])
+def test_a_static_step_attends_over_the_positions_it_can_see(monkeypatch, fold):
+    """float64, greedy, the visible positions widened in steps of 4: every decoding step of the
+    static loop hands the attention kernel the keys up to the next multiple of 4 past the
+    position it writes (at most the cache's L), not all L, with transformers' ``sdpa`` lent the
+    cut and with the fold lent; the tokens are the dynamic loop's."""
+    monkeypatch.setattr(static_batch, "SPAN", 4)
+    model = tiny_llama().double()
+    sampling = SamplingConfig(max_new_tokens=10)
+    ids, mask = left_pad(PROMPTS, 0)
+    stops = [VOCAB + 5]  # never drawn: every completion runs to 10 tokens
+    start, layers = ids.shape[1], model.config.num_hidden_layers  # S: the first step's position
+    cache = -(-(start + 10) // 16) * 16  # L
+    lengths = KeyLengths()
+    lent = attention.grouped_query_steps(model, force=True) if fold else nullcontext()
+    with lent, lengths:
+        static = static_decode(model, ids, mask, 2, sampling, 0, stops, False, capture=False)
+    assert torch.equal(static, decode(model, ids, mask, 2, sampling, 0, stops, False))
+    steps = [keys for _, keys in lengths.calls[layers:]]  # after the prefill's
+    expected = [min(cache, -(-(slot + 1) // 4) * 4) for slot in range(start, start + 9)]
+    assert steps == [keys for keys in expected for _ in range(layers)]
+    assert len(set(expected)) >= 3 and max(expected) < cache
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_the_lent_attention_takes_a_4d_mask_and_the_dynamic_loop_reads_nothing_in_its_steps():
+    """Lent the fold (as ``sample`` lends it where transformers copies grouped heads) or the cut
+    to visible positions, the model still takes the loops' additive 4-D mask as it is: the
+    CUDA-graph path serves it, and the dynamic loop's steps read nothing from the device."""
+    model = tiny_llama()
+    for lent in (attention.grouped_query_steps(model, force=True), attention.prefix_steps(model)):
+        with lent:
+            assert model.config._attn_implementation in attention.LENT
+            assert no_additive_mask(model) is None
+    sampling = SamplingConfig(temperature=0.9, max_new_tokens=6)
+    ids, mask = left_pad(PROMPTS, 0)
+    with attention.grouped_query_steps(model, force=True), DeviceReads(model) as counted:
+        tokens = decode(model, ids, mask, 2, sampling, 0, [VOCAB + 5], True)
+    assert tokens.shape[1] == 6 and counted.forwards == 6 and counted.in_steps == 0

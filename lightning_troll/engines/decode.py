@@ -54,11 +54,12 @@ from transformers.cache_utils import DynamicLayer
 
 from lightning_troll.engines.choice import Check, Sampling, choose_tokens, raise_failed
 from lightning_troll.engines.reserved import reserve
+from lightning_troll.engines.step_attention import LENT
 from lightning_troll.models.loading import is_checkpointed
 
 __all__ = ["Prefill", "cannot_decode", "decode", "no_additive_mask", "prefill"]
 
-_ADDITIVE_ATTENTION = ("sdpa", "eager")  # attention that takes an additive 4-D mask as given
+_ADDITIVE_ATTENTION = ("sdpa", "eager", *LENT)  # attention that takes an additive 4-D mask as given
 
 
 def cannot_decode(model: nn.Module) -> str | None:

@@ -77,6 +77,7 @@ from lightning_troll.engines.decode import (
     prefill,
 )
 from lightning_troll.engines.static_batch import StaticBatch
+from lightning_troll.engines.step_attention import prefix_steps
 
 __all__ = ["DECODE_MODES", "Slots", "cannot_capture", "graph_decode", "static_decode"]
 
@@ -155,19 +156,37 @@ def static_decode(
     draw) where the first capture fails or the prefill gives no plain dynamic cache."""
     device = prompts.device
     stops = torch.as_tensor(list(stop_ids), dtype=torch.long, device=device)  # (E,)
-    first = prefill(model, prompts, prompt_mask, group_size)
-    if first is None:
-        _fall_back("its forward returns no plain dynamic cache")
-        return None
-    budget = sampling.max_new_tokens
-    batch = StaticBatch.prefilled(model, first, prompt_mask, group_size, budget)
-    logits = first.logits  # (B, V)
-    del first  # the dynamic cache: copied into the static one
-    if capture:  # before any draw: a model whose forward cannot be captured is found here
-        failure = batch.capture()
-        if failure is not None:
-            _fall_back(f"capturing its decode step failed ({failure})")
+    with prefix_steps(model):  # a step attends over the positions it can see only
+        first = prefill(model, prompts, prompt_mask, group_size)
+        if first is None:
+            _fall_back("its forward returns no plain dynamic cache")
             return None
+        budget = sampling.max_new_tokens
+        batch = StaticBatch.prefilled(model, first, prompt_mask, group_size, budget)
+        logits = first.logits  # (B, V)
+        del first  # the dynamic cache: copied into the static one
+        if capture:  # before any draw: a model whose forward cannot be captured is found here
+            failure = batch.capture()
+            if failure is not None:
+                _fall_back(f"capturing its decode step failed ({failure})")
+                return None
+        return _decode_from(batch, logits, sampling, do_sample, recorder, stops, budgets,
+                            pad_id, capture)  # fmt: skip
+
+
+def _decode_from(
+    batch: StaticBatch,
+    logits: Tensor,
+    sampling: Sampling,
+    do_sample: bool,
+    recorder: Any,
+    stops: Tensor,
+    budgets: Tensor | None,
+    pad_id: int,
+    capture: bool,
+) -> Tensor:
+    """:func:`static_decode`'s loop from the prefilled ``batch`` and its first ``logits``
+    (B, V): :func:`_each_step` at ``check_every`` 1, :func:`_whole_steps` above."""
     every = getattr(sampling, "check_every", 1)  # steps between reads of the running flags
     if every > 1 and recorder is not None and not hasattr(recorder, "record_slots"):
         _fall_back_once(
@@ -179,8 +198,8 @@ def static_decode(
     if every > 1:
         slots = Slots(batch, sampling, do_sample, recorder, stops, budgets, pad_id)
         return _whole_steps(batch, slots, logits, every, capture)
-    args = (sampling, do_sample, recorder, stops, budgets, pad_id)
-    return _each_step(batch, logits, *args, capture=capture)
+    return _each_step(batch, logits, sampling, do_sample, recorder, stops, budgets, pad_id,
+                      capture)  # fmt: skip
 
 
 def _each_step(
@@ -229,9 +248,7 @@ def _each_step(
             break
         if live.numel() <= batch.next_bucket():
             live = batch.compact(live)
-            if capture:
-                _capture_or_warn(batch)
-        logits = batch.forward()  # (b, V)
+        logits = _advance(batch, capture)  # (b, V)
     return responses[:, :steps]  # (B, T)
 
 
@@ -244,9 +261,7 @@ def _whole_steps(
     runs eagerly, and the host reads the flags every k steps and at the budget's end."""
     budget = slots.responses.shape[1]  # T
     slots.choose(logits)  # the first token: its kernels run once before any capture
-    batch.slots = slots
-    if capture:
-        _capture_or_warn(batch)
+    batch.slots, batch.stale = slots, True  # captured again, with the choice
     steps = 1
     while True:
         if steps % every == 0 or steps == budget:
@@ -254,11 +269,8 @@ def _whole_steps(
             if not running or steps == budget:
                 break
             if len(running) <= batch.next_bucket():
-                live = torch.tensor(running, device=slots.step.device)  # (n,)
-                batch.compact(live)
-                if capture:
-                    _capture_or_warn(batch)
-        batch.forward()  # the step, its tokens chosen and recorded
+                batch.compact(torch.tensor(running, device=slots.step.device))
+        _advance(batch, capture)  # the step, its tokens chosen and recorded
         steps += 1
     return slots.responses[:-1, :steps]  # (B, T)
 
@@ -283,9 +295,8 @@ class Slots:
         self.responses = torch.full((total + 1, budget), pad_id, dtype=torch.long, device=device)
         self.step = torch.zeros((), dtype=torch.long, device=device)
         self.stopped = torch.zeros(total, dtype=torch.bool, device=device)
-        self.limit = budgets.clone() if budgets is not None else torch.full_like(
-            self.stopped, budget, dtype=torch.long
-        )  # fmt: skip
+        own = torch.full((total,), budget, dtype=torch.long, device=device)
+        self.limit = own if budgets is None else budgets.clone()  # (b,)
         self.oks: list[Tensor] | None = None
         self.errors: list[Any] = []
 
@@ -325,6 +336,15 @@ class Slots:
         running and the rest holding no sequence."""
         self.limit = self.limit[take]
         self.stopped = torch.arange(take.numel(), device=take.device) >= count
+
+
+def _advance(batch: StaticBatch, capture: bool) -> Tensor:
+    """``batch``'s next step (its logits (b, V)), its positions widened where it needs them and
+    captured again where it is stale (``capture``), eagerly where that fails (warned once)."""
+    batch.widen()
+    if capture and batch.stale:
+        _capture_or_warn(batch)
+    return batch.forward()
 
 
 def _capture_or_warn(batch: StaticBatch) -> None:

@@ -3,7 +3,15 @@
 :class:`StaticBatch` holds what :func:`~lightning_troll.engines.graph_decode.static_decode`
 decodes from: transformers' ``StaticCache`` filled from the prefill, the feed of every slot, the
 additive mask, the captured step; it moves the running slots into smaller buckets and captures
-each bucket's step. Notation as :mod:`~lightning_troll.engines.graph_decode`'s.
+each bucket's step.
+
+A step attends over the ``visible`` positions only, the first multiple of :data:`SPAN` past the
+position it writes (at most L; :func:`~lightning_troll.engines.step_attention.visible_keys`),
+not all L: attention with a mask reads every position it is handed, and the positions past the
+step are all masked. When the steps reach the visible ones, :meth:`StaticBatch.widen` moves them
+on by :data:`SPAN` and the step is captured again: about L / 256 captures a rollout, each an
+eager forward and a recorded one, for a step that reads on average about half the cache where
+it would read all of it. Notation as :mod:`~lightning_troll.engines.graph_decode`'s.
 """
 
 from __future__ import annotations
@@ -15,8 +23,12 @@ from torch import Tensor
 from transformers import StaticCache
 
 from lightning_troll.engines.decode import Prefill
+from lightning_troll.engines.step_attention import visible_keys
 
-__all__ = ["StaticBatch", "StepEnd"]
+__all__ = ["SPAN", "StaticBatch", "StepEnd"]
+
+SPAN = 256
+"""The positions a step attends over grow in steps of this many (:meth:`StaticBatch.widen`)."""
 
 
 class StepEnd(Protocol):
@@ -38,11 +50,13 @@ class StaticBatch:
     sequence); ``tokens`` (b, 1) the ids the next step feeds; ``positions`` (b, 1) their
     positions; ``mask`` (b, 1, 1, L) the additive attention mask (0 where a slot attends, the
     dtype's lowest value elsewhere); ``slot`` the cache position the next step writes, and
-    ``slot_at`` the same on the device; ``cache`` a ``StaticCache`` whose layers view the first
-    b rows of the (B, H, L, D) keys and values allocated once; ``slots`` None, or the
-    :class:`~lightning_troll.engines.graph_decode.Slots` whose ``choose`` each step ends with (``check_every`` > 1); ``graph`` the
-    captured step, or None (eager). Every tensor a graph reads or writes keeps its address until
-    the next compaction.
+    ``slot_at`` the same on the device; ``visible`` how many cache positions a step attends over
+    (:meth:`widen`); ``cache`` a ``StaticCache`` whose layers view the first b rows of the
+    (B, H, L, D) keys and values allocated once; ``slots`` None, or the
+    :class:`~lightning_troll.engines.graph_decode.Slots` whose ``choose`` each step ends with
+    (``check_every`` > 1); ``graph`` the captured step, or None (eager); ``stale`` whether the
+    step changed since it was captured (a compaction, wider positions). Every tensor a graph
+    reads or writes keeps its address until the next compaction.
     """
 
     def __init__(self, model, cache, name, rows, positions, mask, slot, storage) -> None:
@@ -51,9 +65,11 @@ class StaticBatch:
         self.slot_at = torch.tensor(slot, device=rows.device)  # ()
         self.tokens = torch.zeros_like(positions)  # (b, 1)
         self.storage = storage  # per layer: the (B, H, L, D) keys and values
+        self.visible = min(mask.shape[-1], _room(slot + 1))
         self.slots: StepEnd | None = None
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: Tensor | None = None  # (b, V) the captured step's output
+        self.stale = True
 
     @classmethod
     def prefilled(cls, model, first: Prefill, prompt_mask, group, budget):
@@ -87,6 +103,14 @@ class StaticBatch:
         size = self.rows.numel()
         return 1 << (size - 1).bit_length() - 1 if size > 1 else 0
 
+    def widen(self) -> None:
+        """Where the next step writes at or past the ``visible`` positions, widens them to the
+        next multiple of :data:`SPAN` (at most L): the step is then stale."""
+        if self.slot < self.visible:
+            return
+        self.visible = min(self.mask.shape[-1], _room(self.slot + 1))
+        self.graph, self.logits, self.stale = None, None, True
+
     def forward(self) -> Tensor:
         """One step of every slot: feeds ``tokens`` at ``positions``; returns the logits (b, V),
         float32 (the graph's output buffer when captured: read it before the next step); with
@@ -104,15 +128,16 @@ class StaticBatch:
     def _step(self) -> Tensor:
         """The step as a graph holds it: every position and count it moves on lives on the
         device."""
-        visible = self.mask[:, 0, 0]  # (b, L), a view
-        visible.index_fill_(-1, self.slot_at.view(1), 0.0)  # the position this step writes
-        out = self.model(
-            input_ids=self.tokens,  # (b, 1)
-            attention_mask=self.mask,  # (b, 1, 1, L)
-            position_ids=self.positions,  # (b, 1)
-            use_cache=True,
-            **{self.name: self.cache},
-        )
+        seen = self.mask[:, 0, 0]  # (b, L), a view
+        seen.index_fill_(-1, self.slot_at.view(1), 0.0)  # the position this step writes
+        with visible_keys(self.visible):
+            out = self.model(
+                input_ids=self.tokens,  # (b, 1)
+                attention_mask=self.mask,  # (b, 1, 1, L)
+                position_ids=self.positions,  # (b, 1)
+                use_cache=True,
+                **{self.name: self.cache},
+            )
         self.positions += 1
         self.slot_at += 1
         return out.logits[:, -1].float()  # (b, V)
@@ -120,12 +145,12 @@ class StaticBatch:
     def compact(self, live: Tensor) -> Tensor:
         """Moves the ``live`` slots (n,) to the front, into the smallest bucket that holds them
         (the rest of it filled with copies of the first, holding no sequence), and drops the old
-        bucket's graph (the caller captures the new one). Returns the new live slots (n,),
-        ``arange(n)``."""
+        bucket's graph (the step is stale). Returns the new live slots (n,), ``arange(n)``."""
         count = live.numel()
         size = 1 << (count - 1).bit_length()  # the smallest power of two >= n
         take = torch.cat([live, live[:1].expand(size - count)])  # (b',) slots of the old bucket
         self.graph, self.logits = None, None  # the old bucket's graph and its memory go
+        self.stale = True
         for layer, (keys, values) in zip(self.cache.layers, self.storage, strict=True):
             keys[:size] = layer.keys[take]  # (b', H, L, D), gathered before it is written
             values[:size] = layer.values[take]
@@ -134,7 +159,7 @@ class StaticBatch:
         nowhere = self.storage[0][0].shape[0]  # B: the row of a slot holding no sequence
         self.rows = self.rows[take].index_fill_(
             0, torch.arange(count, size, device=live.device), nowhere
-        )  # (b',) fmt: skip
+        )  # (b',)
         self.mask = self.mask[take]  # (b', 1, 1, L)
         self.positions, self.tokens = self.positions[take], self.tokens[take]  # (b', 1)
         if self.slots is not None:
@@ -144,9 +169,11 @@ class StaticBatch:
     def capture(self) -> str | None:
         """Captures this bucket's step (with ``slots.choose`` after it, where ``slots`` is set)
         as a CUDA graph, after one eager warm-up of the forward on a side stream; returns None,
-        or the error's first line where capture failed (no graph then). The warm-up writes the
-        cache position the next step writes, which that step overwrites, and moves the
-        positions and counters on, which are then set back."""
+        or the error's first line where capture failed (no graph then: the steps run eagerly).
+        The step is no longer stale either way. The warm-up writes the cache position the next
+        step writes, which that step overwrites, and moves the positions and counters on, which
+        are then set back."""
+        self.stale = False
         counters = [layer.cumulative_length for layer in self.cache.layers]
         positions = self.positions.clone()  # (b, 1)
 
@@ -174,3 +201,8 @@ class StaticBatch:
             return f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
         self.graph, self.logits = graph, logits
         return None
+
+
+def _room(positions: int) -> int:
+    """``positions`` rounded up to a multiple of :data:`SPAN`."""
+    return -(-positions // SPAN) * SPAN

@@ -1,6 +1,7 @@
-"""How a decoding step's attention runs: grouped queries read the cache as it is, and PyTorch's
-cuDNN attention comes last on a GPU. :func:`decoding_attention` sets both while the decoding loops
-run and gives everything back after them.
+"""How a decoding step's attention runs: grouped queries read the cache as it is, PyTorch's
+cuDNN attention comes last on a GPU, and a step of the static cache reads the positions it can
+see only. :func:`decoding_attention` sets the first two while the decoding loops run and gives
+everything back after them; the CUDA-graph path sets the third.
 
 **Grouped queries.** A decoding step hands the model an additive 4-D mask (padding on the left,
 room reserved on the right). With a mask, transformers' ``sdpa`` attention cannot ask PyTorch's
@@ -24,6 +25,15 @@ as sequences end. :func:`cudnn_attention_last` moves cuDNN behind flash attentio
 mask, so a step's attention does not reach it), memory-efficient attention (which takes masks and
 plans nothing) and math, among the backends the user left enabled.
 
+**Visible positions.** The CUDA-graph path's static cache holds L positions from the first
+step, those past the step masked; attention with a mask reads every position it is given, so at
+Qwen3-0.6B's shape with 64 sequences and L = 1,088 a step would read 8 GB of keys and values
+where the positions written so far average half of that (computed from the shapes).
+:func:`visible_keys` cuts a one-query step's keys, values and mask to the positions a step can
+see (:class:`~lightning_troll.engines.static_batch.StaticBatch` widens them in steps of
+``SPAN`` and captures its step again); :func:`prefix_steps` lends a model ``sdpa`` with that cut
+where the fold is not lent (which cuts too).
+
 Notation: N sequences, H query heads, G queries per key/value head, L cache positions, D head
 size.
 """
@@ -41,6 +51,42 @@ from transformers.integrations import sdpa_attention
 NAME = "lightning_troll_sdpa"
 """The attention implementation :func:`grouped_query_steps` lends a model for its decoding."""
 
+PREFIX_NAME = "lightning_troll_sdpa_prefix"
+"""The one :func:`prefix_steps` lends where :data:`NAME` is not lent: ``sdpa`` over the visible
+positions only."""
+
+LENT = (NAME, PREFIX_NAME)
+"""The implementations lent here: ``sdpa`` underneath, each takes an additive 4-D mask as it
+is."""
+
+_VISIBLE: list[int] = []  # the innermost visible_keys' count last
+
+
+@contextmanager
+def visible_keys(count: int) -> Iterator[None]:
+    """One-query steps of the attention functions lent here attend over the first ``count``
+    cache positions only, while the block runs: a static cache's positions past the step are
+    all masked, and attending over them would only read them (the CUDA-graph path,
+    :class:`~lightning_troll.engines.static_batch.StaticBatch`). Under capture the count is
+    what the graph keeps."""
+    _VISIBLE.append(count)
+    try:
+        yield
+    finally:
+        _VISIBLE.pop()
+
+
+def _visible(
+    query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """``key``, ``value`` (N, H', L, D) and ``mask`` (N, ., ., L) cut to the first positions
+    :func:`visible_keys` sets, for one query; as they are otherwise (views, nothing copied)."""
+    if not _VISIBLE or query.shape[2] != 1 or key.shape[2] <= _VISIBLE[-1]:
+        return key, value, mask
+    count = _VISIBLE[-1]
+    mask = None if mask is None else mask[..., :count]
+    return key[:, :, :count], value[:, :, :count], mask
+
 
 def one_query_attention(
     module: nn.Module,
@@ -55,7 +101,9 @@ def one_query_attention(
 ) -> tuple[Tensor, None]:
     """transformers' ``sdpa`` attention, with one query of grouped heads (``query`` (N, H, 1, D)
     against ``key`` and ``value`` (N, H / G, L, D), a mask (N, 1, 1, L) or None) computed on the
-    key/value heads as they are. Returns the output (N, 1, H, D) and None, as ``sdpa`` does."""
+    key/value heads as they are, over the positions :func:`visible_keys` sets. Returns the
+    output (N, 1, H, D) and None, as ``sdpa`` does."""
+    key, value, attention_mask = _visible(query, key, value, attention_mask)
     groups = getattr(module, "num_key_value_groups", 1)
     shared = attention_mask is None or attention_mask.shape[1] == 1  # one mask for every head
     plain = kwargs.get("position_bias") is None and kwargs.get("softcap") is None
@@ -70,6 +118,22 @@ def one_query_attention(
         rows, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling
     )  # (N, H / G, G, D)
     return out.reshape(n, heads, 1, size).transpose(1, 2).contiguous(), None  # (N, 1, H, D)
+
+
+def prefix_attention(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    **kwargs: Any,
+) -> tuple[Tensor, None]:
+    """transformers' ``sdpa`` attention as it is, over the positions :func:`visible_keys`
+    sets."""
+    key, value, attention_mask = _visible(query, key, value, attention_mask)
+    return sdpa_attention.sdpa_attention_forward(
+        module, query, key, value, attention_mask, **kwargs
+    )
 
 
 def sdpa_copies_groups() -> bool:
@@ -90,24 +154,41 @@ def grouped_query_steps(model: nn.Module, force: bool = False) -> Iterator[None]
     if own != "sdpa" or not grouped or not (force or sdpa_copies_groups()):
         yield
         return
-    _register()
-    config._attn_implementation = NAME
+    with _lent(config, NAME, one_query_attention):
+        yield
+
+
+@contextmanager
+def prefix_steps(model: nn.Module) -> Iterator[None]:
+    """Lends ``model`` :func:`prefix_attention` while the block runs, where its attention is
+    ``sdpa`` (where :data:`NAME` is lent, it cuts to the visible positions itself); gives its
+    own back after the block, also where it raised."""
+    config = getattr(model, "config", None)
+    if getattr(config, "_attn_implementation", None) != "sdpa":
+        yield
+        return
+    with _lent(config, PREFIX_NAME, prefix_attention):
+        yield
+
+
+@contextmanager
+def _lent(config: Any, name: str, function: Any) -> Iterator[None]:
+    """``config``'s attention implementation set to ``name``, made known to transformers as
+    ``function`` with ``sdpa``'s mask (a prefill's 2-D mask becomes ``sdpa``'s), while the block
+    runs; its own given back after it."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+
+    if name not in ALL_ATTENTION_FUNCTIONS:
+        AttentionInterface.register(name, function)
+    if name not in ALL_MASK_ATTENTION_FUNCTIONS:
+        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    own = config._attn_implementation
+    config._attn_implementation = name
     try:
         yield
     finally:
         config._attn_implementation = own
-
-
-def _register() -> None:
-    """Makes :data:`NAME` known to transformers: :func:`one_query_attention` as its attention
-    function, ``sdpa``'s mask as its mask (a prefill's 2-D mask becomes ``sdpa``'s)."""
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
-
-    if NAME not in ALL_ATTENTION_FUNCTIONS:
-        AttentionInterface.register(NAME, one_query_attention)
-    if NAME not in ALL_MASK_ATTENTION_FUNCTIONS:
-        AttentionMaskInterface.register(NAME, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
 
 
 @contextmanager
