@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -170,24 +171,28 @@ def static_decode(
             if failure is not None:
                 _fall_back(f"capturing its decode step failed ({failure})")
                 return None
-        return _decode_from(batch, logits, sampling, do_sample, recorder, stops, budgets,
-                            pad_id, capture)  # fmt: skip
+        choice = _Choice(sampling, do_sample, recorder, stops, budgets, pad_id)
+        return _decode_from(batch, logits, choice, capture)
 
 
-def _decode_from(
-    batch: StaticBatch,
-    logits: Tensor,
-    sampling: Sampling,
-    do_sample: bool,
-    recorder: Any,
-    stops: Tensor,
-    budgets: Tensor | None,
-    pad_id: int,
-    capture: bool,
-) -> Tensor:
+@dataclass(frozen=True)
+class _Choice:
+    """What choosing a step's tokens takes: the sampling options, greedy or not, the recorder
+    (or None), the stop ids (E,), each sequence's own budget (B,) or None, the padding id."""
+
+    sampling: Sampling
+    do_sample: bool
+    recorder: Any
+    stops: Tensor
+    budgets: Tensor | None
+    pad_id: int
+
+
+def _decode_from(batch: StaticBatch, logits: Tensor, choice: _Choice, capture: bool) -> Tensor:
     """:func:`static_decode`'s loop from the prefilled ``batch`` and its first ``logits``
     (B, V): :func:`_each_step` at ``check_every`` 1, :func:`_whole_steps` above."""
-    every = getattr(sampling, "check_every", 1)  # steps between reads of the running flags
+    every = getattr(choice.sampling, "check_every", 1)  # steps between reads of the flags
+    recorder = choice.recorder
     if every > 1 and recorder is not None and not hasattr(recorder, "record_slots"):
         _fall_back_once(
             f"model.sampling.check_every: {every} asks the CUDA-graph path to read which "
@@ -196,26 +201,16 @@ def _decode_from(
         )
         every = 1
     if every > 1:
-        slots = Slots(batch, sampling, do_sample, recorder, stops, budgets, pad_id)
-        return _whole_steps(batch, slots, logits, every, capture)
-    return _each_step(batch, logits, sampling, do_sample, recorder, stops, budgets, pad_id,
-                      capture)  # fmt: skip
+        return _whole_steps(batch, Slots(batch, choice), logits, every, capture)
+    return _each_step(batch, logits, choice, capture)
 
 
-def _each_step(
-    batch: StaticBatch,
-    logits: Tensor,
-    sampling: Sampling,
-    do_sample: bool,
-    recorder: Any,
-    stops: Tensor,
-    budgets: Tensor | None,
-    pad_id: int,
-    capture: bool,
-) -> Tensor:
+def _each_step(batch: StaticBatch, logits: Tensor, choice: _Choice, capture: bool) -> Tensor:
     """The loop of :func:`static_decode` at ``check_every`` 1: each step's tokens are chosen
     eagerly from the running sequences' logits, as the dynamic loop chooses them, and the host
     reads which sequences stopped at every step. ``logits`` (B, V): the prefill's."""
+    sampling, do_sample, recorder = choice.sampling, choice.do_sample, choice.recorder
+    stops, budgets, pad_id = choice.stops, choice.budgets, choice.pad_id
     total, budget = batch.rows.numel(), sampling.max_new_tokens  # B, T
     device = logits.device
     responses = torch.full((total, budget), pad_id, dtype=torch.long, device=device)  # (B, T)
@@ -287,12 +282,13 @@ class Slots:
     the steps since the last read (None before the first step), with their ``errors``.
     """
 
-    def __init__(self, batch, sampling, do_sample, recorder, stops, budgets, pad_id) -> None:
-        total, budget = batch.rows.numel(), sampling.max_new_tokens  # B, T
-        device = batch.rows.device
-        self.batch, self.sampling, self.do_sample = batch, sampling, do_sample
-        self.recorder, self.stops = recorder, stops
-        self.responses = torch.full((total + 1, budget), pad_id, dtype=torch.long, device=device)
+    def __init__(self, batch: StaticBatch, choice: _Choice) -> None:
+        total, budget = batch.rows.numel(), choice.sampling.max_new_tokens  # B, T
+        device, budgets = batch.rows.device, choice.budgets
+        self.batch, self.sampling, self.do_sample = batch, choice.sampling, choice.do_sample
+        self.recorder, self.stops = choice.recorder, choice.stops
+        shape = (total + 1, budget)  # row B: no sequence's
+        self.responses = torch.full(shape, choice.pad_id, dtype=torch.long, device=device)
         self.step = torch.zeros((), dtype=torch.long, device=device)
         self.stopped = torch.zeros(total, dtype=torch.bool, device=device)
         own = torch.full((total,), budget, dtype=torch.long, device=device)
