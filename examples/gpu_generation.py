@@ -5,8 +5,10 @@ prompts x 8 completions are sampled by the dynamic loop (``model.sampling.decode
 each step launched from the host), by the CUDA-graph path (``graphs``: a static KV cache,
 each bucket's step replayed as one graph, the stop flags read at every step) and by that path
 reading them every 8 steps (``graphs_every_8``: ``model.sampling.check_every: 8``, the graph
-then holding the whole step, the draw and the records too). A row per shape and length gives,
-for each path:
+then holding the whole step, the draw and the records too); at the shapes
+``dynamic_long_shapes`` also by the graphs attending over all the static cache's positions at
+every step, as they did before they attended over the positions a step can see
+(``graphs_all_positions``). A row per shape and length gives, for each path:
 
 - ``*_tokens_per_s``: generated tokens over the sampling's wall time; ``*_wall_ms_per_step``:
   that time over the decoding steps (prefill and, for graphs, capture included);
@@ -47,7 +49,12 @@ from gpu_models import (
     train_step,
 )
 
-PATHS = {"dynamic": ("dynamic", 1), "graphs": ("graphs", 1), "graphs_every_8": ("graphs", 8)}
+PATHS = {
+    "dynamic": ("dynamic", 1),
+    "graphs": ("graphs", 1),
+    "graphs_every_8": ("graphs", 8),
+    "graphs_all_positions": ("graphs", 1),
+}
 """Each path the phase times: its ``model.sampling.decode`` and ``check_every``."""
 
 
@@ -64,7 +71,7 @@ class GenerationSetting:
     profile_tokens: int = 17
     dynamic_long_shapes: tuple[str, ...] = ("qwen3-0.6b",)
     """Shapes at which the dynamic loop and ``graphs_every_8`` sample the longest completions
-    too."""
+    too, and ``graphs_all_positions`` samples at all."""
     variant_shape: str = "qwen3-0.6b"
     """The shape at which :func:`variant_rows` times the decoding steps' attention choices."""
     variant_tokens: int = 128
@@ -150,9 +157,7 @@ def generation_rows(
     for tokens in setting.new_tokens:
         row: dict[str, Any] = {"new_tokens": tokens, "sequences": setting.prompts * setting.group,
                                "micro_batch": micro_batch}  # fmt: skip
-        paths = tuple(PATHS)
-        if tokens > min(setting.new_tokens) and name not in setting.dynamic_long_shapes:
-            paths = ("graphs",)
+        paths = paths_at(name, tokens, setting)
         times, sampled = {}, None
         for path in PATHS:
             if path not in paths:
@@ -174,11 +179,23 @@ def generation_rows(
         if "dynamic" in times:  # tokens/s of graphs over the dynamic loop's
             row["speedup"] = round(row["graphs_tokens_per_s"] / row["dynamic_tokens_per_s"], 3)
         rows.append(row)
+    first = paths_at(name, min(setting.new_tokens), setting)
     for path in PATHS:
-        rows[0][f"{path}_device_ms_per_step"] = device_ms_per_step(
-            snapshot, prompts, setting.group, setting.profile_tokens, path
+        rows[0][f"{path}_device_ms_per_step"] = (
+            device_ms_per_step(snapshot, prompts, setting.group, setting.profile_tokens, path)
+            if path in first
+            else None
         )
     return rows
+
+
+def paths_at(name: str, tokens: int, setting: GenerationSetting) -> tuple[str, ...]:
+    """The paths the phase times at shape ``name`` and ``tokens`` new tokens."""
+    if name in setting.dynamic_long_shapes:
+        return tuple(PATHS)
+    if tokens > min(setting.new_tokens):
+        return ("graphs",)
+    return ("dynamic", "graphs", "graphs_every_8")
 
 
 def random_prompts(shape: Shape, setting: GenerationSetting) -> list[list[int]]:
@@ -192,11 +209,16 @@ def random_prompts(shape: Shape, setting: GenerationSetting) -> list[list[int]]:
 def sample_with(snapshot, prompts, group: int, tokens: int, path: str):
     """(ids, attention mask, response mask) of ``group`` completions of ``tokens`` per prompt,
     sampled by the decoding ``path`` (a key of :data:`PATHS`)."""
+    from unittest import mock
+
+    from lightning_troll.engines import static_batch
     from lightning_troll.engines.sampling import SamplingConfig, sample
 
     decode, every = PATHS[path]
     sampling = SamplingConfig(max_new_tokens=tokens, decode=decode, check_every=every)
-    ids, attention, response, _ = sample(snapshot, prompts, group, sampling, PAD, EOS)
+    span = 1 << 40 if path == "graphs_all_positions" else static_batch.SPAN  # past any cache
+    with mock.patch.object(static_batch, "SPAN", span):
+        ids, attention, response, _ = sample(snapshot, prompts, group, sampling, PAD, EOS)
     return ids, attention, response
 
 

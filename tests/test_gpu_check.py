@@ -275,8 +275,9 @@ def run_script(*args: str) -> subprocess.CompletedProcess:
 
 def assert_generation_figures(figures: dict, cuda: bool) -> None:
     """The ``generation`` phase at tiny shapes: a row per shape and length, each path's figures
-    where it ran (the dynamic loop and the graphs reading every 8 steps at the longer length at
-    the first shape only), and the device's time per step where there is a device."""
+    where it ran (at the first shape every path at both lengths; at the others the graphs alone
+    at the longer length, and the graphs over all positions not at all), and the device's time
+    per step where there is a device."""
     assert figures["graphs_on_device"] is cuda
     rows = figures["rows"]
     assert [(r["shape"], r["new_tokens"]) for r in rows] == [
@@ -284,8 +285,10 @@ def assert_generation_figures(figures: dict, cuda: bool) -> None:
     ]
     for row in rows:
         assert row["generated_tokens"] > 0 and row["train_s"] > 0 and row["behaviour_s"] > 0
-        both = row["new_tokens"] == 8 or row["shape"] == "qwen3-0.6b"
+        first = row["shape"] == "qwen3-0.6b"
+        both = row["new_tokens"] == 8 or first
         every = ("dynamic", "graphs", "graphs_every_8") if both else ("graphs",)
+        every += ("graphs_all_positions",) if first else ()
         for path in gpu_generation.PATHS:
             if path in every:
                 assert row[f"{path}_tokens_per_s"] > 0 and row[f"{path}_wall_ms_per_step"] > 0
@@ -297,7 +300,8 @@ def assert_generation_figures(figures: dict, cuda: bool) -> None:
             assert row["speedup"] == pytest.approx(ratio, rel=2e-3)
     for row in rows[::2]:  # the device's time per step: in the first row of each shape
         for path in gpu_generation.PATHS:
-            assert (row[f"{path}_device_ms_per_step"] is None) is not cuda
+            ran = path != "graphs_all_positions" or row["shape"] == "qwen3-0.6b"
+            assert (row[f"{path}_device_ms_per_step"] is None) is not (cuda and ran)
     variants = figures["variants"]  # the steps' attention choices, both paths, first shape
     assert [(v["shape"], v["variant"], v["new_tokens"]) for v in variants] == [
         ("qwen3-0.6b", variant, 8) for variant in gpu_generation.VARIANTS

@@ -158,7 +158,8 @@ class BehaviourRecorder(LogitsProcessor):
     step reads nothing from the device for the recorder where ``read_free``: its check of the
     logits joins the loop's one wait on the device, and the sparse rows are cut without reads
     (every row keeps ``max_tokens`` (+1) columns until :meth:`BehaviourRecord.outputs` cuts
-    them to the widest).
+    them to the widest). The CUDA-graph path, where it captures whole steps, calls
+    :meth:`record_slots`, which writes every step in place.
 
     Args:
         temperature: the sampling temperature (the loss uses it too).
