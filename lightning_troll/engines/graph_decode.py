@@ -8,8 +8,10 @@ completions from the same distribution with fixed shapes instead:
 - the P prompts are prefilled once, by the dynamic loop's own prefill
   (:func:`~lightning_troll.engines.decode.prefill`), and their keys and values copied G times
   into transformers' ``StaticCache``, B rows of L positions allocated once;
-- each one-token step of a bucket of b slots is captured once as a ``torch.cuda.CUDAGraph``
-  and then replayed: one launch a step, whatever the model's depth;
+- each one-token step of a bucket of b slots is captured as a ``torch.cuda.CUDAGraph``
+  and then replayed: one launch a step, whatever the model's depth; a step attends over the
+  positions written so far rounded up to a span of 256
+  (:class:`~lightning_troll.engines.static_batch.StaticBatch`), captured again as they widen;
 - a sequence that ends stays in its slot (fed its last token, its outputs ignored) until the
   running count n falls to the next bucket's size (B, then the powers of two below it:
   B/2 for a power-of-two B), when the running slots are moved to the front of the cache and the
@@ -22,7 +24,7 @@ completions from the same distribution with fixed shapes instead:
 Tokens are chosen outside the graph by :func:`~lightning_troll.engines.choice.choose_tokens`
 from the running sequences' logits only, in the order of B, so the random stream is the dynamic
 loop's: with the same seed both paths draw the same tokens up to float rounding of the logits
-(the static step attends over all L positions, the unused ones masked). A recorder's
+(the static step attends over more positions than it has written, those masked). A recorder's
 ``record_rows`` sees the same rows as in the dynamic loop.
 
 With ``sampling.check_every`` k > 1 the host reads the flags every k steps only, and the graph
@@ -45,7 +47,8 @@ dynamic loop decodes, with a warning naming the reason (once per reason): no CUD
 model :func:`~lightning_troll.engines.decode.cannot_decode` refuses, a static cache with
 layers other than plain ``StaticLayer`` ones, a model that would not take the step's 4-D mask
 as it is (:func:`~lightning_troll.engines.decode.no_additive_mask`: attention other than
-``sdpa`` or ``eager``, or a mask of its own making), a model sharded with FSDP2 over several
+``sdpa``, ``eager`` or one :mod:`~lightning_troll.engines.step_attention` lends, or a mask of its
+own making), a model sharded with FSDP2 over several
 processes, and a forward that cannot be captured (a host synchronisation inside it, for one). A
 later bucket whose capture fails runs its steps eagerly, warned.
 
