@@ -16,6 +16,7 @@ import math
 import statistics
 import sys
 import tempfile
+import warnings
 from collections import defaultdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -106,8 +107,11 @@ LOOP_PATHS: dict[str, list[str]] = {
     "proximal": ["--old_policy.max_staleness=2", "--model.corrections.anchor=proximal"],
     "episodes": ["--model.episodes.environment=gpu_fits:PlusOneTurns",
                  "--model.sampling.max_new_tokens=16"],
+    "stop-flags-every-8": ["--model.sampling.check_every=8"],
 }  # fmt: skip
-"""The paths of the loop that ``tinymath-demo`` does not take: options over configs/tinymath.yaml."""
+"""The paths of the loop that ``tinymath-demo`` does not take: options over configs/tinymath.yaml.
+On a GPU ``stop-flags-every-8`` samples with the CUDA-graph path's whole step captured (the draw
+and the behaviour recorder in the graph); on a CPU the dynamic loop ignores the option."""
 PATH_FIGURES = {
     "engine-process": [
         "engine/process_prefetched",
@@ -116,6 +120,7 @@ PATH_FIGURES = {
     ],
     "proximal": ["rollout/proximal_is_weight_mean"],
     "episodes": ["episodes/turns_mean"],
+    "stop-flags-every-8": [],
 }
 """What each path logs, beside every run's reward, staleness and KL, that :func:`path_figures` checks."""
 
@@ -192,8 +197,13 @@ def loop_paths(results: Results, tiny: bool) -> None:
                      f"--trainer.logger.save_dir={logs}"]  # fmt: skip
             start = clock()
             try:
-                run(args)
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    run(args)
                 row = path_figures(name, logged_series(Path(logs)), rollouts)
+                fell = [str(w.message) for w in caught if "CUDA-graph" in str(w.message)]
+                if fell and accelerator == "gpu":
+                    raise AssertionError(f"{name}: the CUDA-graph path did not serve: {fell[0]}")
             except (Exception, SystemExit) as error:  # noqa: BLE001 - recorded, then raised below
                 row = {"path": name, "error": f"{type(error).__name__}: {error}"}
                 failed.append(name)
