@@ -29,8 +29,9 @@ grouped heads, one after the other in one process.
 
 The dynamic loop and ``graphs_every_8`` sample the 1,024-token completions at the shapes
 ``dynamic_long_shapes`` only (the dynamic loop took about 50 s at 0.6B's shape on an H200, which
-would be most of the phase's time at three shapes); their other rows leave those columns null. On a CPU (``--tiny``) ``graphs`` falls back to
-the dynamic loop (warned): the figures then say nothing about graphs, only that the phase runs.
+would be most of the phase's time at three shapes); their other rows leave those columns null.
+On a CPU (``--tiny``) the graphs fall back to the dynamic loop (warned): the figures then say
+nothing about graphs, only that the phase runs.
 """
 
 from __future__ import annotations
