@@ -309,6 +309,7 @@ class Slots:
             self.recorder.record_slots(logits, tokens, batch.rows, self.step, shape, checks)
         self.responses.index_put_((batch.rows, self.step.expand_as(batch.rows)), tokens)
         batch.tokens[:, 0] = tokens
+        # a stop token drawn: compared one by one, whose shapes a graph keeps (isin's may not)
         ended = (tokens.unsqueeze(-1) == self.stops).any(-1)  # (b,)
         self.stopped |= ended | (self.limit <= self.step + 1)
         if self.oks is None:  # the first step, eager: the checks' running values start here
