@@ -12,6 +12,9 @@ every step, as they did before they attended over the positions a step can see
 
 - ``*_tokens_per_s``: generated tokens over the sampling's wall time; ``*_wall_ms_per_step``:
   that time over the decoding steps (prefill and, for graphs, capture included);
+  ``*_captures`` and ``*_capture_s``: how many times the step was captured (a new bucket, a
+  wider span) and the seconds those captures took, within that wall time (0 for the dynamic
+  loop, and on a CPU, where nothing is captured);
 - ``*_rollout_share``: the rollout (sampling plus the behaviour pass that caches the old
   log-probs and sparse rows) over one GRPO iteration (the rollout plus one TROLL step); the
   behaviour pass and the training step depend on the shapes only (a random model almost never
@@ -22,7 +25,10 @@ every step, as they did before they attended over the positions a step can see
   less those of a one-token sample, over the steps between them. A path bound by the host's
   launches shows a wall time per step far above it; one the device runs at its pace, close.
 
-At ``variant_shape`` (:func:`variant_rows`, the phase's ``variants``), the dynamic loop and the
+Each shape's paths are timed graphs first, the dynamic loop last, and the rows so far are handed
+to a ``progress`` callback after every path: a phase stopped at its limit keeps them.
+
+After the shapes, at ``variant_shape`` (:func:`variant_rows`, the phase's ``variants``), the dynamic loop and the
 graphs sample ``variant_tokens`` new tokens with the decoding steps' attention as the library
 runs it, with PyTorch's own attention backend order, and with transformers' own handling of
 grouped heads, one after the other in one process.
@@ -36,6 +42,7 @@ nothing about graphs, only that the phase runs.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,12 +58,13 @@ from gpu_models import (
 )
 
 PATHS = {
-    "dynamic": ("dynamic", 1),
     "graphs": ("graphs", 1),
     "graphs_every_8": ("graphs", 8),
     "graphs_all_positions": ("graphs", 1),
+    "dynamic": ("dynamic", 1),
 }
-"""Each path the phase times: its ``model.sampling.decode`` and ``check_every``."""
+"""Each path the phase times, in the order it times them (the slowest last): its
+``model.sampling.decode`` and ``check_every``."""
 
 
 @dataclass(frozen=True)
@@ -96,7 +104,6 @@ def variant_rows(name: str, shape: Shape, setting: GenerationSetting) -> list[di
     """The tokens/s and wall time a step of :data:`VARIANT_PATHS` at ``shape``,
     ``variant_tokens`` new tokens, for each of :data:`VARIANTS` in turn, in one process after
     one warm-up sample of each path."""
-    import contextlib
     from unittest import mock
 
     from lightning_troll.engines import step_attention
@@ -129,9 +136,11 @@ def variant_rows(name: str, shape: Shape, setting: GenerationSetting) -> list[di
 
 
 def generation_rows(
-    name: str, shape: Shape, setting: GenerationSetting, micro_batch: int
+    name: str, shape: Shape, setting: GenerationSetting, micro_batch: int, progress=None
 ) -> list[dict[str, Any]]:
-    """The rows of one shape: one per length in ``setting.new_tokens``."""
+    """The rows of one shape: one per length in ``setting.new_tokens``. ``progress``, if given,
+    is called with the rows so far (the last one possibly unfinished) after every path, so that
+    a phase stopped at its limit keeps what it measured."""
     import torch
 
     from lightning_troll.objectives import build_objective
@@ -140,6 +149,7 @@ def generation_rows(
     objective = build_objective("troll")
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-6)
     prompts = random_prompts(shape, setting)
+    report = progress or (lambda rows: None)
 
     def iteration_parts(sampled) -> tuple[float, float]:
         """Seconds of the behaviour pass and of one training step on a sample."""
@@ -154,39 +164,48 @@ def generation_rows(
         return collected - start, clock() - collected
 
     iteration_parts(sample_with(snapshot, prompts, setting.group, setting.warmup_tokens, "graphs"))
-    rows = []
+    rows: list[dict[str, Any]] = []
     for tokens in setting.new_tokens:
         row: dict[str, Any] = {"new_tokens": tokens, "sequences": setting.prompts * setting.group,
                                "micro_batch": micro_batch}  # fmt: skip
+        rows.append(row)
         paths = paths_at(name, tokens, setting)
-        times, sampled = {}, None
+        times = {}
         for path in PATHS:
             if path not in paths:
                 row |= {f"{path}_{k}": None for k in ("tokens_per_s", "wall_ms_per_step",
-                                                      "rollout_share")}  # fmt: skip
+                                                      "rollout_share", "captures", "capture_s")}  # fmt: skip
                 continue
+            captures: list[float] = []
             start = clock()
-            sampled = sample_with(snapshot, prompts, setting.group, tokens, path)
+            sampled = sample_with(snapshot, prompts, setting.group, tokens, path, captures)
             times[path] = clock() - start
             response = sampled[2]
             row["generated_tokens"] = int(response.sum())
             row[f"{path}_tokens_per_s"] = round(int(response.sum()) / times[path], 1)
             row[f"{path}_wall_ms_per_step"] = round(1000 * times[path] / response.shape[1], 3)
-        behaviour_s, train_s = iteration_parts(sampled)
+            row[f"{path}_captures"] = len(captures)
+            row[f"{path}_capture_s"] = round(sum(captures), 4)
+            if path == "graphs":
+                on_graphs = sampled  # what the rest of the iteration is timed on
+            report(rows)
+        behaviour_s, train_s = iteration_parts(on_graphs)
         row |= {"behaviour_s": round(behaviour_s, 3), "train_s": round(train_s, 3)}
         for path, seconds in times.items():
             rollout_s = seconds + behaviour_s
             row[f"{path}_rollout_share"] = round(rollout_s / (rollout_s + train_s), 4)
         if "dynamic" in times:  # tokens/s of graphs over the dynamic loop's
             row["speedup"] = round(row["graphs_tokens_per_s"] / row["dynamic_tokens_per_s"], 3)
-        rows.append(row)
-    first = paths_at(name, min(setting.new_tokens), setting)
-    for path in PATHS:
-        rows[0][f"{path}_device_ms_per_step"] = (
-            device_ms_per_step(snapshot, prompts, setting.group, setting.profile_tokens, path)
-            if path in first
-            else None
-        )
+        if len(rows) == 1:  # the device's time per step, before the longer completions
+            for path in PATHS:
+                row[f"{path}_device_ms_per_step"] = (
+                    device_ms_per_step(
+                        snapshot, prompts, setting.group, setting.profile_tokens, path
+                    )
+                    if path in paths
+                    else None
+                )
+        report(rows)
     return rows
 
 
@@ -207,9 +226,11 @@ def random_prompts(shape: Shape, setting: GenerationSetting) -> list[list[int]]:
     return torch.randint(2, shape.vocab, (setting.prompts, setting.prompt), generator=g).tolist()
 
 
-def sample_with(snapshot, prompts, group: int, tokens: int, path: str):
+def sample_with(snapshot, prompts, group: int, tokens: int, path: str, captures=None):
     """(ids, attention mask, response mask) of ``group`` completions of ``tokens`` per prompt,
-    sampled by the decoding ``path`` (a key of :data:`PATHS`)."""
+    sampled by the decoding ``path`` (a key of :data:`PATHS`). ``captures``, a list, gets the
+    seconds of each capture of the CUDA-graph path's step (its warm-up and recording, the
+    device's queued work finished before and after)."""
     from unittest import mock
 
     from lightning_troll.engines import static_batch
@@ -218,7 +239,18 @@ def sample_with(snapshot, prompts, group: int, tokens: int, path: str):
     decode, every = PATHS[path]
     sampling = SamplingConfig(max_new_tokens=tokens, decode=decode, check_every=every)
     span = 1 << 40 if path == "graphs_all_positions" else static_batch.SPAN  # past any cache
-    with mock.patch.object(static_batch, "SPAN", span):
+    own = static_batch.StaticBatch.capture
+
+    def timed(batch):
+        start = clock()
+        failure = own(batch)
+        captures.append(clock() - start)
+        return failure
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(static_batch, "SPAN", span))
+        if captures is not None:
+            stack.enter_context(mock.patch.object(static_batch.StaticBatch, "capture", timed))
         ids, attention, response, _ = sample(snapshot, prompts, group, sampling, PAD, EOS)
     return ids, attention, response
 

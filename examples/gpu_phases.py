@@ -336,11 +336,20 @@ def generation(results: Results, tiny: bool) -> None:
                    **asdict(setting))  # fmt: skip
 
     def measure(name: str, shape: Shape, micro_batch: int) -> list[dict[str, Any]]:
-        return generation_rows(name, shape, setting, micro_batch)
+        def progress(rows: list[dict[str, Any]]) -> None:  # kept if the phase is stopped
+            results.update(unfinished=[{**shape_figures(name, shape), **r} for r in rows])
 
-    variant = setting.variant_shape  # first: a few short samples, before the long rows
-    results.update(variants=variant_rows(variant, shapes[variant], setting))
-    each_shape(results, shapes, list(halving(setting.micro_batch)), measure)
+        try:
+            return generation_rows(name, shape, setting, micro_batch, progress)
+        finally:  # the rows are the phase's now (or the shape failed)
+            results.figures.pop("unfinished", None)
+            results.write()
+
+    try:  # the shapes first, the measurements; the attention variants after them
+        each_shape(results, shapes, list(halving(setting.micro_batch)), measure)
+    finally:
+        variant = setting.variant_shape
+        results.update(variants=variant_rows(variant, shapes[variant], setting))
     rates = [
         f"{r['shape']} {r['new_tokens']}: {r['graphs_tokens_per_s']:.0f}"
         + (f" (dynamic {r['dynamic_tokens_per_s']:.0f})" if r["dynamic_tokens_per_s"] else "")

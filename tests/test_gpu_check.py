@@ -227,6 +227,58 @@ def test_a_shape_out_of_gpu_memory_is_retried_smaller_and_a_failing_shape_is_rec
     assert rows[1]["error"] == "ValueError: bad shape"
 
 
+def test_generation_hands_on_each_path_as_it_is_measured_graphs_first():
+    """At the first tiny shape every path runs at both lengths: the rows so far are handed on
+    after each path (graphs first, the dynamic loop last) and once more when a row is done, the
+    last hand-on being the rows returned."""
+    import copy
+
+    seen = []
+    name = "qwen3-0.6b"
+    rows = gpu_generation.generation_rows(
+        name, gpu_models.TINY_QWEN3[name], gpu_generation.TINY_GENERATION, 4,
+        lambda so_far: seen.append(copy.deepcopy(so_far)),
+    )  # fmt: skip
+    order = list(gpu_generation.PATHS)
+    assert order[0] == "graphs" and order[-1] == "dynamic"
+    measured = [[p for p in order if (r[-1].get(f"{p}_tokens_per_s") or 0) > 0] for r in seen]
+    one_row = [order[: i + 1] for i in range(len(order))] + [order]
+    assert measured == one_row * 2
+    assert [len(r) for r in seen] == [1] * 5 + [2] * 5
+    assert "train_s" not in seen[3][-1] and seen[4][-1]["train_s"] > 0  # done: the iteration too
+    assert "graphs_device_ms_per_step" in seen[4][-1]  # the first row's, before the second row
+    assert seen[-1] == rows and len(rows) == 2
+
+
+def test_the_generation_phase_keeps_a_shapes_rows_while_it_runs_and_then_the_variants(
+    tmp_path, monkeypatch
+):
+    """While a shape runs its rows so far are the record's ``unfinished`` (what a phase stopped
+    at its limit keeps); a finished shape's rows are the phase's rows and ``unfinished`` goes;
+    the attention variants are timed after the shapes, also where a shape failed."""
+    path = tmp_path / "generation.json"
+    during = []
+
+    def rows_of(name, shape, setting, micro_batch, progress):
+        if name == "qwen3-1.7b":
+            raise ValueError("no such shape")
+        progress([{"new_tokens": 8, "graphs_tokens_per_s": 1.0}])
+        during.append(json.loads(path.read_text())["figures"]["unfinished"])
+        return [{"new_tokens": 8, "graphs_tokens_per_s": 1.0, "dynamic_tokens_per_s": None,
+                 "graphs_every_8_tokens_per_s": None}]  # fmt: skip
+
+    monkeypatch.setattr(gpu_phases, "generation_rows", rows_of)
+    monkeypatch.setattr(gpu_phases, "variant_rows", lambda name, shape, setting: [{"v": name}])
+    results = gpu_phases.Results(path)
+    with pytest.raises(RuntimeError, match=r"failed at shapes \['qwen3-1.7b'\]"):
+        gpu_phases.generation(results, tiny=True)
+    assert [[r["shape"] for r in u] for u in during] == [["qwen3-0.6b"], ["qwen3-4b"]]
+    figures = json.loads(path.read_text())["figures"]
+    assert "unfinished" not in figures and figures["variants"] == [{"v": "qwen3-0.6b"}]
+    assert [r["shape"] for r in figures["rows"]] == ["qwen3-0.6b", "qwen3-1.7b", "qwen3-4b"]
+    assert "error" in figures["rows"][1] and figures["rows"][2]["graphs_tokens_per_s"] == 1.0
+
+
 def series(**extra: list[float]) -> dict[str, list[float]]:
     """What a loop path's CSV log holds over 3 rollouts, with ``extra`` figures."""
     return {"reward/mean": [0.3, 0.4, 0.5], "trust_region/kl_after_max": [0.01, 0.05, 0.02],
@@ -293,8 +345,12 @@ def assert_generation_figures(figures: dict, cuda: bool) -> None:
             if path in every:
                 assert row[f"{path}_tokens_per_s"] > 0 and row[f"{path}_wall_ms_per_step"] > 0
                 assert 0 < row[f"{path}_rollout_share"] < 1
+                # captured on a device only, and not by the dynamic loop
+                assert (row[f"{path}_captures"] > 0) is (cuda and path != "dynamic")
+                assert (row[f"{path}_capture_s"] > 0) is (row[f"{path}_captures"] > 0)
             else:
                 assert row[f"{path}_tokens_per_s"] is row[f"{path}_rollout_share"] is None
+                assert row[f"{path}_captures"] is row[f"{path}_capture_s"] is None
         if both:
             ratio = row["graphs_tokens_per_s"] / row["dynamic_tokens_per_s"]
             assert row["speedup"] == pytest.approx(ratio, rel=2e-3)

@@ -14,6 +14,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from lightning_troll.engines import decode as decode_module
 from lightning_troll.engines import graph_decode as graph_module
 from lightning_troll.engines import sampling as sampling_module
 from lightning_troll.engines import static_batch
@@ -201,6 +202,97 @@ def test_a_recorder_without_record_slots_reads_at_every_step(llama64, monkeypatc
     assert torch.equal(static, dynamic) and ours.steps == theirs.steps == static.shape[1]
 
 
+def captures_recorded(monkeypatch, failure=None):
+    """``StaticBatch.capture`` replaced by one that records (slots, visible positions, whether
+    the choice is set, the position the next step writes) and captures nothing, returning
+    ``failure``: the steps then run eagerly, on a CPU too."""
+    calls = []
+
+    def capture(self):
+        self.stale = False
+        calls.append((self.rows.numel(), self.visible, self.slots is not None, self.slot))
+        return failure
+
+    monkeypatch.setattr(static_batch.StaticBatch, "capture", capture)
+    monkeypatch.setattr(graph_module, "_WARNED", set())
+    return calls
+
+
+@pytest.mark.parametrize("every", [1, 3])
+def test_each_step_is_captured_once_at_k_above_1_with_its_choice_after_the_first_draw(
+    llama, monkeypatch, every
+):
+    """No sequence stops, spans of 4 visible positions: the step is captured once for each span
+    the 11 steps after the first token see. At k = 1 the first capture comes before any draw and
+    holds the forward alone; at k > 1 every capture holds the choice too (the first bucket is not
+    captured alone first), the first at the same position, after the first token is drawn."""
+    calls = captures_recorded(monkeypatch)
+    monkeypatch.setattr(static_batch, "SPAN", 4)
+    sampling = SamplingConfig(max_new_tokens=12, check_every=every)
+    recorder = BehaviourRecorder(1.0, sparse_rows, read_free=True)
+    ids, mask = left_pad(PROMPTS, 0)
+    tokens = static_decode(llama, ids, mask, 2, sampling, 0, [VOCAB + 5], True, recorder,
+                           capture=True)  # fmt: skip
+    start = ids.shape[1]  # S
+    cache = -(-(start + 12) // 16) * 16  # L
+    spans = sorted({min(cache, -(-(slot + 1) // 4) * 4) for slot in range(start, start + 11)})
+    assert tokens.shape == (8, 12) and len(spans) >= 3
+    assert [visible for _, visible, _, _ in calls] == spans
+    assert {(size, chosen) for size, _, chosen, _ in calls} == {(8, every > 1)}
+    assert calls[0][3] == start  # the first step's position, before its forward either way
+
+
+def test_a_failed_first_capture_at_k_above_1_runs_the_steps_eagerly_warned(llama, monkeypatch):
+    """At k > 1 a token is drawn before the first capture, so where it fails the static loop
+    goes on eagerly (warned once for the bucket), and a seed gives the tokens of the loop
+    without capture."""
+    calls = captures_recorded(monkeypatch, failure="RuntimeError: not capturable")
+    sampling = SamplingConfig(max_new_tokens=7, check_every=4)
+    ids, mask = left_pad(PROMPTS, 0)
+    args = (llama, ids, mask, 2, sampling, 0, [VOCAB + 5], True)
+    torch.manual_seed(5)
+    with pytest.warns(UserWarning, match=r"for 8 slots failed \(RuntimeError: not capturable\); "
+                      "those steps run eagerly"):  # fmt: skip
+        ours = static_decode(*args, capture=True)
+    torch.manual_seed(5)
+    assert torch.equal(ours, static_decode(*args, capture=False)) and len(calls) == 1
+
+
+@pytest.mark.parametrize(
+    ("failing", "tries", "results", "warmed"),
+    [
+        (set(), [True, False, False], [None, None, None], True),
+        ({(2, False)}, [True, False, True, False], [None, None, None], True),
+        ({(2, False), (2, True)}, [True, False, True, False], [None, "E", None], True),
+        ({(1, True)}, [True, True, False], ["E", None, None], True),
+        ({(1, True), (2, True), (3, True)}, [True, True, True], ["E", "E", "E"], False),
+    ],
+    ids=["ok", "retried", "retry-failed", "first-failed", "never"],
+)
+def test_captures_warm_up_until_one_succeeds_and_a_later_failure_is_retried_warm(
+    llama, monkeypatch, failing, tries, results, warmed
+):
+    """Three captures of one batch, a try failing where (capture number, warm-up) is in
+    ``failing``: captures warm up until one succeeds; after that they record at once, and one
+    that fails is tried once more after a warm-up, whose result is the capture's."""
+    ids, mask = left_pad(PROMPTS, 0)
+    first = decode_module.prefill(llama, ids, mask, 2)
+    batch = static_batch.StaticBatch.prefilled(llama, first, mask, 2, 6)
+    calls, number = [], [0]
+
+    def record(self, warm_up):
+        calls.append(warm_up)
+        return "E" if (number[0], warm_up) in failing else None
+
+    monkeypatch.setattr(static_batch.StaticBatch, "_record", record)
+    got = []
+    for number[0] in (1, 2, 3):
+        batch.stale = True
+        got.append(batch.capture())
+        assert not batch.stale
+    assert calls == tries and got == results and batch.warmed is warmed
+
+
 @pytest.mark.parametrize("value", [0, -2, 1.5, True, "4"])
 def test_check_every_below_one_or_not_an_integer_is_refused(value):
     with pytest.raises(ValueError, match=r"model\.sampling\.check_every must be an integer >= 1"):
@@ -232,10 +324,10 @@ def test_captured_whole_steps_run_no_step_eagerly_and_record_a_teacher_forced_pa
     monkeypatch, span
 ):
     """On the device, float64, top-k draws, the budgets above, reads every 3 steps: the forward
-    runs only to prefill and in captures (a warm-up and a recording each: the first bucket's step
-    alone, then with its choice; again at each new bucket of 16, 8, 4 and 2 slots and each wider
-    span of visible positions), never per step, and no capture is warned about; every completion
-    runs to its budget and its records equal a teacher-forced pass to 1e-9."""
+    runs only to prefill and in captures (a recording each, the first after a warm-up: the first
+    bucket's step with its choice, once; again at each new bucket of 16, 8, 4 and 2 slots and
+    each wider span of visible positions), never per step, and no capture is warned about; every
+    completion runs to its budget and its records equal a teacher-forced pass to 1e-9."""
     monkeypatch.setattr(graph_module, "_WARNED", set())
     monkeypatch.setattr(static_batch, "SPAN", span)
     model = tiny_llama().double().to("cuda")
@@ -260,7 +352,7 @@ def test_captured_whole_steps_run_no_step_eagerly_and_record_a_teacher_forced_pa
     seen = [min(cache, -(-(start + t) // span) * span) for t in range(1, 20)]
     steps = list(zip(buckets, seen, strict=True))
     captures = 1 + sum(1 for t in range(1, 19) if steps[t] != steps[t - 1])
-    assert len(forwards) == 1 + 2 + 2 * captures
+    assert len(forwards) == 1 + 1 + captures
     response, truncated = sampling_module.response_mask_of(tokens, [VOCAB + 5], own)
     assert torch.equal(response.sum(-1), own) and truncated.all()
     records_match_a_teacher_forced_pass(

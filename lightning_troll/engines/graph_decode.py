@@ -36,11 +36,11 @@ draws on (its tokens past its stop, cut by the caller); a spare slot of a bucket
 which is no sequence's.
 
 Why manual capture rather than ``torch.compile(mode="reduce-overhead")``: the cache length S + T
-changes with every rollout's prompts and budget and the batch with every bucket, and each new
-shape would be a compilation (tens of seconds to minutes at a real model's depth, and the
-compiler of the GPU image untried here); a manual capture costs one eager forward and one
-recorded one per bucket, and runs the model's forward as transformers wrote it. vLLM captures
-its decode step per batch-size bucket in the same way.
+changes with every rollout's prompts and budget and the batch with every bucket, and each new shape
+would be a compilation (tens of seconds to minutes at a real model's depth, and the compiler of the
+GPU image untried here); a manual capture costs one recorded forward per bucket (and one eager
+warm-up a rollout), and runs the model's forward as transformers wrote it. vLLM captures its decode
+step per batch-size bucket in the same way.
 
 Where the graphs cannot serve, :func:`graph_decode` returns None before any random draw and the
 dynamic loop decodes, with a warning naming the reason (once per reason): no CUDA device, a
@@ -49,8 +49,10 @@ layers other than plain ``StaticLayer`` ones, a model that would not take the st
 as it is (:func:`~lightning_troll.engines.decode.no_additive_mask`: attention other than
 ``sdpa``, ``eager`` or one :mod:`~lightning_troll.engines.step_attention` lends, or a mask of its
 own making), a model sharded with FSDP2 over several
-processes, and a forward that cannot be captured (a host synchronisation inside it, for one). A
-later bucket whose capture fails runs its steps eagerly, warned.
+processes, and, at ``check_every`` 1, a forward that cannot be captured (a host synchronisation
+inside it, for one). At ``check_every`` above 1 the step is first captured with the choice of its
+tokens, after the first token is drawn (one capture of the first bucket, not two); where that
+fails, its steps run eagerly, warned, as a later bucket's do whose capture fails.
 
 ``capture=False`` (:func:`static_decode`) runs the same loop without graphs, on any device: the
 tests run it on a CPU.
@@ -169,13 +171,16 @@ def static_decode(
         batch = StaticBatch.prefilled(model, first, prompt_mask, group_size, budget)
         logits = first.logits  # (B, V)
         del first  # the dynamic cache: copied into the static one
+        choice = _Choice(sampling, do_sample, recorder, stops, budgets, pad_id)
+        every = _reads_every(choice)
+        if every > 1:  # captured with the choice of its tokens, after the first is chosen
+            return _whole_steps(batch, Slots(batch, choice), logits, every, capture)
         if capture:  # before any draw: a model whose forward cannot be captured is found here
             failure = batch.capture()
             if failure is not None:
                 _fall_back(f"capturing its decode step failed ({failure})")
                 return None
-        choice = _Choice(sampling, do_sample, recorder, stops, budgets, pad_id)
-        return _decode_from(batch, logits, choice, capture)
+        return _each_step(batch, logits, choice, capture)
 
 
 @dataclass(frozen=True)
@@ -191,10 +196,10 @@ class _Choice:
     pad_id: int
 
 
-def _decode_from(batch: StaticBatch, logits: Tensor, choice: _Choice, capture: bool) -> Tensor:
-    """:func:`static_decode`'s loop from the prefilled ``batch`` and its first ``logits``
-    (B, V): :func:`_each_step` at ``check_every`` 1, :func:`_whole_steps` above."""
-    every = getattr(choice.sampling, "check_every", 1)  # steps between reads of the flags
+def _reads_every(choice: _Choice) -> int:
+    """How many steps the loop takes between reads of which sequences stopped: ``check_every``,
+    or 1 (warned) where a recorder cannot record a step that a graph holds whole."""
+    every = getattr(choice.sampling, "check_every", 1)
     recorder = choice.recorder
     if every > 1 and recorder is not None and not hasattr(recorder, "record_slots"):
         _fall_back_once(
@@ -202,10 +207,8 @@ def _decode_from(batch: StaticBatch, logits: Tensor, choice: _Choice, capture: b
             f"sequences stopped every {every} steps, but its recorder "
             f"({type(recorder).__name__}) has no record_slots; it reads at every step"
         )
-        every = 1
-    if every > 1:
-        return _whole_steps(batch, Slots(batch, choice), logits, every, capture)
-    return _each_step(batch, logits, choice, capture)
+        return 1
+    return every
 
 
 def _each_step(batch: StaticBatch, logits: Tensor, choice: _Choice, capture: bool) -> Tensor:
@@ -254,12 +257,15 @@ def _whole_steps(
     batch: StaticBatch, slots: Slots, logits: Tensor, every: int, capture: bool
 ) -> Tensor:
     """The loop of :func:`static_decode` at ``check_every`` k > 1: the first token is chosen
-    eagerly from the prefill's ``logits`` (B, V); every later step, the forward with the choice
-    of its tokens, their records and the stop flags, is one captured graph (``capture``) or
-    runs eagerly, and the host reads the flags every k steps and at the budget's end."""
+    eagerly from the prefill's ``logits`` (B, V) (which runs the choice's kernels and allocates
+    its records before any capture); every later step, the forward with the choice of its
+    tokens, their records and the stop flags, is one captured graph (``capture``) or runs
+    eagerly, and the host reads the flags every k steps and at the budget's end. The first
+    bucket is captured once, with its choice: where that fails, its steps run eagerly
+    (warned), since a token is drawn by then."""
     budget = slots.responses.shape[1]  # T
     slots.choose(logits)  # the first token: its kernels run once before any capture
-    batch.slots, batch.stale = slots, True  # captured again, with the choice
+    batch.slots, batch.stale = slots, True  # captured with the choice at the next step
     steps = 1
     while True:
         if steps % every == 0 or steps == budget:

@@ -6,12 +6,12 @@ additive mask, the captured step; it moves the running slots into smaller bucket
 each bucket's step.
 
 A step attends over the ``visible`` positions only, the first multiple of :data:`SPAN` past the
-position it writes (at most L; :func:`~lightning_troll.engines.step_attention.visible_keys`),
-not all L: attention with a mask reads every position it is handed, and the positions past the
-step are all masked. When the steps reach the visible ones, :meth:`StaticBatch.widen` moves them
-on by :data:`SPAN` and the step is captured again: about L / 256 captures a rollout, each an
-eager forward and a recorded one, for a step that reads on average about half the cache where
-it would read all of it. Notation as :mod:`~lightning_troll.engines.graph_decode`'s.
+position it writes (at most L; :func:`~lightning_troll.engines.step_attention.visible_keys`), not
+all L: attention with a mask reads every position it is handed, and the positions past the step are
+all masked. When the steps reach the visible ones, :meth:`StaticBatch.widen` moves them on by
+:data:`SPAN` and the step is captured again: about L / 256 captures a rollout, each a recorded
+forward (the first after an eager warm-up), for a step that reads on average about half the cache
+where it would read all of it. Notation as :mod:`~lightning_troll.engines.graph_decode`'s.
 """
 
 from __future__ import annotations
@@ -55,8 +55,9 @@ class StaticBatch:
     (B, H, L, D) keys and values allocated once; ``slots`` None, or the
     :class:`~lightning_troll.engines.graph_decode.Slots` whose ``choose`` each step ends with
     (``check_every`` > 1); ``graph`` the captured step, or None (eager); ``stale`` whether the
-    step changed since it was captured (a compaction, wider positions). Every tensor a graph
-    reads or writes keeps its address until the next compaction.
+    step changed since it was captured (a compaction, wider positions); ``warmed`` whether a
+    capture succeeded (later ones need no warm-up). Every tensor a graph reads or writes keeps
+    its address until the next compaction.
     """
 
     def __init__(self, model, cache, name, rows, positions, mask, slot, storage) -> None:
@@ -70,6 +71,7 @@ class StaticBatch:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: Tensor | None = None  # (b, V) the captured step's output
         self.stale = True
+        self.warmed = False  # whether a capture has succeeded after a warm-up
 
     @classmethod
     def prefilled(cls, model, first: Prefill, prompt_mask, group, budget):
@@ -168,12 +170,24 @@ class StaticBatch:
 
     def capture(self) -> str | None:
         """Captures this bucket's step (with ``slots.choose`` after it, where ``slots`` is set)
-        as a CUDA graph, after one eager warm-up of the forward on a side stream; returns None,
-        or the error's first line where capture failed (no graph then: the steps run eagerly).
-        The step is no longer stale either way. The warm-up writes the cache position the next
-        step writes, which that step overwrites, and moves the positions and counters on, which
-        are then set back."""
+        as a CUDA graph; returns None, or the error's first line where capture failed (no graph
+        then: the steps run eagerly). The step is no longer stale either way.
+
+        The batch's first capture runs the forward once eagerly first, on a side stream (lazy
+        initialisation, as PyTorch asks before a capture); a later one (a new bucket, wider
+        positions) records at once, the model's kernels having run, and where that fails it
+        is tried again after a warm-up."""
         self.stale = False
+        failure = self._record(warm_up=not self.warmed)
+        if failure is not None and self.warmed:
+            failure = self._record(warm_up=True)
+        self.warmed = self.warmed or failure is None
+        return failure
+
+    def _record(self, warm_up: bool) -> str | None:
+        """One try of :meth:`capture`, after an eager warm-up of the forward where ``warm_up``.
+        The warm-up writes the cache position the next step writes, which that step overwrites,
+        and moves the positions and counters on, which are then set back."""
         counters = [layer.cumulative_length for layer in self.cache.layers]
         positions = self.positions.clone()  # (b, 1)
 
@@ -184,12 +198,13 @@ class StaticBatch:
                 counter.fill_(self.slot)
 
         try:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                self._step()
-            torch.cuda.current_stream().wait_stream(side)
-            set_back()  # the warm-up moved them on
+            if warm_up:
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    self._step()
+                torch.cuda.current_stream().wait_stream(side)
+                set_back()  # the warm-up moved them on
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 logits = self._step()  # (b, V), recorded, not run
