@@ -128,23 +128,32 @@ def random_rollout(lengths, prompt: int, generator, vocab: int = 20000):
 
 
 def ragged_training(model_dir: Path, sequences: int, repeats: int) -> list[dict]:
+    """:func:`ragged_rows` on SmolLM2's architecture (``model_dir``), float32, on this CPU."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).train()
+    return ragged_rows(model, sequences, repeats)
+
+
+def ragged_rows(model, sequences: int, repeats: int, clock=time.perf_counter) -> list[dict]:
     """Training time of one minibatch of ``sequences`` sequences whose completions have a long
     tail (a log-normal with median 200 tokens and sigma 1, cut at 2,048) against as many of equal
-    length with the same real tokens, each way the loop can split them: in this process, side by
-    side, the median of ``repeats`` forward and backward passes (one warm-up pass first)."""
+    length with the same real tokens, each way the loop can split them: side by side on
+    ``model``'s device, the median of ``repeats`` forward and backward passes (one warm-up pass
+    first), timed by ``clock`` (on a GPU one that waits for the device's queued work)."""
     import statistics
     from types import SimpleNamespace
 
     import torch
-    from transformers import AutoModelForCausalLM
 
     from lightning_troll.objectives import build_objective
     from lightning_troll.rollouts.rollout import Rollout
     from lightning_troll.training.optimization import MinibatchLoop, OptimizationConfig
     from lightning_troll.training.policies import policy_loss
 
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).train()
+    device = next(model.parameters()).device
     g = torch.Generator().manual_seed(0)
     tail = (torch.randn(sequences, generator=g) + torch.tensor(200.0).log()).exp()
     ragged = tail.round().clamp(1, 2048).long()
@@ -152,20 +161,22 @@ def ragged_training(model_dir: Path, sequences: int, repeats: int) -> list[dict]
     equal = torch.full((sequences,), int(ragged.float().mean().round()))
     objective = build_objective("clip")  # the forward and backward passes, without TROLL's rows
 
+    vocab = min(20000, model.config.vocab_size)  # the ids random_rollout draws: 10 to vocab
+
     def rollout(lengths: torch.Tensor) -> Rollout:
-        return random_rollout(lengths, prompt, g)
+        return random_rollout(lengths, prompt, g, vocab).to(device)
 
     def time_of(part_rollout: Rollout, config: OptimizationConfig) -> float:
         loop, trainer = MinibatchLoop(config), SimpleNamespace(world_size=1)
         policies = SimpleNamespace(policy=model)
         times = []
         for _ in range(repeats):
-            start = time.perf_counter()
+            start = clock()
             for part in loop.micro_batches(trainer, part_rollout, model):
                 loss, _ = policy_loss(policies, objective, part, 1024, True, config.pack_sequences)
                 loss.backward()
             model.zero_grad(set_to_none=True)
-            times.append(time.perf_counter() - start)
+            times.append(clock() - start)
         return statistics.median(times)
 
     def forward_tokens(part_rollout: Rollout, config: OptimizationConfig) -> int:
@@ -188,9 +199,9 @@ def ragged_training(model_dir: Path, sequences: int, repeats: int) -> list[dict]
     for name, config in ways.items():
         row = {"split": name, "real_tokens": int(ragged.sum()) + sequences * prompt}
         row["ragged_forward_tokens"] = forward_tokens(rollout(ragged), config)
-        row["ragged_s"] = round(time_of(rollout(ragged), config), 2)
-        row["equal_s"] = round(time_of(rollout(equal), config), 2)
-        row["ragged_over_equal"] = round(row["ragged_s"] / row["equal_s"], 3)
+        ragged_s, equal_s = time_of(rollout(ragged), config), time_of(rollout(equal), config)
+        row |= {"ragged_s": round(ragged_s, 4), "equal_s": round(equal_s, 4),
+                "ragged_over_equal": round(ragged_s / equal_s, 3)}  # fmt: skip
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows

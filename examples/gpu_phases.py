@@ -36,6 +36,7 @@ from gpu_models import (  # noqa: E402
     free_memory,
     make_rollout,
     out_of_memory,
+    qwen3,
     shape_figures,
     shape_table,
     snapshot_and_policy,
@@ -178,12 +179,14 @@ class OverheadSetting:
     """Also TROLL with ``trust_region.compile_solver`` (its warm-up compiles)."""
     new_shapes: int = 4
     """Sequence lengths of :func:`new_shape_rows`, for each attention backend order."""
+    ragged_sequences: int = 32
+    """The minibatch of :func:`ragged_at`: long-tailed completions against equal ones."""
 
 
 # compiled=False: the compiled solver's own tests run it on a CPU; a compile would triple the phase
 TINY_OVERHEAD = OverheadSetting(
     sequences=2, prompt=8, response=24, chunk=16, warmup=1, repeats=2, compiled=False,
-    new_shapes=2,
+    new_shapes=2, ragged_sequences=6,
 )  # fmt: skip
 
 
@@ -200,6 +203,7 @@ def overhead(results: Results, tiny: bool) -> None:
     each_shape(results, shapes, list(halving(setting.sequences)), measure)
     first = next(iter(shapes))
     results.update(unseen_lengths=new_shape_rows(first, shapes[first], setting))
+    results.update(ragged=ragged_at(first, shapes[first], setting))
     rows = [r for r in results.rows if "time_ratio" in r]
     if rows:
         last = rows[-1]
@@ -252,6 +256,20 @@ def overhead_at(shape: Shape, setting: OverheadSetting, sequences: int) -> dict[
         row["compiled_time_ratio"] = round(row["troll_compiled_ms"] / row["clip_ms"], 4)
     row["memory_ratio"] = round(row["troll_peak_mib"] / row["clip_peak_mib"], 4)
     return row
+
+
+def ragged_at(name: str, shape: Shape, setting: OverheadSetting) -> list[dict[str, Any]]:
+    """Ragged completions against equal ones at ``shape``: one minibatch of
+    ``setting.ragged_sequences`` long-tailed completions (median 200 tokens, a tail to 2,048)
+    and as many of equal length with the same real tokens, trained (clip's forward and backward
+    passes) in parts of two sequences, by the token budget padded, and by the token budget packed
+    (``model.optimization.pack_sequences``), side by side (``examples/benchmark_lengths.py``'s
+    ``ragged_rows``, which on a CPU chose the padded token budget as the default)."""
+    from benchmark_lengths import ragged_rows
+
+    policy = qwen3(shape).train()
+    rows = ragged_rows(policy, setting.ragged_sequences, setting.repeats, clock=clock)
+    return [{"shape": name, **row} for row in rows]
 
 
 def new_shape_rows(name: str, shape: Shape, setting: OverheadSetting) -> list[dict[str, Any]]:

@@ -279,6 +279,26 @@ def test_the_generation_phase_keeps_a_shapes_rows_while_it_runs_and_then_the_var
     assert "error" in figures["rows"][1] and figures["rows"][2]["graphs_tokens_per_s"] == 1.0
 
 
+def test_ragged_completions_are_trained_each_way_beside_equal_ones():
+    """The overhead phase's ``ragged`` table at the first tiny shape: the three ways to split the
+    minibatch, each over the same real tokens; packed, the forwards hold exactly those, padded
+    more (the lengths differ); each ratio is its own times'."""
+    shape = gpu_models.TINY_QWEN3["qwen3-0.6b"]
+    rows = gpu_phases.ragged_at("qwen3-0.6b", shape, gpu_phases.TINY_OVERHEAD)
+    assert [r["split"] for r in rows] == [
+        "2 sequences a part, padded", "token budget, padded", "token budget, packed"
+    ]  # fmt: skip
+    real = {r["real_tokens"] for r in rows}
+    assert len(real) == 1 and {r["shape"] for r in rows} == {"qwen3-0.6b"}
+    (tokens,) = real
+    assert tokens > gpu_phases.TINY_OVERHEAD.ragged_sequences * 48  # prompts and completions
+    assert rows[2]["ragged_forward_tokens"] == tokens
+    assert rows[0]["ragged_forward_tokens"] > tokens and rows[1]["ragged_forward_tokens"] > tokens
+    for row in rows:
+        assert row["ragged_s"] > 0 and row["equal_s"] > 0
+        assert row["ragged_over_equal"] == pytest.approx(row["ragged_s"] / row["equal_s"], 5e-2)
+
+
 def series(**extra: list[float]) -> dict[str, list[float]]:
     """What a loop path's CSV log holds over 3 rollouts, with ``extra`` figures."""
     return {"reward/mean": [0.3, 0.4, 0.5], "trust_region/kl_after_max": [0.01, 0.05, 0.02],
@@ -418,6 +438,7 @@ def test_tiny_check_runs_every_phase_and_reports_it(tmp_path):
     assert all(
         r[k] > 0 for r in shapes for k in ("behaviour_ms", "first_step_ms", "second_step_ms")
     )
+    assert [r["split"] for r in overhead["ragged"]][2] == "token budget, packed"
     assert_generation_figures(phases["generation"]["figures"], cuda)
     demo = phases["tinymath-demo"]["figures"]
     assert demo["rollouts"] == 2 and 0 <= demo["final_reward"] <= 1
