@@ -215,3 +215,19 @@ def test_the_grouped_heads_benchmark_times_both_ways_on_the_same_step(tmp_path, 
         assert row["sequences"] == 2 and row["transformers_ms"] > 0 and row["folded_ms"] > 0
         assert row["ratio"] == pytest.approx(row["folded_ms"] / row["transformers_ms"], abs=2e-3)
         assert row["max_logit_gap"] < 1e-4
+
+
+def test_the_draw_benchmark_times_both_searches_and_finds_the_same_tokens(tmp_path, monkeypatch):
+    """Two vocabularies, 4 rows, one draw each way: a row per vocabulary, the same tokens from
+    the same seed, and the ratio of the two medians."""
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    benchmark = importlib.import_module("benchmark_draw")
+    out = tmp_path / "draw.json"
+    benchmark.main(["--vocabularies", "100", "3000", "--rows", "4", "--repeats", "1",
+                    "--json", str(out)])  # fmt: skip
+    rows = json.loads(out.read_text())
+    assert [(row["vocabulary"], row["rows"]) for row in rows] == [(100, 4), (3000, 4)]
+    for row in rows:
+        assert row["same_tokens"] is True and row["two_level_ms"] > 0 and row["one_scan_ms"] > 0
+        ratio = row["two_level_ms"] / row["one_scan_ms"]
+        assert row["two_level_over_one_scan"] == pytest.approx(ratio, rel=2e-2)

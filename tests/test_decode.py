@@ -334,6 +334,43 @@ def test_draw_follows_a_distribution_with_tiny_and_masked_probabilities():
     assert chi_square_p(counts, probs[[1, 0, 2, 3, 4, 5, 6, 7]]) < 1e-6
 
 
+@pytest.mark.parametrize("vocab", [1, 2, 7, 1000, 4096, 49_152])
+def test_draw_searches_in_two_levels_for_the_tokens_one_scan_finds(monkeypatch, vocab):
+    """Random rows with a seventh of their tokens at -inf, of vocabularies that fill their blocks
+    and that do not: from the same seed ``draw`` gives the tokens of one float64 cumulative sum
+    over the whole vocabulary (``examples/benchmark_draw.py``'s ``one_scan``), none masked."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "examples"))
+    one_scan = importlib.import_module("benchmark_draw").one_scan
+
+    g = torch.Generator().manual_seed(vocab)
+    scores = 4 * torch.randn(512, vocab, generator=g)
+    scores[:, 1::7] = float("-inf")
+    torch.manual_seed(3)
+    ours = choice_module.draw(scores)
+    torch.manual_seed(3)
+    assert torch.equal(ours, one_scan(scores))
+    assert scores.gather(-1, ours.unsqueeze(-1)).isfinite().all()
+
+
+@pytest.mark.parametrize("uniform", [0.0, 1 - 2**-53, 1.0])
+def test_draw_at_the_ends_of_the_unit_interval_takes_the_first_and_last_token_of_weight(
+    monkeypatch, uniform
+):
+    """Whole blocks at -inf before and after the tokens of weight, and within their block too:
+    a uniform number of 0 draws the first token of positive weight, the largest below 1 the last;
+    so does 1 itself (a target at the total, as rounding could make one), never a token at -inf
+    or past the vocabulary."""
+    vocab = 1000  # blocks of 32, the last one padded
+    scores = torch.full((3, vocab), float("-inf"))
+    scores[0, 70:75] = 0.0  # inside one block, its ends masked
+    scores[1, 96:128] = torch.linspace(-30, 0, 32)  # a whole block, the tail tiny
+    scores[2, [5, 990]] = torch.tensor([-1e-3, 40.0])  # the first and the last block
+    at = lambda size, **options: torch.full(size, uniform, dtype=torch.float64)  # noqa: E731
+    monkeypatch.setattr(choice_module.torch, "rand", at)
+    tokens = choice_module.draw(scores).tolist()
+    assert tokens == ([70, 96, 5] if uniform == 0 else [74, 127, 990])
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_draw_refuses_rows_that_are_not_a_distribution(bad):
     scores = torch.zeros(3, 5)
