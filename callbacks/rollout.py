@@ -86,7 +86,10 @@ class RolloutGeneration(Callback):
             sampling = getattr(pl_module, "sampling", None)
             decode = getattr(sampling, "decode", "auto")
             every = getattr(sampling, "check_every", 1)
-            for message in engine_warnings(engine.name, engine.options, decode, behaviour, every):
+            compiled = getattr(sampling, "compile_step", False)
+            for message in engine_warnings(
+                engine.name, engine.options, decode, behaviour, every, compiled
+            ):
                 rank_zero_warn(message)
         if not getattr(getattr(pl_module, "dynamic_sampling", None), "enabled", False):
             return

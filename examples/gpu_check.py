@@ -1,6 +1,6 @@
 """One command proves the GPU path: ``make gpu-check`` (``python examples/gpu_check.py``).
 
-On a machine with a CUDA GPU it runs seven phases, each in a process of its own under its own time
+On a machine with a CUDA GPU it runs eight phases, each in a process of its own under its own time
 limit, so that a phase that fails or runs out of time is recorded and the next one still runs:
 
 1. ``cuda-tests``: the CUDA-only tests (``pytest -m cuda``, ``tests/test_cuda.py``,
@@ -24,9 +24,12 @@ limit, so that a phase that fails or runs out of time is recorded and the next o
 5. ``generation``: the dynamic decoding loop against the CUDA-graph path at the same shapes,
    64 completions of 256 and of 1,024 tokens: tokens per second, wall and device time per
    decoding step, and the rollout's share of one GRPO iteration (``examples/gpu_generation.py``);
-6. ``tinymath-demo``: ``configs/tinymath.yaml`` for 100 rollouts on the GPU: wall time, reward,
+6. ``compiled-decoding``: at the 0.6B shape, the whole decoding step captured with the model's
+   forward compiled (``sampling.compile_step``) and without: the warm-up's seconds, tokens per
+   second and the device's time per step;
+7. ``tinymath-demo``: ``configs/tinymath.yaml`` for 100 rollouts on the GPU: wall time, reward,
    held-out accuracy;
-7. ``grpo-smollm2``: one GRPO iteration at SmolLM2-135M's shape (random initialisation) through
+8. ``grpo-smollm2``: one GRPO iteration at SmolLM2-135M's shape (random initialisation) through
    ``TrollModule`` and a Lightning ``Trainer`` in bf16-true: wall time and reward.
 
 It writes a JSON report (``--json``: the device, the versions, and a ``phases`` list with each
@@ -88,6 +91,7 @@ PHASES = (
     Phase("loop-paths", "the engine apart, stale data, episodes: TinyMath fits", 150, 240),
     Phase("overhead", "TROLL vs clip, one training step, Qwen3 shapes", 240, 120),
     Phase("generation", "dynamic decoding against CUDA graphs, Qwen3 shapes", 480, 120),
+    Phase("compiled-decoding", "the captured step, its forward compiled or not", 300, 120),
     Phase("tinymath-demo", "the TinyMath demo, shortened", 120, 120),
     Phase("grpo-smollm2", "one GRPO iteration at SmolLM2-135M's shape", 120, 120),
 )

@@ -58,13 +58,20 @@ from gpu_models import (
 )
 
 PATHS = {
-    "graphs": ("graphs", 1),
-    "graphs_every_8": ("graphs", 8),
-    "graphs_all_positions": ("graphs", 1),
-    "dynamic": ("dynamic", 1),
+    "graphs": {"decode": "graphs"},
+    "graphs_every_8": {"decode": "graphs", "check_every": 8},
+    "graphs_all_positions": {"decode": "graphs"},
+    "dynamic": {"decode": "dynamic"},
 }
 """Each path the phase times, in the order it times them (the slowest last): its
-``model.sampling.decode`` and ``check_every``."""
+``model.sampling`` options."""
+
+COMPILED_PATHS = {
+    "graphs_every_8": PATHS["graphs_every_8"],
+    "graphs_every_8_compiled": {**PATHS["graphs_every_8"], "compile_step": True},
+}
+"""The paths of the ``compiled-decoding`` phase (:func:`compiled_rows`): the whole step
+captured, its forward compiled (``model.sampling.compile_step``) or not."""
 
 
 @dataclass(frozen=True)
@@ -209,6 +216,39 @@ def generation_rows(
     return rows
 
 
+def compiled_rows(name: str, shape: Shape, setting: GenerationSetting) -> list[dict[str, Any]]:
+    """The ``compiled-decoding`` phase at ``shape``: for each of :data:`COMPILED_PATHS`, one
+    sample of the shortest length in ``setting.new_tokens`` to warm up (for the compiled path
+    its compilations: the step's spans before and at the cache's end; its seconds are
+    ``warmup_s``), then the same sample timed: tokens/s, wall time a step, captures and their
+    seconds, the device's time a step (profiled, as in the ``generation`` phase), and the
+    compiled path's tokens/s over the other's."""
+    snapshot = qwen3(shape).requires_grad_(False)  # sampling only: no trainable copy
+    prompts = random_prompts(shape, setting)
+    tokens = min(setting.new_tokens)
+    row: dict[str, Any] = {"shape": name, "new_tokens": tokens,
+                           "sequences": setting.prompts * setting.group}  # fmt: skip
+    for path in COMPILED_PATHS:
+        start = clock()
+        sample_with(snapshot, prompts, setting.group, tokens, path)
+        row[f"{path}_warmup_s"] = round(clock() - start, 2)
+        captures: list[float] = []
+        start = clock()
+        response = sample_with(snapshot, prompts, setting.group, tokens, path, captures)[2]
+        seconds = clock() - start
+        row[f"{path}_tokens_per_s"] = round(int(response.sum()) / seconds, 1)
+        row[f"{path}_wall_ms_per_step"] = round(1000 * seconds / response.shape[1], 3)
+        row[f"{path}_captures"] = len(captures)
+        row[f"{path}_capture_s"] = round(sum(captures), 4)
+        row[f"{path}_device_ms_per_step"] = device_ms_per_step(
+            snapshot, prompts, setting.group, setting.profile_tokens, path
+        )
+    row["speedup"] = round(
+        row["graphs_every_8_compiled_tokens_per_s"] / row["graphs_every_8_tokens_per_s"], 3
+    )
+    return [row]
+
+
 def paths_at(name: str, tokens: int, setting: GenerationSetting) -> tuple[str, ...]:
     """The paths the phase times at shape ``name`` and ``tokens`` new tokens."""
     if name in setting.dynamic_long_shapes:
@@ -236,8 +276,7 @@ def sample_with(snapshot, prompts, group: int, tokens: int, path: str, captures=
     from lightning_troll.engines import static_batch
     from lightning_troll.engines.sampling import SamplingConfig, sample
 
-    decode, every = PATHS[path]
-    sampling = SamplingConfig(max_new_tokens=tokens, decode=decode, check_every=every)
+    sampling = SamplingConfig(max_new_tokens=tokens, **(PATHS | COMPILED_PATHS)[path])
     span = 1 << 40 if path == "graphs_all_positions" else static_batch.SPAN  # past any cache
     own = static_batch.StaticBatch.capture
 

@@ -24,6 +24,7 @@ from gpu_fits import grpo_smollm2, loop_paths, tinymath_demo  # noqa: E402
 from gpu_generation import (  # noqa: E402
     TINY_GENERATION,
     GenerationSetting,
+    compiled_rows,
     generation_rows,
     variant_rows,
 )
@@ -382,12 +383,36 @@ def generation(results: Results, tiny: bool) -> None:
     results.update(summary="graphs tokens/s: " + ", ".join(rates))
 
 
+# -- phase 5: the captured step, its forward compiled or not ----------------------------------
+def compiled_decoding(results: Results, tiny: bool) -> None:
+    """At the first shape, the whole decoding step captured (``check_every: 8``) with the
+    model's forward compiled (``model.sampling.compile_step``) and without: the warm-up's
+    seconds (the compilations), tokens/s and the device's time a step
+    (:func:`gpu_generation.compiled_rows`)."""
+    import torch
+
+    setting, shapes = (TINY_GENERATION, TINY_QWEN3) if tiny else (GenerationSetting(), QWEN3)
+    first = next(iter(shapes))
+    results.update(shapes=shape_table({first: shapes[first]}),
+                   graphs_on_device=torch.cuda.is_available())  # fmt: skip
+    for row in compiled_rows(first, shapes[first], setting):
+        results.add_row({**shape_figures(first, shapes[first]), **row})
+    row = results.rows[-1]
+    results.update(
+        summary=f"{first} {row['new_tokens']}: compiled "
+        f"{row['graphs_every_8_compiled_tokens_per_s']:.0f} tokens/s, not compiled "
+        f"{row['graphs_every_8_tokens_per_s']:.0f} (x{row['speedup']:.3f}); its warm-up "
+        f"{row['graphs_every_8_compiled_warmup_s']:.1f} s"
+    )
+
+
 WORKERS = {
     "cuda-tests": cuda_tests,
     "fsdp2-nccl": fsdp2_nccl,
     "loop-paths": loop_paths,
     "overhead": overhead,
     "generation": generation,
+    "compiled-decoding": compiled_decoding,
     "tinymath-demo": tinymath_demo,
     "grpo-smollm2": grpo_smollm2,
 }

@@ -561,6 +561,14 @@ def test_an_option_the_engine_ignores_is_warned_of_at_the_start():
     )
     (every,) = engine_warnings("vllm_server", None, "auto", "forward", 2)
     assert every.endswith("path's; the 'vllm_server' engine ignores it")
+    assert engine_warnings("hf", None, "auto", "forward", 1, True) == []
+    (compiled,) = engine_warnings("hf", None, "dynamic", "forward", 1, True)
+    assert compiled == (
+        "model.sampling.compile_step=true is the hf engine's CUDA-graph path's; the dynamic "
+        "loop ignores it"
+    )
+    (every, compiled) = engine_warnings("vllm_server", None, "auto", "forward", 4, True)
+    assert compiled.endswith("path's; the 'vllm_server' engine ignores it")
 
     module = SimpleNamespace(
         engine_config=EngineConfig("hf", {"process": True}, "sampling"),

@@ -123,7 +123,7 @@ def test_without_cuda_full_shapes_are_skipped_with_the_reason(tmp_path, capsys):
     reasons = {e["name"]: e["reason"] for e in entries}
     assert "needs a CUDA device" in reasons["cuda-tests"]
     assert "--tiny runs it on a CPU" in reasons["overhead"]
-    assert "[7/7] grpo-smollm2: skipped" in capsys.readouterr().out
+    assert "[8/8] grpo-smollm2: skipped" in capsys.readouterr().out
 
 
 def test_phases_past_the_budget_are_skipped(tmp_path):
@@ -387,7 +387,34 @@ def assert_generation_figures(figures: dict, cuda: bool) -> None:
             assert row[f"{path}_tokens_per_s"] > 0 and row[f"{path}_wall_ms_per_step"] > 0
 
 
-@pytest.mark.slow  # seven phases, five of them in processes of their own: about 3 minutes
+def assert_compiled_figures(figures: dict, cuda: bool) -> None:
+    """The ``compiled-decoding`` phase at tiny shapes: one row at the first shape, both paths'
+    warm-up and figures, captures on a device only, and the speed-up their ratio."""
+    (row,) = figures["rows"]
+    assert row["shape"] == "qwen3-0.6b" and row["new_tokens"] == 8 and row["sequences"] == 8
+    assert figures["graphs_on_device"] is cuda
+    for path in gpu_generation.COMPILED_PATHS:
+        assert row[f"{path}_warmup_s"] > 0 and row[f"{path}_tokens_per_s"] > 0
+        assert row[f"{path}_wall_ms_per_step"] > 0
+        assert (row[f"{path}_captures"] > 0) is cuda
+        assert (row[f"{path}_device_ms_per_step"] is None) is not cuda
+    ratio = row["graphs_every_8_compiled_tokens_per_s"] / row["graphs_every_8_tokens_per_s"]
+    assert row["speedup"] == pytest.approx(ratio, rel=2e-3)
+
+
+def test_the_compiled_decoding_phase_times_both_paths_at_the_first_shape(tmp_path):
+    """The phase in this process at tiny shapes (on a CPU both paths fall back to the dynamic
+    loop, warned: the figures only show that it runs)."""
+    import torch
+
+    results = gpu_phases.Results(tmp_path / "compiled.json")
+    gpu_phases.compiled_decoding(results, tiny=True)
+    figures = json.loads((tmp_path / "compiled.json").read_text())["figures"]
+    assert_compiled_figures(figures, torch.cuda.is_available())
+    assert figures["summary"].startswith("qwen3-0.6b 8: compiled ")
+
+
+@pytest.mark.slow  # eight phases, six of them in processes of their own: about 3 minutes
 def test_tiny_check_runs_every_phase_and_reports_it(tmp_path):
     out = tmp_path / "report.json"
     done = run_script("--tiny", "--json", str(out), "--logs", str(tmp_path / "logs"))
@@ -440,6 +467,7 @@ def test_tiny_check_runs_every_phase_and_reports_it(tmp_path):
     )
     assert [r["split"] for r in overhead["ragged"]][2] == "token budget, packed"
     assert_generation_figures(phases["generation"]["figures"], cuda)
+    assert_compiled_figures(phases["compiled-decoding"]["figures"], cuda)
     demo = phases["tinymath-demo"]["figures"]
     assert demo["rollouts"] == 2 and 0 <= demo["final_reward"] <= 1
     assert 0 <= demo["val_accuracy"] <= 1 and demo["kl_after_max"] <= EPS * (1 + 1e-5)

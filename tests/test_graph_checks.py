@@ -293,6 +293,84 @@ def test_captures_warm_up_until_one_succeeds_and_a_later_failure_is_retried_warm
     assert calls == tries and got == results and batch.warmed is warmed
 
 
+@pytest.mark.slow  # compiles a tiny model's step: about 30 s on 2 cores
+def test_a_compiled_step_gives_the_same_tokens_and_records_and_compiles_once_or_twice(
+    monkeypatch,
+):
+    """float64, greedy, stops at several lengths (buckets of 8, 4, 2), spans of 4 positions,
+    reads every 3 steps, on a CPU without capture: with ``compile_step`` the static loop's
+    tokens and records are the uncompiled loop's, at two prompt lengths and budgets; the step
+    compiles at most twice over both rollouts (its dimensions dynamic), and a third rollout of
+    the first's shapes compiles nothing. The records are float32 from float64 logits that the
+    compiled kernels sum in another order: equal to 1e-5, the bound the loops hold against a
+    teacher-forced pass."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(static_batch, "SPAN", 4)
+    model = tiny_llama().double()
+    graphs = [counters["stats"]["unique_graphs"]]  # compiled graphs so far, then after each
+    for extra, budget in ((0, 10), (2, 14), (0, 10)):
+        prompts = [p + [3] * extra for p in PROMPTS]
+        stops = stops_at_several_lengths(model, prompts, budget)
+        ids, mask = left_pad(prompts, 0)
+        runs = []
+        for compiled in (False, True):
+            sampling = SamplingConfig(max_new_tokens=budget, check_every=3, compile_step=compiled)
+            recorder = BehaviourRecorder(1.0, sparse_rows, read_free=True)
+            tokens = static_decode(model, ids, mask, 2, sampling, 0, stops, False, recorder,
+                                   capture=False)  # fmt: skip
+            runs.append((tokens, recorder.finish(tokens)))
+        graphs.append(counters["stats"]["unique_graphs"])
+        (plain, plain_record), (ours, our_record) = runs
+        assert torch.equal(ours, plain)
+        assert torch.allclose(our_record.logprobs, plain_record.logprobs, atol=1e-5, rtol=0)
+        assert torch.equal(our_record.indices, plain_record.indices)
+        lengths = sampling_module.response_mask_of(plain, stops)[0].sum(-1)
+        assert len(set(lengths.tolist())) >= 3  # completions of several lengths: buckets
+    step = static_batch.compiled_step(model)
+    assert step.failure is None and 1 <= graphs[2] - graphs[0] <= 2 and graphs[3] == graphs[2]
+
+
+@pytest.mark.parametrize("when", ["compiling", "wrapping"])
+def test_a_step_that_fails_to_compile_warns_once_and_runs_uncompiled(monkeypatch, when):
+    """A compiler that fails at the first step (or ``torch.compile`` itself, on a platform it
+    does not serve): one warning naming the model and the error, and the static loop's tokens
+    are the uncompiled loop's, in this rollout and the next (no second warning)."""
+
+    def failing(function, **options):
+        def call(*args, **kwargs):
+            raise RuntimeError("no compiler here")
+
+        if when == "wrapping":
+            call()
+        return call
+
+    monkeypatch.setattr(static_batch.torch, "compile", failing)
+    model = tiny_llama()
+    ids, mask = left_pad(PROMPTS, 0)
+    args = (model, ids, mask, 2)
+    stops = [VOCAB + 5]
+    plain = static_decode(*args, SamplingConfig(max_new_tokens=6), 0, stops, False, capture=False)
+    sampling = SamplingConfig(max_new_tokens=6, compile_step=True)
+    with pytest.warns(UserWarning) as caught:
+        first = static_decode(*args, sampling, 0, stops, False, capture=False)
+    messages = [str(w.message) for w in caught if "compile_step" in str(w.message)]
+    assert messages == [
+        "model.sampling.compile_step: compiling the decoding step of LlamaForCausalLM failed "
+        "(RuntimeError: no compiler here); its steps run uncompiled"
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        second = static_decode(*args, sampling, 0, stops, False, capture=False)
+    assert torch.equal(first, plain) and torch.equal(second, plain)
+
+
+@pytest.mark.parametrize("value", [1, 0, "true", None])
+def test_compile_step_other_than_a_bool_is_refused(value):
+    with pytest.raises(ValueError, match=r"model\.sampling\.compile_step must be true or false"):
+        SamplingConfig(compile_step=value)
+
+
 @pytest.mark.parametrize("value", [0, -2, 1.5, True, "4"])
 def test_check_every_below_one_or_not_an_integer_is_refused(value):
     with pytest.raises(ValueError, match=r"model\.sampling\.check_every must be an integer >= 1"):
@@ -358,3 +436,35 @@ def test_captured_whole_steps_run_no_step_eagerly_and_record_a_teacher_forced_pa
     records_match_a_teacher_forced_pass(
         model, ids, mask, 2, tokens, response, recorder.finish(tokens), sampling.temperature, 1e-9
     )
+
+
+@pytest.mark.cuda
+def test_a_compiled_step_is_captured_and_cuts_the_dynamic_loops_completions(monkeypatch):
+    """On the device, float64, greedy, budgets and stops at several lengths, reads every 3
+    steps, spans of 8: with ``compile_step`` the captured steps run what the compiler made
+    (graphs compiled, no failure) and the completions are the dynamic loop's, cut where they
+    stop; nothing is warned (no capture nor compilation fell back)."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(graph_module, "_WARNED", set())
+    monkeypatch.setattr(static_batch, "SPAN", 8)
+    model = tiny_llama().double().to("cuda")
+    sampling = SamplingConfig(max_new_tokens=20, decode="graphs", check_every=3,
+                              compile_step=True)  # fmt: skip
+    stops = stops_at_several_lengths(model, PROMPTS, 20)
+    ids, mask = (t.to("cuda") for t in left_pad(PROMPTS, 0))
+    own = torch.tensor([3, 20, 1, 12], device="cuda").repeat_interleave(2)
+    args = (model, ids, mask, 2, sampling, 0, stops, False)
+    before = counters["stats"]["unique_graphs"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        static = static_decode(*args, budgets=own, capture=True)
+    assert not [w for w in caught if "model.sampling" in str(w.message)]
+    assert counters["stats"]["unique_graphs"] > before
+    assert static_batch.compiled_step(model).failure is None
+    dynamic = decode(*args, budgets=own)
+    theirs, _ = sampling_module.response_mask_of(dynamic, stops, own)
+    ours, _ = sampling_module.response_mask_of(static, stops, own)
+    width = dynamic.shape[1]
+    assert not ours[:, width:].any() and torch.equal(ours[:, :width], theirs)
+    assert torch.equal(static[:, :width][theirs], dynamic[theirs])

@@ -209,6 +209,29 @@ def test_a_static_step_attends_over_the_positions_it_can_see(monkeypatch, fold):
     assert model.config._attn_implementation == "sdpa"
 
 
+def test_a_static_step_of_eager_attention_gets_the_whole_mask(monkeypatch):
+    """Eager attention is lent nothing that cuts the keys: its steps get the mask of all L
+    positions (a mask of the visible ones would not match its keys), and with spans of 4 the
+    static loop's greedy tokens are the dynamic loop's."""
+    monkeypatch.setattr(static_batch, "SPAN", 4)
+    model = tiny_llama(attn_implementation="eager").double()
+    widths = []
+    handle = model.register_forward_pre_hook(
+        lambda module, args, kwargs: widths.append(kwargs["attention_mask"].shape[-1]),
+        with_kwargs=True,
+    )
+    sampling = SamplingConfig(max_new_tokens=10)
+    ids, mask = left_pad(PROMPTS, 0)
+    try:
+        static = static_decode(model, ids, mask, 2, sampling, 0, [VOCAB + 5], False,
+                               capture=False)  # fmt: skip
+    finally:
+        handle.remove()
+    cache = -(-(ids.shape[1] + 10) // 16) * 16  # L
+    assert widths[1:] == [cache] * 9  # after the prefill's
+    assert torch.equal(static, decode(model, ids, mask, 2, sampling, 0, [VOCAB + 5], False))
+
+
 def test_the_lent_attention_takes_a_4d_mask_and_the_dynamic_loop_reads_nothing_in_its_steps():
     """Lent the fold (as ``sample`` lends it where transformers copies grouped heads) or the cut
     to visible positions, the model still takes the loops' additive 4-D mask as it is: the

@@ -40,7 +40,9 @@ changes with every rollout's prompts and budget and the batch with every bucket,
 would be a compilation (tens of seconds to minutes at a real model's depth, and the compiler of the
 GPU image untried here); a manual capture costs one recorded forward per bucket (and one eager
 warm-up a rollout), and runs the model's forward as transformers wrote it. vLLM captures its decode
-step per batch-size bucket in the same way.
+step per batch-size bucket in the same way. ``sampling.compile_step`` compiles that forward with
+dynamic dimensions (one or two compilations a run,
+:class:`~lightning_troll.engines.static_batch.CompiledStep`) and still captures it here.
 
 Where the graphs cannot serve, :func:`graph_decode` returns None before any random draw and the
 dynamic loop decodes, with a warning naming the reason (once per reason): no CUDA device, a
@@ -82,7 +84,7 @@ from lightning_troll.engines.decode import (
     no_additive_mask,
     prefill,
 )
-from lightning_troll.engines.static_batch import StaticBatch
+from lightning_troll.engines.static_batch import StaticBatch, compiled_step
 from lightning_troll.engines.step_attention import prefix_steps
 
 __all__ = ["DECODE_MODES", "Slots", "cannot_capture", "graph_decode", "static_decode"]
@@ -169,6 +171,8 @@ def static_decode(
             return None
         budget = sampling.max_new_tokens
         batch = StaticBatch.prefilled(model, first, prompt_mask, group_size, budget)
+        if getattr(sampling, "compile_step", False):
+            batch.step_model = compiled_step(model)
         logits = first.logits  # (B, V)
         del first  # the dynamic cache: copied into the static one
         choice = _Choice(sampling, do_sample, recorder, stops, budgets, pad_id)

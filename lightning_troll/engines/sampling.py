@@ -64,6 +64,11 @@ class SamplingConfig:
     (the draw and the records too), the host queues that many steps ahead of the device, a
     stopped sequence samples on (its tokens cut, as past its stop) until the next read, and a
     seed draws other completions from the same distribution."""
+    compile_step: bool = False
+    """Whether the CUDA-graph path compiles the model's decoding step with ``torch.compile``
+    before it captures it: fewer, fused kernels a step, for a compilation at the first step
+    (tens of seconds at a real model's depth) and at most a few more as shapes change (its
+    dimensions become dynamic). Where compiling fails, warned once, the steps run uncompiled."""
 
     def __post_init__(self) -> None:
         if not is_number(self.temperature) or not self.temperature > 0:
@@ -85,6 +90,10 @@ class SamplingConfig:
             raise ValueError(
                 f"model.sampling.check_every must be an integer >= 1 (1 = every step); got "
                 f"{self.check_every!r}"
+            )
+        if not isinstance(self.compile_step, bool):
+            raise ValueError(
+                f"model.sampling.compile_step must be true or false; got {self.compile_step!r}"
             )
         if self.decode not in DECODE_MODES:
             raise ValueError(

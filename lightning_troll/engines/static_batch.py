@@ -6,26 +6,29 @@ additive mask, the captured step; it moves the running slots into smaller bucket
 each bucket's step.
 
 A step attends over the ``visible`` positions only, the first multiple of :data:`SPAN` past the
-position it writes (at most L; :func:`~lightning_troll.engines.step_attention.visible_keys`), not
-all L: attention with a mask reads every position it is handed, and the positions past the step are
-all masked. When the steps reach the visible ones, :meth:`StaticBatch.widen` moves them on by
-:data:`SPAN` and the step is captured again: about L / 256 captures a rollout, each a recorded
-forward (the first after an eager warm-up), for a step that reads on average about half the cache
-where it would read all of it. Notation as :mod:`~lightning_troll.engines.graph_decode`'s.
+position it writes (at most L: the mask it hands the model covers those, and the attention
+:mod:`~lightning_troll.engines.step_attention` lends cuts the keys to it), not all L: attention
+with a mask reads every position it is handed, and the positions past the step are all masked. When
+the steps reach the visible ones, :meth:`StaticBatch.widen` moves them on by :data:`SPAN` and the
+step is captured again: about L / 256 captures a rollout, each a recorded forward (the first after
+an eager warm-up), for a step that reads on average about half the cache where it would read all of
+it. Notation as :mod:`~lightning_troll.engines.graph_decode`'s.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+import warnings
+import weakref
+from typing import Any, Protocol
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from transformers import StaticCache
 
 from lightning_troll.engines.decode import Prefill
-from lightning_troll.engines.step_attention import visible_keys
+from lightning_troll.engines.step_attention import LENT
 
-__all__ = ["SPAN", "StaticBatch", "StepEnd"]
+__all__ = ["SPAN", "CompiledStep", "StaticBatch", "StepEnd", "compiled_step"]
 
 SPAN = 256
 """The positions a step attends over grow in steps of this many (:meth:`StaticBatch.widen`)."""
@@ -62,6 +65,7 @@ class StaticBatch:
 
     def __init__(self, model, cache, name, rows, positions, mask, slot, storage) -> None:
         self.model, self.cache, self.name = model, cache, name
+        self.step_model: Any = model  # what a step calls: the model, or its CompiledStep
         self.rows, self.positions, self.mask, self.slot = rows, positions, mask, slot
         self.slot_at = torch.tensor(slot, device=rows.device)  # ()
         self.tokens = torch.zeros_like(positions)  # (b, 1)
@@ -132,14 +136,14 @@ class StaticBatch:
         device."""
         seen = self.mask[:, 0, 0]  # (b, L), a view
         seen.index_fill_(-1, self.slot_at.view(1), 0.0)  # the position this step writes
-        with visible_keys(self.visible):
-            out = self.model(
-                input_ids=self.tokens,  # (b, 1)
-                attention_mask=self.mask,  # (b, 1, 1, L)
-                position_ids=self.positions,  # (b, 1)
-                use_cache=True,
-                **{self.name: self.cache},
-            )
+        cuts = getattr(self.model.config, "_attn_implementation", None) in LENT
+        out = self.step_model(
+            input_ids=self.tokens,  # (b, 1)
+            attention_mask=self.mask[..., : self.visible] if cuts else self.mask,  # (b, 1, 1, .)
+            position_ids=self.positions,  # (b, 1)
+            use_cache=True,
+            **{self.name: self.cache},
+        )
         self.positions += 1
         self.slot_at += 1
         return out.logits[:, -1].float()  # (b, V)
@@ -216,6 +220,63 @@ class StaticBatch:
             return f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
         self.graph, self.logits = graph, logits
         return None
+
+
+class CompiledStep:
+    """``model``'s forward compiled with ``torch.compile`` for the static loop's steps, its
+    dimensions dynamic from the start (the batch, the visible positions and the cache's length
+    change with buckets, spans and rollouts), one per model for the life of the process
+    (:func:`compiled_step`): a run compiles a step of each kind once or twice, not every
+    rollout. Called as the model is, with keyword arguments. Where compiling (or running what
+    it compiled) fails outside a CUDA graph's capture, it warns once and calls the model itself
+    from then on; inside a capture, the failure is the capture's (:meth:`StaticBatch.capture`
+    tries again after a warm-up, which compiles outside it)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._model = weakref.ref(model)
+        self._compiled: Any = None
+        self.failure: str | None = None
+        try:
+            self._compiled = torch.compile(_call, dynamic=True)
+        except Exception as error:  # noqa: BLE001 - a platform torch.compile does not serve
+            self._fail(model, error)
+
+    def __call__(self, **inputs: Any) -> Any:
+        model = self._model()
+        if self.failure is None:
+            try:
+                return self._compiled(model, **inputs)
+            except Exception as error:  # noqa: BLE001 - any failure: the step runs uncompiled
+                if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                    raise
+                self._fail(model, error)
+        return model(**inputs)
+
+    def _fail(self, model: nn.Module, error: Exception) -> None:
+        """Keeps the failure and warns of it: the steps run uncompiled from now on."""
+        self.failure = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
+        warnings.warn(
+            f"model.sampling.compile_step: compiling the decoding step of "
+            f"{type(model).__name__} failed ({self.failure}); its steps run uncompiled",
+            stacklevel=3,
+        )
+
+
+def _call(model: nn.Module, **inputs: Any) -> Any:
+    """``model(**inputs)``: what :class:`CompiledStep` compiles."""
+    return model(**inputs)
+
+
+_COMPILED: weakref.WeakKeyDictionary[nn.Module, CompiledStep] = weakref.WeakKeyDictionary()
+
+
+def compiled_step(model: nn.Module) -> CompiledStep:
+    """``model``'s :class:`CompiledStep`, made at the first call and kept while the model
+    lives."""
+    step = _COMPILED.get(model)
+    if step is None:
+        step = _COMPILED[model] = CompiledStep(model)
+    return step
 
 
 def _room(positions: int) -> int:

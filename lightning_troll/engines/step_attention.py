@@ -29,10 +29,12 @@ plans nothing) and math, among the backends the user left enabled.
 step, those past the step masked; attention with a mask reads every position it is given, so at
 Qwen3-0.6B's shape with 64 sequences and L = 1,088 a step would read 8 GB of keys and values
 where the positions written so far average half of that (computed from the shapes).
-:func:`visible_keys` cuts a one-query step's keys, values and mask to the positions a step can
-see (:class:`~lightning_troll.engines.static_batch.StaticBatch` widens them in steps of
-``SPAN`` and captures its step again); :func:`prefix_steps` lends a model ``sdpa`` with that cut
-where the fold is not lent (which cuts too).
+:class:`~lightning_troll.engines.static_batch.StaticBatch` hands a step the mask of the positions
+it can see only (widened in steps of ``SPAN``, the step captured again), and the attention lent
+here cuts a one-query step's keys and values to the mask's length; :func:`prefix_steps` lends a
+model ``sdpa`` with that cut where the fold is not lent (which cuts too). The cut follows a
+tensor's shape, not a number held aside, so a compiled step (``sampling.compile_step``) treats
+it as one more dimension.
 
 Notation: N sequences, H query heads, G queries per key/value head, L cache positions, D head
 size.
@@ -59,32 +61,16 @@ LENT = (NAME, PREFIX_NAME)
 """The implementations lent here: ``sdpa`` underneath, each takes an additive 4-D mask as it
 is."""
 
-_VISIBLE: list[int] = []  # the innermost visible_keys' count last
-
-
-@contextmanager
-def visible_keys(count: int) -> Iterator[None]:
-    """One-query steps of the attention functions lent here attend over the first ``count``
-    cache positions only, while the block runs: a static cache's positions past the step are
-    all masked, and attending over them would only read them (the CUDA-graph path,
-    :class:`~lightning_troll.engines.static_batch.StaticBatch`). Under capture the count is
-    what the graph keeps."""
-    _VISIBLE.append(count)
-    try:
-        yield
-    finally:
-        _VISIBLE.pop()
-
 
 def _visible(
     query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None
 ) -> tuple[Tensor, Tensor, Tensor | None]:
-    """``key``, ``value`` (N, H', L, D) and ``mask`` (N, ., ., L) cut to the first positions
-    :func:`visible_keys` sets, for one query; as they are otherwise (views, nothing copied)."""
-    if not _VISIBLE or query.shape[2] != 1 or key.shape[2] <= _VISIBLE[-1]:
+    """``key`` and ``value`` (N, H', L, D) cut to the first positions ``mask`` (N, ., ., L')
+    covers, where it covers fewer and there is one query (the static loop hands a step the mask
+    of the positions it can see); as they are otherwise (views, nothing copied)."""
+    if mask is None or query.shape[2] != 1 or key.shape[2] <= mask.shape[-1]:
         return key, value, mask
-    count = _VISIBLE[-1]
-    mask = None if mask is None else mask[..., :count]
+    count = mask.shape[-1]
     return key[:, :, :count], value[:, :, :count], mask
 
 
@@ -101,7 +87,7 @@ def one_query_attention(
 ) -> tuple[Tensor, None]:
     """transformers' ``sdpa`` attention, with one query of grouped heads (``query`` (N, H, 1, D)
     against ``key`` and ``value`` (N, H / G, L, D), a mask (N, 1, 1, L) or None) computed on the
-    key/value heads as they are, over the positions :func:`visible_keys` sets. Returns the
+    key/value heads as they are, over the positions the mask covers. Returns the
     output (N, 1, H, D) and None, as ``sdpa`` does."""
     key, value, attention_mask = _visible(query, key, value, attention_mask)
     groups = getattr(module, "num_key_value_groups", 1)
@@ -128,8 +114,7 @@ def prefix_attention(
     attention_mask: Tensor | None,
     **kwargs: Any,
 ) -> tuple[Tensor, None]:
-    """transformers' ``sdpa`` attention as it is, over the positions :func:`visible_keys`
-    sets."""
+    """transformers' ``sdpa`` attention as it is, over the positions the mask covers."""
     key, value, attention_mask = _visible(query, key, value, attention_mask)
     return sdpa_attention.sdpa_attention_forward(
         module, query, key, value, attention_mask, **kwargs

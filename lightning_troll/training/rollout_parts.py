@@ -122,11 +122,16 @@ def engine_in_a_process(
 
 
 def engine_warnings(
-    name: str, options: Any, decode: str, behaviour_logprobs: str, check_every: int = 1
+    name: str,
+    options: Any,
+    decode: str,
+    behaviour_logprobs: str,
+    check_every: int = 1,
+    compile_step: bool = False,
 ) -> list[str]:
     """What a fit warns of at its start where the engine ignores an option it was given:
-    ``model.sampling.decode: graphs`` and ``model.sampling.check_every`` above 1 (read by the
-    HF engine's CUDA-graph path only) and
+    ``model.sampling.decode: graphs``, ``model.sampling.check_every`` above 1 and
+    ``model.sampling.compile_step: true`` (read by the HF engine's CUDA-graph path only) and
     ``model.engine.behaviour_logprobs: sampling`` (recorded only by an engine that samples with
     the snapshot in the trainer's process; elsewhere a teacher-forced pass after sampling gives
     them, as ``forward`` does)."""
@@ -137,11 +142,17 @@ def engine_warnings(
             f"model.sampling.decode='graphs' is the hf engine's; the {name!r} engine decodes its "
             "own way and ignores it"
         )
-    if check_every > 1 and (decode == "dynamic" or not issubclass(cls, HFEngine)):
-        reader = "the dynamic loop" if decode == "dynamic" else f"the {name!r} engine"
+    reader = "the dynamic loop" if decode == "dynamic" else f"the {name!r} engine"
+    graphless = decode == "dynamic" or not issubclass(cls, HFEngine)
+    if check_every > 1 and graphless:
         found.append(
             f"model.sampling.check_every={check_every} is the hf engine's CUDA-graph path's; "
             f"{reader} ignores it"
+        )
+    if compile_step and graphless:
+        found.append(
+            f"model.sampling.compile_step=true is the hf engine's CUDA-graph path's; {reader} "
+            "ignores it"
         )
     if behaviour_logprobs == "sampling" and (process or not cls.records_behaviour):
         where = " in a process of its own" if process else ""
