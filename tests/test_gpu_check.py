@@ -228,9 +228,9 @@ def test_a_shape_out_of_gpu_memory_is_retried_smaller_and_a_failing_shape_is_rec
 
 
 def test_generation_hands_on_each_path_as_it_is_measured_graphs_first():
-    """At the first tiny shape every path runs at both lengths: the rows so far are handed on
-    after each path (graphs first, the dynamic loop last) and once more when a row is done, the
-    last hand-on being the rows returned."""
+    """At the first tiny shape every path runs at the shorter length, all but the dynamic loop
+    at the longer: the rows so far are handed on after each path (graphs first, the dynamic
+    loop last) and once more when a row is done, the last hand-on being the rows returned."""
     import copy
 
     seen = []
@@ -242,12 +242,13 @@ def test_generation_hands_on_each_path_as_it_is_measured_graphs_first():
     order = list(gpu_generation.PATHS)
     assert order[0] == "graphs" and order[-1] == "dynamic"
     measured = [[p for p in order if (r[-1].get(f"{p}_tokens_per_s") or 0) > 0] for r in seen]
-    one_row = [order[: i + 1] for i in range(len(order))] + [order]
-    assert measured == one_row * 2
-    assert [len(r) for r in seen] == [1] * 5 + [2] * 5
+    short = [order[: i + 1] for i in range(len(order))] + [order]
+    long = [order[: i + 1] for i in range(len(order) - 1)] + [order[:-1]]
+    assert measured == short + long
+    assert [len(r) for r in seen] == [1] * 5 + [2] * 4
     assert "train_s" not in seen[3][-1] and seen[4][-1]["train_s"] > 0  # done: the iteration too
     assert "graphs_device_ms_per_step" in seen[4][-1]  # the first row's, before the second row
-    assert seen[-1] == rows and len(rows) == 2
+    assert seen[-1] == rows and len(rows) == 2 and rows[1]["dynamic_tokens_per_s"] is None
 
 
 def test_the_generation_phase_keeps_a_shapes_rows_while_it_runs_and_then_the_variants(
@@ -347,9 +348,9 @@ def run_script(*args: str) -> subprocess.CompletedProcess:
 
 def assert_generation_figures(figures: dict, cuda: bool) -> None:
     """The ``generation`` phase at tiny shapes: a row per shape and length, each path's figures
-    where it ran (at the first shape every path at both lengths; at the others the graphs alone
-    at the longer length, and the graphs over all positions not at all), and the device's time
-    per step where there is a device."""
+    where it ran (at the first shape every path at both lengths but the dynamic loop at the
+    longer; at the others the graphs alone at the longer length, and the graphs over all
+    positions not at all), and the device's time per step where there is a device."""
     assert figures["graphs_on_device"] is cuda
     rows = figures["rows"]
     assert [(r["shape"], r["new_tokens"]) for r in rows] == [
@@ -357,10 +358,10 @@ def assert_generation_figures(figures: dict, cuda: bool) -> None:
     ]
     for row in rows:
         assert row["generated_tokens"] > 0 and row["train_s"] > 0 and row["behaviour_s"] > 0
-        first = row["shape"] == "qwen3-0.6b"
-        both = row["new_tokens"] == 8 or first
-        every = ("dynamic", "graphs", "graphs_every_8") if both else ("graphs",)
+        first, short = row["shape"] == "qwen3-0.6b", row["new_tokens"] == 8
+        every = ("graphs", "graphs_every_8") if short or first else ("graphs",)
         every += ("graphs_all_positions",) if first else ()
+        every += ("dynamic",) if short else ()
         for path in gpu_generation.PATHS:
             if path in every:
                 assert row[f"{path}_tokens_per_s"] > 0 and row[f"{path}_wall_ms_per_step"] > 0
@@ -371,7 +372,7 @@ def assert_generation_figures(figures: dict, cuda: bool) -> None:
             else:
                 assert row[f"{path}_tokens_per_s"] is row[f"{path}_rollout_share"] is None
                 assert row[f"{path}_captures"] is row[f"{path}_capture_s"] is None
-        if both:
+        if short:
             ratio = row["graphs_tokens_per_s"] / row["dynamic_tokens_per_s"]
             assert row["speedup"] == pytest.approx(ratio, rel=2e-3)
     for row in rows[::2]:  # the device's time per step: in the first row of each shape
