@@ -62,12 +62,10 @@ def test_greedy_completions_are_the_dynamic_loops_cut_where_they_stop(llama64, e
     sampling = SamplingConfig(max_new_tokens=10, check_every=every)
     stops = stops_at_several_lengths(llama64, PROMPTS, 10)
     static, dynamic, own = decoded(llama64, sampling, stops, False, budgets=[3, 10, 1, 6])
-    ours, _ = sampling_module.response_mask_of(static, stops, own)
-    theirs, _ = sampling_module.response_mask_of(dynamic, stops, own)
     width = dynamic.shape[1]
     assert width <= static.shape[1] <= min(10, width + every - 1)
-    assert not ours[:, width:].any() and torch.equal(ours[:, :width], theirs)
-    assert torch.equal(static[:, :width][theirs], dynamic[theirs])
+    assert_cut_where_the_dynamic_loop_stops(static, dynamic, stops, own)
+    theirs, _ = sampling_module.response_mask_of(dynamic, stops, own)
     assert len(set(theirs.sum(-1).tolist())) >= 3  # completions of several lengths
 
 
@@ -377,6 +375,16 @@ def test_check_every_below_one_or_not_an_integer_is_refused(value):
         SamplingConfig(check_every=value)
 
 
+def assert_cut_where_the_dynamic_loop_stops(static, dynamic, stops, own) -> None:
+    """The static loop's tokens (B, T') hold the dynamic loop's (B, T) completions: the same
+    response masks, nothing past them, the same tokens inside them."""
+    theirs, _ = sampling_module.response_mask_of(dynamic, stops, own)
+    ours, _ = sampling_module.response_mask_of(static, stops, own)
+    width = dynamic.shape[1]
+    assert not ours[:, width:].any() and torch.equal(ours[:, :width], theirs)
+    assert torch.equal(static[:, :width][theirs], dynamic[theirs])
+
+
 @pytest.mark.cuda
 def test_captured_graphs_reading_every_4_steps_cut_the_dynamic_loops_completions():
     """On the device, with capture, float64, greedy, budgets and stops at several lengths: the
@@ -389,11 +397,7 @@ def test_captured_graphs_reading_every_4_steps_cut_the_dynamic_loops_completions
     args = (model, ids, mask, 2, sampling, 0, stops, False)
     static = static_decode(*args, budgets=own, capture=True)
     dynamic = decode(*args, budgets=own)
-    theirs, _ = sampling_module.response_mask_of(dynamic, stops, own)
-    ours, _ = sampling_module.response_mask_of(static, stops, own)
-    width = dynamic.shape[1]
-    assert not ours[:, width:].any() and torch.equal(ours[:, :width], theirs)
-    assert torch.equal(static[:, :width][theirs], dynamic[theirs])
+    assert_cut_where_the_dynamic_loop_stops(static, dynamic, stops, own)
 
 
 @pytest.mark.cuda
@@ -463,8 +467,4 @@ def test_a_compiled_step_is_captured_and_cuts_the_dynamic_loops_completions(monk
     assert counters["stats"]["unique_graphs"] > before
     assert static_batch.compiled_step(model).failure is None
     dynamic = decode(*args, budgets=own)
-    theirs, _ = sampling_module.response_mask_of(dynamic, stops, own)
-    ours, _ = sampling_module.response_mask_of(static, stops, own)
-    width = dynamic.shape[1]
-    assert not ours[:, width:].any() and torch.equal(ours[:, :width], theirs)
-    assert torch.equal(static[:, :width][theirs], dynamic[theirs])
+    assert_cut_where_the_dynamic_loop_stops(static, dynamic, stops, own)
