@@ -26,6 +26,7 @@ import gpu_check  # noqa: E402 - examples/ is no package
 import gpu_fits  # noqa: E402
 import gpu_generation  # noqa: E402
 import gpu_models  # noqa: E402
+import gpu_overhead  # noqa: E402
 import gpu_phases  # noqa: E402
 
 EPS = 0.05  # the trust region of configs/tinymath.yaml
@@ -285,14 +286,14 @@ def test_ragged_completions_are_trained_each_way_beside_equal_ones():
     minibatch, each over the same real tokens; packed, the forwards hold exactly those, padded
     more (the lengths differ); each ratio is its own times'."""
     shape = gpu_models.TINY_QWEN3["qwen3-0.6b"]
-    rows = gpu_phases.ragged_at("qwen3-0.6b", shape, gpu_phases.TINY_OVERHEAD)
+    rows = gpu_overhead.ragged_at("qwen3-0.6b", shape, gpu_overhead.TINY_OVERHEAD)
     assert [r["split"] for r in rows] == [
         "2 sequences a part, padded", "token budget, padded", "token budget, packed"
     ]  # fmt: skip
     real = {r["real_tokens"] for r in rows}
     assert len(real) == 1 and {r["shape"] for r in rows} == {"qwen3-0.6b"}
     (tokens,) = real
-    assert tokens > gpu_phases.TINY_OVERHEAD.ragged_sequences * 48  # prompts and completions
+    assert tokens > gpu_overhead.TINY_OVERHEAD.ragged_sequences * 48  # prompts and completions
     assert rows[2]["ragged_forward_tokens"] == tokens
     assert rows[0]["ragged_forward_tokens"] > tokens and rows[1]["ragged_forward_tokens"] > tokens
     for row in rows:
