@@ -28,10 +28,10 @@ every step, as they did before they attended over the positions a step can see
 Each shape's paths are timed graphs first, the dynamic loop last, and the rows so far are handed
 to a ``progress`` callback after every path: a phase stopped at its limit keeps them.
 
-After the shapes, at ``variant_shape`` (:func:`variant_rows`, the phase's ``variants``), the dynamic loop and the
-graphs sample ``variant_tokens`` new tokens with the decoding steps' attention as the library
-runs it, with PyTorch's own attention backend order, and with transformers' own handling of
-grouped heads, one after the other in one process.
+After the shapes, at ``variant_shape`` (:func:`variant_rows`, the phase's ``variants``), the
+dynamic loop and the graphs sample ``variant_tokens`` new tokens with the decoding steps' attention
+as the library runs it, with PyTorch's own attention backend order, and with transformers' own
+handling of grouped heads, one after the other in one process.
 
 The dynamic loop samples the shortest completions only: at 1,024 tokens it took 68 s at 0.6B's
 shape on an H200 (965 tokens/s, the eighth report), most of the phase's time, and that report
