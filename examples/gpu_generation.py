@@ -184,16 +184,10 @@ def generation_rows(
                 row |= {f"{path}_{k}": None for k in ("tokens_per_s", "wall_ms_per_step",
                                                       "rollout_share", "captures", "capture_s")}  # fmt: skip
                 continue
-            captures: list[float] = []
-            start = clock()
-            sampled = sample_with(snapshot, prompts, setting.group, tokens, path, captures)
-            times[path] = clock() - start
-            response = sampled[2]
-            row["generated_tokens"] = int(response.sum())
-            row[f"{path}_tokens_per_s"] = round(int(response.sum()) / times[path], 1)
-            row[f"{path}_wall_ms_per_step"] = round(1000 * times[path] / response.shape[1], 3)
-            row[f"{path}_captures"] = len(captures)
-            row[f"{path}_capture_s"] = round(sum(captures), 4)
+            sampled, times[path], figures = timed_sample(snapshot, prompts, setting.group,
+                                                         tokens, path)  # fmt: skip
+            row["generated_tokens"] = int(sampled[2].sum())
+            row |= figures
             if path == "graphs":
                 on_graphs = sampled  # what the rest of the iteration is timed on
             report(rows)
@@ -233,14 +227,7 @@ def compiled_rows(name: str, shape: Shape, setting: GenerationSetting) -> list[d
         start = clock()
         sample_with(snapshot, prompts, setting.group, tokens, path)
         row[f"{path}_warmup_s"] = round(clock() - start, 2)
-        captures: list[float] = []
-        start = clock()
-        response = sample_with(snapshot, prompts, setting.group, tokens, path, captures)[2]
-        seconds = clock() - start
-        row[f"{path}_tokens_per_s"] = round(int(response.sum()) / seconds, 1)
-        row[f"{path}_wall_ms_per_step"] = round(1000 * seconds / response.shape[1], 3)
-        row[f"{path}_captures"] = len(captures)
-        row[f"{path}_capture_s"] = round(sum(captures), 4)
+        row |= timed_sample(snapshot, prompts, setting.group, tokens, path)[2]
         row[f"{path}_device_ms_per_step"] = device_ms_per_step(
             snapshot, prompts, setting.group, setting.profile_tokens, path
         )
@@ -248,6 +235,23 @@ def compiled_rows(name: str, shape: Shape, setting: GenerationSetting) -> list[d
         row["graphs_every_8_compiled_tokens_per_s"] / row["graphs_every_8_tokens_per_s"], 3
     )
     return [row]
+
+
+def timed_sample(snapshot, prompts, group: int, tokens: int, path: str):
+    """:func:`sample_with`'s sample, its seconds, and its figures as a row holds them, under the
+    ``path``'s name: tokens/s, wall time a decoding step, captures and their seconds."""
+    captures: list[float] = []
+    start = clock()
+    sampled = sample_with(snapshot, prompts, group, tokens, path, captures)
+    seconds = clock() - start
+    response = sampled[2]
+    figures = {
+        f"{path}_tokens_per_s": round(int(response.sum()) / seconds, 1),
+        f"{path}_wall_ms_per_step": round(1000 * seconds / response.shape[1], 3),
+        f"{path}_captures": len(captures),
+        f"{path}_capture_s": round(sum(captures), 4),
+    }
+    return sampled, seconds, figures
 
 
 def paths_at(name: str, tokens: int, setting: GenerationSetting) -> tuple[str, ...]:

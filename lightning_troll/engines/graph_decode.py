@@ -161,7 +161,8 @@ def static_decode(
     """The completions of :func:`graph_decode` from a static cache, each bucket's step captured
     as a CUDA graph (``capture``) or run eagerly (``capture=False``, any device). Returns (B, T)
     as :func:`~lightning_troll.engines.decode.decode` does, or None (warned, before any random
-    draw) where the first capture fails or the prefill gives no plain dynamic cache."""
+    draw) where the prefill gives no plain dynamic cache or, at ``check_every`` 1, the first
+    capture fails."""
     device = prompts.device
     stops = torch.as_tensor(list(stop_ids), dtype=torch.long, device=device)  # (E,)
     with prefix_steps(model):  # a step attends over the positions it can see only
@@ -269,7 +270,7 @@ def _whole_steps(
     (warned), since a token is drawn by then."""
     budget = slots.responses.shape[1]  # T
     slots.choose(logits)  # the first token: its kernels run once before any capture
-    batch.slots, batch.stale = slots, True  # captured with the choice at the next step
+    batch.slots = slots  # stale from the start: captured with the choice at the next step
     steps = 1
     while True:
         if steps % every == 0 or steps == budget:

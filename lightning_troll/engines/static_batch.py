@@ -217,7 +217,7 @@ class StaticBatch:
         except Exception as error:  # noqa: BLE001 - any failure: the step runs eagerly
             torch.cuda.synchronize()
             set_back()
-            return f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
+            return _first_line(error)
         self.graph, self.logits = graph, logits
         return None
 
@@ -254,7 +254,7 @@ class CompiledStep:
 
     def _fail(self, model: nn.Module, error: Exception) -> None:
         """Keeps the failure and warns of it: the steps run uncompiled from now on."""
-        self.failure = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
+        self.failure = _first_line(error)
         warnings.warn(
             f"model.sampling.compile_step: compiling the decoding step of "
             f"{type(model).__name__} failed ({self.failure}); its steps run uncompiled",
@@ -277,6 +277,11 @@ def compiled_step(model: nn.Module) -> CompiledStep:
     if step is None:
         step = _COMPILED[model] = CompiledStep(model)
     return step
+
+
+def _first_line(error: Exception) -> str:
+    """``error``'s type and the first line of its message, for a warning."""
+    return f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
 
 
 def _room(positions: int) -> int:
