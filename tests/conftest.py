@@ -163,3 +163,19 @@ def workers_die_at_start(monkeypatch) -> None:
                 break
 
     monkeypatch.setattr(workers._Worker, "__init__", dies_at_once)
+
+
+@pytest.fixture(
+    params=[pytest.param("cpu", id="stand-in"), pytest.param("cuda", marks=pytest.mark.cuda)]
+)
+def graph_device(request, monkeypatch):
+    """The device a test of captured CUDA graphs runs on: a CPU with the graphs stood in for
+    (``tests/graph_stand_in.py``: a capture runs nothing, a replay runs what it kept, a host
+    read inside it fails), and the CUDA device, where the test is marked ``cuda``."""
+    import torch
+
+    if request.param == "cpu":
+        from tests.graph_stand_in import stand_in
+
+        stand_in(monkeypatch)
+    return torch.device(request.param)

@@ -3,7 +3,9 @@ dynamic loop, a teacher-forced pass and the option's checks.
 
 On a CPU the static path runs without graph capture (``static_decode(..., capture=False)``):
 the same cache, buckets, compaction and draws as under CUDA graphs, each step run eagerly. The
-tests marked ``cuda`` capture the graphs (``make gpu-check`` runs them)."""
+tests that take ``graph_device`` capture the graphs: on a CPU through a stand-in for them
+(``tests/graph_stand_in.py``), and on the device, marked ``cuda`` (``make gpu-check`` runs
+them)."""
 
 from __future__ import annotations
 
@@ -402,24 +404,20 @@ def test_the_option_reaches_the_command_line_with_its_default(tmp_path, monkeypa
     assert "decode" in error and "graphs" in error
 
 
-# ----------------------------------------------------------------------------- on a device
+# ----------------------------------------------------------------------------- captured
 
 
-CUDA = torch.device("cuda")
-
-
-@pytest.mark.cuda
-def test_graphs_on_cuda_equal_the_dynamic_loop():
-    """Captured graphs on the device: greedy tokens equal the dynamic loop's in float64, with the
+def test_captured_graphs_equal_the_dynamic_loop(graph_device):
+    """Captured graphs: greedy tokens equal the dynamic loop's in float64, with the
     model's forward called only to prefill and to capture (1 + 1 per bucket, the recording, and
     one warm-up before the first), never per step; a seed draws the same completions; no
     fallback warned."""
-    model = tiny_llama().double().to(CUDA)
+    model = tiny_llama().double().to(graph_device)
     prompts = [PROMPTS[i % 4] + [i + 3] for i in range(8)]
     budgets = [1, 2, 3, 4, 5, 8, 13, 20]
     sampling = SamplingConfig(max_new_tokens=20, decode="graphs")
-    ids, mask = (t.to(CUDA) for t in left_pad(prompts, 0))
-    own = torch.tensor(budgets, device=CUDA).repeat_interleave(2)
+    ids, mask = (t.to(graph_device) for t in left_pad(prompts, 0))
+    own = torch.tensor(budgets, device=graph_device).repeat_interleave(2)
     stops = [VOCAB + 5]  # never drawn: only the budgets end completions
     shapes, handle = forward_rows(model)
     with warnings.catch_warnings(record=True) as caught:
@@ -441,18 +439,17 @@ def test_graphs_on_cuda_equal_the_dynamic_loop():
     assert not [w for w in caught if "model.sampling.decode" in str(w.message)]
 
 
-@pytest.mark.cuda
-def test_graphs_on_cuda_record_a_teacher_forced_passs_log_probs():
-    """float32 on the device, TF32 off: the recorded log-probs equal a teacher-forced pass's to
+def test_captured_graphs_record_a_teacher_forced_passs_log_probs(graph_device):
+    """float32, TF32 off on the device: the recorded log-probs equal a teacher-forced pass's to
     1e-5 plus 1e-5 of their size, and the sparse rows keep the same tokens. On a CPU the bound is
     1e-5 alone; on the device the step and the pass run different kernels (a one-row product and
     attention from one query, against a whole sequence's), whose float32 sums are ordered
     differently: on one H200 the largest difference was 1.45e-5 at a log-prob of -2.36 (6.1e-6 of
     it), one value in 128."""
-    model = tiny_llama().to(CUDA)
+    model = tiny_llama().to(graph_device)
     sampling = SamplingConfig(temperature=0.7, top_k=5, max_new_tokens=8, decode="graphs")
     stops = stops_at_several_lengths(model, PROMPTS, 8)
-    ids, mask = (t.to(CUDA) for t in left_pad(PROMPTS, 0))
+    ids, mask = (t.to(graph_device) for t in left_pad(PROMPTS, 0))
     recorder = BehaviourRecorder(sampling.temperature, sparse_rows)
     saved = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -470,12 +467,12 @@ def test_graphs_on_cuda_record_a_teacher_forced_passs_log_probs():
     assert torch.equal(old.indices, old_ref.indices)
 
 
-@pytest.mark.cuda
-def test_a_forward_that_cannot_be_captured_falls_back_on_cuda():
+def test_a_forward_that_cannot_be_captured_falls_back(graph_device, monkeypatch):
     """A forward that reads a value to the host (illegal while a stream is captured): the
     capture fails, ``graph_decode`` warns and returns None before any draw, and the device is
     still usable: ``sample`` gives the dynamic loop's completions for the same seed."""
-    model = tiny_llama().to(CUDA)
+    monkeypatch.setattr(graph_module, "_WARNED", set())
+    model = tiny_llama().to(graph_device)
 
     def read(module, args, kwargs) -> None:  # a pre-hook returns None to leave the inputs be
         kwargs["input_ids"].sum().item()
@@ -483,7 +480,7 @@ def test_a_forward_that_cannot_be_captured_falls_back_on_cuda():
     handle = model.register_forward_pre_hook(read, with_kwargs=True)
     sampling = SamplingConfig(max_new_tokens=6, decode="graphs")
     try:
-        ids, mask = (t.to(CUDA) for t in left_pad(PROMPTS, 0))
+        ids, mask = (t.to(graph_device) for t in left_pad(PROMPTS, 0))
         with pytest.warns(UserWarning, match="capturing its decode step failed"):
             assert graph_decode(model, ids, mask, 2, sampling, 0, [VOCAB - 1], True) is None
         torch.manual_seed(4)
