@@ -15,6 +15,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -250,6 +251,55 @@ def test_generation_hands_on_each_path_as_it_is_measured_graphs_first():
     assert "train_s" not in seen[3][-1] and seen[4][-1]["train_s"] > 0  # done: the iteration too
     assert "graphs_device_ms_per_step" in seen[4][-1]  # the first row's, before the second row
     assert seen[-1] == rows and len(rows) == 2 and rows[1]["dynamic_tokens_per_s"] is None
+
+
+def test_on_cuda_graphs_stood_in_for_the_graph_paths_capture_and_nothing_falls_back(monkeypatch):
+    """On a CPU with CUDA graphs stood in for (``tests/graph_stand_in.py``), the phase at the first
+    tiny shape runs as on a GPU: every path of the CUDA-graph decoding captures its step at each
+    length, the dynamic loop never, and nothing is warned of falling back."""
+    import torch
+
+    from lightning_troll.engines import graph_decode
+    from tests.graph_stand_in import stand_in
+
+    stand_in(monkeypatch)
+    monkeypatch.setattr(graph_decode, "_WARNED", set())
+    name = "qwen3-0.6b"
+    torch.manual_seed(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rows = gpu_generation.generation_rows(
+            name, gpu_models.TINY_QWEN3[name], gpu_generation.TINY_GENERATION, 4
+        )
+    graphs = [path for path in gpu_generation.PATHS if path != "dynamic"]
+    assert all(row[f"{path}_captures"] >= 1 for row in rows for path in graphs)
+    assert rows[0]["dynamic_captures"] == 0
+    assert not [w for w in caught if "model.sampling" in str(w.message)]
+
+
+@pytest.mark.parametrize("name", ["episodes", "stop-flags-every-8"])
+def test_loop_paths_train_from_cuda_graphs_stood_in_for(name, tmp_path, monkeypatch):
+    """The ``loop-paths`` phase's episodes and reads every 8 steps, on a CPU with CUDA graphs
+    stood in for: a fit of two rollouts samples from replayed graphs, keeps what the path
+    promises, and warns of no fallback (which fails the phase on a GPU)."""
+    from lightning_troll.cli import run
+    from lightning_troll.engines import graph_decode
+    from tests.graph_stand_in import Graph, stand_in
+
+    stand_in(monkeypatch)
+    monkeypatch.setattr(graph_decode, "_WARNED", set())
+    replays, replay = [], Graph.replay
+    monkeypatch.setattr(Graph, "replay", lambda graph: (replays.append(1), replay(graph)))
+    args = gpu_fits.tinymath_args("cpu", 2, str(tmp_path), True) + gpu_fits.LOOP_PATHS[name]
+    args += ["--model.sampling.decode=graphs",
+             "--trainer.logger=lightning.pytorch.loggers.CSVLogger",
+             f"--trainer.logger.save_dir={tmp_path}"]  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run(args)
+    assert gpu_fits.path_figures(name, gpu_fits.logged_series(tmp_path), 2)["rollouts"] == 2
+    assert replays
+    assert not [w for w in caught if "CUDA-graph" in str(w.message)]
 
 
 def test_the_generation_phase_keeps_a_shapes_rows_while_it_runs_and_then_the_variants(
