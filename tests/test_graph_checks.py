@@ -147,6 +147,30 @@ def test_slots_that_hold_no_sequence_write_nowhere(llama, monkeypatch, seed, spa
     )
 
 
+@pytest.mark.slow  # compiles two tiny models' steps: about 20 s on 2 cores
+def test_each_model_compiles_a_step_of_its_own_under_the_compilers_limit():
+    """The compiler keeps a function's compilations up to ``recompile_limit`` and then runs it
+    uncompiled, silently. With the limit at 1, a model of another width than the first still
+    compiles its step (the graphs compiled grow with it), as it would not through one function
+    shared by both; each gives the uncompiled step's greedy tokens."""
+    from torch._dynamo import config
+    from torch._dynamo.utils import counters
+
+    ids, mask = left_pad(PROMPTS, 0)
+    graphs = [counters["stats"]["unique_graphs"]]
+    for width in (32, 48):
+        model = tiny_llama(hidden_size=width)
+        runs = []
+        for compiled in (False, True):
+            sampling = SamplingConfig(max_new_tokens=4, check_every=2, compile_step=compiled)
+            with config.patch(recompile_limit=1):
+                runs.append(static_decode(model, ids, mask, 1, sampling, 0, [VOCAB + 5], False,
+                                          capture=False))  # fmt: skip
+        graphs.append(counters["stats"]["unique_graphs"])
+        assert torch.equal(*runs) and static_batch.compiled_step(model).failure is None
+    assert graphs[0] < graphs[1] < graphs[2]
+
+
 @pytest.mark.parametrize("recorded", [True, False])
 def test_bad_logits_between_reads_raise_at_the_next_naming_their_step(recorded):
     """NaN in one sequence's logits at step 4, reads every 3 steps: the read at step 6 raises

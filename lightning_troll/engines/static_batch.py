@@ -17,6 +17,7 @@ it. Notation as :mod:`~lightning_troll.engines.graph_decode`'s.
 
 from __future__ import annotations
 
+import types
 import warnings
 import weakref
 from typing import Any, Protocol
@@ -230,14 +231,20 @@ class CompiledStep:
     rollout. Called as the model is, with keyword arguments. Where compiling (or running what
     it compiled) fails outside a CUDA graph's capture, it warns once and calls the model itself
     from then on; inside a capture, the failure is the capture's (:meth:`StaticBatch.capture`
-    tries again after a warm-up, which compiles outside it)."""
+    tries again after a warm-up, which compiles outside it).
+
+    Each model compiles a function of its own (a copy of :func:`_call`'s code): the compiler
+    keeps its compilations by function, and past ``torch._dynamo.config.recompile_limit`` of them
+    runs a function uncompiled without a word, so one function shared by every model a process
+    samples from would stop compiling after a few models."""
 
     def __init__(self, model: nn.Module) -> None:
         self._model = weakref.ref(model)
         self._compiled: Any = None
         self.failure: str | None = None
+        own = types.FunctionType(_call.__code__.replace(), _call.__globals__, _call.__name__)
         try:
-            self._compiled = torch.compile(_call, dynamic=True)
+            self._compiled = torch.compile(own, dynamic=True)
         except Exception as error:  # noqa: BLE001 - a platform torch.compile does not serve
             self._fail(model, error)
 
