@@ -27,6 +27,7 @@ kernels a device refuses to capture.
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Any
 
 import pytest
@@ -47,6 +48,7 @@ _READS = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "nu
 """Tensor methods that read values to the host without an aten op."""
 
 _CAPTURING: list[capture] = []  # the capture under way, if any
+_REPLAYED: list[Graph] = []  # each replay's graph, since :func:`stand_in`
 
 
 class Graph:
@@ -55,7 +57,6 @@ class Graph:
 
     def __init__(self) -> None:
         self.ops: list[tuple[Any, tuple, dict, list[Tensor]]] = []
-        self.replays = 0
 
     def replay(self) -> None:
         """Runs the kept ops again, in order, into the tensors they wrote at the capture."""
@@ -66,7 +67,7 @@ class Graph:
                 out = op(*args, **kwargs)
                 for kept, new in zip(made, _made(op, out), strict=True):
                     kept.copy_(new)
-        self.replays += 1
+        _REPLAYED.append(self)
 
 
 class capture(contextlib.AbstractContextManager):  # noqa: N801 - stands in for torch.cuda.graph
@@ -187,11 +188,14 @@ class _Stream:
         pass
 
 
-def stand_in(monkeypatch: pytest.MonkeyPatch) -> None:
+def stand_in(monkeypatch: pytest.MonkeyPatch) -> list[Graph]:
     """Puts the stand-in in the place of ``torch.cuda``'s graphs and streams for one test, and
-    lets :func:`~lightning_troll.engines.graph_decode.graph_decode` serve a model on a CPU."""
+    lets :func:`~lightning_troll.engines.graph_decode.graph_decode` serve a model on a CPU.
+    Returns the list of replays from now on (each its graph)."""
     from lightning_troll.engines import graph_decode
 
+    replayed: list[Graph] = []
+    monkeypatch.setattr(sys.modules[__name__], "_REPLAYED", replayed)
     stream = _Stream()
     monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
     monkeypatch.setattr(torch.cuda, "graph", capture)
@@ -204,3 +208,4 @@ def stand_in(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(
         graph_decode, "cannot_capture", lambda model, device: serves(model, torch.device("cuda"))
     )
+    return replayed

@@ -284,12 +284,10 @@ def test_loop_paths_train_from_cuda_graphs_stood_in_for(name, tmp_path, monkeypa
     promises, and warns of no fallback (which fails the phase on a GPU)."""
     from lightning_troll.cli import run
     from lightning_troll.engines import graph_decode
-    from tests.graph_stand_in import Graph, stand_in
+    from tests.graph_stand_in import stand_in
 
-    stand_in(monkeypatch)
+    replays = stand_in(monkeypatch)
     monkeypatch.setattr(graph_decode, "_WARNED", set())
-    replays, replay = [], Graph.replay
-    monkeypatch.setattr(Graph, "replay", lambda graph: (replays.append(1), replay(graph)))
     args = gpu_fits.tinymath_args("cpu", 2, str(tmp_path), True) + gpu_fits.LOOP_PATHS[name]
     args += ["--model.sampling.decode=graphs",
              "--trainer.logger=lightning.pytorch.loggers.CSVLogger",

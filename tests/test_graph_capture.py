@@ -18,7 +18,7 @@ from lightning_troll.engines import static_batch
 from lightning_troll.engines.behaviour import BehaviourRecorder
 from lightning_troll.engines.graph_decode import static_decode
 from lightning_troll.engines.sampling import left_pad, response_mask_of
-from tests.graph_stand_in import Graph, stand_in
+from tests.graph_stand_in import stand_in
 from tests.test_decode import PROMPTS, sparse_rows, stops_at_several_lengths, tiny_llama
 from tests.test_graph_checks import BUDGETS
 from tests.test_graph_decode import SAMPLINGS
@@ -60,13 +60,11 @@ def test_captured_steps_draw_and_record_what_eager_steps_do(llama, stops, monkey
     three samplings, from one seed: the captured loop's tokens, log-probs and sparse rows are
     the eager loop's, bit for bit; its steps replay graphs (more replays than forwards), and no
     capture fell back."""
-    stand_in(monkeypatch)
+    replays = stand_in(monkeypatch)
     monkeypatch.setattr(graph_module, "_WARNED", set())
     monkeypatch.setattr(static_batch, "SPAN", span)
     sampling = replace(SAMPLINGS[index], max_new_tokens=20, check_every=every, decode="graphs")
-    replays, forwards = [], []
-    replay = Graph.replay
-    monkeypatch.setattr(Graph, "replay", lambda graph: (replays.append(1), replay(graph)))
+    forwards = []
     handle = llama.register_forward_pre_hook(lambda *_: forwards.append(1))
     try:
         with warnings.catch_warnings(record=True) as caught:

@@ -469,8 +469,8 @@ def test_captured_whole_steps_run_no_step_eagerly_and_record_a_teacher_forced_pa
 def test_a_compiled_step_is_captured_and_cuts_the_dynamic_loops_completions(
     graph_device, monkeypatch
 ):
-    """On the device, float64, greedy, budgets and stops at several lengths, reads every 3
-    steps, spans of 8: with ``compile_step`` the captured steps run what the compiler made
+    """Captured, float64, greedy, budgets and stops at several lengths, reads every 3 steps,
+    spans of 8: with ``compile_step`` the captured steps run what the compiler made
     (graphs compiled, no failure) and the completions are the dynamic loop's, cut where they
     stop; nothing is warned (no capture nor compilation fell back)."""
     from torch._dynamo.utils import counters
